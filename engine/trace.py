@@ -1,0 +1,136 @@
+"""Trace records: plain dataclasses that record everything a decoding run did.
+
+Everything the UI shows is a pure function of these. ``to_json`` / ``from_json`` round-trip them;
+``from_dict`` rebuilds nested dataclasses from their type hints, so strategy modules (beam,
+speculative, ...) can add their own typed records without touching this file's serialiser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+STOP_REASONS = ("eos", "stop_string", "max_new_tokens")
+
+
+@dataclass
+class TokenProb:
+    token_id: int
+    token: str
+    prob: float
+
+
+@dataclass
+class StageTrace:
+    """The distribution after one stage (or ``raw`` / ``final``).
+
+    ``kept``: tokens with non-zero probability (over the whole vocabulary). ``mass_removed``: the
+    probability mass, under the previous stage's distribution, of the tokens this stage removed.
+    ``removed``: those of the previous stage's top-N that this stage removed (with their previous
+    probability), so a chart can mark them. ``tv_distance``: total variation distance from the
+    previous stage's distribution (how much the stage moved mass, even when it removed nothing)."""
+
+    name: str
+    kept: int
+    mass_removed: float
+    entropy: float
+    tv_distance: float
+    top: list[TokenProb]
+    removed: list[TokenProb] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepTrace:
+    """One generated token. ``draw`` is the uniform u in [0, 1) that picked the token under the
+    inverse-CDF view of the final distribution, with tokens sorted by probability (highest first);
+    the chosen token owns the interval [draw_low, draw_high). None for greedy or forced picks."""
+
+    index: int
+    chosen_token_id: int
+    chosen_token: str
+    chosen_prob: float
+    raw_prob: float  # the chosen token's probability under the unprocessed model
+    draw: float | None
+    draw_low: float | None
+    draw_high: float | None
+    entropy: float  # of the final distribution, in nats
+    raw_entropy: float
+    stages: list[StageTrace]
+    elapsed_ms: float = 0.0  # since the run started (prefill included)
+    forced: bool = False  # chosen by the user (branching), not by the sampler
+    finish_reason: str | None = None  # set on the last step: eos | stop_string | max_new_tokens
+
+
+@dataclass
+class Timing:
+    ttft_ms: float
+    tokens_per_s: float
+    total_ms: float
+
+
+@dataclass
+class Trace:
+    """A whole run. Strategy-specific records live in ``beam`` / ``rounds`` / ``extra``."""
+
+    model: str
+    strategy: str
+    config: dict[str, Any]
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str
+    generated_token_ids: list[int]
+    stop_reason: str
+    steps: list[StepTrace]
+    timing: Timing
+    chat: bool = False
+    quantization: str = "none"
+    device: str = "cpu"
+    branch_of: int | None = None  # the step this run branched from, if it is a branch
+    beam: Any = None
+    rounds: Any = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        return from_dict(cls, json.loads(text))
+
+
+def to_dict(record: Any) -> Any:
+    """Dataclasses -> JSON-ready dicts, recursively (tuples become lists)."""
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        return {f.name: to_dict(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    if isinstance(record, (list, tuple)):
+        return [to_dict(x) for x in record]
+    if isinstance(record, dict):
+        return {str(k): to_dict(v) for k, v in record.items()}
+    return record
+
+
+def from_dict(cls: Any, data: Any) -> Any:
+    """Rebuild ``cls`` (a dataclass, list[...], X | None, or a plain type) from JSON data."""
+    if data is None:
+        return None
+    origin = typing.get_origin(cls)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(cls) if a is not type(None)]
+        return from_dict(options[0], data) if len(options) == 1 else data
+    if origin in (list, tuple):
+        (item,) = typing.get_args(cls)[:1] or (Any,)
+        return [from_dict(item, x) for x in data]
+    if dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls)
+        kwargs = {f.name: from_dict(hints[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data}
+        return cls(**kwargs)
+    return data

@@ -1,0 +1,68 @@
+"""Shared fixtures: the embedded model (loaded once per session) and a tiny random Llama that
+shares the embedded tokenizer, for tests that need speed rather than sense."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from engine.models import LoadedModel, ModelRegistry, ModelSpec, embedded_model_dir  # noqa: E402
+
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+@pytest.fixture(scope="session")
+def registry() -> ModelRegistry:
+    return ModelRegistry(capacity=4)
+
+
+@pytest.fixture(scope="session")
+def embedded(registry) -> LoadedModel:
+    """SmolLM2-135M-Instruct, fp32 on CPU."""
+    return registry.get(ModelSpec())
+
+
+def make_tiny_llama(vocab_size: int = 49152, seed: int = 0, layers: int = 2, hidden: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Spread the logits so sampling has some structure (random init gives near-uniform outputs).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_lm() -> LoadedModel:
+    """A 2-layer random Llama over the embedded tokenizer (vocab 49152): fast, meaningless."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    model = make_tiny_llama()
+    return LoadedModel(
+        name="tiny-random-llama", model=model, tokenizer=tokenizer, device=torch.device("cpu"),
+        dtype=torch.float32, quantization="none", source="tiny", eos_token_ids=(2,),
+        memory_bytes=int(model.get_memory_footprint()),
+    )
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
