@@ -237,7 +237,7 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as exc:
         raise ModelLoadError(_offline_message(spec.source, exc)) from None
-    except (ValueError, RuntimeError, ImportError, TypeError) as exc:
+    except Exception as exc:  # safetensors, bitsandbytes and config errors all end up here, as one line
         what = f"{spec.quantization}-quantize" if spec.quantization != "none" else "load"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"Could not {what} {name!r}: {first}") from None

@@ -2,23 +2,32 @@
 "stage_order": [...]}``. Sparse (only knobs that differ from neutral) and strict (unknown keys,
 wrong types and out-of-range values are rejected with the key and the allowed range, from
 DecodingConfig: one source of truth). JSON only: safe for untrusted input.
+
+A preset *file* (import/export) holds one preset object or a JSON list of them.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
-from .config import ConfigError, DecodingConfig
+from .config import (
+    CONFIG_KEYS, KNOBS, STAGE_NAMES, STRATEGIES, ConfigError, DecodingConfig, check_knob, check_stage_order,
+)
 
 PRESET_VERSION = 1
 MAX_PRESET_BYTES = 16_384
+MAX_FILE_BYTES = 1_048_576  # an exported library: up to MAX_FILE_PRESETS presets
+MAX_FILE_PRESETS = 200
 MAX_NAME_LEN = 64
 MAX_DESCRIPTION_LEN = 500
 META_KEYS = ("version", "name", "description")
+PRESET_KEYS = (*META_KEYS, *CONFIG_KEYS)
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "presets"
 
 
@@ -32,68 +41,208 @@ class Preset:
     description: str
     config: DecodingConfig
 
+    @classmethod
+    def create(cls, name: str, description: str, config: DecodingConfig) -> "Preset":
+        """A validated preset (name sanitised, description checked) for a config."""
+        return parse_preset({"name": name, "description": description, **config.to_dict(sparse=True)})
+
     def to_dict(self) -> dict[str, Any]:
+        """The canonical JSON object: meta keys, then the sparse config."""
         body = self.config.to_dict(sparse=True)
         return {"version": PRESET_VERSION, "name": self.name, "description": self.description, **body}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
+    def renamed(self, name: str) -> "Preset":
+        return Preset.create(name, self.description, self.config)
+
 
 def sanitize_name(name: str) -> str:
     """A name safe to show and to use in a file name: no path separators or control characters,
     collapsed whitespace, at most MAX_NAME_LEN characters."""
     cleaned = re.sub(r"[\x00-\x1f\x7f/\\:*?\"<>|]+", " ", name)
-    cleaned = re.sub(r"\s+", " ", cleaned).strip().strip(".")
-    return cleaned[:MAX_NAME_LEN]
+    cleaned = re.sub(r"\s+", " ", cleaned).strip(" .")
+    return cleaned[:MAX_NAME_LEN].rstrip(" .")
 
 
 def file_stem(name: str) -> str:
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", sanitize_name(name)).strip("-.").lower()
+    """An ASCII file-name stem for a preset name (``"Beam search (4)"`` -> ``"beam-search-4"``)."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", sanitize_name(name))
+    stem = re.sub(r"\.{2,}", ".", stem).strip("-.").lower()
     return stem or "preset"
 
 
-def parse_preset(data: Any) -> Preset:
-    """Validate a decoded JSON value into a Preset. Never raises anything but PresetError."""
-    if not isinstance(data, dict):
-        raise PresetError(f"preset: expected a JSON object, got {type(data).__name__}")
+def unique_name(name: str, taken: Iterable[str]) -> str:
+    """``name``, or ``name (2)``, ``name (3)``... whichever is not in ``taken`` (within the length cap)."""
+    taken = set(taken)
+    base = sanitize_name(name) or "preset"
+    candidate, n = base, 1
+    while candidate in taken:
+        n += 1
+        suffix = f" ({n})"
+        candidate = base[: MAX_NAME_LEN - len(suffix)].rstrip() + suffix
+    return candidate
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """repr() that never fails (huge ints, deep nesting) and never floods a message."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_meta(data: dict) -> tuple[str, str]:
     version = data.get("version", PRESET_VERSION)
-    if version != PRESET_VERSION or isinstance(version, bool):
-        raise PresetError(f"version: expected {PRESET_VERSION}, got {str(version)[:40]!r}")
+    if isinstance(version, bool) or version != PRESET_VERSION:
+        raise PresetError(f"version: expected {PRESET_VERSION}, got {_short(version)}")
     name = data.get("name", "")
-    if not isinstance(name, str) or not sanitize_name(name):
-        raise PresetError(f"name: expected a non-empty string of at most {MAX_NAME_LEN} characters, got {str(name)[:40]!r}")
-    if len(name) > MAX_NAME_LEN:
-        raise PresetError(f"name: longer than {MAX_NAME_LEN} characters")
+    if not isinstance(name, str) or not sanitize_name(name) or len(name) > MAX_NAME_LEN:
+        raise PresetError(f"name: expected a non-empty string of at most {MAX_NAME_LEN} characters, got {_short(name)}")
     description = data.get("description", "")
     if not isinstance(description, str) or len(description) > MAX_DESCRIPTION_LEN:
-        raise PresetError(f"description: expected a string of at most {MAX_DESCRIPTION_LEN} characters")
+        raise PresetError(f"description: expected a string of at most {MAX_DESCRIPTION_LEN} characters, got {_short(description)}")
+    return sanitize_name(name), description
+
+
+def _check_body(body: dict) -> None:
+    """Validate key by key, so every message names its key even for values whose own repr fails."""
+    for key, value in body.items():
+        if key not in CONFIG_KEYS:
+            raise PresetError(f"{_key_label(key)}: unknown key{_suggest(key)}; allowed keys: {', '.join(PRESET_KEYS)}")
+        try:
+            if key == "stage_order":
+                check_stage_order(value)
+            elif key == "strategy":
+                if not isinstance(value, str):
+                    raise ConfigError("strategy", f"expected a string, got {_short(value)}")
+            else:
+                check_knob(key, value)
+        except ConfigError as exc:
+            raise PresetError(str(exc)) from None
+        except (TypeError, ValueError, RecursionError, OverflowError):
+            raise PresetError(f"{key}: invalid value {_short(value)}; allowed {_allowed(key)}") from None
+
+
+def _key_label(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) else _short(key)
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key[:40], PRESET_KEYS, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _allowed(key: str) -> str:
+    if key == "stage_order":
+        return f"a list of distinct stage names: {', '.join(STAGE_NAMES)}"
+    if key == "strategy":
+        return " | ".join(STRATEGIES)
+    return KNOBS[key].range_text()
+
+
+def parse_preset(data: Any) -> Preset:
+    """Validate a decoded JSON value into a Preset. Never raises anything but PresetError, and
+    never returns a partial preset."""
+    if not isinstance(data, dict):
+        raise PresetError(f"preset: expected a JSON object, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str):
+            raise PresetError(f"{_short(key)}: keys must be strings")  # only from Python callers; JSON keys are strings
+    name, description = _check_meta(data)
     body = {k: v for k, v in data.items() if k not in META_KEYS}
+    _check_body(body)
     try:
         config = DecodingConfig.from_dict(body)
-    except ConfigError as exc:
+    except ConfigError as exc:  # cross-key rules (e.g. num_beam_groups must divide num_beams)
         raise PresetError(str(exc)) from None
-    except (TypeError, ValueError, RecursionError) as exc:  # defensive: never let junk escape
+    except (TypeError, ValueError, RecursionError, OverflowError) as exc:  # defensive: never let junk escape
         raise PresetError(f"preset: invalid ({type(exc).__name__})") from None
-    return Preset(sanitize_name(name), description, config)
+    return Preset(name, description, config)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:40]!r}")
+        out[key] = value
+    return out
+
+
+def loads_strict(text: str | bytes, what: str, limit: int) -> Any:
+    """json.loads with a size cap, no NaN/Infinity, no duplicate keys. Raises PresetError only."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise PresetError(f"{what}: expected JSON text, got {type(text).__name__}")
+    if len(text) > limit:
+        raise PresetError(f"{what}: {len(text):,} bytes is over the {limit:,}-byte limit")
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise PresetError(f"{what}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except (ValueError, RecursionError, UnicodeDecodeError, TypeError) as exc:
+        # ValueError: a rejected constant, a duplicate key, or an integer too long to convert
+        raise PresetError(f"{what}: not valid JSON ({_short(str(exc), 80)})") from None
 
 
 def parse_preset_json(text: str | bytes) -> Preset:
-    if len(text) > MAX_PRESET_BYTES:
-        raise PresetError(f"preset: {len(text)} bytes is over the {MAX_PRESET_BYTES}-byte limit")
+    return parse_preset(loads_strict(text, "preset", MAX_PRESET_BYTES))
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """Presets read from a file: the good ones, and one message per bad one."""
+
+    presets: tuple[Preset, ...]
+    errors: tuple[str, ...]
+
+
+def parse_preset_file(text: str | bytes) -> ImportResult:
+    """A preset file: one preset object or a list of them. Bad entries become messages naming their
+    position (and name, when readable); the good ones are still returned. A file that is not JSON,
+    too big, or neither an object nor a list yields only an error."""
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise PresetError(f"preset: not valid JSON ({getattr(exc, 'msg', type(exc).__name__)})") from None
-    return parse_preset(data)
+        data = loads_strict(text, "file", MAX_FILE_BYTES)
+    except PresetError as exc:
+        return ImportResult((), (str(exc),))
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        return ImportResult((), (f"file: expected a preset object or a list of them, got {type(data).__name__}",))
+    errors = [f"file: {len(data)} presets is over the {MAX_FILE_PRESETS}-preset limit; the rest were skipped"] \
+        if len(data) > MAX_FILE_PRESETS else []
+    presets = []
+    for i, item in enumerate(data[:MAX_FILE_PRESETS], start=1):
+        try:
+            presets.append(parse_preset(item))
+        except PresetError as exc:
+            label = item.get("name") if isinstance(item, dict) and isinstance(item.get("name"), str) else None
+            where = f"preset {i}" + (f" ({_short(label)})" if label else "")
+            errors.append(f"{where}: {exc}")
+    return ImportResult(tuple(presets), tuple(errors))
+
+
+def presets_to_json(presets: Sequence[Preset]) -> str:
+    """Export: one preset as an object, several as a list (both read back by parse_preset_file)."""
+    if len(presets) == 1:
+        return presets[0].to_json()
+    return json.dumps([p.to_dict() for p in presets], indent=2, ensure_ascii=False) + "\n"
+
+
+@lru_cache(maxsize=1)
+def _builtin_items() -> tuple[tuple[str, Preset], ...]:
+    return tuple((path.stem, parse_preset_json(path.read_bytes())) for path in sorted(BUILTIN_DIR.glob("*.json")))
 
 
 def builtin_presets() -> dict[str, Preset]:
-    """The built-in library, keyed by file stem, in file-name order."""
-    presets = {}
-    for path in sorted(BUILTIN_DIR.glob("*.json")):
-        presets[path.stem] = parse_preset_json(path.read_text(encoding="utf-8"))
-    return presets
+    """The built-in library, keyed by file stem, in file-name order (read once per process)."""
+    return dict(_builtin_items())
 
 
 def load_preset(name_or_path: str) -> Preset:

@@ -1,0 +1,342 @@
+"""Contrastive search (Su et al. 2022) and contrastive decoding (Li et al. 2023).
+
+**Contrastive search** (``penalty_alpha`` = α, ``top_k`` = k). Among the k most probable tokens v
+(after the penalty/constraint stages; sampling stages do not apply, as in transformers), pick
+
+    argmax_v  (1 − α) · p(v) − α · max_j cos(h_v, h_j)
+
+where h_v is the last-layer hidden state the model produces *for* candidate v and h_j those of every
+earlier token (prompt included). Getting h_v needs one forward per candidate, so the k candidates
+run as one batch of one-token continuations over the KV cache: the cache is expanded to k identical
+rows (``DynamicCache.batch_repeat_interleave``), the batch [k, 1] is fed, and only the chosen row is
+kept (``batch_select_indices``). The chosen row's logits are the next step's logits, so each step
+costs exactly one forward of k rows.
+
+**Contrastive decoding** (``cd_alpha`` = α, ``amateur``). With the expert's distribution after the
+penalty/constraint stages p_E and the amateur's raw distribution p_A, the plausible set is
+{v : p_E(v) ≥ α · max p_E} and the score there is log p_E(v) − log p_A(v) (−inf elsewhere).
+Greedy (``cfg.is_greedy``, i.e. temperature 0): the best score wins. Otherwise the scores are
+treated as logits: the sampling stages (temperature, top-k, top-p, ...) run on them and the pick is
+a seeded draw from their softmax. The amateur is a quantized copy of the expert (``self-int8`` /
+``self-nf4``) or ``model:<dir>`` with the same tokenizer.
+
+Both strategies yield ``(StepTrace, record)`` pairs as they go (``stream``); ``stream_steps``
+yields only the StepTraces (for the UI), and ``run`` collects a Trace whose ``extra`` holds the
+per-step records (``SearchStep`` / ``ContrastStep``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from . import sampling
+from .cache import KVCache
+from .config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig
+from .decode import StopCheck, assemble, make_generator
+from .models import LoadedModel, ModelLoadError, ModelRegistry, ModelSpec
+from .processors import Chain, build_stage
+from .trace import StageTrace, StepTrace, TokenProb, Trace, from_dict
+
+# Contrastive search feeds top_k candidates as one batch: bound it so a large top_k cannot blow up
+# memory (the paper and transformers' examples use k = 4..10).
+MAX_SEARCH_CANDIDATES = 64
+STRATEGIES = ("contrastive_search", "contrastive_decoding")
+
+
+@dataclass
+class SearchCandidate:
+    """One of contrastive search's top-k candidates at a step."""
+
+    token_id: int
+    token: str
+    prob: float  # under the model's distribution after the penalty/constraint stages
+    penalty: float  # degeneration penalty: max cosine similarity with the context's hidden states
+    score: float | None  # (1 - alpha) * prob - alpha * penalty; None if masked (p = 0, never picked)
+
+
+@dataclass
+class SearchStep:
+    index: int
+    alpha: float
+    chosen_token_id: int
+    candidates: list[SearchCandidate]  # in order of probability, highest first
+
+
+@dataclass
+class ContrastCandidate:
+    """One token's scores at a contrastive-decoding step (log-probs in nats)."""
+
+    token_id: int
+    token: str
+    expert_logprob: float
+    amateur_logprob: float
+    score: float | None  # expert - amateur; None outside the plausible set
+    plausible: bool
+
+
+@dataclass
+class ContrastStep:
+    index: int
+    alpha: float
+    plausible: int  # size of the plausible set
+    threshold_prob: float  # alpha * max p_expert
+    chosen_token_id: int
+    candidates: list[ContrastCandidate]  # best scores first, then the expert's and amateur's favourites
+
+
+# --- shared pieces -------------------------------------------------------------------------------
+
+
+def processor_chain(config: DecodingConfig, prompt_length: int, lm: LoadedModel) -> Chain:
+    """The penalty and constraint stages of the config, in the user's order (no sampling stages)."""
+    names = [n for n in config.active_stages() if n not in SAMPLING_ONLY_STAGES]
+    return Chain([build_stage(n, config, prompt_length, lm.tokenizer, lm.eos_token_ids) for n in names])
+
+
+def sampling_chain(config: DecodingConfig, lm: LoadedModel) -> Chain:
+    """The sampling stages of the config (empty when greedy)."""
+    names = [n for n in config.active_stages() if n in SAMPLING_ONLY_STAGES]
+    return Chain([build_stage(n, config, 0, lm.tokenizer, lm.eos_token_ids) for n in names])
+
+
+def _step_trace(lm: LoadedModel, index: int, pick: sampling.Pick, raw_logits: torch.Tensor,
+                stages: list[StageTrace], start: float, reason: str | None) -> StepTrace:
+    return StepTrace(
+        index=index, chosen_token_id=pick.token_id, chosen_token=lm.token_text(pick.token_id),
+        chosen_prob=pick.prob, raw_prob=float(torch.softmax(raw_logits[0], dim=-1)[pick.token_id]),
+        draw=pick.draw, draw_low=pick.low, draw_high=pick.high,
+        entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages,
+        elapsed_ms=(time.perf_counter() - start) * 1000, finish_reason=reason,
+    )
+
+
+def _check_prompt(prompt_ids: Sequence[int]) -> None:
+    if not prompt_ids:
+        raise ValueError("prompt: empty after tokenisation; type at least one character")
+
+
+# --- contrastive search --------------------------------------------------------------------------
+
+
+def degeneration_penalty(context: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """max_j cos(candidate_i, context_j): context [S, H], candidates [k, H] -> [k]."""
+    ctx = context / context.norm(dim=-1, keepdim=True)
+    cand = candidates / candidates.norm(dim=-1, keepdim=True)
+    return (cand @ ctx.T).max(dim=-1).values
+
+
+def search_scores(probs: torch.Tensor, penalty: torch.Tensor, alpha: float) -> torch.Tensor:
+    """(1 - alpha) * p - alpha * penalty, [k]; candidates with p = 0 (masked) can never win."""
+    score = (1.0 - alpha) * probs - alpha * penalty
+    return score.masked_fill(probs <= 0, float("-inf"))
+
+
+def _check_search(config: DecodingConfig, vocab_size: int) -> int:
+    if config.top_k < 2 or config.top_k > MAX_SEARCH_CANDIDATES:
+        raise ConfigError("top_k", f"contrastive search runs top_k candidates as one batch; allowed "
+                                   f"[2, {MAX_SEARCH_CANDIDATES}], got {config.top_k}")
+    return min(config.top_k, vocab_size)
+
+
+def _expand_and_feed(cache: KVCache, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed each candidate [k] as a one-token continuation of the (batch-1) cache, as one batch.
+    Leaves the cache with k rows. Returns (logits [k, V] float32, last hidden states [k, H])."""
+    cache.cache.batch_repeat_interleave(candidates.shape[0])
+    out = cache.forward(candidates[:, None], output_hidden_states=True)
+    return out.logits[:, -1, :].float(), out.hidden_states[-1][:, -1, :].float()
+
+
+def _keep_row(cache: KVCache, row: int, token_id: int) -> None:
+    """Back to batch 1: keep the chosen candidate's row (the cache now holds its token)."""
+    cache.cache.batch_select_indices(torch.tensor([row], device=cache.device))
+    cache.tokens.append(token_id)
+
+
+def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
+                  ) -> Iterator[tuple[StepTrace, SearchStep]]:
+    """Contrastive search, one (StepTrace, SearchStep) per generated token."""
+    _check_prompt(prompt_ids)
+    k = _check_search(config, lm.vocab_size)
+    start = time.perf_counter()
+    cache, chain, stopper = KVCache(lm.model), processor_chain(config, len(prompt_ids), lm), StopCheck(lm, config)
+    out = cache.forward(torch.tensor([list(prompt_ids)]), output_hidden_states=True)  # prefill
+    context = out.hidden_states[-1][0].float()  # [S, H]
+    logits = out.logits[:, -1, :].float()  # [1, V]
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)
+    generated: list[int] = []
+    while True:
+        final, stages = chain.traced(ids, logits, config.top_n, lm.token_text)
+        probs = torch.softmax(final[0], dim=-1)
+        top_probs, top_ids = torch.topk(probs, k)  # [k], highest first
+        cand_logits, cand_hidden = _expand_and_feed(cache, top_ids)
+        penalty = degeneration_penalty(context, cand_hidden)
+        score = search_scores(top_probs, penalty, config.penalty_alpha)
+        row = int(torch.argmax(score))
+        token = int(top_ids[row])
+        _keep_row(cache, row, token)
+        generated.append(token)
+        reason = stopper.reason(generated)
+        step = _step_trace(lm, len(generated) - 1, sampling.Pick(token, float(top_probs[row])), logits, stages, start, reason)
+        yield step, SearchStep(step.index, config.penalty_alpha, token, [
+            SearchCandidate(int(i), lm.token_text(int(i)), float(p), float(d), float(s) if math.isfinite(s) else None)
+            for i, p, d, s in zip(top_ids.tolist(), top_probs.tolist(), penalty.tolist(), score.tolist())])
+        if reason is not None:
+            return
+        context = torch.cat([context, cand_hidden[row:row + 1]], dim=0)
+        logits = cand_logits[row:row + 1]
+        ids = torch.cat([ids, torch.tensor([[token]], device=lm.device)], dim=1)
+
+
+# --- contrastive decoding ------------------------------------------------------------------------
+
+
+def resolve_amateur(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistry) -> LoadedModel:
+    """The amateur model for ``config.amateur``; refuses one whose tokenizer differs from the expert's."""
+    name = config.amateur
+    if name in ("self-int8", "self-nf4"):
+        spec = ModelSpec(lm.source, name.removeprefix("self-"))
+    elif name.startswith("model:"):
+        spec = ModelSpec(name.removeprefix("model:"))
+    else:
+        raise ConfigError("amateur", f"expected self-int8 | self-nf4 | model:<dir>, got {name!r}")
+    try:
+        amateur = registry.get(spec)
+    except ModelLoadError as exc:
+        raise ConfigError("amateur", f"could not load {name!r}: {exc}") from None
+    check_same_tokenizer(lm, amateur, name)
+    return amateur
+
+
+def check_same_tokenizer(expert: LoadedModel, amateur: LoadedModel, label: str = "amateur") -> None:
+    if expert.tokenizer is amateur.tokenizer:
+        return
+    if expert.tokenizer.get_vocab() != amateur.tokenizer.get_vocab():
+        raise ConfigError("amateur", (
+            f"{label!r} ({amateur.name}) uses a different tokenizer than the expert {expert.name}; contrastive "
+            f"decoding compares the two models token by token, so the amateur must share the expert's tokenizer"))
+
+
+def contrast_scores(expert_logits: torch.Tensor, amateur_logits: torch.Tensor, alpha: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [1, V] -> (scores [1, V] with -inf outside the plausible set, plausible mask [1, V],
+    expert log-probs, amateur log-probs). Plausible: p_E(v) >= alpha * max p_E."""
+    expert_lp = torch.log_softmax(expert_logits.float(), dim=-1)
+    amateur_lp = torch.log_softmax(amateur_logits.float(), dim=-1)
+    cutoff = expert_lp.max(dim=-1, keepdim=True).values + (math.log(alpha) if alpha > 0 else float("-inf"))
+    plausible = (expert_lp >= cutoff) & torch.isfinite(expert_lp)
+    scores = (expert_lp - amateur_lp).masked_fill(~plausible, float("-inf"))
+    return scores, plausible, expert_lp, amateur_lp
+
+
+def _common_vocab(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two models with one tokenizer may pad their output layers differently: compare the shared ids."""
+    v = min(expert_logits.shape[-1], amateur_logits.shape[-1])
+    return expert_logits[:, :v], amateur_logits[:, :v].to(expert_logits.device)
+
+
+def contrast_stage(scores: torch.Tensor, plausible: torch.Tensor, expert_lp: torch.Tensor, alpha: float,
+                   top_n: int, lm: LoadedModel, amateur_name: str) -> StageTrace:
+    """The 'contrast' panel: softmax of the scores over the plausible set, as a stage record."""
+    probs = torch.softmax(scores[0], dim=-1)
+    expert_p = expert_lp[0].exp()
+    top_p, top_i = torch.topk(probs, min(top_n, probs.shape[0]))
+    return StageTrace(
+        name="contrast", kept=int(plausible.sum()), mass_removed=float(expert_p[~plausible[0]].sum()),
+        entropy=float(torch.special.entr(probs).sum()), tv_distance=float(0.5 * (probs - expert_p).abs().sum()),
+        top=[TokenProb(int(i), lm.token_text(int(i)), float(p)) for i, p in zip(top_i.tolist(), top_p.tolist())],
+        params={"cd_alpha": alpha, "amateur": amateur_name},
+    )
+
+
+def contrast_record(index: int, chosen: int, scores: torch.Tensor, plausible: torch.Tensor, expert_lp: torch.Tensor,
+                    amateur_lp: torch.Tensor, alpha: float, top_n: int, lm: LoadedModel) -> ContrastStep:
+    """The best-scoring plausible tokens, plus the expert's and the amateur's favourite."""
+    count = int(plausible.sum())
+    best = torch.topk(scores[0], min(top_n, count)).indices.tolist()
+    ids = list(dict.fromkeys(best + [int(expert_lp[0].argmax()), int(amateur_lp[0].argmax())]))
+    candidates = [ContrastCandidate(
+        i, lm.token_text(i), float(expert_lp[0, i]), float(amateur_lp[0, i]),
+        float(scores[0, i]) if bool(plausible[0, i]) else None, bool(plausible[0, i])) for i in ids]
+    threshold = alpha * float(expert_lp[0].max().exp())
+    return ContrastStep(index, alpha, count, threshold, chosen, candidates)
+
+
+def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
+                    amateur_name: str | None = None) -> Iterator[tuple[StepTrace, ContrastStep]]:
+    """Contrastive decoding, one (StepTrace, ContrastStep) per generated token. Both models keep
+    their own KV cache and take one forward per token."""
+    _check_prompt(prompt_ids)
+    start, label = time.perf_counter(), amateur_name or amateur.name
+    expert_cache, amateur_cache = KVCache(expert.model), KVCache(amateur.model)
+    chain, warpers = processor_chain(config, len(prompt_ids), expert), sampling_chain(config, expert)
+    generator = None if config.is_greedy else make_generator(config, expert.device)
+    stopper, ids, generated = StopCheck(expert, config), torch.tensor([list(prompt_ids)], device=expert.device), []
+    logits, amateur_logits = expert_cache.step(prompt_ids), amateur_cache.step(prompt_ids)  # prefill both
+    while True:
+        logits, amateur_logits = _common_vocab(logits, amateur_logits)
+        processed, stages = chain.traced(ids, logits, config.top_n, expert.token_text)
+        scores, plausible, expert_lp, amateur_lp = contrast_scores(processed, amateur_logits, config.cd_alpha)
+        final, warped = warpers.traced(ids, scores, config.top_n, expert.token_text)
+        stages = stages[:-1] + [contrast_stage(scores, plausible, expert_lp, config.cd_alpha, config.top_n, expert, label)] + warped[1:]
+        pick = sampling.greedy(final) if generator is None else sampling.sample(final, generator)
+        generated.append(pick.token_id)
+        reason = stopper.reason(generated)
+        step = _step_trace(expert, len(generated) - 1, pick, logits, stages, start, reason)
+        yield step, contrast_record(step.index, pick.token_id, scores, plausible, expert_lp, amateur_lp,
+                                    config.cd_alpha, config.top_n, expert)
+        if reason is not None:
+            return
+        ids = torch.cat([ids, torch.tensor([[pick.token_id]], device=expert.device)], dim=1)
+        logits, amateur_logits = expert_cache.step([pick.token_id]), amateur_cache.step([pick.token_id])
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+
+def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+           registry: ModelRegistry | None = None, amateur: LoadedModel | None = None,
+           ) -> Iterator[tuple[StepTrace, SearchStep | ContrastStep]]:
+    """(StepTrace, record) pairs for either strategy. Contrastive decoding loads its amateur through
+    ``registry`` unless ``amateur`` is given."""
+    if config.strategy == "contrastive_search":
+        yield from stream_search(lm, prompt_ids, config)
+    elif config.strategy == "contrastive_decoding":
+        if amateur is None:
+            amateur = resolve_amateur(lm, config, registry or ModelRegistry())
+            label = config.amateur
+        else:
+            check_same_tokenizer(lm, amateur)
+            label = amateur.name
+        yield from stream_contrast(lm, amateur, prompt_ids, config, label)
+    else:
+        raise ConfigError("strategy", f"engine.contrastive runs {' | '.join(STRATEGIES)}, got {config.strategy!r}")
+
+
+def stream_steps(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+                 registry: ModelRegistry | None = None, amateur: LoadedModel | None = None) -> Iterator[StepTrace]:
+    """Only the StepTraces of ``stream`` (what the step chart and the compare lanes draw)."""
+    for step, _record in stream(lm, prompt_ids, config, registry=registry, amateur=amateur):
+        yield step
+
+
+def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
+        registry: ModelRegistry | None = None, amateur: LoadedModel | None = None) -> Trace:
+    """A whole run; ``trace.extra[config.strategy]`` holds the per-step records."""
+    prompt_ids = lm.encode(prompt, chat)
+    pairs = list(stream(lm, prompt_ids, config, registry=registry, amateur=amateur))
+    trace = assemble(lm, prompt, prompt_ids, config, [step for step, _ in pairs], chat)
+    trace.extra[config.strategy] = [record for _, record in pairs]
+    if config.strategy == "contrastive_decoding":
+        trace.extra["amateur"] = config.amateur if amateur is None else amateur.name
+    return trace
+
+
+def records(trace: Trace) -> list[SearchStep] | list[ContrastStep]:
+    """The per-step records of a contrastive trace, rebuilt as dataclasses after a JSON round trip."""
+    cls = SearchStep if trace.strategy == "contrastive_search" else ContrastStep
+    return [r if isinstance(r, cls) else from_dict(cls, r) for r in trace.extra.get(trace.strategy, [])]

@@ -1,0 +1,488 @@
+"""Speculative decoding: a drafter proposes K tokens, the target scores all of them in ONE forward,
+and a rejection rule keeps the output distributed exactly as sampling from the target alone.
+
+Per drafted token x, with q the drafter's and p the target's distribution at that position (both
+shaped by the same stage chain: penalties, temperature, top-k, ...):
+
+- sampling: accept x with probability min(1, p(x) / q(x)); at the first rejection sample from
+  normalise(max(0, p - q)) and end the round; if all K are accepted, sample a bonus token from p.
+- greedy (``config.is_greedy``): accept while x equals the target's argmax; the first mismatch is
+  replaced by the argmax; if all K match, the target's next argmax is the bonus token.
+
+Drafters: ``model:<id or dir>`` (a separate model with the same vocabulary), ``self-int8`` /
+``self-nf4`` (a bitsandbytes copy of the target's own weights) and ``ngram`` (prompt lookup: copy
+what followed the last n tokens earlier in the text; a point mass q, no model).
+
+Caches: the target's cache holds the sequence minus its last token; each round feeds that token
+plus the K drafts (K + 1 positions of logits), then both caches are rewound past what was rejected
+(``KVCache.rewind`` = ``DynamicCache.crop``), never rebuilt.
+
+``stream`` yields one ``SpecRound`` per round (the live UI); ``run`` returns the whole ``Trace``
+(rounds in ``Trace.rounds``, one ``StepTrace`` per generated token in ``Trace.steps``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol, Sequence
+
+import torch
+
+from . import decode, sampling
+from .cache import KVCache
+from .config import KNOBS, DecodingConfig
+from .models import LoadedModel, ModelRegistry, ModelSpec
+from .processors import Chain
+from .trace import StepTrace, TokenProb, Trace, from_dict
+
+
+# --- records ----------------------------------------------------------------------------------
+@dataclass
+class ExtraToken:
+    """The token the target adds at the end of a round: ``resampled`` from the residual
+    normalise(max(0, p - q)) after a rejection, or the ``bonus`` from p when all drafts passed.
+    ``prob``: its probability in the distribution it was drawn from (``top``: that distribution's
+    top-N); ``p``: its probability under the target."""
+
+    kind: str  # "resampled" | "bonus"
+    token_id: int
+    token: str
+    prob: float
+    p: float
+    top: list[TokenProb]
+    draw: float | None = None
+
+
+@dataclass
+class DraftToken:
+    """One drafted token and its acceptance test. ``u`` is the uniform draw compared with
+    ``accept_prob`` (None in greedy mode, where accept_prob is 1 on a match and 0 otherwise)."""
+
+    position: int  # within the round
+    token_id: int
+    token: str
+    q: float
+    p: float
+    accept_prob: float
+    u: float | None
+    accepted: bool
+    q_top: list[TokenProb]
+    p_top: list[TokenProb]
+    resampled: ExtraToken | None = None  # set on the rejected token
+
+
+@dataclass
+class SpecRound:
+    """One draft-then-verify round. ``start``: generated tokens before the round; ``emitted``: the
+    tokens the round added (accepted drafts, then the resampled or bonus token, cut at a stop).
+    ``steps`` carries the emitted tokens' StepTraces while streaming; ``assemble`` moves them to
+    ``Trace.steps`` (so JSON rounds do not repeat them)."""
+
+    index: int
+    start: int
+    k: int  # drafts asked for (the drafter may return fewer)
+    drafted: list[DraftToken]
+    num_accepted: int
+    bonus: ExtraToken | None
+    emitted_token_ids: list[int]
+    emitted_text: str
+    draft_ms: float
+    verify_ms: float
+    elapsed_ms: float
+    finish_reason: str | None = None
+    steps: list[StepTrace] = field(default_factory=list)
+
+    @property
+    def extra(self) -> ExtraToken | None:
+        rejected = [d for d in self.drafted if d.resampled is not None]
+        return rejected[0].resampled if rejected else self.bonus
+
+
+def rounds_of(trace: Trace) -> list[SpecRound]:
+    """The trace's rounds as SpecRound records (a trace read back from JSON holds dicts)."""
+    rounds = trace.rounds or []
+    return [r if isinstance(r, SpecRound) else from_dict(SpecRound, r) for r in rounds]
+
+
+# --- the rules (pure; the exactness test drives these same functions) -------------------------
+def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x) / q(x)), elementwise. q(x) > 0 because x was drawn from q."""
+    return torch.clamp(p_x / q_x, max=1.0)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalise(max(0, p - q)) over the last dim [..., V]. Where p <= q everywhere (only by
+    rounding, since then nothing is ever rejected) it falls back to p."""
+    residual = torch.clamp(p - q, min=0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(1e-30), p)
+
+
+def prompt_lookup(tokens: Sequence[int], ngram_size: int, k: int) -> list[int]:
+    """N-gram drafting: find an earlier occurrence of the last n tokens (n = ngram_size down to 1)
+    and return up to k tokens that followed it. Prefers the latest occurrence with k tokens after
+    it, else the earliest (the longest continuation). [] when nothing matches."""
+    length = len(tokens)
+    if k <= 0 or length < 2:
+        return []
+    seq = torch.tensor(list(tokens), dtype=torch.long)
+    for n in range(min(ngram_size, length - 1), 0, -1):
+        windows = seq[: length - 1].unfold(0, n, 1)  # [length - n, n]; every window has a successor
+        hits = (windows == seq[length - n:]).all(dim=1).nonzero().flatten().tolist()
+        if not hits:
+            continue
+        full = [j for j in hits if length - (j + n) >= k]
+        j = full[-1] if full else hits[0]
+        return list(tokens[j + n: j + n + k])
+    return []
+
+
+def align_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Cut or pad (with -inf) a drafter's logits [..., V_d] to the target's width [..., width]."""
+    have = logits.shape[-1]
+    if have == width:
+        return logits
+    if have > width:
+        return logits[..., :width]
+    pad = torch.full((*logits.shape[:-1], width - have), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return torch.cat([logits, pad], dim=-1)
+
+
+def top_tokens(probs: torch.Tensor, n: int, token_text) -> list[TokenProb]:
+    """The n most probable tokens of a distribution [V]."""
+    values, ids = torch.topk(probs, min(n, probs.shape[-1]))
+    return [TokenProb(int(i), token_text(int(i)), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+# --- drafters ---------------------------------------------------------------------------------
+class DrafterError(ValueError):
+    """A drafter cannot be used with this target; the message says why."""
+
+
+@dataclass
+class Draft:
+    """Drafted tokens and, per token, the draft distribution q [V] it was drawn from (None for a
+    point mass: the n-gram drafter)."""
+
+    tokens: list[int]
+    q: list[torch.Tensor] | None = None
+
+
+@dataclass
+class DraftContext:
+    chain: Chain
+    generator: torch.Generator | None  # None: greedy
+    vocab_size: int  # the target's logit width
+
+
+class Drafter(Protocol):
+    name: str
+    forwards: int
+
+    def draft(self, sequence: list[int], k: int, ctx: DraftContext) -> Draft: ...
+
+    def rewind_to(self, sequence: list[int]) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting from the prompt and the text so far; no model, q is a point mass."""
+
+    def __init__(self, ngram_size: int):
+        if not 1 <= ngram_size <= KNOBS["ngram_size"].high:
+            raise DrafterError(f"ngram_size: {ngram_size} is out of range; allowed {KNOBS['ngram_size'].range_text()}")
+        self.name = f"ngram (n={ngram_size})"
+        self.ngram_size = ngram_size
+        self.forwards = 0
+
+    def draft(self, sequence: list[int], k: int, ctx: DraftContext) -> Draft:
+        return Draft(prompt_lookup(sequence, self.ngram_size, k))
+
+    def rewind_to(self, sequence: list[int]) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A draft model with its own KV cache. It drafts autoregressively with the target's stage
+    chain (greedy argmax, or a seeded sample from q)."""
+
+    def __init__(self, lm: LoadedModel, name: str | None = None):
+        self.lm = lm
+        self.name = name or lm.name
+        self.cache = KVCache(lm.model)
+
+    @property
+    def forwards(self) -> int:
+        return self.cache.forwards
+
+    def draft(self, sequence: list[int], k: int, ctx: DraftContext) -> Draft:
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        if k <= 0:
+            return Draft(tokens, qs)
+        logits = self.cache.sync(sequence)  # [1, V_d]; feeds only what the cache lacks
+        for i in range(k):
+            ids = torch.tensor([sequence + tokens], dtype=torch.long, device=self.lm.device)
+            final = ctx.chain(ids, align_vocab(logits.float(), ctx.vocab_size))  # [1, V]
+            pick = sampling.greedy(final) if ctx.generator is None else sampling.sample(final, ctx.generator)
+            tokens.append(pick.token_id)
+            qs.append(torch.softmax(final[0], dim=-1))
+            if i < k - 1:
+                logits = self.cache.step([pick.token_id])
+        return Draft(tokens, qs)
+
+    def rewind_to(self, sequence: list[int]) -> None:
+        """Drop cached positions that are not a prefix of ``sequence`` (the rejected drafts)."""
+        common = 0
+        for a, b in zip(self.cache.tokens, sequence):
+            if a != b:
+                break
+            common += 1
+        self.cache.rewind(self.cache.length - common)
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose token ids do not mean what the target's mean."""
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        differing = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
+        raise DrafterError(
+            f"drafter: {draft.name!r} has a different vocabulary from {target.name!r} "
+            f"({len(dv)} vs {len(tv)} tokens; first differences {differing}); a draft model must share the target's tokenizer"
+        )
+    if draft.vocab_size < len(target.tokenizer):
+        raise DrafterError(
+            f"drafter: {draft.name!r} scores {draft.vocab_size} tokens but the tokenizer has {len(target.tokenizer)}; "
+            f"a draft model must score every token of the target's vocabulary"
+        )
+
+
+def _spec_for(lm: LoadedModel, source: str, quantization: str) -> ModelSpec:
+    dtype = str(lm.dtype).removeprefix("torch.")
+    return ModelSpec(source, quantization, device=str(lm.device), dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto")
+
+
+def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistry) -> Drafter:
+    """The drafter named by ``config.drafter`` (loads draft models through the registry)."""
+    if config.drafter == "ngram":
+        return NgramDrafter(config.ngram_size)
+    if config.drafter in ("self-int8", "self-nf4"):
+        quantization = config.drafter.removeprefix("self-")
+        return ModelDrafter(registry.get(_spec_for(lm, lm.source, quantization)), f"{lm.name} ({quantization})")
+    source = config.drafter.removeprefix("model:")
+    draft = registry.get(_spec_for(lm, "embedded" if source == "embedded" else source, "none"))
+    check_compatible(lm, draft)
+    return ModelDrafter(draft)
+
+
+# --- the loop ---------------------------------------------------------------------------------
+class _Verifier:
+    """Runs rounds for one prompt: holds the target cache, the sequence and the stage chain."""
+
+    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter,
+                 cache: KVCache | None):
+        self.lm, self.config, self.drafter = lm, config, drafter
+        self.cache = cache or KVCache(lm.model)
+        self.chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
+        self.generator = None if config.is_greedy else decode.make_generator(config, lm.device)
+        self.ctx = DraftContext(self.chain, self.generator, lm.vocab_size)
+        self.stopper = decode.StopCheck(lm, config)
+        self.sequence = list(prompt_ids)
+        self.generated: list[int] = []
+        self.start = time.perf_counter()
+        if len(self.sequence) > 1:  # the cache holds all but the last token
+            self.cache.sync(self.sequence[:-1])
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000
+
+    def round(self, index: int, k: int) -> SpecRound:
+        remaining = self.config.max_new_tokens - len(self.generated)
+        t0 = time.perf_counter()
+        draft = self.drafter.draft(self.sequence, min(k, remaining - 1), self.ctx)
+        t1 = time.perf_counter()
+        fed = [self.sequence[-1], *draft.tokens]
+        logits = self.cache.forward(torch.tensor([fed], dtype=torch.long), all_logits=True).logits[0].float()  # [K+1, V]
+        drafted, emitted, stage_traces, bonus = self._accept(draft, logits)
+        verify_ms = (time.perf_counter() - t1) * 1000
+        start = len(self.generated)
+        steps, reason = self._emit(emitted, stage_traces)
+        self.cache.rewind(self.cache.length - (len(self.sequence) - 1))
+        self.drafter.rewind_to(self.sequence[:-1])
+        ids = self.generated[start:]
+        return SpecRound(
+            index=index, start=start, k=k, drafted=drafted, num_accepted=sum(d.accepted for d in drafted),
+            bonus=bonus, emitted_token_ids=ids, emitted_text=self.lm.decode(ids), draft_ms=(t1 - t0) * 1000,
+            verify_ms=verify_ms, elapsed_ms=self.elapsed_ms(), finish_reason=reason, steps=steps,
+        )
+
+    def _accept(self, draft: Draft, logits: torch.Tensor) -> tuple[list[DraftToken], list, list, ExtraToken | None]:
+        """Test the drafts left to right; returns the records, the emitted (token, p-probs, raw
+        probs) and their stage traces, and the bonus token if every draft passed."""
+        drafted: list[DraftToken] = []
+        emitted, stage_traces = [], []
+        base = self.sequence + draft.tokens
+        for i in range(len(draft.tokens) + 1):
+            ids = torch.tensor([base[: len(self.sequence) + i]], dtype=torch.long, device=self.lm.device)
+            final, stages = self.chain.traced(ids, logits[i: i + 1], self.config.top_n, self.lm.token_text)
+            p = torch.softmax(final[0], dim=-1)  # [V]
+            stage_traces.append(stages)
+            if i == len(draft.tokens):
+                bonus = self._extra("bonus", final, p)
+                emitted.append((bonus.token_id, p, logits[i]))
+                return drafted, emitted, stage_traces, bonus
+            q = draft.q[i] if draft.q else None
+            record = self._test(i, draft.tokens[i], p, q, final)
+            drafted.append(record)
+            chosen = record.token_id if record.accepted else record.resampled.token_id
+            emitted.append((chosen, p, logits[i]))
+            if not record.accepted:
+                return drafted, emitted, stage_traces, None
+        raise AssertionError("unreachable")
+
+    def _test(self, position: int, x: int, p: torch.Tensor, q: torch.Tensor | None, final: torch.Tensor) -> DraftToken:
+        """The acceptance test of draft token x (q None: a point mass on x)."""
+        q_row = q if q is not None else torch.nn.functional.one_hot(torch.tensor(x), p.shape[0]).to(p.device, p.dtype)
+        if self.generator is None:  # greedy: accept while the draft is the target's argmax
+            best = sampling.greedy(final).token_id
+            accept_prob, u, accepted = float(best == x), None, best == x
+        else:
+            accept_prob = float(acceptance_probability(p[x], q_row[x]))
+            u = float(torch.rand(1, generator=self.generator, device=self.generator.device))
+            accepted = u < accept_prob
+        top_n = self.config.top_n
+        record = DraftToken(
+            position=position, token_id=x, token=self.lm.token_text(x), q=float(q_row[x]), p=float(p[x]),
+            accept_prob=accept_prob, u=u, accepted=accepted, q_top=top_tokens(q_row, top_n, self.lm.token_text),
+            p_top=top_tokens(p, top_n, self.lm.token_text),
+        )
+        if not accepted:
+            residual = p if self.generator is None else residual_distribution(p, q_row)
+            record.resampled = self._extra("resampled", final, p, residual)
+        return record
+
+    def _extra(self, kind: str, final: torch.Tensor, p: torch.Tensor, dist: torch.Tensor | None = None) -> ExtraToken:
+        """Draw the round's last token from ``dist`` (default p; greedy: the argmax of p)."""
+        dist = p if dist is None else dist
+        if self.generator is None:
+            pick = sampling.greedy(final)
+        else:
+            pick = sampling.sample(torch.log(dist).unsqueeze(0), self.generator)
+        return ExtraToken(kind, pick.token_id, self.lm.token_text(pick.token_id), float(dist[pick.token_id]),
+                          float(p[pick.token_id]), top_tokens(dist, self.config.top_n, self.lm.token_text), pick.draw)
+
+    def _emit(self, emitted: list, stage_traces: list) -> tuple[list[StepTrace], str | None]:
+        """Append the round's tokens one by one, stopping at EOS / a stop string / the budget."""
+        steps = []
+        for (token, p, raw), stages in zip(emitted, stage_traces):
+            self.generated.append(token)
+            self.sequence.append(token)
+            reason = self.stopper.reason(self.generated)
+            steps.append(StepTrace(
+                index=len(self.generated) - 1, chosen_token_id=token, chosen_token=self.lm.token_text(token),
+                chosen_prob=float(p[token]), raw_prob=float(torch.softmax(raw, dim=-1)[token]), draw=None,
+                draw_low=None, draw_high=None, entropy=stages[-1].entropy, raw_entropy=stages[0].entropy,
+                stages=stages, elapsed_ms=self.elapsed_ms(), finish_reason=reason,
+            ))
+            if reason is not None:
+                return steps, reason
+        return steps, None
+
+
+def next_k(k: int, num_drafted: int, num_accepted: int) -> int:
+    """Adaptive K (transformers' heuristic): +2 after a round that drafted and accepted all K
+    tokens, -1 after a rejection; unchanged when the drafter or the budget gave fewer than K."""
+    if num_accepted < num_drafted:
+        return max(1, k - 1)
+    if num_drafted == k:
+        return min(int(KNOBS["num_draft_tokens"].high), k + 2)
+    return k
+
+
+def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter, *,
+           cache: KVCache | None = None) -> Iterator[SpecRound]:
+    """Yield one SpecRound per draft-then-verify round until EOS, a stop string or max_new_tokens."""
+    if not prompt_ids:
+        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    verifier = _Verifier(lm, prompt_ids, config, drafter, cache)
+    k, index = config.num_draft_tokens, 0
+    while True:
+        spec_round = verifier.round(index, k)
+        yield spec_round
+        if spec_round.finish_reason is not None:
+            return
+        if config.adaptive_k:
+            k = next_k(k, len(spec_round.drafted), spec_round.num_accepted)
+        index += 1
+
+
+def summarize(rounds: Sequence[SpecRound], steps: Sequence[StepTrace], drafter: Drafter, prefill_forwards: int) -> dict:
+    """Acceptance rate, tokens per target forward and forwards saved (a target-only run makes one
+    forward per generated token, the prefill included)."""
+    drafted = sum(len(r.drafted) for r in rounds)
+    accepted = sum(r.num_accepted for r in rounds)
+    tokens = len(steps)
+    target_forwards = prefill_forwards + len(rounds)
+    return decode.run_summary(steps) | {
+        "drafter": drafter.name,
+        "rounds": len(rounds),
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": accepted / len(rounds) if rounds else 0.0,
+        "tokens_per_target_forward": tokens / len(rounds) if rounds else 0.0,
+        "target_forwards": target_forwards,
+        "target_forwards_saved": tokens - target_forwards,
+        "draft_forwards": drafter.forwards,
+        "draft_ms": sum(r.draft_ms for r in rounds),
+        "verify_ms": sum(r.verify_ms for r in rounds),
+        "total_ms": rounds[-1].elapsed_ms if rounds else 0.0,
+    }
+
+
+def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+             rounds: Sequence[SpecRound], drafter: Drafter, chat: bool) -> Trace:
+    """A Trace from streamed rounds: steps gathered into Trace.steps, rounds without them."""
+    steps = [s for r in rounds for s in r.steps]
+    trace = decode.assemble(lm, prompt, prompt_ids, config, steps, chat)
+    trace.rounds = [dataclasses.replace(r, steps=[]) for r in rounds]
+    trace.summary = summarize(rounds, steps, drafter, int(len(prompt_ids) > 1))
+    return trace
+
+
+def baseline_config(config: DecodingConfig) -> DecodingConfig:
+    """The same knobs decoded by the target alone."""
+    return config.replace(strategy="greedy" if config.is_greedy else "sample")
+
+
+def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
+        registry: ModelRegistry | None = None, compare_baseline: bool = False) -> Trace:
+    """Speculative decoding to completion. ``compare_baseline`` also times a target-only run of the
+    same config in this process and adds ``baseline_ms`` and ``speedup`` to the summary."""
+    drafter = make_drafter(lm, config, registry or ModelRegistry())
+    prompt_ids = lm.encode(prompt, chat)
+    rounds = list(stream(lm, prompt_ids, config, drafter))
+    trace = assemble(lm, prompt, prompt_ids, config, rounds, drafter, chat)
+    if compare_baseline:
+        trace.summary |= compare_with_baseline(lm, prompt, config, trace, chat)
+    return trace
+
+
+def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, trace: Trace, chat: bool) -> dict:
+    base = decode.run(lm, prompt, baseline_config(config), chat=chat)
+    spec_ms = trace.summary.get("total_ms", 0.0)
+    base_ms = base.timing.total_ms
+    return {
+        "baseline_ms": base_ms,
+        "baseline_tokens": len(base.generated_token_ids),
+        "baseline_tokens_per_s": base.timing.tokens_per_s,
+        "baseline_same_tokens": base.generated_token_ids == trace.generated_token_ids,
+        # per generated token, so runs that stop at different lengths (sampling) compare fairly
+        "speedup": _per_token(base_ms, base) / _per_token(spec_ms, trace) if spec_ms > 0 and base_ms > 0 else math.nan,
+    }
+
+
+def _per_token(ms: float, trace: Trace) -> float:
+    return ms / max(1, len(trace.generated_token_ids))

@@ -1,0 +1,141 @@
+"""Compare-view builders: pure functions of traces and metrics -> plotly figures, table rows and
+short texts. No gradio here; unit-tested on hand-made traces (tests/test_compare_view.py)."""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Sequence
+
+import plotly.graph_objects as go
+
+from engine.contrastive import ContrastStep, SearchStep
+from engine.metrics import LaneMetrics, SweepSpread, entropy_series
+from engine.trace import StepTrace, Trace
+
+from .step import readable, token_highlights
+
+LANE_COLOURS = ("#4c78a8", "#e4572e", "#54a24b", "#b279a2", "#f2a900", "#17becf")
+METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw)", "perplexity", "distinct-1", "distinct-2",
+                  "rep-4", "first token (ms)", "tokens/s", "stop"]
+SWEEP_HEADERS = ["seed", "tokens", "mean log-prob (raw)", "text"]
+
+
+def lane_colour(i: int) -> str:
+    return LANE_COLOURS[i % len(LANE_COLOURS)]
+
+
+def _num(value: float, digits: int) -> float | str:
+    """Rounded for the table; nan (no tokens) shows as a dash."""
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else round(value, digits)
+
+
+def metrics_rows(metrics: Sequence[LaneMetrics], strategies: Sequence[str]) -> list[list]:
+    """One row per lane, in ``METRIC_HEADERS`` order."""
+    return [[m.name, strategy, m.tokens, _num(m.mean_raw_logprob, 3), _num(m.perplexity, 2), _num(m.distinct_1, 3),
+             _num(m.distinct_2, 3), _num(m.rep_4, 3), _num(m.ttft_ms, 0), _num(m.tokens_per_s, 1), m.stop_reason or "–"]
+            for m, strategy in zip(metrics, strategies)]
+
+
+def entropy_chart(names: Sequence[str], lanes: Sequence[Sequence[StepTrace]], divergence: int | None = None,
+                  raw: bool = False) -> go.Figure:
+    """Per-step entropy (bits) of each lane, overlaid; a vertical line where the lanes diverge.
+    ``raw``: the unprocessed model's entropy along each lane's own text, else the entropy of the
+    distribution each token was picked from."""
+    fig = go.Figure()
+    for i, (name, steps) in enumerate(zip(names, lanes)):
+        fig.add_trace(go.Scatter(
+            x=[s.index for s in steps], y=[h / math.log(2) for h in entropy_series(steps, raw)], mode="lines+markers",
+            name=name, line=dict(color=lane_colour(i)), customdata=[[readable(s.chosen_token)] for s in steps],
+            hovertemplate=f"{html.escape(name)} · step %{{x}}: %{{customdata[0]}}<br>H = %{{y:.2f}} bits<extra></extra>",
+        ))
+    if divergence is not None:
+        fig.add_vline(x=divergence, line_color="#222", line_dash="dash", opacity=0.6,
+                      annotation_text=f"diverge at step {divergence}", annotation_position="top left")
+    which = "raw model" if raw else "picked-from distribution"
+    fig.update_layout(height=280, margin=dict(l=10, r=10, t=40, b=30), template="plotly_white",
+                      title=dict(text=f"Entropy per step ({which}, bits)", x=0.01, font=dict(size=14)),
+                      xaxis_title="step", yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def divergence_markdown(names: Sequence[str], traces: Sequence[Trace], at: int | None) -> str:
+    """Where the lanes part ways, and what each lane chose there."""
+    if len(traces) < 2:
+        return ""
+    if at is None:
+        return f"All {len(traces)} lanes produced the same {len(traces[0].steps)} tokens."
+    shared = "".join(s.chosen_token for s in traces[0].steps[:at])
+    picks = []
+    for name, trace in zip(names, traces):
+        pick = f"`{readable(trace.steps[at].chosen_token)}`" if at < len(trace.steps) else "*(stopped)*"
+        picks.append(f"{name} {pick}")
+    prefix = f" after {html.escape(repr(shared))}" if shared else ""
+    return f"**Lanes diverge at step {at}**{prefix}: " + " · ".join(picks)
+
+
+def lane_status(name: str, trace: Trace | None, max_new_tokens: int, running: bool = False, note: str = "") -> str:
+    """A lane's one-line progress note (HTML-escaped where it carries user text)."""
+    if running:
+        done = len(trace.steps) if trace else 0
+        return f'<div class="dp-status">{html.escape(name)}: running… {done} / {max_new_tokens} tokens{note}</div>'
+    if trace is None:
+        return f'<div class="dp-status">{html.escape(name)}: waiting{note}</div>'
+    return (f'<div class="dp-status">{html.escape(name)}: {len(trace.steps)} tokens, stop: {trace.stop_reason}, '
+            f'{trace.timing.tokens_per_s:.1f} tok/s{note}</div>')
+
+
+def sweep_markdown(lane: str, seeds: Sequence[int], spread: SweepSpread) -> str:
+    """The spread of one lane over several seeds, in words a reader can check against the table."""
+    return (f"**{html.escape(lane)} over {spread.runs} seeds** ({seeds[0]}–{seeds[-1]}): "
+            f"**{spread.distinct_outputs}** distinct outputs · mean pairwise token overlap (Jaccard) "
+            f"{spread.mean_token_overlap:.2f} · mean shared prefix {spread.mean_common_prefix:.1f} tokens · "
+            f"mean distinct-2 {spread.mean_distinct_2:.2f}")
+
+
+def sweep_rows(seeds: Sequence[int], traces: Sequence[Trace], mean_logprobs: Sequence[float]) -> list[list]:
+    return [[seed, len(t.steps), _num(lp, 3), t.text] for seed, t, lp in zip(seeds, traces, mean_logprobs)]
+
+
+DIVERGE_MARK = "◆"
+
+
+def lane_highlights(steps: Sequence[StepTrace], divergence: int | None = None) -> list[tuple[str, float | None]]:
+    """Tokens coloured by probability (as in the step-through view), with a ◆ (no colour) before the
+    first step where the lanes diverge."""
+    items: list[tuple[str, float | None]] = list(token_highlights(steps))
+    if divergence is not None and divergence <= len(items):
+        items.insert(divergence, (DIVERGE_MARK, None))
+    return items
+
+
+def clicked_step(index: int, divergence: int | None = None) -> int:
+    """The step of a clicked highlight (undoing the ◆ inserted by ``lane_highlights``)."""
+    if divergence is not None and index >= divergence:
+        return max(divergence, index - 1)
+    return index
+
+
+def record_markdown(record: SearchStep | ContrastStep) -> str:
+    """A contrastive-search or contrastive-decoding step record as a small table (chosen token ←)."""
+    if isinstance(record, SearchStep):
+        head = (f"Contrastive search, α = {record.alpha:g}: score = (1 − α)·p − α·(max cosine similarity "
+                f"with the context)\n\n| token | p | degeneration penalty | score |\n|---|---|---|---|")
+        rows = [f"| {_cell(c.token)}{_mark(c, record)} | {c.prob:.4f} | {c.penalty:.4f} | "
+                f"{'masked' if c.score is None else f'{c.score:.4f}'} |" for c in record.candidates]
+    else:
+        head = (f"Contrastive decoding, α = {record.alpha:g}: {record.plausible} plausible tokens "
+                f"(p_expert ≥ {record.threshold_prob:.4f}); score = log p_expert − log p_amateur\n\n"
+                f"| token | log p expert | log p amateur | score |\n|---|---|---|---|")
+        rows = [f"| {_cell(c.token)}{_mark(c, record)} | {c.expert_logprob:.3f} | {c.amateur_logprob:.3f} | "
+                f"{'implausible' if c.score is None else f'{c.score:.3f}'} |" for c in record.candidates]
+    return "\n".join([head, *rows])
+
+
+def _mark(candidate: Any, record: Any) -> str:
+    return " ←" if candidate.token_id == record.chosen_token_id else ""
+
+
+def _cell(token: str) -> str:
+    """A token as inline code in a Markdown table cell (pipes and backticks would break it)."""
+    return "`" + readable(token).replace("`", "ˋ").replace("|", "¦") + "`"

@@ -1,0 +1,72 @@
+"""Model loading: the embedded cache, bitsandbytes quantization on CPU, clear errors."""
+
+import pytest
+import torch
+
+from engine.models import ModelLoadError, ModelSpec, embedded_model_dir, gguf_path, load_model
+
+
+def test_embedded_gguf_is_found_and_converted_once():
+    assert gguf_path().suffix == ".gguf"
+    folder = embedded_model_dir()
+    assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+    assert embedded_model_dir() == folder  # keyed by size + hash: no second conversion
+    assert folder.name.startswith(f"smollm2-135m-instruct-{gguf_path().stat().st_size}-")
+
+
+@pytest.mark.slow
+def test_embedded_model_facts(embedded):
+    cfg = embedded.model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert embedded.vocab_size == 49152 and embedded.has_chat_template
+    assert embedded.dtype == torch.float32 and embedded.device.type == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_bitsandbytes_quantization_shrinks_memory_and_still_generates(registry, embedded, quantization):
+    from engine import decode
+    from engine.config import DecodingConfig
+
+    lm = registry.get(ModelSpec(quantization=quantization))
+    assert lm.quantization == quantization
+    assert lm.memory_bytes < 0.5 * embedded.memory_bytes
+    trace = decode.run(lm, "The capital of France is", DecodingConfig(strategy="greedy", max_new_tokens=4))
+    assert "Paris" in trace.text
+
+
+def test_offline_hub_id_gives_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="not a local directory.*Hub"):
+        load_model(ModelSpec(source="someone/definitely-not-cached-model"))
+
+
+def test_directory_without_config_and_bad_spec(tmp_path):
+    with pytest.raises(ModelLoadError, match="without config.json"):
+        load_model(ModelSpec(source=str(tmp_path)))
+    with pytest.raises(ModelLoadError, match="quantization"):
+        ModelSpec(quantization="int4")
+
+
+def test_quantized_layer_detector_on_real_models(tiny_lm):
+    from engine.models import _has_quantized_layers
+
+    assert not _has_quantized_layers(tiny_lm.model)  # plain float Llama: nothing bitsandbytes replaced
+
+
+@pytest.mark.slow
+def test_quantized_layer_detector_sees_bitsandbytes_layers(registry):
+    from engine.models import _has_quantized_layers
+
+    assert _has_quantized_layers(registry.get(ModelSpec(quantization="nf4")).model)
+
+
+def test_unloadable_checkpoint_gives_one_clear_error(tmp_path):
+    import shutil
+
+    src = embedded_model_dir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="Could not int8-quantize"):
+        load_model(ModelSpec(source=str(tmp_path), quantization="int8"))

@@ -1,0 +1,60 @@
+"""The step-through view: its API endpoint through gradio_client, and a real browser session."""
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_step_trace_api_matches_cli_schema(live_app):
+    from gradio_client import Client
+
+    client = Client(live_app, verbose=False)
+    data = client.predict("The sky is", {"max_new_tokens": 5, "seed": 3}, "balanced", False, "embedded", "none",
+                          api_name="/step_trace")
+    assert data["strategy"] == "sample" and data["config"]["seed"] == 3
+    assert len(data["steps"]) == len(data["generated_token_ids"]) <= 5
+    assert [s["name"] for s in data["steps"][0]["stages"]] == ["raw", "temperature", "top_p", "final"]
+    again = client.predict("The sky is", {"max_new_tokens": 5, "seed": 3}, "balanced", False, "embedded", "none",
+                           api_name="/step_trace")
+    assert again["generated_token_ids"] == data["generated_token_ids"]
+
+
+def test_step_trace_api_rejects_bad_input_with_message(live_app):
+    from gradio_client import Client
+
+    client = Client(live_app, verbose=False)
+    with pytest.raises(Exception, match="temperature"):
+        client.predict("hi", {"temperature": 11}, "", False, "embedded", "none", api_name="/step_trace")
+    with pytest.raises(Exception, match="prompt: empty"):
+        client.predict("   ", {}, "", False, "embedded", "none", api_name="/step_trace")
+
+
+@pytest.mark.browser
+def test_generate_click_token_changes_chart(page, live_app, artifacts):
+    page.goto(live_app)
+    page.fill("#step-prompt textarea", "Write one sentence about cats.")
+    page.fill("#knob-max_new_tokens input[type=number]", "12")
+    page.locator("#knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    tokens = page.locator("#step-text .token")
+    assert tokens.count() >= 3
+    page.wait_for_selector("#step-chart .js-plotly-plot")
+    title_before = page.locator("#step-chart .gtitle").first.text_content()
+    assert title_before.startswith("step 0:")
+    tokens.nth(2).click()
+    page.wait_for_function("() => document.querySelector('#step-chart .gtitle')?.textContent.startsWith('step 2:')")
+    assert page.locator("#step-explain").inner_text().strip()  # the plain-language explanation is shown
+    assert page.locator("#step-index input[type=number]").input_value() == "2"
+    page.screenshot(path=str(artifacts / "step-through.png"), full_page=True)
+
+
+@pytest.mark.browser
+def test_bad_input_shows_message_and_keeps_prompt(page, live_app):
+    page.goto(live_app)
+    page.fill("#step-prompt textarea", "Keep me")
+    page.fill("#knob-top_k input[type=number]", "-3")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status .dp-error", timeout=60_000)
+    assert "top_k" in page.locator("#step-status").inner_text()
+    assert page.locator("#step-prompt textarea").input_value() == "Keep me"
