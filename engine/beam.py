@@ -264,11 +264,14 @@ def _chain(lm: LoadedModel, config: DecodingConfig, prompt_length: int) -> Chain
     return Chain([build_stage(n, config, prompt_length, lm.tokenizer, lm.eos_token_ids) for n in names])
 
 
+def candidates_per_step(lm: LoadedModel, config: DecodingConfig) -> int:
+    """K: candidates considered per step and group, as transformers: max(2, 1 + n_eos) x group size."""
+    return max(2, 1 + len(lm.eos_token_ids)) * (config.num_beams // config.num_beam_groups)
+
+
 def _rules(lm: LoadedModel, config: DecodingConfig) -> _Rules:
-    group_size = config.num_beams // config.num_beam_groups
-    keep = max(2, 1 + len(lm.eos_token_ids)) * group_size
-    return _Rules(keep, config.length_penalty, config.early_stopping, config.max_new_tokens,
-                  config.diversity_penalty)
+    return _Rules(candidates_per_step(lm, config), config.length_penalty, config.early_stopping,
+                  config.max_new_tokens, config.diversity_penalty)
 
 
 def _row_entropy(raw: torch.Tensor) -> list[float]:
@@ -349,6 +352,20 @@ def _finish(trace: BeamTrace, groups: list[_Group], config: DecodingConfig, lm: 
     ]
     trace.winner = 0 if trace.hypotheses else None
     trace.ended_by = "early_stopping" if any(g.ended == "early_stopping" for g in groups) else "no_continuation"
+
+
+def lineage(beam: BeamTrace, step: int, index: int) -> list[int]:
+    """Candidate indices from step 0 to candidate ``index`` of ``step`` (its path through the tree)."""
+    path = [index]
+    for t in range(step, 0, -1):
+        parent_slot = beam.steps[t].candidates[path[-1]].parent
+        path.append(next(i for i, c in enumerate(beam.steps[t - 1].candidates) if c.beam == parent_slot))
+    return path[::-1]
+
+
+def lineage_tokens(beam: BeamTrace, step: int, index: int) -> list[int]:
+    """The generated tokens of candidate ``index`` of ``step`` (its own token last)."""
+    return [beam.steps[t].candidates[i].token_id for t, i in enumerate(lineage(beam, step, index))]
 
 
 # --- whole runs -------------------------------------------------------------------------------

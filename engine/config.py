@@ -71,7 +71,9 @@ class Knob:
     step: float | None = None  # UI slider step
 
     def range_text(self) -> str:
-        if self.kind in ("float", "int"):
+        if self.kind == "int":
+            return f"[{int(self.low)}, {int(self.high)}]"
+        if self.kind == "float":
             left = "(" if self.low_open else "["
             return f"{left}{self.low:g}, {self.high:g}]"
         if self.kind == "choice":
@@ -127,7 +129,9 @@ CONFIG_KEYS = ("strategy", *KNOBS, "stage_order")
 
 def _check_number(knob: Knob, value: Any) -> float | int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(knob.name, f"expected a number in {knob.range_text()}, got {value!r}")
+        raise ConfigError(knob.name, f"expected a number in {knob.range_text()}, got {_short(value)}")
+    if isinstance(value, int) and abs(value) > 2**63:  # also keeps repr() of huge ints out of messages
+        raise ConfigError(knob.name, f"number too large; allowed {knob.range_text()}")
     if knob.kind == "int":
         if isinstance(value, float):
             if not value.is_integer():
@@ -139,7 +143,7 @@ def _check_number(knob: Knob, value: Any) -> float | int:
             raise ConfigError(knob.name, f"expected a finite number in {knob.range_text()}, got {value!r}")
     too_low = value <= knob.low if knob.low_open else value < knob.low
     if too_low or value > knob.high:
-        raise ConfigError(knob.name, f"{value!r} is out of range; allowed {knob.range_text()}")
+        raise ConfigError(knob.name, f"{_short(value)} is out of range; allowed {knob.range_text()}")
     return value
 
 

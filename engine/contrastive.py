@@ -181,7 +181,8 @@ def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingCo
         _keep_row(cache, row, token)
         generated.append(token)
         reason = stopper.reason(generated)
-        step = _step_trace(lm, len(generated) - 1, sampling.Pick(token, float(top_probs[row])), logits, stages, start, reason)
+        pick = sampling.Pick(token, float(top_probs[row]))
+        step = _step_trace(lm, len(generated) - 1, pick, logits, stages, start, reason)
         yield step, SearchStep(step.index, config.penalty_alpha, token, [
             SearchCandidate(int(i), lm.token_text(int(i)), float(p), float(d), float(s) if math.isfinite(s) else None)
             for i, p, d, s in zip(top_ids.tolist(), top_probs.tolist(), penalty.tolist(), score.tolist())])
@@ -199,13 +200,16 @@ def resolve_amateur(lm: LoadedModel, config: DecodingConfig, registry: ModelRegi
     """The amateur model for ``config.amateur``; refuses one whose tokenizer differs from the expert's."""
     name = config.amateur
     if name in ("self-int8", "self-nf4"):
-        spec = ModelSpec(lm.source, name.removeprefix("self-"))
+        source, quantization = lm.source, name.removeprefix("self-")
     elif name.startswith("model:"):
-        spec = ModelSpec(name.removeprefix("model:"))
+        source, quantization = name.removeprefix("model:"), "none"
     else:
         raise ConfigError("amateur", f"expected self-int8 | self-nf4 | model:<dir>, got {name!r}")
+    # On the expert's device and dtype (the same registry key the speculative drafters use).
+    dtype = str(lm.dtype).removeprefix("torch.")
+    spec_dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
     try:
-        amateur = registry.get(spec)
+        amateur = registry.get(ModelSpec(source, quantization, device=str(lm.device), dtype=spec_dtype))
     except ModelLoadError as exc:
         raise ConfigError("amateur", f"could not load {name!r}: {exc}") from None
     check_same_tokenizer(lm, amateur, name)
@@ -282,7 +286,8 @@ def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Seque
         processed, stages = chain.traced(ids, logits, config.top_n, expert.token_text)
         scores, plausible, expert_lp, amateur_lp = contrast_scores(processed, amateur_logits, config.cd_alpha)
         final, warped = warpers.traced(ids, scores, config.top_n, expert.token_text)
-        stages = stages[:-1] + [contrast_stage(scores, plausible, expert_lp, config.cd_alpha, config.top_n, expert, label)] + warped[1:]
+        contrast = contrast_stage(scores, plausible, expert_lp, config.cd_alpha, config.top_n, expert, label)
+        stages = stages[:-1] + [contrast] + warped[1:]  # raw, processors, contrast, sampling stages, final
         pick = sampling.greedy(final) if generator is None else sampling.sample(final, generator)
         generated.append(pick.token_id)
         reason = stopper.reason(generated)

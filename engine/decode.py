@@ -75,20 +75,22 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
     ids = torch.tensor([sequence], dtype=torch.long, device=lm.device)
     generated = list(prefix)
     while True:
-        final, stages = chain.traced(ids, logits, config.top_n, lm.token_text)
+        traced = chain.traced(ids, logits, config.top_n, lm.token_text)
+        stages = traced.stages
         if force is not None:
-            pick = sampling.Pick(force, float(torch.softmax(final[0], dim=-1)[force]))
+            pick = sampling.Pick(force, float(traced.final_probs[force]))
             if generator is not None:  # keep the generator aligned with an unforced run
                 sampling.skip_draws(generator, 1, lm.vocab_size, lm.device)
         elif generator is None:
-            pick = sampling.greedy(final)
+            token = int(torch.argmax(traced.logits[0]))
+            pick = sampling.Pick(token, float(traced.final_probs[token]))
         else:
-            pick = sampling.sample(final, generator)
+            pick = sampling.sample_probs(traced.final_probs, generator)
         generated.append(pick.token_id)
         reason = stopper.reason(generated)
         yield StepTrace(
             index=len(generated) - 1, chosen_token_id=pick.token_id, chosen_token=lm.token_text(pick.token_id),
-            chosen_prob=pick.prob, raw_prob=float(torch.softmax(logits[0], dim=-1)[pick.token_id]),
+            chosen_prob=pick.prob, raw_prob=float(traced.raw_probs[pick.token_id]),
             draw=pick.draw, draw_low=pick.low, draw_high=pick.high,
             entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages,
             elapsed_ms=(time.perf_counter() - start) * 1000, forced=force is not None, finish_reason=reason,

@@ -19,7 +19,8 @@ from .presets import Preset
 
 # Knobs that only matter under one strategy.
 STRATEGY_KNOBS = {
-    "beam": ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups", "diversity_penalty"),
+    "beam": ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",
+             "diversity_penalty"),
     "speculative": ("drafter", "num_draft_tokens", "ngram_size", "adaptive_k"),
     "contrastive_search": ("penalty_alpha",),
     "contrastive_decoding": ("cd_alpha", "amateur"),
@@ -109,7 +110,8 @@ def _common_unmapped(config: DecodingConfig, keys: list[str], tool: str) -> list
         if key in keys:
             out.append(Note(key, f"{tool} bans tokens by id, not by word; there is no word list to carry over"))
     if config.strategy == "contrastive_decoding":
-        out.append(Note("strategy", f"contrastive decoding (expert vs amateur) has no {tool} equivalent; exported as greedy"))
+        out.append(Note("strategy", f"contrastive decoding (expert vs amateur) has no {tool} equivalent; "
+                                    "exported as greedy"))
         out += [Note(k, "contrastive decoding only") for k in ("cd_alpha", "amateur") if k in keys]
     if config.strategy == "beam":
         out.append(Note("strategy", f"{tool} has no beam search setting here; exported as greedy decoding"))
@@ -180,7 +182,8 @@ def _tgw_caveats(config: DecodingConfig, keys: list[str], reorder: bool) -> list
         out.append(Note("frequency_penalty" if "frequency_penalty" in keys else "presence_penalty",
                         "text-generation-webui counts prompt tokens too; the playground counts generated tokens only"))
     if reorder:
-        out.append(Note("stage_order", "sampler_priority sets the order for loaders that honour it; others use their own"))
+        out.append(Note("stage_order", "sampler_priority sets the order for loaders that honour it; "
+                                       "others use their own"))
     return out
 
 
@@ -253,7 +256,8 @@ def _llama_speculative(config: DecodingConfig) -> tuple[list[str], list[Note]]:
     notes = [Note("adaptive_k", "llama.cpp drafts up to --draft-max tokens; it has no acceptance-driven K")] \
         if config.adaptive_k else []
     if config.drafter == "ngram":
-        return [f"--spec-type ngram-simple --spec-ngram-size-n {config.ngram_size} --spec-ngram-size-m {k} --draft-max {k}"], notes
+        return [f"--spec-type ngram-simple --spec-ngram-size-n {config.ngram_size} "
+                f"--spec-ngram-size-m {k} --draft-max {k}"], notes
     if config.drafter.startswith("model:"):
         what = f"a GGUF of {config.drafter.removeprefix('model:')}"
     else:  # self-int8 / self-nf4: a quantized copy of the target itself

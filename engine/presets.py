@@ -85,7 +85,7 @@ def unique_name(name: str, taken: Iterable[str]) -> str:
     return candidate
 
 
-def _short(value: Any, limit: int = 40) -> str:
+def short_repr(value: Any, limit: int = 40) -> str:
     """repr() that never fails (huge ints, deep nesting) and never floods a message."""
     try:
         text = repr(value)
@@ -97,13 +97,15 @@ def _short(value: Any, limit: int = 40) -> str:
 def _check_meta(data: dict) -> tuple[str, str]:
     version = data.get("version", PRESET_VERSION)
     if isinstance(version, bool) or version != PRESET_VERSION:
-        raise PresetError(f"version: expected {PRESET_VERSION}, got {_short(version)}")
+        raise PresetError(f"version: expected {PRESET_VERSION}, got {short_repr(version)}")
     name = data.get("name", "")
     if not isinstance(name, str) or not sanitize_name(name) or len(name) > MAX_NAME_LEN:
-        raise PresetError(f"name: expected a non-empty string of at most {MAX_NAME_LEN} characters, got {_short(name)}")
+        raise PresetError(f"name: expected a non-empty string of at most {MAX_NAME_LEN} characters, "
+                          f"got {short_repr(name)}")
     description = data.get("description", "")
     if not isinstance(description, str) or len(description) > MAX_DESCRIPTION_LEN:
-        raise PresetError(f"description: expected a string of at most {MAX_DESCRIPTION_LEN} characters, got {_short(description)}")
+        raise PresetError(f"description: expected a string of at most {MAX_DESCRIPTION_LEN} characters, "
+                          f"got {short_repr(description)}")
     return sanitize_name(name), description
 
 
@@ -117,17 +119,17 @@ def _check_body(body: dict) -> None:
                 check_stage_order(value)
             elif key == "strategy":
                 if not isinstance(value, str):
-                    raise ConfigError("strategy", f"expected a string, got {_short(value)}")
+                    raise ConfigError("strategy", f"expected a string, got {short_repr(value)}")
             else:
                 check_knob(key, value)
         except ConfigError as exc:
             raise PresetError(str(exc)) from None
         except (TypeError, ValueError, RecursionError, OverflowError):
-            raise PresetError(f"{key}: invalid value {_short(value)}; allowed {_allowed(key)}") from None
+            raise PresetError(f"{key}: invalid value {short_repr(value)}; allowed {_allowed(key)}") from None
 
 
 def _key_label(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) else _short(key)
+    return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) else short_repr(key)
 
 
 def _suggest(key: str) -> str:
@@ -150,7 +152,8 @@ def parse_preset(data: Any) -> Preset:
         raise PresetError(f"preset: expected a JSON object, got {type(data).__name__}")
     for key in data:
         if not isinstance(key, str):
-            raise PresetError(f"{_short(key)}: keys must be strings")  # only from Python callers; JSON keys are strings
+            # only Python callers can pass these; JSON keys are always strings
+            raise PresetError(f"{short_repr(key)}: keys must be strings")
     name, description = _check_meta(data)
     body = {k: v for k, v in data.items() if k not in META_KEYS}
     _check_body(body)
@@ -188,7 +191,7 @@ def loads_strict(text: str | bytes, what: str, limit: int) -> Any:
         raise PresetError(f"{what}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except (ValueError, RecursionError, UnicodeDecodeError, TypeError) as exc:
         # ValueError: a rejected constant, a duplicate key, or an integer too long to convert
-        raise PresetError(f"{what}: not valid JSON ({_short(str(exc), 80)})") from None
+        raise PresetError(f"{what}: not valid JSON ({short_repr(str(exc), 80)})") from None
 
 
 def parse_preset_json(text: str | bytes) -> Preset:
@@ -223,7 +226,7 @@ def parse_preset_file(text: str | bytes) -> ImportResult:
             presets.append(parse_preset(item))
         except PresetError as exc:
             label = item.get("name") if isinstance(item, dict) and isinstance(item.get("name"), str) else None
-            where = f"preset {i}" + (f" ({_short(label)})" if label else "")
+            where = f"preset {i}" + (f" ({short_repr(label)})" if label else "")
             errors.append(f"{where}: {exc}")
     return ImportResult(tuple(presets), tuple(errors))
 

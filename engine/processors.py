@@ -46,7 +46,8 @@ class _Wrapped(Stage):
         self._processor = processor
 
     def __call__(self, input_ids, logits):
-        return self._processor(input_ids, logits.clone())
+        # transformers' processors are out-of-place (test_stage_never_modifies_input guards this)
+        return self._processor(input_ids, logits)
 
 
 class Temperature(_Wrapped):
@@ -261,19 +262,33 @@ class Chain:
         return logits
 
     def traced(self, input_ids: torch.LongTensor, logits: torch.Tensor, top_n: int,
-               token_text: Callable[[int], str]) -> tuple[torch.Tensor, list[StageTrace]]:
+               token_text: Callable[[int], str]) -> "Traced":
         """Apply the chain to one row (B = 1) and record raw, every stage, and final.
         Cost: one softmax and one top-k per stage, no Python loop over the vocabulary."""
         logits = logits.float()
         recorder = _Recorder(top_n, token_text)
-        traces = [recorder.record("raw", logits, None, {})]
+        traces = [recorder.record("raw", logits, {})]
+        raw_probs = recorder.prev_probs
         for stage in self.stages:
-            new = stage(input_ids, logits)
-            traces.append(recorder.record(stage.name, new, logits, stage.params))
-            logits = new
-        final = recorder.copy_as("final", traces[-1])
-        traces.append(final)
-        return logits, traces
+            logits = stage(input_ids, logits)
+            traces.append(recorder.record(stage.name, logits, stage.params))
+        traces.append(recorder.copy_as("final", traces[-1]))
+        return Traced(logits, traces, raw_probs, recorder.prev_probs)
+
+
+@dataclass
+class Traced:
+    """What ``Chain.traced`` returns: the final logits [1, V], the stage records, and the raw and
+    final probabilities [V] (so the caller needs no further softmax)."""
+
+    logits: torch.Tensor
+    stages: list[StageTrace]
+    raw_probs: torch.Tensor
+    final_probs: torch.Tensor
+
+    def __iter__(self):
+        """Unpacks as ``final_logits, stages``."""
+        return iter((self.logits, self.stages))
 
 
 class _Recorder:
@@ -288,18 +303,16 @@ class _Recorder:
     def _tokens(self, ids: torch.Tensor, probs: torch.Tensor) -> list[TokenProb]:
         return [TokenProb(int(i), self.token_text(int(i)), float(p)) for i, p in zip(ids.tolist(), probs.tolist())]
 
-    def record(self, name: str, logits: torch.Tensor, prev_logits: torch.Tensor | None, params: dict) -> StageTrace:
-        row = logits[0]
-        probs = torch.softmax(row, dim=-1)  # [V]
-        alive = torch.isfinite(row)
+    def record(self, name: str, logits: torch.Tensor, params: dict) -> StageTrace:
+        probs = torch.softmax(logits[0], dim=-1)  # [V]; masked tokens get exactly 0
+        alive = probs > 0
         kept = int(alive.sum())
         entropy = float(torch.special.entr(probs).sum())
         top_p, top_i = torch.topk(probs, min(self.top_n, probs.shape[0]))
         top = self._tokens(top_i, top_p)
         mass_removed, tv, removed = 0.0, 0.0, []
-        if prev_logits is not None and self.prev_probs is not None:
-            newly_dead = ~alive & torch.isfinite(prev_logits[0])
-            mass_removed = float(self.prev_probs[newly_dead].sum())
+        if self.prev_probs is not None:
+            mass_removed = float(self.prev_probs.masked_fill(alive, 0.0).sum())
             tv = float(0.5 * (probs - self.prev_probs).abs().sum())
             removed = [t for t in self.prev_top if not bool(alive[t.token_id])]
         self.prev_probs, self.prev_top = probs, top

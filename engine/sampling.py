@@ -41,18 +41,20 @@ def exponential_noise(shape: torch.Size, generator: torch.Generator, device: tor
 
 def sample(logits: torch.Tensor, generator: torch.Generator) -> Pick:
     """Draw from softmax(logits) [1, V] with the run's generator (consumes V draws)."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [1, V]
-    noise = exponential_noise(probs.shape, generator, probs.device)
-    token = int(torch.argmax(probs / noise, dim=-1)[0])
-    p = probs[0, token]
-    frac = -math.expm1(-float(noise[0, token] / p))
+    return sample_probs(torch.softmax(logits.float(), dim=-1)[0], generator)
+
+
+def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> Pick:
+    """Draw from probabilities [V] (the softmax of the final logits, as generate() computes it)."""
+    noise = exponential_noise(torch.Size([1, probs.shape[0]]), generator, probs.device)[0]
+    token = int(torch.argmax(probs / noise))
+    p = probs[token]
+    frac = -math.expm1(-float(noise[token] / p))
     # F(w-): mass of tokens sorted before w (higher probability; ties broken by lower id).
-    row = probs[0]
-    ids = torch.arange(row.shape[0], device=row.device)
-    before = (row > p) | ((row == p) & (ids < token))
-    low = float(row[before].double().sum())
-    high = low + float(p)
-    return Pick(token, float(p), low + float(p) * frac, low, high)
+    ids = torch.arange(probs.shape[0], device=probs.device)
+    before = (probs > p) | ((probs == p) & (ids < token))
+    low = float(probs.masked_fill(~before, 0.0).double().sum())
+    return Pick(token, float(p), low + float(p) * frac, low, low + float(p))
 
 
 def skip_draws(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .config import ConfigError, check_knob
-from .presets import PresetError, Preset, loads_strict, parse_preset
+from .presets import Preset, PresetError, loads_strict, parse_preset, short_repr
 
 SHARE_PARAM = "share"  # the URL query parameter: ?share=<token>
 TOKEN_PREFIX = "s1."  # format version 1
@@ -49,11 +49,11 @@ class ShareState:
 
     def __post_init__(self) -> None:
         if not isinstance(self.view, str) or not VIEW_PATTERN.fullmatch(self.view):
-            raise ShareLinkError(f"view: expected a short lower-case name like 'step', got {_short(self.view)}")
+            raise ShareLinkError(f"view: expected a short lower-case name like 'step', got {short_repr(self.view)}")
         if not isinstance(self.prompt, str) or len(self.prompt) > MAX_PROMPT_CHARS:
             raise ShareLinkError(f"prompt: expected text of at most {MAX_PROMPT_CHARS:,} characters")
         if self.chat is not None and not isinstance(self.chat, bool):
-            raise ShareLinkError(f"chat: expected true or false, got {_short(self.chat)}")
+            raise ShareLinkError(f"chat: expected true or false, got {short_repr(self.chat)}")
         if not isinstance(self.preset, Preset):
             raise ShareLinkError(f"preset: expected a Preset, got {type(self.preset).__name__}")
         try:
@@ -65,14 +65,6 @@ class ShareState:
         object.__setattr__(self, "seed", seed)
         if self.preset.config.seed != seed:
             object.__setattr__(self, "preset", replace(self.preset, config=replace(self.preset.config, seed=seed)))
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def encode(state: ShareState) -> str:
@@ -88,7 +80,8 @@ def encode(state: ShareState) -> str:
     packed = packer.compress(raw) + packer.flush()
     token = TOKEN_PREFIX + base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")
     if len(token) > MAX_TOKEN_CHARS:
-        raise ShareLinkError(f"link: {len(token):,} characters is over the {MAX_TOKEN_CHARS:,}-character limit; shorten the prompt")
+        raise ShareLinkError(f"link: {len(token):,} characters is over the {MAX_TOKEN_CHARS:,}-character limit; "
+                             "shorten the prompt")
     return token
 
 
@@ -133,7 +126,7 @@ def decode(token: Any) -> ShareState:
     missing = [k for k in _PAYLOAD_KEYS if k not in payload]
     if unknown or missing:
         raise ShareLinkError(f"link: expected keys {', '.join(_PAYLOAD_KEYS)} (and optionally chat); "
-                             f"unknown {_short(unknown)}, missing {_short(missing)}")
+                             f"unknown {short_repr(unknown)}, missing {short_repr(missing)}")
     preset_data = payload["preset"]
     if isinstance(preset_data, dict) and "seed" in preset_data:
         raise ShareLinkError("preset: the seed belongs at the top level of a link")

@@ -12,12 +12,11 @@ from typing import Any, Sequence
 import gradio as gr
 
 from engine.config import DEFAULT_STAGE_ORDER, KNOBS, STAGE_NAMES, DecodingConfig, Knob
-from engine.presets import Preset, builtin_presets, parse_preset
+from engine.presets import Preset, builtin_presets
 
+from .presets_ui import CUSTOM, find_preset, preset_choices
 from .shared import Shared, UserError, config_or_error
 
-CUSTOM = "(custom)"
-USER_PREFIX = "★ "
 # Sliders read better with a practical top end; the engine's bound still validates (Number inputs
 # are used for knobs whose full range makes a slider useless).
 NUMBER_INPUT_KNOBS = {"seed", "top_k"}
@@ -73,27 +72,6 @@ def display_value(knob: Knob, value: Any) -> Any:
     if knob.kind == "str_list":
         return ", ".join(value)
     return value
-
-
-def preset_choices(user_presets: Sequence[dict] | None) -> list[str]:
-    names = [CUSTOM] + list(builtin_presets())
-    for data in user_presets or []:
-        if isinstance(data, dict) and isinstance(data.get("name"), str):
-            names.append(USER_PREFIX + data["name"])
-    return names
-
-
-def find_preset(choice: str, user_presets: Sequence[dict] | None) -> Preset | None:
-    if choice in builtin_presets():
-        return builtin_presets()[choice]
-    if choice and choice.startswith(USER_PREFIX):
-        for data in user_presets or []:
-            if isinstance(data, dict) and data.get("name") == choice[len(USER_PREFIX):]:
-                try:
-                    return parse_preset(data)
-                except ValueError:
-                    return None
-    return None
 
 
 class KnobPanel:
@@ -181,6 +159,6 @@ class KnobPanel:
         self.shared.user_presets.change(lambda presets, choice: gr.update(choices=preset_choices(presets), value=choice),
                                         [self.shared.user_presets, self.preset], [self.preset], api_visibility="private", queue=False)
 
-    def apply_preset(self, preset: Preset, label: str = CUSTOM) -> list[Any]:
+    def apply_preset(self, preset: Preset, label: str = CUSTOM, modified: bool = False) -> list[Any]:
         """Updates for ``inputs + [preset dropdown, note]`` that show ``preset`` (share links)."""
-        return self.fill(preset.config) + [gr.update(value=label), self._preset_note(label, False)]
+        return self.fill(preset.config) + [gr.update(value=label), self._preset_note(label, modified)]

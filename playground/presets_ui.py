@@ -257,7 +257,8 @@ def share_link_controls(shared, view: str) -> tuple[gr.Button, gr.Textbox]:
     entry = _registered_views(shared)[view]
     with gr.Row():
         button = gr.Button("🔗 Copy link", size="sm", scale=0, min_width=120, elem_id=f"{view}-copy-link")
-        link = gr.Textbox(label="Share link", show_label=False, placeholder="A link to this view, its prompt, preset and seed",
+        link = gr.Textbox(label="Share link", show_label=False,
+                          placeholder="A link to this view, its prompt, preset and seed",
                           interactive=False, scale=4, elem_id=f"{view}-share-link")
     inputs = [shared.user_presets, *_share_inputs(entry)]
     button.click(lambda stored, *values: _make_token(shared, view, entry, stored, values), inputs, [link],
@@ -291,10 +292,10 @@ def _restore_updates(state: ShareState, entry: dict, stored: Any) -> list:
     """Updates for ``_restore_outputs(entry)`` that show ``state``."""
     panel = entry["panel"]
     choice, modified = matching_choice(state.preset.config, stored, state.preset.name)
-    updates = panel.apply_preset(state.preset, choice)
-    if modified:
-        updates[-1] = type(panel)._preset_note(choice, True)
-    chat = [gr.update(value=state.chat) if state.chat is not None else gr.update()] if entry.get("chat") is not None else []
+    updates = panel.apply_preset(state.preset, choice, modified)
+    chat = []
+    if entry.get("chat") is not None:
+        chat = [gr.update(value=state.chat) if state.chat is not None else gr.update()]
     return [gr.update(value=state.prompt), *chat, *updates]
 
 

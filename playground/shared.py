@@ -73,6 +73,18 @@ class Shared:
         return ids
 
 
+def gpu_task(fn: Callable) -> Callable:
+    """On a ZeroGPU Space (the ``spaces`` package importable and SPACE_ID set) a handler must run
+    under ``spaces.GPU`` to get a GPU; everywhere else this returns ``fn`` unchanged."""
+    if not os.environ.get("SPACE_ID"):
+        return fn
+    try:
+        import spaces  # type: ignore[import-not-found]
+    except ImportError:
+        return fn
+    return spaces.GPU(fn)
+
+
 class UserError(ValueError):
     """Bad input from the page: shown next to the control, nothing else changes."""
 

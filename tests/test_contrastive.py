@@ -69,6 +69,23 @@ def tiny_amateur(tiny_lm) -> LoadedModel:
                        dtype=torch.float32, quantization="none", source="tiny", eos_token_ids=(2,), memory_bytes=0)
 
 
+class FeedLog:
+    """Records the input_ids shape of every forward of a model (to check what the cache saves)."""
+
+    def __init__(self, model):
+        self.shapes: list[tuple[int, int]] = []
+        self.handle = model.register_forward_pre_hook(self.record, with_kwargs=True)
+
+    def record(self, module, args, kwargs):
+        self.shapes.append(tuple(kwargs["input_ids"].shape))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
 def chosen_score(record) -> float:
     return next(c.score for c in record.candidates if c.token_id == record.chosen_token_id)
 
@@ -90,7 +107,10 @@ def test_search_matches_uncached_reference_on_tiny_model_with_penalty(tiny_lm):
     cfg = DecodingConfig(strategy="contrastive_search", top_k=5, penalty_alpha=0.4, repetition_penalty=1.3,
                          temperature=0.7, max_new_tokens=12)  # temperature: a sampling stage, ignored here
     prompt_ids = tiny_lm.encode(PROMPT)
-    pairs = list(contrastive.stream(tiny_lm, prompt_ids, cfg))
+    with FeedLog(tiny_lm.model) as feeds:
+        pairs = list(contrastive.stream(tiny_lm, prompt_ids, cfg))
+    # prefill once, then one forward per token: the 5 candidates as a batch of one-token continuations
+    assert feeds.shapes == [(1, len(prompt_ids))] + [(5, 1)] * len(pairs)
     ref_ids, ref_scores = reference_contrastive_search(tiny_lm.model, prompt_ids, 5, 0.4, 12, (2,), penalty=1.3)
     assert [s.chosen_token_id for s, _ in pairs] == ref_ids
     assert [chosen_score(r) for _, r in pairs] == pytest.approx(ref_scores, abs=1e-4)
@@ -142,7 +162,10 @@ def test_contrast_scores_by_hand():
 def test_decoding_matches_reference_on_two_tiny_models(tiny_lm, tiny_amateur):
     cfg = DecodingConfig(strategy="contrastive_decoding", temperature=0.0, cd_alpha=0.1, max_new_tokens=12)
     prompt_ids = tiny_lm.encode(PROMPT)
-    pairs = list(contrastive.stream(tiny_lm, prompt_ids, cfg, amateur=tiny_amateur))
+    with FeedLog(tiny_lm.model) as expert_feeds, FeedLog(tiny_amateur.model) as amateur_feeds:
+        pairs = list(contrastive.stream(tiny_lm, prompt_ids, cfg, amateur=tiny_amateur))
+    feeds = [(1, len(prompt_ids))] + [(1, 1)] * (len(pairs) - 1)  # each model: prefill, then one token per step
+    assert expert_feeds.shapes == feeds and amateur_feeds.shapes == feeds
     ref_ids, ref_scores = reference_contrastive_decoding(tiny_lm.model, tiny_amateur.model, prompt_ids, 0.1, 12)
     assert [s.chosen_token_id for s, _ in pairs] == ref_ids
     assert [chosen_score(r) for _, r in pairs] == pytest.approx(ref_scores, abs=1e-4)
@@ -156,7 +179,8 @@ def test_decoding_matches_reference_on_two_tiny_models(tiny_lm, tiny_amateur):
 
 
 def test_decoding_samples_from_softmax_of_scores(tiny_lm, tiny_amateur):
-    cfg = DecodingConfig(strategy="contrastive_decoding", temperature=1.0, top_p=0.95, cd_alpha=0.1, max_new_tokens=10, seed=3)
+    cfg = DecodingConfig(strategy="contrastive_decoding", temperature=1.0, top_p=0.95, cd_alpha=0.1,
+                         max_new_tokens=10, seed=3)
     first = contrastive.run(tiny_lm, PROMPT, cfg, amateur=tiny_amateur)
     assert contrastive.run(tiny_lm, PROMPT, cfg, amateur=tiny_amateur).generated_token_ids == first.generated_token_ids
     assert [st.name for st in first.steps[0].stages] == ["raw", "contrast", "top_p", "final"]
@@ -175,7 +199,8 @@ def test_decoding_refuses_an_amateur_with_another_tokenizer(tiny_lm, tmp_path):
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")))
+    vocab = WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocab))
     amateur = LoadedModel(name="other-vocab", model=tiny_lm.model, tokenizer=other, device=torch.device("cpu"),
                           dtype=torch.float32, quantization="none", source="x", eos_token_ids=(2,), memory_bytes=0)
     cfg = DecodingConfig(strategy="contrastive_decoding", temperature=0.0)

@@ -51,7 +51,8 @@ def test_library_has_the_required_presets_with_their_knobs():
         data = library[stem].to_dict()
         assert {k: data.get(k) for k in expected} == expected, stem
     assert library["contrastive-search"].config.penalty_alpha == 0.6
-    assert (library["speculative-self-int8"].config.drafter, library["speculative-self-int8"].config.num_draft_tokens) == ("self-int8", 4)
+    spec = library["speculative-self-int8"].config
+    assert (spec.drafter, spec.num_draft_tokens) == ("self-int8", 4)
     assert library["min-p"].config.temperature == 1.0
 
 
@@ -336,7 +337,8 @@ def test_export_file_and_upload_limits(tmp_path):
     from playground import presets_ui as ui
 
     path = Path(ui.export_file([builtin_presets()["beam-4"]]))
-    assert path.name == "beam-search-4.json" and parse_preset_file(path.read_bytes()).presets == (builtin_presets()["beam-4"],)
+    assert path.name == "beam-search-4.json"
+    assert parse_preset_file(path.read_bytes()).presets == (builtin_presets()["beam-4"],)
     library = Path(ui.export_file(list(builtin_presets().values()), "all"))
     assert library.name == "all.json" and len(parse_preset_file(library.read_bytes()).presets) == len(builtin_presets())
     with pytest.raises(PresetError, match="nothing to export"):
@@ -354,11 +356,13 @@ def test_presets_view_helpers():
 
     assert view.settings_text(builtin_presets()["balanced"]) == "temperature 0.8 · top_p 0.9"
     assert view.settings_text(builtin_presets()["greedy"]) == "—"
-    text, notes, path = view.interop_view(builtin_presets()["anti-repetition"].to_json(), "llama.cpp (command-line flags)")
+    llama, webui = "llama.cpp (command-line flags)", "text-generation-webui (YAML preset)"
+    text, notes, path = view.interop_view(builtin_presets()["anti-repetition"].to_json(), llama)
     assert text.startswith('--samplers "penalties;temperature;top_p"') and path is None
     assert "**no_repeat_ngram_size** does not map" in notes
-    text, notes, path = view.interop_view(builtin_presets()["balanced"].to_json(), "text-generation-webui (YAML preset)")
-    assert Path(path).name == "balanced.yaml" and Path(path).read_text() == text and notes == "Every setting maps exactly."
+    text, notes, path = view.interop_view(builtin_presets()["balanced"].to_json(), webui)
+    assert Path(path).name == "balanced.yaml" and Path(path).read_text() == text
+    assert notes == "Every setting maps exactly."
     assert view.interop_view('{"name": "x", "top_k": -3}', "llama.cpp (command-line flags)")[1].startswith(
         "Fix the preset JSON first: top_k: -3 is out of range")
     assert view.validate_api('{"name": " x ", "temperature": 1.0, "top_k": 3}') == {

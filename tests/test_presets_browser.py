@@ -60,8 +60,9 @@ def _copy_link(page) -> str:
         page.locator("#dp-share").click()
         button, box = "#dp-copy-link", "dp-share-link"
     page.locator(button).click()
-    page.wait_for_function(f"(document.querySelector('#{box} textarea, #{box} input') || {{}}).value?.includes('share=s1.')",
-                           timeout=30_000)
+    page.wait_for_function(
+        f"(document.querySelector('#{box} textarea, #{box} input') || {{}}).value?.includes('share=s1.')",
+        timeout=30_000)
     return textbox(page, box).input_value()
 
 
@@ -124,7 +125,8 @@ def test_import_keeps_the_good_presets_and_exports(live_app, page, tmp_path):
     _open_presets_tab(page)
     page.locator("#presets-import input[type=file]").set_input_files(str(path))
     page.get_by_text("Imported 1: Imported one.").wait_for(timeout=30_000)
-    assert "preset 2 ('Broken'): temperature: 9.0 is out of range; allowed [0, 5]" in page.locator("#presets-status").inner_text()
+    status = page.locator("#presets-status").inner_text()
+    assert "preset 2 ('Broken'): temperature: 9.0 is out of range; allowed [0, 5]" in status
     visible_text(page, "#presets-mine", "Imported one").wait_for(timeout=30_000)
     page.locator("#presets-export-mine").click()  # and back out as a file
     page.locator("#presets-exported").get_by_text("my-presets", exact=True).wait_for(timeout=30_000)

@@ -33,7 +33,8 @@ def good_payload(**changes) -> dict:
 
 @pytest.mark.parametrize("stem", list(builtin_presets()))
 def test_round_trip_every_builtin(stem):
-    state = ShareState(view="compare", prompt="Ünïcode ✓ & ?share=x#frag\nnew line", preset=builtin_presets()[stem], seed=1234)
+    prompt = "Ünïcode ✓ & ?share=x#frag\nnew line"
+    state = ShareState(view="compare", prompt=prompt, preset=builtin_presets()[stem], seed=1234)
     token = encode(state)
     assert re.fullmatch(r"s1\.[A-Za-z0-9_-]+", token)  # URL-safe as is: no escaping needed
     assert decode(token) == state
@@ -184,7 +185,8 @@ def test_share_token_names_the_preset_and_marks_edits():
 
     balanced = builtin_presets()["balanced"]
     same = decode(share_token("step", "p", balanced.config.replace(seed=4), "balanced", [], chat=True))
-    assert (same.preset.name, same.preset.description, same.seed, same.chat) == ("Balanced", balanced.description, 4, True)
+    assert (same.preset.name, same.preset.description) == ("Balanced", balanced.description)
+    assert (same.seed, same.chat) == (4, True)
     edited = decode(share_token("step", "p", balanced.config.replace(top_p=0.5), "balanced", []))
     assert edited.preset.name == "Balanced" and edited.preset.description == "Settings shared by link."
     assert edited.preset.config.top_p == 0.5

@@ -182,6 +182,9 @@ def exact_two_token_joint(lm: LoadedModel, prompt_ids: list[int], config: Decodi
     return torch.stack([p1[t] * dist(prompt_ids + [t]) for t in range(p1.shape[0])])
 
 
+E2E_RUNS = 1500  # seeds 0..1499; each is a whole engine run (draft model, verify, rewind), so fewer than above
+
+
 def test_engine_loop_samples_the_target_distribution(tiny8):
     target, draft = tiny8
     prompt_ids = [1, 3, 5]
@@ -189,14 +192,14 @@ def test_engine_loop_samples_the_target_distribution(tiny8):
                             max_new_tokens=3, num_draft_tokens=2, top_n=3)
     joint = exact_two_token_joint(target, prompt_ids, config)
     firsts, seconds, rejected = [], [], 0
-    for seed in range(2500):
+    for seed in range(E2E_RUNS):
         cfg = dataclasses.replace(config, seed=seed)
         rounds = list(stream(target, prompt_ids, cfg, ModelDrafter(draft)))
         tokens = [t for r in rounds for t in r.emitted_token_ids]
         firsts.append(tokens[0])
         seconds.append(tokens[1])
         rejected += any(d.resampled is not None for r in rounds for d in r.drafted)
-    assert 200 < rejected < 2300  # both the accept and the residual paths were taken often
+    assert 0.1 * E2E_RUNS < rejected < 0.9 * E2E_RUNS  # both the accept and the residual paths were taken often
     assert chi_square_p(torch.tensor(firsts), torch.tensor(seconds), joint) > 1e-3
 
 

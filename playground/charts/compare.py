@@ -33,7 +33,8 @@ def _num(value: float, digits: int) -> float | str:
 def metrics_rows(metrics: Sequence[LaneMetrics], strategies: Sequence[str]) -> list[list]:
     """One row per lane, in ``METRIC_HEADERS`` order."""
     return [[m.name, strategy, m.tokens, _num(m.mean_raw_logprob, 3), _num(m.perplexity, 2), _num(m.distinct_1, 3),
-             _num(m.distinct_2, 3), _num(m.rep_4, 3), _num(m.ttft_ms, 0), _num(m.tokens_per_s, 1), m.stop_reason or "–"]
+             _num(m.distinct_2, 3), _num(m.rep_4, 3), _num(m.ttft_ms, 0), _num(m.tokens_per_s, 1),
+             m.stop_reason or "–"]
             for m, strategy in zip(metrics, strategies)]
 
 
@@ -47,11 +48,14 @@ def entropy_chart(names: Sequence[str], lanes: Sequence[Sequence[StepTrace]], di
         fig.add_trace(go.Scatter(
             x=[s.index for s in steps], y=[h / math.log(2) for h in entropy_series(steps, raw)], mode="lines+markers",
             name=name, line=dict(color=lane_colour(i)), customdata=[[readable(s.chosen_token)] for s in steps],
-            hovertemplate=f"{html.escape(name)} · step %{{x}}: %{{customdata[0]}}<br>H = %{{y:.2f}} bits<extra></extra>",
+            hovertemplate=f"{html.escape(name)} · step %{{x}}: %{{customdata[0]}}<br>"
+                          "H = %{y:.2f} bits<extra></extra>",
         ))
     if divergence is not None:
         fig.add_vline(x=divergence, line_color="#222", line_dash="dash", opacity=0.6,
                       annotation_text=f"diverge at step {divergence}", annotation_position="top left")
+    longest = max((len(steps) for steps in lanes), default=0)
+    fig.update_xaxes(tick0=0, dtick=max(1, math.ceil(longest / 12)))  # whole steps only
     which = "raw model" if raw else "picked-from distribution"
     fig.update_layout(height=280, margin=dict(l=10, r=10, t=40, b=30), template="plotly_white",
                       title=dict(text=f"Entropy per step ({which}, bits)", x=0.01, font=dict(size=14)),

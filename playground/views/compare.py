@@ -101,15 +101,16 @@ def parse_knobs(text: str, name: str) -> dict[str, Any]:
 
 def lane_config(spec: LaneSpec, name: str, seed: Any, max_new_tokens: Any) -> DecodingConfig:
     """A lane's validated config; errors name the lane and the key."""
-    values = {"strategy": spec.strategy, **parse_knobs(spec.knobs, name), "seed": _int(seed, "seed"),
-              "max_new_tokens": _int(max_new_tokens, "max_new_tokens")}
+    values = {"strategy": spec.strategy, **parse_knobs(spec.knobs, name), "seed": _int(seed),
+              "max_new_tokens": _int(max_new_tokens)}
     try:
         return config_or_error(values)
     except UserError as exc:
         raise UserError(f"{name}: {exc}") from None
 
 
-def _int(value: Any, key: str) -> Any:
+def _int(value: Any) -> Any:
+    """Number inputs send floats; a whole float becomes an int (anything else is left to validation)."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
@@ -262,7 +263,7 @@ def compare(shared: Shared, prompt: str, lanes: list, seed: int = 0, max_new_tok
 
 
 def sweep_seeds(seed: int, count: Any) -> list[int]:
-    count = _int(count, "seeds")
+    count = _int(count)
     if not isinstance(count, int) or not 2 <= count <= MAX_SWEEP_SEEDS:
         raise UserError(f"seeds: expected an integer in [2, {MAX_SWEEP_SEEDS}], got {count!r}")
     top = int(KNOBS["seed"].high)
@@ -432,16 +433,19 @@ def _sweep_panel() -> dict[str, Any]:
             run = gr.Button("Run seed sweep", elem_id="cmp-sweep-run")
         status = gr.HTML("", elem_id="cmp-sweep-status")
         summary = gr.Markdown(elem_id="cmp-sweep-summary")
-        table = gr.Dataframe(headers=charts.SWEEP_HEADERS, value=[], interactive=False, wrap=True, elem_id="cmp-sweep-table")
+        table = gr.Dataframe(headers=charts.SWEEP_HEADERS, value=[], interactive=False, wrap=True,
+                             elem_id="cmp-sweep-table")
     return {"lane": lane, "seeds": seeds, "run": run, "status": status, "summary": summary, "table": table}
 
 
 def build_tab(shared: Shared) -> None:
     starts = [spec_from_preset(p) for p in LANE_PRESETS[:MIN_LANES]]
     with gr.Row():
-        prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (shared by all lanes)", elem_id="cmp-prompt", scale=3)
+        prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (shared by all lanes)", elem_id="cmp-prompt",
+                            scale=3)
         with gr.Column(scale=1, min_width=240):
-            seed = gr.Number(0, precision=0, label="Seed (shared)", minimum=0, maximum=KNOBS["seed"].high, elem_id="cmp-seed")
+            seed = gr.Number(0, precision=0, label="Seed (shared)", minimum=0, maximum=KNOBS["seed"].high,
+                             elem_id="cmp-seed")
             max_new = gr.Slider(1, 256, value=32, step=1, label="max_new_tokens (shared)", elem_id="cmp-max-new-tokens",
                                 info=KNOBS["max_new_tokens"].doc)
             chat = gr.Checkbox(False, label="Chat template", elem_id="cmp-chat")
@@ -474,14 +478,17 @@ def _raw(kind: str) -> bool:
 def _wire_lanes(shared: Shared, page: Page) -> None:
     """Preset pickers fill their lane; add / duplicate / remove reshape the lanes (and their results)."""
     for lane in page.lanes:
-        lane.preset.input(lambda choice, stored: _fill_lane(choice, stored), [lane.preset, shared.user_presets],
-                          [lane.strategy, lane.knobs], api_visibility="private", queue=False)
+        lane.preset.input(_fill_lane, [lane.preset, shared.user_presets], [lane.strategy, lane.knobs],
+                          api_visibility="private", queue=False)
+        for edited in (lane.strategy, lane.knobs):  # a hand edit: the lane no longer is the preset
+            edited.input(lambda: CUSTOM, None, [lane.preset], api_visibility="private", queue=False)
     shape_inputs = [page.count, page.session, page.entropy_kind, *page.lane_values]
     shape_outputs = [page.count, page.status, *page.spec_outputs, *page.result_outputs, page.session]
-    page.add.click(_reshape("add", 0), shape_inputs, shape_outputs, api_visibility="private", queue=False)
+    local = {"api_visibility": "private", "queue": False}
+    page.add.click(_reshape("add", 0), shape_inputs, shape_outputs, **local)
     for i, lane in enumerate(page.lanes):
-        lane.duplicate.click(_reshape("duplicate", i), shape_inputs, shape_outputs, api_visibility="private", queue=False)
-        lane.remove.click(_reshape("remove", i), shape_inputs, shape_outputs, api_visibility="private", queue=False)
+        lane.duplicate.click(_reshape("duplicate", i), shape_inputs, shape_outputs, **local)
+        lane.remove.click(_reshape("remove", i), shape_inputs, shape_outputs, **local)
     shared.user_presets.change(
         lambda stored, *current: [gr.update(choices=preset_choices(stored), value=c) for c in current],
         [shared.user_presets, *[lane.preset for lane in page.lanes]], [lane.preset for lane in page.lanes],
@@ -534,13 +541,15 @@ def _wire_run(shared: Shared, page: Page) -> None:
             yield [error_html(str(exc))] + [gr.update()] * (len(outputs) - 1)
             return
         session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens)
-        yield [status_html(f"running {count} lanes one after another…")] + render_results(session, count, _raw(kind), 0) + [session]
+        note = status_html(f"running {count} lanes one after another…")
+        yield [note] + render_results(session, count, _raw(kind), 0) + [session]
         for i in run_lanes(shared, lm, prompt, prompt_ids, configs, chat, session):
             note = status_html(f"running {names[i]} of {count}…")
             yield [note] + render_results(session, count, _raw(kind), i) + [session]
         failed = sum(1 for e in session.errors if e)
         done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
-        yield [status_html(done + ". Click any token to open its step.")] + render_results(session, count, _raw(kind)) + [session]
+        note = status_html(done + ". Click any token to open its step.")
+        yield [note] + render_results(session, count, _raw(kind)) + [session]
 
     run_event = page.run.click(on_run, inputs, outputs, api_visibility="private", **shared.model_event)
     submit_event = page.prompt.submit(on_run, inputs, outputs, api_visibility="private", **shared.model_event)
@@ -555,7 +564,8 @@ def render_inspect(session: CompareSession | None, lane: str | None, step: Any) 
     traces = dict(session.done()) if session else {}
     trace = traces.get(lane or "")
     if trace is None:
-        return [gr.update(), gr.update(), "Run the lanes, then click a token." if not traces else f"{lane} has no output.", None]
+        message = f"{lane} has no output." if traces else "Run the lanes, then click a token."
+        return [gr.update(), gr.update(), message, None]
     last = len(trace.steps) - 1
     index = max(0, min(int(step or 0), last))
     chosen = trace.steps[index]
@@ -580,7 +590,8 @@ def _wire_inspect(page: Page) -> None:
 
         lane.text.select(on_select, [page.session], outputs, api_visibility="private", queue=False)
     for trigger in (panel["lane"].input, panel["step"].release):
-        trigger(render_inspect, [page.session, panel["lane"], panel["step"]], outputs, api_visibility="private", queue=False)
+        trigger(render_inspect, [page.session, panel["lane"], panel["step"]], outputs, api_visibility="private",
+                queue=False)
 
 
 def _wire_sweep(shared: Shared, page: Page) -> None:

@@ -134,7 +134,8 @@ def _editor_column() -> dict[str, Any]:
         export_library = gr.Button("Export the built-in library", size="sm", elem_id="presets-export-library")
     exported = gr.File(label="Exported file", interactive=False, height=90, visible=False, elem_id="presets-exported")
     return {"picker": picker, "editor": editor, "status": status, "save_name": save_name, "save": save,
-            "export_one": export_one, "export_mine": export_mine, "export_library": export_library, "exported": exported}
+            "export_one": export_one, "export_mine": export_mine, "export_library": export_library,
+            "exported": exported}
 
 
 def _mine_column() -> dict[str, Any]:
@@ -149,7 +150,8 @@ def _mine_column() -> dict[str, Any]:
         delete = gr.Button("Delete", size="sm", variant="stop", scale=1, elem_id="presets-delete")
     upload = gr.File(label="Import presets (.json: one preset or a list)", file_types=[".json"], type="filepath",
                      elem_id="presets-import")
-    return {"table": table, "chosen": chosen, "new_name": new_name, "rename": rename, "delete": delete, "upload": upload}
+    return {"table": table, "chosen": chosen, "new_name": new_name, "rename": rename, "delete": delete,
+            "upload": upload}
 
 
 def _wire_editor(shared: Shared, c: dict[str, Any]) -> None:
@@ -211,7 +213,8 @@ def _wire_mine(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
             return gr.update(), error_html(str(exc))
         return new, status_html(f"Saved {preset.name!r} in this browser.")
 
-    c["save"].click(on_save, [c["editor"], c["save_name"], shared.user_presets], [shared.user_presets, c["status"]], **private)
+    c["save"].click(on_save, [c["editor"], c["save_name"], shared.user_presets], [shared.user_presets, c["status"]],
+                    **private)
 
     def on_change(action: str, stored: Any, chosen: str, new_name: str):
         try:
@@ -226,7 +229,8 @@ def _wire_mine(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
 
     for action in ("rename", "delete"):
         m[action].click(lambda stored, chosen, new, action=action: on_change(action, stored, chosen, new),
-                        [shared.user_presets, m["chosen"], m["new_name"]], [shared.user_presets, c["status"]], **private)
+                        [shared.user_presets, m["chosen"], m["new_name"]], [shared.user_presets, c["status"]],
+                        **private)
 
 
 def _wire_import(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:

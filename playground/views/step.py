@@ -23,7 +23,7 @@ from engine.trace import Trace
 from playground.charts import step as charts
 
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import Shared, UserError, error_html, status_html
+from ..shared import Shared, UserError, error_html, gpu_task, status_html
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
@@ -179,6 +179,7 @@ def build_tab(shared: Shared) -> None:
 def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, colour_by, generate, stop, branch_btn, out: Outputs) -> None:
     outputs = out.all() + [session]
 
+    @gpu_task
     def on_generate(prompt_text, chat_on, model, quant, colour, state, *values):
         state = state or StepSession()
         try:
@@ -193,6 +194,7 @@ def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, colour_by, ge
         state.runs, state.current = [], 0
         yield from _guarded(stream_run(shared, state, lm, prompt_text, prompt_ids, config, chat_on, colour), state)
 
+    @gpu_task
     def on_branch(model, quant, colour, state, at, token):
         if state is None or state.trace() is None:
             yield _error_outputs("branch: generate a run first", state)

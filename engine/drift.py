@@ -1,0 +1,290 @@
+"""What quantization and the KV cache change: distribution drift, memory and speed.
+
+``stream_drift`` / ``quantization_report``: the fp32 model decodes greedily to get a reference
+continuation; each variant (none | int8 | nf4, loaded through the registry) then reads the whole
+reference sequence in ONE teacher-forced forward, and per position we compare its next-token
+distribution q with the reference model's p: KL(p || q) in nats, total variation, whether q's
+top-1 token is the reference token, and the reference token's probability under both. Each
+variant also decodes greedily on its own, which gives its speed and where its text first leaves
+the reference.
+
+``kv_cache_report``: greedy with the KV cache (``decode.stream``) against the nanoGPT loop that
+feeds the whole sequence again at every step, with the cache's measured size against the formula
+2 × layers × kv_heads × head_dim × bytes per element.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import decode
+from .cache import KVCache
+from .config import DecodingConfig
+from .metrics import first_divergence
+from .models import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
+from .trace import StepTrace
+
+REFERENCE = "none"  # the fp32 (unquantized) model is the yardstick
+
+
+@dataclass
+class PositionDrift:
+    """One position of the reference continuation, read by a variant under teacher forcing."""
+
+    index: int  # step in the reference continuation
+    token_id: int  # the reference token at this step
+    token: str
+    kl: float  # KL(p_ref || p_variant), nats
+    tv: float  # total variation distance, in [0, 1]
+    top1_agrees: bool  # the variant's most likely token is the reference token
+    top1_token_id: int  # the variant's most likely token
+    top1_token: str
+    ref_prob: float  # the reference token's probability under the reference model
+    variant_prob: float  # ... and under the variant
+
+
+@dataclass
+class VariantDrift:
+    """A variant: its footprint, its drift from the reference, and its own greedy run."""
+
+    quantization: str  # none | int8 | nf4
+    memory_bytes: int  # LoadedModel.memory_bytes (weights and buffers)
+    load_s: float  # how long loading took (when it was first loaded)
+    was_loaded: bool  # already in the registry before this report (no load time spent now)
+    positions: list[PositionDrift]
+    mean_kl: float
+    max_kl: float
+    mean_tv: float
+    top1_agreement: float  # share of positions where top1_agrees
+    tokens_per_s: float  # of its own greedy run
+    text: str  # its own greedy continuation
+    generated_token_ids: list[int]
+    tokens: list[str]  # the text of each generated token
+    first_divergence: int | None  # first step where its own run leaves the reference; None if never
+
+
+@dataclass
+class DriftReport:
+    model: str
+    prompt: str
+    chat: bool
+    device: str
+    max_new_tokens: int
+    prompt_token_ids: list[int]
+    reference_token_ids: list[int]
+    reference_tokens: list[str]
+    reference_text: str
+    requested: list[str]  # the variants asked for, in QUANTIZATIONS order
+    variants: list[VariantDrift] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # variant -> why it could not be measured
+
+    def pending(self) -> list[str]:
+        """Variants not yet measured (nor failed)."""
+        done = {v.quantization for v in self.variants} | set(self.errors)
+        return [q for q in self.requested if q not in done]
+
+
+def normalise_variants(variants: Sequence[str]) -> list[str]:
+    """Validated, de-duplicated, in QUANTIZATIONS order."""
+    unknown = [v for v in variants if v not in QUANTIZATIONS]
+    if unknown:
+        raise ValueError(f"variants: expected some of {' | '.join(QUANTIZATIONS)}, got {unknown[0]!r}")
+    chosen = [q for q in QUANTIZATIONS if q in variants]
+    if not chosen:
+        raise ValueError("variants: pick at least one of " + " | ".join(QUANTIZATIONS))
+    return chosen
+
+
+def greedy_config(max_new_tokens: int) -> DecodingConfig:
+    """Greedy with a one-token trace (the drift is measured separately, over the whole vocabulary)."""
+    return DecodingConfig(strategy="greedy", max_new_tokens=max_new_tokens, top_n=1)
+
+
+@torch.inference_mode()
+def teacher_forced_logits(lm: LoadedModel, prompt_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """Next-token logits [T, V] (float32) for each of the T continuation tokens, from ONE forward
+    over prompt + continuation[:-1]: row t is the distribution that picked continuation[t]."""
+    ids = torch.tensor([list(prompt_ids) + list(continuation[:-1])], dtype=torch.long, device=lm.device)
+    out = lm.model(input_ids=ids, use_cache=False, logits_to_keep=len(continuation))
+    return out.logits[0].float()  # [T, V]
+
+
+def compare_logits(ref_logits: torch.Tensor, var_logits: torch.Tensor, reference: Sequence[int],
+                   token_text: Any) -> list[PositionDrift]:
+    """Per-position drift of ``var_logits`` [T, V] from ``ref_logits`` [T, V] along ``reference``."""
+    log_p = F.log_softmax(ref_logits, dim=-1)  # [T, V]
+    log_q = F.log_softmax(var_logits, dim=-1)
+    p, q = log_p.exp(), log_q.exp()
+    kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).clamp_min(0.0)  # [T]
+    tv = 0.5 * (p - q).abs().sum(-1)  # [T]
+    top1 = q.argmax(-1)  # [T]
+    ref = torch.tensor(list(reference), dtype=torch.long, device=p.device)
+    ref_p = p.gather(-1, ref[:, None])[:, 0]
+    var_p = q.gather(-1, ref[:, None])[:, 0]
+    return [
+        PositionDrift(index=t, token_id=int(ref[t]), token=token_text(int(ref[t])), kl=float(kl[t]), tv=float(tv[t]),
+                      top1_agrees=bool(top1[t] == ref[t]), top1_token_id=int(top1[t]), top1_token=token_text(int(top1[t])),
+                      ref_prob=float(ref_p[t]), variant_prob=float(var_p[t]))
+        for t in range(len(reference))
+    ]
+
+
+def measure_variant(ref_lm: LoadedModel, lm: LoadedModel, prompt_ids: Sequence[int], reference: Sequence[StepTrace],
+                    ref_logits: torch.Tensor, own: Sequence[StepTrace], was_loaded: bool = False) -> VariantDrift:
+    """A VariantDrift from the reference run's steps and logits, and the variant's own greedy steps."""
+    ref_ids = [s.chosen_token_id for s in reference]
+    positions = compare_logits(ref_logits, teacher_forced_logits(lm, prompt_ids, ref_ids), ref_ids, ref_lm.token_text)
+    own_ids = [s.chosen_token_id for s in own]
+    n = max(1, len(positions))
+    return VariantDrift(
+        quantization=lm.quantization, memory_bytes=lm.memory_bytes, load_s=lm.load_seconds, was_loaded=was_loaded,
+        positions=positions, mean_kl=sum(p.kl for p in positions) / n, max_kl=max((p.kl for p in positions), default=0.0),
+        mean_tv=sum(p.tv for p in positions) / n, top1_agreement=sum(p.top1_agrees for p in positions) / n,
+        tokens_per_s=decode.timing(own).tokens_per_s, text=lm.decode(own_ids), generated_token_ids=own_ids,
+        tokens=[s.chosen_token for s in own], first_divergence=first_divergence([ref_ids, own_ids]),
+    )
+
+
+def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
+                 variants: Sequence[str] = QUANTIZATIONS) -> Iterator[DriftReport]:
+    """Yield the report after the reference run, then again as each variant finishes.
+
+    ``registry``: a ModelRegistry (``get(spec)``, ``loaded()``). A variant that cannot be loaded
+    (e.g. bitsandbytes missing) is recorded in ``errors``; the reference failing raises."""
+    requested = normalise_variants(variants)
+    config = greedy_config(max_new_tokens)
+    ref_lm = registry.get(ModelSpec(source, REFERENCE))
+    prompt_ids = ref_lm.encode(prompt, chat)
+    reference = list(decode.stream(ref_lm, prompt_ids, config))
+    ref_ids = [s.chosen_token_id for s in reference]
+    ref_logits = teacher_forced_logits(ref_lm, prompt_ids, ref_ids)
+    report = DriftReport(
+        model=ref_lm.name, prompt=prompt, chat=chat, device=str(ref_lm.device), max_new_tokens=max_new_tokens,
+        prompt_token_ids=list(prompt_ids), reference_token_ids=ref_ids, reference_tokens=[s.chosen_token for s in reference],
+        reference_text=ref_lm.decode(ref_ids), requested=requested,
+    )
+    yield report
+    for quantization in requested:
+        spec = ModelSpec(source, quantization)
+        was_loaded = spec in registry.loaded()
+        try:
+            lm = registry.get(spec)
+        except ModelLoadError as exc:
+            report.errors[quantization] = str(exc)
+            yield report
+            continue
+        own = reference if quantization == REFERENCE else list(decode.stream(lm, prompt_ids, config))
+        report.variants.append(measure_variant(ref_lm, lm, prompt_ids, reference, ref_logits, own, was_loaded))
+        yield report
+
+
+def quantization_report(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
+                        variants: Sequence[str] = QUANTIZATIONS) -> DriftReport:
+    """The whole drift report (see ``stream_drift``)."""
+    report = None
+    for report in stream_drift(registry, source, prompt, chat, max_new_tokens, variants):
+        pass
+    return report
+
+
+# ---------------------------------------------------------------------------------------- KV cache
+
+
+@dataclass
+class KVStep:
+    index: int  # generated token number
+    position: int  # sequence length the model read to produce it (prompt + tokens before it)
+    cached_ms: float  # with the cache (step 0 includes the prefill)
+    uncached_ms: float  # recomputing the whole sequence
+
+
+@dataclass
+class KVReport:
+    model: str
+    quantization: str
+    device: str
+    dtype: str
+    prompt: str
+    chat: bool
+    prompt_tokens: int
+    generated_token_ids: list[int]
+    uncached_token_ids: list[int]
+    tokens_equal: bool  # the two loops picked the same tokens (they must, up to float ties)
+    text: str
+    cached_tokens_per_s: float
+    uncached_tokens_per_s: float
+    speedup: float  # cached / uncached tokens per second
+    steps: list[KVStep]
+    cache_positions: int  # positions the cache holds at the end (prompt + generated − 1)
+    cache_bytes: int  # KVCache.nbytes() at the end
+    bytes_per_token: float  # measured: cache_bytes / cache_positions
+    formula_bytes_per_token: int  # 2 × layers × kv_heads × head_dim × bytes per element
+    layers: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_element: int
+    formula: str  # the formula with its numbers, for display
+
+
+def kv_geometry(lm: LoadedModel) -> tuple[int, int, int, int]:
+    """(layers, kv_heads, head_dim, bytes per element) from the model config and compute dtype."""
+    cfg = lm.model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim, torch.empty((), dtype=lm.dtype).element_size()
+
+
+@torch.inference_mode()
+def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -> tuple[list[int], list[float]]:
+    """The nanoGPT loop: feed the WHOLE sequence at every step, take the argmax. Returns the
+    generated ids and the milliseconds each step took."""
+    stopper = decode.StopCheck(lm, config)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)  # [1, S]
+    generated: list[int] = []
+    times: list[float] = []
+    while True:
+        start = time.perf_counter()
+        logits = lm.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1, :]  # [1, V]
+        token = int(logits.argmax(-1))
+        times.append((time.perf_counter() - start) * 1000)
+        generated.append(token)
+        if stopper.reason(generated) is not None:
+            return generated, times
+        ids = torch.cat([ids, torch.tensor([[token]], device=lm.device)], dim=1)  # [1, S + 1]
+
+
+def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32) -> KVReport:
+    """Greedy with the KV cache (``decode.stream``, trace capture included) vs without it."""
+    config = greedy_config(max_new_tokens)
+    prompt_ids = lm.encode(prompt, chat)
+    if not prompt_ids:
+        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    with torch.inference_mode():  # one throw-away forward, so neither loop pays first-call costs
+        lm.model(input_ids=torch.tensor([prompt_ids], device=lm.device), use_cache=False, logits_to_keep=1)
+    cache = KVCache(lm.model)
+    cached = list(decode.stream(lm, prompt_ids, config, cache=cache))
+    uncached_ids, uncached_ms = uncached_greedy(lm, prompt_ids, config)
+    cached_ms = [b - a for a, b in zip([0.0] + [s.elapsed_ms for s in cached], [s.elapsed_ms for s in cached])]
+    layers, kv_heads, head_dim, width = kv_geometry(lm)
+    formula = 2 * layers * kv_heads * head_dim * width
+    cached_rate = decode.timing(cached).tokens_per_s
+    uncached_rate = len(uncached_ids) / (sum(uncached_ms) / 1000) if sum(uncached_ms) > 0 else 0.0
+    ids = [s.chosen_token_id for s in cached]
+    return KVReport(
+        model=lm.name, quantization=lm.quantization, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
+        prompt=prompt, chat=chat, prompt_tokens=len(prompt_ids), generated_token_ids=ids, uncached_token_ids=uncached_ids,
+        tokens_equal=ids == uncached_ids, text=lm.decode(ids), cached_tokens_per_s=cached_rate,
+        uncached_tokens_per_s=uncached_rate, speedup=cached_rate / uncached_rate if uncached_rate else 0.0,
+        steps=[KVStep(i, len(prompt_ids) + i, c, u) for i, (c, u) in enumerate(zip(cached_ms, uncached_ms))],
+        cache_positions=cache.length, cache_bytes=cache.nbytes(),
+        bytes_per_token=cache.nbytes() / cache.length if cache.length else 0.0, formula_bytes_per_token=formula,
+        layers=layers, kv_heads=kv_heads, head_dim=head_dim, bytes_per_element=width,
+        formula=f"2 × {layers} layers × {kv_heads} kv heads × {head_dim} head dim × {width} bytes = {formula:,} bytes",
+    )

@@ -1,0 +1,250 @@
+"""Beam-search charts: pure functions of a BeamTrace -> tree layout, plotly figure, rankings.
+
+The tree: the prompt is the root; each considered candidate is a node at x = its step, joined to
+the node of the beam it extends. A node's y comes from a tidy-tree layout (leaves get consecutive
+rows, a parent sits between its first and last child), so lineages read left to right. Pruned
+candidates of one parent can be collapsed into one small marker beside the parent's children
+(``collapse_pruned``), which keeps 6 beams x 30 steps readable. No gradio here.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import plotly.graph_objects as go
+
+from engine.beam import BeamHypothesis, BeamTrace
+
+from .step import readable
+
+STATUS_COLOURS = {
+    "root": "#222222",
+    "kept": "#4c78a8",
+    "pruned": "#c3c3c3",
+    "collapsed": "#c3c3c3",
+    "finished": "#2ca02c",
+    "dropped": "#f58518",
+}
+WINNER = "#e4572e"
+ROW_PX = 26  # vertical pixels per leaf row
+COLLAPSED_OFFSET = 0.4  # a collapsed-pruned marker sits this far below its parent's row
+
+
+@dataclass
+class TreeNode:
+    """One drawn node. ``key``: "root", "t:i" (candidate i of step t) or "t:p<parent key>" (the
+    collapsed pruned candidates of one parent at step t)."""
+
+    key: str
+    step: int  # -1 for the root
+    y: float
+    label: str
+    status: str  # root | kept | pruned | finished | dropped | collapsed
+    parent: str | None
+    hover: str
+    on_path: bool = False  # on the highlighted hypothesis' path
+    count: int = 1  # collapsed: how many pruned candidates
+    children: list[str] = field(default_factory=list)
+
+
+def rescore(sum_logprobs: float, length: int, length_penalty: float) -> float:
+    """transformers' length-normalised score: sum_logprobs / length ** length_penalty."""
+    return sum_logprobs / (length ** length_penalty)
+
+
+def rerank(hypotheses: Sequence[BeamHypothesis], length_penalty: float) -> list[tuple[int, float]]:
+    """(hypothesis index, score) best first, re-scored under another length penalty."""
+    scored = [(i, rescore(h.sum_logprobs, h.length, length_penalty)) for i, h in enumerate(hypotheses)]
+    return sorted(scored, key=lambda x: -x[1])
+
+
+def _slot_maps(beam: BeamTrace) -> list[dict[int, int]]:
+    """Per step: beam slot -> index of the candidate that took the slot."""
+    return [{c.beam: i for i, c in enumerate(s.candidates) if c.beam is not None} for s in beam.steps]
+
+
+def _hover(step: int, c, length_penalty: float) -> str:
+    finish = f"<br>finished by {c.finish_reason}" if c.finish_reason else ""
+    return (f"step {step} · <b>{html.escape(readable(c.token))}</b> (id {c.token_id})<br>"
+            f"log-prob {c.logprob:.3f} (p={math.exp(max(c.logprob, -700)):.3f})<br>"
+            f"cumulative {c.score:.3f}<br>normalised {c.normalized_score:.3f} (÷ {step + 1}^{length_penalty:g})<br>"
+            f"{c.status}, from beam {c.parent}{finish}")
+
+
+def build_tree(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | None = None,
+               upto: int | None = None) -> dict[str, TreeNode]:
+    """The tree's nodes by key, laid out. ``highlight``: index of the hypothesis whose path stands
+    out (default: the winner). ``upto``: draw only steps < upto (a search in progress)."""
+    steps = beam.steps if upto is None else beam.steps[:upto]
+    nodes: dict[str, TreeNode] = {"root": TreeNode("root", -1, 0.0, "prompt", "root", None, "the prompt")}
+    slots = _slot_maps(beam)
+    for t, step in enumerate(steps):
+        for i, c in enumerate(step.candidates):
+            parent = "root" if t == 0 else f"{t - 1}:{slots[t - 1].get(c.parent, -1)}"
+            if parent not in nodes:
+                continue  # a parent outside the drawn steps (cannot happen in a consistent trace)
+            if collapse_pruned and c.status == "pruned":
+                _add_collapsed(nodes, t, parent, c, beam.length_penalty)
+                continue
+            key = f"{t}:{i}"
+            nodes[key] = TreeNode(key, t, 0.0, readable(c.token), c.status, parent, _hover(t, c, beam.length_penalty))
+            nodes[parent].children.append(key)
+    _mark_path(nodes, beam, beam.winner if highlight is None else highlight, len(steps))
+    _layout(nodes)
+    return nodes
+
+
+def _add_collapsed(nodes: dict[str, TreeNode], t: int, parent: str, c, length_penalty: float) -> None:
+    key = f"{t}:p{parent}"
+    line = f"{html.escape(readable(c.token))} {c.logprob:.2f} (cum {c.score:.2f})"
+    node = nodes.get(key)
+    if node is None:
+        nodes[key] = TreeNode(key, t, 0.0, "", "collapsed", parent,
+                              f"step {t} · pruned children of this beam:<br>{line}", count=1)
+        nodes[parent].children.append(key)
+    else:
+        node.count += 1
+        node.hover += f"<br>{line}"
+
+
+def _mark_path(nodes: dict[str, TreeNode], beam: BeamTrace, index: int | None, n_steps: int) -> None:
+    if index is None or not 0 <= index < len(beam.hypotheses):
+        return
+    nodes["root"].on_path = True
+    for t, ci in enumerate(beam.hypotheses[index].path[:n_steps]):
+        node = nodes.get(f"{t}:{ci}")
+        if node is not None:
+            node.on_path = True
+
+
+def _layout(nodes: dict[str, TreeNode]) -> None:
+    """Tidy tree: leaves (collapsed markers excepted) take consecutive rows in depth-first order,
+    children best first; a parent sits between its first and last real child."""
+    next_row = 0.0
+    stack: list[tuple[str, bool]] = [("root", False)]
+    while stack:  # iterative post-order: deep trees must not hit the recursion limit
+        key, expanded = stack.pop()
+        node = nodes[key]
+        real = [k for k in node.children if nodes[k].status != "collapsed"]
+        if not expanded:
+            stack.append((key, True))
+            stack.extend((k, False) for k in reversed(real))
+            continue
+        if real:
+            node.y = (nodes[real[0]].y + nodes[real[-1]].y) / 2
+        else:
+            node.y, next_row = next_row, next_row + 1
+        for k in node.children:
+            if nodes[k].status == "collapsed":
+                nodes[k].y = node.y + COLLAPSED_OFFSET
+
+
+def leaf_rows(nodes: dict[str, TreeNode]) -> int:
+    return int(max((n.y for n in nodes.values()), default=0)) + 1
+
+
+def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | None = None,
+                upto: int | None = None) -> go.Figure:
+    """The search tree as a plotly figure (pan to move, scroll or box to zoom)."""
+    nodes = build_tree(beam, collapse_pruned, highlight, upto)
+    fig = go.Figure()
+    for on_path in (False, True):
+        xs, ys = [], []
+        for n in nodes.values():
+            if n.parent is not None and (n.on_path and nodes[n.parent].on_path) == on_path:
+                xs += [nodes[n.parent].step, n.step, None]
+                ys += [nodes[n.parent].y, n.y, None]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
+                                 line={"color": WINNER if on_path else "#9aa7b4", "width": 3 if on_path else 1}))
+    for status in ("kept", "finished", "dropped", "pruned", "collapsed", "root"):
+        group = [n for n in nodes.values() if n.status == status]
+        if group:
+            fig.add_trace(_node_trace(status, group))
+    path = [n for n in nodes.values() if n.on_path and n.status != "root"]
+    if path:
+        fig.add_trace(go.Scatter(x=[n.step for n in path], y=[n.y for n in path], mode="markers", name="winning path",
+                                 hoverinfo="skip", marker={"size": 17, "color": "rgba(0,0,0,0)",
+                                                           "line": {"color": WINNER, "width": 2.5}}))
+    rows = leaf_rows(nodes)
+    fig.update_layout(
+        height=int(min(1600, max(360, 80 + ROW_PX * rows))), dragmode="pan", hovermode="closest",
+        margin={"l": 10, "r": 10, "t": 30, "b": 40}, plot_bgcolor="white",
+        legend={"orientation": "h", "y": 1.02, "x": 0, "yanchor": "bottom"},
+        xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee"},
+        yaxis={"visible": False, "autorange": "reversed"},
+    )
+    return fig
+
+
+def _node_trace(status: str, group: list[TreeNode]) -> go.Scatter:
+    small = status in ("pruned", "collapsed")
+    labelled = status in ("kept", "finished", "dropped")
+    sizes = [min(14, 6 + 2 * n.count) if status == "collapsed" else (7 if small else 11) for n in group]
+    names = {"collapsed": "pruned (collapsed)", "root": "prompt"}
+    return go.Scatter(
+        x=[n.step for n in group], y=[n.y for n in group], mode="markers+text" if labelled else "markers",
+        name=names.get(status, status), text=[n.label for n in group] if labelled else None,
+        textposition="top center", textfont={"size": 10}, hovertext=[n.hover for n in group], hoverinfo="text",
+        marker={"size": sizes, "color": STATUS_COLOURS[status], "symbol": "diamond" if status == "finished" else "circle",
+                "line": {"color": "white", "width": 1}},
+    )
+
+
+def hypotheses_rows(beam: BeamTrace, length_penalty: float) -> list[list]:
+    """Table rows, ranked under ``length_penalty``: rank, search rank, text, tokens, sum log-prob,
+    score at the search's penalty, score at ``length_penalty``."""
+    rows = []
+    for rank, (i, score) in enumerate(rerank(beam.hypotheses, length_penalty), start=1):
+        h = beam.hypotheses[i]
+        rows.append([rank, i + 1, h.text, h.length, round(h.sum_logprobs, 4), round(h.score, 4), round(score, 4)])
+    return rows
+
+
+HYPOTHESES_HEADERS = ["rank", "search rank", "text", "tokens", "sum log-prob", "score (search lp)", "score (slider lp)"]
+
+
+def winner_note(beam: BeamTrace, length_penalty: float) -> str:
+    """Markdown: which hypothesis wins under ``length_penalty``, and whether that changed."""
+    if not beam.hypotheses:
+        return "No finished hypotheses yet."
+    best, score = rerank(beam.hypotheses, length_penalty)[0]
+    h = beam.hypotheses[best]
+    head = (f"With length penalty **{length_penalty:g}** the best is hypothesis **#{best + 1}** "
+            f"({h.length} tokens, score {score:.4f}).")
+    if best == (beam.winner or 0):
+        return head + f" Same winner as the search (length penalty {beam.length_penalty:g})."
+    return (head + f" The search (length penalty {beam.length_penalty:g}) returned #{(beam.winner or 0) + 1}: "
+            f"{'longer' if h.length > beam.hypotheses[beam.winner or 0].length else 'shorter'} sequences win now. "
+            "(Re-ranking only the finished hypotheses: a search run with this penalty could have kept other beams.)")
+
+
+def step_summary(beam: BeamTrace) -> str:
+    """One line on the search: steps, candidates, statuses."""
+    counts: dict[str, int] = {}
+    for s in beam.steps:
+        for c in s.candidates:
+            counts[c.status] = counts.get(c.status, 0) + 1
+    parts = ", ".join(f"{counts[k]} {k}" for k in ("kept", "pruned", "finished", "dropped") if k in counts)
+    ended = {"early_stopping": "ended by early stopping", "no_continuation": "ended: no beam could continue"}
+    tail = f" · {ended[beam.ended_by]}" if beam.ended_by in ended else ""
+    return (f"{len(beam.steps)} steps · {beam.num_beams} beams · {beam.candidates_per_step} candidates per step"
+            f"{' per group' if beam.num_beam_groups > 1 else ''} · {parts}{tail}")
+
+
+def greedy_note(greedy_ids: Sequence[int], greedy_text: str, greedy_logprobs: Sequence[float], beam: BeamTrace,
+                length_penalty: float) -> str:
+    """Markdown comparing the greedy continuation with the hypotheses under ``length_penalty``.
+    ``greedy_logprobs``: the log-prob of each greedy token (same processors as the search)."""
+    if not greedy_ids:
+        return "Greedy: no tokens."
+    total = float(sum(greedy_logprobs))
+    score = rescore(total, len(greedy_ids), length_penalty)
+    better = sum(1 for _, s in rerank(beam.hypotheses, length_penalty) if s > score)
+    same = next((i for i, h in enumerate(beam.hypotheses) if list(h.token_ids) == list(greedy_ids)), None)
+    where = (f"it is hypothesis #{same + 1}" if same is not None
+             else f"{better} of {len(beam.hypotheses)} hypotheses score higher")
+    return (f"**Greedy** ({len(greedy_ids)} tokens, sum log-prob {total:.3f}, score {score:.4f} "
+            f"at length penalty {length_penalty:g}; {where}):\n\n> {html.escape(greedy_text).replace(chr(10), ' ')}")

@@ -1,0 +1,148 @@
+"""Quantization & KV cache charts: pure functions of DriftReport / KVReport -> table rows, plotly
+figures and HTML. No gradio here; unit-tested on hand-made reports.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Sequence
+
+import plotly.graph_objects as go
+
+from engine.drift import DriftReport, KVReport, VariantDrift
+from playground.charts.step import readable
+
+MB = 1024 * 1024
+COLOURS = {"none": "#4c78a8", "int8": "#f58518", "nf4": "#e45756"}
+CACHED, UNCACHED = "#4c78a8", "#e45756"
+DIVERGED_BG = "#fde4e4"
+
+DRIFT_HEADERS = ["variant", "memory MB", "load s", "tokens/s", "mean KL (nats)", "max KL", "top-1 agreement",
+                 "first divergence"]
+
+
+def variant_label(quantization: str) -> str:
+    return "fp32 (none)" if quantization == "none" else quantization
+
+
+def _divergence_cell(v: VariantDrift) -> str:
+    if v.quantization == "none":
+        return "reference"
+    return "never" if v.first_divergence is None else f"step {v.first_divergence}"
+
+
+def drift_rows(report: DriftReport) -> list[list]:
+    """One row of display strings per measured variant (headers: DRIFT_HEADERS), then one per failed variant."""
+    rows = [[variant_label(v.quantization), f"{v.memory_bytes / MB:.1f}",
+             f"{v.load_s:.1f}" + (" (earlier)" if v.was_loaded else ""), f"{v.tokens_per_s:.2f}",
+             f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", f"{v.top1_agreement:.0%}", _divergence_cell(v)]
+            for v in report.variants]
+    rows += [[variant_label(q), "", "", "", "", "", "", f"failed: {message}"] for q, message in report.errors.items()]
+    return rows
+
+
+def kl_figure(report: DriftReport) -> go.Figure:
+    """KL(p_fp32 || p_variant) per step of the reference continuation, one line per variant;
+    a diamond marks where the variant's own greedy text first left the reference."""
+    fig = go.Figure()
+    labels = [f"{i}: {readable(t)}" for i, t in enumerate(report.reference_tokens)]
+    for v in report.variants:
+        colour = COLOURS.get(v.quantization, "#555")
+        fig.add_trace(go.Scatter(
+            x=[p.index for p in v.positions], y=[p.kl for p in v.positions], mode="lines+markers",
+            name=variant_label(v.quantization), line={"color": colour}, customdata=labels,
+            hovertemplate="step %{customdata}<br>KL %{y:.4g} nats<extra>" + variant_label(v.quantization) + "</extra>",
+        ))
+        at = v.first_divergence
+        if at is not None and at < len(v.positions):
+            fig.add_trace(go.Scatter(
+                x=[at], y=[v.positions[at].kl], mode="markers", name=f"{variant_label(v.quantization)} diverges",
+                marker={"symbol": "diamond", "size": 13, "color": colour, "line": {"color": "#222", "width": 1}},
+                hovertemplate=f"own greedy text leaves the reference at step {at}<extra></extra>",
+            ))
+    fig.update_layout(title="Drift from fp32 at each step (teacher-forced on the fp32 continuation)",
+                      xaxis_title="step of the fp32 continuation", yaxis_title="KL(p_fp32 ‖ p_variant), nats",
+                      height=360, margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"orientation": "h", "y": -0.25},
+                      yaxis={"rangemode": "tozero"})
+    return fig
+
+
+def _token_spans(tokens: Sequence[str], divergence: int | None) -> str:
+    """Tokens as spans; from ``divergence`` on they are shaded, and a ▶ marks the point."""
+    spans = []
+    for i, token in enumerate(tokens):
+        text = html.escape(token)
+        if divergence is not None and i == divergence:
+            spans.append(f'<span class="q-diverge" title="first token that differs from fp32 (step {i})" '
+                         f'style="color:#b71c1c;font-weight:bold">▶</span>')
+        if divergence is not None and i >= divergence:
+            spans.append(f'<span class="q-after" style="background:{DIVERGED_BG}">{text}</span>')
+        else:
+            spans.append(f"<span>{text}</span>")
+    return "".join(spans)
+
+
+def texts_html(report: DriftReport) -> str:
+    """Each variant's own greedy continuation side by side; the part after its first divergence
+    from the fp32 text is shaded and the point is marked ▶."""
+    if not report.variants:
+        return '<div class="q-texts"><i>No variant measured yet.</i></div>'
+    columns = []
+    for v in report.variants:
+        note = ("reference" if v.quantization == "none"
+                else "same text as fp32" if v.first_divergence is None else f"diverges at step {v.first_divergence}")
+        columns.append(
+            f'<div class="q-text" data-variant="{html.escape(v.quantization)}" style="flex:1;min-width:220px;'
+            f'border:1px solid #ddd;border-radius:6px;padding:8px">'
+            f'<div style="font-weight:bold;color:{COLOURS.get(v.quantization, "#555")}">{html.escape(variant_label(v.quantization))}'
+            f' <span style="font-weight:normal;color:#666;font-size:12px">· {note}</span></div>'
+            f'<div style="white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:13px">'
+            f"{_token_spans(v.tokens, v.first_divergence)}</div></div>"
+        )
+    return f'<div class="q-texts" style="display:flex;gap:8px;flex-wrap:wrap">{"".join(columns)}</div>'
+
+
+def drift_status(report: DriftReport) -> str:
+    """A one-line progress message while the report streams."""
+    pending = report.pending()
+    done = len(report.variants) + len(report.errors)
+    if not pending:
+        return f"done: {done} variant(s) over {len(report.reference_token_ids)} reference tokens"
+    return (f"fp32 reference: {len(report.reference_token_ids)} tokens · measuring {pending[0]} "
+            f"(load, one teacher-forced forward, own greedy run)… {done}/{len(report.requested)} done")
+
+
+def kv_figure(report: KVReport) -> go.Figure:
+    """Milliseconds per generated token against the sequence length the model read: the cached
+    loop stays flat, the uncached one grows with the length."""
+    x = [s.position for s in report.steps]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=x, y=[s.uncached_ms for s in report.steps], mode="lines+markers", name="no cache (recompute)",
+                             line={"color": UNCACHED}, hovertemplate="length %{x}: %{y:.1f} ms<extra>no cache</extra>"))
+    fig.add_trace(go.Scatter(x=x, y=[s.cached_ms for s in report.steps], mode="lines+markers", name="KV cache",
+                             line={"color": CACHED}, hovertemplate="length %{x}: %{y:.1f} ms<extra>KV cache</extra>"))
+    fig.update_layout(title="Time per token as the sequence grows (the first cached step includes the prefill)",
+                      xaxis_title="sequence length read (prompt + generated)", yaxis_title="ms per token", height=340,
+                      margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"orientation": "h", "y": -0.25},
+                      yaxis={"rangemode": "tozero"})
+    return fig
+
+
+def kv_summary_html(report: KVReport) -> str:
+    """Speed (cached vs uncached), the cache's size, and bytes per token measured vs the formula."""
+    same = report.bytes_per_token == report.formula_bytes_per_token
+    check = "= the formula" if same else f"≠ the formula ({report.formula_bytes_per_token:,})"
+    warn = "" if report.tokens_equal else (
+        '<p style="color:#b00020">⚠ the two loops picked different tokens (a floating-point near-tie); '
+        "the timings compare sequences of different content.</p>")
+    return (
+        f'<div class="q-kv">'
+        f"<p><b>KV cache:</b> {report.cached_tokens_per_s:.1f} tokens/s · <b>no cache:</b> "
+        f"{report.uncached_tokens_per_s:.1f} tokens/s · speed-up <b>{report.speedup:.2f}×</b> "
+        f"over {len(report.generated_token_ids)} tokens after a {report.prompt_tokens}-token prompt "
+        f"({html.escape(report.model)}, {html.escape(report.quantization)}, {html.escape(report.device)}).</p>"
+        f"<p><b>Cache size:</b> {report.cache_bytes / MB:.2f} MB for {report.cache_positions} positions · "
+        f"<b>{report.bytes_per_token:,.0f} bytes per token</b> measured {check}: "
+        f"{html.escape(report.formula)} (keys and values, {html.escape(report.dtype)}).</p>"
+        f"{warn}</div>"
+    )

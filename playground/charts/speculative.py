@@ -1,0 +1,310 @@
+"""Speculative decoding charts: pure functions of SpecRounds -> HTML strings and plotly figures.
+
+A *position* is (round index, position in the round): position i < K is the i-th drafted token's
+acceptance test; position K (only when every draft passed) is the bonus token. No gradio here.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Sequence
+
+import plotly.graph_objects as go
+
+from engine.speculative import DraftToken, ExtraToken, SpecRound
+from playground.charts.step import readable
+
+# kind -> (text colour, background, label)
+KINDS = {
+    "accepted": ("#1b5e20", "#dff2e1", "accepted draft"),
+    "rejected": ("#b71c1c", "#fde4e4", "rejected draft"),
+    "resampled": ("#e65100", "#fff0dc", "resampled by the target"),
+    "bonus": ("#0d47a1", "#e1edfc", "bonus token from the target"),
+}
+P_COLOUR = "#4c78a8"  # target
+Q_COLOUR = "#f2a541"  # drafter
+HIGHLIGHT = "#e4572e"
+
+
+# --- chips -------------------------------------------------------------------------------------
+def _chip(kind: str, token: str, round_index: int, pos: int, title: str, selected: bool, emitted: bool = True) -> str:
+    colour, background, _ = KINDS[kind]
+    style = (f"display:inline-block;margin:2px;padding:1px 6px;border-radius:6px;cursor:pointer;"
+             f"font-family:ui-monospace,monospace;font-size:13px;color:{colour};background:{background};"
+             f"border:1px solid {colour}55;")
+    if kind == "rejected":
+        style += "text-decoration:line-through;"
+    if not emitted:
+        style += "opacity:0.45;"
+    if selected:
+        style += f"outline:2px solid {HIGHLIGHT};outline-offset:1px;"
+    return (f'<span class="spec-chip spec-{kind}" role="button" tabindex="0" data-chip="1" data-round="{round_index}" '
+            f'data-pos="{pos}" data-kind="{kind}" title="{html.escape(title)}" style="{style}">'
+            f"{html.escape(readable(token))}</span>")
+
+
+def _draft_title(d: DraftToken) -> str:
+    if d.u is None:
+        verdict = "matches the target's argmax" if d.accepted else "differs from the target's argmax"
+        return f"draft {readable(d.token)}: p={d.p:.3f}, q={d.q:.3f}; {verdict}"
+    return f"draft {readable(d.token)}: p={d.p:.3f}, q={d.q:.3f}, accept with {d.accept_prob:.3f}, u={d.u:.3f}"
+
+
+def round_label(r: SpecRound) -> str:
+    n = len(r.drafted)
+    return f"#{r.index} · K={r.k} · {r.num_accepted}/{n} accepted · +{len(r.emitted_token_ids)} tokens"
+
+
+def round_chips(r: SpecRound, selected: tuple[int, int] | None = None) -> str:
+    """One round: each drafted token as a chip (accepted / rejected), then the target's own token
+    (resampled at the rejected position, or the bonus). Tokens cut by a stop are faded."""
+    chips = []
+    emitted = len(r.emitted_token_ids)
+    for d in r.drafted:
+        chips.append(_chip("accepted" if d.accepted else "rejected", d.token, r.index, d.position, _draft_title(d),
+                           selected == (r.index, d.position), emitted=d.accepted and d.position < emitted))
+        if d.resampled is not None:
+            x = d.resampled
+            chips.append(_chip("resampled", x.token, r.index, d.position,
+                               f"resampled {readable(x.token)} from the residual (p={x.p:.3f})",
+                               selected == (r.index, d.position), emitted=d.position < emitted))
+    if r.bonus is not None:
+        pos = len(r.drafted)
+        chips.append(_chip("bonus", r.bonus.token, r.index, pos, f"bonus {readable(r.bonus.token)} from p (p={r.bonus.p:.3f})",
+                           selected == (r.index, pos), emitted=pos < emitted))
+    timing = f"draft {r.draft_ms:.0f} ms · verify {r.verify_ms:.0f} ms"
+    return (f'<div class="spec-round" data-round="{r.index}" style="margin:3px 0;line-height:1.9">'
+            f'<span style="display:inline-block;min-width:15em;color:#555;font-size:12px" title="{timing}">'
+            f"{html.escape(round_label(r))}</span>{''.join(chips)}</div>")
+
+
+def legend_html() -> str:
+    items = []
+    for kind, (colour, background, label) in KINDS.items():
+        items.append(f'<span style="margin-right:12px;font-size:12px"><span style="display:inline-block;width:10px;'
+                     f'height:10px;border-radius:3px;background:{background};border:1px solid {colour}"></span> {label}</span>')
+    return f'<div class="spec-legend">{"".join(items)}</div>'
+
+
+def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = None, limit: int = 200) -> str:
+    """All rounds as rows of chips (the last ``limit`` rounds), with a legend. Chips carry
+    data-round / data-pos so a click can select the position."""
+    if not rounds:
+        return '<div class="spec-rounds" style="color:#777">No rounds yet: press Generate.</div>'
+    shown = list(rounds)[-limit:]
+    hidden = len(rounds) - len(shown)
+    note = f'<div style="color:#777;font-size:12px">{hidden} earlier rounds not shown</div>' if hidden else ""
+    rows = "".join(round_chips(r, selected) for r in shown)
+    return f'<div class="spec-rounds">{legend_html()}{note}{rows}</div>'
+
+
+def emitted_tokens(r: SpecRound) -> list[tuple[str, str]]:
+    """(token text, kind) of the tokens the round added, in order (cut where a stop cut them)."""
+    out = [(d.token, "accepted") for d in r.drafted if d.accepted][: r.num_accepted]
+    extra = r.extra
+    if extra is not None:
+        out.append((extra.token, extra.kind))
+    return out[: len(r.emitted_token_ids)]
+
+
+def text_html(rounds: Sequence[SpecRound]) -> str:
+    """The generated text as it flowed: tokens the draft got right on green, the target's own
+    tokens (resampled or bonus) on orange or blue."""
+    spans = []
+    for r in rounds:
+        for token, kind in emitted_tokens(r):
+            colour, background, label = KINDS[kind]
+            text = html.escape(token).replace("\n", "<br>")
+            spans.append(f'<span class="spec-tok spec-tok-{kind}" title="round {r.index}: {label}" '
+                         f'style="background:{background};border-bottom:2px solid {colour}">{text}</span>')
+    body = "".join(spans) or '<span style="color:#777">The text appears here as rounds are accepted.</span>'
+    return f'<div class="spec-text" style="white-space:pre-wrap;line-height:1.7;font-size:15px">{body}</div>'
+
+
+# --- positions ---------------------------------------------------------------------------------
+def position_choices(rounds: Sequence[SpecRound]) -> list[tuple[str, str]]:
+    """(label, "round:pos") for every clickable position, for a dropdown."""
+    out = []
+    for r in rounds:
+        for d in r.drafted:
+            verdict = "✓" if d.accepted else f"✗ → {readable(d.resampled.token)}" if d.resampled else "✗"
+            out.append((f"round {r.index} · pos {d.position}: {readable(d.token)} {verdict}", f"{r.index}:{d.position}"))
+        if r.bonus is not None:
+            out.append((f"round {r.index} · pos {len(r.drafted)}: bonus {readable(r.bonus.token)}", f"{r.index}:{len(r.drafted)}"))
+    return out
+
+
+def parse_position(value: str | None) -> tuple[int, int] | None:
+    """"3:1" -> (3, 1); None for anything else."""
+    if not value or ":" not in str(value):
+        return None
+    left, _, right = str(value).partition(":")
+    if not (left.isdigit() and right.isdigit()):
+        return None
+    return int(left), int(right)
+
+
+def find_round(rounds: Sequence[SpecRound], index: int) -> SpecRound | None:
+    return next((r for r in rounds if r.index == index), None)
+
+
+def acceptance_text(r: SpecRound, pos: int) -> str:
+    """The acceptance test at a position, written out (markdown)."""
+    if pos == len(r.drafted) and r.bonus is not None:
+        b = r.bonus
+        how = "the target's argmax" if b.draw is None else "sampled from the target's distribution p"
+        why = (f"All {len(r.drafted)} drafts were accepted, so the target's next distribution comes free"
+               if r.drafted else "The drafter proposed nothing this round, so the target decoded one token itself")
+        return f"**Round {r.index}, bonus.** {why}: **{readable(b.token)}** was {how} (p = {b.p:.3f})."
+    if not 0 <= pos < len(r.drafted):
+        return f"Round {r.index} has no position {pos}."
+    d = r.drafted[pos]
+    head = f"**Round {r.index}, position {pos}: draft {readable(d.token)}.** "
+    if d.u is None:
+        best = readable(d.resampled.token) if d.resampled else readable(d.token)
+        verdict = "accepted" if d.accepted else f"rejected; the target's argmax **{best}** is taken instead"
+        return head + f"p = {d.p:.3f}, q = {d.q:.3f}. Greedy: accept while the draft equals the target's argmax ({best}) → {verdict}."
+    line = (f"p={d.p:.2f}, q={d.q:.2f} → accept with {d.accept_prob:.2f}; u={d.u:.2f} → "
+            f"{'accepted' if d.accepted else 'rejected'}")
+    text = head + f"`{line}` (accept with probability min(1, p/q))."
+    if d.resampled is not None:
+        x = d.resampled
+        text += (f" The target then resampled **{readable(x.token)}** from the residual normalise(max(0, p − q)), "
+                 f"where it has probability {x.prob:.3f} (p = {x.p:.3f}).")
+    return text
+
+
+def _bar_labels(ids: Sequence[int], texts: dict[int, str]) -> list[str]:
+    labels, seen = [], set()
+    for i in ids:
+        label = readable(texts[i])
+        if label in seen:
+            label = f"{label} #{i}"
+        seen.add(label)
+        labels.append(label)
+    return labels
+
+
+def pq_figure(r: SpecRound, pos: int) -> go.Figure:
+    """p (target) vs q (drafter) for the position's top tokens; the drafted (or bonus) token's
+    bars are outlined. Tokens outside a distribution's stored top-N have no bar for it."""
+    fig = go.Figure()
+    if pos < len(r.drafted):
+        d = r.drafted[pos]
+        p_top, q_top, mark = d.p_top, d.q_top, d.token_id
+        title = f"round {r.index} · pos {pos}: draft {readable(d.token)} (p={d.p:.3f}, q={d.q:.3f})"
+    elif r.bonus is not None:
+        p_top, q_top, mark = r.bonus.top, [], r.bonus.token_id
+        title = f"round {r.index} · bonus from p: {readable(r.bonus.token)}"
+    else:
+        return fig
+    texts = {t.token_id: t.token for t in [*p_top, *q_top]}
+    ids = list(dict.fromkeys([t.token_id for t in p_top] + [t.token_id for t in q_top]))
+    labels = _bar_labels(ids, texts)
+    p_map = {t.token_id: t.prob for t in p_top}
+    q_map = {t.token_id: t.prob for t in q_top}
+    outline = dict(color=[HIGHLIGHT if i == mark else "rgba(0,0,0,0)" for i in ids], width=2.5)
+    fig.add_trace(go.Bar(y=labels, x=[p_map.get(i) for i in ids], orientation="h", name="p (target)", marker_color=P_COLOUR,
+                         marker_line=outline, hovertemplate="%{y}: p = %{x:.4f}<extra>target</extra>"))
+    if q_top:
+        fig.add_trace(go.Bar(y=labels, x=[q_map.get(i) for i in ids], orientation="h", name="q (drafter)", marker_color=Q_COLOUR,
+                             marker_line=outline, hovertemplate="%{y}: q = %{x:.4f}<extra>drafter</extra>"))
+    return _bars_layout(fig, title, len(ids))
+
+
+def residual_figure(r: SpecRound, pos: int) -> go.Figure | None:
+    """The distribution the round's last token came from: the residual after a rejection (with
+    the resampled token highlighted), or p for the bonus. None for an accepted draft."""
+    extra: ExtraToken | None = None
+    if pos < len(r.drafted):
+        extra = r.drafted[pos].resampled
+    elif pos == len(r.drafted):
+        extra = r.bonus
+    if extra is None:
+        return None
+    ids = [t.token_id for t in extra.top]
+    labels = _bar_labels(ids, {t.token_id: t.token for t in extra.top})
+    colours = [HIGHLIGHT if i == extra.token_id else P_COLOUR for i in ids]
+    fig = go.Figure(go.Bar(y=labels, x=[t.prob for t in extra.top], orientation="h", marker_color=colours, showlegend=False,
+                           hovertemplate="%{y}: %{x:.4f}<extra></extra>"))
+    what = "residual normalise(max(0, p − q))" if extra.kind == "resampled" else "target distribution p"
+    return _bars_layout(fig, f"{extra.kind} {readable(extra.token)} from the {what}", len(ids))
+
+
+def _bars_layout(fig: go.Figure, title: str, n: int) -> go.Figure:
+    fig.update_yaxes(autorange="reversed", automargin=True, tickfont=dict(size=11))
+    fig.update_xaxes(rangemode="tozero", tickformat=".0%")
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=13)), barmode="group", template="plotly_white",
+                      height=max(220, 60 + 24 * n), margin=dict(l=10, r=10, t=40, b=20),
+                      legend=dict(orientation="h", y=1.08, x=1, xanchor="right"))
+    return fig
+
+
+# --- run-level ---------------------------------------------------------------------------------
+def accepted_length_figure(rounds: Sequence[SpecRound]) -> go.Figure:
+    """Per round: accepted drafts (stacked with the target's own token) against K."""
+    xs = [r.index for r in rounds]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=xs, y=[r.num_accepted for r in rounds], name="accepted drafts", marker_color=KINDS["accepted"][0],
+                         hovertemplate="round %{x}: %{y} accepted<extra></extra>"))
+    extra_colour = [KINDS["bonus" if r.bonus is not None else "resampled"][0] for r in rounds]
+    fig.add_trace(go.Bar(x=xs, y=[1 if r.extra is not None else 0 for r in rounds], name="target token (resampled / bonus)",
+                         marker_color=extra_colour, hovertemplate="round %{x}: +1 from the target<extra></extra>"))
+    fig.add_trace(go.Scatter(x=xs, y=[len(r.drafted) for r in rounds], mode="markers", name="drafted",
+                             marker=dict(symbol="line-ew-open", size=14, color="#333", line=dict(width=2)),
+                             hovertemplate="round %{x}: %{y} drafted<extra></extra>"))
+    fig.update_layout(barmode="stack", template="plotly_white", height=240, margin=dict(l=10, r=10, t=30, b=30),
+                      xaxis_title="round", yaxis_title="tokens", legend=dict(orientation="h", y=1.18))
+    return fig
+
+
+def counters(rounds: Sequence[SpecRound], summary: dict | None = None) -> dict[str, float]:
+    """Live counters from the rounds so far; the speed-up comes from a finished run's summary
+    (``speedup``: target-only time / speculative time, per token, same process)."""
+    drafted = sum(len(r.drafted) for r in rounds)
+    accepted = sum(r.num_accepted for r in rounds)
+    tokens = sum(len(r.emitted_token_ids) for r in rounds)
+    speedup = (summary or {}).get("speedup")
+    return {
+        "rounds": len(rounds),
+        "tokens": tokens,
+        "acceptance_rate": accepted / drafted if drafted else math.nan,
+        "tokens_per_target_forward": tokens / len(rounds) if rounds else math.nan,
+        "speedup": float(speedup) if speedup is not None else math.nan,
+    }
+
+
+def counters_html(rounds: Sequence[SpecRound], summary: dict | None = None) -> str:
+    c = counters(rounds, summary)
+
+    def box(label: str, value: str, elem: str) -> str:
+        return (f'<div class="spec-counter" id="{elem}" style="display:inline-block;min-width:9em;margin:4px 10px 4px 0;'
+                f'padding:6px 10px;border:1px solid #ddd;border-radius:8px"><div style="font-size:12px;color:#666">{label}</div>'
+                f'<div style="font-size:20px;font-weight:600">{value}</div></div>')
+
+    rate = "—" if math.isnan(c["acceptance_rate"]) else f"{c['acceptance_rate']:.0%}"
+    per = "—" if math.isnan(c["tokens_per_target_forward"]) else f"{c['tokens_per_target_forward']:.2f}"
+    speed = "—" if math.isnan(c["speedup"]) else f"{c['speedup']:.2f}×"
+    return ('<div class="spec-counters">'
+            + box("acceptance rate", rate, "spec-acceptance")
+            + box("tokens / target forward", per, "spec-per-forward")
+            + box("speed-up vs target-only", speed, "spec-speedup")
+            + box("rounds · tokens", f"{c['rounds']} · {c['tokens']}", "spec-rounds-count")
+            + "</div>")
+
+
+def summary_markdown(summary: dict) -> str:
+    """The finished run's summary in one paragraph."""
+    if not summary:
+        return ""
+    text = (f"**{summary.get('tokens', 0)} tokens** in {summary.get('rounds', 0)} rounds with drafter "
+            f"`{summary.get('drafter', '?')}` · accepted {summary.get('accepted', 0)}/{summary.get('drafted', 0)} drafts "
+            f"({summary.get('acceptance_rate', 0.0):.0%}) · {summary.get('tokens_per_target_forward', 0.0):.2f} tokens per "
+            f"target forward · {summary.get('target_forwards_saved', 0)} target forwards saved · draft "
+            f"{summary.get('draft_ms', 0.0):.0f} ms, verify {summary.get('verify_ms', 0.0):.0f} ms, total "
+            f"{summary.get('total_ms', 0.0):.0f} ms")
+    if "speedup" in summary:
+        same = " (same tokens)" if summary.get("baseline_same_tokens") else ""
+        text += (f" · target-only {summary['baseline_ms']:.0f} ms{same} → **{summary['speedup']:.2f}×**")
+    return text

@@ -1,0 +1,124 @@
+"""The beam tree builder and re-ranking on a hand-made 3-step trace (2 beams, 4 candidates a step).
+
+    step 0 (from the prompt)       step 1                          step 2
+    A  -0.10  kept  -> beam 0      a  (A) -0.20 = -0.30 kept  b0   x (a) -0.45 = -0.75 finished (eos)
+    B  -0.50  kept  -> beam 1      ⏎ (B) -0.10 = -0.60 finished   y (b) -0.20 = -0.90 dropped
+    C  -1.00  pruned               b  (A) -0.40 = -0.70 kept  b1   z (a) -0.80 = -1.10 pruned
+    D  -2.00  pruned               c  (B) -1.00 = -1.50 pruned     w (b) -0.90 = -1.60 pruned
+
+Hypotheses: "A a x" (sum -0.75, 3 tokens) and "B ⏎" (sum -0.60, 2 tokens). With length penalty 1
+the longer one wins (-0.25 > -0.30); with 0 (raw sums) the shorter one does (-0.60 > -0.75).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.beam import BeamCandidate, BeamHypothesis, BeamStep, BeamTrace, lineage_tokens
+from engine.trace import to_dict
+from playground.charts import beam as charts
+
+
+def cand(parent, token_id, token, logprob, score, step, status, beam=None, reason=None) -> BeamCandidate:
+    return BeamCandidate(parent=parent, token_id=token_id, token=token, logprob=logprob, raw_logprob=logprob,
+                         score=score, normalized_score=score / (step + 1), status=status, beam=beam,
+                         finish_reason=reason)
+
+
+@pytest.fixture
+def trace() -> BeamTrace:
+    steps = [
+        BeamStep(0, [cand(0, 10, "A", -0.1, -0.1, 0, "kept", 0), cand(0, 11, "B", -0.5, -0.5, 0, "kept", 1),
+                     cand(0, 12, "C", -1.0, -1.0, 0, "pruned"), cand(0, 13, "D", -2.0, -2.0, 0, "pruned")], [1.0, 1.0]),
+        BeamStep(1, [cand(0, 20, "a", -0.2, -0.3, 1, "kept", 0), cand(1, 2, "\n", -0.1, -0.6, 1, "finished", None, "eos"),
+                     cand(0, 21, "b", -0.4, -0.7, 1, "kept", 1), cand(1, 22, "c", -1.0, -1.5, 1, "pruned")], [1.0, 1.0]),
+        BeamStep(2, [cand(0, 30, "x", -0.45, -0.75, 2, "finished", None, "eos"), cand(1, 31, "y", -0.2, -0.9, 2, "dropped", 1),
+                     cand(0, 32, "z", -0.8, -1.1, 2, "pruned"), cand(1, 33, "w", -0.9, -1.6, 2, "pruned")], [1.0, 1.0]),
+    ]
+    hyps = [
+        BeamHypothesis([10, 20, 30], "A a x", -0.75, 3, -0.25, "eos", [0, 0, 0], returned=True),
+        BeamHypothesis([11, 2], "B", -0.6, 2, -0.3, "eos", [1, 1]),
+    ]
+    return BeamTrace(num_beams=2, num_beam_groups=1, length_penalty=1.0, early_stopping=True, candidates_per_step=4,
+                     steps=steps, hypotheses=hyps, winner=0, ended_by="early_stopping")
+
+
+def test_lineage_follows_beam_slots(trace):
+    assert lineage_tokens(trace, 2, 1) == [10, 21, 31]  # y extends b (slot 1 at step 1), which extends A
+    assert lineage_tokens(trace, 1, 1) == [11, 2]
+
+
+def test_tree_links_each_candidate_to_the_node_of_its_parent_beam(trace):
+    nodes = charts.build_tree(trace, collapse_pruned=False)
+    assert len(nodes) == 1 + 12
+    assert nodes["0:0"].parent == "root" and nodes["0:3"].parent == "root"
+    assert nodes["1:1"].parent == "0:1" and nodes["1:2"].parent == "0:0"
+    assert nodes["2:1"].parent == "1:2"  # y's parent slot 1 was taken by b at step 1
+    assert nodes["2:0"].status == "finished" and nodes["2:1"].status == "dropped"
+    assert {k for k, n in nodes.items() if n.on_path} == {"root", "0:0", "1:0", "2:0"}
+
+
+def test_collapsing_gathers_pruned_children_per_parent(trace):
+    nodes = charts.build_tree(trace, collapse_pruned=True)
+    collapsed = {k: n for k, n in nodes.items() if n.status == "collapsed"}
+    assert {k: n.count for k, n in collapsed.items()} == {"0:proot": 2, "1:p0:1": 1, "2:p1:0": 1, "2:p1:2": 1}
+    assert "C" in collapsed["0:proot"].hover and "D" in collapsed["0:proot"].hover
+    assert not any(n.status == "pruned" for n in nodes.values())
+
+
+def test_layout_gives_leaves_rows_and_centres_parents(trace):
+    nodes = charts.build_tree(trace, collapse_pruned=True)
+    # leaves in depth-first order, best child first: x, y, then the finished newline
+    assert (nodes["2:0"].y, nodes["2:1"].y, nodes["1:1"].y) == (0, 1, 2)
+    assert nodes["1:0"].y == 0 and nodes["1:2"].y == 1 and nodes["0:0"].y == 0.5 and nodes["0:1"].y == 2
+    assert nodes["root"].y == 1.25
+    assert nodes["0:proot"].y == pytest.approx(1.25 + charts.COLLAPSED_OFFSET)
+    assert charts.leaf_rows(nodes) == 3
+
+
+def test_highlight_and_upto(trace):
+    second = charts.build_tree(trace, highlight=1)
+    assert {k for k, n in second.items() if n.on_path} == {"root", "0:1", "1:1"}
+    partial = charts.build_tree(trace, collapse_pruned=False, upto=1)
+    assert sorted(partial) == ["0:0", "0:1", "0:2", "0:3", "root"]
+
+
+def test_rerank_is_sum_over_length_to_the_penalty(trace):
+    assert charts.rerank(trace.hypotheses, 1.0) == [(0, pytest.approx(-0.25)), (1, pytest.approx(-0.3))]
+    assert charts.rerank(trace.hypotheses, 0.0) == [(1, pytest.approx(-0.6)), (0, pytest.approx(-0.75))]
+    assert charts.rerank(trace.hypotheses, 2.0)[0] == (0, pytest.approx(-0.75 / 9))
+
+
+def test_winner_note_and_table_follow_the_slider(trace):
+    assert "Same winner" in charts.winner_note(trace, 1.0)
+    note = charts.winner_note(trace, 0.0)
+    assert "#2" in note and "shorter" in note
+    rows = charts.hypotheses_rows(trace, 0.0)
+    assert [r[1] for r in rows] == [2, 1]  # search ranks, re-ordered
+    assert rows[0][:5] == [1, 2, "B", 2, -0.6] and rows[0][6] == -0.6
+    assert len(rows[0]) == len(charts.HYPOTHESES_HEADERS)
+
+
+def test_figure_colours_statuses_and_marks_the_winning_path(trace):
+    fig = charts.tree_figure(trace)
+    by_name = {t.name: t for t in fig.data if t.name}
+    assert {"kept", "finished", "dropped", "pruned (collapsed)", "prompt", "winning path"} <= set(by_name)
+    assert by_name["finished"].marker.color == charts.STATUS_COLOURS["finished"]
+    assert list(by_name["winning path"].x) == [0, 1, 2]
+    hover = " ".join(by_name["finished"].hovertext)
+    assert "log-prob -0.450" in hover and "cumulative -0.750" in hover and "normalised -0.250" in hover
+    path_edges = [t for t in fig.data if t.mode == "lines" and t.line.color == charts.WINNER][0]
+    assert [x for x in path_edges.x if x is not None] == [-1, 0, 0, 1, 1, 2]
+    assert fig.layout.dragmode == "pan"
+
+
+def test_tree_is_a_pure_function_of_the_json(trace):
+    again = BeamTrace.from_dict(to_dict(trace))
+    assert again == trace
+    assert charts.build_tree(again) == charts.build_tree(trace)
+
+
+def test_step_summary_counts_statuses(trace):
+    text = charts.step_summary(trace)
+    assert "3 steps" in text and "4 kept, 5 pruned, 2 finished, 1 dropped" in text
+    assert "early stopping" in text
