@@ -11,6 +11,8 @@ PYTEST_ARGS ?=
 export GRADIO_ANALYTICS_ENABLED := False
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
+# OpenMP threads spin-wait by default, which starves the other core on small machines.
+export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: run test setup setup-dev browser bench clean
 

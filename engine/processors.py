@@ -308,7 +308,7 @@ class _Recorder:
         alive = probs > 0
         kept = int(alive.sum())
         entropy = float(torch.special.entr(probs).sum())
-        top_p, top_i = torch.topk(probs, min(self.top_n, probs.shape[0]))
+        top_p, top_i = torch.topk(probs, min(self.top_n, kept, probs.shape[0]))  # removed tokens are not "top"
         top = self._tokens(top_i, top_p)
         mass_removed, tv, removed = 0.0, 0.0, []
         if self.prev_probs is not None:

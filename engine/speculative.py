@@ -27,7 +27,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from . import decode, sampling
 from .cache import KVCache
 from .config import KNOBS, DecodingConfig
 from .models import LoadedModel, ModelRegistry, ModelSpec
-from .processors import Chain
+from .processors import Chain, Traced
 from .trace import StepTrace, TokenProb, Trace, from_dict
 
 
@@ -272,7 +272,7 @@ def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistr
         quantization = config.drafter.removeprefix("self-")
         return ModelDrafter(registry.get(_spec_for(lm, lm.source, quantization)), f"{lm.name} ({quantization})")
     source = config.drafter.removeprefix("model:")
-    draft = registry.get(_spec_for(lm, "embedded" if source == "embedded" else source, "none"))
+    draft = registry.get(_spec_for(lm, source, "none"))
     check_compatible(lm, draft)
     return ModelDrafter(draft)
 
@@ -305,10 +305,10 @@ class _Verifier:
         t1 = time.perf_counter()
         fed = [self.sequence[-1], *draft.tokens]
         logits = self.cache.forward(torch.tensor([fed], dtype=torch.long), all_logits=True).logits[0].float()  # [K+1, V]
-        drafted, emitted, stage_traces, bonus = self._accept(draft, logits)
+        drafted, emitted, bonus = self._accept(draft, logits)
         verify_ms = (time.perf_counter() - t1) * 1000
         start = len(self.generated)
-        steps, reason = self._emit(emitted, stage_traces)
+        steps, reason = self._emit(emitted)
         self.cache.rewind(self.cache.length - (len(self.sequence) - 1))
         self.drafter.rewind_to(self.sequence[:-1])
         ids = self.generated[start:]
@@ -318,35 +318,34 @@ class _Verifier:
             verify_ms=verify_ms, elapsed_ms=self.elapsed_ms(), finish_reason=reason, steps=steps,
         )
 
-    def _accept(self, draft: Draft, logits: torch.Tensor) -> tuple[list[DraftToken], list, list, ExtraToken | None]:
-        """Test the drafts left to right; returns the records, the emitted (token, p-probs, raw
-        probs) and their stage traces, and the bonus token if every draft passed."""
+    def _accept(self, draft: Draft, logits: torch.Tensor) -> tuple[list[DraftToken], list[tuple[int, Traced]], ExtraToken | None]:
+        """Test the drafts left to right (position i sees the sequence plus drafts before i).
+        Returns the records, the emitted (token, its position's traced target distribution)
+        pairs, and the bonus token if every draft passed."""
         drafted: list[DraftToken] = []
-        emitted, stage_traces = [], []
+        emitted: list[tuple[int, Traced]] = []
         base = self.sequence + draft.tokens
         for i in range(len(draft.tokens) + 1):
             ids = torch.tensor([base[: len(self.sequence) + i]], dtype=torch.long, device=self.lm.device)
-            final, stages = self.chain.traced(ids, logits[i: i + 1], self.config.top_n, self.lm.token_text)
-            p = torch.softmax(final[0], dim=-1)  # [V]
-            stage_traces.append(stages)
+            traced = self.chain.traced(ids, logits[i: i + 1], self.config.top_n, self.lm.token_text)
             if i == len(draft.tokens):
-                bonus = self._extra("bonus", final, p)
-                emitted.append((bonus.token_id, p, logits[i]))
-                return drafted, emitted, stage_traces, bonus
-            q = draft.q[i] if draft.q else None
-            record = self._test(i, draft.tokens[i], p, q, final)
+                bonus = self._extra("bonus", traced)
+                emitted.append((bonus.token_id, traced))
+                return drafted, emitted, bonus
+            record = self._test(i, draft.tokens[i], traced, draft.q[i] if draft.q else None)
             drafted.append(record)
-            chosen = record.token_id if record.accepted else record.resampled.token_id
-            emitted.append((chosen, p, logits[i]))
+            emitted.append((record.token_id if record.accepted else record.resampled.token_id, traced))
             if not record.accepted:
-                return drafted, emitted, stage_traces, None
-        raise AssertionError("unreachable")
+                return drafted, emitted, None
+        raise AssertionError("unreachable: the loop returns at the bonus position")
 
-    def _test(self, position: int, x: int, p: torch.Tensor, q: torch.Tensor | None, final: torch.Tensor) -> DraftToken:
-        """The acceptance test of draft token x (q None: a point mass on x)."""
+    def _test(self, position: int, x: int, traced: Traced, q: torch.Tensor | None) -> DraftToken:
+        """The acceptance test of draft token x against the target's traced distribution p, with
+        the drafter's q [V] (None: a point mass on x)."""
+        p = traced.final_probs  # [V]
         q_row = q if q is not None else torch.nn.functional.one_hot(torch.tensor(x), p.shape[0]).to(p.device, p.dtype)
         if self.generator is None:  # greedy: accept while the draft is the target's argmax
-            best = sampling.greedy(final).token_id
+            best = int(torch.argmax(traced.logits[0]))  # as decode's greedy pick
             accept_prob, u, accepted = float(best == x), None, best == x
         else:
             accept_prob = float(acceptance_probability(p[x], q_row[x]))
@@ -360,29 +359,33 @@ class _Verifier:
         )
         if not accepted:
             residual = p if self.generator is None else residual_distribution(p, q_row)
-            record.resampled = self._extra("resampled", final, p, residual)
+            record.resampled = self._extra("resampled", traced, residual)
         return record
 
-    def _extra(self, kind: str, final: torch.Tensor, p: torch.Tensor, dist: torch.Tensor | None = None) -> ExtraToken:
-        """Draw the round's last token from ``dist`` (default p; greedy: the argmax of p)."""
+    def _extra(self, kind: str, traced: Traced, dist: torch.Tensor | None = None) -> ExtraToken:
+        """Draw the round's last token from ``dist`` [V] (default: the target's p; greedy: the
+        argmax of p, as decode picks it)."""
+        p = traced.final_probs
         dist = p if dist is None else dist
         if self.generator is None:
-            pick = sampling.greedy(final)
+            token = int(torch.argmax(traced.logits[0]))
+            pick = sampling.Pick(token, float(p[token]))
         else:
-            pick = sampling.sample(torch.log(dist).unsqueeze(0), self.generator)
+            pick = sampling.sample_probs(dist, self.generator)
         return ExtraToken(kind, pick.token_id, self.lm.token_text(pick.token_id), float(dist[pick.token_id]),
                           float(p[pick.token_id]), top_tokens(dist, self.config.top_n, self.lm.token_text), pick.draw)
 
-    def _emit(self, emitted: list, stage_traces: list) -> tuple[list[StepTrace], str | None]:
+    def _emit(self, emitted: list[tuple[int, Traced]]) -> tuple[list[StepTrace], str | None]:
         """Append the round's tokens one by one, stopping at EOS / a stop string / the budget."""
         steps = []
-        for (token, p, raw), stages in zip(emitted, stage_traces):
+        for token, traced in emitted:
             self.generated.append(token)
             self.sequence.append(token)
             reason = self.stopper.reason(self.generated)
+            stages = traced.stages
             steps.append(StepTrace(
                 index=len(self.generated) - 1, chosen_token_id=token, chosen_token=self.lm.token_text(token),
-                chosen_prob=float(p[token]), raw_prob=float(torch.softmax(raw, dim=-1)[token]), draw=None,
+                chosen_prob=float(traced.final_probs[token]), raw_prob=float(traced.raw_probs[token]), draw=None,
                 draw_low=None, draw_high=None, entropy=stages[-1].entropy, raw_entropy=stages[0].entropy,
                 stages=stages, elapsed_ms=self.elapsed_ms(), finish_reason=reason,
             ))

@@ -85,10 +85,10 @@ def test_tiny_model_matches_generate_in_every_early_stopping_mode(tiny64, early_
 # --- the embedded model: sense, and the oracle on real text -------------------------------------
 EMBEDDED_CASES = [
     ("The capital of France is", False, dict(num_beams=4, length_penalty=1.0, early_stopping=False, num_return_sequences=4, max_new_tokens=12)),
-    ("Once upon a time", False, dict(num_beams=2, length_penalty=0.5, early_stopping=True, num_return_sequences=2, max_new_tokens=16)),
-    ("def fibonacci(n):", False, dict(num_beams=6, length_penalty=2.0, early_stopping=False, num_return_sequences=3, max_new_tokens=12)),
-    ("Answer with one word: is the sky blue?", True, dict(num_beams=4, length_penalty=1.0, early_stopping=True, num_return_sequences=4, max_new_tokens=16)),
-    ("The cat sat on the mat. The cat sat on the", False, dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=12)),
+    ("Once upon a time", False, dict(num_beams=2, length_penalty=0.5, early_stopping=True, num_return_sequences=2, max_new_tokens=12)),
+    ("def fibonacci(n):", False, dict(num_beams=6, length_penalty=2.0, early_stopping=False, num_return_sequences=3, max_new_tokens=10)),
+    ("What is 2+2? Reply with just the number.", True, dict(num_beams=4, length_penalty=1.0, early_stopping=False, num_return_sequences=4, max_new_tokens=12)),
+    ("The cat sat on the mat. The cat sat on the", False, dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=10)),
 ]
 
 

@@ -66,14 +66,28 @@ def test_collapsing_gathers_pruned_children_per_parent(trace):
     assert not any(n.status == "pruned" for n in nodes.values())
 
 
-def test_layout_gives_leaves_rows_and_centres_parents(trace):
+def test_layout_puts_the_winning_path_on_one_row_and_leaves_below(trace):
     nodes = charts.build_tree(trace, collapse_pruned=True)
-    # leaves in depth-first order, best child first: x, y, then the finished newline
+    # leaves in depth-first order, on-path child first, then by score: x, y, then the finished newline
     assert (nodes["2:0"].y, nodes["2:1"].y, nodes["1:1"].y) == (0, 1, 2)
-    assert nodes["1:0"].y == 0 and nodes["1:2"].y == 1 and nodes["0:0"].y == 0.5 and nodes["0:1"].y == 2
-    assert nodes["root"].y == 1.25
-    assert nodes["0:proot"].y == pytest.approx(1.25 + charts.COLLAPSED_OFFSET)
+    assert [nodes[k].y for k in ("root", "0:0", "1:0", "2:0")] == [0, 0, 0, 0]  # a parent sits on its first child
+    assert nodes["1:2"].y == 1 and nodes["0:1"].y == 2
+    assert nodes["0:proot"].y == pytest.approx(charts.COLLAPSED_OFFSET)
     assert charts.leaf_rows(nodes) == 3
+    # highlighting the other hypothesis moves its path to the top row
+    other = charts.build_tree(trace, collapse_pruned=True, highlight=1)
+    assert [other[k].y for k in ("root", "0:1", "1:1")] == [0, 0, 0] and other["2:0"].y == 1
+
+
+def test_lineages_that_died_out_are_dead_ends(trace):
+    grown = charts.build_tree(trace, collapse_pruned=True)
+    assert not any(n.dead_end for n in grown.values())  # every kept node leads to a finished or dropped one
+    y = trace.steps[2].candidates[1]
+    y.status, y.beam = "pruned", None  # now every child of b is pruned: b's lineage died out at step 2
+    died = charts.build_tree(trace, collapse_pruned=True)
+    assert died["1:2"].dead_end and not died["0:0"].dead_end and not died["1:0"].dead_end
+    frontier = charts.build_tree(trace, collapse_pruned=True, upto=2)  # a search in progress at step 1
+    assert not any(n.dead_end for n in frontier.values())
 
 
 def test_highlight_and_upto(trace):
@@ -122,3 +136,17 @@ def test_step_summary_counts_statuses(trace):
     text = charts.step_summary(trace)
     assert "3 steps" in text and "4 kept, 5 pruned, 2 finished, 1 dropped" in text
     assert "early stopping" in text
+
+
+def test_view_rerank_handler_is_pure_and_highlights_the_new_winner(trace):
+    from engine.trace import Timing, Trace
+    from playground.views.beam import BeamSession, rerank_outputs
+
+    run = Trace(model="hand-made", strategy="beam", config={"strategy": "beam"}, prompt="p", prompt_token_ids=[1],
+                text="A a x", generated_token_ids=[10, 20, 30], stop_reason="eos", steps=[],
+                timing=Timing(0.0, 0.0, 0.0), beam=trace)
+    figure, rows, greedy, note = rerank_outputs(BeamSession(trace=run), 0.0, True)
+    path = [t for t in figure.data if t.name == "winning path"][0]
+    assert list(path.x) == [0, 1]  # hypothesis #2 ("B" then newline) wins without length normalisation
+    assert rows[0][1] == 2 and "#2" in note and greedy == ""
+    assert rerank_outputs(None, 1.0, True) == rerank_outputs(BeamSession(), 1.0, True)  # no run yet: no change

@@ -1,8 +1,10 @@
 """Beam-search charts: pure functions of a BeamTrace -> tree layout, plotly figure, rankings.
 
 The tree: the prompt is the root; each considered candidate is a node at x = its step, joined to
-the node of the beam it extends. A node's y comes from a tidy-tree layout (leaves get consecutive
-rows, a parent sits between its first and last child), so lineages read left to right. Pruned
+the node of the beam it extends. Rows come from a depth-first layout: leaves get consecutive rows
+and a parent sits on the row of its first child, children ordered highlighted path first, then by
+score, so the winning path is one straight line at the top and every lineage reads left to right.
+Kept beams whose lineage later died out (no finished or dropped descendant) are drawn faint. Pruned
 candidates of one parent can be collapsed into one small marker beside the parent's children
 (``collapse_pruned``), which keeps 6 beams x 30 steps readable. No gradio here.
 """
@@ -46,6 +48,7 @@ class TreeNode:
     parent: str | None
     hover: str
     on_path: bool = False  # on the highlighted hypothesis' path
+    dead_end: bool = False  # kept, but no finished or dropped node descends from it
     count: int = 1  # collapsed: how many pruned candidates
     children: list[str] = field(default_factory=list)
 
@@ -93,7 +96,7 @@ def build_tree(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | N
             nodes[key] = TreeNode(key, t, 0.0, readable(c.token), c.status, parent, _hover(t, c, beam.length_penalty))
             nodes[parent].children.append(key)
     _mark_path(nodes, beam, beam.winner if highlight is None else highlight, len(steps))
-    _layout(nodes)
+    _layout(nodes, len(steps) - 1)
     return nodes
 
 
@@ -120,26 +123,30 @@ def _mark_path(nodes: dict[str, TreeNode], beam: BeamTrace, index: int | None, n
             node.on_path = True
 
 
-def _layout(nodes: dict[str, TreeNode]) -> None:
-    """Tidy tree: leaves (collapsed markers excepted) take consecutive rows in depth-first order,
-    children best first; a parent sits between its first and last real child."""
+def _layout(nodes: dict[str, TreeNode], last_step: int) -> None:
+    """Leaves (collapsed markers excepted) take consecutive rows in depth-first order, children
+    on-path first, then best first; a parent sits on its first child's row. Also marks dead ends
+    (beams on ``last_step`` are the search's frontier, alive)."""
     next_row = 0.0
     stack: list[tuple[str, bool]] = [("root", False)]
     while stack:  # iterative post-order: deep trees must not hit the recursion limit
         key, expanded = stack.pop()
         node = nodes[key]
         real = [k for k in node.children if nodes[k].status != "collapsed"]
+        real.sort(key=lambda k: not nodes[k].on_path)  # stable: score order otherwise
         if not expanded:
             stack.append((key, True))
             stack.extend((k, False) for k in reversed(real))
             continue
         if real:
-            node.y = (nodes[real[0]].y + nodes[real[-1]].y) / 2
+            node.y = nodes[real[0]].y
         else:
             node.y, next_row = next_row, next_row + 1
         for k in node.children:
             if nodes[k].status == "collapsed":
                 nodes[k].y = node.y + COLLAPSED_OFFSET
+        if node.status == "kept" and node.step < last_step:
+            node.dead_end = all(nodes[k].status in ("pruned", "collapsed") or nodes[k].dead_end for k in node.children)
 
 
 def leaf_rows(nodes: dict[str, TreeNode]) -> int:
@@ -183,13 +190,14 @@ def _node_trace(status: str, group: list[TreeNode]) -> go.Scatter:
     small = status in ("pruned", "collapsed")
     labelled = status in ("kept", "finished", "dropped")
     sizes = [min(14, 6 + 2 * n.count) if status == "collapsed" else (7 if small else 11) for n in group]
+    opacity = [0.35 if n.dead_end else 1.0 for n in group]
     names = {"collapsed": "pruned (collapsed)", "root": "prompt"}
     return go.Scatter(
         x=[n.step for n in group], y=[n.y for n in group], mode="markers+text" if labelled else "markers",
         name=names.get(status, status), text=[n.label for n in group] if labelled else None,
         textposition="top center", textfont={"size": 10}, hovertext=[n.hover for n in group], hoverinfo="text",
         marker={"size": sizes, "color": STATUS_COLOURS[status], "symbol": "diamond" if status == "finished" else "circle",
-                "line": {"color": "white", "width": 1}},
+                "opacity": opacity, "line": {"color": "white", "width": 1}},
     )
 
 

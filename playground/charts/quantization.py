@@ -128,13 +128,19 @@ def kv_figure(report: KVReport) -> go.Figure:
     return fig
 
 
+def _first_mismatch(report: KVReport) -> int:
+    pairs = zip(report.generated_token_ids, report.uncached_token_ids)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(report.generated_token_ids), len(report.uncached_token_ids)))
+
+
 def kv_summary_html(report: KVReport) -> str:
     """Speed (cached vs uncached), the cache's size, and bytes per token measured vs the formula."""
     same = report.bytes_per_token == report.formula_bytes_per_token
     check = "= the formula" if same else f"≠ the formula ({report.formula_bytes_per_token:,})"
     warn = "" if report.tokens_equal else (
-        '<p style="color:#b00020">⚠ the two loops picked different tokens (a floating-point near-tie); '
-        "the timings compare sequences of different content.</p>")
+        '<p style="color:#b00020">⚠ the two loops picked different tokens from step '
+        f"{_first_mismatch(report)} on: int8 quantizes activations per forward, so one new position and the whole "
+        "sequence round differently (in fp32 only a near-tie does this).</p>")
     return (
         f'<div class="q-kv">'
         f"<p><b>KV cache:</b> {report.cached_tokens_per_s:.1f} tokens/s · <b>no cache:</b> "

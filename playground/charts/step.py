@@ -33,6 +33,7 @@ STAGE_TITLES = {
     "presence_penalty": "presence pen.",
     "no_repeat_ngram": "no-repeat n-gram",
     "constraints": "constraints",
+    "contrast": "contrast (expert − amateur)",
 }
 
 

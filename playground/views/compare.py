@@ -27,7 +27,7 @@ from engine.config import KNOBS, ConfigError, DecodingConfig, parse_set_value
 from engine.metrics import first_divergence, lane_metrics, mean_logprob, sweep_spread
 from engine.models import LoadedModel, ModelLoadError, ModelRegistry
 from engine.presets import PresetError, load_preset
-from engine.trace import StepTrace, Trace
+from engine.trace import StepTrace, Trace, to_dict
 from playground.charts import compare as charts
 from playground.charts import step as step_charts
 
@@ -225,7 +225,7 @@ def compare_payload(prompt: str, configs: Sequence[DecodingConfig], session: Com
                       "trace": json.loads(trace.to_json()) if trace else None})
     metrics = [lane_metrics(t, name) for name, t in session.done()]
     return {"prompt": prompt, "seed": configs[0].seed if configs else 0, "lanes": lanes,
-            "metrics": [m.__dict__ for m in metrics], "divergence": session.divergence()}
+            "metrics": [to_dict(m) for m in metrics], "divergence": session.divergence()}
 
 
 def api_lane_config(lane: Any, seed: int, max_new_tokens: int, name: str) -> DecodingConfig:
@@ -283,7 +283,7 @@ def run_sweep(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[int
 
 def sweep_payload(seeds: Sequence[int], traces: Sequence[Trace]) -> dict:
     spread = sweep_spread([t.generated_token_ids for t in traces])
-    return {"seeds": list(seeds), "spread": spread.__dict__, "texts": [t.text for t in traces],
+    return {"seeds": list(seeds), "spread": to_dict(spread), "texts": [t.text for t in traces],
             "traces": [json.loads(t.to_json()) for t in traces]}
 
 
