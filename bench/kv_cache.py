@@ -2,7 +2,7 @@
 the whole sequence again at every step (engine.drift.uncached_greedy): same model and prompt,
 interleaved in one process, at several token counts. Prints tokens/s and the speed-up per count.
 
-    python -m bench.kv_cache [--tokens 32 64 128] [--repeats 3] [--warmup 1] [--model embedded]
+    python -m bench.kv_cache [--tokens 32 64 128] [--repeats 3] [--warmup 0] [--model embedded]
 
 The uncached loop's cost per token grows with the sequence, so the speed-up grows with the count.
 """
@@ -31,12 +31,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=0, help="extra rounds; the token check already runs each loop once")
     p.add_argument("--model", default="embedded")
     args = p.parse_args()
     lm = load_model(ModelSpec(args.model))
     ids = lm.encode(PROMPT, chat=True)
-    print(f"model {lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, prompt {len(ids)} tokens")
+    print(f"model {lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, "
+          f"prompt {len(ids)} tokens")
     rows = []
     for tokens in args.tokens:
         cfg = drift.greedy_config(tokens)

@@ -53,18 +53,20 @@ class Row:
     k: int
     acceptance: float
     per_forward: float
-    spec_ms: float
-    base_ms: float
+    spec_ms: list[float]
+    base_ms: list[float]
     same_tokens: bool
     tokens: int
 
     @property
     def speedup(self) -> float:
-        return self.base_ms / self.spec_ms
+        """Median over repeats of target-only / speculative time, each pair run back to back (so a
+        change in machine load between repeats cancels out)."""
+        return statistics.median(b / s for s, b in zip(self.spec_ms, self.base_ms))
 
 
 def bench_drafter(lm: LoadedModel, registry: ModelRegistry, drafter: str, k: int, tokens: int, repeats: int) -> Row:
-    """Interleaved speculative and target-only runs (warm-up first); medians of the wall-clock."""
+    """Interleaved speculative and target-only runs (a short warm-up first), wall-clock per run."""
     config = DecodingConfig(strategy="speculative", temperature=0.0, max_new_tokens=tokens, drafter=drafter,
                             num_draft_tokens=k)
     base_config = speculative.baseline_config(config)
@@ -82,18 +84,18 @@ def bench_drafter(lm: LoadedModel, registry: ModelRegistry, drafter: str, k: int
             else:
                 base = decode.run(lm, PROMPT, base_config, chat=True)
                 base_ms.append((time.perf_counter() - start) * 1000)
-    return Row(drafter, k, trace.summary["acceptance_rate"], trace.summary["tokens_per_target_forward"],
-               statistics.median(spec_ms), statistics.median(base_ms),
+    return Row(drafter, k, trace.summary["acceptance_rate"], trace.summary["tokens_per_target_forward"], spec_ms, base_ms,
                trace.generated_token_ids == base.generated_token_ids, len(trace.generated_token_ids))
 
 
 def print_table(rows: list[Row], title: str) -> None:
     print(f"\n{title}")
     print(f"{'drafter':<22} {'K':>3} {'tokens':>6} {'accept':>7} {'tok/fwd':>8} {'spec ms':>9} {'target ms':>10} "
-          f"{'speed-up':>9} {'same':>5}")
+          f"{'speed-up':>9} {'same':>5}  per repeat")
     for r in rows:
-        print(f"{r.drafter:<22} {r.k:>3} {r.tokens:>6} {r.acceptance:>7.1%} {r.per_forward:>8.2f} {r.spec_ms:>9.0f} "
-              f"{r.base_ms:>10.0f} {r.speedup:>8.2f}x {'yes' if r.same_tokens else 'NO':>5}")
+        print(f"{r.drafter:<22} {r.k:>3} {r.tokens:>6} {r.acceptance:>7.1%} {r.per_forward:>8.2f} "
+              f"{statistics.median(r.spec_ms):>9.0f} {statistics.median(r.base_ms):>10.0f} {r.speedup:>8.2f}x "
+              f"{'yes' if r.same_tokens else 'NO':>5}  {', '.join(f'{b / s:.2f}' for s, b in zip(r.spec_ms, r.base_ms))}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     registry = ModelRegistry(capacity=4)
     lm = registry.get(ModelSpec(args.target))
     print(f"target {lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, "
-          f"{args.tokens} tokens, greedy, chat template, {args.repeats} interleaved repeats (medians)")
+          f"{args.tokens} tokens, greedy, chat template, {args.repeats} interleaved repeats "
+          f"(times: medians; speed-up: median of back-to-back pairs)")
     rows = [bench_drafter(lm, registry, d.strip(), args.k, args.tokens, args.repeats) for d in args.drafters.split(",") if d.strip()]
     print_table(rows, "speculative vs target-only (same process, same config)")
     ngram = next((r for r in rows if r.drafter == "ngram"), None)

@@ -128,7 +128,8 @@ def compare_logits(ref_logits: torch.Tensor, var_logits: torch.Tensor, reference
     var_p = q.gather(-1, ref[:, None])[:, 0]
     return [
         PositionDrift(index=t, token_id=int(ref[t]), token=token_text(int(ref[t])), kl=float(kl[t]), tv=float(tv[t]),
-                      top1_agrees=bool(top1[t] == ref[t]), top1_token_id=int(top1[t]), top1_token=token_text(int(top1[t])),
+                      top1_agrees=bool(top1[t] == ref[t]), top1_token_id=int(top1[t]),
+                      top1_token=token_text(int(top1[t])),
                       ref_prob=float(ref_p[t]), variant_prob=float(var_p[t]))
         for t in range(len(reference))
     ]
@@ -143,7 +144,8 @@ def measure_variant(ref_lm: LoadedModel, lm: LoadedModel, prompt_ids: Sequence[i
     n = max(1, len(positions))
     return VariantDrift(
         quantization=lm.quantization, memory_bytes=lm.memory_bytes, load_s=lm.load_seconds, was_loaded=was_loaded,
-        positions=positions, mean_kl=sum(p.kl for p in positions) / n, max_kl=max((p.kl for p in positions), default=0.0),
+        positions=positions, mean_kl=sum(p.kl for p in positions) / n,
+        max_kl=max((p.kl for p in positions), default=0.0),
         mean_tv=sum(p.tv for p in positions) / n, top1_agreement=sum(p.top1_agrees for p in positions) / n,
         tokens_per_s=decode.timing(own).tokens_per_s, text=lm.decode(own_ids), generated_token_ids=own_ids,
         tokens=[s.chosen_token for s in own], first_divergence=first_divergence([ref_ids, own_ids]),
@@ -152,7 +154,8 @@ def measure_variant(ref_lm: LoadedModel, lm: LoadedModel, prompt_ids: Sequence[i
 
 def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
                  variants: Sequence[str] = QUANTIZATIONS) -> Iterator[DriftReport]:
-    """Yield the report after the reference run, then again as each variant finishes.
+    """Yield the report after the reference run, then again as each variant finishes (the same
+    object each time, growing).
 
     ``registry``: a ModelRegistry (``get(spec)``, ``loaded()``). A variant that cannot be loaded
     (e.g. bitsandbytes missing) is recorded in ``errors``; the reference failing raises."""
@@ -165,8 +168,9 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
     ref_logits = teacher_forced_logits(ref_lm, prompt_ids, ref_ids)
     report = DriftReport(
         model=ref_lm.name, prompt=prompt, chat=chat, device=str(ref_lm.device), max_new_tokens=max_new_tokens,
-        prompt_token_ids=list(prompt_ids), reference_token_ids=ref_ids, reference_tokens=[s.chosen_token for s in reference],
-        reference_text=ref_lm.decode(ref_ids), requested=requested,
+        prompt_token_ids=list(prompt_ids), reference_token_ids=ref_ids,
+        reference_tokens=[s.chosen_token for s in reference], reference_text=ref_lm.decode(ref_ids),
+        requested=requested,
     )
     yield report
     for quantization in requested:
@@ -242,7 +246,8 @@ def kv_geometry(lm: LoadedModel) -> tuple[int, int, int, int]:
 
 
 @torch.inference_mode()
-def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -> tuple[list[int], list[float]]:
+def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int],
+                    config: DecodingConfig) -> tuple[list[int], list[float]]:
     """The nanoGPT loop: feed the WHOLE sequence at every step, take the argmax. Returns the
     generated ids and the milliseconds each step took."""
     stopper = decode.StopCheck(lm, config)
@@ -279,12 +284,14 @@ def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
     ids = [s.chosen_token_id for s in cached]
     return KVReport(
         model=lm.name, quantization=lm.quantization, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
-        prompt=prompt, chat=chat, prompt_tokens=len(prompt_ids), generated_token_ids=ids, uncached_token_ids=uncached_ids,
+        prompt=prompt, chat=chat, prompt_tokens=len(prompt_ids), generated_token_ids=ids,
+        uncached_token_ids=uncached_ids,
         tokens_equal=ids == uncached_ids, text=lm.decode(ids), cached_tokens_per_s=cached_rate,
         uncached_tokens_per_s=uncached_rate, speedup=cached_rate / uncached_rate if uncached_rate else 0.0,
         steps=[KVStep(i, len(prompt_ids) + i, c, u) for i, (c, u) in enumerate(zip(cached_ms, uncached_ms))],
         cache_positions=cache.length, cache_bytes=cache.nbytes(),
         bytes_per_token=cache.nbytes() / cache.length if cache.length else 0.0, formula_bytes_per_token=formula,
         layers=layers, kv_heads=kv_heads, head_dim=head_dim, bytes_per_element=width,
-        formula=f"2 × {layers} layers × {kv_heads} kv heads × {head_dim} head dim × {width} bytes = {formula:,} bytes",
+        formula=(f"2 × {layers} layers × {kv_heads} kv heads × {head_dim} head dim × {width} bytes "
+                 f"= {formula:,} bytes"),
     )

@@ -17,9 +17,9 @@ def _positions(kls):
 def _variant(q, kls, tokens, divergence, memory_mb, was_loaded=False):
     agree = sum(k < 0.5 for k in kls) / len(kls)
     return VariantDrift(quantization=q, memory_bytes=int(memory_mb * MB), load_s=2.25, was_loaded=was_loaded,
-                        positions=_positions(kls), mean_kl=sum(kls) / len(kls), max_kl=max(kls), mean_tv=sum(kls) / 2 / len(kls),
-                        top1_agreement=agree, tokens_per_s=12.5, text="".join(tokens), generated_token_ids=list(range(len(tokens))),
-                        tokens=tokens, first_divergence=divergence)
+                        positions=_positions(kls), mean_kl=sum(kls) / len(kls), max_kl=max(kls),
+                        mean_tv=sum(kls) / 2 / len(kls), top1_agreement=agree, tokens_per_s=12.5, text="".join(tokens),
+                        generated_token_ids=list(range(len(tokens))), tokens=tokens, first_divergence=divergence)
 
 
 def _report(errors=None):
@@ -66,7 +66,7 @@ def test_texts_side_by_side_mark_the_divergence_and_escape_tokens():
 
 def test_drift_status_counts_pending_variants():
     report = _report()
-    assert "measuring nf4" in charts.drift_status(report) and "2/3 done" in charts.drift_status(report)
+    assert "measuring nf4" in charts.drift_status(report) and "2 of 3 measured" in charts.drift_status(report)
     report.errors["nf4"] = "x"
     assert charts.drift_status(report) == "done: 3 variant(s) over 4 reference tokens"
 
@@ -75,7 +75,8 @@ def _kv(tokens_equal=True):
     steps = [KVStep(0, 5, 40.0, 30.0), KVStep(1, 6, 10.0, 31.0), KVStep(2, 7, 11.0, 33.0)]
     return KVReport(
         model="m", quantization="none", device="cpu", dtype="float32", prompt="p", chat=False, prompt_tokens=5,
-        generated_token_ids=[1, 2, 3], uncached_token_ids=[1, 2, 3] if tokens_equal else [1, 2, 4], tokens_equal=tokens_equal,
+        generated_token_ids=[1, 2, 3], uncached_token_ids=[1, 2, 3] if tokens_equal else [1, 2, 4],
+        tokens_equal=tokens_equal,
         text="abc", cached_tokens_per_s=49.2, uncached_tokens_per_s=31.9, speedup=1.54, steps=steps, cache_positions=7,
         cache_bytes=7 * 512, bytes_per_token=512.0, formula_bytes_per_token=512, layers=2, kv_heads=2, head_dim=16,
         bytes_per_element=4, formula="2 × 2 layers × 2 kv heads × 16 head dim × 4 bytes = 512 bytes",

@@ -94,7 +94,8 @@ def texts_html(report: DriftReport) -> str:
         columns.append(
             f'<div class="q-text" data-variant="{html.escape(v.quantization)}" style="flex:1;min-width:220px;'
             f'border:1px solid #ddd;border-radius:6px;padding:8px">'
-            f'<div style="font-weight:bold;color:{COLOURS.get(v.quantization, "#555")}">{html.escape(variant_label(v.quantization))}'
+            f'<div style="font-weight:bold;color:{COLOURS.get(v.quantization, "#555")}">'
+            f"{html.escape(variant_label(v.quantization))}"
             f' <span style="font-weight:normal;color:#666;font-size:12px">· {note}</span></div>'
             f'<div style="white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:13px">'
             f"{_token_spans(v.tokens, v.first_divergence)}</div></div>"
@@ -109,7 +110,7 @@ def drift_status(report: DriftReport) -> str:
     if not pending:
         return f"done: {done} variant(s) over {len(report.reference_token_ids)} reference tokens"
     return (f"fp32 reference: {len(report.reference_token_ids)} tokens · measuring {pending[0]} "
-            f"(load, one teacher-forced forward, own greedy run)… {done}/{len(report.requested)} done")
+            f"(load, one teacher-forced forward, own greedy run)… {done} of {len(report.requested)} measured")
 
 
 def kv_figure(report: KVReport) -> go.Figure:
@@ -117,8 +118,9 @@ def kv_figure(report: KVReport) -> go.Figure:
     loop stays flat, the uncached one grows with the length."""
     x = [s.position for s in report.steps]
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=x, y=[s.uncached_ms for s in report.steps], mode="lines+markers", name="no cache (recompute)",
-                             line={"color": UNCACHED}, hovertemplate="length %{x}: %{y:.1f} ms<extra>no cache</extra>"))
+    fig.add_trace(go.Scatter(x=x, y=[s.uncached_ms for s in report.steps], mode="lines+markers",
+                             name="no cache (recompute)", line={"color": UNCACHED},
+                             hovertemplate="length %{x}: %{y:.1f} ms<extra>no cache</extra>"))
     fig.add_trace(go.Scatter(x=x, y=[s.cached_ms for s in report.steps], mode="lines+markers", name="KV cache",
                              line={"color": CACHED}, hovertemplate="length %{x}: %{y:.1f} ms<extra>KV cache</extra>"))
     fig.update_layout(title="Time per token as the sequence grows (the first cached step includes the prefill)",
@@ -130,7 +132,8 @@ def kv_figure(report: KVReport) -> go.Figure:
 
 def _first_mismatch(report: KVReport) -> int:
     pairs = zip(report.generated_token_ids, report.uncached_token_ids)
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(report.generated_token_ids), len(report.uncached_token_ids)))
+    shorter = min(len(report.generated_token_ids), len(report.uncached_token_ids))
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), shorter)
 
 
 def kv_summary_html(report: KVReport) -> str:

@@ -86,7 +86,8 @@ def drift_updates(shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, 
         yield [error_html(f"measurement failed: {type(exc).__name__}: {exc}")] + [gr.update()] * 4
 
 
-def kv_updates(shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, model: str, quantization: str) -> Iterator[list]:
+def kv_updates(shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, model: str,
+               quantization: str) -> Iterator[list]:
     try:
         lm = shared.lm(model, quantization)
         shared.encode_prompt(lm, prompt, chat)
@@ -113,7 +114,8 @@ def build_tab(shared: Shared) -> None:
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="quant-prompt")
             chat = gr.Checkbox(True, label="Chat template", elem_id="quant-chat")
             low, high, default = DRIFT_TOKENS
-            tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens (greedy)", elem_id="quant-tokens")
+            tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens (greedy)",
+                               elem_id="quant-tokens")
             variants = gr.CheckboxGroup(list(QUANTIZATIONS), value=list(QUANTIZATIONS), label="Variants",
                                         info="none = fp32, the reference; int8 and nf4 load through bitsandbytes.",
                                         elem_id="quant-variants")
