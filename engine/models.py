@@ -221,8 +221,6 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
     """Load a causal LM and its tokenizer. Raises ModelLoadError with an actionable message."""
     import time
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     start = time.perf_counter()
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
@@ -233,8 +231,7 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
         kwargs["device_map"] = str(device) if device.type == "cpu" else {"": device.index or 0}
     try:
         with _quiet():
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            tokenizer, model = _from_pretrained(path, kwargs)
     except OSError as exc:
         raise ModelLoadError(_offline_message(spec.source, exc)) from None
     except Exception as exc:  # safetensors, bitsandbytes and config errors all end up here, as one line
@@ -253,6 +250,27 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
         source=spec.source, eos_token_ids=eos_ids, memory_bytes=int(model.get_memory_footprint()),
         load_seconds=time.perf_counter() - start,
     )
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _from_pretrained(path: str, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Load from a directory or the local Hub cache first; go to the network only when that
+    fails and the Hub is not marked offline (so offline failures are immediate)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+        return tokenizer, AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    except OSError:
+        if Path(path).is_dir() or _hub_offline():
+            raise
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
 def _has_quantized_layers(model: Any) -> bool:

@@ -83,12 +83,17 @@ def test_tiny_model_matches_generate_in_every_early_stopping_mode(tiny64, early_
 
 
 # --- the embedded model: sense, and the oracle on real text -------------------------------------
-EMBEDDED_CASES = [
-    ("The capital of France is", False, dict(num_beams=4, length_penalty=1.0, early_stopping=False, num_return_sequences=4, max_new_tokens=12)),
-    ("Once upon a time", False, dict(num_beams=2, length_penalty=0.5, early_stopping=True, num_return_sequences=2, max_new_tokens=12)),
-    ("def fibonacci(n):", False, dict(num_beams=6, length_penalty=2.0, early_stopping=False, num_return_sequences=3, max_new_tokens=10)),
-    ("What is 2+2? Reply with just the number.", True, dict(num_beams=4, length_penalty=1.0, early_stopping=False, num_return_sequences=4, max_new_tokens=12)),
-    ("The cat sat on the mat. The cat sat on the", False, dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=10)),
+EMBEDDED_CASES = [  # (prompt, chat, knobs)
+    ("The capital of France is", False,
+     dict(num_beams=4, length_penalty=1.0, early_stopping=False, num_return_sequences=4, max_new_tokens=12)),
+    ("Once upon a time", False,
+     dict(num_beams=2, length_penalty=0.5, early_stopping=True, num_return_sequences=2, max_new_tokens=12)),
+    ("def fibonacci(n):", False,
+     dict(num_beams=6, length_penalty=2.0, early_stopping=False, num_return_sequences=3, max_new_tokens=10)),
+    ("What is 2+2? Reply with just the number.", True,
+     dict(num_beams=4, length_penalty=1.0, early_stopping=False, num_return_sequences=4, max_new_tokens=12)),
+    ("The cat sat on the mat. The cat sat on the", False,
+     dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=10)),
 ]
 
 
@@ -165,7 +170,8 @@ def test_early_stopping_true_ends_once_num_beams_hypotheses_finished(tiny64):
 def test_stop_strings_finish_beams(tiny_lm):
     prompt = tiny_lm.encode("Stop strings")
     free = search(tiny_lm, prompt, beam_config(num_beams=2, max_new_tokens=6))
-    word = tiny_lm.decode(free.hypotheses[0].token_ids[2:3]).strip() or tiny_lm.decode(free.hypotheses[0].token_ids[2:3])
+    third = tiny_lm.decode(free.hypotheses[0].token_ids[2:3])
+    word = third.strip() or third
     config = beam_config(num_beams=2, max_new_tokens=6, stop=[word])
     trace = runner.run(tiny_lm, "Stop strings", config)
     stopped = [c for s in trace.beam.steps for c in s.candidates if c.finish_reason == "stop_string"]

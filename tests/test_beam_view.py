@@ -29,11 +29,16 @@ def cand(parent, token_id, token, logprob, score, step, status, beam=None, reaso
 def trace() -> BeamTrace:
     steps = [
         BeamStep(0, [cand(0, 10, "A", -0.1, -0.1, 0, "kept", 0), cand(0, 11, "B", -0.5, -0.5, 0, "kept", 1),
-                     cand(0, 12, "C", -1.0, -1.0, 0, "pruned"), cand(0, 13, "D", -2.0, -2.0, 0, "pruned")], [1.0, 1.0]),
-        BeamStep(1, [cand(0, 20, "a", -0.2, -0.3, 1, "kept", 0), cand(1, 2, "\n", -0.1, -0.6, 1, "finished", None, "eos"),
-                     cand(0, 21, "b", -0.4, -0.7, 1, "kept", 1), cand(1, 22, "c", -1.0, -1.5, 1, "pruned")], [1.0, 1.0]),
-        BeamStep(2, [cand(0, 30, "x", -0.45, -0.75, 2, "finished", None, "eos"), cand(1, 31, "y", -0.2, -0.9, 2, "dropped", 1),
-                     cand(0, 32, "z", -0.8, -1.1, 2, "pruned"), cand(1, 33, "w", -0.9, -1.6, 2, "pruned")], [1.0, 1.0]),
+                     cand(0, 12, "C", -1.0, -1.0, 0, "pruned"), cand(0, 13, "D", -2.0, -2.0, 0, "pruned")],
+                 [1.0, 1.0]),
+        BeamStep(1, [cand(0, 20, "a", -0.2, -0.3, 1, "kept", 0),
+                     cand(1, 2, "\n", -0.1, -0.6, 1, "finished", None, "eos"),
+                     cand(0, 21, "b", -0.4, -0.7, 1, "kept", 1), cand(1, 22, "c", -1.0, -1.5, 1, "pruned")],
+                 [1.0, 1.0]),
+        BeamStep(2, [cand(0, 30, "x", -0.45, -0.75, 2, "finished", None, "eos"),
+                     cand(1, 31, "y", -0.2, -0.9, 2, "dropped", 1),
+                     cand(0, 32, "z", -0.8, -1.1, 2, "pruned"), cand(1, 33, "w", -0.9, -1.6, 2, "pruned")],
+                 [1.0, 1.0]),
     ]
     hyps = [
         BeamHypothesis([10, 20, 30], "A a x", -0.75, 3, -0.25, "eos", [0, 0, 0], returned=True),

@@ -36,7 +36,9 @@ def test_bitsandbytes_quantization_shrinks_memory_and_still_generates(registry, 
 
 
 def test_offline_hub_id_gives_clear_message(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import time, so set the constant
     with pytest.raises(ModelLoadError, match="not a local directory.*Hub"):
         load_model(ModelSpec(source="someone/definitely-not-cached-model"))
 

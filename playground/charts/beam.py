@@ -196,8 +196,8 @@ def _node_trace(status: str, group: list[TreeNode]) -> go.Scatter:
         x=[n.step for n in group], y=[n.y for n in group], mode="markers+text" if labelled else "markers",
         name=names.get(status, status), text=[n.label for n in group] if labelled else None,
         textposition="top center", textfont={"size": 10}, hovertext=[n.hover for n in group], hoverinfo="text",
-        marker={"size": sizes, "color": STATUS_COLOURS[status], "symbol": "diamond" if status == "finished" else "circle",
-                "opacity": opacity, "line": {"color": "white", "width": 1}},
+        marker={"size": sizes, "color": STATUS_COLOURS[status], "opacity": opacity,
+                "symbol": "diamond" if status == "finished" else "circle", "line": {"color": "white", "width": 1}},
     )
 
 

@@ -143,7 +143,7 @@ def build_tab(shared: Shared) -> None:
         with gr.Column(scale=1, min_width=330):
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="beam-prompt")
             chat = gr.Checkbox(False, label="Chat template", elem_id="beam-chat",
-                               info="Wrap the prompt in the model's chat template (instruct models end answers with EOS).")
+                               info="Wrap the prompt in the model's chat template (instruct models end with EOS).")
             panel = KnobPanel(shared, BEAM_KNOBS + PENALTY_KNOBS, ["beam"], preset=DEFAULT_PRESET, stage_order=False,
                               prefix="beam-")
             _scope_knob_ids(panel, "beam-")
@@ -152,7 +152,8 @@ def build_tab(shared: Shared) -> None:
                 stop = gr.Button("Stop", variant="stop", elem_id="beam-stop")
             status = gr.HTML("", elem_id="beam-status")
         with gr.Column(scale=2, min_width=480):
-            collapse = gr.Checkbox(True, label="Collapse pruned candidates into one marker per beam", elem_id="beam-collapse")
+            collapse = gr.Checkbox(True, label="Collapse pruned candidates into one marker per beam",
+                                   elem_id="beam-collapse")
             tree = gr.Plot(label="Search tree: drag to pan, box or scroll to zoom, hover a node", elem_id="beam-tree")
             summary = gr.Markdown(elem_id="beam-summary")
             slider = gr.Slider(lp.low, lp.high, value=lp.neutral, step=lp.step, label="Re-rank with length penalty",
