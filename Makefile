@@ -43,7 +43,10 @@ browser:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
 bench: setup
-	$(PY) -m bench.engine_vs_generate
+	$(PY) -m bench.engine_vs_generate --stages
+	$(PY) -m bench.beam_vs_generate
+	$(PY) -m bench.speculative
+	$(PY) -m bench.kv_cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts

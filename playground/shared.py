@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 import torch
@@ -87,6 +87,17 @@ def gpu_task(fn: Callable) -> Callable:
 
 class UserError(ValueError):
     """Bad input from the page: shown next to the control, nothing else changes."""
+
+
+def guarded(updates: Iterator[list], on_error: Callable[[str], list], what: str = "generation") -> Iterator[list]:
+    """Never let an exception reach the page as a crash: bad input (and model load failures) show
+    their own message next to the controls; anything else says what failed."""
+    try:
+        yield from updates
+    except (UserError, ValueError, ConfigError, ModelLoadError) as exc:
+        yield on_error(str(exc))
+    except Exception as exc:  # a model failure must not take the page down
+        yield on_error(f"{what} failed: {type(exc).__name__}: {exc}")
 
 
 def config_or_error(values: dict[str, Any]) -> DecodingConfig:

@@ -25,7 +25,7 @@ from engine.trace import Trace
 from playground.charts import beam as charts
 
 from ..knobs import PENALTY_KNOBS, KnobPanel
-from ..shared import Shared, UserError, error_html, status_html
+from ..shared import Shared, UserError, error_html, guarded, status_html
 
 STREAM_EVERY_S = 0.4  # throttle tree redraws while the search runs
 BEAM_KNOBS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",
@@ -206,13 +206,7 @@ def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, collapse, run
 
 
 def _guarded(updates: Iterator[list], state: BeamSession) -> Iterator[list]:
-    """Never let an exception reach the page as a crash: show it next to the controls instead."""
-    try:
-        yield from updates
-    except (UserError, ValueError, ConfigError) as exc:
-        yield _error_outputs(str(exc), state)
-    except Exception as exc:  # a model failure must not take the page down
-        yield _error_outputs(f"search failed: {type(exc).__name__}: {exc}", state)
+    return guarded(updates, lambda message: _error_outputs(message, state), "search")
 
 
 def beam_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = DEFAULT_PRESET,

@@ -25,7 +25,7 @@ from engine.trace import Trace
 from playground.charts import speculative as charts
 
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import Shared, UserError, error_html, status_html
+from ..shared import Shared, UserError, error_html, guarded, status_html
 
 STREAM_EVERY_S = 0.25
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
@@ -140,13 +140,7 @@ def _error_outputs(message: str, session: SpecSession | None) -> list:
 
 
 def _guarded(updates: Iterator[list], session: SpecSession) -> Iterator[list]:
-    """Errors (bad drafter, model load failure) show next to the controls, never crash the page."""
-    try:
-        yield from updates
-    except (UserError, ValueError, ConfigError, ModelLoadError) as exc:
-        yield _error_outputs(str(exc), session)
-    except Exception as exc:  # a model failure must not take the page down
-        yield _error_outputs(f"generation failed: {type(exc).__name__}: {exc}", session)
+    return guarded(updates, lambda message: _error_outputs(message, session), "generation")
 
 
 def _scope_knob_ids(panel: KnobPanel, prefix: str) -> None:

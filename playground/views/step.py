@@ -23,7 +23,7 @@ from engine.trace import Trace
 from playground.charts import step as charts
 
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import Shared, UserError, error_html, gpu_task, status_html
+from ..shared import Shared, UserError, error_html, gpu_task, guarded, status_html
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
@@ -242,13 +242,7 @@ def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, colour_by, ge
 
 
 def _guarded(updates: Iterator[list], state: StepSession) -> Iterator[list]:
-    """Never let an exception reach the page as a crash: show it next to the controls instead."""
-    try:
-        yield from updates
-    except (UserError, ValueError, ConfigError) as exc:
-        yield _error_outputs(str(exc), state)
-    except Exception as exc:  # a model failure must not take the page down
-        yield _error_outputs(f"generation failed: {type(exc).__name__}: {exc}", state)
+    return guarded(updates, lambda message: _error_outputs(message, state), "generation")
 
 
 def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,
