@@ -33,6 +33,7 @@ QUANTIZATIONS = ("none", "int8", "nf4")
 # bitsandbytes' CPU path warns on every int8 matmul; the notice carries no information for us.
 warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
 warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # the same notice also comes through logging
 
 Progress = Callable[[str], None]
 

@@ -254,8 +254,9 @@ def accepted_length_figure(rounds: Sequence[SpecRound]) -> go.Figure:
     fig.add_trace(go.Scatter(x=xs, y=[len(r.drafted) for r in rounds], mode="markers", name="drafted",
                              marker=dict(symbol="line-ew-open", size=14, color="#333", line=dict(width=2)),
                              hovertemplate="round %{x}: %{y} drafted<extra></extra>"))
-    fig.update_layout(barmode="stack", template="plotly_white", height=240, margin=dict(l=10, r=10, t=30, b=30),
-                      xaxis_title="round", yaxis_title="tokens", legend=dict(orientation="h", y=1.18))
+    fig.update_layout(barmode="stack", template="plotly_white", height=260, margin=dict(l=10, r=10, t=40, b=30),
+                      xaxis_title="round", yaxis_title="tokens",
+                      legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom"))
     return fig
 
 
