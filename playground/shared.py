@@ -8,6 +8,7 @@ limit) and a named ``api_name``.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import os
 from dataclasses import dataclass, field
@@ -58,6 +59,13 @@ class Shared:
         except ModelLoadError as exc:
             raise UserError(str(exc)) from None
 
+    def prepare(self, panel: Any, values: tuple, model: str, quantization: str, prompt: str,
+                chat: bool) -> tuple[DecodingConfig, LoadedModel, list[int]]:
+        """Validate a run's inputs: the panel's config, the model, the prompt ids (UserError if bad)."""
+        config = panel.config(*values)
+        lm = self.lm(model, quantization)
+        return config, lm, self.encode_prompt(lm, prompt, chat)
+
     def encode_prompt(self, lm: LoadedModel, prompt: str, chat: bool) -> list[int]:
         """Validated prompt ids: not empty, not too long."""
         if not prompt or not prompt.strip():
@@ -83,6 +91,14 @@ def gpu_task(fn: Callable) -> Callable:
     except ImportError:
         return fn
     return spaces.GPU(fn)
+
+
+class OutputSet:
+    """Base for a view's bundle of output components (a dataclass): ``all()`` lists them in
+    declaration order, the order every handler returns its updates in."""
+
+    def all(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
 class UserError(ValueError):

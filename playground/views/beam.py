@@ -25,7 +25,7 @@ from engine.trace import Trace
 from playground.charts import beam as charts
 
 from ..knobs import PENALTY_KNOBS, KnobPanel
-from ..shared import Shared, UserError, error_html, guarded, status_html
+from ..shared import OutputSet, Shared, UserError, error_html, guarded, status_html
 
 STREAM_EVERY_S = 0.4  # throttle tree redraws while the search runs
 BEAM_KNOBS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",
@@ -44,7 +44,7 @@ class BeamSession:
 
 
 @dataclass
-class Outputs:
+class Outputs(OutputSet):
     """Component handles the handlers update, in one fixed order."""
 
     tree: Any
@@ -55,10 +55,6 @@ class Outputs:
     winner: Any
     status: Any
     download: Any
-
-    def all(self) -> list:
-        return [self.tree, self.summary, self.hypotheses, self.greedy, self.slider, self.winner, self.status,
-                self.download]
 
 
 def rerank_outputs(session: BeamSession | None, length_penalty: float, collapse: bool) -> list:
@@ -177,9 +173,7 @@ def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, collapse, run
     def on_run(prompt_text, chat_on, collapse_on, model, quant, state, *values):
         state = BeamSession()
         try:
-            config = panel.config(*values)
-            lm = shared.lm(model, quant)
-            prompt_ids = shared.encode_prompt(lm, prompt_text, chat_on)
+            config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
         except UserError as exc:
             yield _error_outputs(str(exc), state)
             return

@@ -25,7 +25,7 @@ from engine.trace import Trace
 from playground.charts import speculative as charts
 
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import Shared, UserError, error_html, guarded, status_html
+from ..shared import OutputSet, Shared, UserError, error_html, guarded, status_html
 
 STREAM_EVERY_S = 0.25
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
@@ -54,7 +54,7 @@ class SpecSession:
 
 
 @dataclass
-class Outputs:
+class Outputs(OutputSet):
     counters: Any
     rounds: Any
     text: Any
@@ -66,10 +66,6 @@ class Outputs:
     summary: Any
     status: Any
     download: Any
-
-    def all(self) -> list:
-        return [self.counters, self.rounds, self.text, self.position, self.explain, self.pq, self.residual,
-                self.lengths, self.summary, self.status, self.download]
 
 
 def default_position(rounds: list[SpecRound]) -> tuple[int, int] | None:
@@ -190,9 +186,7 @@ def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, compare, gene
     def on_generate(prompt_text, chat_on, compare_on, model, quant, state, *values):
         state = SpecSession()
         try:
-            config = panel.config(*values)
-            lm = shared.lm(model, quant)
-            prompt_ids = shared.encode_prompt(lm, prompt_text, chat_on)
+            config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
         except UserError as exc:
             yield _error_outputs(str(exc), state)
             return

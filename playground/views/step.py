@@ -23,7 +23,7 @@ from engine.trace import Trace
 from playground.charts import step as charts
 
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import Shared, UserError, error_html, gpu_task, guarded, status_html
+from ..shared import OutputSet, Shared, UserError, error_html, gpu_task, guarded, status_html
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
@@ -48,7 +48,7 @@ def _run_label(i: int, trace: Trace) -> str:
 
 
 @dataclass
-class Outputs:
+class Outputs(OutputSet):
     """Component handles the handlers update, in one fixed order."""
 
     text: Any
@@ -62,10 +62,6 @@ class Outputs:
     summary: Any
     status: Any
     download: Any
-
-    def all(self) -> list:
-        return [self.text, self.step, self.explain, self.chart, self.alternatives, self.runs, self.compare,
-                self.over_run, self.summary, self.status, self.download]
 
 
 def render(session: StepSession, selected: int | None, colour_by: str, status: str = "", full: bool = True) -> list:
@@ -183,9 +179,7 @@ def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, colour_by, ge
     def on_generate(prompt_text, chat_on, model, quant, colour, state, *values):
         state = state or StepSession()
         try:
-            config = panel.config(*values)
-            lm = shared.lm(model, quant)
-            prompt_ids = shared.encode_prompt(lm, prompt_text, chat_on)
+            config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
         except UserError as exc:
             yield _error_outputs(str(exc), state)
             return
