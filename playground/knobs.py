@@ -26,11 +26,12 @@ PENALTY_KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", 
 STAGE_KNOBS = SAMPLING_KNOBS + PENALTY_KNOBS
 
 
-def knob_component(knob: Knob, value: Any = None) -> gr.components.Component:
+def knob_component(knob: Knob, value: Any = None, prefix: str = "") -> gr.components.Component:
+    """One control for a knob; its element id is ``<prefix>knob-<name>``, unique per view."""
     value = knob.neutral if value is None else value
     label = knob.name
     info = knob.doc
-    elem_id = f"knob-{knob.name}"
+    elem_id = f"{prefix}knob-{knob.name}"
     if knob.kind in ("float", "int") and knob.name in NUMBER_INPUT_KNOBS:
         # No minimum/maximum here: the engine's validation names the knob and its range in the message.
         return gr.Number(value=value, label=label, info=f"{info} Range {knob.range_text()}.", precision=0, elem_id=elem_id)
@@ -90,7 +91,7 @@ class KnobPanel:
         self.strategy = gr.Radio(self.strategies, value=start_cfg.strategy if start_cfg.strategy in self.strategies else self.strategies[0],
                                  label="Strategy", elem_id=f"{prefix}strategy")
         self.components: dict[str, gr.components.Component] = {}
-        self._build_controls(start_cfg)
+        self._build_controls(start_cfg, prefix)
         self.stage_order = None
         if stage_order:
             self.stage_order = gr.Dropdown(
@@ -99,7 +100,7 @@ class KnobPanel:
                 elem_id=f"{prefix}stage-order",
             )
 
-    def _build_controls(self, cfg: DecodingConfig) -> None:
+    def _build_controls(self, cfg: DecodingConfig, prefix: str) -> None:
         groups = [("Sampling stages", [n for n in self.names if n in SAMPLING_KNOBS]),
                   ("Penalties", [n for n in self.names if n in PENALTY_KNOBS]),
                   ("Run", [n for n in self.names if n not in STAGE_KNOBS])]
@@ -108,7 +109,7 @@ class KnobPanel:
                 continue
             with gr.Accordion(title, open=title != "Penalties"):
                 for name in names:
-                    self.components[name] = knob_component(KNOBS[name], getattr(cfg, name))
+                    self.components[name] = knob_component(KNOBS[name], getattr(cfg, name), prefix)
 
     @property
     def inputs(self) -> list[gr.components.Component]:

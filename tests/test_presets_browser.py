@@ -28,7 +28,7 @@ def wait_value(page, elem_id: str, value: str) -> None:
 
 
 def knob_value(page, name: str) -> str:
-    return page.locator(f"#tab-step #knob-{name} input").first.input_value()
+    return page.locator(f"#tab-step #step-knob-{name} input").first.input_value()
 
 
 def visible_text(page, scope: str, text: str):
@@ -69,7 +69,7 @@ def _copy_link(page) -> str:
 def test_copy_link_opens_the_same_state(live_app, page):
     page.goto(live_app)
     textbox(page, "step-prompt").fill("Round trip: ünïcode & ?query#hash")
-    seed = page.locator("#tab-step #knob-seed input").first
+    seed = page.locator("#tab-step #step-knob-seed input").first
     seed.fill("77")
     seed.press("Enter")
     link = _copy_link(page)

@@ -33,8 +33,8 @@ def test_step_trace_api_rejects_bad_input_with_message(live_app):
 def test_generate_click_token_changes_chart(page, live_app, artifacts):
     page.goto(live_app)
     page.fill("#step-prompt textarea", "Write one sentence about cats.")
-    page.fill("#knob-max_new_tokens input[type=number]", "12")
-    page.locator("#knob-max_new_tokens input[type=number]").press("Enter")
+    page.fill("#step-knob-max_new_tokens input[type=number]", "12")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
     page.click("#step-generate")
     page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
     tokens = page.locator("#step-text .token")
@@ -53,7 +53,7 @@ def test_generate_click_token_changes_chart(page, live_app, artifacts):
 def test_bad_input_shows_message_and_keeps_prompt(page, live_app):
     page.goto(live_app)
     page.fill("#step-prompt textarea", "Keep me")
-    page.fill("#knob-top_k input[type=number]", "-3")
+    page.fill("#step-knob-top_k input[type=number]", "-3")
     page.click("#step-generate")
     page.wait_for_selector("#step-status .dp-error", timeout=60_000)
     assert "top_k" in page.locator("#step-status").inner_text()

@@ -126,11 +126,6 @@ def _error_outputs(message: str, session: BeamSession | None) -> list:
     return [gr.update()] * 6 + [error_html(message), gr.update(), session]
 
 
-def _scope_knob_ids(panel: KnobPanel, prefix: str) -> None:
-    """KnobPanel names its controls ``knob-<name>`` in every tab; give ours unique ids."""
-    for name, component in panel.components.items():
-        component.elem_id = f"{prefix}knob-{name}"
-
 
 def build_tab(shared: Shared) -> None:
     session = gr.State(None, time_to_live=3600)
@@ -142,7 +137,6 @@ def build_tab(shared: Shared) -> None:
                                info="Wrap the prompt in the model's chat template (instruct models end with EOS).")
             panel = KnobPanel(shared, BEAM_KNOBS + PENALTY_KNOBS, ["beam"], preset=DEFAULT_PRESET, stage_order=False,
                               prefix="beam-")
-            _scope_knob_ids(panel, "beam-")
             with gr.Row():
                 run = gr.Button("Search", variant="primary", elem_id="beam-run")
                 stop = gr.Button("Stop", variant="stop", elem_id="beam-stop")

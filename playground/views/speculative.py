@@ -139,12 +139,6 @@ def _guarded(updates: Iterator[list], session: SpecSession) -> Iterator[list]:
     return guarded(updates, lambda message: _error_outputs(message, session), "generation")
 
 
-def _scope_knob_ids(panel: KnobPanel, prefix: str) -> None:
-    """KnobPanel names its controls ``knob-<name>`` in every tab; give ours unique ids (read by
-    Gradio when the Blocks context closes, so renaming here is effective)."""
-    for name, component in panel.components.items():
-        component.elem_id = f"{prefix}knob-{name}"
-
 
 def build_tab(shared: Shared) -> None:
     session = gr.State(None, time_to_live=3600)
@@ -155,7 +149,6 @@ def build_tab(shared: Shared) -> None:
             chat = gr.Checkbox(True, label="Chat template", elem_id="spec-chat")
             panel = KnobPanel(shared, SPEC_KNOBS + RUN_KNOBS + STAGE_KNOBS, ["speculative"], preset="speculative-ngram",
                               prefix="spec-")
-            _scope_knob_ids(panel, "spec-")
             compare = gr.Checkbox(True, label="Compare with target-only", elem_id="spec-compare",
                                   info="Also time the same settings decoded by the target alone, in this process (speed-up).")
             with gr.Row():
