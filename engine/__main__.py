@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         registry = ModelRegistry()
         lm = registry.get(spec)
         trace = runner.run(lm, args.prompt, config, chat=args.chat, registry=registry)
-    except (ModelLoadError, runner.StrategyUnavailable, ValueError) as exc:
+    except (ModelLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(trace.to_json() if args.json else render(trace))

@@ -1,42 +1,166 @@
-"""One entry point for every strategy: ``run`` (a whole Trace) and ``stream`` (events as they come).
+"""The one way to run any strategy: ``stream`` yields typed ``Event``s as the run goes, the last one
+carrying the assembled ``Trace``; ``run`` returns that Trace; ``branch`` continues a finished run
+from any step with another token.
 
-Strategy modules each provide ``run(lm, prompt, config, *, chat, registry) -> Trace``. The CLI, the
-API endpoints and the benchmarks all come through here, so they emit the same trace JSON.
+Every event has the same shape whatever the strategy (mlx-lm's ``stream_generate`` is the model):
+the tokens it adds to the output (a StepTrace each), the strategy's own record (a beam step, a
+speculative round, contrastive candidates, an MCTS position...) and, on the last event only, the
+whole Trace. Views, the CLI, the API and the benchmarks all come through here, so every surface
+emits the same trace JSON. The ``RunControl`` is checked between events, and strategies check it
+inside long steps too, so a cancelled or timed-out run stops within one step.
 """
 
 from __future__ import annotations
 
-import importlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
 
+from . import beam, contrastive, decode, speculative
+from .cache import KVCache
 from .config import DecodingConfig
+from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
-from .trace import Trace
-
-# strategy -> module providing run(...)
-STRATEGY_MODULES = {
-    "greedy": "engine.decode",
-    "sample": "engine.decode",
-    "beam": "engine.beam",
-    "speculative": "engine.speculative",
-    "contrastive_search": "engine.contrastive",
-    "contrastive_decoding": "engine.contrastive",
-}
+from .trace import StepTrace, Trace
 
 
-class StrategyUnavailable(RuntimeError):
-    pass
+@dataclass
+class Event:
+    """One streamed event of any strategy.
+
+    ``steps``: the tokens this event adds to the output, in order (one for greedy/sampling and the
+    contrastive strategies, several for a speculative round, none for a beam search step, whose
+    output is only known at the end). ``record``: the strategy's own record of this event, or None.
+    ``trace``: set on the last event only."""
+
+    steps: list[StepTrace] = field(default_factory=list)
+    record: Any = None
+    trace: Trace | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.trace is not None
 
 
-def strategy_module(strategy: str):
-    try:
-        return importlib.import_module(STRATEGY_MODULES[strategy])
-    except ModuleNotFoundError as exc:
-        raise StrategyUnavailable(f"strategy: {strategy!r} is not available in this build ({exc.name})") from None
+def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
+           prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
+           control: RunControl | None = None, compare_baseline: bool = False,
+           scheduler: Any = None) -> Iterator[Event]:
+    """Run ``config.strategy`` on ``prompt`` and yield Events; the last one holds the Trace.
+
+    ``prompt_ids``: the prompt already encoded (with ``chat`` applied), else it is encoded here.
+    ``registry``: where drafters and amateurs (``self-int8``, ``model:<x>``) are loaded from.
+    ``control``: checked once per step; raises ``RunStopped`` when cancelled or past its limit.
+    ``compare_baseline``: speculative only, also time a target-only run (summary ``speedup``).
+    ``scheduler``: greedy/sampling runs go through this batched scheduler (shared forwards with
+    other users' runs) instead of a forward of their own."""
+    ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
+    registry = registry or ModelRegistry()
+    if config.strategy in ("greedy", "sample"):
+        yield from _stepwise(lm, prompt, ids, config, chat, control, scheduler)
+    elif config.strategy == "beam":
+        yield from _beam(lm, prompt, ids, config, chat, control)
+    elif config.strategy == "speculative":
+        yield from _speculative(lm, prompt, ids, config, chat, registry, control, compare_baseline)
+    elif config.strategy in ("contrastive_search", "contrastive_decoding"):
+        yield from _contrastive(lm, prompt, ids, config, chat, registry, control)
+    else:  # DecodingConfig validates the name, so this is a strategy without a runner yet
+        raise ValueError(f"strategy: {config.strategy!r} has no runner")
 
 
 def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
-        registry: ModelRegistry | None = None) -> Trace:
-    module = strategy_module(config.strategy)
-    if config.strategy in ("greedy", "sample"):
-        return module.run(lm, prompt, config, chat=chat)
-    return module.run(lm, prompt, config, chat=chat, registry=registry or ModelRegistry())
+        prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
+        control: RunControl | None = None, compare_baseline: bool = False, scheduler: Any = None) -> Trace:
+    """The whole run: ``stream`` collected, returning its Trace."""
+    for event in stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=registry, control=control,
+                        compare_baseline=compare_baseline, scheduler=scheduler):
+        if event.trace is not None:
+            return event.trace
+    raise RuntimeError("stream ended without a trace")
+
+
+def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, control: RunControl | None = None,
+           cache: KVCache | None = None, scheduler: Any = None) -> Iterator[Event]:
+    """Continue ``parent`` (a greedy or sampling trace) from step ``at_step`` with ``token_id``.
+    The first event replays the parent's steps before ``at_step`` unchanged; the new steps follow;
+    the last event holds the branch's Trace (``branch_of`` = ``at_step``)."""
+    if parent.strategy not in ("greedy", "sample"):
+        raise ValueError(f"branch: only greedy and sampling runs can be branched, this one is {parent.strategy!r}")
+    if not isinstance(at_step, int) or isinstance(at_step, bool) or not 0 <= at_step < len(parent.steps):
+        raise ValueError(f"at_step: {at_step!r} is out of range; the run has {len(parent.steps)} steps")
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < lm.vocab_size:
+        raise ValueError(f"token_id: {token_id!r} is out of range; the vocabulary has {lm.vocab_size} tokens")
+    config = DecodingConfig.from_dict(parent.config)
+    kept = list(parent.steps[:at_step])
+    steps = list(kept)
+    if kept:
+        yield Event(steps=kept)
+    prefix = parent.generated_token_ids[:at_step]
+    if scheduler is not None:
+        source = scheduler.stream(parent.prompt_token_ids, config, prefix=prefix, force=token_id, control=control)
+    else:
+        source = decode.stream(lm, parent.prompt_token_ids, config, prefix=prefix, force=token_id, cache=cache)
+    for step in _checked(source, control):
+        steps.append(step)
+        yield Event(steps=[step])
+    yield Event(trace=decode.assemble(lm, parent.prompt, parent.prompt_token_ids, config, steps, parent.chat,
+                                      branch_of=at_step))
+
+
+def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+                  steps: list[StepTrace], chat: bool, branch_of: int | None = None) -> Trace:
+    """A Trace of the steps streamed so far (what a view draws while the run goes on)."""
+    return decode.assemble(lm, prompt, prompt_ids, config, steps, chat, branch_of=branch_of)
+
+
+# --- one adapter per strategy family ----------------------------------------------------------------
+def _checked(source: Iterator, control: RunControl | None) -> Iterator:
+    """Items of ``source``, checking ``control`` before each one is computed."""
+    while True:
+        check(control)
+        try:
+            item = next(source)
+        except StopIteration:
+            return
+        yield item
+
+
+def _stepwise(lm, prompt, ids, config, chat, control, scheduler) -> Iterator[Event]:
+    source = (scheduler.stream(ids, config, control=control) if scheduler is not None
+              else decode.stream(lm, ids, config))
+    steps = []
+    for step in _checked(source, control):
+        steps.append(step)
+        yield Event(steps=[step])
+    yield Event(trace=decode.assemble(lm, prompt, ids, config, steps, chat))
+
+
+def _beam(lm, prompt, ids, config, chat, control) -> Iterator[Event]:
+    for record in _checked(beam.stream(lm, ids, config), control):
+        if isinstance(record, beam.BeamTrace):
+            yield Event(trace=beam.assemble(lm, prompt, ids, config, record, chat))
+        else:
+            yield Event(record=record)
+
+
+def _speculative(lm, prompt, ids, config, chat, registry, control, compare_baseline) -> Iterator[Event]:
+    drafter = speculative.make_drafter(lm, config, registry)
+    rounds = []
+    for spec_round in _checked(speculative.stream(lm, ids, config, drafter), control):
+        rounds.append(spec_round)
+        yield Event(steps=list(spec_round.steps), record=spec_round)
+    trace = speculative.assemble(lm, prompt, ids, config, rounds, drafter, chat)
+    if compare_baseline:
+        trace.summary |= speculative.compare_with_baseline(lm, prompt, config, trace, chat, control=control)
+    yield Event(trace=trace)
+
+
+def _contrastive(lm, prompt, ids, config, chat, registry, control) -> Iterator[Event]:
+    pairs = []
+    for step, record in _checked(contrastive.stream(lm, ids, config, registry=registry), control):
+        pairs.append((step, record))
+        yield Event(steps=[step], record=record)
+    trace = decode.assemble(lm, prompt, ids, config, [s for s, _ in pairs], chat)
+    trace.extra[config.strategy] = [r for _, r in pairs]
+    if config.strategy == "contrastive_decoding":
+        trace.extra["amateur"] = config.amateur
+    yield Event(trace=trace)

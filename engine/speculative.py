@@ -34,6 +34,7 @@ import torch
 from . import decode, sampling
 from .cache import KVCache
 from .config import KNOBS, DecodingConfig
+from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry, ModelSpec
 from .processors import Chain, Traced
 from .trace import StepTrace, TokenProb, Trace, from_dict
@@ -473,8 +474,16 @@ def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = Fa
     return trace
 
 
-def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, trace: Trace, chat: bool) -> dict:
-    base = decode.run(lm, prompt, baseline_config(config), chat=chat)
+def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, trace: Trace, chat: bool,
+                          control: RunControl | None = None) -> dict:
+    """Time a target-only run of the same knobs in this process (checking ``control`` per step)."""
+    base_config = baseline_config(config)
+    prompt_ids = list(trace.prompt_token_ids)
+    steps = []
+    for step in decode.stream(lm, prompt_ids, base_config):
+        steps.append(step)
+        check(control)
+    base = decode.assemble(lm, prompt, prompt_ids, base_config, steps, chat)
     spec_ms = trace.summary.get("total_ms", 0.0)
     base_ms = base.timing.total_ms
     return {

@@ -91,10 +91,7 @@ def test_cli_reads_the_same_object(tmp_path):
 
 def _run_preset(lm, stem: str, max_new_tokens: int):
     config = builtin_presets()[stem].config.replace(max_new_tokens=max_new_tokens)
-    try:
-        return config, runner.run(lm, "The cat sat on the", config)
-    except runner.StrategyUnavailable as exc:
-        pytest.skip(f"{stem}: strategy module not in this build yet ({exc})")
+    return config, runner.run(lm, "The cat sat on the", config)
 
 
 @pytest.mark.parametrize("stem", [s for s in REQUIRED if s != "speculative-self-int8"])
