@@ -12,7 +12,6 @@ inside long steps too, so a cancelled or timed-out run stops within one step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from . import beam, contrastive, decode, speculative
@@ -20,25 +19,7 @@ from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
-from .trace import StepTrace, Trace
-
-
-@dataclass
-class Event:
-    """One streamed event of any strategy.
-
-    ``steps``: the tokens this event adds to the output, in order (one for greedy/sampling and the
-    contrastive strategies, several for a speculative round, none for a beam search step, whose
-    output is only known at the end). ``record``: the strategy's own record of this event, or None.
-    ``trace``: set on the last event only."""
-
-    steps: list[StepTrace] = field(default_factory=list)
-    record: Any = None
-    trace: Trace | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.trace is not None
+from .trace import Event, StepTrace, Trace
 
 
 def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,

@@ -107,6 +107,24 @@ class Trace:
         return from_dict(cls, json.loads(text))
 
 
+@dataclass
+class Event:
+    """One streamed event of any strategy.
+
+    ``steps``: the tokens this event adds to the output, in order (one for greedy/sampling and the
+    contrastive strategies, several for a speculative round, none for a beam search step, whose
+    output is only known at the end). ``record``: the strategy's own record of this event, or None.
+    ``trace``: set on the last event only."""
+
+    steps: list[StepTrace] = field(default_factory=list)
+    record: Any = None
+    trace: Trace | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.trace is not None
+
+
 def to_dict(record: Any) -> Any:
     """Dataclasses -> JSON-ready dicts, recursively (tuples become lists)."""
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
