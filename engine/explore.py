@@ -1,0 +1,72 @@
+"""What if: re-process one generated step under other knobs, without generating again.
+
+A step's *raw* logits depend only on the tokens before it, never on the knobs, so moving a knob
+for step k needs no new generation: take step k's raw logits (kept by the caller, or recomputed
+with one forward over the prompt and the k tokens before it) and run the stage chain of the new
+config over them. With the trace's own knobs this reproduces the trace's own stages for that step.
+
+Shapes: logits [1, V] float32; ids [1, S].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .cache import KVCache
+from .config import ConfigError, DecodingConfig
+from .models import LoadedModel
+from .processors import Chain
+from .trace import StageTrace, Trace
+
+
+def step_context(trace: Trace, step: int) -> list[int]:
+    """The token ids the model saw before step ``step``: the prompt and the first ``step`` tokens."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < len(trace.steps):
+        raise ConfigError("step", f"{step!r} is out of range; the run has {len(trace.steps)} steps")
+    return list(trace.prompt_token_ids) + list(trace.generated_token_ids[:step])
+
+
+def raw_logits(lm: LoadedModel, trace: Trace, step: int, cache: KVCache | None = None) -> torch.Tensor:
+    """Step ``step``'s raw next-token logits [1, V]: one forward over what ``cache`` lacks of the
+    step's context (a fresh cache costs one prefill of it)."""
+    cache = cache or KVCache(lm.model)
+    return cache.sync(step_context(trace, step))
+
+
+def explore_config(trace: Trace, knobs: Any) -> DecodingConfig:
+    """The trace's config with ``knobs`` (a dict of knob values) applied on top, validated."""
+    if knobs is None:
+        knobs = {}
+    if not isinstance(knobs, dict):
+        raise ConfigError("knobs", f"expected a JSON object of knob values, got {type(knobs).__name__}")
+    return DecodingConfig.from_dict(dict(trace.config) | knobs)
+
+
+def explore_step(lm: LoadedModel, trace: Trace, step: int, knobs: Any = None, *,
+                 logits: torch.Tensor | None = None, cache: KVCache | None = None) -> list[StageTrace]:
+    """Step ``step`` of ``trace`` re-processed under ``knobs``: its stage records (raw, each active
+    stage in the new order, final), in the trace JSON's ``stages`` format.
+
+    ``logits``: the step's raw logits if the caller kept them, else they are recomputed through
+    ``cache`` (see ``raw_logits``)."""
+    config = explore_config(trace, knobs)
+    context = step_context(trace, step)
+    if logits is None:
+        logits = raw_logits(lm, trace, step, cache)
+    ids = torch.tensor([context], dtype=torch.long, device=lm.device)
+    chain = Chain.from_config(config, len(trace.prompt_token_ids), lm.tokenizer, lm.eos_token_ids)
+    return chain.traced(ids, logits.float(), config.top_n, lm.token_text).stages
+
+
+def stages_match(a: Sequence[StageTrace], b: Sequence[StageTrace], tol: float = 1e-4) -> bool:
+    """Same stage names, kept counts and top tokens, probabilities within ``tol``."""
+    if [s.name for s in a] != [s.name for s in b]:
+        return False
+    for x, y in zip(a, b):
+        if x.kept != y.kept or [t.token_id for t in x.top] != [t.token_id for t in y.top]:
+            return False
+        if any(abs(p.prob - q.prob) > tol for p, q in zip(x.top, y.top)):
+            return False
+    return True
