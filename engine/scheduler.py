@@ -1,0 +1,377 @@
+"""The batched scheduler: many users' greedy and sampling runs advance together, one forward per tick.
+
+Small models are dispatch-bound: one forward over 16 sequences costs little more than one over a
+single sequence. So a ``Scheduler`` per loaded model keeps every active run as one row of a batched
+KV cache and, each tick (continuous batching: runs join and leave at any tick):
+
+1. drops rows whose run was cancelled, timed out or whose consumer went away;
+2. runs ONE forward of the next token of every active row (left padding, attention mask [B, L],
+   per-row position ids; a running sequence is never prefilled again);
+3. prefills each joiner alone (batch 1, exactly as ``decode.stream`` does) and merges its KV into
+   the batch;
+4. per row: the run's own stage chain, pick (its own ``torch.Generator``) and stop rules
+   (``_Run.advance``, a copy of ``decode.stream``'s loop body), and hands the StepTrace to that
+   run's stream. Finished rows leave; left padding shared by all rows is trimmed.
+
+Every run's StepTraces equal ``decode.stream(lm, prompt_ids, config, prefix=, force=)``'s: the same
+tokens and stage top lists, probabilities within float tolerance (a batched matmul may round
+differently from a batch of one; ~1e-6 in float32). Nothing of one run reaches another: each row
+has its own token row, chain, generator and KV row, and attention never crosses rows.
+
+Limits (environment variables, read when the scheduler is created):
+
+- ``DP_MAX_BATCH``: rows stepped in one forward (default 16 on CPU, 32 on GPU). Runs past it wait.
+- ``DP_MAX_QUEUE``: runs that may wait for a row (default 256). Past it ``stream`` raises
+  ``SchedulerFull``.
+
+One worker thread per scheduler, started when a run arrives and ended when none is left (so an idle
+scheduler holds no thread and, through a weak reference, does not keep its model alive). Errors in
+the worker go to the affected runs' streams as exceptions; the worker carries on with the others.
+Models whose cache is not a plain full-attention ``DynamicCache`` (sliding-window layers...) are
+stepped one row at a time (``max_batch`` 1), still through the same queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from . import sampling
+from .cache import KVCache
+from .config import DecodingConfig
+from .control import RunControl, RunStopped
+from .decode import StopCheck, make_generator
+from .models import LoadedModel
+from .processors import Chain
+from .trace import StepTrace
+
+DEFAULT_MAX_BATCH_CPU = 16
+DEFAULT_MAX_BATCH_GPU = 32
+DEFAULT_MAX_QUEUE = 256
+
+
+class SchedulerFull(RuntimeError):
+    """Too many runs are waiting for a row (``DP_MAX_QUEUE``)."""
+
+
+def env_limit(name: str, default: int, minimum: int) -> int:
+    """An integer limit from the environment (unset or empty: ``default``); bad values raise
+    ValueError naming the variable and the value."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {text[:40]!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def default_max_batch(device: torch.device) -> int:
+    default = DEFAULT_MAX_BATCH_GPU if device.type == "cuda" else DEFAULT_MAX_BATCH_CPU
+    return env_limit("DP_MAX_BATCH", default, 1)
+
+
+def batchable(lm: LoadedModel) -> bool:
+    """Whether the model's KV cache is made of plain full-attention layers, whose rows can be padded
+    and stacked. (Sliding-window and linear-attention layers cannot; those run one row at a time.)"""
+    layers = DynamicCache(config=lm.model.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+# --- one run -----------------------------------------------------------------------------------------
+class _Run:
+    """One user's run: its own chain, generator, stop rules, token row and output queue.
+    Built in the caller's thread (so config errors raise there); stepped by the worker."""
+
+    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
+                 prefix: Sequence[int], force: int | None, control: RunControl | None):
+        self.lm, self.config, self.control, self.force = lm, config, control, force
+        self.start = time.perf_counter()
+        self.chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
+        self.generator = None if config.is_greedy else make_generator(config, lm.device)
+        if self.generator is not None and prefix:
+            sampling.skip_draws(self.generator, len(prefix), lm.vocab_size, lm.device)
+        self.stopper = StopCheck(lm, config)
+        self.sequence = list(prompt_ids) + list(prefix)  # what the prefill feeds
+        self.ids = torch.tensor([self.sequence], dtype=torch.long, device=lm.device)  # [1, T] for penalties
+        self.generated = list(prefix)
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # StepTrace | BaseException
+        self.closed = False  # the consumer went away
+
+    def advance(self, logits: torch.Tensor) -> StepTrace:
+        """One step of ``decode.stream``'s loop on this run's row: logits [1, V] (float32) after the
+        row's last token -> the StepTrace of the token picked. Keep in step with decode.stream."""
+        lm, config = self.lm, self.config
+        traced = self.chain.traced(self.ids, logits, config.top_n, lm.token_text)
+        stages = traced.stages
+        if self.force is not None:
+            pick = sampling.Pick(self.force, float(traced.final_probs[self.force]))
+            if self.generator is not None:  # keep the generator aligned with an unforced run
+                sampling.skip_draws(self.generator, 1, lm.vocab_size, lm.device)
+        elif self.generator is None:
+            token = int(torch.argmax(traced.logits[0]))
+            pick = sampling.Pick(token, float(traced.final_probs[token]))
+        else:
+            pick = sampling.sample_probs(traced.final_probs, self.generator)
+        self.generated.append(pick.token_id)
+        reason = self.stopper.reason(self.generated)
+        step = StepTrace(
+            index=len(self.generated) - 1, chosen_token_id=pick.token_id, chosen_token=lm.token_text(pick.token_id),
+            chosen_prob=pick.prob, raw_prob=float(traced.raw_probs[pick.token_id]),
+            draw=pick.draw, draw_low=pick.low, draw_high=pick.high,
+            entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages,
+            elapsed_ms=(time.perf_counter() - self.start) * 1000, forced=self.force is not None, finish_reason=reason,
+        )
+        self.force = None
+        self.ids = torch.cat([self.ids, torch.tensor([[pick.token_id]], device=lm.device)], dim=1)
+        return step
+
+    @property
+    def last_token(self) -> int:
+        return int(self.ids[0, -1])
+
+    def stopped(self) -> RunStopped | None:
+        """Why the worker should drop this run now (None: keep it). A closed consumer needs no
+        message; a cancelled or timed-out control gets its RunStopped."""
+        if self.closed:
+            return RunStopped("cancelled", "stopped: the consumer went away")
+        if self.control is not None:
+            try:
+                self.control.check()
+            except RunStopped as stop:
+                return stop
+        return None
+
+
+# --- the batched KV cache ------------------------------------------------------------------------------
+class _Batch:
+    """The active rows: one DynamicCache whose keys/values are [B, H, L, D], rows left-padded, a mask
+    [B, L] (1 = real token, 0 = padding) and the runs in row order."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.runs: list[_Run] = []
+
+    def forward(self, model) -> torch.Tensor:
+        """Feed every row's last token; returns the next-token logits [B, V] in float32."""
+        ids = torch.tensor([[run.last_token] for run in self.runs], dtype=torch.long, device=self.device)  # [B, 1]
+        positions = self.mask.sum(dim=1, keepdim=True)  # [B, 1]: each row's own length, pads not counted
+        self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
+        padded = bool((self.mask == 0).any())
+        out = model(input_ids=ids, attention_mask=self.mask if padded else None, position_ids=positions,
+                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    def add(self, run: _Run, cache: DynamicCache) -> None:
+        """Append a prefilled run (its cache holds one row) as the last row, padding the shorter side."""
+        length = cache.get_seq_length()
+        if not self.runs:
+            self.cache, self.runs = cache, [run]
+            self.mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+            return
+        width = self.mask.shape[1]
+        _pad_left(self.cache, length - width)
+        _pad_left(cache, width - length)
+        row = torch.ones(1, length, dtype=torch.long, device=self.device)
+        self.mask = torch.cat([_pad_mask(self.mask, length - width), _pad_mask(row, width - length)], dim=0)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
+            mine.values = torch.cat([mine.values, theirs.values], dim=0)
+        self.runs.append(run)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (indices, in order) and trim the left padding they all share."""
+        if len(rows) == len(self.runs):
+            return
+        if not rows:
+            self.cache, self.runs = None, []
+            self.mask = self.mask[:0, :0]
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask.index_select(0, index)
+        self.runs = [self.runs[i] for i in rows]
+        leading = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())  # pad columns every row has
+        if leading:
+            self.mask = self.mask[:, leading:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, leading:], layer.values[:, :, leading:]
+
+
+def _pad_left(cache: DynamicCache, n: int) -> None:
+    """Prepend n zero positions to every layer (masked out, so their values never matter)."""
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        pad = layer.keys.new_zeros(*layer.keys.shape[:2], n, layer.keys.shape[3])
+        layer.keys = torch.cat([pad, layer.keys], dim=2)
+        layer.values = torch.cat([layer.values.new_zeros(*layer.values.shape[:2], n, layer.values.shape[3]),
+                                  layer.values], dim=2)
+
+
+def _pad_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([mask.new_zeros(mask.shape[0], n), mask], dim=1) if n > 0 else mask
+
+
+# --- the scheduler ---------------------------------------------------------------------------------------
+class Scheduler:
+    """Steps many runs of one model in one batched forward per tick. Thread-safe: any number of
+    handler threads may call ``stream`` at once. Holds its model only weakly."""
+
+    def __init__(self, lm: LoadedModel, *, max_batch: int | None = None, max_queue: int | None = None):
+        self._model = weakref.ref(lm)
+        self.device = lm.device
+        self.max_batch = max_batch if max_batch is not None else default_max_batch(lm.device)
+        self.max_queue = max_queue if max_queue is not None else env_limit("DP_MAX_QUEUE", DEFAULT_MAX_QUEUE, 0)
+        if not batchable(lm):
+            self.max_batch = 1
+        if self.max_batch < 1 or self.max_queue < 0:
+            raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {self.max_batch}, {self.max_queue}")
+        self._lock = threading.Lock()
+        self._waiting: list[_Run] = []
+        self._batch = _Batch(lm.device)
+        self._worker: threading.Thread | None = None
+        self._active = 0
+        self._ticks = 0
+        self._rows_stepped = 0
+
+    def stream(self, prompt_ids: Sequence[int], config: DecodingConfig, *, prefix: Sequence[int] = (),
+               force: int | None = None, control: RunControl | None = None) -> Iterator[StepTrace]:
+        """Yield what ``decode.stream(lm, prompt_ids, config, prefix=prefix, force=force)`` yields,
+        computed in shared forwards. Raises SchedulerFull when the queue is full, RunStopped when
+        ``control`` is cancelled or past its limit. Closing the generator frees the row."""
+        if not prompt_ids:
+            raise ValueError("prompt: empty after tokenisation; type at least one character")
+        if config.strategy not in ("greedy", "sample"):
+            raise ValueError(f"strategy: the scheduler runs greedy and sample runs, got {config.strategy!r}")
+        lm = self._model()
+        if lm is None:
+            raise RuntimeError("scheduler: its model was unloaded; load it again")
+        run = _Run(lm, prompt_ids, config, prefix, force, control)
+        self._submit(run)
+        try:
+            while True:
+                item = run.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            run.closed = True  # the worker drops the row at its next tick
+
+    def stats(self) -> dict:
+        """Active rows, queued runs, ticks (batched forwards) and the mean rows per tick."""
+        with self._lock:
+            return {"active": self._active, "queued": len(self._waiting), "ticks": self._ticks,
+                    "mean_batch": self._rows_stepped / self._ticks if self._ticks else 0.0,
+                    "max_batch": self.max_batch, "max_queue": self.max_queue}
+
+    def _submit(self, run: _Run) -> None:
+        with self._lock:
+            if self._active + len(self._waiting) >= self.max_batch + self.max_queue:
+                raise SchedulerFull(
+                    f"scheduler: the queue is full ({len(self._waiting)} runs waiting, {self._active} running, "
+                    f"limit DP_MAX_QUEUE={self.max_queue}); try again in a moment")
+            self._waiting.append(run)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="dp-scheduler", daemon=True)
+                self._worker.start()
+
+    def _work(self) -> None:
+        """The worker: tick while any run is active or waiting, then end (a new run starts a new one)."""
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    free = self.max_batch - len(self._batch.runs)
+                    joiners, self._waiting = self._waiting[:free], self._waiting[free:]
+                    if not joiners and not self._batch.runs:
+                        self._worker = None
+                        return
+                try:
+                    self._tick(joiners)
+                except BaseException as exc:  # noqa: BLE001 (a bug here must reach the users, not kill the worker)
+                    for run in self._batch.runs + joiners:
+                        run.out.put(exc)
+                    self._batch = _Batch(self.device)
+                with self._lock:
+                    self._active = len(self._batch.runs)
+
+    def _tick(self, joiners: list[_Run]) -> None:
+        """Drop stopped rows, one batched forward, prefill joiners, then each row's own step."""
+        self._drop([i for i, run in enumerate(self._batch.runs) if not self._still_wanted(run)])
+        rows: list[tuple[_Run, torch.Tensor]] = []
+        if self._batch.runs:
+            logits = self._batch.forward(self._batch.runs[0].lm.model)  # [B, V]
+            rows = [(run, logits[i:i + 1]) for i, run in enumerate(self._batch.runs)]
+            with self._lock:
+                self._ticks += 1
+                self._rows_stepped += len(rows)
+        for run in joiners:
+            if self._still_wanted(run):
+                rows += self._prefill(run)
+        keep, outputs = [], []
+        for i, (run, logits) in enumerate(rows):
+            try:
+                step = run.advance(logits)
+            except Exception as exc:  # noqa: BLE001 (one run's failure ends that run only)
+                outputs.append((run, exc))
+                continue
+            outputs.append((run, step))
+            if step.finish_reason is None:
+                keep.append(i)
+        self._batch.keep(keep)
+        with self._lock:  # before the outputs go out, so a consumer that saw its last step sees its row gone
+            self._active = len(self._batch.runs)
+        for run, item in outputs:
+            run.out.put(item)
+
+    def _prefill(self, run: _Run) -> list[tuple[_Run, torch.Tensor]]:
+        """Prefill one joiner alone (as decode.stream does) and add it as the last row."""
+        try:
+            kv = KVCache(run.lm.model)
+            logits = kv.sync(run.sequence)  # [1, V]
+        except Exception as exc:  # noqa: BLE001
+            run.out.put(exc)
+            return []
+        self._batch.add(run, kv.cache)
+        return [(run, logits)]
+
+    @staticmethod
+    def _still_wanted(run: _Run) -> bool:
+        stop = run.stopped()
+        if stop is not None and not run.closed:
+            run.out.put(stop)
+        return stop is None
+
+    def _drop(self, rows: list[int]) -> None:
+        if rows:
+            gone = set(rows)
+            self._batch.keep([i for i in range(len(self._batch.runs)) if i not in gone])
+
+
+_SCHEDULERS_LOCK = threading.Lock()
+
+
+def scheduler_for(lm: LoadedModel) -> Scheduler:
+    """The scheduler of this loaded model, created on first use (thread-safe). It lives on the
+    LoadedModel object, so it goes when the registry drops the model."""
+    with _SCHEDULERS_LOCK:
+        scheduler = getattr(lm, "_scheduler", None)
+        if scheduler is None:
+            scheduler = Scheduler(lm)
+            lm._scheduler = scheduler
+        return scheduler
