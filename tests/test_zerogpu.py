@@ -1,0 +1,194 @@
+"""ZeroGPU, simulated with the real ``spaces`` package as far as it goes on a machine without CUDA.
+
+``SPACES_ZERO_GPU=true`` switches the package into ZeroGPU mode: ``spaces.GPU(fn)`` then returns a
+wrapper that books a GPU from the device API (``SPACES_ZERO_DEVICE_API_URL``: /schedule, /allow,
+/release, /startup-report), forks a worker process, pickles the arguments to it and the results
+(each yielded item, for generators) back. The simulation keeps all of that real and replaces two
+things: the device API is a local HTTP server that grants every booking, and the package's torch
+layer (``spaces.zero.torch``, which needs a CUDA build of torch to import) is the package's own
+no-torch fallback. So a handler that is not wrapped, or that passes or returns something that
+cannot be pickled, fails here as it would on a ZeroGPU Space.
+
+The simulation runs in a child process (this file run as a script) so its patches never reach
+other tests; the test reads its JSON report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The capital of France is"
+# Small arguments for each model API endpoint (beside ``prompt``); ``branch`` also gets a parent trace.
+ENDPOINT_ARGS: dict[str, dict] = {
+    "step_trace": {"config": {"strategy": "greedy", "max_new_tokens": 3}},
+    "beam_trace": {"config": {"max_new_tokens": 3}},
+    "speculative_trace": {"config": {"max_new_tokens": 4}},
+    "compare": {"lanes": [{"config": {"strategy": "greedy"}}, {"config": {"strategy": "sample"}}],
+                "max_new_tokens": 3},
+    "compare_sweep": {"lane": {"config": {"strategy": "sample"}}, "seeds": 2, "max_new_tokens": 3},
+    "quantization_report": {"max_new_tokens": 3, "variants": ["none"]},
+    "kv_cache_report": {"max_new_tokens": 3},
+}
+
+
+class FakeDeviceAPI(BaseHTTPRequestHandler):
+    """The ZeroGPU device API, granting every booking at once; records each call."""
+
+    calls: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        url = urlparse(self.path)
+        params = {k: v[0] for k, v in parse_qs(url.query).items()}
+        self.calls.append({"path": url.path, **params})
+        body = b"{}"
+        if url.path == "/schedule":
+            grant = {"idle": False, "nvidiaIndex": 0, "nvidiaUUID": "GPU-simulated", "allowToken": f"t{len(self.calls)}"}
+            body = json.dumps(grant).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def stub_spaces_torch() -> None:
+    """``spaces.zero.torch`` as the package defines it when torch cannot be imported: no-ops."""
+    module = types.ModuleType("spaces.zero.torch")
+    for name in ("enter_mode", "patch", "unpatch", "init", "move"):
+        setattr(module, name, lambda *args, **kwargs: None)
+    module.pack = module.size = lambda *args, **kwargs: 0
+    module.is_in_bad_fork = lambda *args, **kwargs: False
+    sys.modules["spaces.zero.torch"] = module
+
+
+def wrapped_by_spaces(fn) -> bool:
+    """True when ``fn`` is, or closes over, a function that ``spaces.GPU`` wrapped in ZeroGPU mode."""
+    import inspect
+
+    seen = [fn]
+    while seen:
+        current = seen.pop()
+        if hasattr(current, "zerogpu"):
+            return True
+        inner = getattr(current, "func", None) or getattr(current, "__wrapped__", None)
+        if inner is not None and inner is not current:
+            seen.append(inner)
+        if inspect.isfunction(current) and current.__closure__:
+            seen.extend(v for v in inspect.getclosurevars(current).nonlocals.values() if callable(v))
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def simulate() -> dict:
+    """Build the app under simulated ZeroGPU, inspect its model events and call each API endpoint."""
+    api = ThreadingHTTPServer(("127.0.0.1", 0), FakeDeviceAPI)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    os.environ.update(SPACES_ZERO_GPU="true", SPACES_ZERO_DEVICE_API_URL=f"http://127.0.0.1:{api.server_port}/")
+    stub_spaces_torch()
+    import spaces  # noqa: F401 (ZeroGPU mode starts here, before the app is built)
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import app
+    from engine.models import ModelRegistry
+    from playground.app import build_app, launch_kwargs
+
+    app.apply_deployment_defaults(os.environ, torch.cuda.is_available(), app.embedded_installed())
+    demo = build_app(ModelRegistry(), default_model="embedded")
+    events = [{"name": getattr(f.fn, "__name__", repr(f.fn)), "api_name": f.api_name, "wrapped": wrapped_by_spaces(f.fn),
+               "public": f.api_visibility == "public"} for f in demo.fns.values() if f.concurrency_id == "model"]
+    port = free_port()
+    demo.launch(server_port=port, prevent_thread_lock=True, **launch_kwargs())
+    runs = run_endpoints(f"http://127.0.0.1:{port}/", [e["api_name"] for e in events if e["public"]])
+    demo.close()
+    return {"events": events, "runs": runs, "device_api": FakeDeviceAPI.calls}
+
+
+def run_endpoints(url: str, api_names: list[str]) -> dict:
+    """Each endpoint called once through gradio_client: its result keys, or its error message."""
+    from gradio_client import Client
+
+    client = Client(url, verbose=False)
+    runs: dict[str, dict] = {}
+    parent = None
+    for name in api_names:
+        if name == "branch":
+            continue
+        kwargs = {"prompt": PROMPT, **ENDPOINT_ARGS.get(name, {})}
+        runs[name] = call(client, name, kwargs)
+        if name == "step_trace" and "result" in runs[name]:
+            parent = runs[name].pop("result")
+    if "branch" in api_names:
+        token = (parent or {}).get("steps", [{}])[0].get("stages", [{}])[0].get("top", [{}, {}])[-1].get("token_id", 0)
+        runs["branch"] = call(client, "branch", {"parent": parent, "step": 0, "token_id": token})
+        runs["branch"].pop("result", None)
+    for run in runs.values():
+        run.pop("result", None)
+    return runs
+
+
+def call(client, name: str, kwargs: dict) -> dict:
+    try:
+        result = client.predict(api_name=f"/{name}", **kwargs)
+    except Exception as exc:  # reported, asserted on by the test
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    keys = sorted(result) if isinstance(result, dict) else []
+    return {"keys": keys, "result": result}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    home = tmp_path_factory.mktemp("home")
+    env = {**os.environ, "HOME": str(home), "SPACE_ID": "test/decoding-playground", "HF_HUB_OFFLINE": "1",
+           "DP_REQUEST_SECONDS": "300"}
+    for key in ("DP_MODELS", "DP_MODEL", "DP_PUBLIC", "DP_ALLOW_LOCAL_MODELS"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"events"')]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.slow
+def test_every_model_event_runs_under_spaces_gpu(report):
+    events = report["events"]
+    assert len(events) >= 8, events  # step, branch, beam, speculative, compare, quantization, KV cache...
+    assert [e for e in events if not e["wrapped"]] == []
+    assert {"step_trace", "beam_trace", "speculative_trace", "compare"} <= {e["api_name"] for e in events if e["public"]}
+
+
+@pytest.mark.slow
+def test_each_api_endpoint_runs_through_the_zerogpu_worker(report):
+    failed = {name: run for name, run in report["runs"].items() if "error" in run}
+    assert failed == {}
+    assert all(run["keys"] for run in report["runs"].values()), report["runs"]
+    bookings = [c for c in report["device_api"] if c["path"] == "/schedule"]
+    releases = [c for c in report["device_api"] if c["path"] == "/release"]
+    # One GPU booking per call (more when a handler is wrapped twice), each released without failure.
+    assert len(bookings) >= len(report["runs"])
+    assert len(releases) == len(bookings) and all(c.get("fail") == "False" for c in releases)
+    assert all(0 < int(c["durationSeconds"]) <= 600 for c in bookings)
+
+
+if __name__ == "__main__":
+    print(json.dumps(simulate()))
