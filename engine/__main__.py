@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> DecodingConfig:
-    values = load_preset(args.preset).config.to_dict(sparse=True)
+    values = load_preset(args.preset, allow_paths=True).config.to_dict(sparse=True)
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep or not key:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,50 @@ def check_knob(name: str, value: Any) -> Any:
         if not isinstance(item, str) or not item or len(item) > MAX_STRING_LEN:
             raise ConfigError(name, f"expected {knob.range_text()}, got item {_short(item)}")
     return list(value)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(key: str, value: Any, *, max_len: int = MAX_STRING_LEN, allow_empty: bool = False) -> str:
+    """``value`` if it is a string of at most ``max_len`` characters (non-empty unless
+    ``allow_empty``) that is valid Unicode; otherwise a ConfigError naming ``key``.
+
+    Lone surrogates ("\\ud800") are refused here, at the boundary: tokenizers, orjson and UTF-8
+    encoding all fail on them later with messages that name nothing."""
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expected text, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ConfigError(key, "empty; give some text")
+    if len(value) > max_len:
+        raise ConfigError(key, f"{len(value):,} characters is over the {max_len:,}-character limit")
+    if not value.isascii():
+        bad = _SURROGATE.search(value)
+        if bad:
+            raise ConfigError(key, f"invalid text: a lone surrogate (U+{ord(bad.group()):04X}) at character "
+                                   f"{bad.start()}; send valid Unicode")
+    return value
+
+
+def check_bias_map(knob: Knob, value: Any) -> dict[str, float]:
+    """``{token id or word: bias}`` -> a dict with string keys (JSON's own) and float biases.
+    A key of decimal digits is a token id; any other string is a word."""
+    if not isinstance(value, dict) or len(value) > MAX_BIAS_ENTRIES:
+        raise ConfigError(knob.name, f"expected {knob.range_text()}, got {_short(value)}")
+    out: dict[str, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < 2**31:
+            key = str(key)
+        if not isinstance(key, str) or not key or len(key) > MAX_STRING_LEN:
+            raise ConfigError(knob.name, f"key {_short(key)}: expected a token id or a word of at most "
+                                         f"{MAX_STRING_LEN} characters")
+        if key.isdigit() and int(key) >= 2**31:
+            raise ConfigError(knob.name, f"token id {_short(key)} is too large")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not knob.low <= bias <= knob.high:
+            raise ConfigError(knob.name, f"bias for {key!r} is {_short(bias)}; allowed [{knob.low:g}, {knob.high:g}]")
+        out[str(int(key)) if key.isdigit() else key] = float(bias)
+    return out
 
 
 def _short(value: Any) -> str:

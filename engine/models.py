@@ -58,6 +58,64 @@ class ModelSpec:
             raise ModelLoadError(f"model: expected 'embedded', a directory or a Hub id, got {self.source[:60]!r}")
 
 
+# Hub models a GPU deployment offers beside the embedded one (small instruct models that fit any GPU).
+OFFERED_HUB_MODELS = ("HuggingFaceTB/SmolLM2-360M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """Which model sources the web page and the API may load (the CLI is unrestricted).
+
+    ``allowed``: exact sources always allowed. ``allow_local``: the operator's flag; then any local
+    directory or Hub id is allowed too (never in public mode). Messages never say whether a path
+    exists: a refused source gets the same answer whatever it names."""
+
+    allowed: tuple[str, ...] = (EMBEDDED,)
+    public: bool = False
+    allow_local: bool = False
+
+    def check(self, source: Any, key: str = "model") -> str:
+        """``source`` if this policy allows it, else ModelLoadError naming ``key``. A ``model:<x>``
+        drafter or amateur value is checked as ``<x>``."""
+        from .config import ConfigError, check_text
+
+        try:
+            source = check_text(key, source, max_len=500)
+        except ConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
+        name = source[len("model:"):] if source.startswith("model:") else source
+        if name in self.allowed or (self.allow_local and not self.public and name.strip()):
+            return source
+        shown = name if len(name) <= 60 else name[:57] + "..."
+        hint = "" if self.public else " (the operator can allow more with DP_MODELS or DP_ALLOW_LOCAL_MODELS=1)"
+        raise ModelLoadError(f"{key}: {shown!r} is not offered here; allowed: {', '.join(self.allowed)}{hint}")
+
+    def with_models(self, *sources: str) -> "ModelPolicy":
+        """This policy with more allowed sources (the app's own default model, for instance)."""
+        extra = tuple(s for s in sources if s and s not in self.allowed)
+        return ModelPolicy(self.allowed + extra, self.public, self.allow_local)
+
+
+def model_policy() -> ModelPolicy:
+    """The policy from the environment: ``DP_PUBLIC=1`` (automatic when ``SPACE_ID`` is set),
+    ``DP_MODELS`` (comma-separated allow-list; default: the embedded model, plus
+    OFFERED_HUB_MODELS when a CUDA GPU is present), ``DP_ALLOW_LOCAL_MODELS=1`` (ignored in public
+    mode). ``DP_MODEL``, the operator's default model, is always allowed."""
+    public = _env_flag("DP_PUBLIC") or bool(os.environ.get("SPACE_ID"))
+    listed = os.environ.get("DP_MODELS", "").strip()
+    if listed:
+        allowed = tuple(dict.fromkeys(s.strip() for s in listed.split(",") if s.strip()))
+    else:
+        allowed = (EMBEDDED, *OFFERED_HUB_MODELS) if torch.cuda.is_available() else (EMBEDDED,)
+    default = os.environ.get("DP_MODEL", "").strip()
+    policy = ModelPolicy(allowed, public=public, allow_local=_env_flag("DP_ALLOW_LOCAL_MODELS") and not public)
+    return policy.with_models(default) if default else policy
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -306,14 +364,23 @@ def _quiet():
 
 class ModelRegistry:
     """The loaded models of this process (the only process-wide mutable state), least recently
-    used evicted past ``capacity``. Thread-safe; a model is loaded once however many users ask."""
+    used evicted past ``capacity``. Thread-safe; a model is loaded once however many users ask.
 
-    def __init__(self, capacity: int = 3):
+    ``policy``: when set (the web app), every ``get`` checks the source against it first, so a
+    ``model:<x>`` drafter or amateur named in a config or a share link is refused like a model.
+    The registry holds the only strong references it creates: an evicted model is freed as soon as
+    no running request uses it. Long-lived holders (sessions, drafters) keep a ``handle`` or a
+    ``weakref.ref`` instead of the LoadedModel itself."""
+
+    def __init__(self, capacity: int = 3, policy: ModelPolicy | None = None):
         self.capacity = capacity
+        self.policy = policy
         self._models: dict[ModelSpec, LoadedModel] = {}
         self._lock = threading.Lock()
 
-    def get(self, spec: ModelSpec, progress: Progress | None = None) -> LoadedModel:
+    def get(self, spec: ModelSpec, progress: Progress | None = None, *, key: str = "model") -> LoadedModel:
+        if self.policy is not None:
+            self.policy.check(spec.source, key)
         with self._lock:
             lm = self._models.pop(spec, None)
             if lm is None:
@@ -323,6 +390,22 @@ class ModelRegistry:
                 self._models.pop(next(iter(self._models)))
             return lm
 
+    def handle(self, spec: ModelSpec) -> "ModelHandle":
+        """A small object a session can keep for hours: ``handle.get()`` re-resolves the model
+        through this registry (reloading it if it was evicted) and never pins it in memory."""
+        return ModelHandle(self, spec)
+
     def loaded(self) -> list[ModelSpec]:
         with self._lock:
             return list(self._models)
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """A registry and a spec: what a session keeps instead of a LoadedModel."""
+
+    registry: ModelRegistry
+    spec: ModelSpec
+
+    def get(self, progress: Progress | None = None) -> LoadedModel:
+        return self.registry.get(self.spec, progress)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .config import (
-    CONFIG_KEYS, KNOBS, STAGE_NAMES, STRATEGIES, ConfigError, DecodingConfig, check_knob, check_stage_order,
+    CONFIG_KEYS, KNOBS, STAGE_NAMES, STRATEGIES, ConfigError, DecodingConfig, check_knob, check_stage_order, check_text,
 )
 
 PRESET_VERSION = 1
@@ -248,14 +248,36 @@ def builtin_presets() -> dict[str, Preset]:
     return dict(_builtin_items())
 
 
-def load_preset(name_or_path: str) -> Preset:
-    """A built-in preset by name, or a preset JSON file by path."""
+def load_preset(source: Any, *, allow_paths: bool = False) -> Preset:
+    """A preset from a built-in name, a JSON object (a dict, or JSON text starting with ``{``), or,
+    only when ``allow_paths`` (the CLI), a ``.json`` file path.
+
+    The page and the API call it with ``allow_paths=False``: nothing the user types can make the
+    server read a file, and a refused name gets one answer whatever it names (no "is a file")."""
+    if isinstance(source, Preset):
+        return source
+    if isinstance(source, dict):
+        return parse_preset(source)
+    try:
+        check_text("preset", source, max_len=MAX_PRESET_BYTES)
+    except ConfigError as exc:
+        raise PresetError(str(exc)) from None
     builtins = builtin_presets()
-    if name_or_path in builtins:
-        return builtins[name_or_path]
-    path = Path(name_or_path)
-    if path.suffix == ".json" and path.is_file():
-        if path.stat().st_size > MAX_PRESET_BYTES:
-            raise PresetError(f"preset: {path} is over the {MAX_PRESET_BYTES}-byte limit")
-        return parse_preset_json(path.read_bytes())
-    raise PresetError(f"preset: {name_or_path!r} is neither a built-in ({', '.join(builtins)}) nor a .json file")
+    if source in builtins:
+        return builtins[source]
+    if source.lstrip().startswith("{"):
+        return parse_preset_json(source)
+    if allow_paths:
+        return _load_preset_file(source, builtins)
+    raise PresetError(f"preset: {short_repr(source)} is not a built-in preset ({', '.join(builtins)}); "
+                      "give a built-in name or a preset JSON object")
+
+
+def _load_preset_file(path_text: str, builtins: dict[str, Preset]) -> Preset:
+    path = Path(path_text)
+    if path.suffix != ".json" or not path.is_file():
+        raise PresetError(f"preset: {short_repr(path_text)} is neither a built-in ({', '.join(builtins)}) "
+                          "nor a .json file")
+    if path.stat().st_size > MAX_PRESET_BYTES:
+        raise PresetError(f"preset: {short_repr(path_text)} is over the {MAX_PRESET_BYTES}-byte limit")
+    return parse_preset_json(path.read_bytes())

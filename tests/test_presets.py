@@ -85,8 +85,10 @@ def test_cli_reads_the_same_object(tmp_path):
     args = build_parser().parse_args(["--preset", str(path), "--prompt", "x", "--set", "top_p=0.5"])
     assert config_from_args(args) == DecodingConfig(temperature=0.7, top_k=20, top_p=0.5)
     assert load_preset("greedy") is not None and load_preset("greedy").config.strategy == "greedy"
-    with pytest.raises(PresetError, match="neither a built-in"):
+    with pytest.raises(PresetError, match="not a built-in preset"):
         load_preset("no-such-preset")
+    with pytest.raises(PresetError, match="not a built-in preset"):  # paths only from the CLI
+        load_preset(str(path))
 
 
 def _run_preset(lm, stem: str, max_new_tokens: int):
