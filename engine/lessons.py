@@ -1,0 +1,307 @@
+"""Lessons: short guided tours of one decoding idea each, stored as data (``presets/lessons/*.json``).
+
+A lesson names the view it opens, the prompt, one preset (or 2-6 lanes for the Compare view),
+which step to select first, 2-5 short steps of text, and optionally a ``check``: the outcome the
+lesson teaches, stated so a machine can verify it on the real model (the tests run every lesson's
+check on the embedded model; the UI shows the same sentence after the run).
+
+Format (strict; unknown keys are refused)::
+
+    {"version": 1, "id": "temperature", "title": "...", "view": "compare",
+     "prompt": "...", "chat": true, "lanes": [<preset JSON>, ...] | "preset": <preset JSON>,
+     "select_step": "max_entropy" | "min_entropy" | <int>, "steps": ["...", ...],
+     "check": {"kind": "<one of CHECKS>", ...}}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from . import explore, metrics, runner
+from .config import check_text
+from .models import LoadedModel, ModelRegistry
+from .presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
+from .trace import Trace
+
+LESSONS_DIR = Path(__file__).resolve().parent.parent / "presets" / "lessons"
+LESSON_VERSION = 1
+VIEWS = ("step", "compare", "beam", "speculative", "quantization")
+LESSON_KEYS = ("version", "id", "title", "view", "prompt", "chat", "preset", "lanes", "select_step", "steps", "check")
+MAX_STEP_CHARS = 600
+MAX_PROMPT_CHARS = 2000
+
+
+class LessonError(ValueError):
+    """A lesson file is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Lesson:
+    id: str
+    title: str
+    view: str
+    prompt: str
+    chat: bool
+    runs: tuple[Preset, ...]  # one for single-run views, 2-6 lanes for Compare
+    steps: tuple[str, ...]
+    select_step: str | int = "max_entropy"
+    check: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``/lessons`` JSON: ``preset`` is the first run's preset object; ``lanes`` all of them."""
+        out = {"id": self.id, "title": self.title, "view": self.view, "prompt": self.prompt, "chat": self.chat,
+               "preset": self.runs[0].to_dict(), "steps": list(self.steps), "select_step": self.select_step,
+               "check": self.check}
+        if self.view == "compare":
+            out["lanes"] = [p.to_dict() for p in self.runs]
+        return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a lesson's check found: ``ok`` and the sentence the UI shows, with the figures behind it."""
+
+    ok: bool
+    summary: str
+    figures: dict[str, float]
+
+
+# --- parsing -----------------------------------------------------------------------------------
+def _text(data: dict, key: str, limit: int) -> str:
+    value = data.get(key)
+    try:
+        value = check_text(key, value, max_len=limit)
+    except ValueError as exc:
+        raise LessonError(str(exc)) from None
+    if not value.strip():
+        raise LessonError(f"{key}: empty")
+    return value
+
+
+def _preset(value: Any, key: str) -> Preset:
+    try:
+        return parse_preset(value)
+    except PresetError as exc:
+        raise LessonError(f"{key}: {exc}") from None
+
+
+def _runs(data: dict, view: str) -> tuple[Preset, ...]:
+    if view == "compare":
+        lanes = data.get("lanes")
+        if not isinstance(lanes, list) or not 2 <= len(lanes) <= 6:
+            raise LessonError("lanes: the compare view needs a list of 2 to 6 preset objects")
+        return tuple(_preset(lane, f"lanes[{i}]") for i, lane in enumerate(lanes))
+    if "lanes" in data:
+        raise LessonError(f"lanes: only the compare view has lanes; this lesson opens {view!r}")
+    return (_preset(data.get("preset"), "preset"),)
+
+
+def _steps(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not 2 <= len(value) <= 5:
+        raise LessonError("steps: expected a list of 2 to 5 short texts")
+    return tuple(_text({"steps": s}, "steps", MAX_STEP_CHARS) for s in value)
+
+
+def _select_step(value: Any) -> str | int:
+    if value in ("max_entropy", "min_entropy"):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1024:
+        return value
+    raise LessonError(f"select_step: expected max_entropy | min_entropy | a step number, got {value!r:.40}")
+
+
+def parse_lesson(data: Any) -> Lesson:
+    """Validate a decoded JSON value into a Lesson (never raises anything but LessonError)."""
+    if not isinstance(data, dict):
+        raise LessonError(f"lesson: expected a JSON object, got {type(data).__name__}")
+    unknown = [k for k in data if k not in LESSON_KEYS]
+    if unknown:
+        raise LessonError(f"{str(unknown[0])[:40]}: unknown key; allowed keys: {', '.join(LESSON_KEYS)}")
+    if data.get("version") != LESSON_VERSION:
+        raise LessonError(f"version: expected {LESSON_VERSION}")
+    lesson_id = _text(data, "id", 40)
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", lesson_id):
+        raise LessonError(f"id: expected lowercase letters, digits and dashes, got {lesson_id!r}")
+    view = data.get("view")
+    if view not in VIEWS:
+        raise LessonError(f"view: expected one of {' | '.join(VIEWS)}, got {str(view)[:40]!r}")
+    chat = data.get("chat", True)
+    if not isinstance(chat, bool):
+        raise LessonError(f"chat: expected true or false, got {chat!r:.40}")
+    check = data.get("check")
+    if check is not None and (not isinstance(check, dict) or check.get("kind") not in CHECKS):
+        raise LessonError(f"check: expected an object whose kind is one of {' | '.join(CHECKS)}")
+    return Lesson(id=lesson_id, title=_text(data, "title", 120), view=view, prompt=_text(data, "prompt", MAX_PROMPT_CHARS),
+                  chat=chat, runs=_runs(data, view), steps=_steps(data.get("steps")),
+                  select_step=_select_step(data.get("select_step", "max_entropy")), check=check)
+
+
+def parse_lesson_json(text: str | bytes) -> Lesson:
+    try:
+        data = loads_strict(text, "lesson", MAX_PRESET_BYTES * 8)
+    except PresetError as exc:
+        raise LessonError(str(exc)) from None
+    return parse_lesson(data)
+
+
+@lru_cache(maxsize=1)
+def _builtin() -> tuple[Lesson, ...]:
+    return tuple(parse_lesson_json(p.read_bytes()) for p in sorted(LESSONS_DIR.glob("*.json")))
+
+
+def builtin_lessons() -> dict[str, Lesson]:
+    """The shipped lessons by id, in file-name order (the files are numbered for that order)."""
+    return {lesson.id: lesson for lesson in _builtin()}
+
+
+# --- running and checking --------------------------------------------------------------------
+def run_lesson(lm: LoadedModel, lesson: Lesson, registry: ModelRegistry | None = None) -> list[Trace]:
+    """Every run of the lesson (its lanes, or its one preset) on ``lm``."""
+    registry = registry or ModelRegistry()
+    return [runner.run(lm, lesson.prompt, p.config, chat=lesson.chat, registry=registry) for p in lesson.runs]
+
+
+def selected_step(trace: Trace, select: str | int) -> int:
+    """The step a lesson opens on: the most (or least) uncertain step under the raw model, or a number."""
+    if not trace.steps:
+        return 0
+    if isinstance(select, int):
+        return min(select, len(trace.steps) - 1)
+    key = (lambda i: trace.steps[i].raw_entropy)
+    pick = max if select == "max_entropy" else min
+    return pick(range(len(trace.steps)), key=key)
+
+
+def evaluate(lm: LoadedModel, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None) -> Outcome:
+    """Run the lesson's check over its traces."""
+    if lesson.check is None:
+        return Outcome(True, "", {})
+    kind = lesson.check["kind"]
+    return CHECKS[kind](lm, lesson, list(traces), registry or ModelRegistry())
+
+
+def _label(p: Preset) -> str:
+    return p.name
+
+
+def _sampling_varies(lm, lesson, traces, registry) -> Outcome:
+    """Lane 0 is greedy: running it again gives the same text. Sampled lanes differ from each other."""
+    again = runner.run(lm, lesson.prompt, lesson.runs[0].config, chat=lesson.chat)
+    sampled = {tuple(t.generated_token_ids) for t in traces[1:]}
+    ok = again.generated_token_ids == traces[0].generated_token_ids and len(sampled) == len(traces) - 1
+    return Outcome(ok, "Greedy gives the same text every time; each seed of sampling gives a different one.",
+                   {"distinct_sampled_texts": float(len(sampled))})
+
+
+def _entropy_rises(lm, lesson, traces, registry) -> Outcome:
+    """At the first step (same context for every lane) the final entropy grows lane by lane. A greedy
+    lane (T = 0) puts all its mass on one token: entropy 0, whatever its trace's unused stages say."""
+    h = [0.0 if p.config.is_greedy else t.steps[0].entropy for p, t in zip(lesson.runs, traces)]
+    ok = all(a < b for a, b in zip(h, h[1:]))
+    text = " < ".join(f"{_label(p)}: {x:.2f}" for p, x in zip(lesson.runs, h))
+    return Outcome(ok, f"Entropy of the first token's final distribution (nats) rises with temperature: {text}.",
+                   {f"entropy_{i}": x for i, x in enumerate(h)})
+
+
+def _truncation_shapes(lm, lesson, traces, registry) -> Outcome:
+    """On lane 0's run, re-process its most peaked and its flattest step under every lane's knobs:
+    top-p adapts (keeps few tokens where the model is sure, many where it is not), top-k does not."""
+    trace = traces[0]
+    peaked, flat = selected_step(trace, "min_entropy"), selected_step(trace, "max_entropy")
+    kept = {}
+    for i, p in enumerate(lesson.runs):
+        knobs = p.config.to_dict(sparse=True)
+        for name, step in (("peaked", peaked), ("flat", flat)):
+            kept[f"{name}_{i}"] = float(explore.explore_step(lm, trace, step, knobs)[-1].kept)
+    by = lesson.check.get("lanes", {})
+    k, p_ = by.get("top_k", 0), by.get("top_p", 1)
+    ok = kept[f"peaked_{p_}"] < kept[f"peaked_{k}"] and kept[f"flat_{p_}"] > kept[f"peaked_{p_}"] \
+        and kept[f"flat_{k}"] == kept[f"peaked_{k}"]
+    return Outcome(ok, f"top-k keeps {kept[f'peaked_{k}']:.0f} tokens at the peaked step and {kept[f'flat_{k}']:.0f} at "
+                       f"the flat one; top-p keeps {kept[f'peaked_{p_}']:.0f} and {kept[f'flat_{p_}']:.0f}.", kept)
+
+
+def _less_repetition(lm, lesson, traces, registry) -> Outcome:
+    """Lane 0 repeats itself (share of repeated 4-grams); every other lane repeats less."""
+    n = int(lesson.check.get("n", 4))
+    rep = [metrics.rep_n(t.generated_token_ids, n) for t in traces]
+    ok = rep[0] > 0 and all(r < rep[0] for r in rep[1:])
+    text = ", ".join(f"{_label(p)} {r:.0%}" for p, r in zip(lesson.runs, rep))
+    return Outcome(ok, f"Repeated {n}-grams: {text}.", {f"rep_{i}": r for i, r in enumerate(rep)})
+
+
+def _sequence_score(trace: Trace, alpha: float) -> float:
+    logp = sum(math.log(max(s.raw_prob, 1e-45)) for s in trace.steps)
+    return logp / max(1, len(trace.steps)) ** alpha
+
+
+def _beam_beats_greedy(lm, lesson, traces, registry) -> Outcome:
+    """The beam winner's score (sum of log-probs / length^alpha) is at least greedy's under the same rule."""
+    config = lesson.runs[0].config
+    greedy = runner.run(lm, lesson.prompt, config.replace(strategy="greedy", num_beams=1), chat=lesson.chat)
+    beam_trace = traces[0]
+    winner = beam_trace.beam.hypotheses[beam_trace.beam.winner]
+    greedy_score = _sequence_score(greedy, config.length_penalty)
+    ok = winner.score >= greedy_score - 1e-6
+    return Outcome(ok, f"Beam search (n = {config.num_beams}) finds a sequence scoring {winner.score:.3f}; "
+                       f"greedy's scores {greedy_score:.3f}.", {"beam_score": winner.score, "greedy_score": greedy_score})
+
+
+def _speculative_exact(lm, lesson, traces, registry) -> Outcome:
+    """Greedy speculative decoding gives exactly the target's greedy text, with fewer target forwards."""
+    config = lesson.runs[0].config
+    target = runner.run(lm, lesson.prompt, config.replace(strategy="greedy"), chat=lesson.chat)
+    spec = traces[0]
+    rate = spec.summary.get("acceptance_rate", 0.0)
+    per_forward = spec.summary.get("tokens_per_target_forward", 0.0)
+    ok = spec.generated_token_ids == target.generated_token_ids and rate > 0 and per_forward > 1
+    return Outcome(ok, f"Same text as the target alone; {rate:.0%} of drafts accepted, "
+                       f"{per_forward:.2f} tokens per target forward.",
+                   {"acceptance_rate": rate, "tokens_per_target_forward": per_forward})
+
+
+def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
+    """Cached and recomputed decoding pick the same tokens; the cache feeds one token per step where
+    recomputing feeds the whole sequence (O(n) vs O(n²) tokens through the model)."""
+    from .drift import kv_cache_report
+
+    n = int(lesson.check.get("max_new_tokens", 24))
+    report = kv_cache_report(lm, lesson.prompt, lesson.chat, n)
+    prompt = report.prompt_tokens
+    uncached_tokens = sum(prompt + i for i in range(len(report.generated_token_ids)))
+    cached_tokens = prompt + len(report.generated_token_ids) - 1
+    return Outcome(report.tokens_equal, f"Same {len(report.generated_token_ids)} tokens either way; the model read "
+                                        f"{cached_tokens} tokens with the cache and {uncached_tokens} without.",
+                   {"cached_tokens": float(cached_tokens), "uncached_tokens": float(uncached_tokens)})
+
+
+def _quantization_order(lm, lesson, traces, registry) -> Outcome:
+    """nf4 (4-bit) moves the distribution further from full precision than int8 (mean KL)."""
+    from .drift import quantization_report
+
+    report = quantization_report(registry, lm.source, lesson.prompt, lesson.chat,
+                                 int(lesson.check.get("max_new_tokens", 12)), ("int8", "nf4"))
+    kl = {v.quantization: v.mean_kl for v in report.variants}
+    ok = "int8" in kl and "nf4" in kl and kl["int8"] < kl["nf4"]
+    return Outcome(ok, f"Mean KL from full precision: int8 {kl.get('int8', math.nan):.3f}, nf4 {kl.get('nf4', math.nan):.3f} nats.",
+                   {f"kl_{k}": v for k, v in kl.items()})
+
+
+CHECKS: dict[str, Callable[..., Outcome]] = {
+    "sampling_varies": _sampling_varies,
+    "entropy_rises": _entropy_rises,
+    "truncation_shapes": _truncation_shapes,
+    "less_repetition": _less_repetition,
+    "beam_beats_greedy": _beam_beats_greedy,
+    "speculative_exact": _speculative_exact,
+    "kv_cache_same": _kv_cache_same,
+    "quantization_order": _quantization_order,
+}
+
+__all__ = ["Lesson", "LessonError", "Outcome", "builtin_lessons", "evaluate", "parse_lesson", "parse_lesson_json",
+           "run_lesson", "selected_step"]
