@@ -66,6 +66,9 @@ class Knob:
     low: float | None = None
     high: float | None = None
     low_open: bool = False  # True: low itself is not allowed
+    # Smallest allowed non-zero magnitude ("0 or >= floor"): keeps 1/T and logit/penalty away from
+    # float underflow, which turns a whole distribution into NaN.
+    floor: float | None = None
     choices: tuple = ()
     doc: str = ""
     stage: str | None = None  # the stage this knob drives, if any
@@ -76,6 +79,8 @@ class Knob:
             return f"[{int(self.low)}, {int(self.high)}]"
         if self.kind == "float":
             left = "(" if self.low_open else "["
+            if self.floor is not None:
+                return f"{self.low:g} or [{self.floor:g}, {self.high:g}]"
             return f"{left}{self.low:g}, {self.high:g}]"
         if self.kind == "choice":
             return " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in self.choices)
@@ -95,13 +100,13 @@ _KNOB_LIST = [
     Knob("stop", "str_list", [], 0, 8, doc="Stop when the generated text contains any of these strings."),
     Knob("top_n", "int", 10, 1, 100, doc="How many tokens per stage the trace stores (statistics use the whole vocabulary).", step=1),
     # --- stages (neutral value = stage disabled)
-    Knob("temperature", "float", 1.0, 0.0, 5.0, doc="Divide logits by T. 1 = neutral, 0 = greedy.", stage="temperature", step=0.05),
+    Knob("temperature", "float", 1.0, 0.0, 5.0, floor=0.01, doc="Divide logits by T. 1 = neutral, 0 = greedy.", stage="temperature", step=0.05),
     Knob("top_k", "int", 0, 0, 100_000, doc="Keep the k most probable tokens. 0 = disabled.", stage="top_k", step=1),
     Knob("top_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Keep the smallest set whose mass reaches p. 1 = disabled.", stage="top_p", step=0.01),
     Knob("min_p", "float", 0.0, 0.0, 1.0, doc="Drop tokens below min_p x the top probability. 0 = disabled.", stage="min_p", step=0.01),
     Knob("typical_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Locally typical sampling mass. 1 = disabled.", stage="typical_p", step=0.01),
     Knob("epsilon_cutoff", "float", 0.0, 0.0, 0.999, doc="Drop tokens with probability below epsilon. 0 = disabled.", stage="epsilon", step=0.0001),
-    Knob("repetition_penalty", "float", 1.0, 0.0, 10.0, low_open=True, doc="CTRL rule: divide positive / multiply negative logits of seen tokens. 1 = neutral.", stage="repetition_penalty", step=0.05),
+    Knob("repetition_penalty", "float", 1.0, 0.01, 10.0, doc="CTRL rule: divide positive / multiply negative logits of seen tokens. 1 = neutral.", stage="repetition_penalty", step=0.05),
     Knob("frequency_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty x count of each generated token. 0 = neutral.", stage="frequency_penalty", step=0.05),
     Knob("presence_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty once from every generated token. 0 = neutral.", stage="presence_penalty", step=0.05),
     Knob("no_repeat_ngram_size", "int", 0, 0, 10, doc="Ban any n-gram of this size from occurring twice. 0 = disabled.", stage="no_repeat_ngram", step=1),
@@ -143,6 +148,8 @@ def _check_number(knob: Knob, value: Any) -> float | int:
         if not math.isfinite(value):
             raise ConfigError(knob.name, f"expected a finite number in {knob.range_text()}, got {value!r}")
     too_low = value <= knob.low if knob.low_open else value < knob.low
+    if knob.floor is not None and value != knob.low and abs(value) < knob.floor:
+        too_low = True
     if too_low or value > knob.high:
         raise ConfigError(knob.name, f"{_short(value)} is out of range; allowed {knob.range_text()}")
     return value
@@ -157,23 +164,31 @@ def check_knob(name: str, value: Any) -> Any:
         return _check_number(knob, value)
     if knob.kind == "bool":
         if not isinstance(value, bool):
-            raise ConfigError(name, f"expected true or false, got {value!r}")
+            raise ConfigError(name, f"expected true or false, got {_short(value)}")
         return value
     if knob.kind == "choice":
         for choice in knob.choices:
             if value is choice or (not isinstance(value, bool) and not isinstance(choice, bool) and value == choice):
                 return choice
-        raise ConfigError(name, f"expected one of {knob.range_text()}, got {value!r}")
+        raise ConfigError(name, f"expected one of {knob.range_text()}, got {_short(value)}")
     if knob.kind == "str":
         if not isinstance(value, str) or not value or len(value) > MAX_STRING_LEN:
-            raise ConfigError(name, f"expected {knob.range_text()}, got {value!r}")
-        return value
-    # str_list
+            raise ConfigError(name, f"expected {knob.range_text()}, got {_short(value)}")
+        return check_text(name, value)
+    return _check_str_list(knob, value)
+
+
+def _check_str_list(knob: Knob, value: Any) -> list[str]:
+    # A bare string is refused, not split into characters: stop="abc" is one stop string or an error.
+    if isinstance(value, str):
+        raise ConfigError(knob.name, f"expected a list of strings, got a single string {_short(value)}; "
+                                     f"write [{_short(value)}]")
     if not isinstance(value, (list, tuple)) or len(value) > knob.high:
-        raise ConfigError(name, f"expected {knob.range_text()}, got {_short(value)}")
+        raise ConfigError(knob.name, f"expected {knob.range_text()}, got {_short(value)}")
     for item in value:
         if not isinstance(item, str) or not item or len(item) > MAX_STRING_LEN:
-            raise ConfigError(name, f"expected {knob.range_text()}, got item {_short(item)}")
+            raise ConfigError(knob.name, f"expected {knob.range_text()}, got item {_short(item)}")
+        check_text(knob.name, item)
     return list(value)
 
 
@@ -222,7 +237,11 @@ def check_bias_map(knob: Knob, value: Any) -> dict[str, float]:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    """repr() that never fails (huge ints, deep nesting) and never floods a message."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -285,10 +304,10 @@ class DecodingConfig:
     stage_order: tuple[str, ...] = field(default=DEFAULT_STAGE_ORDER)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ConfigError("strategy", f"expected one of {' | '.join(STRATEGIES)}, got {self.strategy!r}")
-        for name in KNOBS:
-            value = check_knob(name, list(getattr(self, name)) if KNOBS[name].kind == "str_list" else getattr(self, name))
+        if not isinstance(self.strategy, str) or self.strategy not in STRATEGIES:
+            raise ConfigError("strategy", f"expected one of {' | '.join(STRATEGIES)}, got {_short(self.strategy)}")
+        for name in KNOBS:  # direct construction is checked exactly like from_dict (no list() coercion)
+            value = check_knob(name, getattr(self, name))
             if KNOBS[name].kind == "str_list":
                 value = tuple(value)
             object.__setattr__(self, name, value)
@@ -369,6 +388,9 @@ def parse_set_value(key: str, text: str) -> Any:
     """Parse a ``--set KEY=VALUE`` string into the knob's type (JSON-ish, never eval)."""
     import json
 
+    check_text("--set", key, max_len=64)
+    check_text(key, text, max_len=MAX_STRING_LEN * 64, allow_empty=True)
+
     if key == "strategy" or (key in KNOBS and KNOBS[key].kind == "str"):
         return text
     if key in KNOBS and KNOBS[key].kind == "str_list":
@@ -377,15 +399,19 @@ def parse_set_value(key: str, text: str) -> Any:
                 return json.loads(text)
             except json.JSONDecodeError as exc:
                 raise ConfigError(key, f"not a JSON list: {exc.msg}") from None
+            except ValueError:  # an integer literal too long to convert
+                raise ConfigError(key, "not a JSON list of strings") from None
         return [s for s in text.split(",") if s] if text else []
     if key == "stage_order":
         return [s.strip() for s in text.split(",") if s.strip()]
     lowered = text.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"
+    if len(text) > 64:  # no knob's number needs more; also keeps int("9" * 5000) out of json.loads
+        raise ConfigError(key, f"value of {len(text):,} characters is too long")
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except ValueError:
         return text  # let the knob validation name the problem
 
 
