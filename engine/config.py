@@ -26,23 +26,39 @@ STRATEGIES = (
 # first (repetition penalty, no-repeat-n-gram), then the sampling warpers. Frequency and presence
 # penalties (OpenAI's rule) have no transformers counterpart; they sit beside the repetition penalty.
 # `constraints` (allowed/banned words) masks before everything so later stages renormalise over it.
+# The samplers added for parity with llama.cpp / text-generation-webui slot in where llama.cpp puts
+# them (its chain: logit bias, penalties, DRY, top-nσ, top-k, typical, top-p, min-p, XTC,
+# temperature; mirostat ends a chain), without moving the stages above relative to each other.
 DEFAULT_STAGE_ORDER = (
     "constraints",
+    "logit_bias",
     "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    "dry",
     "no_repeat_ngram",
+    "min_new_tokens",
     "temperature",
+    "dynamic_temperature",
+    "smoothing",
+    "top_n_sigma",
     "top_k",
     "top_p",
     "min_p",
     "typical_p",
     "epsilon",
+    "eta",
+    "top_h",
+    "top_a",
+    "xtc",
+    "mirostat",
 )
 STAGE_NAMES = DEFAULT_STAGE_ORDER
 # Stages that only shape a *sampling* distribution. Greedy decoding ignores them, exactly as
 # transformers' generate(do_sample=False) does.
-SAMPLING_ONLY_STAGES = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon"})
+SAMPLING_ONLY_STAGES = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon",
+                                  "dynamic_temperature", "smoothing", "top_n_sigma", "eta", "top_h", "top_a",
+                                  "xtc", "mirostat"})
 
 DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram")  # plus "model:<id or dir>"
 EARLY_STOPPING_CHOICES = (True, False, "never")
@@ -86,12 +102,16 @@ class Knob:
             return " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in self.choices)
         if self.kind == "str_list":
             return f"a list of at most {int(self.high)} strings of at most {MAX_STRING_LEN} characters"
+        if self.kind == "bias_map":
+            return (f"an object of at most {MAX_BIAS_ENTRIES} entries {{token id or word: bias in "
+                    f"[{self.low:g}, {self.high:g}]}}")
         if self.kind == "str":
             return f"a string of at most {MAX_STRING_LEN} characters"
         return "true | false"
 
 
 MAX_STRING_LEN = 200
+MAX_BIAS_ENTRIES = 64
 MAX_SEED = 2**32 - 1
 
 _KNOB_LIST = [
@@ -112,6 +132,27 @@ _KNOB_LIST = [
     Knob("no_repeat_ngram_size", "int", 0, 0, 10, doc="Ban any n-gram of this size from occurring twice. 0 = disabled.", stage="no_repeat_ngram", step=1),
     Knob("allowed_words", "str_list", [], 0, 64, doc="Only tokens of these words (and EOS) may be generated. Empty = no constraint.", stage="constraints"),
     Knob("banned_words", "str_list", [], 0, 64, doc="Tokens of these words can never be generated. Empty = none banned.", stage="constraints"),
+    # --- samplers at parity (llama.cpp / text-generation-webui)
+    Knob("dry_multiplier", "float", 0.0, 0.0, 10.0, doc="DRY: penalty multiplier for tokens that extend a repeated phrase. 0 = disabled.", stage="dry", step=0.05),
+    Knob("dry_base", "float", 1.75, 1.0, 4.0, doc="DRY: the penalty grows as base^(length - allowed_length).", stage="dry", step=0.05),
+    Knob("dry_allowed_length", "int", 2, 1, 20, doc="DRY: repeats up to this length are not penalised.", stage="dry", step=1),
+    Knob("dry_penalty_last_n", "int", -1, -1, 131_072, doc="DRY: tokens of context scanned for repeats. -1 = all, 0 = disabled.", stage="dry", step=1),
+    Knob("dry_sequence_breakers", "str_list", ["\n", ":", "\"", "*"], 0, 16, doc="DRY: strings whose tokens stop a repeat match.", stage="dry"),
+    Knob("xtc_threshold", "float", 0.1, 0.0, 1.0, doc="XTC: tokens at or above this probability are top choices. Above 0.5 = disabled.", stage="xtc", step=0.01),
+    Knob("xtc_probability", "float", 0.0, 0.0, 1.0, doc="XTC: chance per step of removing every top choice but the least likely. 0 = disabled.", stage="xtc", step=0.01),
+    Knob("top_n_sigma", "float", 0.0, 0.0, 10.0, doc="Keep logits within n standard deviations of the top logit. 0 = disabled.", stage="top_n_sigma", step=0.05),
+    Knob("dynatemp_range", "float", 0.0, 0.0, 5.0, doc="Dynamic temperature: T spans temperature ± range, scaled by the normalised entropy. 0 = disabled.", stage="dynamic_temperature", step=0.05),
+    Knob("dynatemp_exponent", "float", 1.0, 0.0, 10.0, low_open=True, doc="Dynamic temperature: exponent on the normalised entropy. 1 = linear.", stage="dynamic_temperature", step=0.05),
+    Knob("smoothing_factor", "float", 0.0, 0.0, 10.0, doc="Quadratic sampling: logit = max - factor x (max - logit)^2. 0 = disabled.", stage="smoothing", step=0.01),
+    Knob("smoothing_curve", "float", 1.0, 1.0, 10.0, doc="Quadratic sampling: cubic term; 1 = pure quadratic.", stage="smoothing", step=0.05),
+    Knob("mirostat", "int", 0, 0, 2, doc="Mirostat version: adaptive truncation aiming at a target surprise. 0 = disabled.", stage="mirostat", step=1),
+    Knob("mirostat_tau", "float", 5.0, 0.0, 20.0, doc="Mirostat: target surprise in bits.", stage="mirostat", step=0.1),
+    Knob("mirostat_eta", "float", 0.1, 0.0, 1.0, doc="Mirostat: learning rate of mu.", stage="mirostat", step=0.01),
+    Knob("eta_cutoff", "float", 0.0, 0.0, 0.999, doc="Eta sampling: drop p < min(eta, sqrt(eta) x exp(-entropy)). 0 = disabled.", stage="eta", step=0.0001),
+    Knob("top_a", "float", 0.0, 0.0, 1.0, doc="Top-a: drop p < a x p_max^2. 0 = disabled.", stage="top_a", step=0.01),
+    Knob("top_h", "float", 0.0, 0.0, 1.0, doc="Top-H: keep top tokens until their entropy exceeds top_h x the entropy. 0 = disabled.", stage="top_h", step=0.01),
+    Knob("logit_bias", "bias_map", {}, -100.0, 100.0, doc="Add a bias to tokens: {token id or word: bias}. Words are biased with and without a leading space.", stage="logit_bias"),
+    Knob("min_new_tokens", "int", 0, 0, 1024, doc="EOS is masked until this many tokens were generated. 0 = disabled.", stage="min_new_tokens", step=1),
     # --- beam search
     Knob("num_beams", "int", 1, 1, 8, doc="Beams kept per step.", step=1),
     Knob("length_penalty", "float", 1.0, -5.0, 5.0, doc="Score = sum logprob / length^alpha. 1 = neutral.", step=0.1),
@@ -171,6 +212,8 @@ def check_knob(name: str, value: Any) -> Any:
             if value is choice or (not isinstance(value, bool) and not isinstance(choice, bool) and value == choice):
                 return choice
         raise ConfigError(name, f"expected one of {knob.range_text()}, got {_short(value)}")
+    if knob.kind == "bias_map":
+        return check_bias_map(knob, value)
     if knob.kind == "str":
         if not isinstance(value, str) or not value or len(value) > MAX_STRING_LEN:
             raise ConfigError(name, f"expected {knob.range_text()}, got {_short(value)}")
@@ -213,6 +256,27 @@ def check_text(key: str, value: Any, *, max_len: int = MAX_STRING_LEN, allow_emp
             raise ConfigError(key, f"invalid text: a lone surrogate (U+{ord(bad.group()):04X}) at character "
                                    f"{bad.start()}; send valid Unicode")
     return value
+
+
+def check_bias_map(knob: Knob, value: Any) -> dict[str, float]:
+    """``{token id or word: bias}`` -> a dict with string keys (JSON's own) and float biases.
+    A key of decimal digits is a token id; any other string is a word."""
+    if not isinstance(value, dict) or len(value) > MAX_BIAS_ENTRIES:
+        raise ConfigError(knob.name, f"expected {knob.range_text()}, got {_short(value)}")
+    out: dict[str, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < 2**31:
+            key = str(key)
+        if not isinstance(key, str) or not key or len(key) > MAX_STRING_LEN:
+            raise ConfigError(knob.name, f"key {_short(key)}: expected a token id or a word of at most "
+                                         f"{MAX_STRING_LEN} characters")
+        if key.isdigit() and int(key) >= 2**31:
+            raise ConfigError(knob.name, f"token id {_short(key)} is too large")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not knob.low <= bias <= knob.high:
+            raise ConfigError(knob.name, f"bias for {key!r} is {_short(bias)}; allowed [{knob.low:g}, {knob.high:g}]")
+        out[str(int(key)) if key.isdigit() else key] = float(bias)
+    return out
 
 
 def check_bias_map(knob: Knob, value: Any) -> dict[str, float]:
@@ -288,6 +352,26 @@ class DecodingConfig:
     no_repeat_ngram_size: int = 0
     allowed_words: tuple[str, ...] = ()
     banned_words: tuple[str, ...] = ()
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0
+    top_n_sigma: float = 0.0
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    smoothing_factor: float = 0.0
+    smoothing_curve: float = 1.0
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    eta_cutoff: float = 0.0
+    top_a: float = 0.0
+    top_h: float = 0.0
+    logit_bias: dict = field(default_factory=dict)
+    min_new_tokens: int = 0
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -377,11 +461,31 @@ class DecodingConfig:
 def _stage_is_active(cfg: DecodingConfig, stage: str) -> bool:
     if stage == "constraints":
         return bool(cfg.allowed_words or cfg.banned_words)
+    if stage in _PARITY_STAGE_ACTIVE:
+        return _PARITY_STAGE_ACTIVE[stage](cfg)
     if stage == "epsilon":
         return cfg.epsilon_cutoff != KNOBS["epsilon_cutoff"].neutral
     if stage == "no_repeat_ngram":
         return cfg.no_repeat_ngram_size != 0
     return getattr(cfg, stage) != KNOBS[stage].neutral
+
+
+# When each new stage changes the distribution. Dynamic temperature *replaces* plain temperature
+# (llama.cpp's temp-ext: T spans temperature ± range), so the temperature stage steps aside then.
+_PARITY_STAGE_ACTIVE = {
+    "temperature": lambda c: c.temperature != 1.0 and c.dynatemp_range == 0.0,
+    "dry": lambda c: c.dry_multiplier > 0 and c.dry_penalty_last_n != 0,
+    "xtc": lambda c: c.xtc_probability > 0 and c.xtc_threshold <= 0.5,
+    "top_n_sigma": lambda c: c.top_n_sigma > 0,
+    "dynamic_temperature": lambda c: c.dynatemp_range > 0,
+    "smoothing": lambda c: c.smoothing_factor > 0,
+    "mirostat": lambda c: c.mirostat != 0,
+    "eta": lambda c: c.eta_cutoff > 0,
+    "top_a": lambda c: c.top_a > 0,
+    "top_h": lambda c: c.top_h > 0,
+    "logit_bias": lambda c: bool(c.logit_bias),
+    "min_new_tokens": lambda c: c.min_new_tokens > 0,
+}
 
 
 def parse_set_value(key: str, text: str) -> Any:

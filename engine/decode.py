@@ -65,13 +65,16 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
         raise ValueError("prompt: empty after tokenisation; type at least one character")
     start = time.perf_counter()
     cache = cache or KVCache(lm.model)
-    chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
     generator = None if config.is_greedy else make_generator(config, lm.device)
-    if generator is not None and prefix:
-        sampling.skip_draws(generator, len(prefix), lm.vocab_size, lm.device)
+    chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids, generator=generator)
     stopper = StopCheck(lm, config)
     sequence = list(prompt_ids) + list(prefix)
-    logits = cache.sync(sequence)  # prefill: one forward over what the cache lacks
+    if prefix and chain.stateful:  # mirostat's μ and XTC's draws: replay the steps before
+        logits = replay(lm, cache, chain, prompt_ids, prefix, generator)
+    else:
+        if generator is not None and prefix:
+            sampling.skip_draws(generator, len(prefix), lm.vocab_size, lm.device)
+        logits = cache.sync(sequence)  # prefill: one forward over what the cache lacks
     ids = torch.tensor([sequence], dtype=torch.long, device=lm.device)
     generated = list(prefix)
     while True:
@@ -86,6 +89,8 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
             pick = sampling.Pick(token, float(traced.final_probs[token]))
         else:
             pick = sampling.sample_probs(traced.final_probs, generator)
+        chain.observe(ids, pick.token_id)
+        chain.annotate(stages)
         generated.append(pick.token_id)
         reason = stopper.reason(generated)
         yield StepTrace(
@@ -100,6 +105,33 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
         force = None
         ids = torch.cat([ids, torch.tensor([[pick.token_id]], device=lm.device)], dim=1)
         logits = cache.step([pick.token_id])
+
+
+def replay(lm: LoadedModel, cache: KVCache, chain: Chain, prompt_ids: Sequence[int], prefix: Sequence[int],
+           generator: torch.Generator | None) -> torch.Tensor:
+    """Bring a stateful chain and the generator to where a run stood after generating ``prefix``.
+
+    One forward returns the logits of every prefix position (the cache is rewound to the prompt
+    minus its last token first); then, position by position, the chain is applied (XTC draws its
+    coin as the run did), the generator skips the pick's draws, and the prefix token is observed
+    (mirostat's μ moves). Returns the logits after the last prefix token [1, V]."""
+    tokens = list(prompt_ids) + list(prefix)
+    start = len(prompt_ids) - 1  # the position whose logits picked prefix[0]
+    common = 0
+    for a, b in zip(cache.tokens, tokens[:start]):
+        if a != b:
+            break
+        common += 1
+    cache.rewind(cache.length - common)
+    feed = torch.tensor([tokens[common:]], dtype=torch.long)
+    rows = cache.forward(feed, all_logits=True).logits[0, start - common:].float()  # [len(prefix) + 1, V]
+    for i, token in enumerate(prefix):
+        ids = torch.tensor([tokens[:start + 1 + i]], dtype=torch.long, device=lm.device)
+        chain(ids, rows[i:i + 1])
+        if generator is not None:
+            sampling.skip_draws(generator, 1, lm.vocab_size, lm.device)
+        chain.observe(ids, token)
+    return rows[-1:]
 
 
 def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,

@@ -1,12 +1,19 @@
 """The stages: small named pure objects ``(input_ids, logits) -> logits``.
 
 Where transformers has the processor, a stage wraps it (exact by construction; the oracle tests
-guard the wrapping). Frequency/presence penalties and word constraints are ours. Every stage
+guard the wrapping). Frequency/presence penalties and word constraints are ours, and so are the
+samplers of llama.cpp / text-generation-webui that transformers lacks (DRY, XTC, top-nσ, dynamic
+temperature, smoothing, mirostat, top-a), each following its reference definition. Every stage
 returns a new tensor and never modifies its inputs. Shapes: input_ids [B, S], logits [B, V].
+
+Two stages carry state across steps: mirostat (μ, updated by ``observe`` after each pick) and XTC
+(it draws from the run's generator). A run that uses them calls ``Chain.observe`` after every pick
+and builds the chain with the run's generator; ``Chain.stateful`` says whether it must.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -21,12 +28,16 @@ class Stage:
     """A named transformation of next-token logits."""
 
     name: str = "stage"
+    stateful: bool = False  # True: keeps state across steps or draws random numbers
 
     def __init__(self, **params: Any):
         self.params = params
 
     def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def observe(self, input_ids: torch.LongTensor, token_id: int) -> None:
+        """Called after every pick with the ids before it [1, S] and the token picked."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -211,9 +222,378 @@ def build_constraints(config: DecodingConfig, tokenizer: Any, eos_token_ids: Seq
     return Constraints(sorted(allowed), banned, config.allowed_words, config.banned_words)
 
 
+# --- samplers at parity (llama.cpp / text-generation-webui) ------------------------------------------
+# References: llama.cpp src/llama-sampling.cpp (temp-ext, top-n-sigma, XTC, mirostat, DRY) and
+# text-generation-webui modules/sampler_hijack.py (DRY, quadratic sampling, top-a, dynamic temperature).
+
+
+def _softmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] probabilities in float32 (masked tokens get exactly 0)."""
+    return torch.softmax(logits.float(), dim=-1)
+
+
+class Dry(Stage):
+    """DRY, "don't repeat yourself" (text-generation-webui's DRYLogitsProcessor, llama.cpp's dry):
+    if the context ends with a phrase that occurred before, the token that followed it back then
+    would extend the repeat; with n the longest such match, it loses multiplier x base^(n - allowed)
+    from its logit when n >= allowed_length. A sequence-breaker token stops a match (it is never
+    part of one). Matches are at most 50 tokens long, as in both references."""
+
+    name = "dry"
+    MAX_MATCH = 50
+
+    def __init__(self, dry_multiplier: float, dry_base: float = 1.75, dry_allowed_length: int = 2,
+                 dry_penalty_last_n: int = -1, breaker_ids: Sequence[int] = (), token_text: Callable | None = None):
+        _require(dry_multiplier > 0, "dry_multiplier", dry_multiplier, "(0, 10] for a stage")
+        _require(dry_base >= 1, "dry_base", dry_base, "[1, 4]")
+        _require(dry_allowed_length >= 1, "dry_allowed_length", dry_allowed_length, "[1, 20]")
+        _require(dry_penalty_last_n != 0, "dry_penalty_last_n", dry_penalty_last_n, "-1 or >= 1 for a stage")
+        super().__init__(dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
+                         dry_penalty_last_n=dry_penalty_last_n)
+        self.knobs = dict(self.params)
+        self.breakers = frozenset(int(i) for i in breaker_ids)
+        self.token_text = token_text
+
+    def match_lengths(self, context: list[int]) -> dict[int, int]:
+        """{next token: longest repeated suffix it would extend} for one row of token ids."""
+        if not context or context[-1] in self.breakers:
+            return {}
+        lengths: dict[int, int] = {}
+        for i in range(len(context) - 1):  # every earlier occurrence of the last token
+            follower = context[i + 1]
+            if context[i] != context[-1] or follower in self.breakers:
+                continue
+            n = 1
+            while n < self.MAX_MATCH and i - n >= 0 and context[i - n] == context[-n - 1] \
+                    and context[-n - 1] not in self.breakers:
+                n += 1
+            lengths[follower] = max(n, lengths.get(follower, 0))
+        return lengths
+
+    def __call__(self, input_ids, logits):
+        out = logits.clone()
+        last_n = self.params["dry_penalty_last_n"]
+        penalties = []
+        for row in range(input_ids.shape[0]):
+            context = input_ids[row].tolist()
+            context = context[-last_n:] if last_n > 0 else context
+            for token, n in self.match_lengths(context).items():
+                if n >= self.knobs["dry_allowed_length"] and token < out.shape[-1]:
+                    penalty = self.knobs["dry_multiplier"] * self.knobs["dry_base"] ** (n - self.knobs["dry_allowed_length"])
+                    out[row, token] -= penalty
+                    if row == 0:
+                        penalties.append((penalty, token, n, context[-n:]))
+        self.params = {**self.knobs, "penalized": [self._describe(*p) for p in sorted(penalties, reverse=True)[:5]]}
+        return out
+
+    def _describe(self, penalty: float, token: int, n: int, phrase: list[int]) -> dict:
+        text = self.token_text or str
+        return {"token_id": token, "token": text(token), "length": n, "penalty": penalty,
+                "phrase": "".join(text(t) for t in phrase)}
+
+
+class Xtc(Stage):
+    """XTC, "exclude top choices" (llama.cpp's xtc): with probability ``xtc_probability``, every
+    token with p >= threshold is removed except the least likely of them (nothing happens when
+    fewer than two reach it). The coin is u ~ U(0, 1) from the run's generator, drawn only when
+    0 < probability < 1 (once per call, whatever the logits, so a replay stays aligned); the
+    stage fires when u < probability. Params record u, whether it fired, and the token kept."""
+
+    name = "xtc"
+    stateful = True  # it draws
+
+    def __init__(self, xtc_threshold: float, xtc_probability: float, generator: torch.Generator | None = None):
+        _require(0 <= xtc_threshold <= 0.5, "xtc_threshold", xtc_threshold, "[0, 0.5] for a stage (above 0.5 disables)")
+        _require(0 < xtc_probability <= 1, "xtc_probability", xtc_probability, "(0, 1] for a stage")
+        super().__init__(xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
+        self.knobs = dict(self.params)
+        self.generator = generator
+
+    def coin(self) -> float | None:
+        probability = self.knobs["xtc_probability"]
+        if probability >= 1:
+            return None
+        if self.generator is None:
+            raise ConfigError("xtc_probability", f"{probability!r} in (0, 1) draws from the run's generator; "
+                                                 "none was given (Chain.from_config(..., generator=...))")
+        return float(torch.rand((), generator=self.generator, device=self.generator.device))
+
+    def __call__(self, input_ids, logits):
+        u = self.coin()
+        fired = u is None or u < self.knobs["xtc_probability"]
+        out, kept = logits.clone(), None
+        if fired:
+            probs = _softmax(logits)
+            top = probs >= self.knobs["xtc_threshold"]  # [B, V]
+            # the least likely top choice survives (ties: the highest id, an arbitrary but fixed rule)
+            least = torch.where(top, probs, torch.full_like(probs, 2.0))
+            keep_idx = (least == least.min(dim=-1, keepdim=True).values).int().cumsum(-1).argmax(-1)  # [B]
+            remove = top & (top.sum(-1, keepdim=True) >= 2)
+            remove[torch.arange(out.shape[0]), keep_idx] = False
+            out = out.masked_fill(remove, float("-inf"))
+            kept = int(keep_idx[0]) if bool(top[0].sum() >= 2) else None
+        self.params = {**self.knobs, "u": u, "fired": fired, "kept_id": kept}
+        return out
+
+
+class TopNSigma(Stage):
+    """Top-nσ (llama.cpp's top-n-sigma): keep logits >= max - n·σ, σ the population standard
+    deviation of the finite logits. Scaling logits by 1/T scales max and σ alike, so the kept set
+    does not depend on temperature."""
+
+    name = "top_n_sigma"
+
+    def __init__(self, top_n_sigma: float):
+        _require(top_n_sigma > 0, "top_n_sigma", top_n_sigma, "(0, 10] for a stage")
+        super().__init__(top_n_sigma=top_n_sigma)
+        self.knobs = dict(self.params)
+
+    def __call__(self, input_ids, logits):
+        finite = torch.isfinite(logits)
+        count = finite.sum(-1, keepdim=True).clamp(min=1)
+        values = logits.float().masked_fill(~finite, 0.0)
+        mean = values.sum(-1, keepdim=True) / count
+        sigma = (((values - mean) ** 2).masked_fill(~finite, 0.0).sum(-1, keepdim=True) / count).sqrt()  # [B, 1]
+        top = logits.float().masked_fill(~finite, float("-inf")).max(-1, keepdim=True).values
+        cut = top - self.knobs["top_n_sigma"] * sigma
+        self.params = {**self.knobs, "sigma": float(sigma[0]), "cutoff": float(cut[0])}
+        return logits.masked_fill(logits < cut, float("-inf"))
+
+
+class DynamicTemperature(Stage):
+    """Entropy-scaled temperature (llama.cpp's temp-ext with delta > 0): over the surviving tokens,
+    T = T_min + (T_max - T_min) · (H / log n)^exponent with T_min = max(0, T - range),
+    T_max = T + range, H the entropy of softmax(logits) and n the number of finite logits.
+    It *replaces* the plain temperature stage (the config turns that one off while it is active);
+    T <= 0 keeps only the top token, as llama.cpp. Params record the T used (row 0)."""
+
+    name = "dynamic_temperature"
+
+    def __init__(self, temperature: float, dynatemp_range: float, dynatemp_exponent: float = 1.0):
+        _require(dynatemp_range > 0, "dynatemp_range", dynatemp_range, "(0, 5] for a stage")
+        _require(dynatemp_exponent > 0, "dynatemp_exponent", dynatemp_exponent, "(0, 10]")
+        super().__init__(temperature=temperature, dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exponent)
+        self.knobs = dict(self.params)
+
+    def __call__(self, input_ids, logits):
+        t, delta, exponent = self.knobs["temperature"], self.knobs["dynatemp_range"], self.knobs["dynatemp_exponent"]
+        low, high = max(0.0, t - delta), t + delta
+        probs = _softmax(logits)
+        entropy = torch.special.entr(probs).sum(-1, keepdim=True)  # [B, 1], nats
+        n = torch.isfinite(logits).sum(-1, keepdim=True).float()
+        normalised = torch.where(n > 1, entropy / n.clamp(min=2).log(), torch.zeros_like(entropy))
+        temp = low + (high - low) * normalised.pow(exponent)  # [B, 1]
+        scaled = logits / temp.clamp(min=1e-30).to(logits.dtype)
+        top_only = logits.masked_fill(logits < logits.max(-1, keepdim=True).values, float("-inf"))
+        out = torch.where(temp > 0, scaled, top_only)
+        out = torch.where(n > 1, out, logits)  # one candidate: nothing to scale (llama.cpp returns early)
+        self.params = {**self.knobs, "T": float(temp[0]), "normalized_entropy": float(normalised[0])}
+        return out
+
+
+class Smoothing(Stage):
+    """Quadratic ("smoothing") sampling, text-generation-webui's QuadraticSamplingLogitsWarper:
+    with d = logit - max, k = (3 - curve)/2, s = (curve - 1)/2, every finite logit becomes
+    max - k·f·d² + s·f·d³ (curve 1: max - f·d²). The max is per row (the reference takes it over
+    the whole batch, the same thing for one sequence)."""
+
+    name = "smoothing"
+
+    def __init__(self, smoothing_factor: float, smoothing_curve: float = 1.0):
+        _require(smoothing_factor > 0, "smoothing_factor", smoothing_factor, "(0, 10] for a stage")
+        _require(smoothing_curve >= 1, "smoothing_curve", smoothing_curve, "[1, 10]")
+        super().__init__(smoothing_factor=smoothing_factor, smoothing_curve=smoothing_curve)
+
+    def __call__(self, input_ids, logits):
+        f, curve = self.params["smoothing_factor"], self.params["smoothing_curve"]
+        top = logits.max(-1, keepdim=True).values
+        d = logits - top
+        k, s = (3 - curve) / 2, (curve - 1) / 2
+        return torch.where(torch.isfinite(logits), -(k * f * d ** 2) + s * f * d ** 3 + top, logits)
+
+
+class Mirostat(Stage):
+    """Mirostat v1 and v2 (llama.cpp's mirostat / mirostat-v2), μ starting at 2τ.
+
+    v2: drop tokens whose surprise -log2 p exceeds μ (the top token always stays).
+    v1: estimate the Zipf exponent ŝ from the top m = 100 tokens, then keep the top
+    k = ((ε̂·2^μ) / (1 - N^-ε̂))^(1/ŝ) tokens, ε̂ = ŝ - 1, N the vocabulary size.
+    After the pick, ``observe`` updates μ ← μ - η·(-log2 p(token) - τ), p the token's probability
+    in the truncated distribution this stage produced (llama.cpp samples right after mirostat;
+    here it is the last stage by default). Params record μ before, the tokens kept and μ after."""
+
+    name = "mirostat"
+    stateful = True
+    M = 100
+
+    def __init__(self, mirostat: int, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1):
+        _require(mirostat in (1, 2), "mirostat", mirostat, "1 | 2 for a stage (0 = disabled)")
+        _require(mirostat_tau >= 0, "mirostat_tau", mirostat_tau, "[0, 20]")
+        _require(0 <= mirostat_eta <= 1, "mirostat_eta", mirostat_eta, "[0, 1]")
+        super().__init__(mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
+        self.knobs = dict(self.params)
+        self.mu = 2.0 * mirostat_tau
+        self._probs: tuple[torch.Tensor, torch.Tensor] | None = None  # (before, after) of row 0, [V]
+
+    def _keep_count(self, probs: torch.Tensor, alive: int) -> int:
+        """How many of the sorted probabilities [V] (descending) to keep."""
+        if self.knobs["mirostat"] == 2:
+            return max(1, int((-torch.log2(probs[:alive]) <= self.mu).sum()))
+        m = min(self.M - 1, alive - 1)
+        i = torch.arange(m, dtype=torch.float64)
+        t = torch.log((i + 2) / (i + 1))
+        b = torch.log(probs[:m].double() / probs[1:m + 1].double())
+        s_hat = float((t * b).sum() / (t * t).sum()) if m > 0 else float("nan")
+        eps = s_hat - 1
+        k = ((eps * 2.0 ** self.mu) / (1 - probs.shape[0] ** -eps)) ** (1 / s_hat) if m > 0 else float("nan")
+        if not isinstance(k, float) or not math.isfinite(k):  # degenerate estimate: keep what is alive
+            return alive
+        return min(max(int(k), 1), alive)
+
+    def __call__(self, input_ids, logits):
+        probs = _softmax(logits)
+        sorted_p, order = torch.sort(probs[0], descending=True)
+        keep = self._keep_count(sorted_p, int((sorted_p > 0).sum()))
+        mask = torch.ones_like(probs[0], dtype=torch.bool)
+        mask[order[:keep]] = False
+        out = logits.masked_fill(mask, float("-inf"))  # B = 1: mirostat keeps one μ per run
+        self._probs = (probs[0], _softmax(out)[0])
+        self.params = {**self.knobs, "mu": self.mu, "kept": keep, "mu_after": None}
+        return out
+
+    def observe(self, input_ids, token_id: int) -> None:
+        if self._probs is None:
+            return
+        before, after = self._probs
+        p = float(after[token_id]) if float(after[token_id]) > 0 else float(before[token_id])  # a forced token
+        surprise = -math.log2(p) if p > 0 else 64.0  # cap: a token of probability 0 only comes forced
+        self.mu = self.mu - self.knobs["mirostat_eta"] * (surprise - self.knobs["mirostat_tau"])
+        self.params = {**self.params, "mu_after": self.mu, "surprise": surprise}
+        self._probs = None
+
+
+class TopA(Stage):
+    """Top-a (text-generation-webui's TopALogitsWarper): drop tokens with p < a · p_max²."""
+
+    name = "top_a"
+
+    def __init__(self, top_a: float):
+        _require(0 < top_a <= 1, "top_a", top_a, "(0, 1] for a stage")
+        super().__init__(top_a=top_a)
+
+    def __call__(self, input_ids, logits):
+        probs = _softmax(logits)
+        p_max = probs.max(-1, keepdim=True).values
+        return logits.masked_fill(probs < p_max * p_max * self.params["top_a"], float("-inf"))
+
+
+class Eta(_Wrapped):
+    """Eta sampling: transformers' EtaLogitsWarper, eta = min(ε, sqrt(ε)·exp(-H))."""
+
+    name = "eta"
+
+    def __init__(self, eta_cutoff: float):
+        _require(0 < eta_cutoff < 1, "eta_cutoff", eta_cutoff, "(0, 1)")
+        super().__init__(tlp.EtaLogitsWarper(epsilon=eta_cutoff), eta_cutoff=eta_cutoff)
+
+
+class TopH(_Wrapped):
+    """Top-H: transformers' TopHLogitsWarper (among the top 100 tokens, keep adding tokens while
+    their entropy terms stay within top_h x the entropy)."""
+
+    name = "top_h"
+
+    def __init__(self, top_h: float):
+        _require(0 < top_h <= 1, "top_h", top_h, "(0, 1]")
+        super().__init__(tlp.TopHLogitsWarper(top_h=top_h), top_h=top_h)
+
+
+class MinNewTokens(_Wrapped):
+    """EOS masked until ``min_new_tokens`` tokens were generated: transformers'
+    MinNewTokensLengthLogitsProcessor."""
+
+    name = "min_new_tokens"
+
+    def __init__(self, min_new_tokens: int, prompt_length: int = 0, eos_token_ids: Sequence[int] = ()):
+        _require(isinstance(min_new_tokens, int) and min_new_tokens > 0, "min_new_tokens", min_new_tokens, "[1, 1024]")
+        processor = tlp.MinNewTokensLengthLogitsProcessor(prompt_length, min_new_tokens, list(eos_token_ids))
+        super().__init__(processor, min_new_tokens=min_new_tokens)
+
+
+class LogitBias(_Wrapped):
+    """Add a bias to token sequences: transformers' SequenceBiasLogitsProcessor. A single token gets
+    its bias at every step; the last token of a longer sequence (a multi-token word) gets it right
+    after the tokens before it were generated, as ``banned_words`` bans them."""
+
+    name = "logit_bias"
+
+    def __init__(self, sequence_bias: dict[tuple[int, ...], float], logit_bias: dict[str, float] | None = None):
+        _require(bool(sequence_bias), "logit_bias", logit_bias, "a non-empty object for a stage")
+        super().__init__(tlp.SequenceBiasLogitsProcessor({k: float(v) for k, v in sequence_bias.items()}),
+                         logit_bias=dict(logit_bias or {}))
+        self.largest_id = max(max(seq) for seq in sequence_bias)
+
+    def __call__(self, input_ids, logits):
+        if self.largest_id >= logits.shape[-1]:
+            raise ConfigError("logit_bias", f"token id {self.largest_id} is outside the vocabulary "
+                                            f"({logits.shape[-1]} tokens)")
+        return super().__call__(input_ids, logits)
+
+
+def build_logit_bias(config: DecodingConfig, tokenizer: Any) -> LogitBias:
+    """Token-id keys bias that token; word keys bias every tokenisation of the word (with and
+    without a leading space). Biases landing on the same sequence add up."""
+    sequences: dict[tuple[int, ...], float] = {}
+    for key, bias in config.logit_bias.items():
+        if key.isdigit():
+            variants = [[int(key)]]
+        elif tokenizer is None:
+            raise ConfigError("logit_bias", f"word {key!r} needs the model's tokenizer; use token ids without one")
+        else:
+            variants = word_token_variants(tokenizer, key)
+        for ids in variants:
+            sequences[tuple(ids)] = sequences.get(tuple(ids), 0.0) + bias
+    return LogitBias(sequences, config.logit_bias)
+
+
+def breaker_token_ids(tokenizer: Any, breakers: Sequence[str]) -> list[int]:
+    """DRY's sequence breakers as token ids, as text-generation-webui: the last token of
+    ``"a" + breaker`` (the prefix makes the breaker tokenise as it does mid-text)."""
+    if breakers and tokenizer is None:
+        raise ConfigError("dry_sequence_breakers", "strings need the model's tokenizer; use [] without one")
+    return sorted({tokenizer.encode("a" + s, add_special_tokens=False)[-1] for s in breakers})
+
+
+def _build_parity_stage(name: str, config: DecodingConfig, prompt_length: int, tokenizer: Any,
+                        eos_token_ids: Sequence[int], generator: torch.Generator | None) -> Stage | None:
+    c = config
+    if name == "dry":
+        text = (lambda i: tokenizer.decode([i])) if tokenizer is not None else None
+        return Dry(c.dry_multiplier, c.dry_base, c.dry_allowed_length, c.dry_penalty_last_n,
+                   breaker_token_ids(tokenizer, c.dry_sequence_breakers), text)
+    if name == "xtc":
+        return Xtc(c.xtc_threshold, c.xtc_probability, generator)
+    if name == "dynamic_temperature":
+        return DynamicTemperature(c.temperature, c.dynatemp_range, c.dynatemp_exponent)
+    if name == "mirostat":
+        return Mirostat(c.mirostat, c.mirostat_tau, c.mirostat_eta)
+    if name == "smoothing":
+        return Smoothing(c.smoothing_factor, c.smoothing_curve)
+    if name == "min_new_tokens":
+        return MinNewTokens(c.min_new_tokens, prompt_length, eos_token_ids)
+    if name == "logit_bias":
+        return build_logit_bias(c, tokenizer)
+    simple = {"top_n_sigma": TopNSigma, "eta": Eta, "top_a": TopA, "top_h": TopH}
+    knob = {"eta": "eta_cutoff"}.get(name, name)
+    return simple[name](getattr(c, knob)) if name in simple else None
+
+
 def build_stage(name: str, config: DecodingConfig, prompt_length: int = 0, tokenizer: Any = None,
-                eos_token_ids: Sequence[int] = ()) -> Stage:
-    """One stage from the config's knob(s)."""
+                eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> Stage:
+    """One stage from the config's knob(s). ``generator``: the run's, for stages that draw (XTC)."""
+    stage = _build_parity_stage(name, config, prompt_length, tokenizer, eos_token_ids, generator)
+    if stage is not None:
+        return stage
     if name == "temperature":
         return Temperature(config.temperature)
     if name == "top_k":
@@ -249,12 +629,33 @@ class Chain:
 
     @classmethod
     def from_config(cls, config: DecodingConfig, prompt_length: int = 0, tokenizer: Any = None,
-                    eos_token_ids: Sequence[int] = ()) -> "Chain":
-        return cls([build_stage(n, config, prompt_length, tokenizer, eos_token_ids) for n in config.active_stages()])
+                    eos_token_ids: Sequence[int] = (), *, generator: torch.Generator | None = None) -> "Chain":
+        """The config's active stages in its order. ``generator``: the run's seeded generator, handed
+        to the stages that draw (XTC with 0 < xtc_probability < 1 needs it)."""
+        return cls([build_stage(n, config, prompt_length, tokenizer, eos_token_ids, generator)
+                    for n in config.active_stages()])
 
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.stages]
+
+    @property
+    def stateful(self) -> bool:
+        """True when a stage keeps state across steps or draws: the run must call ``observe`` after
+        every pick, and resuming mid-run must replay the chain over the earlier steps."""
+        return any(s.stateful for s in self.stages)
+
+    def observe(self, input_ids: torch.LongTensor, token_id: int) -> None:
+        """Tell every stage which token was picked after ``input_ids`` [1, S]."""
+        for stage in self.stages:
+            stage.observe(input_ids, token_id)
+
+    def annotate(self, traces: list[StageTrace]) -> None:
+        """After ``observe``: copy what stateful stages learnt from the pick (mirostat's μ after) into
+        the records ``traced`` made (``traces``: raw, one per stage, final)."""
+        for stage, trace in zip(self.stages, traces[1:]):
+            if stage.stateful:
+                trace.params = dict(stage.params)
 
     def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
