@@ -20,6 +20,8 @@ STRATEGIES = (
     "speculative",
     "contrastive_search",
     "contrastive_decoding",
+    "mcts",
+    "medusa",
 )
 
 # Stage names, in transformers' own order (generation/utils.py `_get_logits_processor`): processors
@@ -169,6 +171,12 @@ _KNOB_LIST = [
     Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.", step=0.05),
     Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.", step=0.01),
     Knob("amateur", "str", "self-nf4", doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
+    # --- mcts / medusa
+    Knob("mcts_simulations", "int", 32, 1, 256, doc="MCTS: PUCT simulations per generated token.", step=1),
+    Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0, doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
+    Knob("mcts_expand_k", "int", 4, 1, 16, doc="MCTS: children per expanded node (the top-k of its processed prior).", step=1),
+    Knob("mcts_rollout_tokens", "int", 4, 0, 16, doc="MCTS: greedy rollout length scoring a new leaf (mean raw log-prob; 0 = the leaf's own log-prob).", step=1),
+    Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose top-1 tokens are verified per forward.", step=1),
 ]
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
 CONFIG_KEYS = ("strategy", *KNOBS, "stage_order")
@@ -385,6 +393,11 @@ class DecodingConfig:
     penalty_alpha: float = 0.6
     cd_alpha: float = 0.1
     amateur: str = "self-nf4"
+    mcts_simulations: int = 32
+    mcts_c_puct: float = 1.5
+    mcts_expand_k: int = 4
+    mcts_rollout_tokens: int = 4
+    medusa_heads: int = 3
     stage_order: tuple[str, ...] = field(default=DEFAULT_STAGE_ORDER)
 
     def __post_init__(self) -> None:
