@@ -35,6 +35,7 @@ from . import decode, sampling
 from .cache import KVCache
 from .config import KNOBS, DecodingConfig
 from .control import RunControl, check
+from .kv_quant import SELF_KV_DRAFTERS
 from .models import LoadedModel, ModelRegistry, ModelSpec
 from .processors import Chain, Traced
 from .trace import StepTrace, TokenProb, Trace, from_dict
@@ -91,10 +92,12 @@ class SpecRound:
     emitted_token_ids: list[int]
     emitted_text: str
     draft_ms: float
-    verify_ms: float
+    verify_ms: float  # the target's forward over the K + 1 positions
     elapsed_ms: float
     finish_reason: str | None = None
     steps: list[StepTrace] = field(default_factory=list)
+    capture_ms: float = 0.0  # acceptance tests, trace capture, emitting (after the forward)
+    prefill_ms: float = 0.0  # the target's prompt prefill, on the first round only
 
     @property
     def extra(self) -> ExtraToken | None:
@@ -153,9 +156,10 @@ def align_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def top_tokens(probs: torch.Tensor, n: int, token_text) -> list[TokenProb]:
-    """The n most probable tokens of a distribution [V]."""
+    """The n most probable tokens of a distribution [V], leaving out zero-probability ones (a
+    point mass or a greedy p has one entry; topk would pad it with arbitrary ids)."""
     values, ids = torch.topk(probs, min(n, probs.shape[-1]))
-    return [TokenProb(int(i), token_text(int(i)), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [TokenProb(int(i), token_text(int(i)), float(v)) for i, v in zip(ids.tolist(), values.tolist()) if v > 0]
 
 
 # --- drafters ---------------------------------------------------------------------------------
@@ -209,10 +213,10 @@ class ModelDrafter:
     """A draft model with its own KV cache. It drafts autoregressively with the target's stage
     chain (greedy argmax, or a seeded sample from q)."""
 
-    def __init__(self, lm: LoadedModel, name: str | None = None):
+    def __init__(self, lm: LoadedModel, name: str | None = None, cache: KVCache | None = None):
         self.lm = lm
         self.name = name or lm.name
-        self.cache = KVCache(lm.model)
+        self.cache = cache or KVCache(lm.model)
 
     @property
     def forwards(self) -> int:
@@ -269,6 +273,9 @@ def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistr
     """The drafter named by ``config.drafter`` (loads draft models through the registry)."""
     if config.drafter == "ngram":
         return NgramDrafter(config.ngram_size)
+    if config.drafter in SELF_KV_DRAFTERS:  # QuantSpec: the target itself, reading a quantized KV cache
+        kind = SELF_KV_DRAFTERS[config.drafter]
+        return ModelDrafter(lm, f"{lm.name} ({kind} KV)", KVCache(lm.model, kind, config.kv_residual_length))
     if config.drafter in ("self-int8", "self-nf4"):
         quantization = config.drafter.removeprefix("self-")
         return ModelDrafter(registry.get(_spec_for(lm, lm.source, quantization)), f"{lm.name} ({quantization})")
@@ -293,30 +300,36 @@ class _Verifier:
         self.sequence = list(prompt_ids)
         self.generated: list[int] = []
         self.start = time.perf_counter()
+        # seconds the caller spent between our yields (a UI rendering a round): not ours to count,
+        # else total_ms (and the speed-up) would charge the UI's drawing to speculative decoding
+        self.paused_s = 0.0
         if len(self.sequence) > 1:  # the cache holds all but the last token
             self.cache.sync(self.sequence[:-1])
+        self.prefill_ms = self.elapsed_ms()
 
     def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.start) * 1000
+        return (time.perf_counter() - self.start - self.paused_s) * 1000
 
     def round(self, index: int, k: int) -> SpecRound:
         remaining = self.config.max_new_tokens - len(self.generated)
         t0 = time.perf_counter()
-        draft = self.drafter.draft(self.sequence, min(k, remaining - 1), self.ctx)
+        draft = cut_at_eos(self.drafter.draft(self.sequence, min(k, remaining - 1), self.ctx), self.lm.eos_token_ids)
         t1 = time.perf_counter()
         fed = [self.sequence[-1], *draft.tokens]
         logits = self.cache.forward(torch.tensor([fed], dtype=torch.long), all_logits=True).logits[0].float()  # [K+1, V]
+        t2 = time.perf_counter()
         drafted, emitted, bonus = self._accept(draft, logits)
-        verify_ms = (time.perf_counter() - t1) * 1000
         start = len(self.generated)
         steps, reason = self._emit(emitted)
+        t3 = time.perf_counter()
         self.cache.rewind(self.cache.length - (len(self.sequence) - 1))
         self.drafter.rewind_to(self.sequence[:-1])
         ids = self.generated[start:]
         return SpecRound(
             index=index, start=start, k=k, drafted=drafted, num_accepted=sum(d.accepted for d in drafted),
             bonus=bonus, emitted_token_ids=ids, emitted_text=self.lm.decode(ids), draft_ms=(t1 - t0) * 1000,
-            verify_ms=verify_ms, elapsed_ms=self.elapsed_ms(), finish_reason=reason, steps=steps,
+            verify_ms=(t2 - t1) * 1000, elapsed_ms=self.elapsed_ms(), finish_reason=reason, steps=steps,
+            capture_ms=(t3 - t2) * 1000, prefill_ms=self.prefill_ms if index == 0 else 0.0,
         )
 
     def _accept(self, draft: Draft, logits: torch.Tensor) -> tuple[list[DraftToken], list[tuple[int, Traced]], ExtraToken | None]:
@@ -395,6 +408,15 @@ class _Verifier:
         return steps, None
 
 
+def cut_at_eos(draft: Draft, eos_ids: Sequence[int]) -> Draft:
+    """The draft up to and including its first end-of-sequence token: a draft after EOS can never
+    be emitted (an accepted EOS ends the run), so testing it would only inflate the counts."""
+    cut = next((i + 1 for i, t in enumerate(draft.tokens) if t in eos_ids), len(draft.tokens))
+    if cut == len(draft.tokens):
+        return draft
+    return Draft(draft.tokens[:cut], draft.q[:cut] if draft.q is not None else None)
+
+
 def next_k(k: int, num_drafted: int, num_accepted: int) -> int:
     """Adaptive K (transformers' heuristic): +2 after a round that drafted and accepted all K
     tokens, -1 after a rejection; unchanged when the drafter or the budget gave fewer than K."""
@@ -414,7 +436,9 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, d
     k, index = config.num_draft_tokens, 0
     while True:
         spec_round = verifier.round(index, k)
+        paused = time.perf_counter()
         yield spec_round
+        verifier.paused_s += time.perf_counter() - paused
         if spec_round.finish_reason is not None:
             return
         if config.adaptive_k:
@@ -440,10 +464,15 @@ def summarize(rounds: Sequence[SpecRound], steps: Sequence[StepTrace], drafter: 
         "target_forwards": target_forwards,
         "target_forwards_saved": tokens - target_forwards,
         "draft_forwards": drafter.forwards,
-        "draft_ms": sum(r.draft_ms for r in rounds),
-        "verify_ms": sum(r.verify_ms for r in rounds),
-        "total_ms": rounds[-1].elapsed_ms if rounds else 0.0,
-    }
+    } | time_breakdown(rounds)
+
+
+def time_breakdown(rounds: Sequence[SpecRound]) -> dict:
+    """Where the run's time went, in ms: prefill + draft + verify (target forwards) + capture
+    (acceptance tests, trace capture) + other (the rest: rewinds, stop checks) = total."""
+    parts = {name: sum(getattr(r, name) for r in rounds) for name in ("prefill_ms", "draft_ms", "verify_ms", "capture_ms")}
+    total = rounds[-1].elapsed_ms if rounds else 0.0
+    return parts | {"other_ms": max(0.0, total - sum(parts.values())), "total_ms": total}
 
 
 def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,

@@ -1,5 +1,6 @@
 """Step-through chart builders are pure functions of a trace: checked on a hand-made 2-step trace."""
 
+import dataclasses
 import math
 
 import pytest
@@ -28,7 +29,7 @@ def test_readable_makes_whitespace_visible():
 
 def test_stage_chart_bars_marks_and_draw():
     fig = charts.stage_chart(make_step())
-    bars = [t for t in fig.data if t.type == "bar"]
+    bars = [t for t in fig.data if t.type == "bar" and t.x != (None,)]  # legend swatches have no data
     # raw, top_k (+ its removed overlay), final, draw panel
     assert len(bars) == 5
     raw, topk, removed, final, draw = bars
@@ -36,29 +37,42 @@ def test_stage_chart_bars_marks_and_draw():
     assert list(topk.marker.color) == [charts.BAR, charts.ACCENT]  # chosen token highlighted
     assert list(removed.y) == ["✕ ↵", "✕ ␣an"] and list(removed.x) == [0.15, 0.05]
     assert list(draw.base) == [0.0, 0.625] and list(draw.x) == [0.625, 0.375]
-    u_line = [t for t in fig.data if t.type == "scatter"][0]
-    assert list(u_line.x) == [0.7, 0.7]
+    u_line = fig.layout.shapes[0]
+    assert (u_line.x0, u_line.x1) == (0.7, 0.7) and u_line.yref.endswith("domain")  # spans the panel
     titles = [a.text for a in fig.layout.annotations]
-    assert "top-k 2<br><sup>kept 2 · −20.0%</sup>" in titles
+    assert "top-k 2<br><sup>kept 2 tokens · −20.0%</sup>" in titles
+    assert "u = 0.700" in titles  # the u value is written beside its line
 
 
 def test_greedy_step_has_no_draw_panel():
     fig = charts.stage_chart(make_step(draw=None))
-    assert not [t for t in fig.data if t.type == "scatter"]
-    assert len([t for t in fig.data if t.type == "bar"]) == 4
+    assert not fig.layout.shapes
+    assert len([t for t in fig.data if t.type == "bar" and t.x != (None,)]) == 4
 
 
-def test_run_chart_entropy_surprisal_in_bits():
+def test_run_chart_entropy_surprisal_in_nats_with_own_marker_colour():
     steps = [make_step(0), make_step(1)]
     fig = charts.run_chart(steps, selected=1)
-    entropy, surprisal = fig.data
-    assert list(entropy.y) == pytest.approx([0.66 / math.log(2)] * 2)
-    assert list(surprisal.y) == pytest.approx([-math.log2(0.375)] * 2)
+    entropy, surprisal, marker = fig.data
+    assert list(entropy.y) == pytest.approx([0.66] * 2)
+    assert list(surprisal.y) == pytest.approx([-math.log(0.375)] * 2)  # 0.981 nats
     assert fig.layout.shapes[0].x0 == 1
+    colours = {entropy.line.color, surprisal.line.color, fig.layout.shapes[0].line.color}
+    assert len(colours) == 3 and marker.line.color == charts.MARKER
+    assert fig.layout.legend.y < 0  # below the plot, clear of the component label
 
 
 def test_token_highlights_scores():
     assert charts.token_highlights([make_step()]) == [(" a", -0.25)]  # 2 * 0.375 - 1
+    # surprisal: -ln 0.375 = 0.981 nats -> 0.981 / 5 = 0.1962; the most surprising is the strongest
+    assert charts.token_highlights([make_step()], "surprisal") == [(" a", 0.1962)]
+    rare = dataclasses.replace(make_step(), chosen_prob=1e-4)  # 9.2 nats -> capped at 1
+    assert charts.token_highlights([rare], "surprisal")[0][1] == 1.0
+    newline = dataclasses.replace(make_step(), chosen_token="\n")
+    assert charts.token_highlights([newline])[0][0] == "↵\n"  # visible chip, then the line break
+    with pytest.raises(ValueError, match="colour_by: 'bits'"):
+        charts.token_highlights([make_step()], "bits")
+    assert "surprising (≥ 5 nats" in charts.colour_legend("surprisal")
 
 
 def test_explain_step_names_stage_effects_and_draw():
@@ -72,7 +86,85 @@ def test_summary_and_alternatives():
     trace = Trace(model="m", strategy="sample", config={}, prompt="p", prompt_token_ids=[0], text=" a",
                   generated_token_ids=[2], stop_reason="max_new_tokens", steps=[step],
                   timing=Timing(100.0, 10.0, 100.0), summary={"tokens": 1, "mean_logprob": -1.0, "mean_raw_logprob": -1.2, "perplexity": 3.3})
-    assert "**1 tokens**" in charts.summary_markdown(trace) and "perplexity 3.30" in charts.summary_markdown(trace)
+    assert "**1 token**" in charts.summary_markdown(trace) and "perplexity 3.30" in charts.summary_markdown(trace)
+    assert "stop: max_new_tokens reached" in charts.summary_markdown(trace)
+    stopped = dataclasses.replace(trace, stop_reason="")
+    assert "stop: stopped before the end" in charts.summary_markdown(stopped)
+    assert "stop: running…" in charts.summary_markdown(stopped, running=True)
     alts = charts.alternatives(step)
     assert alts[0] == ("␣the  (raw 50.0%, final 62.5%)", 1)
     assert alts[1][0].endswith("← chosen") and alts[2] == ("↵  (raw 15.0%)", 3)
+
+
+def test_stage_panels_share_one_probability_axis():
+    """Shared: every stage panel spans 0 to the largest shown p (0.625) + 8%; the draw panel 0..1."""
+    fig = charts.stage_chart(make_step())
+    ranges = [fig.layout[f"xaxis{i}"].range for i in ("", "2", "3")]
+    assert all(r == pytest.approx((0, 0.625 * 1.08)) for r in ranges)
+    assert fig.layout.xaxis4.range == (0, 1)
+    own = charts.stage_chart(make_step(), shared_axis=False)
+    assert own.layout.xaxis.range is None and "own scale" in own.layout.title.text
+
+
+def test_chosen_token_outside_top_n_is_drawn_after_a_gap_with_its_rank():
+    """Chosen " Not" is in no stage's top list: raw shows raw_prob, final shows chosen_prob, the
+    middle stage says its p is not recorded instead of inventing one."""
+    step = dataclasses.replace(make_step(), chosen_token_id=9, chosen_token=" Not", chosen_prob=0.006, raw_prob=0.004,
+                               draw=0.999, draw_low=0.994, draw_high=1.0)
+    fig = charts.stage_chart(step)
+    raw, topk, _removed, final = [t for t in fig.data if t.type == "bar" and t.x != (None,)][:4]
+    assert list(raw.y[-2:]) == [charts.GAP, "␣Not (rank>4)"] and raw.x[-1] == 0.004
+    assert list(topk.y[-1:]) == ["␣Not (rank>2)"] and topk.x[-1] == 0 and topk.text[-1] == "p not recorded"
+    assert final.x[-1] == 0.006 and final.marker.color[-1] == charts.ACCENT and final.text[-1] == ""
+
+
+def test_u_label_stays_visible_with_one_token_and_u_near_one():
+    """top-k 1: one bar; u = 0.987 is written in the panel title and beside the line, anchored
+    to the line's left so it cannot run off the right edge."""
+    step = make_step(draw=0.987)
+    step.stages = [step.stages[0], StageTrace("final", 1, 0.0, 0.0, 0.0, [tp(1, " the", 1.0)])]
+    fig = charts.stage_chart(step)
+    texts = [a.text for a in fig.layout.annotations]
+    assert any("u = 0.987" in t and "landed" in t for t in texts)
+    label = next(a for a in fig.layout.annotations if a.text == "u = 0.987")
+    assert label.xanchor == "right"
+
+
+def test_kept_is_singular_for_one_token_and_fonts_are_14px():
+    stage = StageTrace("top_k", 1, 0.5, 0.0, 0.5, [tp(1, " the", 1.0)], params={"top_k": 1})
+    assert "kept 1 token" in charts.stage_title(stage) and "tokens" not in charts.stage_title(stage)
+    fig = charts.stage_chart(make_step())
+    assert fig.layout.font.size >= 14 and fig.layout.yaxis.tickfont.size >= 14
+    assert all(a.font.size >= 14 for a in fig.layout.annotations)
+
+
+def test_titles_wrap_instead_of_running_into_each_other():
+    stage = StageTrace("repetition_penalty", 10, 0.0, 1.0, 0.1, [], params={"repetition_penalty": 1.3})
+    first_line = charts.stage_title(stage).split("<br>")[0]
+    assert len(first_line) <= charts.TITLE_WRAP
+
+
+def _luminance(hex_colour: str) -> float:
+    channels = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def contrast(hex_colour: str) -> float:
+    """WCAG contrast ratio against white (#ffffff has luminance 1)."""
+    return 1.05 / (_luminance(hex_colour) + 0.05)
+
+
+def test_colours_have_wcag_aa_contrast_on_white():
+    assert contrast("#767676") == pytest.approx(4.54, abs=0.01)  # the known AA grey
+    for colour in (charts.ACCENT, charts.BAR, charts.REMOVED, charts.DRAW, charts.MARKER, charts.ENTROPY, charts.SURPRISAL):
+        assert contrast(colour) >= 4.5, colour
+
+
+def test_hovers_explain_terms_from_the_glossary():
+    from playground.charts import glossary
+
+    fig = charts.stage_chart(make_step())
+    topk = [t for t in fig.data if t.type == "bar" and t.name == "top_k"][0]
+    assert glossary.hover("kept") in topk.hovertemplate and glossary.hover("top-k") in topk.hovertemplate
+    assert charts.plot_config()["scrollZoom"] is True

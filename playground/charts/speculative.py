@@ -8,30 +8,37 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from typing import Sequence
 
 import plotly.graph_objects as go
 
 from engine.speculative import DraftToken, ExtraToken, SpecRound
-from playground.charts.step import readable
+from engine.trace import TokenProb
+
+from . import glossary
+from .tokens import is_special, render_html
+from .tokens import render as readable
 
 # kind -> (text colour, background, label)
 KINDS = {
     "accepted": ("#1b5e20", "#dff2e1", "accepted draft"),
     "rejected": ("#b71c1c", "#fde4e4", "rejected draft"),
-    "resampled": ("#e65100", "#fff0dc", "resampled by the target"),
+    "resampled": ("#b34700", "#fff0dc", "resampled by the target"),
     "bonus": ("#0d47a1", "#e1edfc", "bonus token from the target"),
 }
 P_COLOUR = "#4c78a8"  # target
-Q_COLOUR = "#f2a541"  # drafter
-HIGHLIGHT = "#e4572e"
+Q_COLOUR = "#b86e00"  # drafter (4:1 on white: a graphic, never text)
+HIGHLIGHT = "#c4421a"
+FONT = 14
+STOP_NOTES = {"eos": "end of sequence", "stop_string": "stop string", "max_new_tokens": "max_new_tokens"}
 
 
 # --- chips -------------------------------------------------------------------------------------
 def _chip(kind: str, token: str, round_index: int, pos: int, title: str, selected: bool, emitted: bool = True) -> str:
     colour, background, _ = KINDS[kind]
     style = (f"display:inline-block;margin:2px;padding:1px 6px;border-radius:6px;cursor:pointer;"
-             f"font-family:ui-monospace,monospace;font-size:13px;color:{colour};background:{background};"
+             f"font-family:ui-monospace,monospace;font-size:{FONT}px;color:{colour};background:{background};"
              f"border:1px solid {colour}55;")
     if kind == "rejected":
         style += "text-decoration:line-through;"
@@ -41,7 +48,7 @@ def _chip(kind: str, token: str, round_index: int, pos: int, title: str, selecte
         style += f"outline:2px solid {HIGHLIGHT};outline-offset:1px;"
     return (f'<span class="spec-chip spec-{kind}" role="button" tabindex="0" data-chip="1" data-round="{round_index}" '
             f'data-pos="{pos}" data-kind="{kind}" title="{html.escape(title)}" style="{style}">'
-            f"{html.escape(readable(token))}</span>")
+            f"{render_html(token)}</span>")
 
 
 def _draft_title(d: DraftToken) -> str:
@@ -52,8 +59,16 @@ def _draft_title(d: DraftToken) -> str:
 
 
 def round_label(r: SpecRound) -> str:
+    """"#3 · K=4 · 2/3 accepted · +3 tokens"; a round that ended the run says why, and counts
+    only the drafts up to the stop (a draft after it was never going to be used)."""
     n = len(r.drafted)
-    return f"#{r.index} · K={r.k} · {r.num_accepted}/{n} accepted · +{len(r.emitted_token_ids)} tokens"
+    added = len(r.emitted_token_ids)
+    tokens = f"+{added} token" + ("" if added == 1 else "s")
+    if r.finish_reason is None:
+        return f"#{r.index} · K={r.k} · {r.num_accepted}/{n} accepted · {tokens}"
+    used = min(n, added)
+    accepted = sum(d.accepted for d in r.drafted[:used])
+    return f"#{r.index} · K={r.k} · {accepted}/{used} accepted · {tokens} · stopped: {STOP_NOTES.get(r.finish_reason, r.finish_reason)}"
 
 
 def round_chips(r: SpecRound, selected: tuple[int, int] | None = None) -> str:
@@ -73,17 +88,18 @@ def round_chips(r: SpecRound, selected: tuple[int, int] | None = None) -> str:
         pos = len(r.drafted)
         chips.append(_chip("bonus", r.bonus.token, r.index, pos, f"bonus {readable(r.bonus.token)} from p (p={r.bonus.p:.3f})",
                            selected == (r.index, pos), emitted=pos < emitted))
-    timing = f"draft {r.draft_ms:.0f} ms · verify {r.verify_ms:.0f} ms"
+    timing = f"draft {r.draft_ms:.0f} ms · verify {r.verify_ms:.0f} ms · capture {r.capture_ms:.0f} ms"
     return (f'<div class="spec-round" data-round="{r.index}" style="margin:3px 0;line-height:1.9">'
-            f'<span style="display:inline-block;min-width:15em;color:#555;font-size:12px" title="{timing}">'
+            f'<span style="display:inline-block;min-width:15em;color:#555;font-size:{FONT}px" title="{timing}">'
             f"{html.escape(round_label(r))}</span>{''.join(chips)}</div>")
 
 
 def legend_html() -> str:
     items = []
     for kind, (colour, background, label) in KINDS.items():
-        items.append(f'<span style="margin-right:12px;font-size:12px"><span style="display:inline-block;width:10px;'
+        items.append(f'<span style="margin-right:12px;font-size:{FONT}px"><span style="display:inline-block;width:10px;'
                      f'height:10px;border-radius:3px;background:{background};border:1px solid {colour}"></span> {label}</span>')
+    items.append(f'<span style="font-size:{FONT}px;color:#333">⟪name⟫ = special token (chat template), not text</span>')
     return f'<div class="spec-legend">{"".join(items)}</div>'
 
 
@@ -94,18 +110,21 @@ def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = 
         return '<div class="spec-rounds" style="color:#777">No rounds yet: press Generate.</div>'
     shown = list(rounds)[-limit:]
     hidden = len(rounds) - len(shown)
-    note = f'<div style="color:#777;font-size:12px">{hidden} earlier rounds not shown</div>' if hidden else ""
+    note = f'<div style="color:#555;font-size:{FONT}px">{hidden} earlier rounds not shown</div>' if hidden else ""
     rows = "".join(round_chips(r, selected) for r in shown)
     return f'<div class="spec-rounds">{legend_html()}{note}{rows}</div>'
 
 
 def emitted_tokens(r: SpecRound) -> list[tuple[str, str]]:
-    """(token text, kind) of the tokens the round added, in order (cut where a stop cut them)."""
+    """(token text, kind) of the tokens the round added, in order (cut where a stop cut them).
+    The end-of-sequence token that ended a run is left out: the text stops before it, as the
+    other strategies' text does."""
     out = [(d.token, "accepted") for d in r.drafted if d.accepted][: r.num_accepted]
     extra = r.extra
     if extra is not None:
         out.append((extra.token, extra.kind))
-    return out[: len(r.emitted_token_ids)]
+    out = out[: len(r.emitted_token_ids)]
+    return out[:-1] if r.finish_reason == "eos" and out else out
 
 
 def text_html(rounds: Sequence[SpecRound]) -> str:
@@ -115,11 +134,11 @@ def text_html(rounds: Sequence[SpecRound]) -> str:
     for r in rounds:
         for token, kind in emitted_tokens(r):
             colour, background, label = KINDS[kind]
-            text = html.escape(token).replace("\n", "<br>")
+            text = render_html(token, flow=True)
             spans.append(f'<span class="spec-tok spec-tok-{kind}" title="round {r.index}: {label}" '
                          f'style="background:{background};border-bottom:2px solid {colour}">{text}</span>')
-    body = "".join(spans) or '<span style="color:#777">The text appears here as rounds are accepted.</span>'
-    return f'<div class="spec-text" style="white-space:pre-wrap;line-height:1.7;font-size:15px">{body}</div>'
+    body = "".join(spans) or '<span style="color:#555">The text appears here as rounds are accepted.</span>'
+    return f'<div class="spec-text" style="white-space:pre-wrap;line-height:1.7;font-size:16px">{body}</div>'
 
 
 # --- positions ---------------------------------------------------------------------------------
@@ -160,7 +179,7 @@ def acceptance_text(r: SpecRound, pos: int) -> str:
     if not 0 <= pos < len(r.drafted):
         return f"Round {r.index} has no position {pos}."
     d = r.drafted[pos]
-    head = f"**Round {r.index}, position {pos}: draft {readable(d.token)}.** "
+    head = f"**Round {r.index}, position {pos}: draft {readable(d.token)}.** " + special_note(d.token)
     if d.u is None:
         best = readable(d.resampled.token) if d.resampled else readable(d.token)
         verdict = "accepted" if d.accepted else f"rejected; the target's argmax **{best}** is taken instead"
@@ -173,6 +192,25 @@ def acceptance_text(r: SpecRound, pos: int) -> str:
         text += (f" The target then resampled **{readable(x.token)}** from the residual normalise(max(0, p − q)), "
                  f"where it has probability {x.prob:.3f} (p = {x.p:.3f}).")
     return text
+
+
+def special_note(token: str) -> str:
+    """Why a special token (⟪im_start⟫...) is drafted at all: the n-gram drafter copies tokens
+    from the prompt, and a chat prompt holds the template's control tokens."""
+    if not is_special(token):
+        return ""
+    return (f"({readable(token)} is a special token: the n-gram drafter copies whatever followed the same tokens "
+            "earlier, and with the chat template on the prompt holds such control tokens. Drafts stop at the "
+            "end-of-sequence token.) ")
+
+
+def _nonzero(top: Sequence[TokenProb]) -> list[TokenProb]:
+    """Tokens with probability > 0 (older traces padded a point mass's top-N with zeros)."""
+    return [t for t in top if t.prob > 0]
+
+
+def _gloss(term: str) -> str:
+    return html.escape(glossary.hover(term))
 
 
 def _bar_labels(ids: Sequence[int], texts: dict[int, str]) -> list[str]:
@@ -199,6 +237,7 @@ def pq_figure(r: SpecRound, pos: int) -> go.Figure:
         title = f"round {r.index} · bonus from p: {readable(r.bonus.token)}"
     else:
         return fig
+    p_top, q_top = _nonzero(p_top), _nonzero(q_top)  # a point mass q has one token, not N
     texts = {t.token_id: t.token for t in [*p_top, *q_top]}
     ids = list(dict.fromkeys([t.token_id for t in p_top] + [t.token_id for t in q_top]))
     labels = _bar_labels(ids, texts)
@@ -206,10 +245,11 @@ def pq_figure(r: SpecRound, pos: int) -> go.Figure:
     q_map = {t.token_id: t.prob for t in q_top}
     outline = dict(color=[HIGHLIGHT if i == mark else "rgba(0,0,0,0)" for i in ids], width=2.5)
     fig.add_trace(go.Bar(y=labels, x=[p_map.get(i) for i in ids], orientation="h", name="p (target)", marker_color=P_COLOUR,
-                         marker_line=outline, hovertemplate="%{y}: p = %{x:.4f}<extra>target</extra>"))
+                         marker_line=outline, hovertemplate="%{y}: p = %{x:.4f}<br>" + _gloss("p") + "<extra>target</extra>"))
     if q_top:
         fig.add_trace(go.Bar(y=labels, x=[q_map.get(i) for i in ids], orientation="h", name="q (drafter)", marker_color=Q_COLOUR,
-                             marker_line=outline, hovertemplate="%{y}: q = %{x:.4f}<extra>drafter</extra>"))
+                             marker_line=outline, hovertemplate="%{y}: q = %{x:.4f}<br>" + _gloss("q") + "<br>"
+                             + _gloss("accept") + "<extra>drafter</extra>"))
     return _bars_layout(fig, title, len(ids))
 
 
@@ -223,21 +263,27 @@ def residual_figure(r: SpecRound, pos: int) -> go.Figure | None:
         extra = r.bonus
     if extra is None:
         return None
-    ids = [t.token_id for t in extra.top]
-    labels = _bar_labels(ids, {t.token_id: t.token for t in extra.top})
+    top = _nonzero(extra.top)
+    ids = [t.token_id for t in top]
+    labels = _bar_labels(ids, {t.token_id: t.token for t in top})
     colours = [HIGHLIGHT if i == extra.token_id else P_COLOUR for i in ids]
-    fig = go.Figure(go.Bar(y=labels, x=[t.prob for t in extra.top], orientation="h", marker_color=colours, showlegend=False,
-                           hovertemplate="%{y}: %{x:.4f}<extra></extra>"))
+    term = "residual" if extra.kind == "resampled" else "p"
+    fig = go.Figure(go.Bar(y=labels, x=[t.prob for t in top], orientation="h", marker_color=colours, showlegend=False,
+                           hovertemplate="%{y}: %{x:.4f}<br>" + _gloss(term) + "<extra></extra>"))
     what = "residual normalise(max(0, p − q))" if extra.kind == "resampled" else "target distribution p"
     return _bars_layout(fig, f"{extra.kind} {readable(extra.token)} from the {what}", len(ids))
 
 
 def _bars_layout(fig: go.Figure, title: str, n: int) -> go.Figure:
-    fig.update_yaxes(autorange="reversed", automargin=True, tickfont=dict(size=11))
-    fig.update_xaxes(rangemode="tozero", tickformat=".0%")
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=13)), barmode="group", template="plotly_white",
-                      height=max(220, 60 + 24 * n), margin=dict(l=10, r=10, t=40, b=20),
-                      legend=dict(orientation="h", y=1.08, x=1, xanchor="right"))
+    """Shared look: 14 px text, the title wrapped onto short lines, the legend below the bars."""
+    fig.update_yaxes(autorange="reversed", automargin=True, tickfont=dict(size=FONT))
+    fig.update_xaxes(rangemode="tozero", tickformat=".0%", tickfont=dict(size=FONT))
+    wrapped = "<br>".join(textwrap.wrap(title, 44, break_long_words=False))  # fits 390 px at 16 px
+    lines = wrapped.count("<br>") + 1
+    fig.update_layout(title=dict(text=wrapped, x=0.01, font=dict(size=FONT + 2)), barmode="group", template="plotly_white",
+                      font=dict(size=FONT), height=max(260, 110 + 22 * lines + 30 * n),
+                      margin=dict(l=10, r=10, t=30 + 22 * lines, b=40),
+                      legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"))
     return fig
 
 
@@ -254,9 +300,9 @@ def accepted_length_figure(rounds: Sequence[SpecRound]) -> go.Figure:
     fig.add_trace(go.Scatter(x=xs, y=[len(r.drafted) for r in rounds], mode="markers", name="drafted",
                              marker=dict(symbol="line-ew-open", size=14, color="#333", line=dict(width=2)),
                              hovertemplate="round %{x}: %{y} drafted<extra></extra>"))
-    fig.update_layout(barmode="stack", template="plotly_white", height=260, margin=dict(l=10, r=10, t=40, b=30),
-                      xaxis_title="round", yaxis_title="tokens",
-                      legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom"))
+    fig.update_layout(barmode="stack", template="plotly_white", height=320, margin=dict(l=10, r=10, t=20, b=10),
+                      xaxis_title="round", yaxis_title="tokens", font=dict(size=FONT),
+                      legend=dict(orientation="h", x=0, xanchor="left", y=-0.3, yanchor="top"))
     return fig
 
 
@@ -302,10 +348,23 @@ def summary_markdown(summary: dict) -> str:
     text = (f"**{summary.get('tokens', 0)} tokens** in {summary.get('rounds', 0)} rounds with drafter "
             f"`{summary.get('drafter', '?')}` · accepted {summary.get('accepted', 0)}/{summary.get('drafted', 0)} drafts "
             f"({summary.get('acceptance_rate', 0.0):.0%}) · {summary.get('tokens_per_target_forward', 0.0):.2f} tokens per "
-            f"target forward · {summary.get('target_forwards_saved', 0)} target forwards saved · draft "
-            f"{summary.get('draft_ms', 0.0):.0f} ms, verify {summary.get('verify_ms', 0.0):.0f} ms, total "
-            f"{summary.get('total_ms', 0.0):.0f} ms")
+            f"target forward · {summary.get('target_forwards_saved', 0)} target forwards saved · {time_breakdown(summary)}")
     if "speedup" in summary:
         same = " (same tokens)" if summary.get("baseline_same_tokens") else ""
         text += (f" · target-only {summary['baseline_ms']:.0f} ms{same} → **{summary['speedup']:.2f}×**")
     return text
+
+
+BREAKDOWN = (("prefill_ms", "prefill"), ("draft_ms", "draft"), ("verify_ms", "verify (target forwards)"),
+             ("capture_ms", "acceptance tests + trace capture"), ("other_ms", "other"))
+
+
+def time_breakdown(summary: dict) -> str:
+    """"time: prefill 80 + draft 2 + verify 900 + ... = total 1,100 ms", the parts adding up to
+    the total (older summaries without the parts show draft, verify and the rest as other)."""
+    total = summary.get("total_ms", 0.0)
+    parts = {key: summary.get(key, 0.0) for key, _ in BREAKDOWN}
+    if "other_ms" not in summary:
+        parts["other_ms"] = max(0.0, total - sum(v for k, v in parts.items() if k != "other_ms"))
+    terms = " + ".join(f"{label} {parts[key]:,.0f}" for key, label in BREAKDOWN if parts[key] >= 0.5 or key == "verify_ms")
+    return f"time: {terms} = total {total:,.0f} ms"

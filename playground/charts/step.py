@@ -1,11 +1,15 @@
 """Step-through charts: pure functions of traces -> plotly figures, highlight data and text.
 
-No gradio here; everything is unit-tested on hand-made traces.
+Units: entropy and surprisal in nats (natural log), as everywhere in the app. Chart text is at
+least 14 px; colours have WCAG AA contrast against white (text 4.5:1). No gradio here; everything
+is unit-tested on hand-made traces.
 """
 
 from __future__ import annotations
 
+import html
 import math
+import textwrap
 from typing import Sequence
 
 import plotly.graph_objects as go
@@ -13,11 +17,22 @@ from plotly.subplots import make_subplots
 
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
 
-ACCENT = "#e4572e"  # the chosen token
-BAR = "#4c78a8"
-REMOVED = "#b8b8b8"
-DRAW = "#222222"
-PANELS_PER_ROW = 4
+from . import glossary
+from .tokens import render as readable  # the one token rendering (␣ ↵ ⇥ ⟪special⟫)
+from .tokens import render_flow
+from .tokens import unique_labels as _unique_labels
+
+ACCENT = "#c4421a"  # the chosen token (5.1:1 on white)
+BAR = "#4c78a8"  # other tokens (4.6:1)
+REMOVED = "#767676"  # outline of tokens a stage removed (4.5:1)
+DRAW = "#222222"  # the u line
+MARKER = "#6a1b9a"  # the selected step on the run chart (not a data line's colour)
+ENTROPY, SURPRISAL = "#4c78a8", "#a35d00"
+PANELS_PER_ROW = 3
+FONT = 14  # px, the smallest chart text
+TITLE_WRAP = 14  # characters per subplot title line: titles wrap instead of overlapping at 390 px
+SURPRISAL_CAP = 5.0  # nats: surprisal colouring saturates here (p ≈ 0.7%)
+GAP = "⋯"  # the empty row between a panel's top-N and the chosen token drawn outside it
 
 STAGE_TITLES = {
     "raw": "raw model",
@@ -26,7 +41,7 @@ STAGE_TITLES = {
     "top_k": "top-k",
     "top_p": "top-p",
     "min_p": "min-p",
-    "typical_p": "typical",
+    "typical_p": "typical_p",
     "epsilon": "ε-cutoff",
     "repetition_penalty": "repetition pen.",
     "frequency_penalty": "frequency pen.",
@@ -35,48 +50,78 @@ STAGE_TITLES = {
     "constraints": "constraints",
     "contrast": "contrast (expert − amateur)",
 }
+STAGE_GLOSSARY = {"temperature": "temperature", "top_k": "top-k", "top_p": "top-p", "min_p": "min-p",
+                  "typical_p": "typical_p", "epsilon": "ε"}
 
 
-def readable(token: str) -> str:
-    """Make whitespace visible: ␣ for spaces, ↵ for newlines, ⇥ for tabs, ∅ for empty."""
-    if token == "":
-        return "∅"
-    return token.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "⏎")
+def tokens_word(n: int) -> str:
+    """"1 token", "2 tokens", "49,152 tokens"."""
+    return f"{n:,} token" + ("" if n == 1 else "s")
+
+
+def _params(stage: StageTrace) -> str:
+    return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in stage.params.values()
+                     if not isinstance(v, list))
+
+
+def short_label(label: str, limit: int = 12) -> str:
+    """A tick label cut to ``limit`` characters (…), so neighbouring panels never overlap."""
+    return label if len(label) <= limit else label[: limit - 1] + "…"
+
+
+def _wrap(text: str) -> str:
+    return "<br>".join(textwrap.wrap(text, TITLE_WRAP, break_long_words=False)) or text
 
 
 def stage_title(stage: StageTrace) -> str:
-    params = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in stage.params.values()
-                       if not isinstance(v, list))
-    name = STAGE_TITLES.get(stage.name, stage.name) + (f" {params}" if params else "")
+    """Name and parameters (wrapped to short lines), then what the stage kept and removed."""
+    name = STAGE_TITLES.get(stage.name, stage.name)
+    params = _params(stage)
     removed = f" · −{stage.mass_removed:.1%}" if stage.mass_removed > 0 else ""
-    return f"{name}<br><sup>kept {stage.kept:,}{removed}</sup>"
+    return f"{_wrap(name + (f' {params}' if params else ''))}<br><sup>kept {tokens_word(stage.kept)}{removed}</sup>"
 
 
-def _unique_labels(tokens: Sequence[str], ids: Sequence[int]) -> list[str]:
-    """Readable labels, disambiguated when two tokens render the same."""
-    labels, seen = [], set()
-    for text, token_id in zip(tokens, ids):
-        label = readable(text)
-        if label in seen:
-            label = f"{label} #{token_id}"
-        seen.add(label)
-        labels.append(label)
-    return labels
+def _hover(stage: StageTrace) -> str:
+    parts = [glossary.hover("kept")]
+    if stage.mass_removed > 0:
+        parts.append(glossary.hover("mass removed"))
+    if stage.name in STAGE_GLOSSARY:
+        parts.append(glossary.hover(STAGE_GLOSSARY[stage.name]))
+    return "<br>".join(html.escape(p) for p in parts)
 
 
-def _stage_traces(stage: StageTrace, chosen: int) -> list[go.Bar]:
+def _chosen_outside(stage: StageTrace, step: StepTrace) -> TokenProb | None:
+    """The chosen token as an extra bar when the stage's stored top-N misses it: its probability
+    where the trace records it (raw: raw_prob; final: chosen_prob), else None as the probability."""
+    if any(t.token_id == step.chosen_token_id for t in stage.top):
+        return None
+    prob = step.raw_prob if stage.name == "raw" else step.chosen_prob if stage is step.stages[-1] else None
+    return TokenProb(step.chosen_token_id, step.chosen_token, prob)
+
+
+def _stage_traces(stage: StageTrace, step: StepTrace) -> list[go.Bar]:
+    """The stage's top-N bars (chosen token in ACCENT), then a gap row and the chosen token when
+    it is not among them (labelled with its rank bound), then the tokens it removed, hatched."""
     entries = list(stage.top)
-    labels = _unique_labels([t.token for t in entries], [t.token_id for t in entries])
-    colors = [ACCENT if t.token_id == chosen else BAR for t in entries]
+    labels = [short_label(x) for x in _unique_labels([t.token for t in entries], [t.token_id for t in entries])]
+    colors = [ACCENT if t.token_id == step.chosen_token_id else BAR for t in entries]
+    probs = [t.prob for t in entries]
+    texts = [""] * len(entries)
+    outside = _chosen_outside(stage, step)
+    if outside is not None:
+        labels += [GAP, f"{short_label(readable(outside.token))} (rank>{len(entries)})"]
+        probs += [None, outside.prob or 0.0]
+        colors += [BAR, ACCENT]
+        texts += ["", "" if outside.prob is not None else "p not recorded"]
     bars = [go.Bar(
-        x=[t.prob for t in entries], y=labels, orientation="h", marker_color=colors, name=stage.name,
-        customdata=[[t.token_id] for t in entries], showlegend=False,
-        hovertemplate="%{y} (id %{customdata[0]})<br>p = %{x:.4%}<extra>" + stage.name + "</extra>",
+        x=probs, y=labels, orientation="h", marker_color=colors, name=stage.name, showlegend=False,
+        text=texts, textposition="outside", textfont=dict(size=FONT, color=ACCENT), cliponaxis=False,
+        hovertemplate="%{y}<br>p = %{x:.4%}<br>" + _hover(stage) + "<extra>" + stage.name + "</extra>",
     )]
     if stage.removed:
         rem_labels = _unique_labels([t.token for t in stage.removed], [t.token_id for t in stage.removed])
         bars.append(go.Bar(
-            x=[t.prob for t in stage.removed], y=[f"✕ {lab}" for lab in rem_labels], orientation="h",
+            x=[t.prob for t in stage.removed], y=[f"✕ {short_label(lab)}" for lab in rem_labels], orientation="h",
             marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5), pattern_shape="/"),
             name="removed", showlegend=False,
             hovertemplate="%{y}: removed here (had p = %{x:.4%})<extra>" + stage.name + "</extra>",
@@ -89,88 +134,157 @@ def _draw_traces(step: StepTrace) -> list:
     the chosen token's interval."""
     final = step.stages[-1]
     entries = sorted(final.top, key=lambda t: (-t.prob, t.token_id))
-    labels = _unique_labels([t.token for t in entries], [t.token_id for t in entries])
+    labels = [short_label(x) for x in _unique_labels([t.token for t in entries], [t.token_id for t in entries])]
     bases, acc = [], 0.0
     for t in entries:
         bases.append(acc)
         acc += t.prob
     if step.chosen_token_id not in {t.token_id for t in entries} and step.draw_low is not None:
-        labels.append(readable(step.chosen_token))
+        labels.append(f"{short_label(readable(step.chosen_token))} (rank>{len(final.top)})")
         bases.append(step.draw_low)
         entries.append(TokenProb(step.chosen_token_id, step.chosen_token, step.chosen_prob))
     colors = [ACCENT if t.token_id == step.chosen_token_id else BAR for t in entries]
-    traces: list = [go.Bar(
+    return [go.Bar(
         x=[t.prob for t in entries], base=bases, y=labels, orientation="h", marker_color=colors, showlegend=False,
-        hovertemplate="%{y}: [%{base:.3f}, %{x:.3f} wide)<extra>cumulative</extra>",
+        hovertemplate="%{y}: [%{base:.3f}, %{x:.3f} wide)<br>" + html.escape(glossary.hover("u")) + "<extra>cumulative</extra>",
     )]
-    if step.draw is not None:
-        traces.append(go.Scatter(
-            x=[step.draw, step.draw], y=[labels[0], labels[-1]], mode="lines+text", showlegend=False,
-            line=dict(color=DRAW, dash="dash", width=2), text=["", f"u = {step.draw:.3f}"], textposition="bottom right",
-            hovertemplate=f"u = {step.draw:.4f}<extra>draw</extra>",
-        ))
-    return traces
 
 
-def stage_chart(step: StepTrace) -> go.Figure:
+def _add_u_line(fig: go.Figure, u: float, row: int, col: int) -> None:
+    """The draw as a dashed vertical line over the whole panel (a shape, so it shows even when
+    the panel has one row), its value written on the side with room (never clipped)."""
+    right = u > 0.5
+    fig.add_vline(x=u, row=row, col=col, line=dict(color=DRAW, dash="dash", width=2),
+                  annotation=dict(text=f"u = {u:.3f}", font=dict(size=FONT, color=DRAW), bgcolor="rgba(255,255,255,0.85)",
+                                  xanchor="right" if right else "left", yanchor="top", showarrow=False),
+                  annotation_position="top left" if right else "top right")
+
+
+def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
+    """The largest probability any stage panel shows (the shared axis runs 0 to a bit above it)."""
+    probs = [t.prob for s in panels for t in [*s.top, *s.removed]] + [step.raw_prob, step.chosen_prob]
+    return min(1.0, max(probs, default=1.0) * 1.08)
+
+
+def _legend_traces() -> list[go.Bar]:
+    """Legend-only entries (no data): what the colours and hatching mean."""
+    swatch = dict(x=[None], y=[None], orientation="h", hoverinfo="skip")
+    return [go.Bar(name="chosen token", marker_color=ACCENT, **swatch),
+            go.Bar(name="other tokens (top-N)", marker_color=BAR, **swatch),
+            go.Bar(name="removed by this stage", marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5),
+                                                           pattern_shape="/"), **swatch)]
+
+
+def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW) -> go.Figure:
     """Small multiples: the top-N tokens raw, after each stage in order, and final; tokens a stage
-    removed are hatched; the chosen token is highlighted; the last panel shows where u landed."""
+    removed are hatched; the chosen token is always drawn (after a gap when outside the top-N);
+    the last panel shows where u landed. ``shared_axis``: every stage panel on one probability
+    axis, so a stage's effect is bar length (False: each panel zoomed to its own scale).
+    ``columns``: panels per row (1 or 2 suits a phone)."""
     panels = list(step.stages)
     with_draw = step.draw is not None
     count = len(panels) + (1 if with_draw else 0)
-    cols = min(PANELS_PER_ROW, count)
+    cols = max(1, min(columns, count))
     rows = math.ceil(count / cols)
-    titles = [stage_title(s) for s in panels] + (["where the draw landed<br><sup>sorted cumulative</sup>"] if with_draw else [])
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.09, vertical_spacing=0.16 if rows > 1 else 0.1)
+    titles = [stage_title(s) for s in panels]
+    if with_draw:
+        titles.append(f"where the draw<br>landed: u = {step.draw:.3f}<br><sup>sorted cumulative</sup>")
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.12,
+                        vertical_spacing=min(0.3, 0.5 / rows) if rows > 1 else 0.1)
     for i, stage in enumerate(panels):
-        for bar in _stage_traces(stage, step.chosen_token_id):
+        for bar in _stage_traces(stage, step):
             fig.add_trace(bar, row=i // cols + 1, col=i % cols + 1)
     if with_draw:
+        row, col = len(panels) // cols + 1, len(panels) % cols + 1
         for trace in _draw_traces(step):
-            fig.add_trace(trace, row=len(panels) // cols + 1, col=len(panels) % cols + 1)
-    fig.update_yaxes(autorange="reversed", tickfont=dict(size=11), automargin=True)
-    fig.update_xaxes(tickformat=".0%", rangemode="tozero")
+            fig.add_trace(trace, row=row, col=col)
+        _add_u_line(fig, step.draw, row, col)
+        fig.update_xaxes(range=[0, 1], row=row, col=col)
+    for trace in _legend_traces():
+        fig.add_trace(trace, row=1, col=1)
+    fig.update_yaxes(autorange="reversed", tickfont=dict(size=FONT), automargin=True)
+    fig.update_xaxes(tickformat=".0%", rangemode="tozero", tickfont=dict(size=FONT), nticks=3)
+    if shared_axis:
+        top = _shared_range(panels, step)
+        for i in range(len(panels)):
+            fig.update_xaxes(range=[0, top], row=i // cols + 1, col=i % cols + 1)
+    fig.update_annotations(font_size=FONT + 1)
+    axis_note = "one probability axis for all stages" if shared_axis else "each panel on its own scale"
+    height = max(360, 330 * rows + 120)
     fig.update_layout(
-        height=max(300, 270 * rows), margin=dict(l=10, r=10, t=60, b=20), bargap=0.25, barmode="overlay",
-        title=dict(text=f"step {step.index}: chose {readable(step.chosen_token)!s} (p = {step.chosen_prob:.1%})", x=0.01),
-        template="plotly_white",
+        height=height, margin=dict(l=10, r=10, t=110, b=70), bargap=0.25, barmode="overlay",
+        title=dict(text=f"step {step.index}: chose {html.escape(readable(step.chosen_token))} (p = {step.chosen_prob:.1%})"
+                        f"<br><sup>{axis_note}</sup>", x=0.01, xanchor="left", yref="container", y=1 - 12 / height,
+                   yanchor="top", font=dict(size=FONT + 3)),
+        template="plotly_white", font=dict(size=FONT),
+        legend=dict(orientation="h", x=0, xanchor="left", yref="container", y=0, yanchor="bottom", font=dict(size=FONT)),
     )
     return fig
 
 
 def surprisal(step: StepTrace) -> float:
-    """−log2 p of the chosen token under the final distribution, in bits."""
-    return -math.log2(max(step.chosen_prob, 1e-45))
+    """−ln p of the chosen token under the final distribution, in nats."""
+    return -math.log(max(step.chosen_prob, 1e-45))
 
 
 def run_chart(steps: Sequence[StepTrace], selected: int | None = None) -> go.Figure:
-    """Entropy of the final distribution and surprisal of the chosen token, per step (bits)."""
+    """Entropy of the final distribution and surprisal of the chosen token, per step (nats); the
+    selected step as a vertical line in its own colour. Legend below the plot, clear of any label."""
     xs = [s.index for s in steps]
+    tokens = [[html.escape(readable(s.chosen_token))] for s in steps]
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=xs, y=[s.entropy / math.log(2) for s in steps], mode="lines+markers", name="entropy (bits)",
-                             customdata=[[readable(s.chosen_token)] for s in steps],
-                             hovertemplate="step %{x}: %{customdata[0]}<br>H = %{y:.2f} bits<extra></extra>"))
-    fig.add_trace(go.Scatter(x=xs, y=[surprisal(s) for s in steps], mode="lines+markers", name="surprisal (bits)",
-                             customdata=[[readable(s.chosen_token)] for s in steps],
-                             hovertemplate="step %{x}: %{customdata[0]}<br>−log₂p = %{y:.2f} bits<extra></extra>"))
+    fig.add_trace(go.Scatter(x=xs, y=[s.entropy for s in steps], mode="lines+markers", name="entropy (nats)",
+                             line=dict(color=ENTROPY), customdata=tokens,
+                             hovertemplate="step %{x}: %{customdata[0]}<br>H = %{y:.2f} nats<br>"
+                                           + html.escape(glossary.hover("entropy")) + "<extra></extra>"))
+    fig.add_trace(go.Scatter(x=xs, y=[surprisal(s) for s in steps], mode="lines+markers", name="surprisal (nats)",
+                             line=dict(color=SURPRISAL, dash="dot"), marker=dict(symbol="square"), customdata=tokens,
+                             hovertemplate="step %{x}: %{customdata[0]}<br>−ln p = %{y:.2f} nats<br>"
+                                           + html.escape(glossary.hover("surprisal")) + "<extra></extra>"))
     if selected is not None and 0 <= selected < len(steps):
-        fig.add_vline(x=selected, line_color=ACCENT, line_width=2, opacity=0.6)
-    fig.update_layout(height=240, margin=dict(l=10, r=10, t=30, b=30), template="plotly_white",
-                      legend=dict(orientation="h", y=1.15), xaxis_title="step", yaxis_rangemode="tozero")
+        fig.add_vline(x=selected, line_color=MARKER, line_width=2, opacity=0.8)
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"selected step ({selected})",
+                                 line=dict(color=MARKER, width=2), hoverinfo="skip"))
+    fig.update_layout(height=300, margin=dict(l=10, r=10, t=20, b=10), template="plotly_white", font=dict(size=FONT),
+                      legend=dict(orientation="h", x=0, y=-0.3, yanchor="top"), xaxis_title="step",
+                      yaxis=dict(rangemode="tozero", title="nats"))
     return fig
 
 
+def highlight_text(token: str) -> str:
+    """A token's text in the highlighted output: as written, but a newline shows as ↵ (then
+    breaks the line) and special tokens as their badge, so every chip is visible and clickable."""
+    return render_flow(token)
+
+
 def token_highlights(steps: Sequence[StepTrace], colour_by: str = "probability") -> list[tuple[str, float]]:
-    """(token text, score in [-1, 1]) pairs for gr.HighlightedText: confident tokens positive
-    (probability >= 0.5 or low surprisal), unlikely picks negative."""
+    """(token text, score in [-1, 1]) pairs for gr.HighlightedText (negative purple, positive red,
+    0 white). ``probability``: 2p − 1, so confident picks are red and unlikely ones purple.
+    ``surprisal``: −ln p / SURPRISAL_CAP clipped to [0, 1], so the most surprising picks are the
+    strongest red and expected ones white. See ``colour_legend``."""
+    if colour_by not in ("probability", "surprisal"):
+        raise ValueError(f"colour_by: {colour_by!r} is not one of 'probability', 'surprisal'")
     out = []
     for s in steps:
         if colour_by == "surprisal":
-            score = 1.0 - min(surprisal(s), 10.0) / 5.0  # 0 bits -> 1, 5 bits -> 0, >= 10 bits -> -1
+            score = min(surprisal(s), SURPRISAL_CAP) / SURPRISAL_CAP
         else:
             score = 2.0 * s.chosen_prob - 1.0
-        out.append((s.chosen_token, round(max(-1.0, min(1.0, score)), 4)))
+        out.append((highlight_text(s.chosen_token), round(max(-1.0, min(1.0, score)), 4)))
     return out
+
+
+def colour_legend(colour_by: str = "probability") -> str:
+    """HTML: what the token colours mean (the gradient gr.HighlightedText draws for scores)."""
+    purple, red = "rgba(128, 90, 213, 1)", "rgba(239, 68, 60, 1)"
+    if colour_by == "surprisal":
+        gradient, left, right = f"white, {red}", "expected (0 nats)", f"surprising (≥ {SURPRISAL_CAP:g} nats, p ≤ {math.exp(-SURPRISAL_CAP):.1%})"
+    else:
+        gradient, left, right = f"{purple}, white, {red}", "unlikely pick (p ≈ 0)", "confident (p ≈ 1); white = p 0.5"
+    bar = (f'<span style="display:inline-block;width:120px;height:12px;vertical-align:middle;margin:0 8px;'
+           f'border:1px solid #767676;background:linear-gradient(to right, {gradient})"></span>')
+    return (f'<div class="dp-colour-legend" style="font-size:14px;color:#333">Colour = {colour_by}: '
+            f"{html.escape(left)}{bar}{html.escape(right)}</div>")
 
 
 def explain_step(step: StepTrace) -> str:
@@ -179,13 +293,11 @@ def explain_step(step: StepTrace) -> str:
     parts = []
     prev_top = raw.top[0] if raw.top else None
     for stage in step.stages[1:-1]:
-        title = STAGE_TITLES.get(stage.name, stage.name)
-        params = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in stage.params.values() if not isinstance(v, list))
-        label = f"{title} {params}".strip()
+        label = f"{STAGE_TITLES.get(stage.name, stage.name)} {_params(stage)}".strip()
         top = stage.top[0] if stage.top else None
         if stage.mass_removed > 0:
             covered = 1.0 - stage.mass_removed
-            parts.append(f"{label} kept {stage.kept:,} tokens covering {covered:.1%} of the mass")
+            parts.append(f"{label} kept {tokens_word(stage.kept)} covering {covered:.1%} of the mass")
         elif top is not None and prev_top is not None and top.token_id == prev_top.token_id and abs(top.prob - prev_top.prob) > 0.005:
             verb = "sharpened" if top.prob > prev_top.prob else "flattened"
             parts.append(f"{label} {verb} the top token “{readable(top.token)}” from {prev_top.prob:.0%} to {top.prob:.0%}")
@@ -206,13 +318,27 @@ def explain_step(step: StepTrace) -> str:
     return head[0].upper() + head[1:] + pick
 
 
-def summary_markdown(trace: Trace) -> str:
+STOP_WORDS = {"eos": "end of sequence", "stop_string": "stop string", "max_new_tokens": "max_new_tokens reached",
+              "cancelled": "stopped by you", "time_limit": "time limit reached"}
+
+
+def stop_text(stop_reason: str | None, running: bool = False) -> str:
+    """The stop reason in words: "running…" only while a run is going, "stopped" when it ended
+    without a recorded reason (a Stop press)."""
+    if stop_reason:
+        return STOP_WORDS.get(stop_reason, stop_reason)
+    return "running…" if running else "stopped before the end"
+
+
+def summary_markdown(trace: Trace, running: bool = False) -> str:
+    """One line: tokens, why it stopped, mean log-prob (nats), perplexity, speed, model.
+    ``running``: the run is still streaming (else a trace without a stop reason was stopped)."""
     s = trace.summary
     if not trace.steps:
         return "No tokens yet."
     return (
-        f"**{s.get('tokens', len(trace.steps))} tokens** · stop: `{trace.stop_reason or 'running'}` · "
-        f"mean log-prob {s.get('mean_logprob', float('nan')):.3f} (raw model {s.get('mean_raw_logprob', float('nan')):.3f}) · "
+        f"**{tokens_word(s.get('tokens', len(trace.steps)))}** · stop: {stop_text(trace.stop_reason, running)} · "
+        f"mean log-prob {s.get('mean_logprob', float('nan')):.3f} nats (raw model {s.get('mean_raw_logprob', float('nan')):.3f}) · "
         f"perplexity {s.get('perplexity', float('nan')):.2f} · time to first token {trace.timing.ttft_ms:.0f} ms · "
         f"{trace.timing.tokens_per_s:.1f} tokens/s · {trace.model} ({trace.quantization}, {trace.device})"
     )
@@ -228,3 +354,10 @@ def alternatives(step: StepTrace, limit: int = 10) -> list[tuple[str, int]]:
         after = f", final {fp:.1%}" if fp is not None else ""
         out.append((f"{readable(t.token)!s}  (raw {t.prob:.1%}{after}){mark}", t.token_id))
     return out
+
+
+def plot_config(scroll_zoom: bool = True) -> dict:
+    """The plotly config a view passes to gr.Plot/the browser for these figures: scroll zooms
+    (the beam tree's "scroll to zoom"), the mode bar shows, no logo, no network for images."""
+    return {"scrollZoom": scroll_zoom, "displaylogo": False, "responsive": True,
+            "toImageButtonOptions": {"format": "png", "scale": 2}}
