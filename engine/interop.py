@@ -11,6 +11,7 @@ text ever lands in a value.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 
@@ -29,7 +30,14 @@ STAGE_KNOB = {
     "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
     "epsilon": "epsilon_cutoff", "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "no_repeat_ngram": "no_repeat_ngram_size",
+    "dry": "dry_multiplier", "xtc": "xtc_probability", "top_n_sigma": "top_n_sigma", "dynamic_temperature": "dynatemp_range",
+    "smoothing": "smoothing_factor", "mirostat": "mirostat", "eta": "eta_cutoff", "top_a": "top_a", "top_h": "top_h",
+    "logit_bias": "logit_bias", "min_new_tokens": "min_new_tokens",
 }
+# Stages added for parity with llama.cpp / text-generation-webui: every knob of such a stage is exported
+# while the stage is on, neutral or not (xtc_threshold 0.1 is part of what XTC does).
+PARITY_STAGES = ("dry", "xtc", "top_n_sigma", "dynamic_temperature", "smoothing", "mirostat", "eta", "top_a",
+                 "top_h", "logit_bias", "min_new_tokens")
 # Settings a strategy runs on even at their neutral value.
 STRATEGY_IN_USE = {
     "beam": ("num_beams",),
@@ -64,10 +72,13 @@ def effective_knobs(config: DecodingConfig) -> list[str]:
     even at their neutral value (e.g. penalty_alpha 0.6 for contrastive search)."""
     inert = {k for strategy, keys in STRATEGY_KNOBS.items() if strategy != config.strategy for k in keys}
     if config.is_greedy:
-        inert |= {STAGE_KNOB[s] for s in SAMPLING_ONLY_STAGES}
+        inert |= {k.name for k in KNOBS.values() if k.stage in SAMPLING_ONLY_STAGES}
+    active = set(config.active_stages())
+    inert |= {k.name for k in KNOBS.values() if k.stage in PARITY_STAGES and k.stage not in active}
     if config.strategy == "speculative" and config.drafter != "ngram":
         inert.add("ngram_size")
     in_use = set(STRATEGY_IN_USE.get(config.strategy, ()))
+    in_use |= {k.name for k in KNOBS.values() if k.stage in PARITY_STAGES and k.stage in active}
     if config.strategy == "speculative" and config.drafter == "ngram":
         in_use.add("ngram_size")
     out = []
@@ -117,7 +128,7 @@ def _common_unmapped(config: DecodingConfig, keys: list[str], tool: str) -> list
         out.append(Note("strategy", f"{tool} has no beam search setting here; exported as greedy decoding"))
         out += [Note(k, "a beam-search setting") for k in STRATEGY_KNOBS["beam"] if k in keys]
     if _greedy_like(config) and not config.is_greedy:
-        dropped = [STAGE_KNOB[s] for s in SAMPLING_ONLY_STAGES if STAGE_KNOB[s] in keys and s != "top_k"]
+        dropped = [k for k in keys if KNOBS[k].stage in SAMPLING_ONLY_STAGES and k != "top_k"]
         out += [Note(k, "dropped: exported as greedy decoding") for k in dropped]
     return out
 
@@ -134,9 +145,22 @@ TGW_STAGE = {
     "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "no_repeat_ngram": "no_repeat_ngram", "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p", "epsilon": "epsilon_cutoff",
+    "dry": "dry", "dynamic_temperature": "dynamic_temperature", "smoothing": "quadratic_sampling",
+    "top_n_sigma": "top_n_sigma", "eta": "eta_cutoff", "top_a": "top_a", "mirostat": "mirostat", "xtc": "xtc",
 }
 TGW_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "repetition_penalty",
-             "frequency_penalty", "presence_penalty", "no_repeat_ngram_size", "penalty_alpha")
+             "frequency_penalty", "presence_penalty", "no_repeat_ngram_size", "penalty_alpha",
+             "dry_multiplier", "dry_base", "dry_allowed_length", "xtc_threshold", "xtc_probability", "top_n_sigma",
+             "smoothing_factor", "smoothing_curve", "eta_cutoff", "top_a")
+TGW_RENAMED = {"mirostat": "mirostat_mode", "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta"}
+TGW_UNMAPPED = {
+    "top_h": "text-generation-webui has no top-H sampler",
+    "logit_bias": "not part of a text-generation-webui preset; send it in the API request's logit_bias field (token ids)",
+    "min_new_tokens": "not part of a text-generation-webui preset",
+    "dry_penalty_last_n": "text-generation-webui scans repetition_penalty_range tokens for DRY (shared with the "
+                          "repetition penalty); it has no DRY-only range",
+}
+TGW_DRY_BREAKERS = ["\n", ":", "\"", "*"]  # its default, the same as ours
 TGW_NOT_IN_PRESET = {
     "seed": "not part of a text-generation-webui preset; set 'Seed' in the Parameters tab",
     "max_new_tokens": "not part of a text-generation-webui preset; set 'max_new_tokens' in the Parameters tab",
@@ -155,8 +179,10 @@ def to_textgen_webui(preset: Preset) -> InteropExport:
         lines.append("do_sample: false")
     for key in TGW_KNOBS:
         if key in keys and not (key == "top_k" and _greedy_like(config) and config.strategy != "contrastive_search"):
-            value = getattr(config, key) * 10_000 if key == "epsilon_cutoff" else getattr(config, key)  # its unit: 1e-4
+            scaled = key in ("epsilon_cutoff", "eta_cutoff")  # its unit: 1e-4
+            value = getattr(config, key) * 10_000 if scaled else getattr(config, key)
             lines.append(f"{key}: {number(value)}")
+    lines += _tgw_parity_lines(config, keys)
     if "repetition_penalty" in keys:
         lines.append("repetition_penalty_range: 0")  # 0 = the whole context, as transformers does
     ours = [TGW_STAGE[s] for s in active_order(config) if s in TGW_STAGE]
@@ -166,6 +192,8 @@ def to_textgen_webui(preset: Preset) -> InteropExport:
         lines += [f"  {name}" for name in ours + [n for n in TGW_PRIORITY if n not in ours]]
     unmapped = _common_unmapped(config, keys, "text-generation-webui")
     unmapped += [Note(k, reason) for k, reason in TGW_NOT_IN_PRESET.items() if k in keys]
+    unmapped += [Note(k, reason) for k, reason in TGW_UNMAPPED.items() if k in keys
+                 and not (k == "dry_penalty_last_n" and config.dry_penalty_last_n == -1)]
     if config.strategy == "speculative":
         unmapped += [Note(k, "speculative decoding is set up when loading the model in text-generation-webui (a draft "
                              "model, or prompt_lookup_num_tokens); the preset keeps the sampling settings, which give "
@@ -174,8 +202,26 @@ def to_textgen_webui(preset: Preset) -> InteropExport:
     return InteropExport("text-generation-webui", "\n".join(lines) + "\n", tuple(unmapped), tuple(caveats))
 
 
+def _tgw_parity_lines(config: DecodingConfig, keys: list[str]) -> list[str]:
+    """DRY breakers, dynamic temperature and mirostat, whose names or shapes differ there."""
+    lines = []
+    if "dry_sequence_breakers" in keys and list(config.dry_sequence_breakers) != TGW_DRY_BREAKERS:
+        # user text: JSON (ASCII, escaped) inside a single-quoted YAML scalar, so it stays one value
+        text = json.dumps(list(config.dry_sequence_breakers), ensure_ascii=True).replace("'", "''")
+        lines.append(f"dry_sequence_breakers: '{text}'")
+    if "dynatemp_range" in keys:
+        low, high = max(0.0, config.temperature - config.dynatemp_range), config.temperature + config.dynatemp_range
+        lines += ["dynamic_temperature: true", f"dynatemp_low: {number(low)}", f"dynatemp_high: {number(high)}",
+                  f"dynatemp_exponent: {number(config.dynatemp_exponent)}"]
+    lines += [f"{TGW_RENAMED[k]}: {number(getattr(config, k))}" for k in TGW_RENAMED if k in keys]
+    return lines
+
+
 def _tgw_caveats(config: DecodingConfig, keys: list[str], reorder: bool) -> list[Note]:
     out = []
+    if config.mirostat == 1 and "mirostat" in keys:
+        out.append(Note("mirostat", "text-generation-webui's Transformers loader runs mirostat 2 only; "
+                                    "mode 1 needs its llama.cpp loader"))
     if config.strategy == "contrastive_search":
         out.append(Note("penalty_alpha", "contrastive search works with the Transformers loader only"))
     if {"frequency_penalty", "presence_penalty"} & set(keys):
@@ -201,7 +247,16 @@ LLAMA_PENALTY_FLAGS = {"repetition_penalty": "--repeat-penalty", "frequency_pena
 LLAMA_UNMAPPED = {
     "no_repeat_ngram_size": "llama.cpp has no n-gram ban (its DRY sampler penalises repeats instead of banning them)",
     "epsilon_cutoff": "llama.cpp has no absolute probability cutoff; --min-p is the nearest (relative) one",
+    "eta_cutoff": "llama.cpp has no eta sampler",
+    "top_a": "llama.cpp has no top-a sampler",
+    "top_h": "llama.cpp has no top-H sampler",
+    "smoothing_factor": "llama.cpp has no quadratic (smoothing) sampler",
+    "smoothing_curve": "llama.cpp has no quadratic (smoothing) sampler",
+    "min_new_tokens": "llama.cpp has no minimum-length setting",
 }
+LLAMA_SAMPLER.update({"dry": ("dry", None), "top_n_sigma": ("top_n_sigma", "--top-nsigma"), "xtc": ("xtc", None),
+                      "dynamic_temperature": ("temperature", None)})
+LLAMA_DRY_BREAKERS = ["\n", ":", "\"", "*"]  # its default, the same as ours
 
 
 def to_llama_cpp(preset: Preset) -> InteropExport:
@@ -218,6 +273,8 @@ def to_llama_cpp(preset: Preset) -> InteropExport:
     flags += [f"--reverse-prompt {shlex.quote(s)}" for s in config.stop]
     unmapped = _common_unmapped(config, keys, "llama.cpp")
     unmapped += [Note(k, reason) for k, reason in LLAMA_UNMAPPED.items() if k in keys]
+    if any(not k.isdigit() for k in config.logit_bias) and "logit_bias" in keys:
+        unmapped.append(Note("logit_bias", "llama.cpp biases token ids only; the words were left out"))
     if config.strategy == "contrastive_search":
         unmapped.append(Note("strategy", "llama.cpp has no contrastive search; exported as greedy decoding"))
         unmapped += [Note(k, "a contrastive-search setting") for k in ("penalty_alpha", "top_k") if k in keys]
@@ -241,7 +298,13 @@ def _llama_chain(config: DecodingConfig, greedy: bool) -> tuple[list[str], list[
         elif stage in LLAMA_SAMPLER and not (greedy and stage in SAMPLING_ONLY_STAGES):
             name, flag = LLAMA_SAMPLER[stage]
             chain.append(name)
-            flags.append(f"{flag} {number(getattr(config, STAGE_KNOB[stage]))}")
+            flags += [f"{flag} {number(getattr(config, STAGE_KNOB[stage]))}"] if flag else _llama_stage_flags(config, stage)
+        elif stage == "logit_bias":
+            flags += [f"--logit-bias {k}{'+' if b >= 0 else '-'}{number(abs(b))}" for k, b in config.logit_bias.items()
+                      if k.isdigit()]
+    if config.mirostat and not greedy:  # llama.cpp's mirostat replaces the chain, keeping temperature only
+        flags += [f"--mirostat {config.mirostat}", f"--mirostat-lr {number(config.mirostat_eta)}",
+                  f"--mirostat-ent {number(config.mirostat_tau)}"]
     if greedy:
         chain.append("top_k")
         flags.append("--top-k 1")
@@ -249,6 +312,22 @@ def _llama_chain(config: DecodingConfig, greedy: bool) -> tuple[list[str], list[
         chain.append("temperature")  # an empty --samplers is not accepted; T = 1 changes nothing
         flags.append("--temp 1.0")
     return chain, flags
+
+
+def _llama_stage_flags(config: DecodingConfig, stage: str) -> list[str]:
+    if stage == "dry":
+        flags = [f"--dry-multiplier {number(config.dry_multiplier)}", f"--dry-base {number(config.dry_base)}",
+                 f"--dry-allowed-length {config.dry_allowed_length}",
+                 f"--dry-penalty-last-n {config.dry_penalty_last_n}"]
+        breakers = list(config.dry_sequence_breakers)
+        if breakers != LLAMA_DRY_BREAKERS:
+            flags += [f"--dry-sequence-breaker {shlex.quote(b)}" for b in breakers] or ["--dry-sequence-breaker none"]
+        return flags
+    if stage == "xtc":
+        return [f"--xtc-probability {number(config.xtc_probability)}", f"--xtc-threshold {number(config.xtc_threshold)}"]
+    # dynamic temperature: llama.cpp's temperature sampler with a range (temp-ext)
+    return [f"--temp {number(config.temperature)}", f"--dynatemp-range {number(config.dynatemp_range)}",
+            f"--dynatemp-exp {number(config.dynatemp_exponent)}"]
 
 
 def _llama_speculative(config: DecodingConfig) -> tuple[list[str], list[Note]]:
@@ -283,4 +362,6 @@ def _llama_caveats(config: DecodingConfig, keys: list[str], greedy: bool) -> lis
                                 "send the strings in the request's \"stop\" field"))
     if config.strategy == "speculative":
         out.append(Note("strategy", "the speculative-decoding flags are llama-server's"))
+    if config.mirostat and not greedy and len(order) > 1:
+        out.append(Note("mirostat", "with --mirostat, llama.cpp ignores --samplers and keeps only temperature"))
     return out
