@@ -1,31 +1,29 @@
-"""The app builder: header (model, quantization), one tab per view, the queue.
-
-Views that are not present in this build are skipped, so each can be developed on its own.
-"""
+"""The app builder: header (model, quantization), one tab per view, share links, the queue."""
 
 from __future__ import annotations
 
-import importlib
-import logging
 import os
 
 import gradio as gr
 
-from engine.models import EMBEDDED, ModelRegistry
+from engine.models import EMBEDDED, ModelRegistry, model_policy
 
-from .shared import Shared, default_concurrency, model_pickers, user_presets_state
+from . import downloads, share_links
+from .events import ModelEvents
+from .shared import PanelView, Shared, model_pickers, user_presets_state
+from .views import beam, compare, presets, quantization, speculative, step
 
-log = logging.getLogger(__name__)
-
-# (tab title, module under playground.views, elem id), in the design's order of importance.
+# (tab title, view module, share-link view name), in the design's order of importance. A tab's id
+# is "tab-<name>", which is what a share link selects.
 VIEWS = (
-    ("Step through", "step", "tab-step"),
-    ("Compare", "compare", "tab-compare"),
-    ("Beam search", "beam", "tab-beam"),
-    ("Speculative", "speculative", "tab-speculative"),
-    ("Quantization & KV cache", "quantization", "tab-quantization"),
-    ("Presets", "presets", "tab-presets"),
+    ("Step through", step, "step"),
+    ("Compare", compare, "compare"),
+    ("Beam search", beam, "beam"),
+    ("Speculative", speculative, "speculative"),
+    ("Quantization & KV cache", quantization, "quantization"),
+    ("Presets", presets, "presets"),
 )
+DEFAULT_QUEUE_SIZE = 64
 
 CSS = """
 .dp-error { color: #b00020; background: #fdecee; border-left: 4px solid #b00020; padding: 6px 10px; border-radius: 4px; }
@@ -41,45 +39,31 @@ INTRO = (
 )
 
 
-def available_views() -> list[tuple[str, object, str]]:
-    views = []
-    for title, name, elem_id in VIEWS:
-        try:
-            module = importlib.import_module(f"playground.views.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"playground.views.{name}":
-                raise
-            continue
-        views.append((title, module, elem_id))
-    return views
+def queue_size() -> int:
+    """Requests that may wait in the queue (env ``DP_QUEUE_SIZE``, default 64)."""
+    text = os.environ.get("DP_QUEUE_SIZE", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_QUEUE_SIZE
 
 
 def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDDED) -> gr.Blocks:
     registry = registry or ModelRegistry()
-    with gr.Blocks(title="Decoding Playground") as demo:
+    policy = model_policy().with_models(default_model)
+    with gr.Blocks(title="Decoding Playground", delete_cache=downloads.GRADIO_DELETE_CACHE) as demo:
         gr.Markdown(INTRO)
         with gr.Row():
-            model, quant = model_pickers(default_model)
+            model, quant = model_pickers(default_model, policy.allowed)
         shared = Shared(registry=registry, model=model, quantization=quant, user_presets=user_presets_state(),
-                        concurrency_limit=default_concurrency())
+                        events=ModelEvents(), policy=policy)
+        handles: list[PanelView] = []
         with gr.Tabs(elem_id="dp-tabs") as tabs:
-            for title, module, elem_id in available_views():
-                with gr.Tab(title, id=elem_id, elem_id=elem_id):
-                    module.build_tab(shared)
-        shared.extra["tabs"] = tabs
-        _wire_load(demo, shared)
-    demo.queue(default_concurrency_limit=shared.concurrency_limit, max_size=int(os.environ.get("DP_QUEUE_SIZE", "64")))
+            for title, module, name in VIEWS:
+                with gr.Tab(title, id=f"tab-{name}", elem_id=f"tab-{name}"):
+                    handle = module.build_tab(shared)
+                if isinstance(handle, PanelView):
+                    handles.append(handle)
+        share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
+    demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     return demo
-
-
-def _wire_load(demo: gr.Blocks, shared: Shared) -> None:
-    """On page load: user presets into every picker, and a share link (if any) into its view."""
-    try:
-        from . import presets_ui
-    except ImportError:
-        presets_ui = None
-    if presets_ui is not None and hasattr(presets_ui, "wire_share_link"):
-        presets_ui.wire_share_link(demo, shared)
 
 
 def launch_kwargs() -> dict:

@@ -14,7 +14,7 @@ import gradio as gr
 from engine.config import DEFAULT_STAGE_ORDER, KNOBS, STAGE_NAMES, DecodingConfig, Knob
 from engine.presets import Preset, builtin_presets
 
-from .presets_ui import CUSTOM, find_preset, preset_choices
+from .user_presets import CUSTOM, find_preset, preset_choices
 from .shared import Shared, UserError, config_or_error
 
 # Sliders read better with a practical top end; the engine's bound still validates (Number inputs
@@ -129,12 +129,13 @@ class KnobPanel:
     def config(self, *values: Any, **overrides: Any) -> DecodingConfig:
         return config_or_error(self.values(*values) | overrides)
 
-    def fill(self, cfg: DecodingConfig) -> list[Any]:
-        """Control values for a config, in ``inputs`` order."""
+    def fill(self, cfg: DecodingConfig) -> dict[Any, Any]:
+        """``{control: value}`` showing a config."""
         strategy = cfg.strategy if cfg.strategy in self.strategies else self.strategies[0]
-        out = [strategy] + [display_value(KNOBS[n], getattr(cfg, n)) for n in self.components]
+        out: dict[Any, Any] = {self.strategy: strategy}
+        out |= {c: display_value(KNOBS[n], getattr(cfg, n)) for n, c in self.components.items()}
         if self.stage_order is not None:
-            out.append(list(cfg.stage_order))
+            out[self.stage_order] = list(cfg.stage_order)
         return out
 
     @staticmethod
@@ -146,11 +147,10 @@ class KnobPanel:
     def wire(self) -> None:
         """Preset picking fills controls; any user edit marks the preset modified."""
 
-        def on_pick(choice: str, user_presets: list) -> list:
+        def on_pick(choice: str, user_presets: list) -> dict:
             preset = find_preset(choice, user_presets)
-            if preset is None:
-                return [gr.update()] * len(self.inputs) + [self._preset_note(choice, False)]
-            return self.fill(preset.config) + [self._preset_note(choice, False)]
+            note = {self.modified: self._preset_note(choice, False)}
+            return note if preset is None else self.fill(preset.config) | note
 
         self.preset.input(on_pick, [self.preset, self.shared.user_presets], self.inputs + [self.modified],
                           api_visibility="private", queue=False)
@@ -160,6 +160,6 @@ class KnobPanel:
         self.shared.user_presets.change(lambda presets, choice: gr.update(choices=preset_choices(presets), value=choice),
                                         [self.shared.user_presets, self.preset], [self.preset], api_visibility="private", queue=False)
 
-    def apply_preset(self, preset: Preset, label: str = CUSTOM, modified: bool = False) -> list[Any]:
-        """Updates for ``inputs + [preset dropdown, note]`` that show ``preset`` (share links)."""
-        return self.fill(preset.config) + [gr.update(value=label), self._preset_note(label, modified)]
+    def apply_preset(self, preset: Preset, label: str = CUSTOM, modified: bool = False) -> dict[Any, Any]:
+        """``{component: value}`` for the controls, picker and note, showing ``preset`` (share links)."""
+        return self.fill(preset.config) | {self.preset: label, self.modified: self._preset_note(label, modified)}

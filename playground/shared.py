@@ -1,9 +1,10 @@
 """What every view shares: the model registry (the only process-wide mutable state), the model and
-quantization pickers, the browser-stored user presets, and helpers to turn errors into messages.
+quantization pickers, the browser-stored user presets, the model-event registrar, and the one
+method every run goes through (``Shared.stream`` / ``Shared.branch``, both over engine.runner).
 
-A view module exposes ``build_tab(shared: Shared) -> None``; the app calls it inside a gr.Tab.
-Every event that touches the model passes ``**shared.model_event`` (one queue, one concurrency
-limit) and a named ``api_name``.
+A view module exposes ``build_tab(shared: Shared)`` (the app calls it inside a gr.Tab) and
+returns its typed handle (``PanelView`` for views that share links restore). Model events are
+registered through ``shared.events`` (playground/events.py), never with their own queue kwargs.
 """
 
 from __future__ import annotations
@@ -11,109 +12,143 @@ from __future__ import annotations
 import dataclasses
 import html
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
-import torch
 
-from engine.config import ConfigError, DecodingConfig
-from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelRegistry, ModelSpec
+from engine import runner
+from engine.config import ConfigError, DecodingConfig, check_text
+from engine.control import RunControl
+from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec
+from engine.models import model_policy
+from engine.presets import load_preset
+from engine.trace import Event, Trace
 
-MODEL_CONCURRENCY_ID = "model"
+from .events import ModelEvents
+
 USER_PRESETS_KEY = "decoding-playground-user-presets"
 # The browser encrypts stored presets with this; a fixed value lets them survive app restarts.
 BROWSER_SECRET = os.environ.get("DP_BROWSER_SECRET", "decoding-playground-presets-v1")
 MAX_PROMPT_CHARS = 8_000
-
-
-def default_concurrency() -> int:
-    """How many model events run at once: 1 on CPU (two would only share the cores), more on GPU."""
-    env = os.environ.get("DP_CONCURRENCY")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
-    return 4 if torch.cuda.is_available() else 1
-
-
-@dataclass
-class Shared:
-    registry: ModelRegistry
-    model: gr.Dropdown  # "embedded", a local directory or a Hub id
-    quantization: gr.Radio  # none | int8 | nf4
-    user_presets: gr.BrowserState  # list of preset JSON objects (engine.presets format)
-    max_prompt_tokens: int = 2048
-    concurrency_limit: int = 1
-    share_state: gr.State | None = None  # set by the app: restored share-link payload, if any
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_event(self) -> dict[str, Any]:
-        """kwargs for every event that touches the model."""
-        return {"concurrency_id": MODEL_CONCURRENCY_ID, "concurrency_limit": self.concurrency_limit}
-
-    def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
-        """The loaded model, or a UserError naming what is wrong."""
-        try:
-            spec = ModelSpec(source=(source or EMBEDDED).strip(), quantization=quantization or "none")
-            return self.registry.get(spec, progress)
-        except ModelLoadError as exc:
-            raise UserError(str(exc)) from None
-
-    def prepare(self, panel: Any, values: tuple, model: str, quantization: str, prompt: str,
-                chat: bool) -> tuple[DecodingConfig, LoadedModel, list[int]]:
-        """Validate a run's inputs: the panel's config, the model, the prompt ids (UserError if bad)."""
-        config = panel.config(*values)
-        lm = self.lm(model, quantization)
-        return config, lm, self.encode_prompt(lm, prompt, chat)
-
-    def encode_prompt(self, lm: LoadedModel, prompt: str, chat: bool) -> list[int]:
-        """Validated prompt ids: not empty, not too long."""
-        if not prompt or not prompt.strip():
-            raise UserError("prompt: empty; type something for the model to continue")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise UserError(f"prompt: {len(prompt):,} characters is over the {MAX_PROMPT_CHARS:,}-character limit")
-        try:
-            ids = lm.encode(prompt, chat)
-        except ModelLoadError as exc:
-            raise UserError(str(exc)) from None
-        if len(ids) > self.max_prompt_tokens:
-            raise UserError(f"prompt: {len(ids):,} tokens is over the {self.max_prompt_tokens:,}-token limit")
-        return ids
-
-
-def gpu_task(fn: Callable) -> Callable:
-    """On a ZeroGPU Space (the ``spaces`` package importable and SPACE_ID set) a handler must run
-    under ``spaces.GPU`` to get a GPU; everywhere else this returns ``fn`` unchanged."""
-    if not os.environ.get("SPACE_ID"):
-        return fn
-    try:
-        import spaces  # type: ignore[import-not-found]
-    except ImportError:
-        return fn
-    return spaces.GPU(fn)
-
-
-class OutputSet:
-    """Base for a view's bundle of output components (a dataclass): ``all()`` lists them in
-    declaration order, the order every handler returns its updates in."""
-
-    def all(self) -> list:
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+SESSION_TTL_S = 3600  # gr.State of an idle session is dropped after this
 
 
 class UserError(ValueError):
     """Bad input from the page: shown next to the control, nothing else changes."""
 
 
-def guarded(updates: Iterator[list], on_error: Callable[[str], list], what: str = "generation") -> Iterator[list]:
-    """Never let an exception reach the page as a crash: bad input (and model load failures) show
-    their own message next to the controls; anything else says what failed."""
-    try:
-        yield from updates
-    except (UserError, ValueError, ConfigError, ModelLoadError) as exc:
-        yield on_error(str(exc))
-    except Exception as exc:  # a model failure must not take the page down
-        yield on_error(f"{what} failed: {type(exc).__name__}: {exc}")
+@dataclass
+class Shared:
+    registry: ModelRegistry
+    model: gr.Dropdown  # "embedded", or another source the model policy allows
+    quantization: gr.Radio  # none | int8 | nf4
+    user_presets: gr.BrowserState  # list of preset JSON objects (engine.presets format)
+    events: ModelEvents = dataclasses.field(default_factory=ModelEvents)
+    policy: ModelPolicy = dataclasses.field(default_factory=model_policy)
+    max_prompt_tokens: int = 2048
+
+    def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
+        """The loaded model if the policy allows ``source``, else a UserError naming what is wrong."""
+        try:
+            source = self.policy.check((source or EMBEDDED).strip() if isinstance(source, str) else source)
+            spec = ModelSpec(source=source, quantization=quantization or "none")
+            return self.registry.get(spec, progress)
+        except ModelLoadError as exc:
+            raise UserError(str(exc)) from None
+
+    def prepare(self, panel: Any, values: Sequence, model: str, quantization: str, prompt: str,
+                chat: bool) -> tuple[DecodingConfig, LoadedModel, list[int]]:
+        """Validate a run's inputs: the panel's config, the model, the prompt ids (UserError if bad)."""
+        config = panel.config(*values)
+        lm = self.lm(model, quantization)
+        return config, lm, self.encode_prompt(lm, prompt, chat)
+
+    def encode_prompt(self, lm: LoadedModel, prompt: Any, chat: bool) -> list[int]:
+        """Validated prompt ids: a string, not empty, not too long."""
+        try:
+            prompt = check_text("prompt", prompt, max_len=MAX_PROMPT_CHARS, allow_empty=True)
+        except ConfigError as exc:
+            raise UserError(str(exc)) from None
+        if not prompt.strip():
+            raise UserError("prompt: empty; type something for the model to continue")
+        try:
+            ids = lm.encode(prompt, bool(chat))
+        except ModelLoadError as exc:
+            raise UserError(str(exc)) from None
+        if len(ids) > self.max_prompt_tokens:
+            raise UserError(f"prompt: {len(ids):,} tokens is over the {self.max_prompt_tokens:,}-token limit")
+        return ids
+
+    def scheduler_for(self, lm: LoadedModel) -> Any:
+        """The batched scheduler greedy/sampling runs share (None: each run has its own forwards)."""
+        return None
+
+    def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
+               control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:
+        """Every run of every view and endpoint: engine.runner.stream with this app's registry."""
+        return runner.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=self.registry,
+                             control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm))
+
+    def run(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
+            control: RunControl, compare_baseline: bool = False) -> Trace:
+        """``stream`` collected: the run's Trace."""
+        for event in self.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, control=control,
+                                 compare_baseline=compare_baseline):
+            if event.trace is not None:
+                return event.trace
+        raise RuntimeError("run ended without a trace")
+
+    def branch(self, lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *,
+               control: RunControl) -> Iterator[Event]:
+        """``parent`` continued from ``at_step`` with ``token_id`` (one prefill, no kept cache)."""
+        return runner.branch(lm, parent, at_step, token_id, control=control, scheduler=self.scheduler_for(lm))
+
+    def api_config(self, preset: Any, overrides: Any, *, default_strategy: str,
+                   strategies: Sequence[str]) -> DecodingConfig:
+        """An API call's config: a built-in preset (or preset JSON) overridden by ``config`` knobs;
+        the strategy must be one of ``strategies`` (a single one is forced)."""
+        if overrides is not None and not isinstance(overrides, dict):
+            raise ConfigError("config", f"expected an object of knobs, got {type(overrides).__name__}")
+        base = load_preset(preset).config.to_dict(sparse=True) if preset else {"strategy": default_strategy}
+        values = base | dict(overrides or {})
+        if len(strategies) == 1:
+            values["strategy"] = strategies[0]
+        config = DecodingConfig.from_dict(values)
+        if config.strategy not in strategies:
+            raise ConfigError("strategy", f"this endpoint runs {' | '.join(strategies)}, got {config.strategy!r}")
+        return config
+
+
+@dataclass
+class PanelView:
+    """A view's handle for the share-link loader: its prompt, chat checkbox and knob panel."""
+
+    name: str  # the share-link view name; its tab id is ``tab-<name>``
+    prompt: gr.Textbox
+    panel: Any  # playground.knobs.KnobPanel
+    chat: gr.Checkbox | None = None
+
+
+class OutputSet:
+    """Base for a view's bundle of output components (a dataclass): ``all()`` lists them, for an
+    event's ``outputs=``; handlers return ``{component: value}`` dicts, so order never matters."""
+
+    def all(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+def throttle(events: Iterator[Event], every_s: float) -> Iterator[tuple[Event, bool]]:
+    """The run's events, each with whether to redraw now: at most every ``every_s`` seconds, and
+    always at the last event (the one carrying the Trace)."""
+    last = 0.0
+    for event in events:
+        now = time.perf_counter()
+        redraw = event.trace is not None or now - last >= every_s
+        if redraw:
+            last = now
+        yield event, redraw
 
 
 def config_or_error(values: dict[str, Any]) -> DecodingConfig:
@@ -131,10 +166,10 @@ def status_html(message: str) -> str:
     return f'<div class="dp-status">{html.escape(message)}</div>'
 
 
-def model_pickers(default_model: str = EMBEDDED) -> tuple[gr.Dropdown, gr.Radio]:
+def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBEDDED,)) -> tuple[gr.Dropdown, gr.Radio]:
     model = gr.Dropdown(
-        choices=[EMBEDDED], value=default_model, allow_custom_value=True, label="Model",
-        info="'embedded' (SmolLM2-135M-Instruct, offline), a local model directory, or a Hub id (needs network)",
+        choices=list(dict.fromkeys([*offered, default_model])), value=default_model, allow_custom_value=True, label="Model",
+        info="'embedded' (SmolLM2-135M-Instruct, offline), or a model the operator allows (DP_MODELS)",
         elem_id="dp-model", scale=3,
     )
     quant = gr.Radio(list(QUANTIZATIONS), value="none", label="Quantization (bitsandbytes)", elem_id="dp-quant", scale=2)

@@ -14,7 +14,8 @@ from engine.metrics import lane_metrics
 from engine.trace import StageTrace, StepTrace, Timing, Trace
 from playground.charts import compare as charts
 from playground.shared import UserError
-from playground.views import compare as view
+from playground.views.compare import api as compare_api
+from playground.views.compare import lanes as view
 
 
 def step(index: int, token: str, prob: float, entropy: float = math.log(2)) -> StepTrace:
@@ -76,10 +77,10 @@ def test_lane_operations_keep_two_to_six_lanes():
 
 
 def test_api_lanes_get_the_shared_seed_and_budget():
-    cfg = view.api_lane_config({"preset": "balanced", "config": {"top_k": 7}}, 11, 5, "Lane 1")
+    cfg = compare_api.api_lane_config({"preset": "balanced", "config": {"top_k": 7}}, 11, 5, "Lane 1")
     assert (cfg.strategy, cfg.top_k, cfg.seed, cfg.max_new_tokens, cfg.temperature) == ("sample", 7, 11, 5, 0.8)
     with pytest.raises(UserError, match="Lane 2: expected an object"):
-        view.api_lane_config({"presett": "greedy"}, 0, 5, "Lane 2")
+        compare_api.api_lane_config({"presett": "greedy"}, 0, 5, "Lane 2")
     assert view.sweep_seeds(3, 4) == [3, 4, 5, 6]
     with pytest.raises(UserError, match=r"seeds: expected an integer in \[2, 16\], got 1"):
         view.sweep_seeds(0, 1)

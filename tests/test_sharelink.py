@@ -168,9 +168,9 @@ def test_chat_switch_round_trips():
         decode(pack(json.dumps(good_payload(chat=1))))
 
 
-# --- the app side (playground.presets_ui) -----------------------------------------------------------
+# --- the app side (playground.share_links) -----------------------------------------------------------
 def test_restore_from_query():
-    from playground.presets_ui import restore_from_query
+    from playground.share_links import restore_from_query
 
     state = ShareState("compare", "hi", builtin_presets()["wild"], seed=3)
     assert restore_from_query({"share": encode(state)}) == state
@@ -181,7 +181,7 @@ def test_restore_from_query():
 
 
 def test_share_token_names_the_preset_and_marks_edits():
-    from playground.presets_ui import share_token
+    from playground.share_links import share_token
 
     balanced = builtin_presets()["balanced"]
     same = decode(share_token("step", "p", balanced.config.replace(seed=4), "balanced", [], chat=True))

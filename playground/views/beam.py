@@ -8,24 +8,24 @@ API: ``/beam_trace`` returns the trace JSON (``beam.steps[].candidates[]``, ``be
 
 from __future__ import annotations
 
-import json
+import functools
 import math
-import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import gradio as gr
 
-from engine import beam, decode
-from engine.config import KNOBS, ConfigError, DecodingConfig
-from engine.models import LoadedModel, ModelLoadError
-from engine.presets import PresetError, load_preset
+from engine import beam
+from engine.config import KNOBS, DecodingConfig
+from engine.control import RunControl
+from engine.models import LoadedModel
 from engine.trace import Trace
 from playground.charts import beam as charts
 
+from .. import downloads
+from ..events import stop_button
 from ..knobs import PENALTY_KNOBS, KnobPanel
-from ..shared import OutputSet, Shared, UserError, error_html, guarded, status_html
+from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, error_html, status_html, throttle
 
 STREAM_EVERY_S = 0.4  # throttle tree redraws while the search runs
 BEAM_KNOBS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",
@@ -45,7 +45,7 @@ class BeamSession:
 
 @dataclass
 class Outputs(OutputSet):
-    """Component handles the handlers update, in one fixed order."""
+    """Component handles the handlers update."""
 
     tree: Any
     summary: Any
@@ -55,6 +55,7 @@ class Outputs(OutputSet):
     winner: Any
     status: Any
     download: Any
+    session: Any
 
 
 def rerank_outputs(session: BeamSession | None, length_penalty: float, collapse: bool) -> list:
@@ -69,12 +70,20 @@ def rerank_outputs(session: BeamSession | None, length_penalty: float, collapse:
             charts.winner_note(search, length_penalty)]
 
 
-def render(session: BeamSession, length_penalty: float, collapse: bool, status: str) -> list:
+def render(out: Outputs, session: BeamSession, length_penalty: float, collapse: bool, status: str) -> dict:
     """Every output for a finished run."""
-    tree, rows, greedy, note = rerank_outputs(session, length_penalty, collapse)
     search = session.beam()
-    return [tree, charts.step_summary(search), rows, greedy, gr.update(value=length_penalty), note, status,
-            gr.update(value=_trace_file(session.trace))]
+    return rerank_updates(out, session, length_penalty, collapse) | {
+        out.summary: charts.step_summary(search), out.slider: gr.update(value=length_penalty), out.status: status,
+        out.download: downloads.trace_file(session.trace, "beam-trace"), out.session: session}
+
+
+def rerank_updates(out: Outputs, session: BeamSession | None, length_penalty: float, collapse: bool) -> dict:
+    """``rerank_outputs`` keyed by component (empty when there is nothing to re-rank)."""
+    values = rerank_outputs(session, length_penalty, collapse)
+    if session is None or session.beam() is None or not session.beam().hypotheses:
+        return {}
+    return dict(zip((out.tree, out.hypotheses, out.greedy, out.winner), values))
 
 
 def _greedy_markdown(session: BeamSession, length_penalty: float) -> str:
@@ -85,50 +94,49 @@ def _greedy_markdown(session: BeamSession, length_penalty: float) -> str:
     return charts.greedy_note(g.generated_token_ids, g.text, logprobs, session.beam(), length_penalty)
 
 
-def _trace_file(trace: Trace) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="beam-trace-", delete=False, encoding="utf-8") as fh:
-        fh.write(trace.to_json(indent=1))
-        return fh.name
-
-
 def _partial(lm: LoadedModel, config: DecodingConfig, steps: list[beam.BeamStep]) -> beam.BeamTrace:
     """A BeamTrace shell for the steps so far (no hypotheses yet)."""
     return beam.BeamTrace(config.num_beams, config.num_beam_groups, config.length_penalty, config.early_stopping,
                           beam.candidates_per_step(lm, config), steps=list(steps))
 
 
-def stream_run(session: BeamSession, lm: LoadedModel, prompt: str, prompt_ids: list[int], config: DecodingConfig,
-               chat: bool, collapse: bool) -> Iterator[list]:
+@dataclass(frozen=True)
+class BeamRequest:
+    """One validated search: what to run and how to draw it."""
+
+    lm: LoadedModel
+    prompt: str
+    prompt_ids: list[int]
+    config: DecodingConfig
+    chat: bool
+    collapse: bool
+
+
+def stream_run(out: Outputs, shared: Shared, session: BeamSession, req: BeamRequest,
+               control: RunControl) -> Iterator[dict]:
     """Search, yielding throttled tree updates; then the greedy run; then every output."""
     steps: list[beam.BeamStep] = []
-    last_yield, final = 0.0, None
-    for record in beam.stream(lm, prompt_ids, config):
-        if isinstance(record, beam.BeamTrace):
-            final = record
-            break
-        steps.append(record)
-        if time.perf_counter() - last_yield >= STREAM_EVERY_S:
-            last_yield = time.perf_counter()
-            partial = _partial(lm, config, steps)
-            status = status_html(f"searching… step {len(steps)} / {config.max_new_tokens}")
-            yield [charts.tree_figure(partial, collapse), charts.step_summary(partial)] + [gr.update()] * 4 + [
-                status, gr.update(), session]
-    session.trace = beam.assemble(lm, prompt, prompt_ids, config, final, chat)
-    yield [charts.tree_figure(final, collapse), charts.step_summary(final)] + [gr.update()] * 4 + [
-        status_html("search done; decoding greedily for comparison…"), gr.update(), session]
-    session.greedy = decode.run(lm, prompt, config.replace(strategy="greedy"), chat=chat)
+    events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control)
+    for event, redraw in throttle(events, STREAM_EVERY_S):
+        if event.trace is not None:
+            session.trace = event.trace
+        elif event.record is not None:
+            steps.append(event.record)
+        if redraw and event.trace is None:
+            partial = _partial(req.lm, req.config, steps)
+            yield {out.tree: charts.tree_figure(partial, req.collapse), out.summary: charts.step_summary(partial),
+                   out.status: status_html(f"searching… step {len(steps)} / {req.config.max_new_tokens}")}
+    final = session.beam()
+    yield {out.tree: charts.tree_figure(final, req.collapse), out.summary: charts.step_summary(final),
+           out.status: status_html("search done; decoding greedily for comparison…"), out.session: session}
+    session.greedy = shared.run(req.lm, req.prompt, req.config.replace(strategy="greedy"), chat=req.chat,
+                                prompt_ids=req.prompt_ids, control=control)
     done = (f"done: {len(final.steps)} steps, {len(final.hypotheses)} finished hypotheses. Hover a node for its "
             "scores; move the slider to re-rank.")
-    yield render(session, config.length_penalty, collapse, status_html(done)) + [session]
+    yield render(out, session, req.config.length_penalty, req.collapse, status_html(done))
 
 
-def _error_outputs(message: str, session: BeamSession | None) -> list:
-    return [gr.update()] * 6 + [error_html(message), gr.update(), session]
-
-
-
-def build_tab(shared: Shared) -> None:
-    session = gr.State(None, time_to_live=3600)
+def build_tab(shared: Shared) -> PanelView:
     lp = KNOBS["length_penalty"]
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
@@ -155,57 +163,39 @@ def build_tab(shared: Shared) -> None:
                                       elem_id="beam-hypotheses")
             greedy = gr.Markdown(elem_id="beam-greedy")
             download = gr.DownloadButton("Download trace JSON", elem_id="beam-download")
-    out = Outputs(tree, summary, hypotheses, greedy, slider, winner, status, download)
+    out = Outputs(tree, summary, hypotheses, greedy, slider, winner, status, download,
+                  gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
-    shared.extra["beam"] = {"panel": panel, "prompt": prompt, "chat": chat}
-    _wire(shared, panel, session, prompt, chat, collapse, run, stop, out)
+    view = PanelView("beam", prompt, panel, chat)
+    _wire(shared, view, out, collapse, run, stop)
+    return view
 
 
-def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, collapse, run, stop, out: Outputs) -> None:
-    outputs = out.all() + [session]
+def _wire(shared: Shared, view: PanelView, out: Outputs, collapse: gr.Checkbox, run: gr.Button, stop: gr.Button) -> None:
+    def on_run(prompt: str, chat: bool, collapse_on: bool, model: str, quant: str, *values: Any,
+               control: RunControl) -> Iterator[dict]:
+        config, lm, prompt_ids = shared.prepare(view.panel, values, model, quant, prompt, chat)
+        yield from stream_run(out, shared, BeamSession(), BeamRequest(lm, prompt, prompt_ids, config, chat, collapse_on),
+                              control)
 
-    def on_run(prompt_text, chat_on, collapse_on, model, quant, state, *values):
-        state = BeamSession()
-        try:
-            config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
-        except UserError as exc:
-            yield _error_outputs(str(exc), state)
-            return
-        yield from _guarded(stream_run(state, lm, prompt_text, prompt_ids, config, chat_on, collapse_on), state)
-
-    inputs = [prompt, chat, collapse, shared.model, shared.quantization, session, *panel.inputs]
-    run_event = run.click(on_run, inputs, outputs, api_visibility="private", **shared.model_event)
-    submit_event = prompt.submit(on_run, inputs, outputs, api_visibility="private", **shared.model_event)
-    stop.click(lambda: status_html("stopped"), None, [out.status], cancels=[run_event, submit_event], queue=False)
+    inputs = [view.prompt, view.chat, collapse, shared.model, shared.quantization, *view.panel.inputs]
+    run_event = shared.events.on([run.click, view.prompt.submit], on_run, inputs, out.all(),
+                                 on_error=lambda message: {out.status: error_html(message)}, what="search")
+    stop_button(stop, out.status, [run_event], status_html("stopped"))
     rerank_targets = [out.tree, out.hypotheses, out.greedy, out.winner]
-    out.slider.change(rerank_outputs, [session, out.slider, collapse], rerank_targets, api_visibility="private",
-                      queue=False)
-    collapse.change(rerank_outputs, [session, out.slider, collapse], rerank_targets, api_visibility="private",
-                    queue=False)
-
-    def beam_trace_api(prompt: str, config: dict | None = None, preset: str = DEFAULT_PRESET, chat: bool = False,
-                       model: str = "embedded", quantization: str = "none") -> dict:
-        """Run beam search on the prompt and return the trace JSON: text = the winning hypothesis;
-        beam.steps[].candidates[] (parent, token, token_id, logprob, score, normalized_score, status),
-        beam.hypotheses[], beam.winner. ``preset``: a built-in preset; ``config``: knobs overriding it."""
-        return beam_trace(shared, prompt, config, preset, chat, model, quantization)
-
-    gr.api(beam_trace_api, api_name="beam_trace", **shared.model_event)
-
-
-def _guarded(updates: Iterator[list], state: BeamSession) -> Iterator[list]:
-    return guarded(updates, lambda message: _error_outputs(message, state), "search")
+    for trigger in (out.slider.change, collapse.change):
+        trigger(lambda session, lp, c: rerank_updates(out, session, lp, c), [out.session, out.slider, collapse],
+                rerank_targets, api_visibility="private", queue=False)
+    shared.events.api(functools.partial(beam_trace, shared), "beam_trace", what="search")
 
 
 def beam_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = DEFAULT_PRESET,
-               chat: bool = False, model: str = "embedded", quantization: str = "none") -> dict:
-    """API: beam search -> trace JSON (the CLI's ``--json`` object, with ``beam``)."""
-    try:
-        base = load_preset(preset).config.to_dict(sparse=True) if preset else {}
-        cfg = DecodingConfig.from_dict(base | dict(config or {}) | {"strategy": "beam"})
-        lm = shared.lm(model, quantization)
-        shared.encode_prompt(lm, prompt, chat)
-        trace = beam.run(lm, prompt, cfg, chat=chat, registry=shared.registry)
-    except (ConfigError, PresetError, UserError, ModelLoadError, ValueError) as exc:
-        raise gr.Error(str(exc)) from None
-    return json.loads(trace.to_json())
+               chat: bool = False, model: str = "embedded", quantization: str = "none", *,
+               control: RunControl) -> dict:
+    """Run beam search on the prompt and return the trace JSON: text = the winning hypothesis;
+    beam.steps[].candidates[] (parent, token, token_id, logprob, score, normalized_score, status),
+    beam.hypotheses[], beam.winner. ``preset``: a built-in preset; ``config``: knobs overriding it."""
+    cfg = shared.api_config(preset, config, default_strategy="beam", strategies=("beam",))
+    lm = shared.lm(model, quantization)
+    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()

@@ -7,8 +7,6 @@ it as your own, export it, or see it in another tool's terms. Nothing here touch
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -16,9 +14,11 @@ import gradio as gr
 from engine.config import KNOBS
 from engine.interop import InteropExport, to_llama_cpp, to_textgen_webui
 from engine.presets import Preset, PresetError, builtin_presets, file_stem, parse_preset_json, sanitize_name
-from engine.sharelink import ShareLinkError, ShareState, share_query
+from engine.sharelink import ShareState, share_query
 
-from .. import presets_ui as ui
+from .. import downloads
+from .. import user_presets as ui
+from ..events import data_api
 from ..shared import Shared, error_html, status_html
 
 TARGETS = {"text-generation-webui (YAML preset)": to_textgen_webui, "llama.cpp (command-line flags)": to_llama_cpp}
@@ -57,18 +57,17 @@ def interop_view(text: str, target: str) -> tuple[str, str, str | None]:
     notes = "\n".join(lines) if lines else "Every setting maps exactly."
     path = None
     if export.target == "text-generation-webui":
-        path = str(Path(tempfile.mkdtemp(prefix="dp-export-")) / f"{file_stem(preset.name)}.yaml")
-        Path(path).write_text(export.text, encoding="utf-8")
+        path = downloads.write_text(f"{file_stem(preset.name)}.yaml", export.text)
     return export.text, notes, path
 
 
 def interop_api(preset_json: str, target: str = "llama.cpp") -> dict:
-    """A preset (JSON text) in another tool's terms: {"text", "unmapped": [{key, reason}], "caveats": [...]}."""
+    """A preset (JSON text) in another tool's terms: {"text", "unmapped": [{key, reason}], "caveats": [...]}.
+    ``target``: "llama.cpp" or "text-generation-webui"."""
+    if not isinstance(target, str) or not target.startswith(("llama", "text-generation")):
+        raise PresetError(f"target: expected 'llama.cpp' or 'text-generation-webui', got {str(target)[:40]!r}")
     exporter = to_llama_cpp if target.startswith("llama") else to_textgen_webui
-    try:
-        export = exporter(editor_preset(preset_json))
-    except PresetError as exc:
-        raise gr.Error(str(exc)) from None
+    export = exporter(editor_preset(preset_json))
     return {"target": export.target, "text": export.text,
             "unmapped": [{"key": n.key, "reason": n.reason} for n in export.unmapped],
             "caveats": [{"key": n.key, "reason": n.reason} for n in export.caveats]}
@@ -76,18 +75,12 @@ def interop_api(preset_json: str, target: str = "llama.cpp") -> dict:
 
 def validate_api(preset_json: str) -> dict:
     """A preset (JSON text) validated and in canonical sparse form, or an error naming the key."""
-    try:
-        return editor_preset(preset_json).to_dict()
-    except PresetError as exc:
-        raise gr.Error(str(exc)) from None
+    return editor_preset(preset_json).to_dict()
 
 
 def share_link_api(view: str, prompt: str, preset_json: str, seed: int | None = None, chat: bool | None = None) -> str:
     """The query string (``?share=...``) that opens ``view`` with this prompt, preset and seed."""
-    try:
-        return share_query(ShareState(view, prompt, editor_preset(preset_json), seed, chat))
-    except (PresetError, ShareLinkError) as exc:
-        raise gr.Error(str(exc)) from None
+    return share_query(ShareState(view, prompt, editor_preset(preset_json), seed, chat))
 
 
 def build_tab(shared: Shared) -> None:
@@ -113,9 +106,9 @@ def build_tab(shared: Shared) -> None:
     _wire_editor(shared, c)
     _wire_mine(shared, c, m)
     _wire_import(shared, c, m)
-    gr.api(validate_api, api_name="preset_validate")
-    gr.api(interop_api, api_name="preset_interop")
-    gr.api(share_link_api, api_name="share_link")
+    data_api(validate_api, "preset_validate")
+    data_api(interop_api, "preset_interop")
+    data_api(share_link_api, "share_link")
 
 
 def _editor_column() -> dict[str, Any]:

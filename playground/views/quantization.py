@@ -8,20 +8,21 @@ header's model and quantization. No per-user state is kept beyond the outputs th
 
 from __future__ import annotations
 
-import json
-import tempfile
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import gradio as gr
 
 from engine import drift
-from engine.config import ConfigError
-from engine.models import QUANTIZATIONS, ModelLoadError
+from engine.control import RunControl
+from engine.models import QUANTIZATIONS
 from engine.trace import to_dict
 from playground.charts import quantization as charts
 
-from ..shared import Shared, UserError, error_html, status_html
+from .. import downloads
+from ..events import stop_button
+from ..shared import OutputSet, Shared, UserError, error_html, status_html
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DRIFT_TOKENS = (1, 128, 20)  # slider minimum, maximum, default
@@ -29,80 +30,62 @@ KV_TOKENS = (2, 256, 48)
 
 
 @dataclass
-class DriftOutputs:
+class DriftOutputs(OutputSet):
     status: Any
     table: Any
     kl: Any
     texts: Any
     download: Any
 
-    def all(self) -> list:
-        return [self.status, self.table, self.kl, self.texts, self.download]
-
 
 @dataclass
-class KVOutputs:
+class KVOutputs(OutputSet):
     status: Any
     summary: Any
     chart: Any
 
-    def all(self) -> list:
-        return [self.status, self.summary, self.chart]
+
+def render_drift(out: DriftOutputs, report: drift.DriftReport, final: bool) -> dict:
+    """Updates for a (possibly partial) report; the download only once it is complete."""
+    updates = {out.status: status_html(charts.drift_status(report)), out.table: charts.drift_rows(report),
+               out.kl: charts.kl_figure(report), out.texts: charts.texts_html(report)}
+    if final:
+        updates[out.download] = downloads.json_file("quantization-report.json", to_dict(report))
+    return updates
 
 
-def _json_file(data: dict, prefix: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix=prefix, delete=False, encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, ensure_ascii=False)
-        return fh.name
-
-
-def render_drift(report: drift.DriftReport, final: bool) -> list:
-    """Outputs for a (possibly partial) report; the download only once it is complete."""
-    download = gr.update(value=_json_file(to_dict(report), "quantization-report-")) if final else gr.update()
-    return [status_html(charts.drift_status(report)), charts.drift_rows(report), charts.kl_figure(report),
-            charts.texts_html(report), download]
-
-
-def drift_updates(shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, variants: list[str] | None,
-                  model: str) -> Iterator[list]:
+def drift_updates(out: DriftOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any,
+                  variants: list[str] | None, model: str, control: RunControl) -> Iterator[dict]:
     """Validate, then stream the drift report as each variant finishes."""
-    try:
-        chosen = drift.normalise_variants(variants or [])
-        reference = shared.lm(model, "none")
-        shared.encode_prompt(reference, prompt, chat)
-        tokens = int(max_new_tokens or DRIFT_TOKENS[2])
-        drift.greedy_config(tokens)  # validates the token budget
-    except (UserError, ValueError) as exc:
-        yield [error_html(str(exc))] + [gr.update()] * 4
-        return
-    yield [status_html("fp32 reference: greedy run…")] + [gr.update()] * 4
-    report = None
-    try:
-        for report in drift.stream_drift(shared.registry, reference.source, prompt, chat, tokens, chosen):
-            yield render_drift(report, final=not report.pending())
-    except (ModelLoadError, ValueError) as exc:
-        yield [error_html(str(exc))] + [gr.update()] * 4
-    except Exception as exc:  # a model failure must not take the page down
-        yield [error_html(f"measurement failed: {type(exc).__name__}: {exc}")] + [gr.update()] * 4
+    chosen = drift.normalise_variants(variants or [])
+    reference = shared.lm(model, "none")
+    shared.encode_prompt(reference, prompt, chat)
+    tokens = int(max_new_tokens or DRIFT_TOKENS[2])
+    drift.greedy_config(tokens)  # validates the token budget
+    yield {out.status: status_html("fp32 reference: greedy run…")}
+    for report in drift.stream_drift(shared.registry, reference.source, prompt, chat, tokens, chosen):
+        control.check()  # between variants: the engine's drift loop has no control of its own yet
+        yield render_drift(out, report, final=not report.pending())
 
 
-def kv_updates(shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, model: str,
-               quantization: str) -> Iterator[list]:
-    try:
-        lm = shared.lm(model, quantization)
-        shared.encode_prompt(lm, prompt, chat)
-        tokens = int(max_new_tokens or KV_TOKENS[2])
-        drift.greedy_config(tokens)
-    except (UserError, ValueError) as exc:
-        yield [error_html(str(exc)), gr.update(), gr.update()]
-        return
-    yield [status_html(f"greedy with and without the cache, {tokens} tokens each…"), gr.update(), gr.update()]
-    try:
-        report = drift.kv_cache_report(lm, prompt, chat, tokens)
-    except Exception as exc:  # a model failure must not take the page down
-        yield [error_html(f"measurement failed: {type(exc).__name__}: {exc}"), gr.update(), gr.update()]
-        return
-    yield [status_html("done"), charts.kv_summary_html(report), charts.kv_figure(report)]
+def kv_tokens(value: Any) -> int:
+    """The KV report's token count, capped: its uncached pass costs time quadratic in the length."""
+    low, high, default = KV_TOKENS
+    tokens = default if value is None else value
+    if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or not low <= tokens <= high:
+        raise UserError(f"max_new_tokens: {value!r} is out of range for the KV cache report; allowed [{low}, {high}]")
+    return int(tokens)
+
+
+def kv_updates(out: KVOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, model: str,
+               quantization: str, control: RunControl) -> Iterator[dict]:
+    lm = shared.lm(model, quantization)
+    shared.encode_prompt(lm, prompt, chat)
+    tokens = kv_tokens(max_new_tokens)
+    yield {out.status: status_html(f"greedy with and without the cache, {tokens} tokens each…")}
+    report = drift.kv_cache_report(lm, prompt, chat, tokens)
+    control.check()
+    yield {out.status: status_html("done"), out.summary: charts.kv_summary_html(report), out.chart: charts.kv_figure(report)}
 
 
 def build_tab(shared: Shared) -> None:
@@ -131,7 +114,15 @@ def build_tab(shared: Shared) -> None:
             download = gr.DownloadButton("Download report JSON", elem_id="quant-download")
     out = DriftOutputs(status, table, kl, texts, download)
     kv = _kv_section()
-    _wire(shared, prompt, chat, tokens, variants, measure, stop, out, kv)
+    _wire(shared, QuantInputs(prompt, chat, tokens, variants), measure, stop, out, kv)
+
+
+@dataclass
+class QuantInputs:
+    prompt: gr.Textbox
+    chat: gr.Checkbox
+    tokens: gr.Slider
+    variants: gr.CheckboxGroup
 
 
 def _kv_section() -> dict[str, Any]:
@@ -149,56 +140,47 @@ def _kv_section() -> dict[str, Any]:
     return {"tokens": tokens, "run": run, "out": KVOutputs(status, summary, chart)}
 
 
-def _wire(shared: Shared, prompt, chat, tokens, variants, measure, stop, out: DriftOutputs, kv: dict[str, Any]) -> None:
-    def on_measure(prompt_text, chat_on, max_new, picked, model):
-        yield from drift_updates(shared, prompt_text, chat_on, max_new, picked, model)
+def _wire(shared: Shared, inp: QuantInputs, measure: gr.Button, stop: gr.Button, out: DriftOutputs,
+          kv: dict[str, Any]) -> None:
+    kv_out: KVOutputs = kv["out"]
 
-    def on_kv(prompt_text, chat_on, max_new, model, quant):
-        yield from kv_updates(shared, prompt_text, chat_on, max_new, model, quant)
+    def on_measure(prompt: str, chat: bool, max_new: Any, picked: list[str] | None, model: str, *,
+                   control: RunControl) -> Iterator[dict]:
+        yield from drift_updates(out, shared, prompt, chat, max_new, picked, model, control)
 
-    drift_event = measure.click(on_measure, [prompt, chat, tokens, variants, shared.model], out.all(),
-                                api_visibility="private", **shared.model_event)
-    kv_event = kv["run"].click(on_kv, [prompt, chat, kv["tokens"], shared.model, shared.quantization], kv["out"].all(),
-                               api_visibility="private", **shared.model_event)
-    stop.click(lambda: status_html("stopped"), None, [out.status], cancels=[drift_event, kv_event], queue=False)
+    def on_kv(prompt: str, chat: bool, max_new: Any, model: str, quant: str, *, control: RunControl) -> Iterator[dict]:
+        yield from kv_updates(kv_out, shared, prompt, chat, max_new, model, quant, control)
 
-    def quantization_report_api(prompt: str, chat: bool = False, max_new_tokens: int = 16,
-                                variants: list[str] | None = None, model: str = "embedded") -> dict:
-        """Greedy fp32 reference, then per variant (none | int8 | nf4; all by default): memory, load
-        seconds, tokens/s, per-step KL / total variation / top-1 agreement against fp32 under teacher
-        forcing, its own greedy text and first divergence step."""
-        return quantization_report(shared, prompt, chat, max_new_tokens, variants, model)
-
-    def kv_cache_report_api(prompt: str, chat: bool = False, max_new_tokens: int = 32, model: str = "embedded",
-                            quantization: str = "none") -> dict:
-        """Greedy with vs without the KV cache: tokens/s each, ms per step, cache bytes per token
-        measured against 2 × layers × kv_heads × head_dim × bytes per element."""
-        return kv_cache_report(shared, prompt, chat, max_new_tokens, model, quantization)
-
-    gr.api(quantization_report_api, api_name="quantization_report", **shared.model_event)
-    gr.api(kv_cache_report_api, api_name="kv_cache_report", **shared.model_event)
+    drift_event = shared.events.on([measure.click], on_measure, [inp.prompt, inp.chat, inp.tokens, inp.variants,
+                                                                 shared.model], out.all(),
+                                   on_error=lambda message: {out.status: error_html(message)}, what="measurement")
+    kv_event = shared.events.on([kv["run"].click], on_kv, [inp.prompt, inp.chat, kv["tokens"], shared.model,
+                                                           shared.quantization], kv_out.all(),
+                                on_error=lambda message: {kv_out.status: error_html(message)}, what="measurement")
+    stop_button(stop, out.status, [drift_event, kv_event], status_html("stopped"))
+    shared.events.api(functools.partial(quantization_report, shared), "quantization_report", what="measurement")
+    shared.events.api(functools.partial(kv_cache_report, shared), "kv_cache_report", what="measurement")
 
 
 def quantization_report(shared: Shared, prompt: str, chat: bool = False, max_new_tokens: int = 16,
-                        variants: list[str] | None = None, model: str = "embedded") -> dict:
-    """API: the drift report JSON (engine.drift.DriftReport)."""
-    try:
-        chosen = drift.normalise_variants(list(QUANTIZATIONS) if variants is None else variants)
-        reference = shared.lm(model, "none")
-        shared.encode_prompt(reference, prompt, chat)
-        report = drift.quantization_report(shared.registry, reference.source, prompt, chat, max_new_tokens, chosen)
-    except (ConfigError, UserError, ModelLoadError, ValueError) as exc:
-        raise gr.Error(str(exc)) from None
+                        variants: list[str] | None = None, model: str = "embedded", *, control: RunControl) -> dict:
+    """Greedy fp32 reference, then per variant (none | int8 | nf4; all by default): memory, load
+    seconds, tokens/s, per-step KL / total variation / top-1 agreement against fp32 under teacher
+    forcing, its own greedy text and first divergence step."""
+    chosen = drift.normalise_variants(list(QUANTIZATIONS) if variants is None else variants)
+    reference = shared.lm(model, "none")
+    shared.encode_prompt(reference, prompt, chat)
+    report = drift.quantization_report(shared.registry, reference.source, prompt, chat, max_new_tokens, chosen)
+    control.check()
     return to_dict(report)
 
 
 def kv_cache_report(shared: Shared, prompt: str, chat: bool = False, max_new_tokens: int = 32, model: str = "embedded",
-                    quantization: str = "none") -> dict:
-    """API: the KV cache report JSON (engine.drift.KVReport)."""
-    try:
-        lm = shared.lm(model, quantization)
-        shared.encode_prompt(lm, prompt, chat)
-        report = drift.kv_cache_report(lm, prompt, chat, max_new_tokens)
-    except (ConfigError, UserError, ModelLoadError, ValueError) as exc:
-        raise gr.Error(str(exc)) from None
+                    quantization: str = "none", *, control: RunControl) -> dict:
+    """Greedy with vs without the KV cache: tokens/s each, ms per step, cache bytes per token
+    measured against 2 × layers × kv_heads × head_dim × bytes per element."""
+    lm = shared.lm(model, quantization)
+    shared.encode_prompt(lm, prompt, chat)
+    report = drift.kv_cache_report(lm, prompt, chat, kv_tokens(max_new_tokens))
+    control.check()
     return to_dict(report)

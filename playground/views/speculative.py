@@ -8,24 +8,23 @@ out, and the residual distribution a rejected token was resampled from. Per-user
 
 from __future__ import annotations
 
-import json
-import tempfile
-import time
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import gradio as gr
 
-from engine import speculative
-from engine.config import ConfigError, DecodingConfig
-from engine.models import LoadedModel, ModelLoadError
-from engine.presets import PresetError, load_preset
+from engine.config import DecodingConfig
+from engine.control import RunControl
+from engine.models import LoadedModel
 from engine.speculative import SpecRound
 from engine.trace import Trace
 from playground.charts import speculative as charts
 
+from .. import downloads
+from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import OutputSet, Shared, UserError, error_html, guarded, status_html
+from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, error_html, status_html, throttle
 
 STREAM_EVERY_S = 0.25
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
@@ -66,6 +65,7 @@ class Outputs(OutputSet):
     summary: Any
     status: Any
     download: Any
+    session: Any
 
 
 def default_position(rounds: list[SpecRound]) -> tuple[int, int] | None:
@@ -80,68 +80,71 @@ def default_position(rounds: list[SpecRound]) -> tuple[int, int] | None:
     return None
 
 
-def detail(session: SpecSession) -> list:
-    """Dropdown value, explanation, p-vs-q figure and residual figure for the selected position."""
+def detail(out: Outputs, session: SpecSession) -> dict:
+    """Dropdown, explanation, p-vs-q figure and residual figure for the selected position."""
     sel = session.selected
     spec_round = charts.find_round(session.rounds, sel[0]) if sel else None
+    choices = charts.position_choices(session.rounds)
     if spec_round is None:
-        return [gr.update(choices=charts.position_choices(session.rounds), value=None), "", None, None]
+        return {out.position: gr.update(choices=choices, value=None), out.explain: "", out.pq: None, out.residual: None}
     pos = sel[1]
-    return [gr.update(choices=charts.position_choices(session.rounds), value=f"{sel[0]}:{pos}"),
-            charts.acceptance_text(spec_round, pos), charts.pq_figure(spec_round, pos), charts.residual_figure(spec_round, pos)]
+    return {out.position: gr.update(choices=choices, value=f"{sel[0]}:{pos}"),
+            out.explain: charts.acceptance_text(spec_round, pos), out.pq: charts.pq_figure(spec_round, pos),
+            out.residual: charts.residual_figure(spec_round, pos)}
 
 
-def render(session: SpecSession, status: str = "", full: bool = True) -> list:
+def render(out: Outputs, session: SpecSession, status: str | None = None, full: bool = True) -> dict:
+    """Updates for the rounds so far (``full``: the selected position's detail, summary and download too)."""
     summary = session.trace.summary if session.trace is not None else None
-    head = [charts.counters_html(session.rounds, summary), charts.rounds_html(session.rounds, session.selected),
-            charts.text_html(session.rounds)]
-    if not full:
-        return head + [gr.update()] * 4 + [charts.accepted_length_figure(session.rounds), gr.update(), status, gr.update()]
-    download = gr.update(value=_trace_file(session.trace)) if session.trace is not None else gr.update()
-    return (head + detail(session) + [charts.accepted_length_figure(session.rounds),
-                                      charts.summary_markdown(summary or {}), status, download])
+    updates = {out.counters: charts.counters_html(session.rounds, summary),
+               out.rounds: charts.rounds_html(session.rounds, session.selected),
+               out.text: charts.text_html(session.rounds), out.lengths: charts.accepted_length_figure(session.rounds),
+               out.session: session}
+    if status is not None:
+        updates[out.status] = status
+    if full:
+        updates |= detail(out, session) | {out.summary: charts.summary_markdown(summary or {})}
+        if session.trace is not None:
+            updates[out.download] = downloads.trace_file(session.trace, "spec-trace")
+    return updates
 
 
-def _trace_file(trace: Trace) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spec-trace-", delete=False, encoding="utf-8") as fh:
-        fh.write(trace.to_json(indent=1))
-        return fh.name
+@dataclass(frozen=True)
+class SpecRequest:
+    """One validated run: what to run and whether to time a target-only baseline too."""
+
+    lm: LoadedModel
+    prompt: str
+    prompt_ids: list[int]
+    config: DecodingConfig
+    chat: bool
+    compare: bool
 
 
-def stream_run(shared: Shared, session: SpecSession, lm: LoadedModel, prompt: str, prompt_ids: list[int],
-               config: DecodingConfig, chat: bool, compare: bool) -> Iterator[list]:
-    """Draft and verify, yielding throttled updates; then (optionally) time a target-only run."""
-    yield render(session, status_html(f"loading drafter {config.drafter}…"), full=False) + [session]
-    drafter = speculative.make_drafter(lm, config, shared.registry)
-    last = 0.0
-    for spec_round in speculative.stream(lm, prompt_ids, config, drafter):
-        session.rounds.append(spec_round)
-        if time.perf_counter() - last >= STREAM_EVERY_S:
-            last = time.perf_counter()
-            tokens = sum(len(r.emitted_token_ids) for r in session.rounds)
-            yield render(session, status_html(f"round {spec_round.index}: {tokens} / {config.max_new_tokens} tokens"),
-                         full=False) + [session]
-    session.trace = speculative.assemble(lm, prompt, prompt_ids, config, session.rounds, drafter, chat)
-    if compare:
-        yield render(session, status_html("timing a target-only run of the same settings…"), full=False) + [session]
-        session.trace.summary |= speculative.compare_with_baseline(lm, prompt, config, session.trace, chat)
+def stream_run(out: Outputs, shared: Shared, session: SpecSession, req: SpecRequest,
+               control: RunControl) -> Iterator[dict]:
+    """Draft and verify, yielding throttled updates; the runner times the target-only run if asked."""
+    yield render(out, session, status_html(f"loading drafter {req.config.drafter}…"), full=False)
+    events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control,
+                           compare_baseline=req.compare)
+    for event, redraw in throttle(events, STREAM_EVERY_S):
+        if event.trace is not None:
+            session.trace = event.trace
+        elif event.record is not None:
+            session.rounds.append(event.record)
+            if redraw:
+                tokens = sum(len(r.emitted_token_ids) for r in session.rounds)
+                note = f"round {event.record.index}: {tokens} / {req.config.max_new_tokens} tokens"
+                if req.compare and tokens >= req.config.max_new_tokens:
+                    note += "; then timing a target-only run of the same settings…"
+                yield render(out, session, status_html(note), full=False)
     session.selected = default_position(session.rounds)
     done = (f"done: {len(session.trace.generated_token_ids)} tokens in {len(session.rounds)} rounds, stopped by "
             f"{session.trace.stop_reason}. Click a chip to see its acceptance test.")
-    yield render(session, status_html(done)) + [session]
+    yield render(out, session, status_html(done))
 
 
-def _error_outputs(message: str, session: SpecSession | None) -> list:
-    return [gr.update()] * 9 + [error_html(message), gr.update(), session]
-
-
-def _guarded(updates: Iterator[list], session: SpecSession) -> Iterator[list]:
-    return guarded(updates, lambda message: _error_outputs(message, session), "generation")
-
-
-
-def build_tab(shared: Shared) -> None:
-    session = gr.State(None, time_to_live=3600)
+def build_tab(shared: Shared) -> PanelView:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="spec-prompt",
@@ -167,67 +170,54 @@ def build_tab(shared: Shared) -> None:
             lengths = gr.Plot(label="Accepted length per round", elem_id="spec-lengths")
             summary = gr.Markdown(elem_id="spec-summary")
             download = gr.DownloadButton("Download trace JSON", elem_id="spec-download")
-    out = Outputs(counters, rounds, text, position, explain, pq, residual, lengths, summary, status, download)
+    out = Outputs(counters, rounds, text, position, explain, pq, residual, lengths, summary, status, download,
+                  gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
-    shared.extra["speculative"] = {"panel": panel, "prompt": prompt, "chat": chat}
-    _wire(shared, panel, session, prompt, chat, compare, generate, stop, out)
+    view = PanelView("speculative", prompt, panel, chat)
+    _wire(shared, view, out, compare, generate, stop)
+    return view
 
 
-def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, compare, generate, stop, out: Outputs) -> None:
-    outputs = out.all() + [session]
+def _wire(shared: Shared, view: PanelView, out: Outputs, compare: gr.Checkbox, generate: gr.Button,
+          stop: gr.Button) -> None:
+    def on_generate(prompt: str, chat: bool, compare_on: bool, model: str, quant: str, *values: Any,
+                    control: RunControl) -> Iterator[dict]:
+        config, lm, prompt_ids = shared.prepare(view.panel, values, model, quant, prompt, chat)
+        yield from stream_run(out, shared, SpecSession(), SpecRequest(lm, prompt, prompt_ids, config, chat, compare_on),
+                              control)
 
-    def on_generate(prompt_text, chat_on, compare_on, model, quant, state, *values):
-        state = SpecSession()
-        try:
-            config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
-        except UserError as exc:
-            yield _error_outputs(str(exc), state)
-            return
-        yield from _guarded(stream_run(shared, state, lm, prompt_text, prompt_ids, config, chat_on, compare_on), state)
+    inputs = [view.prompt, view.chat, compare, shared.model, shared.quantization, *view.panel.inputs]
+    gen_event = shared.events.on([generate.click], on_generate, inputs, out.all(),
+                                 on_error=lambda message: {out.status: error_html(message)})
+    stop_button(stop, out.status, [gen_event], status_html("stopped"))
 
-    inputs = [prompt, chat, compare, shared.model, shared.quantization, session, *panel.inputs]
-    gen_event = generate.click(on_generate, inputs, outputs, api_visibility="private", **shared.model_event)
-    stop.click(lambda: status_html("stopped"), None, [out.status], cancels=[gen_event], queue=False)
-
-    def select(state: SpecSession | None, position: tuple[int, int] | None) -> list:
+    def select(state: SpecSession | None, position: tuple[int, int] | None) -> dict:
         if state is None or position is None or charts.find_round(state.rounds, position[0]) is None:
-            return [gr.update()] * len(outputs)
+            return {}
         state.selected = position
-        return render(state, gr.update()) + [state]
+        return render(out, state)
 
-    def on_chip(state, evt: gr.EventData):
-        data = getattr(evt, "_data", None) or {}
-        try:
-            position = (int(data["round"]), int(data["pos"]))
-        except (KeyError, TypeError, ValueError):
-            return [gr.update()] * len(outputs)
+    def on_chip(state: SpecSession | None, evt: gr.EventData) -> dict:
+        try:  # the chip's data, sent by CHIP_JS's trigger('click', {round, pos})
+            position = (int(getattr(evt, "round")), int(getattr(evt, "pos")))
+        except (AttributeError, TypeError, ValueError):
+            return {}
         return select(state, position)
 
-    out.rounds.click(on_chip, [session], outputs, api_visibility="private", queue=False)
-    out.position.input(lambda s, v: select(s, charts.parse_position(v)), [session, out.position], outputs,
-                       api_visibility="private", queue=False)
-
-    def speculative_trace_api(prompt: str, config: dict | None = None, preset: str = "speculative-ngram",
-                              chat: bool = False, model: str = "embedded", quantization: str = "none",
-                              compare_baseline: bool = False) -> dict:
-        """Run speculative decoding on the prompt and return the trace JSON (rounds[].drafted[] with q, p,
-        accept_prob, u, accepted, resampled). ``preset``: a built-in preset; ``config``: knobs overriding it;
-        ``compare_baseline``: also time a target-only run and report the speed-up in ``summary``."""
-        return speculative_trace(shared, prompt, config, preset, chat, model, quantization, compare_baseline)
-
-    gr.api(speculative_trace_api, api_name="speculative_trace", **shared.model_event)
+    local = {"api_visibility": "private", "queue": False}
+    out.rounds.click(on_chip, [out.session], out.all(), **local)
+    out.position.input(lambda s, v: select(s, charts.parse_position(v)), [out.session, out.position], out.all(), **local)
+    shared.events.api(functools.partial(speculative_trace, shared), "speculative_trace")
 
 
 def speculative_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "speculative-ngram",
                       chat: bool = False, model: str = "embedded", quantization: str = "none",
-                      compare_baseline: bool = False) -> dict:
-    """API: speculative decoding -> trace JSON (the CLI's ``--json`` object, with rounds)."""
-    try:
-        base = load_preset(preset).config.to_dict(sparse=True) if preset else {"strategy": "speculative"}
-        cfg = DecodingConfig.from_dict(base | dict(config or {}) | {"strategy": "speculative"})
-        lm = shared.lm(model, quantization)
-        shared.encode_prompt(lm, prompt, chat)
-        trace = speculative.run(lm, prompt, cfg, chat=chat, registry=shared.registry, compare_baseline=compare_baseline)
-    except (ConfigError, PresetError, UserError, ModelLoadError, ValueError) as exc:
-        raise gr.Error(str(exc)) from None
-    return json.loads(trace.to_json())
+                      compare_baseline: bool = False, *, control: RunControl) -> dict:
+    """Run speculative decoding on the prompt and return the trace JSON (rounds[].drafted[] with q, p,
+    accept_prob, u, accepted, resampled). ``preset``: a built-in preset; ``config``: knobs overriding it;
+    ``compare_baseline``: also time a target-only run and report the speed-up in ``summary``."""
+    cfg = shared.api_config(preset, config, default_strategy="speculative", strategies=("speculative",))
+    lm = shared.lm(model, quantization)
+    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control,
+                      compare_baseline=compare_baseline).to_dict()

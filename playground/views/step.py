@@ -1,55 +1,80 @@
 """Step through: type a prompt, generate token by token, click any token to see why it was chosen,
 branch from any step with another token.
 
-Per-user state is one ``StepSession`` in gr.State: the runs (original and branches) and the KV
-cache of the last run, so a branch rewinds the cache instead of rebuilding it.
+Per-user state is one ``StepSession`` in gr.State: at most ``MAX_RUNS`` traces (the original and
+its branches) and nothing else; no KV cache is kept, so a branch costs one prefill through the
+runner. API: ``/step_trace`` (run greedy/sampling) and ``/branch`` (continue a trace from a step
+with another token) return trace JSON.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import gradio as gr
 
-from engine import decode
-from engine.cache import KVCache
-from engine.config import ConfigError, DecodingConfig
-from engine.presets import PresetError, load_preset
-from engine.trace import Trace
+from engine.config import DecodingConfig
+from engine.control import RunControl
+from engine.models import LoadedModel
+from engine import runner
+from engine.trace import Trace, from_dict
 from playground.charts import step as charts
 
+from .. import downloads
+from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import OutputSet, Shared, UserError, error_html, gpu_task, guarded, status_html
+from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
+MAX_RUNS = 8  # runs kept per session: the original and the latest branches
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
 DEFAULT_PROMPT = "Write a haiku about the sea."
+STEP_STRATEGIES = ("greedy", "sample")
 
 
 @dataclass
 class StepSession:
     runs: list[Trace] = field(default_factory=list)
     current: int = 0
-    cache: KVCache | None = None
-    model_key: tuple[str, str] = ("", "")
 
     def trace(self) -> Trace | None:
         return self.runs[self.current] if self.runs else None
 
+    def add(self, trace: Trace) -> None:
+        """Show ``trace`` as the newest run; past MAX_RUNS the oldest branch is dropped."""
+        self.runs.append(trace)
+        if len(self.runs) > MAX_RUNS:
+            del self.runs[1]
+        self.current = len(self.runs) - 1
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One validated run of the view: what to run and how to draw it."""
+
+    lm: LoadedModel
+    prompt: str
+    prompt_ids: list[int]
+    config: DecodingConfig
+    chat: bool
+    colour_by: str
+
 
 def _run_label(i: int, trace: Trace) -> str:
-    if trace.branch_of is None:
+    k = trace.branch_of
+    if k is None:
         return f"#{i} original"
-    return f"#{i} branch at step {trace.branch_of}: {charts.readable(trace.steps[trace.branch_of].chosen_token)!s}"
+    # While a branch streams in, its forced token may not be there yet.
+    token = charts.readable(trace.steps[k].chosen_token) if k < len(trace.steps) else "…"
+    return f"#{i} branch at step {k}: {token!s}"
 
 
 @dataclass
 class Outputs(OutputSet):
-    """Component handles the handlers update, in one fixed order."""
+    """Component handles the handlers update."""
 
     text: Any
     step: Any
@@ -62,34 +87,33 @@ class Outputs(OutputSet):
     summary: Any
     status: Any
     download: Any
+    session: Any
 
 
-def render(session: StepSession, selected: int | None, colour_by: str, status: str = "", full: bool = True) -> list:
-    """All outputs for the session's current run with step ``selected`` in view."""
+def render(out: Outputs, session: StepSession, selected: int | None, colour_by: str, status: str = "",
+           full: bool = True) -> dict:
+    """Updates for the session's current run with step ``selected`` in view (``full``: every chart)."""
     trace = session.trace()
     if trace is None or not trace.steps:
-        return [[], gr.update(), "", None, gr.update(choices=[]), gr.update(), "", None, "", status, gr.update()]
+        return {out.text: [], out.alternatives: gr.update(choices=[]), out.summary: "", out.status: status,
+                out.explain: "", out.chart: None, out.over_run: None, out.session: session}
     last = len(trace.steps) - 1
     sel = last if selected is None else max(0, min(int(selected), last))
-    step = trace.steps[sel]
-    highlights = charts.token_highlights(trace.steps, colour_by)
-    runs = gr.update(choices=[(_run_label(i, t), i) for i, t in enumerate(session.runs)], value=session.current)
-    if not full:
-        return [highlights, gr.update(maximum=max(1, last), value=sel), gr.update(), gr.update(), gr.update(), runs,
-                gr.update(), gr.update(), charts.summary_markdown(trace), status, gr.update()]
-    return [
-        highlights,
-        gr.update(maximum=max(1, last), value=sel),
-        charts.explain_step(step),
-        charts.stage_chart(step),
-        gr.update(choices=charts.alternatives(step), value=None),
-        runs,
-        compare_markdown(session),
-        charts.run_chart(trace.steps, sel),
-        charts.summary_markdown(trace),
-        status,
-        gr.update(value=_trace_file(trace)),
-    ]
+    updates = {
+        out.text: charts.token_highlights(trace.steps, colour_by),
+        out.step: gr.update(maximum=max(1, last), value=sel),
+        out.runs: gr.update(choices=[(_run_label(i, t), i) for i, t in enumerate(session.runs)], value=session.current),
+        out.summary: charts.summary_markdown(trace),
+        out.status: status,
+        out.session: session,
+    }
+    if full:
+        step = trace.steps[sel]
+        updates |= {out.explain: charts.explain_step(step), out.chart: charts.stage_chart(step),
+                    out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
+                    out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
+                    out.download: downloads.trace_file(trace)}
+    return updates
 
 
 def compare_markdown(session: StepSession) -> str:
@@ -106,41 +130,32 @@ def compare_markdown(session: StepSession) -> str:
             f"{''.join(s.chosen_token for s in trace.steps[k:])}")
 
 
-def _trace_file(trace: Trace) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="trace-", delete=False, encoding="utf-8") as fh:
-        fh.write(trace.to_json(indent=1))
-        return fh.name
+def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequest, control: RunControl,
+               branch: tuple[Trace, int, int] | None = None) -> Iterator[dict]:
+    """Run ``req`` (or branch ``(parent, at, token)``) and yield throttled updates; the last one has
+    every chart."""
+    at = branch[1] if branch else None
+    if branch:
+        events = shared.branch(req.lm, branch[0], at, branch[2], control=control)
+    else:
+        events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids,
+                               control=control)
+    session.add(runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, [], req.chat, branch_of=at))
+    index, steps = session.current, []
+    for event, redraw in throttle(events, STREAM_EVERY_S):
+        steps += event.steps
+        if event.trace is not None:
+            session.runs[index] = event.trace
+        elif redraw:
+            session.runs[index] = runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, steps, req.chat,
+                                                       branch_of=at)
+            note = f"generating… {len(steps) - (at or 0)} / {req.config.max_new_tokens} tokens"
+            yield render(out, session, None, req.colour_by, status_html(note), full=False)
+    done = f"done: {len(steps)} tokens, stopped by {session.runs[index].stop_reason}. Click any token to inspect it."
+    yield render(out, session, at if at is not None else 0, req.colour_by, status_html(done))
 
 
-def stream_run(shared: Shared, session: StepSession, lm, prompt: str, prompt_ids: list[int], config: DecodingConfig,
-               chat: bool, colour_by: str, parent: Trace | None = None, at: int | None = None,
-               token: int | None = None) -> Iterator[list]:
-    """Run (or branch) and yield throttled UI updates; the final yield has every chart."""
-    cache = session.cache or KVCache(lm.model)
-    session.cache = cache
-    steps = []
-    source = (decode.branch(lm, parent, at, token, cache=cache) if parent is not None
-              else decode.stream(lm, prompt_ids, config, cache=cache))
-    session.runs.append(decode.assemble(lm, prompt, prompt_ids, config, [], chat, branch_of=at))
-    session.current = len(session.runs) - 1
-    last_yield = 0.0
-    for step in source:
-        steps.append(step)
-        if time.perf_counter() - last_yield >= STREAM_EVERY_S:
-            session.runs[-1] = decode.assemble(lm, prompt, prompt_ids, config, steps, chat, branch_of=at)
-            last_yield = time.perf_counter()
-            yield render(session, None, colour_by, status_html(f"generating… {len(steps)} / {config.max_new_tokens} tokens"), full=False) + [session]
-    session.runs[-1] = decode.assemble(lm, prompt, prompt_ids, config, steps, chat, branch_of=at)
-    done = f"done: {len(steps)} tokens, stopped by {session.runs[-1].stop_reason}. Click any token to inspect it."
-    yield render(session, at if at is not None else 0, colour_by, status_html(done)) + [session]
-
-
-def _error_outputs(message: str, session: StepSession | None) -> list:
-    return [gr.update()] * 9 + [error_html(message), gr.update(), session]
-
-
-def build_tab(shared: Shared) -> None:
-    session = gr.State(None, time_to_live=3600)
+def build_tab(shared: Shared) -> PanelView:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="step-prompt")
@@ -166,91 +181,115 @@ def build_tab(shared: Shared) -> None:
             over_run = gr.Plot(label="Entropy and surprisal over the run", elem_id="step-over-run")
             summary = gr.Markdown(elem_id="step-summary")
             download = gr.DownloadButton("Download trace JSON", elem_id="step-download")
-    out = Outputs(text, step_slider, explain, chart, alternatives, runs, compare, over_run, summary, status, download)
+    out = Outputs(text, step_slider, explain, chart, alternatives, runs, compare, over_run, summary, status, download,
+                  gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
-    shared.extra["step"] = {"panel": panel, "prompt": prompt, "chat": chat}
-    _wire(shared, panel, session, prompt, chat, colour_by, generate, stop, branch_btn, out)
+    view = PanelView("step", prompt, panel, chat)
+    Handlers(shared, view, out, colour_by).wire(generate, branch_btn, stop)
+    return view
 
 
-def _wire(shared: Shared, panel: KnobPanel, session, prompt, chat, colour_by, generate, stop, branch_btn, out: Outputs) -> None:
-    outputs = out.all() + [session]
+@dataclass
+class Handlers:
+    """The view's event handlers; ``wire`` registers them."""
 
-    @gpu_task
-    def on_generate(prompt_text, chat_on, model, quant, colour, state, *values):
-        state = state or StepSession()
-        try:
-            config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
-        except UserError as exc:
-            yield _error_outputs(str(exc), state)
-            return
-        if state.model_key != (model, quant):
-            state = StepSession(model_key=(model, quant))
-        state.runs, state.current = [], 0
-        yield from _guarded(stream_run(shared, state, lm, prompt_text, prompt_ids, config, chat_on, colour), state)
+    shared: Shared
+    view: PanelView
+    out: Outputs
+    colour_by: gr.Radio
 
-    @gpu_task
-    def on_branch(model, quant, colour, state, at, token):
+    def error(self, message: str) -> dict:
+        return {self.out.status: error_html(message)}
+
+    def on_generate(self, prompt: str, chat: bool, model: str, quant: str, colour: str, state: StepSession | None,
+                    *values: Any, control: RunControl) -> Iterator[dict]:
+        config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, model, quant, prompt, chat)
+        session = StepSession()  # a new prompt starts a new list of runs
+        yield from stream_run(self.out, self.shared, session, StepRequest(lm, prompt, prompt_ids, config, chat, colour),
+                              control)
+
+    def on_branch(self, model: str, quant: str, colour: str, state: StepSession | None, at: Any, token: Any, *,
+                  control: RunControl) -> Iterator[dict]:
         if state is None or state.trace() is None:
-            yield _error_outputs("branch: generate a run first", state)
-            return
+            raise UserError("branch: generate a run first")
         if token is None:
-            yield _error_outputs("branch: pick a token from the list first", state)
-            return
+            raise UserError("branch: pick a token from the list first")
         parent = state.trace()
-        lm = shared.lm(model, quant)
-        config = DecodingConfig.from_dict(parent.config)
-        yield from _guarded(stream_run(shared, state, lm, parent.prompt, parent.prompt_token_ids, config, parent.chat,
-                                       colour, parent=parent, at=int(at), token=int(token)), state)
+        lm = self.shared.lm(model, quant)
+        req = StepRequest(lm, parent.prompt, parent.prompt_token_ids, DecodingConfig.from_dict(parent.config),
+                          parent.chat, colour)
+        yield from stream_run(self.out, self.shared, state, req, control, branch=(parent, int(at), int(token)))
 
-    gen_inputs = [prompt, chat, shared.model, shared.quantization, colour_by, session, *panel.inputs]
-    gen_event = generate.click(on_generate, gen_inputs, outputs, api_visibility="private", **shared.model_event)
-    submit_event = prompt.submit(on_generate, gen_inputs, outputs, api_visibility="private", **shared.model_event)
-    branch_event = branch_btn.click(on_branch, [shared.model, shared.quantization, colour_by, session, out.step, out.alternatives],
-                                    outputs, api_visibility="private", **shared.model_event)
-    stop.click(lambda: status_html("stopped"), None, [out.status], cancels=[gen_event, submit_event, branch_event], queue=False)
+    def wire(self, generate: gr.Button, branch: gr.Button, stop: gr.Button) -> None:
+        out, shared, events = self.out, self.shared, self.shared.events
+        gen_inputs = [self.view.prompt, self.view.chat, shared.model, shared.quantization, self.colour_by, out.session,
+                      *self.view.panel.inputs]
+        gen_event = events.on([generate.click, self.view.prompt.submit], self.on_generate, gen_inputs, out.all(),
+                              on_error=self.error)
+        branch_event = events.on([branch.click], self.on_branch, [shared.model, shared.quantization, self.colour_by,
+                                                                  out.session, out.step, out.alternatives],
+                                 out.all(), on_error=self.error)
+        stop_button(stop, out.status, [gen_event, branch_event], status_html("stopped"))
+        self.wire_local()
+        events.api(functools.partial(step_trace, shared), "step_trace")
+        events.api(functools.partial(branch_trace, shared), "branch", what="branch")
 
-    def on_select(state, colour, evt: gr.SelectData):
-        return render(state or StepSession(), evt.index if isinstance(evt.index, int) else evt.index[0], colour) + [state]
+    def wire_local(self) -> None:
+        """Events that only redraw the session's traces (no model): not queued, not API endpoints."""
+        out, local = self.out, {"api_visibility": "private", "queue": False}
 
-    out.text.select(on_select, [session, colour_by], outputs, api_visibility="private", queue=False)
-    out.step.release(lambda s, i, c: render(s or StepSession(), i, c) + [s], [session, out.step, colour_by], outputs,
-                     api_visibility="private", queue=False)
-    colour_by.change(lambda s, i, c: render(s or StepSession(), i, c) + [s], [session, out.step, colour_by], outputs,
-                     api_visibility="private", queue=False)
+        def on_select(state: StepSession | None, colour: str, evt: gr.SelectData) -> dict:
+            index = evt.index if isinstance(evt.index, int) else evt.index[0]
+            return render(out, state or StepSession(), index, colour)
 
-    def on_pick_run(state, index, colour):
-        if state is None or index is None or not 0 <= int(index) < len(state.runs):
-            return [gr.update()] * len(outputs)
-        state.current = int(index)
-        return render(state, state.trace().branch_of or 0, colour) + [state]
+        def redraw(state: StepSession | None, index: Any, colour: str) -> dict:
+            return render(out, state or StepSession(), index, colour)
 
-    out.runs.input(on_pick_run, [session, out.runs, colour_by], outputs, api_visibility="private", queue=False)
+        def on_pick_run(state: StepSession | None, index: Any, colour: str) -> dict:
+            if state is None or index is None or not 0 <= int(index) < len(state.runs):
+                return {}
+            state.current = int(index)
+            return render(out, state, state.trace().branch_of or 0, colour)
 
-    def step_trace_api(prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,
-                       model: str = "embedded", quantization: str = "none") -> dict:
-        """Run greedy or sampling on the prompt and return the trace JSON (same as the CLI's --json).
-        ``preset``: a built-in preset name; ``config``: knobs overriding it."""
-        return step_trace(shared, prompt, config, preset, chat, model, quantization)
-
-    gr.api(step_trace_api, api_name="step_trace", **shared.model_event)
-
-
-def _guarded(updates: Iterator[list], state: StepSession) -> Iterator[list]:
-    return guarded(updates, lambda message: _error_outputs(message, state), "generation")
+        out.text.select(on_select, [out.session, self.colour_by], out.all(), **local)
+        out.step.release(redraw, [out.session, out.step, self.colour_by], out.all(), **local)
+        self.colour_by.change(redraw, [out.session, out.step, self.colour_by], out.all(), **local)
+        out.runs.input(on_pick_run, [out.session, out.runs, self.colour_by], out.all(), **local)
 
 
 def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,
-               model: str = "embedded", quantization: str = "none") -> dict:
-    """API: run greedy/sampling and return the trace JSON (the CLI's ``--json`` object).
-    ``preset`` names a built-in preset; ``config`` holds knobs that override it."""
+               model: str = "embedded", quantization: str = "none", *, control: RunControl) -> dict:
+    """Run greedy or sampling on the prompt and return the trace JSON (same as the CLI's --json).
+    ``preset``: a built-in preset name (or preset JSON); ``config``: knobs overriding it."""
+    cfg = shared.api_config(preset, config, default_strategy="sample", strategies=STEP_STRATEGIES)
+    lm = shared.lm(model, quantization)
+    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
+
+
+def branch_trace(shared: Shared, parent: dict | str, step: int, token_id: int, model: str = "embedded",
+                 quantization: str = "none", *, control: RunControl) -> dict:
+    """Continue ``parent`` (a greedy or sampling trace JSON, e.g. from /step_trace) from step
+    ``step`` with token ``token_id`` instead of the one it chose; returns the branch's trace JSON
+    (``branch_of`` = ``step``; steps before it are the parent's)."""
+    lm = shared.lm(model, quantization)
+    trace = parent_trace(shared, lm, parent)
+    *_, last = shared.branch(lm, trace, step, token_id, control=control)
+    return last.trace.to_dict()
+
+
+def parent_trace(shared: Shared, lm: LoadedModel, parent: Any) -> Trace:
+    """An untrusted trace JSON (object or text) as a Trace whose token ids fit ``lm``."""
     try:
-        base = load_preset(preset).config.to_dict(sparse=True) if preset else {"strategy": "sample"}
-        cfg = DecodingConfig.from_dict(base | dict(config or {}))
-        if cfg.strategy not in ("greedy", "sample"):
-            raise ConfigError("strategy", f"the step_trace endpoint runs greedy | sample, got {cfg.strategy!r}")
-        lm = shared.lm(model, quantization)
-        prompt_ids = shared.encode_prompt(lm, prompt, chat)
-    except (ConfigError, PresetError, UserError) as exc:
-        raise gr.Error(str(exc)) from None
-    steps = list(decode.stream(lm, prompt_ids, cfg))
-    return json.loads(decode.assemble(lm, prompt, prompt_ids, cfg, steps, chat).to_json())
+        data = json.loads(parent) if isinstance(parent, str) else parent
+        if not isinstance(data, dict):
+            raise TypeError(f"expected a trace JSON object, got {type(data).__name__}")
+        trace = from_dict(Trace, data)
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise UserError(f"parent: not a trace: {str(exc)[:120]}") from None
+    ids = [*trace.prompt_token_ids, *trace.generated_token_ids]
+    if not trace.prompt_token_ids or len(trace.prompt_token_ids) > shared.max_prompt_tokens:
+        raise UserError(f"parent: prompt_token_ids must hold 1 to {shared.max_prompt_tokens} tokens")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < lm.vocab_size for i in ids):
+        raise UserError(f"parent: token ids must be integers in [0, {lm.vocab_size})")
+    return trace

@@ -1,0 +1,172 @@
+"""The one place that registers events touching the model: the queue, one concurrency id and
+limit, ZeroGPU wrapping, a per-request RunControl (cancellation + time limit) and the error guard.
+
+A model handler is a plain generator function of its input values plus a keyword-only
+``control: RunControl``; it yields ``{component: value}`` updates and calls the runner with
+``control``, which raises RunStopped within one step once the control is cancelled. The control is
+cancelled when the run's generator is closed, its task is cancelled (Stop, a cancelled
+gradio_client job) or Gradio stops iterating it after the client disconnected.
+
+An API function is a plain function of typed arguments plus ``control``, returning JSON; errors
+reach the client as one-line ``gr.Error`` messages.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import typing
+from typing import Any, Callable, Iterator
+
+import anyio
+import gradio as gr
+import torch
+
+from engine.config import ConfigError
+from engine.control import RunControl, RunStopped
+from engine.models import ModelLoadError
+from engine.presets import PresetError
+from engine.sharelink import ShareLinkError
+
+MODEL_CONCURRENCY_ID = "model"
+DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_GPU = 16, 32
+# Bad input and stopped runs: their message is shown as is. Anything else is a failure of ours.
+USER_ERRORS = (ValueError, ConfigError, ModelLoadError, PresetError, ShareLinkError, RunStopped)
+_DONE = object()
+
+
+def _positive_env(name: str) -> int | None:
+    text = os.environ.get(name, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def max_batch() -> int:
+    """The batched scheduler's batch size: env ``DP_MAX_BATCH``, default 16 on CPU, 32 on GPU."""
+    default = DEFAULT_MAX_BATCH_GPU if torch.cuda.is_available() else DEFAULT_MAX_BATCH_CPU
+    return _positive_env("DP_MAX_BATCH") or default
+
+
+def default_concurrency() -> int:
+    """How many model events run at once: env ``DP_CONCURRENCY``, default the scheduler's batch
+    size (greedy/sampling runs share batched forwards, so more than one per core pays off)."""
+    return _positive_env("DP_CONCURRENCY") or max_batch()
+
+
+def zero_gpu(fn: Callable) -> Callable:
+    """On a ZeroGPU Space (SPACE_ID set and ``spaces`` importable) ``fn`` runs under
+    ``spaces.GPU(duration=...)`` (the request time limit, env ``DP_GPU_SECONDS``, default 120 s);
+    everywhere else ``fn`` is returned unchanged."""
+    if not os.environ.get("SPACE_ID"):
+        return fn
+    try:
+        import spaces  # type: ignore[import-not-found]
+    except ImportError:
+        return fn
+    return spaces.GPU(duration=_positive_env("DP_GPU_SECONDS") or 120)(fn)
+
+
+def error_message(exc: Exception, what: str) -> str:
+    """The one-line message a failed handler shows: the user's own error as is, else what failed."""
+    if isinstance(exc, USER_ERRORS):
+        return str(exc)
+    return f"{what} failed: {type(exc).__name__}: {exc}"
+
+
+def _without_control(fn: Callable, wrapper: Callable) -> Callable:
+    """``wrapper`` presented to Gradio with ``fn``'s name, doc, signature and type hints, minus
+    the ``control`` parameter the wrapper supplies itself (``fn`` may be a functools.partial)."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    try:
+        hints = typing.get_type_hints(target)
+    except (NameError, TypeError):
+        hints = {}
+    signature = inspect.signature(fn)
+    params = [p.replace(annotation=hints.get(p.name, p.annotation))
+              for p in signature.parameters.values() if p.name != "control"]
+    wrapper.__signature__ = signature.replace(parameters=params,
+                                              return_annotation=hints.get("return", signature.return_annotation))
+    wrapper.__annotations__ = {k: v for k, v in hints.items() if k != "control" and k in
+                               {p.name for p in params} | {"return"}}
+    wrapper.__name__ = wrapper.__qualname__ = target.__name__
+    wrapper.__doc__ = target.__doc__
+    wrapper.__module__ = target.__module__
+    return wrapper
+
+
+def _next(updates: Iterator) -> Any:
+    return next(updates, _DONE)
+
+
+def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], dict], what: str) -> Callable:
+    """An async generator for Gradio that drives ``handler`` in a worker thread. Cancelling the
+    task (or closing the generator) cancels the run's control at once, so the thread stops at its
+    next step even though Gradio never resumes it."""
+    gpu_handler = zero_gpu(handler)
+
+    async def run(*args: Any, **kwargs: Any):
+        control = RunControl.with_request_limit()
+        updates = gpu_handler(*args, control=control, **kwargs)
+        try:
+            while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
+                yield update
+        except Exception as exc:  # the page shows the message; it never crashes
+            yield on_error(error_message(exc, what))
+        finally:
+            control.cancel()
+
+    return _without_control(handler, run)
+
+
+def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True) -> Callable:
+    """An async API function for ``gr.api`` that runs ``fn`` in a worker thread with its own
+    RunControl (cancelled with the request's task); errors become one-line ``gr.Error``s.
+    ``uses_model=False``: ``fn`` takes no ``control`` and needs no GPU."""
+    gpu_fn = zero_gpu(fn) if uses_model else fn
+
+    async def endpoint(*args: Any, **kwargs: Any) -> Any:
+        control = RunControl.with_request_limit()
+        extra = {"control": control} if uses_model else {}
+        call = functools.partial(gpu_fn, *args, **extra, **kwargs)
+        try:
+            return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        except Exception as exc:
+            raise gr.Error(error_message(exc, what)) from None
+        finally:
+            control.cancel()
+
+    return _without_control(fn, endpoint)
+
+
+class ModelEvents:
+    """Registers model events: every one shares one queue concurrency id and limit."""
+
+    def __init__(self, concurrency_limit: int | None = None):
+        self.concurrency_limit = concurrency_limit or default_concurrency()
+
+    @property
+    def _queue(self) -> dict[str, Any]:
+        return {"concurrency_id": MODEL_CONCURRENCY_ID, "concurrency_limit": self.concurrency_limit}
+
+    def on(self, triggers: list, handler: Callable[..., Iterator[dict]], inputs: list, outputs: list, *,
+           on_error: Callable[[str], dict], what: str = "generation") -> Any:
+        """Register ``handler`` (a generator of ``{component: value}`` updates taking ``control``)
+        for every trigger (e.g. ``[button.click, prompt.submit]``); UI-only, not an API endpoint.
+        Returns the dependency, for a Stop button's ``cancels=``."""
+        return gr.on(triggers, streamed(handler, on_error, what), inputs, outputs, api_visibility="private",
+                     **self._queue)
+
+    def api(self, fn: Callable[..., Any], api_name: str, what: str = "generation") -> Any:
+        """A named API endpoint returning JSON (``fn`` takes typed arguments and ``control``)."""
+        return gr.api(api_endpoint(fn, what), api_name=api_name, **self._queue)
+
+
+def data_api(fn: Callable[..., Any], api_name: str, what: str = "request") -> Any:
+    """A named API endpoint that never touches the model (presets, share links): the same error
+    guard, no model queue."""
+    return gr.api(api_endpoint(fn, what, uses_model=False), api_name=api_name)
+
+
+def stop_button(button: gr.Button, status: Any, events: list, message: str = "stopped") -> None:
+    """Stop cancels ``events`` (their runs stop within one step); it is not an API endpoint."""
+    button.click(lambda: message, None, [status], cancels=events, queue=False, api_visibility="private")

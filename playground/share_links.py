@@ -1,0 +1,146 @@
+"""Share links: a "Copy link" row that puts a view's prompt, preset and seed in the URL itself
+(engine.sharelink), and, on page load, a ``?share=`` link restored into its view.
+
+Views take part through their ``PanelView`` handle (playground/shared.py); the app passes the
+handles it built to ``wire_share_links`` once every view exists.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Mapping, Sequence
+
+import gradio as gr
+
+from engine.config import DecodingConfig
+from engine.presets import Preset, PresetError
+from engine.sharelink import SHARE_PARAM, ShareLinkError, ShareState, decode, encode
+
+from .shared import PanelView, UserError
+from .user_presets import find_preset, matching_choice
+
+BAD_LINK = "This share link could not be opened ({reason}); the defaults are shown instead."
+
+
+def restore_from_query(query_params: Mapping[str, str] | None) -> ShareState | str | None:
+    """A share link's state from the page's query parameters (``gr.Request.query_params``).
+    None: there is no link. A str: a message saying why the link could not be opened."""
+    token = (query_params or {}).get(SHARE_PARAM)
+    if token is None:
+        return None
+    try:
+        return decode(token)
+    except ShareLinkError as exc:
+        return BAD_LINK.format(reason=exc)
+
+
+def share_token(view: str, prompt: str, config: DecodingConfig, choice: str, stored: Any,
+                chat: bool | None = None) -> str:
+    """The token for a view's current state; ``choice`` is the picker entry (names the preset)."""
+    picked = find_preset(choice, stored)
+    modified = picked is not None and picked.config.replace(seed=config.seed) != config
+    name = picked.name if picked else "Shared settings"
+    description = picked.description if picked and not modified else "Settings shared by link."
+    state = ShareState(view=view, prompt=prompt or "", preset=Preset.create(name, description, config),
+                       seed=config.seed, chat=chat)
+    return encode(state)
+
+
+# Runs in the browser after the token is made: builds the full URL from the page's own address (so
+# it works behind any host or proxy), copies it, and shows it. The clipboard API needs a secure
+# context (https or localhost); elsewhere a hidden textarea and execCommand do the copy.
+COPY_LINK_JS = f"""
+(token) => {{
+  if (!token) return "";
+  const url = new URL(window.location.href);
+  url.hash = "";
+  url.searchParams.set("{SHARE_PARAM}", token);
+  const link = url.toString();
+  const fallback = () => {{
+    const area = document.createElement("textarea");
+    area.value = link; area.style.position = "fixed"; area.style.opacity = "0";
+    document.body.appendChild(area); area.select();
+    try {{ document.execCommand("copy"); }} catch (e) {{}}
+    area.remove();
+  }};
+  if (navigator.clipboard && window.isSecureContext) {{
+    navigator.clipboard.writeText(link).catch(fallback);
+  }} else {{
+    fallback();
+  }}
+  return link;
+}}
+"""
+
+
+def _share_inputs(view: PanelView) -> list:
+    """The controls a link carries, in the order ``_make_token`` reads them."""
+    return [view.prompt, *([view.chat] if view.chat is not None else []), view.panel.preset, *view.panel.inputs]
+
+
+def _make_token(view: PanelView, stored: Any, values: Sequence[Any]) -> str:
+    """The token for one view's control values (in ``_share_inputs`` order); "" plus a warning on failure."""
+    values = list(values)
+    prompt = values.pop(0)
+    chat = bool(values.pop(0)) if view.chat is not None else None
+    choice = values.pop(0)
+    try:
+        config = view.panel.config(*values)
+        return share_token(view.name, prompt, config, choice, stored, chat)
+    except (UserError, ShareLinkError, PresetError) as exc:
+        gr.Warning(html.escape(f"No link: {exc}"))
+        return ""
+
+
+def _copy_link_row(views: dict[str, PanelView], user_presets: gr.BrowserState) -> None:
+    """One "Copy link" row at the bottom of the page: pick the view, copy its link."""
+    names = list(views)
+    with gr.Accordion("Share a link", open=False, elem_id="dp-share"):
+        with gr.Row():
+            which = gr.Radio(names, value=names[0], label="View", scale=2, elem_id="dp-share-view")
+            button = gr.Button("🔗 Copy link", size="sm", scale=0, min_width=120, elem_id="dp-copy-link")
+            link = gr.Textbox(show_label=False, interactive=False, scale=4, elem_id="dp-share-link")
+    groups = [_share_inputs(views[name]) for name in names]
+    starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
+
+    def on_click(name: str, stored: Any, *values: Any) -> str:
+        i = names.index(name)
+        return _make_token(views[name], stored, values[starts[i]: starts[i] + len(groups[i])])
+
+    button.click(on_click, [which, user_presets, *(c for g in groups for c in g)], [link], api_visibility="private"
+                 ).then(None, [link], [link], js=COPY_LINK_JS, api_visibility="private")
+
+
+def _restore_updates(state: ShareState, view: PanelView, stored: Any) -> dict:
+    """``{component: value}`` updates that show ``state`` in ``view``."""
+    panel = view.panel
+    choice, modified = matching_choice(state.preset.config, stored, state.preset.name)
+    updates = {view.prompt: state.prompt} | panel.apply_preset(state.preset, choice, modified)
+    if view.chat is not None and state.chat is not None:
+        updates[view.chat] = state.chat
+    return updates
+
+
+def _restore_outputs(view: PanelView) -> list:
+    panel = view.panel
+    return [view.prompt, *([view.chat] if view.chat is not None else []), *panel.inputs, panel.preset, panel.modified]
+
+
+def wire_share_links(demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[PanelView], user_presets: gr.BrowserState) -> None:
+    """The "Copy link" row, and on page load a ``?share=`` link restoring its view (tab, prompt,
+    preset controls, seed); a bad link shows a warning and leaves the defaults."""
+    by_name = {view.name: view for view in views}
+    _copy_link_row(by_name, user_presets)
+    outputs = [tabs] + [c for view in views for c in _restore_outputs(view)]
+
+    def on_load(stored: Any, request: gr.Request) -> dict:
+        result = restore_from_query(dict(request.query_params) if request is not None else {})
+        if isinstance(result, ShareState) and result.view not in by_name:
+            result = BAD_LINK.format(reason=f"view: this app has no view called {result.view!r}")
+        if isinstance(result, str):
+            gr.Warning(html.escape(result))  # toasts render HTML: a link's text must stay text
+        if not isinstance(result, ShareState):
+            return {}
+        return {tabs: gr.Tabs(selected=f"tab-{result.view}")} | _restore_updates(result, by_name[result.view], stored)
+
+    demo.load(on_load, [user_presets], outputs, api_visibility="private")

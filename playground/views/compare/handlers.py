@@ -1,0 +1,214 @@
+"""The Compare page's handlers: lane reshaping (add / duplicate / remove), running every lane,
+the token inspector and the seed sweep. All updates are ``{component: value}`` dicts."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import gradio as gr
+
+from engine import contrastive
+from engine.control import RunControl
+from engine.metrics import lane_metrics, mean_logprob, sweep_spread
+from playground.charts import compare as charts
+from playground.charts import step as step_charts
+
+from ...events import stop_button
+from ...shared import Shared, UserError, error_html, status_html
+from ...user_presets import CUSTOM, preset_choices
+from .lanes import (
+    MAX_LANES, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config, lane_name, remove_lane,
+    spec_from_preset, sweep_seeds,
+)
+from .layout import Page
+from .run import run_lanes, run_sweep
+
+RAW_ENTROPY = "raw model"
+
+
+def specs_from(values: Sequence[Any], count: int) -> list[LaneSpec]:
+    """The first ``count`` lanes' settings from the flat (preset, strategy, knobs) x MAX_LANES values."""
+    return [LaneSpec(*values[3 * i:3 * i + 3]) for i in range(count)]
+
+
+def render_specs(page: Page, specs: Sequence[LaneSpec]) -> dict:
+    """Show the first ``len(specs)`` lane columns with these settings; hide the rest."""
+    out: dict = {}
+    for i, lane in enumerate(page.lanes):
+        if i < len(specs):
+            out |= {lane.column: gr.update(visible=True), lane.preset: specs[i].preset,
+                    lane.strategy: specs[i].strategy, lane.knobs: specs[i].knobs}
+        else:
+            out[lane.column] = gr.update(visible=False)
+    return out
+
+
+def render_results(page: Page, session: CompareSession, count: int, raw: bool, running: int | None = None) -> dict:
+    """Every shown lane's status and text, the lane pickers, and (unless a lane is running) the
+    divergence, metrics and entropy chart."""
+    at = session.divergence() if running is None else None
+    out: dict = {}
+    for i, lane in enumerate(page.lanes[:count]):
+        trace = session.traces[i] if i < len(session.traces) else None
+        error = session.errors[i] if i < len(session.errors) else ""
+        if error:
+            out[lane.status] = error_html(f"{lane_name(i)}: {error}")
+        else:
+            out[lane.status] = charts.lane_status(lane_name(i), trace, session.max_new_tokens, running == i)
+        out[lane.text] = charts.lane_highlights(trace.steps, None if error else at) if trace else []
+    names = [lane_name(i) for i in range(count)]
+    out |= {page.inspect.lane: gr.update(choices=names), page.sweep.lane: gr.update(choices=names)}
+    if running is not None:
+        return out
+    done = session.done()
+    finished = [t for _, t in done]
+    rows = charts.metrics_rows([lane_metrics(t, n) for n, t in done], [t.strategy for t in finished])
+    figure = charts.entropy_chart([n for n, _ in done], [t.steps for t in finished], at, raw) if done else None
+    return out | {page.divergence: charts.divergence_markdown([n for n, _ in done], finished, at),
+                  page.metrics: rows, page.entropy: figure}
+
+
+def render_inspect(page: Page, session: CompareSession | None, lane: str | None, step: Any) -> dict:
+    """Lane picker, step slider, explanation and stage chart for one lane's step."""
+    panel = page.inspect
+    traces = dict(session.done()) if session else {}
+    trace = traces.get(lane or "")
+    if trace is None:
+        message = f"{lane} has no output." if traces else "Run the lanes, then click a token."
+        return {panel.explain: message, panel.chart: None}
+    last = len(trace.steps) - 1
+    index = max(0, min(int(step or 0), last))
+    chosen = trace.steps[index]
+    if chosen.stages:
+        explain, figure = step_charts.explain_step(chosen), step_charts.stage_chart(chosen)
+    else:
+        explain, figure = f"{trace.strategy} keeps no per-stage record of its tokens; see its own tab.", None
+    records = contrastive.records(trace) if trace.strategy in contrastive.STRATEGIES else []
+    if index < len(records):
+        explain += "\n\n" + charts.record_markdown(records[index])
+    return {panel.lane: gr.update(value=lane), panel.step: gr.update(maximum=max(1, last), value=index),
+            panel.explain: explain, panel.chart: figure}
+
+
+def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | None, kind: str,
+            values: Sequence[Any]) -> dict:
+    """Add a lane, or duplicate / remove lane ``i``; results move with their lanes."""
+    specs = specs_from(values, count)
+    session = session or CompareSession()
+    rows = list(zip(specs, (session.traces + [None] * count)[:count], (session.errors + [""] * count)[:count]))
+    try:
+        if op == "add":
+            rows = add_lane(rows, (default_spec(specs), None, ""))
+        elif op == "duplicate":
+            rows = duplicate_lane(rows, i)
+        else:
+            rows = remove_lane(rows, i)
+    except UserError as exc:
+        return {page.status: error_html(str(exc))}
+    specs, session.traces, session.errors = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    return ({page.count: len(rows), page.status: "", page.session: session} | render_specs(page, specs)
+            | render_results(page, session, len(rows), kind == RAW_ENTROPY))
+
+
+def wire_lanes(shared: Shared, page: Page) -> None:
+    """Preset pickers fill their lane; add / duplicate / remove reshape the lanes (and their results)."""
+    local = {"api_visibility": "private", "queue": False}
+    for lane in page.lanes:
+        lane.preset.input(lambda choice, stored, lane=lane: _fill_lane(lane, choice, stored),
+                          [lane.preset, shared.user_presets], [lane.strategy, lane.knobs], **local)
+        for edited in (lane.strategy, lane.knobs):  # a hand edit: the lane no longer is the preset
+            edited.input(lambda: CUSTOM, None, [lane.preset], **local)
+    inputs = [page.count, page.session, page.entropy_kind, *page.lane_values]
+    outputs = [page.count, page.status, *page.spec_outputs, *page.result_outputs, page.session]
+    ops = [(page.add, "add", 0)] + [(b, op, i) for i, lane in enumerate(page.lanes)
+                                    for b, op in ((lane.duplicate, "duplicate"), (lane.remove, "remove"))]
+    for button, op, i in ops:
+        button.click(lambda count, session, kind, *values, op=op, i=i: reshape(page, op, i, count, session, kind, values),
+                     inputs, outputs, **local)
+    shared.user_presets.change(
+        lambda stored, *current: {lane.preset: gr.update(choices=preset_choices(stored), value=c)
+                                  for lane, c in zip(page.lanes, current)},
+        [shared.user_presets, *[lane.preset for lane in page.lanes]], [lane.preset for lane in page.lanes], **local)
+
+
+def _fill_lane(lane: Any, choice: str, stored: list | None) -> dict:
+    spec = spec_from_preset(choice, stored)
+    return {} if spec is None else {lane.strategy: spec.strategy, lane.knobs: spec.knobs}
+
+
+def wire_run(shared: Shared, page: Page) -> Any:
+    """Run every lane (one model event); returns the event for the Stop button."""
+    def on_run(prompt: str, seed: Any, max_new: Any, chat: bool, model: str, quant: str, count: int, kind: str,
+               *values: Any, control: RunControl) -> Iterator[dict]:
+        names = [lane_name(i) for i in range(count)]
+        configs = [lane_config(spec, names[i], seed, max_new) for i, spec in enumerate(specs_from(values, count))]
+        lm = shared.lm(model, quant)
+        prompt_ids = shared.encode_prompt(lm, prompt, chat)
+        session, raw = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens), kind == RAW_ENTROPY
+        note = status_html(f"running {count} lanes one after another…")
+        yield {page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
+        for i in run_lanes(shared, lm, prompt, prompt_ids, configs, chat, session, control):
+            yield {page.status: status_html(f"running {names[i]} of {count}…")} | render_results(page, session, count,
+                                                                                                raw, i)
+        failed = sum(1 for e in session.errors if e)
+        done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
+        yield {page.status: status_html(done + ". Click any token to open its step.")} | render_results(
+            page, session, count, raw)
+
+    inputs = [page.prompt, page.seed, page.max_new_tokens, page.chat, shared.model, shared.quantization, page.count,
+              page.entropy_kind, *page.lane_values]
+    event = shared.events.on([page.run.click, page.prompt.submit], on_run, inputs,
+                             [page.status, *page.result_outputs, page.session],
+                             on_error=lambda message: {page.status: error_html(message)})
+    page.entropy_kind.change(
+        lambda session, count, kind: render_results(page, session or CompareSession(), count, kind == RAW_ENTROPY),
+        [page.session, page.count, page.entropy_kind], page.result_outputs, api_visibility="private", queue=False)
+    return event
+
+
+def wire_inspect(page: Page) -> None:
+    panel = page.inspect
+    outputs = [panel.lane, panel.step, panel.explain, panel.chart]
+    local = {"api_visibility": "private", "queue": False}
+    for i, lane in enumerate(page.lanes):
+        def on_select(session: CompareSession | None, evt: gr.SelectData, i: int = i) -> dict:
+            index = evt.index if isinstance(evt.index, int) else evt.index[0]
+            at = session.divergence() if session else None
+            return render_inspect(page, session, lane_name(i), charts.clicked_step(int(index), at))
+
+        lane.text.select(on_select, [page.session], outputs, **local)
+    for trigger in (panel.lane.input, panel.step.release):
+        trigger(lambda session, lane, step: render_inspect(page, session, lane, step),
+                [page.session, panel.lane, panel.step], outputs, **local)
+
+
+def wire_sweep(shared: Shared, page: Page) -> Any:
+    """The seed sweep (one model event); returns the event for the Stop button."""
+    panel = page.sweep
+
+    def on_sweep(prompt: str, seed: Any, max_new: Any, chat: bool, model: str, quant: str, count: int, lane: str,
+                 seeds: Any, *values: Any, control: RunControl) -> Iterator[dict]:
+        names = [lane_name(i) for i in range(count)]
+        if lane not in names:
+            raise UserError(f"seed sweep: pick one of {', '.join(names)}")
+        config = lane_config(specs_from(values, count)[names.index(lane)], lane, seed, max_new)
+        seed_list = sweep_seeds(config.seed, seeds)
+        lm = shared.lm(model, quant)
+        prompt_ids = shared.encode_prompt(lm, prompt, chat)
+        for traces in run_sweep(shared, lm, prompt, prompt_ids, config, seed_list, chat, control):
+            yield {panel.status: status_html(f"{lane}: seed {len(traces)} of {len(seed_list)} done…")}
+        spread = sweep_spread([t.generated_token_ids for t in traces])
+        rows = charts.sweep_rows(seed_list, traces, [mean_logprob([s.raw_prob for s in t.steps]) for t in traces])
+        yield {panel.status: status_html("done"), panel.summary: charts.sweep_markdown(lane, seed_list, spread),
+               panel.table: rows}
+
+    inputs = [page.prompt, page.seed, page.max_new_tokens, page.chat, shared.model, shared.quantization, page.count,
+              panel.lane, panel.seeds, *page.lane_values]
+    return shared.events.on([panel.run.click], on_sweep, inputs, [panel.status, panel.summary, panel.table],
+                            on_error=lambda message: {panel.status: error_html(message)})
+
+
+def wire(shared: Shared, page: Page) -> None:
+    wire_lanes(shared, page)
+    wire_inspect(page)
+    stop_button(page.stop, page.status, [wire_run(shared, page), wire_sweep(shared, page)], status_html("stopped"))

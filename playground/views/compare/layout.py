@@ -1,0 +1,160 @@
+"""The Compare page: a fixed pool of MAX_LANES lane columns shown or hidden (every event is wired
+once, which Gradio 6 handles robustly), the shared prompt/seed row, results, inspector, seed sweep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from engine.config import KNOBS, STRATEGIES
+from playground.charts import compare as charts
+
+from ...shared import SESSION_TTL_S
+from ...user_presets import preset_choices
+from .lanes import LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_name, spec_from_preset
+
+DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+@dataclass
+class LaneWidgets:
+    column: Any
+    preset: Any
+    strategy: Any
+    knobs: Any
+    duplicate: Any
+    remove: Any
+    status: Any
+    text: Any
+
+
+@dataclass
+class InspectPanel:
+    """One lane's step: its explanation and stage chart."""
+
+    lane: Any
+    step: Any
+    explain: Any
+    chart: Any
+
+
+@dataclass
+class SweepPanel:
+    lane: Any
+    seeds: Any
+    run: Any
+    status: Any
+    summary: Any
+    table: Any
+
+
+@dataclass
+class Page:
+    """Component handles, grouped as the handlers read and update them."""
+
+    prompt: Any
+    seed: Any
+    max_new_tokens: Any
+    chat: Any
+    run: Any
+    add: Any
+    stop: Any
+    status: Any
+    lanes: list[LaneWidgets]
+    divergence: Any
+    metrics: Any
+    entropy_kind: Any
+    entropy: Any
+    inspect: InspectPanel
+    sweep: SweepPanel
+    count: Any  # gr.State: how many lanes are shown
+    session: Any  # gr.State: CompareSession
+
+    @property
+    def lane_values(self) -> list:
+        """Every lane's (preset, strategy, knobs) controls, flat, in lane order."""
+        return [c for lane in self.lanes for c in (lane.preset, lane.strategy, lane.knobs)]
+
+    @property
+    def spec_outputs(self) -> list:
+        return [c for lane in self.lanes for c in (lane.column, lane.preset, lane.strategy, lane.knobs)]
+
+    @property
+    def result_outputs(self) -> list:
+        lanes = [c for lane in self.lanes for c in (lane.status, lane.text)]
+        return lanes + [self.divergence, self.metrics, self.entropy, self.inspect.lane, self.sweep.lane]
+
+
+def _lane_column(i: int, spec: LaneSpec | None) -> LaneWidgets:
+    spec = spec or default_spec([])
+    with gr.Column(visible=i < MIN_LANES, min_width=280, elem_id=f"cmp-lane-{i}", elem_classes=["cmp-lane"]) as column:
+        gr.Markdown(f"### {lane_name(i)}")
+        preset = gr.Dropdown(preset_choices([]), value=spec.preset, label="Preset", elem_id=f"cmp-lane-{i}-preset")
+        strategy = gr.Dropdown(list(STRATEGIES), value=spec.strategy, label="Strategy", elem_id=f"cmp-lane-{i}-strategy")
+        knobs = gr.Textbox(spec.knobs, lines=3, max_lines=12, label="Knobs (key = value per line)",
+                           elem_id=f"cmp-lane-{i}-knobs")
+        with gr.Row():
+            duplicate = gr.Button("Duplicate", size="sm", elem_id=f"cmp-lane-{i}-duplicate")
+            remove = gr.Button("Remove", size="sm", elem_id=f"cmp-lane-{i}-remove")
+        status = gr.HTML("", elem_id=f"cmp-lane-{i}-status")
+        text = gr.HighlightedText(label="Output (click a token to open its step)", combine_adjacent=False,
+                                  show_legend=False, show_inline_category=False, interactive=False,
+                                  elem_id=f"cmp-lane-{i}-text")
+    return LaneWidgets(column, preset, strategy, knobs, duplicate, remove, status, text)
+
+
+def _inspect_panel() -> InspectPanel:
+    with gr.Accordion("Inspect a token", open=True):
+        with gr.Row():
+            lane = gr.Dropdown([lane_name(i) for i in range(MIN_LANES)], value=lane_name(0), label="Lane",
+                               elem_id="cmp-inspect-lane", scale=1)
+            step = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="cmp-inspect-step", scale=3)
+        explain = gr.Markdown(elem_id="cmp-inspect-explain")
+        chart = gr.Plot(label="Distribution after each stage", elem_id="cmp-inspect-chart")
+    return InspectPanel(lane, step, explain, chart)
+
+
+def _sweep_panel() -> SweepPanel:
+    with gr.Accordion("Seed sweep: how random is a lane?", open=False):
+        with gr.Row():
+            lane = gr.Dropdown([lane_name(i) for i in range(MIN_LANES)], value=lane_name(1), label="Lane",
+                               elem_id="cmp-sweep-lane")
+            seeds = gr.Slider(2, MAX_SWEEP_SEEDS, value=5, step=1, label="Seeds (from the shared seed on)",
+                              elem_id="cmp-sweep-seeds")
+            run = gr.Button("Run seed sweep", elem_id="cmp-sweep-run")
+        status = gr.HTML("", elem_id="cmp-sweep-status")
+        summary = gr.Markdown(elem_id="cmp-sweep-summary")
+        table = gr.Dataframe(headers=charts.SWEEP_HEADERS, value=[], interactive=False, wrap=True,
+                             elem_id="cmp-sweep-table")
+    return SweepPanel(lane, seeds, run, status, summary, table)
+
+
+def build_page() -> Page:
+    """Lay the page out (inside the app's gr.Tab) and return its handles."""
+    starts = [spec_from_preset(p) for p in LANE_PRESETS[:MIN_LANES]]
+    with gr.Row():
+        prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (shared by all lanes)", elem_id="cmp-prompt",
+                            scale=3)
+        with gr.Column(scale=1, min_width=240):
+            seed = gr.Number(0, precision=0, label="Seed (shared)", minimum=0, maximum=KNOBS["seed"].high,
+                             elem_id="cmp-seed")
+            max_new = gr.Slider(1, 256, value=32, step=1, label="max_new_tokens (shared)", elem_id="cmp-max-new-tokens",
+                                info=KNOBS["max_new_tokens"].doc)
+            chat = gr.Checkbox(False, label="Chat template", elem_id="cmp-chat")
+    with gr.Row():
+        run = gr.Button("Run all lanes", variant="primary", elem_id="cmp-run")
+        add = gr.Button("Add lane", elem_id="cmp-add")
+        stop = gr.Button("Stop", variant="stop", elem_id="cmp-stop")
+    status = gr.HTML("", elem_id="cmp-status")
+    with gr.Row(equal_height=False):
+        lanes = [_lane_column(i, starts[i] if i < len(starts) else None) for i in range(MAX_LANES)]
+    divergence = gr.Markdown(elem_id="cmp-divergence")
+    metrics = gr.Dataframe(headers=charts.METRIC_HEADERS, value=[], interactive=False, wrap=True, elem_id="cmp-metrics",
+                           label="Per-lane metrics (log-prob and perplexity under the unprocessed model)")
+    entropy_kind = gr.Radio(["picked-from distribution", "raw model"], value="picked-from distribution",
+                            label="Entropy of", elem_id="cmp-entropy-kind")
+    entropy = gr.Plot(label="Entropy per step", elem_id="cmp-entropy")
+    return Page(prompt, seed, max_new, chat, run, add, stop, status, lanes, divergence, metrics, entropy_kind, entropy,
+                _inspect_panel(), _sweep_panel(), gr.State(MIN_LANES), gr.State(None, time_to_live=SESSION_TTL_S))

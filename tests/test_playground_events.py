@@ -1,0 +1,189 @@
+"""The playground's wiring: the model-event helper (error guard, cancellation), branching at every
+step through the step view's own handler and the /branch endpoint, downloads, and which events
+are API endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import time
+
+import pytest
+
+from engine.config import DecodingConfig
+from engine.control import RunControl, RunStopped
+from playground import downloads, events
+from playground.shared import PanelView, Shared, UserError
+
+
+# --- the event helper, without a server ---------------------------------------------------------
+
+
+def _drain(agen) -> list:
+    async def collect():
+        return [item async for item in agen]
+    return asyncio.run(collect())
+
+
+def test_error_guard_shows_user_errors_as_is_and_names_other_failures():
+    def bad_input(*, control):
+        yield {"status": "working"}
+        raise UserError("prompt: empty; type something")
+
+    def broken(*, control):
+        raise KeyError("boom")
+        yield
+
+    on_error = lambda message: {"status": message}  # noqa: E731
+    assert _drain(events.streamed(bad_input, on_error, "generation")()) == [
+        {"status": "working"}, {"status": "prompt: empty; type something"}]
+    assert _drain(events.streamed(broken, on_error, "search")()) == [{"status": "search failed: KeyError: 'boom'"}]
+    assert events.error_message(RunStopped("cancelled", "stopped: the run was cancelled"), "x") == \
+        "stopped: the run was cancelled"
+
+
+def test_closing_the_event_cancels_its_run_within_a_step():
+    """Gradio stops a cancelled event by cancelling its task: the handler's control must be
+    cancelled at once, so the worker thread stops at its next check instead of running on."""
+    steps, seen = [], {}
+
+    def handler(*, control: RunControl):
+        seen["control"] = control
+        for i in range(1000):
+            control.check()
+            time.sleep(0.02)  # one "forward"
+            steps.append(i)
+            if i % 5 == 0:
+                yield {"step": i}
+
+    async def main():
+        agen = events.streamed(handler, lambda m: {"error": m}, "generation")()
+        assert await agen.__anext__() == {"step": 0}
+        task = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0.05)
+        task.cancel()  # what Gradio does on Stop / a cancelled client job
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await agen.aclose()
+
+    asyncio.run(main())
+    assert seen["control"].cancelled
+    at_cancel = len(steps)
+    time.sleep(0.3)
+    assert len(steps) <= at_cancel + 1  # the step in flight may finish; no more follow
+
+
+def test_api_endpoint_hides_control_from_gradio_and_guards_errors():
+    import gradio as gr
+
+    def fn(shared: object, prompt: str, n: int = 3, *, control: RunControl) -> dict:
+        """Doc."""
+        if n < 0:
+            raise ValueError("n: must be >= 0")
+        return {"prompt": prompt, "n": n, "control": isinstance(control, RunControl)}
+
+    endpoint = events.api_endpoint(functools.partial(fn, None), "run")
+    assert list(inspect.signature(endpoint).parameters) == ["prompt", "n"]
+    assert endpoint.__annotations__ == {"prompt": str, "n": int, "return": dict} and endpoint.__doc__ == "Doc."
+    assert asyncio.run(endpoint("hi", 2)) == {"prompt": "hi", "n": 2, "control": True}
+    with pytest.raises(gr.Error, match="n: must be >= 0"):
+        asyncio.run(endpoint("hi", -1))
+
+
+def test_concurrency_defaults_to_the_scheduler_batch(monkeypatch):
+    monkeypatch.delenv("DP_CONCURRENCY", raising=False)
+    monkeypatch.setenv("DP_MAX_BATCH", "12")
+    assert events.default_concurrency() == 12
+    monkeypatch.setenv("DP_CONCURRENCY", "3")
+    assert events.default_concurrency() == 3
+    monkeypatch.setenv("DP_CONCURRENCY", "zero")
+    assert events.default_concurrency() == 12
+
+
+# --- downloads ----------------------------------------------------------------------------------
+
+
+def test_downloads_live_in_one_directory_and_old_ones_are_deleted():
+    import os
+    from pathlib import Path
+
+    first = Path(downloads.write_text("balanced.yaml", "a: 1\n"))
+    second = Path(downloads.write_text("balanced.yaml", "a: 2\n"))
+    assert first.name == second.name == "balanced.yaml" and first != second  # same name, no collision
+    assert first.parent.parent == second.parent.parent == downloads.download_dir()
+    old = time.time() - downloads.DOWNLOAD_TTL_S - 5
+    os.utime(first.parent, (old, old))
+    downloads.json_file("report.json", {"x": 1.5})
+    assert not first.exists() and second.exists()  # writing a new file pruned the old one
+    with pytest.raises(ValueError):
+        downloads.json_file("bad.json", {"x": float("nan")})  # strict JSON only
+    with pytest.raises(ValueError, match="name"):
+        downloads.write_text("../escape.txt", "x")
+
+
+# --- branching through the step view's own handler ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step_parts(registry, embedded):
+    from playground.views import step
+
+    shared = Shared(registry=registry, model=None, quantization=None, user_presets=None)
+    out = step.Outputs(*step.Outputs.__dataclass_fields__)  # field names stand in for the components
+    handlers = step.Handlers(shared, PanelView("step", None, None, None), out, None)
+    config = DecodingConfig(strategy="sample", seed=5, max_new_tokens=6, temperature=0.8, top_k=20)
+    parent = shared.run(embedded, "The sea is", config, chat=False, prompt_ids=embedded.encode("The sea is", False),
+                        control=RunControl())
+    return step, shared, out, handlers, parent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_branch_at_any_step_through_the_view_handler(step_parts, embedded, where):
+    step, shared, out, handlers, parent = step_parts
+    at = {"first": 0, "middle": len(parent.steps) // 2, "last": len(parent.steps) - 1}[where]
+    token = next(t.token_id for t in parent.steps[at].stages[0].top if t.token_id != parent.generated_token_ids[at])
+    session = step.StepSession(runs=[parent])
+    updates = list(handlers.on_branch("embedded", "none", "probability", session, at, token, control=RunControl()))
+    assert updates and out.status in updates[-1] and "done:" in updates[-1][out.status]
+    branch = session.trace()
+    assert branch.branch_of == at and len(session.runs) == 2
+    assert branch.generated_token_ids[:at] == parent.generated_token_ids[:at]  # the kept prefix
+    assert branch.generated_token_ids[at] == token and branch.steps[at].forced
+    labels = [label for label, _ in updates[-1][out.runs]["choices"]]
+    assert labels[1].startswith(f"#1 branch at step {at}:")
+    # the same branch from the API function: same tokens (seeded), same JSON shape as the CLI's
+    data = step.branch_trace(shared, parent.to_dict(), at, token, control=RunControl())
+    assert data["generated_token_ids"] == branch.generated_token_ids and data["branch_of"] == at
+
+
+def test_run_labels_while_a_branch_streams_in():
+    from engine.trace import Timing, Trace
+    from playground.views.step import _run_label
+
+    partial = Trace("m", "sample", {}, "p", [1], "", [], "max_new_tokens", [], Timing(0, 0, 0), branch_of=3)
+    assert _run_label(1, partial) == "#1 branch at step 3: …"  # no IndexError before the forced token arrives
+
+
+def test_sessions_keep_a_bounded_number_of_runs():
+    from engine.trace import Timing, Trace
+    from playground.views.step import MAX_RUNS, StepSession
+
+    session = StepSession()
+    runs = [Trace("m", "sample", {}, f"p{i}", [1], "", [], "eos", [], Timing(0, 0, 0)) for i in range(MAX_RUNS + 3)]
+    for run in runs:
+        session.add(run)
+    assert len(session.runs) == MAX_RUNS and session.runs[0] is runs[0]  # the original stays
+    assert session.runs[-1] is runs[-1] and session.current == MAX_RUNS - 1
+    assert not hasattr(session, "cache")  # no KV cache kept per session
+
+
+def test_branch_api_rejects_a_bad_parent_naming_the_argument(registry, embedded):
+    from playground.views.step import branch_trace
+
+    shared = Shared(registry=registry, model=None, quantization=None, user_presets=None)
+    with pytest.raises(UserError, match="parent: not a trace"):
+        branch_trace(shared, "[1, 2]", 0, 5, control=RunControl())
+    with pytest.raises(UserError, match="parent: not a trace"):
+        branch_trace(shared, {"prompt": "x"}, 0, 5, control=RunControl())
