@@ -172,6 +172,18 @@ class _Search:
         return max(children, key=lambda ch: (ch.visits, ch.q, ch.prior))
 
 
+def raw_logprob(lm: LoadedModel, prompt_ids: Sequence[int], tokens: Sequence[int]) -> float:
+    """Sum of the raw model's log-probs of ``tokens`` after ``prompt_ids``, by one uncached
+    forward: the yardstick for comparing MCTS, greedy and beam outputs on one prompt."""
+    if not tokens:
+        return 0.0
+    ids = torch.tensor([list(prompt_ids) + list(tokens)], dtype=torch.long, device=lm.device)
+    with torch.inference_mode():
+        logits = lm.model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()  # [T, V]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt_ids):, None])
+    return float(logprobs.clamp_min(MIN_LOGPROB).sum())
+
+
 # --- the loop ---------------------------------------------------------------------------------
 def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
               control: RunControl | None = None) -> Iterator[tuple[StepTrace, MctsPosition]]:

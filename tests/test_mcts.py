@@ -174,3 +174,8 @@ def test_mcts_on_the_embedded_model_is_no_worse_than_greedy(embedded):
     greedy = decode.assemble(embedded, "", ids, config, list(decode.stream(embedded, ids, config.replace(strategy="greedy"))), False)
     assert len(trace.steps) == 6
     assert trace.summary["total_raw_logprob"] >= sum(math.log(s.raw_prob) for s in greedy.steps) - 1.0
+
+
+def test_raw_logprob_matches_the_hand_table(bigram):
+    assert mcts.raw_logprob(bigram, [0], [2, 3, 4]) == pytest.approx(total_logprob([2, 3, 4]), abs=1e-4)
+    assert mcts.raw_logprob(bigram, [0], []) == 0.0

@@ -1,0 +1,124 @@
+"""Medusa charts: pure functions of MedusaRound records (engine.medusa) -> plotly figures.
+
+``round_figure``: one round's proposals as a small tree. Column 0 is the round's first token (the
+last committed one); column k holds head k's top candidates (top-1 first, at the top). The chain
+the target verified links each head's top-1; each top-1 is coloured by its fate (accepted,
+rejected, or never tested because an earlier head's was rejected); the target's own token (the
+resampled correction or the bonus) is drawn after the last accepted one. ``accept_figure``: the
+tokens each round emitted (accepted drafts + the target's token) against the round index, with the
+run's tokens per target forward as a line. No gradio here.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Sequence
+
+import plotly.graph_objects as go
+
+from engine.medusa import MedusaRound
+
+from .step import readable
+
+FATES = {
+    "accepted": "#2e7d32",
+    "rejected": "#c62828",
+    "untested": "#9e9e9e",
+    "candidate": "#cfd8dc",
+    "target": "#1565c0",
+}
+
+
+def fates(medusa_round: MedusaRound) -> list[str]:
+    """Per head (in order): accepted | rejected | untested (its top-1's fate in the chain)."""
+    out = []
+    for i in range(len(medusa_round.proposals)):
+        if i < len(medusa_round.drafted):
+            out.append("accepted" if medusa_round.drafted[i].accepted else "rejected")
+        else:
+            out.append("untested")
+    return out
+
+
+def target_token(medusa_round: MedusaRound) -> tuple[int, str, str] | None:
+    """The token the target itself added at the end of the round: (token id, text, kind)."""
+    extra = medusa_round.extra
+    return None if extra is None else (extra.token_id, extra.token, extra.kind)
+
+
+def round_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
+    """One round as a tree (see the module docstring). ``first_token``: the text of the token fed
+    first (the last committed one), for the root label."""
+    fig = go.Figure()
+    fate = fates(medusa_round)
+    accepted = medusa_round.num_accepted
+    chain_x, chain_y = [0], [0]
+    for k, proposal in enumerate(medusa_round.proposals, start=1):
+        chain_x.append(k)
+        chain_y.append(0)
+        others = proposal.candidates[1:]
+        if others:
+            fig.add_trace(go.Scatter(
+                x=[k] * len(others), y=[-(i + 1) for i in range(len(others))], mode="markers+text",
+                marker=dict(size=12, color=FATES["candidate"]), text=[readable(c.token) for c in others],
+                textposition="middle right", name="other candidates" if k == 1 else None, showlegend=k == 1,
+                legendgroup="candidate", hovertext=[f"head {k} candidate {readable(c.token)}: p={c.prob:.3f}" for c in others],
+                hoverinfo="text"))
+    fig.add_trace(go.Scatter(x=chain_x, y=chain_y, mode="lines", line=dict(color="#888888", width=2), hoverinfo="skip",
+                             name="verified chain (each head's top-1)"))
+    for name in ("accepted", "rejected", "untested"):
+        ks = [k for k, f in enumerate(fate, start=1) if f == name]
+        if not ks:
+            continue
+        props = [medusa_round.proposals[k - 1] for k in ks]
+        fig.add_trace(go.Scatter(
+            x=ks, y=[0] * len(ks), mode="markers+text", marker=dict(size=18, color=FATES[name], symbol="circle"),
+            text=[readable(p.token) for p in props], textposition="top center", name=f"top-1 {name}",
+            hovertext=[_hover(medusa_round, k) for k in ks], hoverinfo="text"))
+    fig.add_trace(go.Scatter(x=[0], y=[0], mode="markers+text", marker=dict(size=16, color="#222222", symbol="square"),
+                             text=[readable(first_token) if first_token else "fed"], textposition="top center",
+                             name="first token fed", hoverinfo="skip"))
+    extra = target_token(medusa_round)
+    if extra is not None:
+        x = accepted + 0.5
+        fig.add_trace(go.Scatter(x=[x], y=[0.6], mode="markers+text", marker=dict(size=16, color=FATES["target"], symbol="diamond"),
+                                 text=[readable(extra[1])], textposition="top center", name=f"target's {extra[2]} token",
+                                 hovertext=[f"{extra[2]} token from the target: {html.escape(readable(extra[1]))}"], hoverinfo="text"))
+    width = max(1, len(medusa_round.proposals))
+    fig.update_layout(
+        title=f"Round {medusa_round.index}: {accepted} of {len(medusa_round.drafted)} head tokens accepted, "
+              f"{len(medusa_round.emitted_token_ids)} emitted for one target forward",
+        height=340, margin=dict(l=30, r=30, t=60, b=40), plot_bgcolor="white", legend=dict(orientation="h", y=-0.15))
+    fig.update_xaxes(tickvals=list(range(width + 1)), ticktext=["fed"] + [f"head {k}" for k in range(1, width + 1)],
+                     range=[-0.5, width + 0.8], showgrid=False)
+    fig.update_yaxes(visible=False, range=[-(max((len(p.candidates) for p in medusa_round.proposals), default=1)) - 0.5, 1.3])
+    return fig
+
+
+def _hover(medusa_round: MedusaRound, k: int) -> str:
+    proposal = medusa_round.proposals[k - 1]
+    head_p = proposal.candidates[0].prob if proposal.candidates else float("nan")
+    line = f"head {k} top-1 <b>{html.escape(readable(proposal.token))}</b> (head p={head_p:.3f})"
+    if k - 1 < len(medusa_round.drafted):
+        d = medusa_round.drafted[k - 1]
+        line += f"<br>target p={d.p:.3f}, accept prob {d.accept_prob:.3f}" + (f", u={d.u:.3f}" if d.u is not None else "")
+    return line
+
+
+def accept_figure(rounds: Sequence[MedusaRound], tokens_per_forward: float | None = None) -> go.Figure:
+    """Tokens emitted per round, split into accepted head tokens and the target's own token."""
+    index = [r.index for r in rounds]
+    heads = [r.num_accepted for r in rounds]
+    target = [len(r.emitted_token_ids) - r.num_accepted for r in rounds]
+    fig = go.Figure([
+        go.Bar(x=index, y=target, name="target's token", marker_color=FATES["target"]),
+        go.Bar(x=index, y=heads, name="accepted head tokens", marker_color=FATES["accepted"]),
+    ])
+    if tokens_per_forward is None and rounds:
+        tokens_per_forward = sum(len(r.emitted_token_ids) for r in rounds) / len(rounds)
+    if tokens_per_forward is not None:
+        fig.add_hline(y=tokens_per_forward, line=dict(color="#222222", dash="dash"),
+                      annotation_text=f"{tokens_per_forward:.2f} tokens per target forward")
+    fig.update_layout(barmode="stack", title="Tokens per round (one target forward each)", xaxis_title="round",
+                      yaxis_title="tokens", height=320, margin=dict(l=50, r=20, t=60, b=40), plot_bgcolor="white")
+    return fig
