@@ -342,3 +342,31 @@ def test_branch_resumes_mu_and_draws_exactly(tiny_lm, at):
         assert _params(mine, "mirostat")["mu"] == pytest.approx(_params(theirs, "mirostat")["mu"], rel=1e-6)
         assert _params(mine, "xtc")["u"] == _params(theirs, "xtc")["u"]
     assert [s.draw for s in branch[1:]] == pytest.approx([s.draw for s in parent[at + 1:]], abs=1e-6)
+
+
+# --- presets -------------------------------------------------------------------------------------
+NEW_PRESETS = {"dry-vs-repetition-penalty": "dry", "xtc-creative": "xtc", "min-p-plus-smoothing": "smoothing",
+               "mirostat-2": "mirostat", "llama-cpp-defaults": "top_k", "textgen-webui-creative": "xtc"}
+
+
+@pytest.mark.parametrize("stem", NEW_PRESETS)
+def test_new_preset_runs_and_shows_its_stage(tiny_lm, stem):
+    from engine import runner
+    from engine.presets import builtin_presets
+
+    config = builtin_presets()[stem].config.replace(max_new_tokens=3)
+    trace = runner.run(tiny_lm, "The cat sat on the", config)
+    assert 1 <= len(trace.steps) <= 3
+    assert NEW_PRESETS[stem] in [s.name for s in trace.steps[0].stages]
+
+
+def test_llama_cpp_defaults_reproduce_its_chain_and_export():
+    from engine.interop import to_llama_cpp
+    from engine.presets import builtin_presets
+
+    preset = builtin_presets()["llama-cpp-defaults"]
+    assert preset.config.active_stages() == ("top_k", "top_p", "min_p", "temperature")  # temperature last
+    assert to_llama_cpp(preset).text.startswith('--samplers "top_k;top_p;min_p;temperature" --top-k 40 --top-p 0.95 '
+                                                "--min-p 0.05 --temp 0.8")
+    creative = builtin_presets()["textgen-webui-creative"].config
+    assert (creative.min_p, creative.xtc_probability, creative.xtc_threshold, creative.temperature) == (0.02, 0.5, 0.1, 1.0)
