@@ -7,8 +7,8 @@ KV cache and, each tick (continuous batching: runs join and leave at any tick):
 1. drops rows whose run was cancelled, timed out or whose consumer went away;
 2. runs ONE forward of the next token of every active row (left padding, attention mask [B, L],
    per-row position ids; a running sequence is never prefilled again);
-3. prefills each joiner alone (batch 1, exactly as ``decode.stream`` does) and merges its KV into
-   the batch;
+3. prefills the joiners together (one forward, left-padded like the batch) and merges their KV
+   into the batch;
 4. per row: the run's own stage chain, pick (its own ``torch.Generator``) and stop rules
    (``_Run.advance``, a copy of ``decode.stream``'s loop body), and hands the StepTrace to that
    run's stream. Finished rows leave; left padding shared by all rows is trimmed.
@@ -45,7 +45,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import sampling
-from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, RunStopped
 from .decode import StopCheck, make_generator
@@ -175,22 +174,20 @@ class _Batch:
                     past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
-    def add(self, run: _Run, cache: DynamicCache) -> None:
-        """Append a prefilled run (its cache holds one row) as the last row, padding the shorter side."""
-        length = cache.get_seq_length()
+    def add(self, runs: list[_Run], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Append prefilled runs (``cache`` holds their rows, ``mask`` [J, T] their padding) as the
+        last rows, left-padding whichever side is shorter."""
         if not self.runs:
-            self.cache, self.runs = cache, [run]
-            self.mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+            self.cache, self.runs, self.mask = cache, list(runs), mask
             return
-        width = self.mask.shape[1]
+        width, length = self.mask.shape[1], mask.shape[1]
         _pad_left(self.cache, length - width)
         _pad_left(cache, width - length)
-        row = torch.ones(1, length, dtype=torch.long, device=self.device)
-        self.mask = torch.cat([_pad_mask(self.mask, length - width), _pad_mask(row, width - length)], dim=0)
+        self.mask = torch.cat([_pad_mask(self.mask, length - width), _pad_mask(mask, width - length)], dim=0)
         for mine, theirs in zip(self.cache.layers, cache.layers):
             mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
             mine.values = torch.cat([mine.values, theirs.values], dim=0)
-        self.runs.append(run)
+        self.runs.extend(runs)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (indices, in order) and trim the left padding they all share."""
@@ -320,9 +317,7 @@ class Scheduler:
             with self._lock:
                 self._ticks += 1
                 self._rows_stepped += len(rows)
-        for run in joiners:
-            if self._still_wanted(run):
-                rows += self._prefill(run)
+        rows += self._prefill([run for run in joiners if self._still_wanted(run)])
         keep, outputs = [], []
         for i, (run, logits) in enumerate(rows):
             try:
@@ -339,16 +334,29 @@ class Scheduler:
         for run, item in outputs:
             run.out.put(item)
 
-    def _prefill(self, run: _Run) -> list[tuple[_Run, torch.Tensor]]:
-        """Prefill one joiner alone (as decode.stream does) and add it as the last row."""
-        try:
-            kv = KVCache(run.lm.model)
-            logits = kv.sync(run.sequence)  # [1, V]
-        except Exception as exc:  # noqa: BLE001
-            run.out.put(exc)
+    def _prefill(self, runs: list[_Run]) -> list[tuple[_Run, torch.Tensor]]:
+        """Prefill the joiners together (one forward, left-padded) and add them as the last rows.
+        Returns each run with its next-token logits [1, V]."""
+        if not runs:
             return []
-        self._batch.add(run, kv.cache)
-        return [(run, logits)]
+        lengths = [len(run.sequence) for run in runs]
+        width = max(lengths)
+        # Pads repeat the row's first token (any real id works: they are masked out).
+        ids = torch.tensor([[run.sequence[0]] * (width - n) + run.sequence for run, n in zip(runs, lengths)],
+                           dtype=torch.long, device=self.device)  # [J, T]
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [J, T]: each row counts from 0 at its first token
+        cache = DynamicCache(config=runs[0].lm.model.config)
+        try:
+            out = runs[0].lm.model(input_ids=ids, attention_mask=mask if min(lengths) < width else None,
+                                   position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        except Exception as exc:  # noqa: BLE001 (the joiners fail; the running rows go on)
+            for run in runs:
+                run.out.put(exc)
+            return []
+        self._batch.add(runs, cache, mask)
+        logits = out.logits[:, -1, :].float()  # [J, V]
+        return [(run, logits[i:i + 1]) for i, run in enumerate(runs)]
 
     @staticmethod
     def _still_wanted(run: _Run) -> bool:

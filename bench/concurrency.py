@@ -1,0 +1,164 @@
+"""Many users on one model: N simulated users start a run at the same moment, each with its own
+prompt and seed, 32 tokens each. Prints aggregate tokens/s, its ratio to N = 1 (same process), and
+p50/p95 time to first token and to done.
+
+    python -m bench.concurrency [--users 1 4 16 32] [--tokens 32] [--model embedded]
+    python -m bench.concurrency --app http://127.0.0.1:7860 [--users 1 4 16]
+
+Threads mode: each user is a thread calling ``scheduler_for(lm).stream`` (the engine's batched
+scheduler: one forward per tick for every active run). ``--app``: each user is a gradio_client
+session calling a running app's ``/step_trace`` endpoint; the endpoint returns the whole trace, so
+time to first token there is the server's own ``timing.ttft_ms`` (queue wait not included) and time
+to done is measured by the client. Targets on a 2-core CPU with the embedded model: 16 users >= 4x
+the aggregate tokens/s of one, p95 time to first token <= 3 s at 16 users.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve the other users' work
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SUBJECTS = ["a lighthouse", "the moon", "a bicycle", "rain in the city", "an old library", "a lost key",
+            "the first snow", "a robot gardener", "a mountain village", "the night train", "a paper boat",
+            "a market at dawn", "a clockmaker", "the desert wind", "a violin", "a quiet harbour"]
+
+
+def prompt_for(user: int) -> str:
+    """A distinct prompt per user (plain text, so the model rarely stops before the token budget)."""
+    return f"User {user} writes a story about {SUBJECTS[user % len(SUBJECTS)]}. Once upon a time,"
+
+
+@dataclass
+class UserResult:
+    tokens: int
+    ttft_s: float
+    done_s: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(round(q / 100 * len(ordered) + 0.5))))
+    return ordered[rank - 1]
+
+
+def run_users(n: int, user_fn) -> tuple[list[UserResult], float]:
+    """Start ``n`` threads at once (a barrier); each returns a UserResult. Returns them and the wall time."""
+    barrier = threading.Barrier(n + 1)
+    results: list[UserResult | BaseException] = [None] * n  # type: ignore[list-item]
+
+    def user(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = user_fn(i)
+        except BaseException as exc:  # noqa: BLE001 (counted as an error below)
+            results[i] = exc
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} users failed; first: {errors[0]!r}")
+    return results, wall  # type: ignore[return-value]
+
+
+def engine_user(lm, tokens: int):
+    from engine.config import DecodingConfig
+    from engine.scheduler import scheduler_for
+
+    def user_fn(i: int) -> UserResult:
+        start = time.perf_counter()
+        ids = lm.encode(prompt_for(i))
+        config = DecodingConfig(strategy="sample", seed=1000 + i, max_new_tokens=tokens)
+        ttft, count = None, 0
+        for _ in scheduler_for(lm).stream(ids, config):
+            count += 1
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+        return UserResult(count, ttft or 0.0, time.perf_counter() - start)
+
+    return user_fn
+
+
+def app_user(url: str, tokens: int):
+    from gradio_client import Client
+
+    def user_fn(i: int) -> UserResult:
+        client = Client(url, verbose=False)
+        start = time.perf_counter()
+        config = {"strategy": "sample", "seed": 1000 + i, "max_new_tokens": tokens}
+        trace = client.predict(prompt_for(i), config, "", False, "embedded", "none", api_name="/step_trace")
+        done = time.perf_counter() - start
+        return UserResult(len(trace["generated_token_ids"]), trace["timing"]["ttft_ms"] / 1000, done)
+
+    return user_fn
+
+
+def report(rows: list[tuple[int, list[UserResult], float, float | None]]) -> None:
+    base = None
+    print(f"\n{'users':>5} {'tokens':>7} {'wall s':>7} {'agg tok/s':>10} {'vs 1':>6} "
+          f"{'ttft p50':>9} {'ttft p95':>9} {'done p50':>9} {'done p95':>9} {'mean batch':>10}")
+    for n, results, wall, mean_batch in rows:
+        total = sum(r.tokens for r in results)
+        rate = total / wall
+        base = base or (rate if n == 1 else None)
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        ttft = [r.ttft_s for r in results]
+        done = [r.done_s for r in results]
+        batch = f"{mean_batch:.1f}" if mean_batch is not None else "-"
+        print(f"{n:>5} {total:>7} {wall:>7.2f} {rate:>10.2f} {ratio:>6} {percentile(ttft, 50):>9.2f} "
+              f"{percentile(ttft, 95):>9.2f} {percentile(done, 50):>9.2f} {percentile(done, 95):>9.2f} {batch:>10}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--users", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--app", default="", help="URL of a running app: drive /step_trace with gradio_client instead")
+    args = p.parse_args()
+    rows = []
+    if args.app:
+        user_fn = app_user(args.app.rstrip("/"), args.tokens)
+        user_fn(0)  # warm-up: the app loads its model on first use
+        print(f"app {args.app}, /step_trace, {args.tokens} tokens per user")
+        for n in args.users:
+            results, wall = run_users(n, user_fn)
+            rows.append((n, results, wall, None))
+    else:
+        import torch
+
+        from engine.models import ModelSpec, load_model
+        from engine.scheduler import scheduler_for
+
+        lm = load_model(ModelSpec(args.model))
+        scheduler = scheduler_for(lm)
+        print(f"model {lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, "
+              f"max batch {scheduler.max_batch}, {args.tokens} tokens per user")
+        user_fn = engine_user(lm, args.tokens)
+        user_fn(0)  # warm-up
+        for n in args.users:
+            before = scheduler.stats()
+            results, wall = run_users(n, user_fn)
+            after = scheduler.stats()
+            ticks = after["ticks"] - before["ticks"]
+            rows_stepped = after["mean_batch"] * after["ticks"] - before["mean_batch"] * before["ticks"]
+            rows.append((n, results, wall, rows_stepped / ticks if ticks else None))
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()
