@@ -39,6 +39,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import sampling
 from .cache import KVCache
 from .config import SAMPLING_ONLY_STAGES, DecodingConfig
 from .decode import StopCheck
@@ -104,7 +105,7 @@ class BeamTrace:
     steps: list[BeamStep] = field(default_factory=list)
     hypotheses: list[BeamHypothesis] = field(default_factory=list)  # best first
     winner: int | None = None  # index into hypotheses
-    ended_by: str = ""  # early_stopping | no_continuation
+    ended_by: str = ""  # early_stopping | no_continuation | no_tokens_left
 
     @staticmethod
     def from_dict(data: dict) -> "BeamTrace":
@@ -296,8 +297,13 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -
     ids = prompt.expand(config.num_beams, -1)  # [B, S]: what each cache row holds
     trace = BeamTrace(config.num_beams, config.num_beam_groups, config.length_penalty, config.early_stopping,
                       rules.keep)
+    no_tokens_left = False
     for step in range(config.max_new_tokens):
-        record, index, feed = _search_step(groups, logits, chain, ids, step, rules, stopper)
+        try:
+            record, index, feed = _search_step(groups, logits, chain, ids, step, rules, stopper)
+        except sampling.NoTokensLeft:  # every candidate masked: end with the hypotheses so far
+            no_tokens_left = True
+            break
         record.elapsed_ms = (time.perf_counter() - start) * 1000
         trace.steps.append(record)
         yield record
@@ -307,6 +313,8 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -
         ids = torch.cat([ids[index], feed], dim=1)
         logits = cache.forward(feed).logits[:, -1, :].float()
     _finish(trace, groups, config, lm)
+    if no_tokens_left:
+        trace.ended_by = sampling.NO_TOKENS_LEFT
     yield trace
 
 
@@ -324,6 +332,7 @@ def _search_step(groups: list[_Group], logits: torch.Tensor, chain: Chain, ids: 
             continue
         rows_g = slice(g.offset, g.offset + g.size)
         group_lp = _diversity(processed[rows_g], chosen, rules.diversity_penalty)
+        sampling.ensure_tokens(group_lp.reshape(1, -1), step)  # some beam of the group must go on
         new = _choose(g, group_lp, raw[rows_g], step, rules, stopper, len(candidates))
         for c in new:
             c.group = n
@@ -352,6 +361,12 @@ def _finish(trace: BeamTrace, groups: list[_Group], config: DecodingConfig, lm: 
     ]
     trace.winner = 0 if trace.hypotheses else None
     trace.ended_by = "early_stopping" if any(g.ended == "early_stopping" for g in groups) else "no_continuation"
+
+
+def _stop_reason(beam: BeamTrace, winner: BeamHypothesis | None) -> str:
+    if beam.ended_by == sampling.NO_TOKENS_LEFT and winner is None:
+        return sampling.NO_TOKENS_LEFT
+    return winner.finish_reason if winner else "max_new_tokens"
 
 
 def lineage(beam: BeamTrace, step: int, index: int) -> list[int]:
@@ -408,7 +423,7 @@ def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: De
     return Trace(
         model=lm.name, strategy=config.strategy, config=config.to_dict(sparse=True), prompt=prompt,
         prompt_token_ids=list(prompt_ids), text=StopCheck(lm, config).text(generated), generated_token_ids=generated,
-        stop_reason=winner.finish_reason if winner else "max_new_tokens", steps=steps, timing=timing, chat=chat,
+        stop_reason=_stop_reason(beam, winner), steps=steps, timing=timing, chat=chat,
         quantization=lm.quantization, device=str(lm.device), beam=beam, summary=summary,
     )
 

@@ -171,6 +171,7 @@ def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingCo
     generated: list[int] = []
     while True:
         final, stages = chain.traced(ids, logits, config.top_n, lm.token_text)
+        sampling.ensure_tokens(final, len(generated))
         probs = torch.softmax(final[0], dim=-1)
         top_probs, top_ids = torch.topk(probs, k)  # [k], highest first
         cand_logits, cand_hidden = _expand_and_feed(cache, top_ids)
@@ -288,6 +289,7 @@ def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Seque
         final, warped = warpers.traced(ids, scores, config.top_n, expert.token_text)
         contrast = contrast_stage(scores, plausible, expert_lp, config.cd_alpha, config.top_n, expert, label)
         stages = stages[:-1] + [contrast] + warped[1:]  # raw, processors, contrast, sampling stages, final
+        sampling.ensure_tokens(final, len(generated))
         pick = sampling.greedy(final) if generator is None else sampling.sample(final, generator)
         generated.append(pick.token_id)
         reason = stopper.reason(generated)

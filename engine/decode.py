@@ -84,6 +84,8 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
             pick = sampling.Pick(force, float(traced.final_probs[force]))
             if generator is not None:  # keep the generator aligned with an unforced run
                 sampling.skip_draws(generator, 1, lm.vocab_size, lm.device)
+        elif not sampling.has_tokens(traced.logits):
+            raise sampling.NoTokensLeft(len(generated))
         elif generator is None:
             token = int(torch.argmax(traced.logits[0]))
             pick = sampling.Pick(token, float(traced.final_probs[token]))

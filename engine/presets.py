@@ -52,7 +52,7 @@ class Preset:
         return {"version": PRESET_VERSION, "name": self.name, "description": self.description, **body}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
     def renamed(self, name: str) -> "Preset":
         return Preset.create(name, self.description, self.config)
@@ -235,7 +235,7 @@ def presets_to_json(presets: Sequence[Preset]) -> str:
     """Export: one preset as an object, several as a list (both read back by parse_preset_file)."""
     if len(presets) == 1:
         return presets[0].to_json()
-    return json.dumps([p.to_dict() for p in presets], indent=2, ensure_ascii=False) + "\n"
+    return json.dumps([p.to_dict() for p in presets], indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 @lru_cache(maxsize=1)

@@ -19,6 +19,7 @@ from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
+from .sampling import NO_TOKENS_LEFT, NoTokensLeft
 from .trace import Event, StepTrace, Trace
 
 
@@ -80,11 +81,12 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, contr
         source = scheduler.stream(parent.prompt_token_ids, config, prefix=prefix, force=token_id, control=control)
     else:
         source = decode.stream(lm, parent.prompt_token_ids, config, prefix=prefix, force=token_id, cache=cache)
-    for step in _checked(source, control):
+    ended: list = []
+    for step in _checked(source, control, ended):
         steps.append(step)
         yield Event(steps=[step])
-    yield Event(trace=decode.assemble(lm, parent.prompt, parent.prompt_token_ids, config, steps, parent.chat,
-                                      branch_of=at_step))
+    yield Event(trace=_end(decode.assemble(lm, parent.prompt, parent.prompt_token_ids, config, steps, parent.chat,
+                                           branch_of=at_step), ended))
 
 
 def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
@@ -94,25 +96,39 @@ def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], confi
 
 
 # --- one adapter per strategy family ----------------------------------------------------------------
-def _checked(source: Iterator, control: RunControl | None) -> Iterator:
-    """Items of ``source``, checking ``control`` before each one is computed."""
+def _checked(source: Iterator, control: RunControl | None, ended: list | None = None) -> Iterator:
+    """Items of ``source``, checking ``control`` before each one is computed. A step with nothing
+    left to pick (``NoTokensLeft``) ends the items; it is noted in ``ended`` for ``_end``."""
     while True:
         check(control)
         try:
             item = next(source)
         except StopIteration:
             return
+        except NoTokensLeft:
+            if ended is not None:
+                ended.append(NO_TOKENS_LEFT)
+            return
         yield item
+
+
+def _end(trace: Trace, ended: list) -> Trace:
+    """The trace, its stop_reason set to "no_tokens_left" (also on its last step) if ``ended`` says so."""
+    if ended:
+        trace.stop_reason = NO_TOKENS_LEFT
+        if trace.steps:
+            trace.steps[-1].finish_reason = NO_TOKENS_LEFT
+    return trace
 
 
 def _stepwise(lm, prompt, ids, config, chat, control, scheduler) -> Iterator[Event]:
     source = (scheduler.stream(ids, config, control=control) if scheduler is not None
               else decode.stream(lm, ids, config))
-    steps = []
-    for step in _checked(source, control):
+    steps, ended = [], []
+    for step in _checked(source, control, ended):
         steps.append(step)
         yield Event(steps=[step])
-    yield Event(trace=decode.assemble(lm, prompt, ids, config, steps, chat))
+    yield Event(trace=_end(decode.assemble(lm, prompt, ids, config, steps, chat), ended))
 
 
 def _beam(lm, prompt, ids, config, chat, control) -> Iterator[Event]:
@@ -125,22 +141,22 @@ def _beam(lm, prompt, ids, config, chat, control) -> Iterator[Event]:
 
 def _speculative(lm, prompt, ids, config, chat, registry, control, compare_baseline) -> Iterator[Event]:
     drafter = speculative.make_drafter(lm, config, registry)
-    rounds = []
-    for spec_round in _checked(speculative.stream(lm, ids, config, drafter), control):
+    rounds, ended = [], []
+    for spec_round in _checked(speculative.stream(lm, ids, config, drafter), control, ended):
         rounds.append(spec_round)
         yield Event(steps=list(spec_round.steps), record=spec_round)
-    trace = speculative.assemble(lm, prompt, ids, config, rounds, drafter, chat)
+    trace = _end(speculative.assemble(lm, prompt, ids, config, rounds, drafter, chat), ended)
     if compare_baseline:
         trace.summary |= speculative.compare_with_baseline(lm, prompt, config, trace, chat, control=control)
     yield Event(trace=trace)
 
 
 def _contrastive(lm, prompt, ids, config, chat, registry, control) -> Iterator[Event]:
-    pairs = []
-    for step, record in _checked(contrastive.stream(lm, ids, config, registry=registry), control):
+    pairs, ended = [], []
+    for step, record in _checked(contrastive.stream(lm, ids, config, registry=registry), control, ended):
         pairs.append((step, record))
         yield Event(steps=[step], record=record)
-    trace = decode.assemble(lm, prompt, ids, config, [s for s, _ in pairs], chat)
+    trace = _end(decode.assemble(lm, prompt, ids, config, [s for s, _ in pairs], chat), ended)
     trace.extra[config.strategy] = [r for _, r in pairs]
     if config.strategy == "contrastive_decoding":
         trace.extra["amateur"] = config.amateur

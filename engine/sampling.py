@@ -19,6 +19,43 @@ from dataclasses import dataclass
 import torch
 
 
+NO_TOKENS_LEFT = "no_tokens_left"
+
+
+class NoTokensLeft(Exception):
+    """The final distribution of a step has no token to pick: every logit is masked (-inf), or the
+    stages produced NaN/+inf. The run ends there with ``stop_reason`` "no_tokens_left" (the runner
+    catches this), instead of picking token 0 from a NaN distribution."""
+
+    def __init__(self, step: int | None = None):
+        self.step = step
+        super().__init__(NO_TOKENS_LEFT if step is None else f"{NO_TOKENS_LEFT} at step {step}")
+
+
+def has_tokens(final: torch.Tensor) -> bool:
+    """True when ``final`` (logits [..., V], -inf = masked) leaves at least one token to pick in
+    every row: no NaN, no +inf, and some finite entry per row."""
+    final = final.float()
+    if bool(torch.isnan(final).any()) or bool(torch.isposinf(final).any()):
+        return False
+    return bool(torch.isfinite(final).any(dim=-1).all())
+
+
+def ensure_tokens(final: torch.Tensor, step: int | None = None) -> torch.Tensor:
+    """``final`` unchanged, or NoTokensLeft when it has nothing to pick (see ``has_tokens``).
+    Every strategy calls this on its final logits before picking."""
+    if not has_tokens(final):
+        raise NoTokensLeft(step)
+    return final
+
+
+def ensure_probs(probs: torch.Tensor, step: int | None = None) -> torch.Tensor:
+    """``probs`` [..., V] unchanged, or NoTokensLeft when a row is NaN or has no mass."""
+    if bool(torch.isnan(probs).any()) or not bool((probs.float().sum(dim=-1) > 0).all()):
+        raise NoTokensLeft(step)
+    return probs
+
+
 @dataclass(frozen=True)
 class Pick:
     token_id: int

@@ -75,7 +75,7 @@ def encode(state: ShareState) -> str:
     payload = {"view": state.view, "prompt": state.prompt, "seed": state.seed, "preset": preset}
     if state.chat is not None:
         payload["chat"] = state.chat
-    raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
     packer = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate: no header, 6 bytes shorter
     packed = packer.compress(raw) + packer.flush()
     token = TOKEN_PREFIX + base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")

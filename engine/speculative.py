@@ -231,6 +231,7 @@ class ModelDrafter:
         for i in range(k):
             ids = torch.tensor([sequence + tokens], dtype=torch.long, device=self.lm.device)
             final = ctx.chain(ids, align_vocab(logits.float(), ctx.vocab_size))  # [1, V]
+            sampling.ensure_tokens(final)
             pick = sampling.greedy(final) if ctx.generator is None else sampling.sample(final, ctx.generator)
             tokens.append(pick.token_id)
             qs.append(torch.softmax(final[0], dim=-1))
@@ -342,6 +343,7 @@ class _Verifier:
         for i in range(len(draft.tokens) + 1):
             ids = torch.tensor([base[: len(self.sequence) + i]], dtype=torch.long, device=self.lm.device)
             traced = self.chain.traced(ids, logits[i: i + 1], self.config.top_n, self.lm.token_text)
+            sampling.ensure_tokens(traced.logits)
             if i == len(draft.tokens):
                 bonus = self._extra("bonus", traced)
                 emitted.append((bonus.token_id, traced))

@@ -3,18 +3,25 @@
 Everything the UI shows is a pure function of these. ``to_json`` / ``from_json`` round-trip them;
 ``from_dict`` rebuilds nested dataclasses from their type hints, so strategy modules (beam,
 speculative, ...) can add their own typed records without touching this file's serialiser.
+
+Strict JSON: ``to_json`` never writes NaN or Infinity (``allow_nan=False``). Non-finite values are
+prevented at the source (a step whose final distribution is all masked or NaN ends the run with
+stop_reason "no_tokens_left", see ``engine.sampling.ensure_tokens``); the few legitimately
+infinite numbers a record may hold (a -inf score of a masked candidate, a log-prob of 0) are written
+as ``null``, which every consumer reads as "no value". ``from_json`` reads them back as None.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-STOP_REASONS = ("eos", "stop_string", "max_new_tokens")
+STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "no_tokens_left")
 
 
 @dataclass
@@ -63,7 +70,7 @@ class StepTrace:
     stages: list[StageTrace]
     elapsed_ms: float = 0.0  # since the run started (prefill included)
     forced: bool = False  # chosen by the user (branching), not by the sampler
-    finish_reason: str | None = None  # set on the last step: eos | stop_string | max_new_tokens
+    finish_reason: str | None = None  # set on the last step: one of STOP_REASONS
 
 
 @dataclass
@@ -100,7 +107,7 @@ class Trace:
         return to_dict(self)
 
     def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+        return dumps_strict(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> "Trace":
@@ -123,6 +130,22 @@ class Event:
     @property
     def done(self) -> bool:
         return self.trace is not None
+
+
+def dumps_strict(data: Any, indent: int | None = None) -> str:
+    """json.dumps that never emits NaN/Infinity (they become null first, see the module doc)."""
+    return json.dumps(finite(data), indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+def finite(data: Any) -> Any:
+    """``data`` (JSON-ready) with every non-finite float replaced by None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(x) for x in data]
+    return data
 
 
 def to_dict(record: Any) -> Any:
