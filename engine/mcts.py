@@ -193,7 +193,8 @@ def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
         raise ValueError("prompt: empty after tokenisation; type at least one character")
     start = time.perf_counter()
     cache = KVCache(lm.model)
-    chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
+    generator = None if config.is_greedy else decode.make_generator(config, lm.device)  # for stages that draw (XTC)
+    chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids, generator=generator)
     stopper = decode.StopCheck(lm, config)
     sequence = list(prompt_ids)
     logits = cache.sync(sequence)  # [1, V] after the root; the cache holds exactly the root
@@ -207,6 +208,8 @@ def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
         chosen = search.best_child()
         chosen.committed = True
         step = _step_trace(lm, chain, config, sequence, logits, chosen.token_id, len(generated), start)
+        chain.observe(torch.tensor([sequence], dtype=torch.long, device=lm.device), chosen.token_id)  # mirostat's μ moves
+        chain.annotate(step.stages)
         generated.append(chosen.token_id)
         step.finish_reason = stopper.reason(generated)
         record = MctsPosition(step.index, chosen.token_id, chosen.token, config.mcts_simulations,

@@ -1,0 +1,125 @@
+"""Medusa (trained heads, one-forward chain verification) vs target-only greedy: same model,
+prompt, token count, interleaved in one process after a short warm-up of each. Greedy, so both
+must produce the same tokens. Optionally the n-gram speculative drafter on the same prompts.
+
+CPU, embedded model, chat template; prompts: two held out from the heads' training prompts
+(never trained on) and the spelling-correction prompt of bench/speculative.py.
+
+    .venv/bin/python -m bench.medusa [--tokens 128] [--repeats 3] [--heads 3] [--ngram]
+
+Targets (issue 16): >= 1.8 tokens per target forward and a wall-clock speed-up > 1.2x on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.speculative import PROMPT as SPELLING  # noqa: E402
+from engine import decode, medusa, speculative  # noqa: E402
+from engine.config import DecodingConfig  # noqa: E402
+from engine.models import ModelRegistry, ModelSpec  # noqa: E402
+
+TARGET_PER_FORWARD = 1.8
+TARGET_SPEEDUP = 1.2
+PROMPTS = {
+    "volcanoes (held out)": "What are the most important things to know about volcanoes?",
+    "story (held out)": "Continue the story: Once upon a time, in a small village by the sea,",
+    "spelling fix": SPELLING,
+}
+
+
+@dataclass
+class Row:
+    prompt: str
+    method: str
+    per_forward: float
+    fast_ms: list[float]
+    base_ms: list[float]
+    same_tokens: bool
+    tokens: int
+    head_acceptance: list[float]
+
+    @property
+    def speedup(self) -> float:
+        """Median over back-to-back pairs of target-only / method time (per generated token)."""
+        return statistics.median(b / f for f, b in zip(self.fast_ms, self.base_ms))
+
+
+def bench_prompt(lm, registry, name: str, prompt: str, method: str, config: DecodingConfig, repeats: int) -> Row:
+    ids = lm.encode(prompt, chat=True)
+    heads = medusa.load_heads(lm) if method == "medusa" else None
+    base_config = config.replace(strategy="greedy")
+
+    def fast(cfg):
+        if method == "medusa":
+            return medusa.run(lm, prompt, ids, cfg, chat=True, heads=heads)
+        return speculative.run(lm, prompt, cfg, chat=True, registry=registry)
+
+    def base(cfg):
+        return decode.assemble(lm, prompt, ids, cfg, list(decode.stream(lm, ids, cfg)), True)
+
+    fast(config.replace(max_new_tokens=8))  # warm-up
+    base(base_config.replace(max_new_tokens=8))
+    fast_ms, base_ms, trace, reference = [], [], None, None
+    for i in range(repeats):
+        for which in (("fast", "base") if i % 2 == 0 else ("base", "fast")):
+            start = time.perf_counter()
+            if which == "fast":
+                trace = fast(config)
+                fast_ms.append((time.perf_counter() - start) * 1000 / max(1, len(trace.generated_token_ids)))
+            else:
+                reference = base(base_config)
+                base_ms.append((time.perf_counter() - start) * 1000 / max(1, len(reference.generated_token_ids)))
+    return Row(name, method, trace.summary["tokens_per_target_forward"], fast_ms, base_ms,
+               trace.generated_token_ids == reference.generated_token_ids, len(trace.generated_token_ids),
+               trace.summary.get("head_acceptance", []))
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"\n{'prompt':<22} {'method':<14} {'tokens':>6} {'tok/fwd':>8} {'ms/token':>9} {'target ms/tok':>14} "
+          f"{'speed-up':>9} {'same':>5}  per-head acceptance")
+    for r in rows:
+        heads = ", ".join(f"{a:.0%}" for a in r.head_acceptance) or "-"
+        print(f"{r.prompt:<22} {r.method:<14} {r.tokens:>6} {r.per_forward:>8.2f} {statistics.median(r.fast_ms):>9.1f} "
+              f"{statistics.median(r.base_ms):>14.1f} {r.speedup:>8.2f}x {'yes' if r.same_tokens else 'NO':>5}  {heads}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--ngram", action="store_true", help="also the n-gram speculative drafter (K=4) on the same prompts")
+    args = p.parse_args(argv)
+    registry = ModelRegistry(capacity=2)
+    lm = registry.get(ModelSpec())
+    print(f"{lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, {args.tokens} tokens, "
+          f"greedy, chat template, {args.repeats} interleaved repeats (ms per token: medians)")
+    config = DecodingConfig(strategy="medusa", temperature=0.0, max_new_tokens=args.tokens, medusa_heads=args.heads)
+    rows = []
+    for name, prompt in PROMPTS.items():
+        rows.append(bench_prompt(lm, registry, name, prompt, "medusa", config, args.repeats))
+        if args.ngram:
+            ngram = config.replace(strategy="speculative", drafter="ngram", num_draft_tokens=4)
+            rows.append(bench_prompt(lm, registry, name, prompt, "ngram (K=4)", ngram, args.repeats))
+    print_table(rows)
+    med = [r for r in rows if r.method == "medusa"]
+    per_forward = statistics.mean(r.per_forward for r in med)
+    speedup = statistics.mean(r.speedup for r in med)
+    ok = per_forward >= TARGET_PER_FORWARD and speedup > TARGET_SPEEDUP
+    print(f"medusa mean: {per_forward:.2f} tokens per target forward (target >= {TARGET_PER_FORWARD}), "
+          f"speed-up {speedup:.2f}x (target > {TARGET_SPEEDUP}x): {'PASS' if ok else 'BELOW TARGET'}")
+    return 0 if all(r.same_tokens for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
