@@ -1,8 +1,13 @@
-"""A thin wrapper over transformers' DynamicCache: prefill, step, rewind(n), sync, bytes used.
+"""A thin wrapper over transformers' caches: prefill, step, rewind(n), sync, bytes used.
 
 The wrapper remembers which token ids (batch of one) the cache holds, so ``sync`` can move the
 cache to any sequence by rewinding to the common prefix and feeding only the missing tokens, in
 one forward. Nothing is ever recomputed from scratch unless nothing is shared.
+
+``kind`` picks the cache (engine/kv_quant.py): ``dynamic`` (default), ``quantized-int8`` /
+``quantized-int4`` or ``sliding-<N>``. Those crop exactly only while the positions to drop are
+unquantized / not yet evicted; otherwise ``rewind`` restores the state saved at the last ``sync``
+and feeds what follows it, or, failing that, rebuilds the cache with one prefill forward.
 """
 
 from __future__ import annotations
@@ -10,16 +15,19 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from transformers import DynamicCache
+
+from . import kv_quant
 
 
 class KVCache:
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, kind: str = "dynamic", residual_length: int = 32):
         self.model = model
         self.device = next(model.parameters()).device
-        self.cache = DynamicCache(config=model.config)
+        self.kind, self.residual_length = kind, residual_length
+        self.cache = kv_quant.make_cache(model.config, kind, residual_length)
         self.tokens: list[int] = []  # ids held, for batch size 1
         self.forwards = 0  # model calls made through this cache
+        self._saved: tuple[list[int], list] | None = None  # (tokens, state) at the last sync
 
     @property
     def length(self) -> int:
@@ -53,9 +61,21 @@ class KVCache:
         """Drop the last n positions."""
         if n < 0 or n > self.length:
             raise ValueError(f"rewind: n={n} must be in [0, {self.length}]")
-        if n:
-            self.cache.crop(-n)
+        if not n:
+            return
+        if kv_quant.crop(self.cache, n):
             del self.tokens[-n:]
+            return
+        keep = self.tokens[:-n]
+        saved_tokens, state = self._saved or ([], None)
+        if state is not None and keep[:len(saved_tokens)] == saved_tokens:
+            kv_quant.restore(self.cache, state)
+            self.tokens = list(saved_tokens)
+        else:
+            self.cache = kv_quant.make_cache(self.model.config, self.kind, self.residual_length)
+            self.tokens = []
+        if len(keep) > len(self.tokens):
+            self.forward(torch.tensor([keep[len(self.tokens):]], dtype=torch.long))
 
     def sync(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Make the cache hold exactly ``token_ids`` and return the logits after the last one.
@@ -68,17 +88,16 @@ class KVCache:
             common += 1
         common = min(common, len(target) - 1)  # always feed at least one token to get logits
         self.rewind(self.length - common)
-        return self.step(target[common:])
+        logits = self.step(target[common:])
+        if self.kind != "dynamic":  # a point ``rewind`` can return to when it cannot crop
+            self._saved = (list(self.tokens), kv_quant.snapshot(self.cache))
+        return logits
 
     def reorder(self, index: torch.LongTensor) -> None:
         """Beam search: select / reorder batch rows."""
         self.cache.reorder_cache(index.to(self.device))
-        self.tokens = []
+        self.tokens, self._saved = [], None
 
     def nbytes(self) -> int:
-        total = 0
-        for layer in self.cache.layers:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-        return total
+        """Bytes the cache's tensors hold (packed integers, scales and zeros included)."""
+        return kv_quant.cache_bytes(self.cache).total

@@ -62,7 +62,10 @@ SAMPLING_ONLY_STAGES = frozenset({"temperature", "top_k", "top_p", "min_p", "typ
                                   "dynamic_temperature", "smoothing", "top_n_sigma", "eta", "top_h", "top_a",
                                   "xtc", "mirostat"})
 
-DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram")  # plus "model:<id or dir>"
+DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4")  # plus "model:<id or dir>"
+# KV cache kinds (engine/kv_quant.py builds them), plus "sliding-<N>": a window of the last N positions.
+KV_CACHE_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
+SLIDING_WINDOW_RANGE = (2, 65_536)  # transformers keeps N - 1 cached positions, so N >= 2
 EARLY_STOPPING_CHOICES = (True, False, "never")
 
 
@@ -163,7 +166,7 @@ _KNOB_LIST = [
     Knob("num_beam_groups", "int", 1, 1, 8, doc="Diverse beam search groups (must divide num_beams).", step=1),
     Knob("diversity_penalty", "float", 0.0, 0.0, 10.0, doc="Penalty for tokens picked by earlier groups at the same step.", step=0.1),
     # --- speculative decoding
-    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | model:<id or dir>."),
+    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>."),
     Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
     Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
     Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),
@@ -171,6 +174,9 @@ _KNOB_LIST = [
     Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.", step=0.05),
     Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.", step=0.01),
     Knob("amateur", "str", "self-nf4", doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
+    # --- KV cache
+    Knob("kv_cache", "str", "dynamic", doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
+    Knob("kv_residual_length", "int", 32, 1, 1024, doc="Quantized KV cache: the most recent positions kept unquantized (flushed when full).", step=1),
     # --- mcts / medusa
     Knob("mcts_simulations", "int", 32, 1, 256, doc="MCTS: PUCT simulations per generated token.", step=1),
     Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0, doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
@@ -332,6 +338,17 @@ def check_stage_order(order: Any) -> tuple[str, ...]:
     return tuple(seen) + tuple(s for s in DEFAULT_STAGE_ORDER if s not in seen)
 
 
+def check_kv_cache(key: str, value: str) -> str:
+    """One of KV_CACHE_KINDS or ``sliding-<N>`` with N in SLIDING_WINDOW_RANGE."""
+    low, high = SLIDING_WINDOW_RANGE
+    digits = value.removeprefix("sliding-") if value.startswith("sliding-") else ""
+    if value in KV_CACHE_KINDS or (digits.isascii() and digits.isdigit() and len(digits) <= 6
+                                   and low <= int(digits) <= high):
+        return value
+    raise ConfigError(key, f"expected {' | '.join(KV_CACHE_KINDS)} | sliding-<N> with N in [{low}, {high:,}], "
+                           f"got {_short(value)}")
+
+
 def check_drafter(key: str, value: str, allowed: tuple[str, ...]) -> str:
     if value in allowed or (value.startswith("model:") and len(value) > len("model:")):
         return value
@@ -393,6 +410,8 @@ class DecodingConfig:
     penalty_alpha: float = 0.6
     cd_alpha: float = 0.1
     amateur: str = "self-nf4"
+    kv_cache: str = "dynamic"
+    kv_residual_length: int = 32
     mcts_simulations: int = 32
     mcts_c_puct: float = 1.5
     mcts_expand_k: int = 4
@@ -411,6 +430,7 @@ class DecodingConfig:
         object.__setattr__(self, "stage_order", check_stage_order(self.stage_order))
         check_drafter("drafter", self.drafter, DRAFTER_CHOICES)
         check_drafter("amateur", self.amateur, ("self-int8", "self-nf4"))
+        check_kv_cache("kv_cache", self.kv_cache)
         if self.num_return_sequences > self.num_beams and self.strategy == "beam":
             raise ConfigError("num_return_sequences", f"{self.num_return_sequences} exceeds num_beams={self.num_beams}")
         if self.strategy == "beam" and self.num_beams % self.num_beam_groups != 0:

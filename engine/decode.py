@@ -64,7 +64,7 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
     if not prompt_ids:
         raise ValueError("prompt: empty after tokenisation; type at least one character")
     start = time.perf_counter()
-    cache = cache or KVCache(lm.model)
+    cache = cache or KVCache(lm.model, config.kv_cache, config.kv_residual_length)
     generator = None if config.is_greedy else make_generator(config, lm.device)
     chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids, generator=generator)
     stopper = StopCheck(lm, config)

@@ -10,7 +10,17 @@ the reference.
 
 ``kv_cache_report``: greedy with the KV cache (``decode.stream``) against the nanoGPT loop that
 feeds the whole sequence again at every step, with the cache's measured size against the formula
-2 × layers × kv_heads × head_dim × bytes per element.
+2 × layers × kv_heads × head_dim × bytes per element. The uncached loop is quadratic in the
+length, so the report is capped at MAX_UNCACHED_TOKENS tokens and says so.
+
+``stream_kv_drift`` / ``kv_drift_report``: the same model with each KV cache kind (dynamic,
+quantized-int8/int4, sliding-<N>; engine/kv_quant.py) against the full-precision reference.
+Teacher-forced: the kind's cache is fed the reference continuation token by token, and each
+step's distribution is compared with the reference's (KL, TV, top-1 agreement). Free-running:
+the kind decodes greedily on its own, which gives its speed, its memory over the run and the
+first step where its text leaves the reference.
+
+Every loop here calls ``control.check()`` once per forward (``control`` keyword).
 """
 
 from __future__ import annotations
@@ -22,9 +32,10 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import decode
+from . import decode, kv_quant
 from .cache import KVCache
 from .config import DecodingConfig
+from .control import RunControl, check
 from .metrics import first_divergence
 from .models import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
 from .trace import StepTrace
@@ -198,6 +209,10 @@ def quantization_report(registry: Any, source: str, prompt: str, chat: bool = Fa
 
 # ---------------------------------------------------------------------------------------- KV cache
 
+# The uncached loop feeds the whole sequence at every step (quadratic), so reports cap their length.
+MAX_UNCACHED_TOKENS = 256
+MAX_KV_DRIFT_TOKENS = 256  # each kind decodes twice (teacher-forced and free-running)
+
 
 @dataclass
 class KVStep:
@@ -233,21 +248,18 @@ class KVReport:
     head_dim: int
     bytes_per_element: int
     formula: str  # the formula with its numbers, for display
+    note: str = ""  # e.g. the cap on the length, when it applied
 
 
 def kv_geometry(lm: LoadedModel) -> tuple[int, int, int, int]:
     """(layers, kv_heads, head_dim, bytes per element) from the model config and compute dtype."""
-    cfg = lm.model.config
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, kv_heads, head_dim, torch.empty((), dtype=lm.dtype).element_size()
+    geo = kv_quant.geometry(lm.model.config, lm.dtype)
+    return geo.layers, geo.kv_heads, geo.head_dim, geo.bytes_per_element
 
 
 @torch.inference_mode()
-def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int],
-                    config: DecodingConfig) -> tuple[list[int], list[float]]:
+def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+                    control: RunControl | None = None) -> tuple[list[int], list[float]]:
     """The nanoGPT loop: feed the WHOLE sequence at every step, take the argmax. Returns the
     generated ids and the milliseconds each step took."""
     stopper = decode.StopCheck(lm, config)
@@ -255,6 +267,7 @@ def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int],
     generated: list[int] = []
     times: list[float] = []
     while True:
+        check(control)
         start = time.perf_counter()
         logits = lm.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1, :]  # [1, V]
         token = int(logits.argmax(-1))
@@ -265,17 +278,35 @@ def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int],
         ids = torch.cat([ids, torch.tensor([[token]], device=lm.device)], dim=1)  # [1, S + 1]
 
 
-def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32) -> KVReport:
+def checked_stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, cache: KVCache,
+                   control: RunControl | None) -> Iterator[StepTrace]:
+    """``decode.stream`` with ``control`` checked before each forward."""
+    check(control)
+    for step in decode.stream(lm, prompt_ids, config, cache=cache):
+        yield step
+        check(control)
+
+
+def capped(max_new_tokens: int, cap: int, why: str) -> tuple[int, str]:
+    """(the length to run, a note saying so when the cap applied)."""
+    if max_new_tokens <= cap:
+        return max_new_tokens, ""
+    return cap, f"capped at {cap} of the {max_new_tokens} tokens asked: {why}"
+
+
+def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32, *,
+                    control: RunControl | None = None) -> KVReport:
     """Greedy with the KV cache (``decode.stream``, trace capture included) vs without it."""
-    config = greedy_config(max_new_tokens)
+    n, note = capped(max_new_tokens, MAX_UNCACHED_TOKENS, "the uncached loop is quadratic in the length")
+    config = greedy_config(n)
     prompt_ids = lm.encode(prompt, chat)
     if not prompt_ids:
         raise ValueError("prompt: empty after tokenisation; type at least one character")
     with torch.inference_mode():  # one throw-away forward, so neither loop pays first-call costs
         lm.model(input_ids=torch.tensor([prompt_ids], device=lm.device), use_cache=False, logits_to_keep=1)
     cache = KVCache(lm.model)
-    cached = list(decode.stream(lm, prompt_ids, config, cache=cache))
-    uncached_ids, uncached_ms = uncached_greedy(lm, prompt_ids, config)
+    cached = list(checked_stream(lm, prompt_ids, config, cache, control))
+    uncached_ids, uncached_ms = uncached_greedy(lm, prompt_ids, config, control=control)
     cached_ms = [b - a for a, b in zip([0.0] + [s.elapsed_ms for s in cached], [s.elapsed_ms for s in cached])]
     layers, kv_heads, head_dim, width = kv_geometry(lm)
     formula = 2 * layers * kv_heads * head_dim * width
@@ -293,5 +324,142 @@ def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
         bytes_per_token=cache.nbytes() / cache.length if cache.length else 0.0, formula_bytes_per_token=formula,
         layers=layers, kv_heads=kv_heads, head_dim=head_dim, bytes_per_element=width,
         formula=(f"2 × {layers} layers × {kv_heads} kv heads × {head_dim} head dim × {width} bytes "
-                 f"= {formula:,} bytes"),
+                 f"= {formula:,} bytes"), note=note,
     )
+
+
+# ------------------------------------------------------------------------------ KV cache kinds' drift
+
+KV_DRIFT_METHOD = (
+    "Teacher-forced: each cache kind is fed the full-precision run's tokens one by one, and its next-token "
+    "distribution at every step is compared with the full-precision one (KL(p_ref || p_kind) in nats, total "
+    "variation, top-1 agreement). Free-running: each kind decodes greedily on its own; its first divergence is "
+    "the first step where its tokens leave the full-precision run's, and its speed and memory come from that run."
+)
+
+
+@dataclass
+class KVKindDrift:
+    """One KV cache kind: its drift (teacher-forced), its own greedy run (free-running), its bytes."""
+
+    kind: str  # dynamic | quantized-int8 | quantized-int4 | sliding-<N>
+    residual_length: int  # quantized kinds: positions kept unquantized
+    positions: list[PositionDrift]  # teacher-forced, one per reference token
+    mean_kl: float
+    max_kl: float
+    mean_tv: float
+    top1_agreement: float
+    generated_token_ids: list[int]  # free-running
+    text: str
+    first_divergence: int | None  # free-running vs the reference; None if it never leaves it
+    tokens_per_s: float  # free-running, trace capture included
+    memory_bytes: list[int]  # cache bytes when each free-running token was picked
+    memory_positions: list[int]  # positions the cache stood for then (prompt + tokens before)
+    cache_positions: int  # at the end of the teacher-forced pass: prompt + reference − 1
+    stored_positions: int  # of those, held (a sliding window drops the oldest)
+    quantized_positions: int  # of those, quantized (the rest is the full-precision residual)
+    cache_bytes: int  # measured from the cache's tensors (packed integers, scales, zeros)
+    formula_bytes: int  # the layout's formula for the same positions
+    bytes_per_token: float  # measured: cache_bytes / cache_positions
+    formula_bytes_per_token: float  # per position in the kind's long-term layout
+    formula: str
+
+
+@dataclass
+class KVDriftReport:
+    model: str
+    prompt: str
+    chat: bool
+    device: str
+    dtype: str
+    max_new_tokens: int  # tokens run (after the cap)
+    prompt_token_ids: list[int]
+    reference_token_ids: list[int]  # greedy with the full-precision dynamic cache
+    reference_tokens: list[str]
+    reference_text: str
+    requested: list[str]
+    kinds: list[KVKindDrift] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # kind -> why it could not be measured
+    method: str = KV_DRIFT_METHOD
+    note: str = ""  # the cap, when it applied
+
+
+@torch.inference_mode()
+def teacher_forced_cached_logits(lm: LoadedModel, prompt_ids: Sequence[int], continuation: Sequence[int],
+                                 cache: KVCache, control: RunControl | None = None) -> torch.Tensor:
+    """Next-token logits [T, V] (float32) through ``cache``: prefill the prompt, then feed the
+    continuation one token per forward (as decoding does); row t picked continuation[t]."""
+    check(control)
+    rows = [cache.sync(list(prompt_ids))]
+    for token in continuation[:-1]:
+        check(control)
+        rows.append(cache.step([token]))
+    return torch.cat(rows)  # [T, V]
+
+
+def measure_kind(lm: LoadedModel, prompt_ids: Sequence[int], ref_ids: Sequence[int], ref_logits: torch.Tensor,
+                 kind: str, residual_length: int, control: RunControl | None = None) -> KVKindDrift:
+    """Drift, own greedy run and bytes of one cache kind against the reference run."""
+    config = greedy_config(len(ref_ids)).replace(kv_cache=kind, kv_residual_length=residual_length)
+    cache = KVCache(lm.model, kind, residual_length)
+    own, memory, held = [], [], []
+    for step in checked_stream(lm, prompt_ids, config, cache, control):
+        own.append(step)
+        memory.append(cache.nbytes())
+        held.append(cache.length)
+    forced = KVCache(lm.model, kind, residual_length)
+    positions = compare_logits(ref_logits, teacher_forced_cached_logits(lm, prompt_ids, ref_ids, forced, control),
+                               ref_ids, lm.token_text)
+    counts = kv_quant.cache_bytes(forced.cache)
+    geo = kv_quant.geometry(lm.model.config, lm.dtype)
+    own_ids = [s.chosen_token_id for s in own]
+    n = max(1, len(positions))
+    return KVKindDrift(
+        kind=kind, residual_length=residual_length, positions=positions,
+        mean_kl=sum(p.kl for p in positions) / n, max_kl=max((p.kl for p in positions), default=0.0),
+        mean_tv=sum(p.tv for p in positions) / n, top1_agreement=sum(p.top1_agrees for p in positions) / n,
+        generated_token_ids=own_ids, text=lm.decode(own_ids), first_divergence=first_divergence([list(ref_ids), own_ids]),
+        tokens_per_s=decode.timing(own).tokens_per_s, memory_bytes=memory, memory_positions=held,
+        cache_positions=counts.positions, stored_positions=counts.stored_positions,
+        quantized_positions=counts.quantized_positions, cache_bytes=counts.total,
+        formula_bytes=kv_quant.expected_bytes(geo, kind, counts), bytes_per_token=counts.per_position,
+        formula_bytes_per_token=kv_quant.formula_bytes_per_token(geo, kind), formula=kv_quant.formula_text(geo, kind),
+    )
+
+
+def stream_kv_drift(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32,
+                    kinds: Sequence[str] = ("dynamic", "quantized-int8", "quantized-int4"), residual_length: int = 32,
+                    *, control: RunControl | None = None) -> Iterator[KVDriftReport]:
+    """Yield the report after the reference run, then again as each kind finishes (the same object,
+    growing). A kind that cannot be built for this model is recorded in ``errors``."""
+    requested = [kv_quant.parse_kind(k).name for k in dict.fromkeys(kinds)]
+    n, note = capped(max_new_tokens, MAX_KV_DRIFT_TOKENS, "every kind decodes the continuation twice")
+    prompt_ids = lm.encode(prompt, chat)
+    if not prompt_ids:
+        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    reference = list(checked_stream(lm, prompt_ids, greedy_config(n), KVCache(lm.model), control))
+    ref_ids = [s.chosen_token_id for s in reference]
+    ref_logits = teacher_forced_logits(lm, prompt_ids, ref_ids)  # one forward, no cache: the yardstick
+    report = KVDriftReport(
+        model=lm.name, prompt=prompt, chat=chat, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
+        max_new_tokens=n, prompt_token_ids=list(prompt_ids), reference_token_ids=ref_ids,
+        reference_tokens=[s.chosen_token for s in reference], reference_text=lm.decode(ref_ids),
+        requested=requested, note=note,
+    )
+    yield report
+    for kind in requested:
+        try:
+            report.kinds.append(measure_kind(lm, prompt_ids, ref_ids, ref_logits, kind, residual_length, control))
+        except (ValueError, ImportError) as exc:
+            report.errors[kind] = str(exc)
+        yield report
+
+
+def kv_drift_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32,
+                    kinds: Sequence[str] = ("dynamic", "quantized-int8", "quantized-int4"), residual_length: int = 32,
+                    *, control: RunControl | None = None) -> KVDriftReport:
+    """The whole KV drift report (see ``stream_kv_drift``)."""
+    report = None
+    for report in stream_kv_drift(lm, prompt, chat, max_new_tokens, kinds, residual_length, control=control):
+        pass
+    return report
