@@ -277,9 +277,9 @@ def test_deep_nesting_fails_cleanly(depth, opener):
         parse_preset(valid(stop=json.loads("[" * min(depth + 1, 500) + "]" * min(depth + 1, 500))))
 
 
-# --- user presets in the browser (playground.presets_ui: pure list operations) ---------------------
+# --- user presets in the browser (playground.user_presets: pure list operations) ---------------------
 def test_user_preset_list_operations():
-    from playground import presets_ui as ui
+    from playground import user_presets as ui
 
     mine = Preset.create("Mine", "Mine.", DecodingConfig(temperature=0.4))
     stored = ui.save_user_preset([], mine)
@@ -296,7 +296,7 @@ def test_user_preset_list_operations():
 
 
 def test_stored_list_is_untrusted():
-    from playground import presets_ui as ui
+    from playground import user_presets as ui
 
     good = Preset.create("Good", "", DecodingConfig(top_k=5)).to_dict()
     presets, errors = ui.read_user_presets([good, {"name": "Bad", "top_k": -1}, "junk", dict(good)])
@@ -309,7 +309,7 @@ def test_stored_list_is_untrusted():
 
 
 def test_picker_merges_builtins_and_user_presets():
-    from playground import presets_ui as ui
+    from playground import user_presets as ui
 
     stored = [Preset.create("Cold", "", DecodingConfig(temperature=0.1)).to_dict()]
     choices = ui.preset_choices(stored)
@@ -324,7 +324,7 @@ def test_picker_merges_builtins_and_user_presets():
 
 
 def test_import_into_user_presets_renames_clashes():
-    from playground import presets_ui as ui
+    from playground import user_presets as ui
 
     stored = [Preset.create("Test", "", DecodingConfig()).to_dict()]
     new, imported, errors = ui.import_user_presets(stored, json.dumps([valid(), valid(top_k=0.5)]))
@@ -333,7 +333,7 @@ def test_import_into_user_presets_renames_clashes():
 
 
 def test_export_file_and_upload_limits(tmp_path):
-    from playground import presets_ui as ui
+    from playground import user_presets as ui
 
     path = Path(ui.export_file([builtin_presets()["beam-4"]]))
     assert path.name == "beam-search-4.json"
