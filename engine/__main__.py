@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, DecodingConfig, parse_set_value
+from .config import ConfigError, DecodingConfig, check_text, parse_set_value
 from .models import QUANTIZATIONS, ModelLoadError, ModelRegistry, ModelSpec
 from .presets import PresetError, load_preset
 
@@ -33,11 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> DecodingConfig:
+    check_text("--preset", args.preset, max_len=4096)
     values = load_preset(args.preset, allow_paths=True).config.to_dict(sparse=True)
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item[:60]!r}")
         values[key] = parse_set_value(key, text)
     return DecodingConfig.from_dict(values)
 
@@ -59,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-        if not args.prompt.strip():
+        if not check_text("--prompt", args.prompt, max_len=100_000).strip():
             raise ConfigError("--prompt", "empty; give some text")
-        spec = ModelSpec(source=args.model, quantization=args.quantization)
+        spec = ModelSpec(source=check_text("--model", args.model, max_len=500), quantization=args.quantization)
     except (ConfigError, PresetError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -266,13 +266,13 @@ def _resolve_source(source: str, progress: Progress | None) -> tuple[str, str]:
     """(path or id to load from, display name)."""
     if source == EMBEDDED:
         return str(embedded_model_dir(progress)), EMBEDDED_NAME
-    path = Path(source).expanduser()
+    # No ~ expansion and no "is a file" / "exists" answers: an error says the same thing whatever
+    # the path names, so a message never tells what is on the server's disk.
+    path = Path(source)
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"model: {source!r} is a directory without config.json; not a transformers model")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(_offline_message(source))
         return str(path), path.name
-    if path.exists():
-        raise ModelLoadError(f"model: {source!r} is a file; pass the model's directory")
     return source, source
 
 
@@ -292,7 +292,7 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
         with _quiet():
             tokenizer, model = _from_pretrained(path, kwargs)
     except OSError as exc:
-        raise ModelLoadError(_offline_message(spec.source, exc)) from None
+        raise ModelLoadError(_offline_message(spec.source)) from None
     except Exception as exc:  # safetensors, bitsandbytes and config errors all end up here, as one line
         what = f"{spec.quantization}-quantize" if spec.quantization != "none" else "load"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -338,11 +338,12 @@ def _has_quantized_layers(model: Any) -> bool:
     return any(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in model.modules())
 
 
-def _offline_message(source: str, exc: Exception) -> str:
+def _offline_message(source: str) -> str:
+    """One message for every source that is not a loadable model, whatever the path names."""
     return (
-        f"Could not load model {source!r}: it is not a local directory, and it could not be fetched from the "
-        f"Hugging Face Hub (offline, or no such model). Download it on a connected machine "
-        f"(`huggingface-cli download {source} --local-dir DIR`) and pass DIR. ({type(exc).__name__})"
+        f"Could not load model {source[:100]!r}: it is not a local model directory, and it could not be fetched "
+        f"from the Hugging Face Hub (offline, or no such model). Download it on a connected machine "
+        f"(`huggingface-cli download <id> --local-dir DIR`) and pass DIR."
     )
 
 

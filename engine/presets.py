@@ -106,6 +106,11 @@ def _check_meta(data: dict) -> tuple[str, str]:
     if not isinstance(description, str) or len(description) > MAX_DESCRIPTION_LEN:
         raise PresetError(f"description: expected a string of at most {MAX_DESCRIPTION_LEN} characters, "
                           f"got {short_repr(description)}")
+    try:  # lone surrogates: refused here, not by the encoder of whatever writes the name later
+        check_text("name", name, max_len=MAX_NAME_LEN)
+        check_text("description", description, max_len=MAX_DESCRIPTION_LEN, allow_empty=True)
+    except ConfigError as exc:
+        raise PresetError(str(exc)) from None
     return sanitize_name(name), description
 
 

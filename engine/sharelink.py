@@ -1,9 +1,13 @@
 """Share links: the view, prompt, seed and preset, carried in the URL itself (no server-side file, so
 a link survives server restarts).
 
-Token format: ``"s1."`` + base64url(raw-deflate(compact JSON)), with the JSON object
+Token format: ``"s2."`` + base64url(raw-deflate(compact JSON)) + ``"."`` + checksum, with the JSON object
 ``{"view": str, "prompt": str, "seed": int, "preset": {<preset object without its seed>}}``, plus
 ``"chat": bool`` when the view has a chat-template switch.
+The checksum is the first 6 base64url characters (36 bits) of SHA-256 over the body, so a
+corrupted or hand-edited link is refused with a clear message instead of decoding to another valid
+link. Links made before the checksum (``"s1."`` + body) are still read, unchecked: they were
+promised to survive server upgrades, and their content is validated like any other.
 ``decode`` treats the token as untrusted: size caps before and after decompression, strict JSON,
 the preset validated by ``parse_preset``; it never raises anything but ShareLinkError.
 """
@@ -12,17 +16,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import re
 import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .config import ConfigError, check_knob
+from .config import ConfigError, check_knob, check_text
 from .presets import Preset, PresetError, loads_strict, parse_preset, short_repr
 
 SHARE_PARAM = "share"  # the URL query parameter: ?share=<token>
-TOKEN_PREFIX = "s1."  # format version 1
+TOKEN_PREFIX = "s2."  # format version 2: with a checksum
+LEGACY_PREFIX = "s1."  # version 1, no checksum: still read
+CHECKSUM_CHARS = 6
 MAX_TOKEN_CHARS = 6_000  # stays well under common URL limits (8 KiB request lines)
 MAX_JSON_BYTES = 32_768  # after decompression: a bigger payload is refused, not inflated
 MAX_PROMPT_CHARS = 8_000
@@ -50,8 +57,10 @@ class ShareState:
     def __post_init__(self) -> None:
         if not isinstance(self.view, str) or not VIEW_PATTERN.fullmatch(self.view):
             raise ShareLinkError(f"view: expected a short lower-case name like 'step', got {short_repr(self.view)}")
-        if not isinstance(self.prompt, str) or len(self.prompt) > MAX_PROMPT_CHARS:
-            raise ShareLinkError(f"prompt: expected text of at most {MAX_PROMPT_CHARS:,} characters")
+        try:
+            check_text("prompt", self.prompt, max_len=MAX_PROMPT_CHARS, allow_empty=True)
+        except ConfigError as exc:
+            raise ShareLinkError(str(exc)) from None
         if self.chat is not None and not isinstance(self.chat, bool):
             raise ShareLinkError(f"chat: expected true or false, got {short_repr(self.chat)}")
         if not isinstance(self.preset, Preset):
@@ -78,7 +87,8 @@ def encode(state: ShareState) -> str:
     raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
     packer = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate: no header, 6 bytes shorter
     packed = packer.compress(raw) + packer.flush()
-    token = TOKEN_PREFIX + base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")
+    body = base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")
+    token = f"{TOKEN_PREFIX}{body}.{checksum(body)}"
     if len(token) > MAX_TOKEN_CHARS:
         raise ShareLinkError(f"link: {len(token):,} characters is over the {MAX_TOKEN_CHARS:,}-character limit; "
                              "shorten the prompt")
@@ -90,16 +100,33 @@ def share_query(state: ShareState) -> str:
     return f"?{SHARE_PARAM}={encode(state)}"
 
 
-def _unpack(token: Any) -> bytes:
+def checksum(body: str) -> str:
+    """The first CHECKSUM_CHARS base64url characters of SHA-256(body)."""
+    digest = hashlib.sha256(body.encode("ascii")).digest()
+    return base64.urlsafe_b64encode(digest).decode("ascii")[:CHECKSUM_CHARS]
+
+
+def _body(token: Any) -> str:
+    """The base64 body of a token, its checksum verified (legacy s1 tokens have none)."""
     if not isinstance(token, str):
         raise ShareLinkError(f"link: expected text, got {type(token).__name__}")
     if len(token) > MAX_TOKEN_CHARS:
         raise ShareLinkError(f"link: {len(token):,} characters is over the {MAX_TOKEN_CHARS:,}-character limit")
-    if not token.startswith(TOKEN_PREFIX):
+    if token.startswith(LEGACY_PREFIX):
+        body, check = token[len(LEGACY_PREFIX):], None
+    elif token.startswith(TOKEN_PREFIX):
+        body, _, check = token[len(TOKEN_PREFIX):].rpartition(".")
+    else:
         raise ShareLinkError(f"link: unknown format (expected it to start with {TOKEN_PREFIX!r}); was it cut short?")
-    body = token[len(TOKEN_PREFIX):]
     if not body or not _TOKEN_CHARS.fullmatch(body):
         raise ShareLinkError("link: contains characters a share link never has; was it copied whole?")
+    if check is not None and check != checksum(body):
+        raise ShareLinkError("link: damaged (its checksum does not match); was it copied whole?")
+    return body
+
+
+def _unpack(token: Any) -> bytes:
+    body = _body(token)
     try:
         packed = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         unpacker = zlib.decompressobj(-15)

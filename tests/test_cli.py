@@ -18,7 +18,7 @@ def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--prompt", "hi", "--set", "temperature=9"], "temperature: 9.0 is out of range; allowed [0, 5]"),
+    (["--prompt", "hi", "--set", "temperature=9"], "temperature: 9.0 is out of range; allowed 0 or [0.01, 5]"),
     (["--prompt", "hi", "--set", "top_p=abc"], "top_p"),
     (["--prompt", "hi", "--set", "nonsense=1"], "nonsense: unknown key"),
     (["--prompt", "hi", "--set", "novalue"], "expected KEY=VALUE"),

@@ -116,9 +116,9 @@ def test_speculative_self_int8_preset_runs(embedded):
 # --- strict parsing -------------------------------------------------------------------------------
 @pytest.mark.parametrize("data, fragment", [
     (valid(temprature=0.5), "temprature: unknown key (did you mean 'temperature'?)"),
-    (valid(temperature="hot"), "temperature: expected a number in [0, 5]"),
+    (valid(temperature="hot"), "temperature: expected a number in 0 or [0.01, 5]"),
     (valid(temperature=True), "temperature: expected a number"),
-    (valid(temperature=7.0), "temperature: 7.0 is out of range; allowed [0, 5]"),
+    (valid(temperature=7.0), "temperature: 7.0 is out of range; allowed 0 or [0.01, 5]"),
     (valid(top_p=0.0), "top_p: 0.0 is out of range; allowed (0, 1]"),
     (valid(top_k=2.5), "top_k: expected an integer"),
     (valid(top_k=10**5000), "top_k:"),  # a 5000-digit integer: its repr itself fails in Python
@@ -196,7 +196,7 @@ def test_import_keeps_good_presets_and_reports_each_bad_one():
     assert [p.config.temperature for p in result.presets] == [0.5, 1.0]
     assert [p.config.top_k for p in result.presets] == [0, 3]
     assert result.errors == (
-        "preset 2 ('Too hot'): temperature: 9.0 is out of range; allowed [0, 5]",
+        "preset 2 ('Too hot'): temperature: 9.0 is out of range; allowed 0 or [0.01, 5]",
         "preset 3: preset: expected a JSON object, got str",
     )
 

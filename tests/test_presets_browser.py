@@ -126,7 +126,7 @@ def test_import_keeps_the_good_presets_and_exports(live_app, page, tmp_path):
     page.locator("#presets-import input[type=file]").set_input_files(str(path))
     page.get_by_text("Imported 1: Imported one.").wait_for(timeout=30_000)
     status = page.locator("#presets-status").inner_text()
-    assert "preset 2 ('Broken'): temperature: 9.0 is out of range; allowed [0, 5]" in status
+    assert "preset 2 ('Broken'): temperature: 9.0 is out of range; allowed 0 or [0.01, 5]" in status
     visible_text(page, "#presets-mine", "Imported one").wait_for(timeout=30_000)
     page.locator("#presets-export-mine").click()  # and back out as a file
     page.locator("#presets-exported").get_by_text("my-presets", exact=True).wait_for(timeout=30_000)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from engine.config import DecodingConfig
 from engine.presets import Preset, builtin_presets
 from engine.sharelink import (
-    MAX_JSON_BYTES, MAX_PROMPT_CHARS, MAX_TOKEN_CHARS, SHARE_PARAM, TOKEN_PREFIX, ShareLinkError, ShareState, decode,
-    encode, share_query,
+    MAX_JSON_BYTES, MAX_PROMPT_CHARS, MAX_TOKEN_CHARS, SHARE_PARAM, TOKEN_PREFIX, ShareLinkError, ShareState, checksum,
+    decode, encode, share_query,
 )
 
 
@@ -23,7 +23,8 @@ def pack(payload: bytes | str) -> str:
     """A token around arbitrary content (to reach the checks after decompression)."""
     raw = payload.encode() if isinstance(payload, str) else payload
     packer = zlib.compressobj(9, zlib.DEFLATED, -15)
-    return TOKEN_PREFIX + base64.urlsafe_b64encode(packer.compress(raw) + packer.flush()).rstrip(b"=").decode()
+    body = base64.urlsafe_b64encode(packer.compress(raw) + packer.flush()).rstrip(b"=").decode()
+    return f"{TOKEN_PREFIX}{body}.{checksum(body)}"
 
 
 def good_payload(**changes) -> dict:
@@ -36,7 +37,7 @@ def test_round_trip_every_builtin(stem):
     prompt = "Ünïcode ✓ & ?share=x#frag\nnew line"
     state = ShareState(view="compare", prompt=prompt, preset=builtin_presets()[stem], seed=1234)
     token = encode(state)
-    assert re.fullmatch(r"s1\.[A-Za-z0-9_-]+", token)  # URL-safe as is: no escaping needed
+    assert re.fullmatch(r"s2\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]{6}", token)  # URL-safe as is: no escaping needed
     assert decode(token) == state
     assert decode(token).preset.config.seed == 1234
 
@@ -60,7 +61,7 @@ def test_long_prompt_is_refused_when_encoding():
     noisy = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(MAX_PROMPT_CHARS))  # incompressible-ish
     with pytest.raises(ShareLinkError, match="over the 6,000-character limit; shorten the prompt"):
         encode(ShareState("step", noisy, builtin_presets()["greedy"]))
-    with pytest.raises(ShareLinkError, match="prompt: expected text of at most 8,000"):
+    with pytest.raises(ShareLinkError, match="prompt: 8,001 characters is over the 8,000-character limit"):
         ShareState("step", "x" * (MAX_PROMPT_CHARS + 1), builtin_presets()["greedy"])
 
 
@@ -96,7 +97,7 @@ def test_invalid_state(kwargs, fragment):
     (pack(json.dumps(good_payload(extra=1))), "unknown ['extra']"),
     (pack(json.dumps({"view": "step"})), "missing ['prompt', 'seed', 'preset']"),
     (pack(json.dumps(good_payload(preset={**good_payload()["preset"], "temperature": 99}))),
-     "preset: temperature: 99.0 is out of range; allowed [0, 5]"),
+     "preset: temperature: 99.0 is out of range; allowed 0 or [0.01, 5]"),
     (pack(json.dumps(good_payload(preset={**good_payload()["preset"], "seed": 3}))), "seed belongs at the top level"),
     (pack(json.dumps(good_payload(preset="greedy"))), "preset: preset: expected a JSON object"),
     (pack(json.dumps(good_payload(seed=2**40))), "seed: 1099511627776 is out of range"),
@@ -139,7 +140,8 @@ def test_random_tokens(token):
 @given(st.binary(max_size=500))
 def test_random_compressed_bytes(raw):
     _decodes_or_fails_cleanly(pack(raw))
-    _decodes_or_fails_cleanly(TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("="))
+    body = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    _decodes_or_fails_cleanly(f"{TOKEN_PREFIX}{body}.{checksum(body)}" if body else TOKEN_PREFIX)
 
 
 @settings(max_examples=300, deadline=None)
