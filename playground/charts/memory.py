@@ -1,0 +1,121 @@
+"""Memory charts: pure functions of engine.drift.KVDriftReport and engine.kv_arith estimates ->
+table rows and plotly figures. No gradio here; unit-tested on hand-made data.
+
+- ``kind_rows`` / ``KIND_HEADERS``: the KV-kind table (bytes per token measured vs formula, drift).
+- ``memory_figure``: cache bytes over the run, one line per kind.
+- ``bytes_per_token_figure``: bytes per token measured from the tensors next to the formula.
+- ``kind_drift_figure``: KL per step (teacher-forced) per kind, first divergence marked.
+- ``calculator_figure`` / ``calculator_rows``: KV cache and weights GB, MHA vs GQA vs MQA.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import plotly.graph_objects as go
+
+from engine.drift import KVDriftReport, KVKindDrift
+from engine.kv_arith import MemoryEstimate
+
+KB = 1024
+COLOURS = {"dynamic": "#4c78a8", "quantized-int8": "#f58518", "quantized-int4": "#e45756"}
+SLIDING_COLOUR = "#54a24b"
+ATTENTION_COLOURS = {"mha": "#e45756", "gqa": "#4c78a8", "mqa": "#54a24b"}
+LAYOUT = {"height": 340, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}, "legend": {"orientation": "h", "y": -0.25}}
+
+KIND_HEADERS = ["KV cache", "bytes / token (measured)", "bytes / token (formula)", "cache bytes (measured = formula)",
+                "tokens/s", "mean KL (nats)", "max KL", "top-1 agreement", "first divergence"]
+CALCULATOR_HEADERS = ["model", "attention", "KV heads", "KV bytes / token", "KV cache GB", "weights GB", "total GB"]
+
+
+def colour(kind: str) -> str:
+    return COLOURS.get(kind, SLIDING_COLOUR if kind.startswith("sliding-") else "#555")
+
+
+def _divergence(row: KVKindDrift) -> str:
+    if row.kind == "dynamic":
+        return "reference"
+    return "never" if row.first_divergence is None else f"step {row.first_divergence}"
+
+
+def kind_rows(report: KVDriftReport) -> list[list[str]]:
+    """One row of display strings per measured kind (headers: KIND_HEADERS), then one per failure."""
+    rows = []
+    for k in report.kinds:
+        same = "yes" if k.cache_bytes == k.formula_bytes else f"no: formula {k.formula_bytes:,}"
+        rows.append([k.kind, f"{k.bytes_per_token:,.0f}", f"{k.formula_bytes_per_token:,.0f}",
+                     f"{k.cache_bytes:,} ({same})", f"{k.tokens_per_s:.2f}", f"{k.mean_kl:.4g}", f"{k.max_kl:.4g}",
+                     f"{k.top1_agreement:.0%}", _divergence(k)])
+    rows += [[kind, "", "", "", "", "", "", "", f"failed: {message}"] for kind, message in report.errors.items()]
+    return rows
+
+
+def memory_figure(report: KVDriftReport) -> go.Figure:
+    """Cache KB against the positions the cache stands for, one line per kind (free-running runs):
+    dynamic grows in a straight line, quantized kinds in steps (each residual flush), a sliding
+    window levels off."""
+    fig = go.Figure()
+    for k in report.kinds:
+        fig.add_trace(go.Scatter(x=k.memory_positions, y=[b / KB for b in k.memory_bytes], mode="lines", name=k.kind,
+                                 line={"color": colour(k.kind), "shape": "hv"},
+                                 hovertemplate="%{x} positions: %{y:,.1f} KB<extra>" + k.kind + "</extra>"))
+    fig.update_layout(title="KV cache memory over the run", xaxis_title="positions (prompt + generated)",
+                      yaxis_title="KB", yaxis={"rangemode": "tozero"}, **LAYOUT)
+    return fig
+
+
+def bytes_per_token_figure(report: KVDriftReport) -> go.Figure:
+    """Per kind: bytes per position measured from the tensors at the end of the run (full-precision
+    residual included) next to the formula for the kind's long-term layout."""
+    kinds = [k.kind for k in report.kinds]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=kinds, y=[k.bytes_per_token for k in report.kinds], name="measured (cache tensors)",
+                         marker={"color": [colour(k) for k in kinds]},
+                         hovertemplate="%{x}: %{y:,.0f} bytes per position<extra>measured</extra>"))
+    fig.add_trace(go.Bar(x=kinds, y=[k.formula_bytes_per_token for k in report.kinds], name="formula",
+                         marker={"color": "rgba(0,0,0,0)", "line": {"color": "#222", "width": 2}},
+                         customdata=[k.formula for k in report.kinds],
+                         hovertemplate="%{customdata}<extra>formula</extra>"))
+    fig.update_layout(title="Bytes per token: measured vs formula", yaxis_title="bytes per position", barmode="group",
+                      **LAYOUT)
+    return fig
+
+
+def kind_drift_figure(report: KVDriftReport) -> go.Figure:
+    """KL(p_full || p_kind) per step, teacher-forced, one line per kind (dynamic left out: it is the
+    yardstick); a diamond marks the free-running run's first divergence."""
+    fig = go.Figure()
+    for k in report.kinds:
+        if k.kind == "dynamic":
+            continue
+        fig.add_trace(go.Scatter(x=[p.index for p in k.positions], y=[p.kl for p in k.positions], mode="lines+markers",
+                                 name=k.kind, line={"color": colour(k.kind)},
+                                 hovertemplate="step %{x}: KL %{y:.4g} nats<extra>" + k.kind + "</extra>"))
+        at = k.first_divergence
+        if at is not None and at < len(k.positions):
+            fig.add_trace(go.Scatter(x=[at], y=[k.positions[at].kl], mode="markers", name=f"{k.kind} diverges",
+                                     marker={"symbol": "diamond", "size": 13, "color": colour(k.kind),
+                                             "line": {"color": "#222", "width": 1}},
+                                     hovertemplate="own run leaves the reference at step %{x}<extra></extra>"))
+    fig.update_layout(title="Drift per step against the full-precision cache (teacher-forced)",
+                      xaxis_title="step", yaxis_title="KL (nats)", yaxis={"rangemode": "tozero"}, **LAYOUT)
+    return fig
+
+
+def calculator_rows(rows: Sequence[MemoryEstimate]) -> list[list[str]]:
+    """Display strings (headers: CALCULATOR_HEADERS)."""
+    return [[r.name, r.attention.upper(), str(r.kv_heads), f"{r.kv_bytes_per_token:,.0f}", f"{r.kv_cache_gb:,.2f}",
+             f"{r.weights_gb:,.2f}", f"{r.total_gb:,.2f}"] for r in rows]
+
+
+def calculator_figure(rows: Sequence[MemoryEstimate]) -> go.Figure:
+    """Stacked bars per variant (MHA / GQA / MQA): weights GB, then KV cache GB on top."""
+    names = [f"{r.attention.upper()} ({r.kv_heads} KV head{'' if r.kv_heads == 1 else 's'})" for r in rows]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=names, y=[r.weights_gb for r in rows], name="weights", marker={"color": "#bab0ac"},
+                         hovertemplate="%{x}: weights %{y:,.2f} GB<extra></extra>"))
+    fig.add_trace(go.Bar(x=names, y=[r.kv_cache_gb for r in rows], name="KV cache",
+                         marker={"color": [ATTENTION_COLOURS[r.attention] for r in rows]},
+                         hovertemplate="%{x}: KV cache %{y:,.2f} GB<extra></extra>"))
+    fig.update_layout(title="Memory: weights + KV cache", yaxis_title="GB", barmode="stack", **LAYOUT)
+    return fig
