@@ -33,6 +33,7 @@ stepped one row at a time (``max_batch`` 1), still through the same queue.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -244,6 +245,8 @@ class Scheduler:
         self._active = 0
         self._ticks = 0
         self._rows_stepped = 0
+        self._closing = False
+        _ALL.add(self)
 
     def stream(self, prompt_ids: Sequence[int], config: DecodingConfig, *, prefix: Sequence[int] = (),
                force: int | None = None, control: RunControl | None = None) -> Iterator[StepTrace]:
@@ -277,8 +280,19 @@ class Scheduler:
                     "mean_batch": self._rows_stepped / self._ticks if self._ticks else 0.0,
                     "max_batch": self.max_batch, "max_queue": self.max_queue}
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail every run still here and wait (up to ``timeout`` s) for the worker to end. Called at
+        interpreter exit, so the worker is never killed in the middle of a forward."""
+        with self._lock:
+            self._closing = True
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout)
+
     def _submit(self, run: _Run) -> None:
         with self._lock:
+            if self._closing:
+                raise RuntimeError("scheduler: the server is shutting down")
             if self._active + len(self._waiting) >= self.max_batch + self.max_queue:
                 raise SchedulerFull(
                     f"scheduler: the queue is full ({len(self._waiting)} runs waiting, {self._active} running, "
@@ -295,8 +309,12 @@ class Scheduler:
                 with self._lock:
                     free = self.max_batch - len(self._batch.runs)
                     joiners, self._waiting = self._waiting[:free], self._waiting[free:]
+                    if self._closing:
+                        for run in self._batch.runs + joiners + self._waiting:
+                            run.out.put(RuntimeError("scheduler: the server is shutting down"))
+                        self._batch, self._waiting, joiners = _Batch(self.device), [], []
                     if not joiners and not self._batch.runs:
-                        self._worker = None
+                        self._worker, self._active = None, 0
                         return
                 try:
                     self._tick(joiners)
@@ -372,6 +390,13 @@ class Scheduler:
 
 
 _SCHEDULERS_LOCK = threading.Lock()
+_ALL: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for scheduler in list(_ALL):
+        scheduler.close()
 
 
 def scheduler_for(lm: LoadedModel) -> Scheduler:

@@ -247,6 +247,19 @@ def test_queue_full_raises(tiny_lm):
     first.close()
 
 
+def test_close_fails_running_runs_and_ends_the_worker(tiny_lm):
+    scheduler = Scheduler(tiny_lm)
+    stream = scheduler.stream(tiny_lm.encode("still going"), LONG)
+    next(stream)
+    scheduler.close()
+    assert scheduler._worker is None and scheduler.stats()["active"] == 0
+    with pytest.raises(RuntimeError, match="shutting down"):
+        for _ in stream:
+            pass
+    with pytest.raises(RuntimeError, match="shutting down"):
+        next(scheduler.stream(tiny_lm.encode("too late"), LONG))
+
+
 def test_limits_from_environment(tiny_lm, monkeypatch):
     monkeypatch.setenv("DP_MAX_BATCH", "4")
     monkeypatch.setenv("DP_MAX_QUEUE", "9")
