@@ -35,7 +35,9 @@ from .config import check_kv_cache
 BACKEND = "hqq"
 # HQQ's axis 1 groups contiguous values: with a group dividing head_dim, each group is a slice of
 # one head's key or value vector at one position (per-token quantization), so a position's
-# quantized values do not depend on how long the cache is.
+# quantized values do not depend on how long the cache is. (Axis 0 would stride each group across
+# positions and heads.) HQQ packs 4-bit rows in pairs, so there must be an even number of groups:
+# groups of half a head vector guarantee it for any number of positions.
 AXIS = 1
 MAX_GROUP_SIZE = 64
 SELF_KV_DRAFTERS = {"self-kv8": "quantized-int8", "self-kv4": "quantized-int4"}
@@ -75,8 +77,9 @@ class KVGeometry:
 
     @property
     def group_size(self) -> int:
-        """Quantization group: the largest divisor of head_dim up to MAX_GROUP_SIZE (a power of two)."""
-        return math.gcd(MAX_GROUP_SIZE, self.head_dim)
+        """Quantization group: the largest power-of-two divisor of head_dim / 2, at most MAX_GROUP_SIZE
+        (32 for head_dim 64, 64 for head_dim 128)."""
+        return math.gcd(MAX_GROUP_SIZE, max(1, self.head_dim // 2))
 
 
 def geometry(model_config: Any, dtype: torch.dtype) -> KVGeometry:

@@ -51,21 +51,22 @@ def test_kv_residual_length_has_bounds():
 # --- bytes: measured from the tensors vs the formula -------------------------------------------------
 def test_formula_per_position_by_hand(tiny_lm):
     # tiny Llama: 2 layers, 2 kv heads, head_dim 16, float32 -> 2 * 2 * 2 * 16 = 128 values per position;
-    # quantization groups of 16 values, each with a float32 scale and zero: 2 * 4 / 16 = 0.5 bytes per value
+    # quantization groups of 8 values (half a head), each with a float32 scale and zero: 2 * 4 / 8 = 1 byte per value
     geo = kv_quant.geometry(tiny_lm.model.config, torch.float32)
-    assert (geo.layers, geo.kv_heads, geo.head_dim, geo.bytes_per_element, geo.group_size) == (2, 2, 16, 4, 16)
+    assert (geo.layers, geo.kv_heads, geo.head_dim, geo.bytes_per_element, geo.group_size) == (2, 2, 16, 4, 8)
     assert kv_quant.formula_bytes_per_token(geo, "dynamic") == 128 * 4 == 512
-    assert kv_quant.formula_bytes_per_token(geo, "quantized-int8") == 128 * (1 + 0.5) == 192
-    assert kv_quant.formula_bytes_per_token(geo, "quantized-int4") == 128 * (0.5 + 0.5) == 128
+    assert kv_quant.formula_bytes_per_token(geo, "quantized-int8") == 128 * (1 + 1) == 256
+    assert kv_quant.formula_bytes_per_token(geo, "quantized-int4") == 128 * (0.5 + 1) == 192
 
 
 def test_formula_for_the_embedded_model_by_hand(embedded):
     # SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64, float32 -> 2 * 30 * 3 * 64 = 11,520 values per position;
-    # groups of 64 values with a float32 scale and zero: 8 / 64 = 0.125 bytes per value
+    # groups of 32 values with a float32 scale and zero: 8 / 32 = 0.25 bytes per value
     geo = kv_quant.geometry(embedded.model.config, embedded.dtype)
+    assert geo.group_size == 32
     assert kv_quant.formula_bytes_per_token(geo, "dynamic") == 11_520 * 4 == 46_080
-    assert kv_quant.formula_bytes_per_token(geo, "quantized-int8") == 11_520 * 1.125 == 12_960
-    assert kv_quant.formula_bytes_per_token(geo, "quantized-int4") == 11_520 * 0.625 == 7_200
+    assert kv_quant.formula_bytes_per_token(geo, "quantized-int8") == 11_520 * 1.25 == 14_400
+    assert kv_quant.formula_bytes_per_token(geo, "quantized-int4") == 11_520 * 0.75 == 8_640
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -88,7 +89,7 @@ def test_measured_bytes_equal_the_formula_for_the_layout(tiny_lm, kind):
 
 def test_a_longer_residual_keeps_more_in_full_precision(tiny_lm):
     short, long = (kv_quant.cache_bytes(fed(tiny_lm.model, "quantized-int8", r).cache) for r in (4, 32))
-    assert long.quantized_positions == 20 and long.total == 11 * 512 + 20 * 192  # only the prompt is quantized
+    assert long.quantized_positions == 20 and long.total == 11 * 512 + 20 * 256  # only the prompt is quantized
     assert short.total < long.total
 
 
@@ -201,8 +202,7 @@ def test_drift_report_caps_its_length(tiny_lm, monkeypatch):
 
 @pytest.mark.slow
 def test_int8_kv_drift_on_the_embedded_model_is_small(embedded):
-    # Measured (32 tokens, residual 8, so nearly every position is quantized): int8 mean KL ~ 1e-4 nats;
-    # int4 is an order of magnitude above it.
+    # 32 tokens, residual 8, so nearly every position is quantized.
     report = drift.kv_drift_report(embedded, "Write a short story about a lighthouse keeper.", True, 32,
                                    ["quantized-int8", "quantized-int4"], residual_length=8)
     int8, int4 = report.kinds
@@ -210,6 +210,23 @@ def test_int8_kv_drift_on_the_embedded_model_is_small(embedded):
     assert int4.mean_kl > int8.mean_kl
     assert int8.cache_bytes == int8.formula_bytes and int4.cache_bytes == int4.formula_bytes
     assert int8.bytes_per_token < 0.4 * 46_080  # well under the float32 cache's 46,080 bytes per position
+
+
+def test_an_odd_number_of_positions_and_heads_packs_in_4_bits():
+    # HQQ packs 4-bit rows in pairs; half-head groups keep the row count even (3 kv heads x 21 positions)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=500, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=3, num_key_value_heads=3)
+    model = LlamaForCausalLM(config).eval()
+    cache = KVCache(model, "quantized-int4", 1)
+    cache.sync(list(range(21)))
+    cache.step([7])
+    counts = kv_quant.cache_bytes(cache.cache)
+    geo = kv_quant.geometry(config, torch.float32)
+    assert (counts.positions, counts.quantized_positions) == (22, 22)
+    assert counts.total == kv_quant.expected_bytes(geo, "quantized-int4", counts)
 
 
 # --- the self-kv drafters -----------------------------------------------------------------------------
