@@ -144,8 +144,9 @@ def test_branch_at_any_step_through_the_view_handler(step_parts, embedded, where
     step, shared, out, handlers, parent = step_parts
     at = {"first": 0, "middle": len(parent.steps) // 2, "last": len(parent.steps) - 1}[where]
     token = next(t.token_id for t in parent.steps[at].stages[0].top if t.token_id != parent.generated_token_ids[at])
-    session = step.StepSession(runs=[parent])
-    updates = list(handlers.on_branch("embedded", "none", "probability", session, at, token, control=RunControl()))
+    session = step.StepSession(runs=[parent], owner="a" * 32)
+    updates = list(handlers.on_branch("embedded", "none", "probability", session, "a" * 32, at, token,
+                                      control=RunControl()))
     assert updates and out.status in updates[-1] and "done:" in updates[-1][out.status]
     branch = session.trace()
     assert branch.branch_of == at and len(session.runs) == 2
@@ -187,3 +188,16 @@ def test_branch_api_rejects_a_bad_parent_naming_the_argument(registry, embedded)
         branch_trace(shared, "[1, 2]", 0, 5, control=RunControl())
     with pytest.raises(UserError, match="parent: not a trace"):
         branch_trace(shared, {"prompt": "x"}, 0, 5, control=RunControl())
+
+
+def test_session_state_answers_only_its_own_page(step_parts):
+    """A raw queue call naming another session's hash reaches its gr.State, but not its owner
+    secret (kept in that page's browser storage): it can neither read nor replace its runs."""
+    step, shared, out, handlers, parent = step_parts
+    victim = step.StepSession(runs=[parent], owner="v" * 32)
+    with pytest.raises(UserError, match="branch: generate a run first"):
+        list(handlers.on_branch("embedded", "none", "probability", victim, "x" * 32, 0, 5, control=RunControl()))
+    with pytest.raises(UserError, match="session: this session belongs to another page"):
+        list(handlers.on_generate("hi", False, "embedded", "none", "probability", victim, "", control=RunControl()))
+    assert step.own(victim, "x" * 32) is None and step.own(victim, None) is None
+    assert step.own(victim, "v" * 32) is victim and len(victim.runs) == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -26,7 +27,7 @@ from playground.charts import step as charts
 from .. import downloads
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
+from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 MAX_RUNS = 8  # runs kept per session: the original and the latest branches
@@ -37,11 +38,19 @@ STEP_STRATEGIES = ("greedy", "sample")
 
 @dataclass
 class StepSession:
+    """``owner``: the page's secret (kept in its browser storage). Gradio finds session state by a
+    session hash alone; the owner check keeps a raw queue call that names another session's hash
+    from reading or replacing that session's runs."""
+
     runs: list[Trace] = field(default_factory=list)
     current: int = 0
+    owner: str = ""
 
     def trace(self) -> Trace | None:
         return self.runs[self.current] if self.runs else None
+
+    def owned_by(self, owner: Any) -> bool:
+        return bool(self.owner) and isinstance(owner, str) and secrets.compare_digest(self.owner, owner)
 
     def add(self, trace: Trace) -> None:
         """Show ``trace`` as the newest run; past MAX_RUNS the oldest branch is dropped."""
@@ -88,6 +97,12 @@ class Outputs(OutputSet):
     status: Any
     download: Any
     session: Any
+    owner: Any  # gr.BrowserState: this page's secret, see StepSession
+
+
+def own(state: StepSession | None, owner: Any) -> StepSession | None:
+    """``state`` if this page owns it, else None (as if there were no runs)."""
+    return state if state is not None and state.owned_by(owner) else None
 
 
 def render(out: Outputs, session: StepSession, selected: int | None, colour_by: str, status: str = "",
@@ -182,7 +197,8 @@ def build_tab(shared: Shared) -> PanelView:
             summary = gr.Markdown(elem_id="step-summary")
             download = gr.DownloadButton("Download trace JSON", elem_id="step-download")
     out = Outputs(text, step_slider, explain, chart, alternatives, runs, compare, over_run, summary, status, download,
-                  gr.State(None, time_to_live=SESSION_TTL_S))
+                  gr.State(None, time_to_live=SESSION_TTL_S),
+                  gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET))
     panel.wire()
     view = PanelView("step", prompt, panel, chat)
     Handlers(shared, view, out, colour_by).wire(generate, branch_btn, stop)
@@ -202,14 +218,19 @@ class Handlers:
         return {self.out.status: error_html(message)}
 
     def on_generate(self, prompt: str, chat: bool, model: str, quant: str, colour: str, state: StepSession | None,
-                    *values: Any, control: RunControl) -> Iterator[dict]:
+                    owner: str, *values: Any, control: RunControl) -> Iterator[dict]:
+        if state is not None and not state.owned_by(owner):
+            raise UserError("session: this session belongs to another page; reload the page")
         config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, model, quant, prompt, chat)
-        session = StepSession()  # a new prompt starts a new list of runs
+        owner = owner if isinstance(owner, str) and len(owner) >= 32 else secrets.token_hex(16)
+        session = StepSession(owner=owner)  # a new prompt starts a new list of runs
+        yield {self.out.owner: owner}
         yield from stream_run(self.out, self.shared, session, StepRequest(lm, prompt, prompt_ids, config, chat, colour),
                               control)
 
-    def on_branch(self, model: str, quant: str, colour: str, state: StepSession | None, at: Any, token: Any, *,
-                  control: RunControl) -> Iterator[dict]:
+    def on_branch(self, model: str, quant: str, colour: str, state: StepSession | None, owner: str, at: Any,
+                  token: Any, *, control: RunControl) -> Iterator[dict]:
+        state = own(state, owner)
         if state is None or state.trace() is None:
             raise UserError("branch: generate a run first")
         if token is None:
@@ -223,11 +244,11 @@ class Handlers:
     def wire(self, generate: gr.Button, branch: gr.Button, stop: gr.Button) -> None:
         out, shared, events = self.out, self.shared, self.shared.events
         gen_inputs = [self.view.prompt, self.view.chat, shared.model, shared.quantization, self.colour_by, out.session,
-                      *self.view.panel.inputs]
+                      out.owner, *self.view.panel.inputs]
         gen_event = events.on([generate.click, self.view.prompt.submit], self.on_generate, gen_inputs, out.all(),
                               on_error=self.error)
         branch_event = events.on([branch.click], self.on_branch, [shared.model, shared.quantization, self.colour_by,
-                                                                  out.session, out.step, out.alternatives],
+                                                                  out.session, out.owner, out.step, out.alternatives],
                                  out.all(), on_error=self.error)
         stop_button(stop, out.status, [gen_event, branch_event], status_html("stopped"))
         self.wire_local()
@@ -238,23 +259,26 @@ class Handlers:
         """Events that only redraw the session's traces (no model): not queued, not API endpoints."""
         out, local = self.out, {"api_visibility": "private", "queue": False}
 
-        def on_select(state: StepSession | None, colour: str, evt: gr.SelectData) -> dict:
+        def on_select(state: StepSession | None, owner: str, colour: str, evt: gr.SelectData) -> dict:
             index = evt.index if isinstance(evt.index, int) else evt.index[0]
-            return render(out, state or StepSession(), index, colour)
+            return redraw(state, owner, index, colour)
 
-        def redraw(state: StepSession | None, index: Any, colour: str) -> dict:
-            return render(out, state or StepSession(), index, colour)
+        def redraw(state: StepSession | None, owner: str, index: Any, colour: str) -> dict:
+            state = own(state, owner)
+            return {} if state is None else render(out, state, index, colour)
 
-        def on_pick_run(state: StepSession | None, index: Any, colour: str) -> dict:
+        def on_pick_run(state: StepSession | None, owner: str, index: Any, colour: str) -> dict:
+            state = own(state, owner)
             if state is None or index is None or not 0 <= int(index) < len(state.runs):
                 return {}
             state.current = int(index)
             return render(out, state, state.trace().branch_of or 0, colour)
 
-        out.text.select(on_select, [out.session, self.colour_by], out.all(), **local)
-        out.step.release(redraw, [out.session, out.step, self.colour_by], out.all(), **local)
-        self.colour_by.change(redraw, [out.session, out.step, self.colour_by], out.all(), **local)
-        out.runs.input(on_pick_run, [out.session, out.runs, self.colour_by], out.all(), **local)
+        mine = [out.session, out.owner]
+        out.text.select(on_select, [*mine, self.colour_by], out.all(), **local)
+        out.step.release(redraw, [*mine, out.step, self.colour_by], out.all(), **local)
+        self.colour_by.change(redraw, [*mine, out.step, self.colour_by], out.all(), **local)
+        out.runs.input(on_pick_run, [*mine, out.runs, self.colour_by], out.all(), **local)
 
 
 def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,

@@ -1,0 +1,95 @@
+"""The playground against a real server on 127.0.0.1 (gradio_client): a cancelled job stops its
+run within a step, only the named endpoints are public, /branch works, and 100 sessions keep the
+server's memory under budget."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Memory budget for 100 sessions (each a /step_trace and a /branch): the server may grow by at most
+# this much over its warmed-up size (README "Limits and safety").
+RSS_BUDGET_MB = 300
+NAMED_ENDPOINTS = {"/step_trace", "/branch", "/compare", "/compare_sweep", "/beam_trace", "/speculative_trace",
+                   "/quantization_report", "/kv_cache_report", "/preset_validate", "/preset_interop", "/share_link"}
+
+
+@pytest.fixture
+def forwards(embedded):
+    """Counts forwards of the embedded model (the live app's model) while the test runs."""
+    count = [0]
+    handle = embedded.model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    yield count
+    handle.remove()
+
+
+def test_cancelled_job_stops_its_run_within_a_step(live_app, forwards):
+    from gradio_client import Client
+
+    client = Client(live_app, verbose=False)
+    # greedy on a story opening: no early EOS, so only the cancel can end the run before 200 tokens
+    job = client.submit("Once upon a time, in a small village by the sea,", {"max_new_tokens": 200}, "greedy", False,
+                        "embedded", "none", api_name="/step_trace")
+    deadline = time.time() + 120
+    while forwards[0] < 4 and time.time() < deadline:
+        time.sleep(0.02)
+    assert forwards[0] >= 4, "the run never started"
+    job.cancel()
+    at_cancel = forwards[0]
+    time.sleep(1.5)
+    after = forwards[0]
+    time.sleep(1.5)
+    assert after - at_cancel <= 2  # the forward in flight (and at most one more) finishes; no more follow
+    assert forwards[0] == after  # and nothing runs on in the background
+
+
+def test_only_named_endpoints_are_public(live_app):
+    from gradio_client import Client
+
+    info = Client(live_app, verbose=False).view_api(return_format="dict", print_info=False)
+    assert set(info["named_endpoints"]) == NAMED_ENDPOINTS  # no Stop button, no UI-only event
+    assert not info["unnamed_endpoints"]
+
+
+def test_branch_endpoint_continues_a_trace_with_another_token(live_app):
+    from gradio_client import Client
+
+    client = Client(live_app, verbose=False)
+    parent = client.predict("The sky is", {"max_new_tokens": 5, "seed": 3}, "balanced", False, "embedded", "none",
+                            api_name="/step_trace")
+    at = len(parent["steps"]) - 1
+    token = next(t["token_id"] for t in parent["steps"][at]["stages"][0]["top"]
+                 if t["token_id"] != parent["generated_token_ids"][at])
+    branch = client.predict(parent, at, token, "embedded", "none", api_name="/branch")
+    assert branch["branch_of"] == at and branch["generated_token_ids"][:at] == parent["generated_token_ids"][:at]
+    assert branch["generated_token_ids"][at] == token and branch["steps"][at]["forced"]
+    with pytest.raises(Exception, match="at_step"):
+        client.predict(parent, 99, token, "embedded", "none", api_name="/branch")
+
+
+def _rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/status") as fh:
+        line = next(line for line in fh if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_100_sessions_stay_under_the_memory_budget(live_app):
+    from gradio_client import Client
+
+    def session(i: int) -> None:
+        client = Client(live_app, verbose=False, httpx_kwargs={"timeout": 120})  # a busy 2-core CI box is slow
+        trace = client.predict(f"Session {i} says", {"max_new_tokens": 2, "seed": i}, "balanced", False, "embedded",
+                               "none", api_name="/step_trace")
+        client.predict(trace, 0, 13, "embedded", "none", api_name="/branch")
+
+    for i in range(5):  # warm up: allocator pools, Gradio's caches
+        session(i)
+    start = _rss_mb()
+    for i in range(100):
+        session(i)
+    grown = _rss_mb() - start
+    assert grown < RSS_BUDGET_MB, f"the server grew by {grown:.0f} MB over 100 sessions"
