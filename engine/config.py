@@ -227,7 +227,10 @@ def check_knob(name: str, value: Any) -> Any:
                 return choice
         raise ConfigError(name, f"expected one of {knob.range_text()}, got {_short(value)}")
     if knob.kind == "bias_map":
-        return check_bias_map(knob, value)
+        out = check_bias_map(knob, value)
+        for word in out:
+            check_text(name, word)
+        return out
     if knob.kind == "str":
         if not isinstance(value, str) or not value or len(value) > MAX_STRING_LEN:
             raise ConfigError(name, f"expected {knob.range_text()}, got {_short(value)}")
@@ -446,7 +449,9 @@ class DecodingConfig:
             raise ConfigError("config", f"expected a JSON object, got {type(data).__name__}")
         unknown = [k for k in data if k not in CONFIG_KEYS]
         if unknown:
-            raise ConfigError(str(unknown[0])[:50], f"unknown key; allowed keys: {', '.join(CONFIG_KEYS)}")
+            key = unknown[0]  # echoed quoted unless it is a plain identifier (no markup, no surrogates)
+            label = key if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) else _short(key)
+            raise ConfigError(label, f"unknown key; allowed keys: {', '.join(CONFIG_KEYS)}")
         kwargs = dict(data)
         for name, value in kwargs.items():
             if name in KNOBS and KNOBS[name].kind == "str_list":
