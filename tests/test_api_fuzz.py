@@ -1,0 +1,100 @@
+"""Every named API endpoint of a real server on 127.0.0.1, driven through gradio_client with wrong
+types and hostile strings. Each call must end in a clean error naming its argument (gradio_client's
+AppError carrying the handler's message) or a result whose JSON is strict; never Gradio's generic
+"upstream" error, never a file's content, never an unescaped HTML tag in a message.
+
+The endpoints are listed from the client's own ``view_api()``, so a new endpoint is fuzzed too.
+Bounded: a few values per parameter, tiny generations, a per-call time limit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CALL_SECONDS = 90
+BIG = "x" * 100_000
+HOSTILE_STRINGS = ["<a href=//evil.example>x</a>", "<img src=x onerror=alert(1)>", "<script>alert(1)</script>",
+                   "\ud800", BIG, "/etc/passwd", "~/.ssh", "../../x.json"]
+WRONG_TYPES = {"str": [5, ["x"], {"a": 1}, None], "float": ["hot", [1], None], "int": ["5x", [1], None],
+               "bool": ["yes", [True]], "dict": ["{", [1], 5, "<b>x</b>"], "list": ["x", {"a": 1}, 5]}
+SECRETS = ("root:x:0:0", "BEGIN OPENSSH", "PRIVATE KEY")
+TAG = re.compile(r"<\s*(a|img|script)\b", re.IGNORECASE)
+NAMED = re.compile(r"^[^\n:]{1,80}: \S")
+SMALL_CONFIG = {"max_new_tokens": 2, "seed": 1}
+
+
+def _kind(parameter: dict) -> str:
+    python_type = (parameter.get("python_type") or {}).get("type", "")
+    for kind in ("str", "float", "int", "bool", "dict", "list"):
+        if python_type.startswith(kind) or python_type.lower().startswith(kind):
+            return kind
+    return "dict" if "Dict" in python_type or "dict" in python_type else "str"
+
+
+def _baseline(parameter: dict):
+    """A valid, cheap value for a parameter (its default, a small config for JSON ones)."""
+    name, kind = parameter.get("parameter_name") or "", _kind(parameter)
+    if kind == "dict" or "config" in name:
+        return dict(SMALL_CONFIG)
+    if parameter.get("parameter_has_default"):
+        return parameter.get("parameter_default")
+    return {"str": "Hello", "float": 1.0, "int": 1, "bool": False, "list": []}.get(kind, "Hello")
+
+
+def _cases(parameters: list[dict]):
+    """(label, args) with one argument replaced at a time."""
+    base = [_baseline(p) for p in parameters]
+    for i, p in enumerate(parameters):
+        for value in WRONG_TYPES[_kind(p)] + (HOSTILE_STRINGS if _kind(p) == "str" else HOSTILE_STRINGS[:3]):
+            args = list(base)
+            args[i] = value
+            yield f"{p.get('parameter_name')}={str(value)[:30]!r}", args
+
+
+def _check_error(message: str, label: str) -> str | None:
+    if "upstream" in message.lower() or not NAMED.match(message):
+        return f"{label}: generic error {message[:160]!r}"
+    if any(s in message for s in SECRETS):
+        return f"{label}: file content in the message"
+    if TAG.search(message):
+        return f"{label}: unescaped HTML in the message {message[:160]!r}"
+    return None
+
+
+def _check_result(result, label: str) -> str | None:
+    try:
+        text = json.dumps(result, allow_nan=False, default=str)
+    except ValueError:
+        return f"{label}: result JSON is not strict (NaN/Infinity)"
+    if any(s in text for s in SECRETS):
+        return f"{label}: file content in the result"
+    return None
+
+
+def test_every_endpoint_fails_cleanly_or_answers_strictly(live_app):
+    from gradio_client import Client
+
+    client = Client(live_app, verbose=False)
+    endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    assert endpoints, "the app exposes no named endpoint"
+    problems, calls, start = [], 0, time.monotonic()
+    for api_name, info in sorted(endpoints.items()):
+        for label, args in _cases(info.get("parameters", [])):
+            label = f"{api_name} {label}"
+            calls += 1
+            try:
+                result = client.submit(*args, api_name=api_name).result(timeout=CALL_SECONDS)
+            except Exception as exc:  # AppError (the handler's message) or a client-side refusal
+                problem = _check_error(str(exc), label)
+            else:
+                problem = _check_result(result, label)
+            if problem:
+                problems.append(problem)
+    print(f"{calls} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s")
+    assert not problems, f"{len(problems)} of {calls} calls misbehaved:\n" + "\n".join(problems[:80])
