@@ -16,10 +16,14 @@ TOKENS = 8
 REQUEST_SECONDS = 600
 
 
-def _request(url: str, i: int) -> dict:
+def _client(url: str):
     from gradio_client import Client
 
-    client = Client(url, verbose=False)
+    # httpx's 5 s default is shorter than a busy 2-core server takes to answer 24 sessions at once
+    return Client(url, verbose=False, httpx_kwargs={"timeout": REQUEST_SECONDS})
+
+
+def _request(client, i: int) -> dict:
     prompt = f"Marker {i:02d}: tell me about the number {i}."
     return client.submit(prompt, {"max_new_tokens": TOKENS, "seed": 1000 + i}, "balanced", False, "embedded", "none",
                          api_name="/step_trace").result(timeout=REQUEST_SECONDS)
@@ -27,8 +31,9 @@ def _request(url: str, i: int) -> dict:
 
 def test_concurrent_sessions_match_a_serial_rerun(live_app):
     assert live_app.startswith("http://127.0.0.1:")
+    clients = [_client(live_app) for _ in range(SESSIONS)]  # one session each
     with ThreadPoolExecutor(max_workers=SESSIONS) as pool:
-        futures = [pool.submit(_request, live_app, i) for i in range(SESSIONS)]
+        futures = [pool.submit(_request, clients[i], i) for i in range(SESSIONS)]
         results, errors = [], []
         for i, future in enumerate(futures):
             try:
@@ -39,5 +44,5 @@ def test_concurrent_sessions_match_a_serial_rerun(live_app):
     for i, data in enumerate(results):  # each answer belongs to its own request
         assert data["prompt"] == f"Marker {i:02d}: tell me about the number {i}."
         assert data["config"]["seed"] == 1000 + i and 1 <= len(data["generated_token_ids"]) <= TOKENS
-    serial = [_request(live_app, i)["generated_token_ids"] for i in range(SESSIONS)]  # one at a time
+    serial = [_request(clients[i], i)["generated_token_ids"] for i in range(SESSIONS)]  # one at a time
     assert serial == [data["generated_token_ids"] for data in results]
