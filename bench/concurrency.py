@@ -2,7 +2,7 @@
 prompt and seed, 32 tokens each. Prints aggregate tokens/s, its ratio to N = 1 (same process), and
 p50/p95 time to first token and to done.
 
-    python -m bench.concurrency [--users 1 4 16 32] [--tokens 32] [--model embedded]
+    python -m bench.concurrency [--users 1 4 16 32] [--tokens 32] [--rounds 1] [--model embedded]
     python -m bench.concurrency --app http://127.0.0.1:7860 [--users 1 4 16]
 
 Threads mode: each user is a thread calling ``scheduler_for(lm).stream`` (the engine's batched
@@ -114,7 +114,7 @@ def report(rows: list[tuple[int, list[UserResult], float, float | None]]) -> Non
     for n, results, wall, mean_batch in rows:
         total = sum(r.tokens for r in results)
         rate = total / wall
-        base = base or (rate if n == 1 else None)
+        base = rate if n == 1 else base  # each round against its own single user
         ratio = f"{rate / base:.2f}x" if base else "-"
         ttft = [r.ttft_s for r in results]
         done = [r.done_s for r in results]
@@ -128,6 +128,7 @@ def main() -> None:
     p.add_argument("--users", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--model", default="embedded")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the sweep (each round's ratios use its own N = 1)")
     p.add_argument("--app", default="", help="URL of a running app: drive /step_trace with gradio_client instead")
     args = p.parse_args()
     rows = []
@@ -135,9 +136,10 @@ def main() -> None:
         user_fn = app_user(args.app.rstrip("/"), args.tokens)
         user_fn(0)  # warm-up: the app loads its model on first use
         print(f"app {args.app}, /step_trace, {args.tokens} tokens per user")
-        for n in args.users:
-            results, wall = run_users(n, user_fn)
-            rows.append((n, results, wall, None))
+        for _ in range(args.rounds):
+            for n in args.users:
+                results, wall = run_users(n, user_fn)
+                rows.append((n, results, wall, None))
     else:
         import torch
 
@@ -150,13 +152,14 @@ def main() -> None:
               f"max batch {scheduler.max_batch}, {args.tokens} tokens per user")
         user_fn = engine_user(lm, args.tokens)
         user_fn(0)  # warm-up
-        for n in args.users:
-            before = scheduler.stats()
-            results, wall = run_users(n, user_fn)
-            after = scheduler.stats()
-            ticks = after["ticks"] - before["ticks"]
-            rows_stepped = after["mean_batch"] * after["ticks"] - before["mean_batch"] * before["ticks"]
-            rows.append((n, results, wall, rows_stepped / ticks if ticks else None))
+        for _ in range(args.rounds):
+            for n in args.users:
+                before = scheduler.stats()
+                results, wall = run_users(n, user_fn)
+                after = scheduler.stats()
+                ticks = after["ticks"] - before["ticks"]
+                rows_stepped = after["mean_batch"] * after["ticks"] - before["mean_batch"] * before["ticks"]
+                rows.append((n, results, wall, rows_stepped / ticks if ticks else None))
     report(rows)
 
 

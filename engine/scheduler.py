@@ -307,6 +307,7 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._lock:
+                    self._waiting = [run for run in self._waiting if self._still_wanted(run)]  # cancelled in line
                     free = self.max_batch - len(self._batch.runs)
                     joiners, self._waiting = self._waiting[:free], self._waiting[free:]
                     if self._closing:

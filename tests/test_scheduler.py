@@ -232,19 +232,27 @@ def test_time_limit_stops_the_run(tiny_lm):
 
 def test_queue_full_raises(tiny_lm):
     scheduler = Scheduler(tiny_lm, max_batch=1, max_queue=1)
-    first_control, second_control = RunControl(), RunControl()
-    first = scheduler.stream(tiny_lm.encode("first"), LONG, control=first_control)
+    second_control = RunControl()
+    first = scheduler.stream(tiny_lm.encode("first"), LONG)
     next(first)
-    waiting = threading.Thread(target=lambda: list(scheduler.stream(tiny_lm.encode("second"), LONG.replace(
-        max_new_tokens=3), control=second_control)))
+    outcome = []
+
+    def second():
+        try:
+            list(scheduler.stream(tiny_lm.encode("second"), LONG, control=second_control))
+        except RunStopped as stop:
+            outcome.append(stop.reason)
+
+    waiting = threading.Thread(target=second)
     waiting.start()
     assert wait_for(lambda: scheduler.stats()["queued"] == 1)
     with pytest.raises(SchedulerFull, match="queue is full.*DP_MAX_QUEUE=1"):
         next(scheduler.stream(tiny_lm.encode("third"), LONG))
-    first_control.cancel()
+    second_control.cancel()  # leaves the line while still waiting for the row
     waiting.join(30)
-    assert not waiting.is_alive()
+    assert not waiting.is_alive() and outcome == ["cancelled"] and scheduler.stats()["queued"] == 0
     first.close()
+    assert wait_for(lambda: scheduler.stats()["active"] == 0)
 
 
 def test_close_fails_running_runs_and_ends_the_worker(tiny_lm):
