@@ -67,27 +67,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def boot_and_smoke(python: Path, space: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """Start the Space's app.py as a Space would (SPACE_ID set) and run deploy/smoke.py against it."""
+    port = free_port()
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SPACE_ID": "test/decoding-playground",
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "GRADIO_SERVER_NAME": "127.0.0.1",
+           "GRADIO_SERVER_PORT": str(port), "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "space.log", "w") as log:
+        server = subprocess.Popen([str(python), "app.py"], cwd=space, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            smoke = subprocess.run([sys.executable, "-m", "deploy.smoke", f"http://127.0.0.1:{port}/",
+                                    "--model", app.HUB_DEFAULT, "--wait", "240"],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=600)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    return smoke, (tmp_path / "space.log").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_space_folder_boots_in_a_fresh_virtualenv(tmp_path):
     space = build_space(tmp_path / "space")
     python = space_venv(space / "requirements.txt")
     hub_cache_with(app.HUB_DEFAULT, embedded_model_dir(), tmp_path / "hf")
-    port = free_port()
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SPACE_ID": "test/decoding-playground",
-           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "GRADIO_SERVER_NAME": "127.0.0.1",
-           "GRADIO_SERVER_PORT": str(port), "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / "space.log", "w")
-    server = subprocess.Popen([str(python), "app.py"], cwd=space, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        smoke = subprocess.run([sys.executable, "-m", "deploy.smoke", f"http://127.0.0.1:{port}/",
-                                "--model", app.HUB_DEFAULT, "--wait", "240"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=600)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-    output = (tmp_path / "space.log").read_text()
+    for _ in range(2):  # Gradio's own localhost probe can time out on a saturated machine; boot once more
+        smoke, output = boot_and_smoke(python, space, tmp_path)
+        if "localhost is not accessible" not in output:
+            break
     assert smoke.returncode == 0, smoke.stdout + smoke.stderr + output[-3000:]
     assert '"tokens": 4' in smoke.stdout and app.HUB_DEFAULT in smoke.stdout
     # It really is the Space's own environment: no embedded package, the Hub model loaded at start.
