@@ -239,3 +239,26 @@ def test_greedy_self_kv_speculative_equals_target_greedy(tiny_lm, drafter):
     assert trace.generated_token_ids == greedy.generated_token_ids
     assert trace.summary["drafter"].endswith(f"({kv_quant.SELF_KV_DRAFTERS[drafter]} KV)")
     assert trace.summary["acceptance_rate"] > 0.5  # the target drafting for itself agrees with itself mostly
+
+
+@pytest.mark.slow
+def test_self_kv4_speculative_sampling_keeps_the_target_distribution(tiny_lm):
+    # The exact rule makes the drafter irrelevant to the output distribution: chi-square of the first two
+    # tokens over 1,000 seeded runs against the target's exact joint (test_speculative's helpers).
+    import dataclasses
+
+    from engine.speculative import ModelDrafter, stream
+    from tests.conftest import make_tiny_llama
+    from tests.test_speculative import chi_square_p, exact_two_token_joint, wrap
+
+    target = wrap(make_tiny_llama(vocab_size=8, seed=0, layers=1, hidden=32), tiny_lm, "tiny8", eos=())
+    config = DecodingConfig(strategy="speculative", temperature=2.0, max_new_tokens=3, num_draft_tokens=2, top_n=3)
+    joint = exact_two_token_joint(target, [3], config)
+    firsts, seconds = [], []
+    for seed in range(1000):
+        drafter = ModelDrafter(target, "self-kv4", KVCache(target.model, "quantized-int4", 1))
+        tokens = [t for r in stream(target, [3], dataclasses.replace(config, seed=seed), drafter)
+                  for t in r.emitted_token_ids]
+        firsts.append(tokens[0])
+        seconds.append(tokens[1])
+    assert chi_square_p(torch.tensor(firsts), torch.tensor(seconds), joint) > 1e-3
