@@ -120,8 +120,9 @@ def test_winner_note_and_table_follow_the_slider(trace):
 
 def test_figure_colours_statuses_and_marks_the_winning_path(trace):
     fig = charts.tree_figure(trace)
-    by_name = {t.name: t for t in fig.data if t.name}
-    assert {"kept", "finished", "dropped", "pruned (collapsed)", "prompt", "winning path"} <= set(by_name)
+    names = {v: k for k, v in charts.STATUS_NAMES.items()} | {"highlighted path (ring)": "winning path"}
+    by_name = {names.get(t.name, t.name): t for t in fig.data if t.name}  # legend names say what each marker is
+    assert {"kept", "finished", "dropped", "collapsed", "root", "winning path"} <= set(by_name)
     assert by_name["finished"].marker.color == charts.STATUS_COLOURS["finished"]
     assert list(by_name["winning path"].x) == [0, 1, 2]
     hover = " ".join(by_name["finished"].hovertext)

@@ -100,14 +100,14 @@ def test_metrics_rows_and_divergence_text():
     assert charts.divergence_markdown(["Lane 1", "Lane 2"], [a, a], None).startswith("All 2 lanes produced the same")
 
 
-def test_entropy_chart_overlays_lanes_in_bits_and_marks_divergence():
+def test_entropy_chart_overlays_lanes_in_nats_and_marks_divergence():
     a, b = trace([" x", " y"], [1, 2]), trace([" x", " z"], [1, 3])
     fig = charts.entropy_chart(["Lane 1", "Lane 2"], [a.steps, b.steps], divergence=1)
     assert isinstance(fig, go.Figure) and [t.name for t in fig.data] == ["Lane 1", "Lane 2"]
-    assert list(fig.data[0].y) == pytest.approx([1.0, 1.0])  # entropy ln 2 nats = 1 bit
+    assert list(fig.data[0].y) == pytest.approx([math.log(2)] * 2)  # entropy ln 2 nats (a coin flip)
     assert fig.layout.shapes[0].x0 == 1
     raw = charts.entropy_chart(["Lane 1"], [a.steps], raw=True)
-    assert list(raw.data[0].y) == pytest.approx([2.0, 2.0])  # raw entropy 2 ln 2 nats
+    assert list(raw.data[0].y) == pytest.approx([2 * math.log(2)] * 2)  # raw entropy 2 ln 2 nats
 
 
 def test_highlights_mark_the_divergence_and_clicks_map_back_to_steps():
@@ -133,7 +133,7 @@ def test_record_tables_show_scores_and_mark_the_choice():
 def test_lane_status_and_sweep_text():
     t = trace([" a"], [1])
     assert "running… 1 / 8 tokens" in charts.lane_status("Lane 1", t, 8, running=True)
-    assert "1 tokens, stop: max_new_tokens, 20.0 tok/s" in charts.lane_status("Lane 1", t, 8)
+    assert "1 tokens, stop: max_new_tokens reached, 20.0 tok/s" in charts.lane_status("Lane 1", t, 8)
     assert "&lt;b&gt;" in charts.lane_status("<b>", None, 8)
     from engine.metrics import sweep_spread
 

@@ -37,8 +37,8 @@ def _report(errors=None):
 def test_drift_rows_show_memory_load_speed_kl_agreement_and_divergence():
     rows = charts.drift_rows(_report({"nf4": "no bitsandbytes"}))
     assert len(charts.DRIFT_HEADERS) == len(rows[0]) == 8
-    assert rows[0] == ["fp32 (none)", "512.0", "2.2 (earlier)", "12.50", "0", "0", "100%", "reference"]
-    assert rows[1] == ["int8", "200.0", "2.2", "12.50", "0.1825", "0.6", "75%", "step 2"]
+    assert rows[0] == ["fp32 (none)", "512.0", "in memory (first load 2.2)", "12.50", "0", "0", "100%", "reference"]
+    assert rows[1] == ["int8", "200.0", "2.2", "12.50", "0.1825", "0.6", "75%", "at step 2"]
     assert rows[2][0] == "nf4" and rows[2][-1] == "failed: no bitsandbytes"
 
 
@@ -55,7 +55,7 @@ def test_kl_figure_has_one_line_per_variant_and_marks_the_divergence():
 def test_texts_side_by_side_mark_the_divergence_and_escape_tokens():
     page = charts.texts_html(_report())
     assert page.count('class="q-text"') == 2
-    assert 'data-variant="int8"' in page and "diverges at step 2" in page
+    assert 'data-variant="int8"' in page and "own text leaves fp32 at step 2 (free-running)" in page
     int8 = page.split('data-variant="int8"')[1]
     assert int8.count("q-diverge") == 1 and int8.count('class="q-after"') == 2  # " The" and " <b>" shaded
     assert int8.index("q-diverge") < int8.index(" The")

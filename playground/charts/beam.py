@@ -20,17 +20,27 @@ import plotly.graph_objects as go
 
 from engine.beam import BeamHypothesis, BeamTrace
 
-from .step import readable
+from . import glossary
+from .step import FONT, readable
 
-STATUS_COLOURS = {
+STATUS_COLOURS = {  # markers are graphics: at least 3:1 on white (WCAG AA for non-text)
     "root": "#222222",
     "kept": "#4c78a8",
-    "pruned": "#c3c3c3",
-    "collapsed": "#c3c3c3",
-    "finished": "#2ca02c",
-    "dropped": "#f58518",
+    "pruned": "#8a8a8a",
+    "collapsed": "#8a8a8a",
+    "finished": "#2e7d32",
+    "dropped": "#c05600",
 }
-WINNER = "#e4572e"
+STATUS_NAMES = {  # legend entries: what each marker means
+    "kept": "kept beam (dot)",
+    "finished": "finished hypothesis (diamond)",
+    "dropped": "dropped: finished, not among the best",
+    "pruned": "pruned candidate (small dot)",
+    "collapsed": "pruned candidates, collapsed (size = how many)",
+    "root": "prompt",
+}
+WINNER = "#c4421a"
+TREE_TITLE = "Search tree · drag to pan, box-zoom from the toolbar, double-click to reset"
 ROW_PX = 26  # vertical pixels per leaf row
 COLLAPSED_OFFSET = 0.4  # a collapsed-pruned marker sits this far below its parent's row
 
@@ -172,15 +182,16 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
             fig.add_trace(_node_trace(status, group))
     path = [n for n in nodes.values() if n.on_path and n.status != "root"]
     if path:
-        fig.add_trace(go.Scatter(x=[n.step for n in path], y=[n.y for n in path], mode="markers", name="winning path",
+        fig.add_trace(go.Scatter(x=[n.step for n in path], y=[n.y for n in path], mode="markers", name="highlighted path (ring)",
                                  hoverinfo="skip", marker={"size": 17, "color": "rgba(0,0,0,0)",
                                                            "line": {"color": WINNER, "width": 2.5}}))
     rows = leaf_rows(nodes)
     fig.update_layout(
-        height=int(min(1600, max(360, 80 + ROW_PX * rows))), dragmode="pan", hovermode="closest",
-        margin={"l": 10, "r": 10, "t": 30, "b": 40}, plot_bgcolor="white",
-        legend={"orientation": "h", "y": 1.02, "x": 0, "yanchor": "bottom"},
-        xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee"},
+        height=int(min(1700, max(460, 190 + ROW_PX * rows))), dragmode="pan", hovermode="closest",
+        margin={"l": 10, "r": 10, "t": 100, "b": 120}, plot_bgcolor="white", font={"size": FONT},
+        title={"text": TREE_TITLE, "x": 0.01, "font": {"size": FONT + 2}},
+        legend={"orientation": "h", "x": 0, "yref": "container", "y": 0, "yanchor": "bottom", "font": {"size": FONT}},
+        xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee", "tickfont": {"size": FONT}},
         yaxis={"visible": False, "autorange": "reversed"},
     )
     return fig
@@ -191,11 +202,10 @@ def _node_trace(status: str, group: list[TreeNode]) -> go.Scatter:
     labelled = status in ("kept", "finished", "dropped")
     sizes = [min(14, 6 + 2 * n.count) if status == "collapsed" else (7 if small else 11) for n in group]
     opacity = [0.35 if n.dead_end else 1.0 for n in group]
-    names = {"collapsed": "pruned (collapsed)", "root": "prompt"}
     return go.Scatter(
         x=[n.step for n in group], y=[n.y for n in group], mode="markers+text" if labelled else "markers",
-        name=names.get(status, status), text=[n.label for n in group] if labelled else None,
-        textposition="top center", textfont={"size": 10}, hovertext=[n.hover for n in group], hoverinfo="text",
+        name=STATUS_NAMES[status], text=[n.label for n in group] if labelled else None,
+        textposition="top center", textfont={"size": FONT}, hovertext=[n.hover for n in group], hoverinfo="text",
         marker={"size": sizes, "color": STATUS_COLOURS[status], "opacity": opacity,
                 "symbol": "diamond" if status == "finished" else "circle", "line": {"color": "white", "width": 1}},
     )
@@ -211,7 +221,11 @@ def hypotheses_rows(beam: BeamTrace, length_penalty: float) -> list[list]:
     return rows
 
 
-HYPOTHESES_HEADERS = ["rank", "search rank", "text", "tokens", "sum log-prob", "score (search lp)", "score (slider lp)"]
+HYPOTHESES_HEADERS = ["rank", "found", "text", "tokens", "log-prob", "score", "score now"]
+HYPOTHESES_NOTE = ("rank: under the slider's length penalty · found: the search's own rank · log-prob: summed, in nats · "
+                   "score: at the search's length penalty · score now: at the slider's. "
+                   + glossary.hover("length penalty"))
+HYPOTHESES_WIDTHS = ["9%", "9%", "37%", "9%", "12%", "12%", "12%"]  # for gr.Dataframe(column_widths=...)
 
 
 def winner_note(beam: BeamTrace, length_penalty: float) -> str:
@@ -236,10 +250,23 @@ def step_summary(beam: BeamTrace) -> str:
         for c in s.candidates:
             counts[c.status] = counts.get(c.status, 0) + 1
     parts = ", ".join(f"{counts[k]} {k}" for k in ("kept", "pruned", "finished", "dropped") if k in counts)
-    ended = {"early_stopping": "ended by early stopping", "no_continuation": "ended: no beam could continue"}
-    tail = f" · {ended[beam.ended_by]}" if beam.ended_by in ended else ""
+    tail = f" · {ended_text(beam)}" if ended_text(beam) else ""
     return (f"{len(beam.steps)} steps · {beam.num_beams} beams · {beam.candidates_per_step} candidates per step"
             f"{' per group' if beam.num_beam_groups > 1 else ''} · {parts}{tail}")
+
+
+def ended_text(beam: BeamTrace) -> str:
+    """Why the search ended, in words: every beam at max_new_tokens is not "no beam could continue"."""
+    if beam.ended_by == "early_stopping":
+        return "ended by early stopping"
+    if beam.ended_by == "no_continuation":  # the engine's catch-all: say which limit it was
+        reasons = {h.finish_reason for h in beam.hypotheses}
+        if reasons == {"max_new_tokens"}:
+            return "ended: every beam reached max_new_tokens"
+        if "max_new_tokens" in reasons:
+            return "ended: max_new_tokens reached"
+        return "ended: every beam finished"
+    return ""
 
 
 def greedy_note(greedy_ids: Sequence[int], greedy_text: str, greedy_logprobs: Sequence[float], beam: BeamTrace,

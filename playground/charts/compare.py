@@ -13,10 +13,11 @@ from engine.contrastive import ContrastStep, SearchStep
 from engine.metrics import LaneMetrics, SweepSpread, entropy_series
 from engine.trace import StepTrace, Trace
 
-from .step import readable, token_highlights
+from . import glossary
+from .step import FONT, readable, stop_text, token_highlights
 
-LANE_COLOURS = ("#4c78a8", "#e4572e", "#54a24b", "#b279a2", "#f2a900", "#17becf")
-METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw)", "perplexity", "distinct-1", "distinct-2",
+LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c")  # each >= 4.5:1 on white
+METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
                   "rep-4", "first token (ms)", "tokens/s", "stop"]
 SWEEP_HEADERS = ["seed", "tokens", "mean log-prob (raw)", "text"]
 
@@ -38,28 +39,35 @@ def metrics_rows(metrics: Sequence[LaneMetrics], strategies: Sequence[str]) -> l
             for m, strategy in zip(metrics, strategies)]
 
 
+def metrics_glossary() -> str:
+    """One line under the metrics table explaining its less obvious columns."""
+    return glossary.glossary_line(["log-prob", "perplexity", "distinct-1", "distinct-2", "rep-4"])
+
+
 def entropy_chart(names: Sequence[str], lanes: Sequence[Sequence[StepTrace]], divergence: int | None = None,
                   raw: bool = False) -> go.Figure:
-    """Per-step entropy (bits) of each lane, overlaid; a vertical line where the lanes diverge.
+    """Per-step entropy (nats) of each lane, overlaid; a vertical line where the lanes diverge.
     ``raw``: the unprocessed model's entropy along each lane's own text, else the entropy of the
     distribution each token was picked from."""
     fig = go.Figure()
     for i, (name, steps) in enumerate(zip(names, lanes)):
         fig.add_trace(go.Scatter(
-            x=[s.index for s in steps], y=[h / math.log(2) for h in entropy_series(steps, raw)], mode="lines+markers",
+            x=[s.index for s in steps], y=list(entropy_series(steps, raw)), mode="lines+markers",
             name=name, line=dict(color=lane_colour(i)), customdata=[[readable(s.chosen_token)] for s in steps],
             hovertemplate=f"{html.escape(name)} · step %{{x}}: %{{customdata[0]}}<br>"
-                          "H = %{y:.2f} bits<extra></extra>",
+                          "H = %{y:.2f} nats<br>" + html.escape(glossary.hover("entropy")) + "<extra></extra>",
         ))
     if divergence is not None:
         fig.add_vline(x=divergence, line_color="#222", line_dash="dash", opacity=0.6,
-                      annotation_text=f"diverge at step {divergence}", annotation_position="top left")
+                      annotation_text=f"diverge at step {divergence}", annotation_position="top left",
+                      annotation_font_size=FONT)
     longest = max((len(steps) for steps in lanes), default=0)
     fig.update_xaxes(tick0=0, dtick=max(1, math.ceil(longest / 12)))  # whole steps only
     which = "raw model" if raw else "picked-from distribution"
-    fig.update_layout(height=280, margin=dict(l=10, r=10, t=40, b=30), template="plotly_white",
-                      title=dict(text=f"Entropy per step ({which}, bits)", x=0.01, font=dict(size=14)),
-                      xaxis_title="step", yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
+    fig.update_layout(height=340, margin=dict(l=10, r=10, t=70, b=10), template="plotly_white", font=dict(size=FONT),
+                      title=dict(text=f"Entropy per step<br><sup>{which}, nats</sup>", x=0.01, font=dict(size=FONT + 2)),
+                      xaxis_title="step", yaxis=dict(rangemode="tozero", title="nats"),
+                      legend=dict(orientation="h", x=0, y=-0.3, yanchor="top"))
     return fig
 
 
@@ -85,8 +93,32 @@ def lane_status(name: str, trace: Trace | None, max_new_tokens: int, running: bo
         return f'<div class="dp-status">{html.escape(name)}: running… {done} / {max_new_tokens} tokens{note}</div>'
     if trace is None:
         return f'<div class="dp-status">{html.escape(name)}: waiting{note}</div>'
-    return (f'<div class="dp-status">{html.escape(name)}: {len(trace.steps)} tokens, stop: {trace.stop_reason}, '
+    return (f'<div class="dp-status">{html.escape(name)}: {len(trace.steps)} tokens, stop: {stop_text(trace.stop_reason)}, '
             f'{trace.timing.tokens_per_s:.1f} tok/s{note}</div>')
+
+
+def same_text_note(names: Sequence[str], traces: Sequence[Trace]) -> str:
+    """When two sampling lanes with the same seed produced identical text, say why, from the
+    traces: every step's final distribution kept one token (nothing to sample), or the same seed
+    drew the same u each step and it fell in the same token both times. "" otherwise."""
+    notes = []
+    for i in range(len(traces)):
+        for j in range(i + 1, len(traces)):
+            a, b = traces[i], traces[j]
+            if not a.steps or a.generated_token_ids != b.generated_token_ids or a.config == b.config:
+                continue
+            if a.config.get("seed", 0) != b.config.get("seed", 0):
+                continue
+            single = sum(1 for sa, sb in zip(a.steps, b.steps) if sa.stages[-1].kept == 1 and sb.stages[-1].kept == 1)
+            pair = f"{html.escape(names[i])} and {html.escape(names[j])}"
+            if single == len(a.steps):
+                why = ("at every step their stages (top-p, top-k, min-p...) cut the choice to one token, "
+                       "so sampling had nothing to choose between")
+            else:
+                why = (f"they share a seed, so each step drew the same u, and it landed in the same token both times "
+                       f"({single} of {len(a.steps)} steps had only one token left); try another seed")
+            notes.append(f"**{pair} wrote the same text although their knobs differ:** {why}.")
+    return "\n\n".join(notes)
 
 
 def sweep_markdown(lane: str, seeds: Sequence[int], spread: SweepSpread) -> str:
@@ -101,12 +133,12 @@ def sweep_rows(seeds: Sequence[int], traces: Sequence[Trace], mean_logprobs: Seq
     return [[seed, len(t.steps), _num(lp, 3), t.text] for seed, t, lp in zip(seeds, traces, mean_logprobs)]
 
 
-DIVERGE_MARK = "◆"
+DIVERGE_MARK = "⟶ lanes differ from here:"
 
 
 def lane_highlights(steps: Sequence[StepTrace], divergence: int | None = None) -> list[tuple[str, float | None]]:
-    """Tokens coloured by probability (as in the step-through view), with a ◆ (no colour) before the
-    first step where the lanes diverge."""
+    """Tokens coloured by probability (as in the step-through view), with DIVERGE_MARK (words, no
+    colour) before the first step where the lanes diverge."""
     items: list[tuple[str, float | None]] = list(token_highlights(steps))
     if divergence is not None and divergence <= len(items):
         items.insert(divergence, (DIVERGE_MARK, None))
@@ -114,7 +146,7 @@ def lane_highlights(steps: Sequence[StepTrace], divergence: int | None = None) -
 
 
 def clicked_step(index: int, divergence: int | None = None) -> int:
-    """The step of a clicked highlight (undoing the ◆ inserted by ``lane_highlights``)."""
+    """The step of a clicked highlight (undoing the mark inserted by ``lane_highlights``)."""
     if divergence is not None and index >= divergence:
         return max(divergence, index - 1)
     return index

@@ -10,15 +10,20 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from engine.drift import DriftReport, KVReport, VariantDrift
-from playground.charts.step import readable
+from . import glossary
+from .step import FONT
+from .tokens import render as readable
+from .tokens import render_html
 
 MB = 1024 * 1024
-COLOURS = {"none": "#4c78a8", "int8": "#f58518", "nf4": "#e45756"}
-CACHED, UNCACHED = "#4c78a8", "#e45756"
+COLOURS = {"none": "#4c78a8", "int8": "#a35d00", "nf4": "#b71c1c"}  # text colours too: >= 4.5:1 on white
+CACHED, UNCACHED = "#4c78a8", "#b71c1c"
 DIVERGED_BG = "#fde4e4"
 
-DRIFT_HEADERS = ["variant", "memory MB", "load s", "tokens/s", "mean KL (nats)", "max KL", "top-1 agreement",
-                 "first divergence"]
+DRIFT_HEADERS = ["variant", "memory MB", "load s", "tokens/s", "mean KL (nats)", "max KL (nats)",
+                 "top-1 agreement (teacher-forced)", "own text leaves fp32 (free-running)"]
+DRIFT_NOTE = (glossary.hover("teacher-forced") + ". " + glossary.hover("free-running") + ". "
+              + glossary.hover("KL(p‖q)") + ". Load time: a variant already in memory shows the time of its first load.")
 
 
 def variant_label(quantization: str) -> str:
@@ -28,13 +33,13 @@ def variant_label(quantization: str) -> str:
 def _divergence_cell(v: VariantDrift) -> str:
     if v.quantization == "none":
         return "reference"
-    return "never" if v.first_divergence is None else f"step {v.first_divergence}"
+    return "never" if v.first_divergence is None else f"at step {v.first_divergence}"
 
 
 def drift_rows(report: DriftReport) -> list[list]:
     """One row of display strings per measured variant (headers: DRIFT_HEADERS), then one per failed variant."""
     rows = [[variant_label(v.quantization), f"{v.memory_bytes / MB:.1f}",
-             f"{v.load_s:.1f}" + (" (earlier)" if v.was_loaded else ""), f"{v.tokens_per_s:.2f}",
+             f"in memory (first load {v.load_s:.1f})" if v.was_loaded else f"{v.load_s:.1f}", f"{v.tokens_per_s:.2f}",
              f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", f"{v.top1_agreement:.0%}", _divergence_cell(v)]
             for v in report.variants]
     rows += [[variant_label(q), "", "", "", "", "", "", f"failed: {message}"] for q, message in report.errors.items()]
@@ -51,19 +56,22 @@ def kl_figure(report: DriftReport) -> go.Figure:
         fig.add_trace(go.Scatter(
             x=[p.index for p in v.positions], y=[p.kl for p in v.positions], mode="lines+markers",
             name=variant_label(v.quantization), line={"color": colour}, customdata=labels,
-            hovertemplate="step %{customdata}<br>KL %{y:.4g} nats<extra>" + variant_label(v.quantization) + "</extra>",
+            hovertemplate="step %{customdata}<br>KL %{y:.4g} nats<br>" + html.escape(glossary.hover("KL(p‖q)"))
+                          + "<extra>" + variant_label(v.quantization) + "</extra>",
         ))
         at = v.first_divergence
         if at is not None and at < len(v.positions):
             fig.add_trace(go.Scatter(
-                x=[at], y=[v.positions[at].kl], mode="markers", name=f"{variant_label(v.quantization)} diverges",
+                x=[at], y=[v.positions[at].kl], mode="markers",
+                name=f"{variant_label(v.quantization)}: own text leaves fp32 here",
                 marker={"symbol": "diamond", "size": 13, "color": colour, "line": {"color": "#222", "width": 1}},
                 hovertemplate=f"own greedy text leaves the reference at step {at}<extra></extra>",
             ))
-    fig.update_layout(title="Drift from fp32 at each step (teacher-forced on the fp32 continuation)",
+    fig.update_layout(title={"text": "Drift from fp32 at each step<br><sup>teacher-forced: every variant reads "
+                                     "the fp32 text</sup>", "x": 0.01, "font": {"size": FONT + 2}},
                       xaxis_title="step of the fp32 continuation", yaxis_title="KL(p_fp32 ‖ p_variant), nats",
-                      height=360, margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"orientation": "h", "y": -0.25},
-                      yaxis={"rangemode": "tozero"})
+                      height=420, margin={"l": 60, "r": 20, "t": 80, "b": 10}, font={"size": FONT},
+                      legend={"orientation": "h", "x": 0, "y": -0.25, "yanchor": "top"}, yaxis={"rangemode": "tozero"})
     return fig
 
 
@@ -71,7 +79,7 @@ def _token_spans(tokens: Sequence[str], divergence: int | None) -> str:
     """Tokens as spans; from ``divergence`` on they are shaded, and a ▶ marks the point."""
     spans = []
     for i, token in enumerate(tokens):
-        text = html.escape(token)
+        text = render_html(token, flow=True)
         if divergence is not None and i == divergence:
             spans.append(f'<span class="q-diverge" title="first token that differs from fp32 (step {i})" '
                          f'style="color:#b71c1c;font-weight:bold">▶</span>')
@@ -90,14 +98,16 @@ def texts_html(report: DriftReport) -> str:
     columns = []
     for v in report.variants:
         note = ("reference" if v.quantization == "none"
-                else "same text as fp32" if v.first_divergence is None else f"diverges at step {v.first_divergence}")
+                else "same text as fp32 (free-running)" if v.first_divergence is None
+                else f"own text leaves fp32 at step {v.first_divergence} (free-running); "
+                     f"top-1 agreement {v.top1_agreement:.0%} is teacher-forced")
         columns.append(
             f'<div class="q-text" data-variant="{html.escape(v.quantization)}" style="flex:1;min-width:220px;'
             f'border:1px solid #ddd;border-radius:6px;padding:8px">'
             f'<div style="font-weight:bold;color:{COLOURS.get(v.quantization, "#555")}">'
             f"{html.escape(variant_label(v.quantization))}"
-            f' <span style="font-weight:normal;color:#666;font-size:12px">· {note}</span></div>'
-            f'<div style="white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:13px">'
+            f' <span style="font-weight:normal;color:#555;font-size:{FONT}px">· {note}</span></div>'
+            f'<div style="white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:{FONT}px">'
             f"{_token_spans(v.tokens, v.first_divergence)}</div></div>"
         )
     return f'<div class="q-texts" style="display:flex;gap:8px;flex-wrap:wrap">{"".join(columns)}</div>'
@@ -123,10 +133,11 @@ def kv_figure(report: KVReport) -> go.Figure:
                              hovertemplate="length %{x}: %{y:.1f} ms<extra>no cache</extra>"))
     fig.add_trace(go.Scatter(x=x, y=[s.cached_ms for s in report.steps], mode="lines+markers", name="KV cache",
                              line={"color": CACHED}, hovertemplate="length %{x}: %{y:.1f} ms<extra>KV cache</extra>"))
-    fig.update_layout(title="Time per token as the sequence grows (the first cached step includes the prefill)",
-                      xaxis_title="sequence length read (prompt + generated)", yaxis_title="ms per token", height=340,
-                      margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"orientation": "h", "y": -0.25},
-                      yaxis={"rangemode": "tozero"})
+    fig.update_layout(title={"text": "Time per token as the sequence grows<br><sup>the first cached step includes "
+                                     "the prefill</sup>", "x": 0.01, "font": {"size": FONT + 2}},
+                      xaxis_title="sequence length read (prompt + generated)", yaxis_title="ms per token", height=400,
+                      margin={"l": 60, "r": 20, "t": 80, "b": 10}, font={"size": FONT},
+                      legend={"orientation": "h", "x": 0, "y": -0.25, "yanchor": "top"}, yaxis={"rangemode": "tozero"})
     return fig
 
 
