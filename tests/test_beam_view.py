@@ -120,7 +120,7 @@ def test_winner_note_and_table_follow_the_slider(trace):
 
 def test_figure_colours_statuses_and_marks_the_winning_path(trace):
     fig = charts.tree_figure(trace)
-    names = {v: k for k, v in charts.STATUS_NAMES.items()} | {"highlighted path (ring)": "winning path"}
+    names = {v: k for k, v in charts.STATUS_NAMES.items()}
     by_name = {names.get(t.name, t.name): t for t in fig.data if t.name}  # legend names say what each marker is
     assert {"kept", "finished", "dropped", "collapsed", "root", "winning path"} <= set(by_name)
     assert by_name["finished"].marker.color == charts.STATUS_COLOURS["finished"]

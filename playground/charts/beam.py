@@ -182,7 +182,7 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
             fig.add_trace(_node_trace(status, group))
     path = [n for n in nodes.values() if n.on_path and n.status != "root"]
     if path:
-        fig.add_trace(go.Scatter(x=[n.step for n in path], y=[n.y for n in path], mode="markers", name="highlighted path (ring)",
+        fig.add_trace(go.Scatter(x=[n.step for n in path], y=[n.y for n in path], mode="markers", name="winning path",
                                  hoverinfo="skip", marker={"size": 17, "color": "rgba(0,0,0,0)",
                                                            "line": {"color": WINNER, "width": 2.5}}))
     rows = leaf_rows(nodes)

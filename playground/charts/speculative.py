@@ -107,7 +107,7 @@ def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = 
     """All rounds as rows of chips (the last ``limit`` rounds), with a legend. Chips carry
     data-round / data-pos so a click can select the position."""
     if not rounds:
-        return '<div class="spec-rounds" style="color:#777">No rounds yet: press Generate.</div>'
+        return '<div class="spec-rounds" style="color:#555">No rounds yet: press Generate.</div>'
     shown = list(rounds)[-limit:]
     hidden = len(rounds) - len(shown)
     note = f'<div style="color:#555;font-size:{FONT}px">{hidden} earlier rounds not shown</div>' if hidden else ""
@@ -327,7 +327,7 @@ def counters_html(rounds: Sequence[SpecRound], summary: dict | None = None) -> s
 
     def box(label: str, value: str, elem: str) -> str:
         return (f'<div class="spec-counter" id="{elem}" style="display:inline-block;min-width:9em;margin:4px 10px 4px 0;'
-                f'padding:6px 10px;border:1px solid #ddd;border-radius:8px"><div style="font-size:12px;color:#666">{label}</div>'
+                f'padding:6px 10px;border:1px solid #ddd;border-radius:8px"><div style="font-size:{FONT}px;color:#555">{label}</div>'
                 f'<div style="font-size:20px;font-weight:600">{value}</div></div>')
 
     rate = "—" if math.isnan(c["acceptance_rate"]) else f"{c['acceptance_rate']:.0%}"
