@@ -129,6 +129,9 @@ class LoadedModel:
     memory_bytes: int
     load_seconds: float = 0.0
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+    # Fast tokenizers raise "Already borrowed" when two threads use one at once (the scheduler's
+    # worker decodes stop strings while handler threads encode prompts): one lock serialises them.
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def vocab_size(self) -> int:
@@ -149,17 +152,20 @@ class LoadedModel:
         )
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        text = self.prompt_text(prompt, chat)
-        return list(self.tokenizer(text, add_special_tokens=not chat)["input_ids"])
+        with self._tokenizer_lock:
+            text = self.prompt_text(prompt, chat)
+            return list(self.tokenizer(text, add_special_tokens=not chat)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (special tokens kept), memoised."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            with self._tokenizer_lock:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
 

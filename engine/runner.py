@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from . import beam, contrastive, decode, speculative
+from . import beam, contrastive, decode, mcts, medusa, speculative
 from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
@@ -32,7 +32,7 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
     ``prompt_ids``: the prompt already encoded (with ``chat`` applied), else it is encoded here.
     ``registry``: where drafters and amateurs (``self-int8``, ``model:<x>``) are loaded from.
     ``control``: checked once per step; raises ``RunStopped`` when cancelled or past its limit.
-    ``compare_baseline``: speculative only, also time a target-only run (summary ``speedup``).
+    ``compare_baseline``: speculative and Medusa, also time a target-only run (summary ``speedup``).
     ``scheduler``: greedy/sampling runs go through this batched scheduler (shared forwards with
     other users' runs) instead of a forward of their own."""
     ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
@@ -45,6 +45,10 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
         yield from _speculative(lm, prompt, ids, config, chat, registry, control, compare_baseline)
     elif config.strategy in ("contrastive_search", "contrastive_decoding"):
         yield from _contrastive(lm, prompt, ids, config, chat, registry, control)
+    elif config.strategy == "mcts":
+        yield from mcts.stream(lm, prompt, ids, config, chat=chat, control=control)
+    elif config.strategy == "medusa":
+        yield from medusa.stream(lm, prompt, ids, config, chat=chat, control=control, compare_baseline=compare_baseline)
     else:  # DecodingConfig validates the name, so this is a strategy without a runner yet
         raise ValueError(f"strategy: {config.strategy!r} has no runner")
 

@@ -24,6 +24,7 @@ from engine.control import RunControl
 from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec
 from engine.models import model_policy
 from engine.presets import load_preset
+from engine.scheduler import Scheduler, scheduler_for
 from engine.trace import Event, Trace
 
 from .events import ModelEvents
@@ -81,9 +82,9 @@ class Shared:
             raise UserError(f"prompt: {len(ids):,} tokens is over the {self.max_prompt_tokens:,}-token limit")
         return ids
 
-    def scheduler_for(self, lm: LoadedModel) -> Any:
-        """The batched scheduler greedy/sampling runs share (None: each run has its own forwards)."""
-        return None
+    def scheduler_for(self, lm: LoadedModel) -> Scheduler:
+        """The batched scheduler of ``lm``: every user's greedy/sampling runs share its forwards."""
+        return scheduler_for(lm)
 
     def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
                control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:

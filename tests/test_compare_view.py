@@ -49,7 +49,7 @@ def test_parse_knobs_names_the_lane_and_line():
         view.parse_knobs("top_k = 4\ntemperature 0.5", "Lane 2")
     with pytest.raises(UserError, match="Lane 3: seed is shared by all lanes"):
         view.parse_knobs("seed = 4", "Lane 3")
-    with pytest.raises(UserError, match=r"Lane 1: temperature: 9.0 is out of range; allowed \[0, 5\]"):
+    with pytest.raises(UserError, match=r"Lane 1: temperature: 9.0 is out of range; allowed 0 or \[0.01, 5\]"):
         view.lane_config(view.LaneSpec("(custom)", "sample", "temperature = 9"), "Lane 1", 0, 8)
     with pytest.raises(UserError, match="Lane 1: top_p_typo: unknown key"):
         view.lane_config(view.LaneSpec("(custom)", "sample", "top_p_typo = 1"), "Lane 1", 0, 8)

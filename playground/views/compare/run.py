@@ -1,8 +1,12 @@
-"""Running lanes through the runner (one model event drives them all, one after another)."""
+"""Running lanes through the runner: one model event drives them all at once (greedy/sampling lanes
+share the batched scheduler's forwards)."""
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+import functools
+import queue
+import threading
+from typing import Callable, Iterator, Sequence
 
 from engine import runner
 from engine.config import DecodingConfig
@@ -31,27 +35,65 @@ def stream_lane(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[i
             yield runner.partial_trace(lm, prompt, prompt_ids, config, steps, chat)
 
 
+def concurrently(jobs: Sequence[Callable[[], Iterator[Trace]]], control: RunControl
+                 ) -> Iterator[tuple[int, Trace | None, Exception | None]]:
+    """Run every job at once, each in its own thread; yield (job index, trace, error) as they come,
+    and (index, None, None) when a job ends. Greedy/sampling lanes then join the batched scheduler
+    together and share its forwards, so 4 lanes take little more than one. Closing this generator
+    (or a stopped run) cancels ``control``, which stops every job within one step."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+
+    def work(i: int, job: Callable[[], Iterator[Trace]]) -> None:
+        try:
+            for trace in job():
+                results.put((i, trace, None))
+        except Exception as exc:  # noqa: BLE001 (reported to the caller with its lane)
+            results.put((i, None, exc))
+        finally:
+            results.put((i, None, None))
+
+    threads = [threading.Thread(target=work, args=(i, job), daemon=True, name=f"dp-lane-{i}")
+               for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    running = len(threads)
+    try:
+        while running:
+            i, trace, error = results.get()
+            running -= trace is None and error is None
+            yield i, trace, error
+    finally:
+        if running:  # the consumer went away mid-run: stop the jobs too
+            control.cancel()
+
+
 def run_lanes(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[int], configs: Sequence[DecodingConfig],
               chat: bool, session: CompareSession, control: RunControl) -> Iterator[int]:
-    """Run every lane in turn, updating ``session``; yields the running lane's index on each update.
+    """Run every lane at once, updating ``session``; yields the updated lane's index on each update.
     A failing lane records its error and the others still run; a stopped run stops them all."""
-    for i, config in enumerate(configs):
-        try:
-            for trace in stream_lane(shared, lm, prompt, prompt_ids, config, chat, control):
-                session.traces[i] = trace
-                yield i
-        except RunStopped:
-            raise
-        except Exception as exc:  # one lane's failure must not stop the others
-            session.errors[i] = error_message(exc, "lane")
+    jobs = [functools.partial(stream_lane, shared, lm, prompt, prompt_ids, config, chat, control) for config in configs]
+    for i, trace, error in concurrently(jobs, control):
+        if isinstance(error, RunStopped):
+            raise error
+        if error is not None:  # one lane's failure must not stop the others
+            session.errors[i] = error_message(error, "lane")
+        elif trace is not None:
+            session.traces[i] = trace
         yield i
 
 
 def run_sweep(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[int], config: DecodingConfig,
               seeds: Sequence[int], chat: bool, control: RunControl) -> Iterator[list[Trace]]:
-    """One lane over several seeds; yields the finished traces after each seed."""
-    traces: list[Trace] = []
-    for seed in seeds:
-        *_, trace = stream_lane(shared, lm, prompt, prompt_ids, config.replace(seed=seed), chat, control)
-        traces.append(trace)
-        yield traces
+    """One lane over several seeds, all at once; yields the finished traces (in seed order) as each ends."""
+    jobs = [functools.partial(stream_lane, shared, lm, prompt, prompt_ids, config.replace(seed=seed), chat, control)
+            for seed in seeds]
+    finished: dict[int, Trace] = {}
+    last: dict[int, Trace] = {}
+    for i, trace, error in concurrently(jobs, control):
+        if error is not None:
+            raise error
+        if trace is not None:
+            last[i] = trace
+        else:
+            finished[i] = last[i]
+            yield [finished[j] for j in sorted(finished)]
