@@ -70,7 +70,7 @@ def head_logits(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, nu
     states = heads(hidden)
     if num_heads is not None:
         states = states[..., :num_heads, :]
-    return lm_head(states.to(lm_head.weight.dtype)).float()
+    return lm_head(states).float()  # the heads share the model's dtype (load_heads)
 
 
 def slug(model_name: str) -> str:

