@@ -4,8 +4,9 @@
    not stop it, so every count is reached). One cached run of 1024 tokens is timed at every step
    (the 128- and 512-token figures sum its first steps). The uncached loop (the whole sequence fed
    again at every step) is quadratic, so it is NOT run to the end: its ms/token is MEASURED at the
-   last length of each count and a few lengths between, and a run's total is the sum over every
-   step of the linear interpolation between those measurements. Up to --full-uncached tokens it is
+   last length of each count and a few lengths between (each right after the cached step at the
+   same length, so both see the same load on a shared machine), and a run's total is the sum over
+   every step of the linear interpolation between those measurements. Up to --full-uncached tokens it is
    also run end to end, which checks the interpolation. The output labels every row.
 2. prefill time vs prompt length (up to a 2,048-token prompt) next to the per-token decode time
    after that prompt: the prefill processes its tokens in parallel (compute-bound), decoding
@@ -46,18 +47,6 @@ def ms(fn) -> float:
 
 
 @torch.inference_mode()
-def cached_run(lm, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy through the KV cache for exactly n tokens: (tokens, ms per step; step 0 is the prefill)."""
-    cache, tokens, times = KVCache(lm.model), [], []
-    for i in range(n):
-        start = time.perf_counter()
-        logits = cache.sync(prompt_ids) if i == 0 else cache.step([tokens[-1]])  # [1, V]
-        tokens.append(int(logits.argmax()))
-        times.append((time.perf_counter() - start) * 1000)
-    return tokens, times
-
-
-@torch.inference_mode()
 def uncached_ms(lm, ids: list[int]) -> float:
     """One uncached forward over the whole sequence (what every uncached step costs)."""
     return ms(lambda: lm.model(input_ids=torch.tensor([ids], device=lm.device), use_cache=False, logits_to_keep=1))
@@ -74,24 +63,31 @@ def interpolated_total(points: list[tuple[int, float]], lengths: range) -> float
     return total
 
 
+@torch.inference_mode()
 def speed(lm, prompt_ids: list[int], counts: list[int], full_uncached: int) -> None:
-    """One cached run of max(counts) tokens (the n-token figure sums its first n steps); the
-    uncached loop measured at the ends of every count's range and a few lengths between."""
+    """One cached run of max(counts) tokens, timed per step (the n-token figure sums its first n
+    steps). At the last step of every count and a few steps between, one uncached forward over the
+    same sequence is timed right after the cached step, so both sides see the same machine load."""
     print("\n## cached vs uncached greedy (raw model loop, EOS ignored)")
-    longest = max(counts)
-    tokens, cached = cached_run(lm, prompt_ids, longest)
-    sequence, p = prompt_ids + tokens, len(prompt_ids)
-    marks = sorted({0, *(n - 1 for n in counts), *(round(longest * f) for f in (0.25, 0.5, 0.75))} - {longest})
-    points = [(p + m, uncached_ms(lm, sequence[: p + m + 1])) for m in marks]
-    print("uncached ms per token measured at sequence lengths: "
-          + ", ".join(f"{x + 1} ({y:.0f} ms)" for x, y in points))
+    longest, p = max(counts), len(prompt_ids)
+    marks = {0, *(n - 1 for n in counts), *(round(longest * f) for f in (0.25, 0.5, 0.75))}
+    cache, tokens, cached, points = KVCache(lm.model), [], [], []
+    for i in range(longest):  # step i reads the prompt and i tokens
+        start = time.perf_counter()
+        logits = cache.sync(prompt_ids) if i == 0 else cache.step([tokens[-1]])  # [1, V]
+        tokens.append(int(logits.argmax()))
+        cached.append((time.perf_counter() - start) * 1000)
+        if i in marks:
+            points.append((p + i, uncached_ms(lm, prompt_ids + tokens[:i])))
+    print("paired ms per token at sequence length: " + ", ".join(
+        f"{x}: cached {cached[x - p]:.0f} / uncached {y:.0f}" for x, y in points))
     print(f"{'tokens':>7} {'cached tok/s':>13} {'uncached tok/s':>15} {'ratio':>7}  uncached total")
     for n in sorted(counts):
         cached_s = sum(cached[:n]) / 1000
-        estimate = interpolated_total(points, range(p, p + n)) / 1000
-        rows = [("interpolated between the measured lengths", estimate)]
-        if n <= full_uncached:  # also end to end: checks the interpolation
-            rows.insert(0, (f"end to end ({n} forwards)", sum(uncached_ms(lm, sequence[: p + i + 1]) for i in range(n)) / 1000))
+        rows = [("interpolated between the measured lengths", interpolated_total(points, range(p, p + n)) / 1000)]
+        if n <= full_uncached:  # also end to end (not paired with the cached steps): checks the interpolation
+            sequence = prompt_ids + tokens
+            rows.insert(0, (f"end to end ({n} forwards)", sum(uncached_ms(lm, sequence[: p + i]) for i in range(n)) / 1000))
         for how, uncached_s in rows:
             print(f"{n:>7} {n / cached_s:>13.2f} {n / uncached_s:>15.2f} {uncached_s / cached_s:>6.2f}×  {how}")
         first, last = cached[1:min(n, 17)], cached[max(1, n - 16):n]  # step 0 is the prefill

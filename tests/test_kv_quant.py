@@ -202,11 +202,12 @@ def test_drift_report_caps_its_length(tiny_lm, monkeypatch):
 
 @pytest.mark.slow
 def test_int8_kv_drift_on_the_embedded_model_is_small(embedded):
-    # 32 tokens, residual 8, so nearly every position is quantized.
+    # 32 tokens, residual 8, so nearly every position is quantized. Measured: int8 mean KL 7.5e-5 nats, top-1
+    # 100%, never diverges; int4 mean KL 2.6e-2, top-1 91%. The bounds leave room for other CPUs' rounding.
     report = drift.kv_drift_report(embedded, "Write a short story about a lighthouse keeper.", True, 32,
                                    ["quantized-int8", "quantized-int4"], residual_length=8)
     int8, int4 = report.kinds
-    assert int8.mean_kl < 0.05 and int8.top1_agreement >= 0.9
+    assert int8.mean_kl < 1e-3 and int8.top1_agreement >= 0.9
     assert int4.mean_kl > int8.mean_kl
     assert int8.cache_bytes == int8.formula_bytes and int4.cache_bytes == int4.formula_bytes
     assert int8.bytes_per_token < 0.4 * 46_080  # well under the float32 cache's 46,080 bytes per position
