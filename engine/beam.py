@@ -42,7 +42,7 @@ import torch
 from . import sampling
 from .cache import KVCache
 from .config import SAMPLING_ONLY_STAGES, DecodingConfig
-from .decode import StopCheck
+from .core import StopCheck, check_prompt
 from .models import LoadedModel, ModelRegistry
 from .processors import Chain, build_stage
 from .trace import StepTrace, Timing, Trace, from_dict
@@ -282,8 +282,7 @@ def _row_entropy(raw: torch.Tensor) -> list[float]:
 
 def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -> Iterator[BeamStep | BeamTrace]:
     """Yield a BeamStep per search step as it is decided, then the complete BeamTrace."""
-    if not prompt_ids:
-        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    check_prompt(prompt_ids)
     if config.num_return_sequences > config.num_beams:
         raise ValueError(f"num_return_sequences: {config.num_return_sequences} exceeds num_beams={config.num_beams}")
     start = time.perf_counter()

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from . import kv_quant
+from .metrics import common_prefix
 
 
 class KVCache:
@@ -55,8 +56,6 @@ class KVCache:
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         return self.forward(ids).logits[:, -1, :].float()
 
-    prefill = step
-
     def rewind(self, n: int) -> None:
         """Drop the last n positions."""
         if n < 0 or n > self.length:
@@ -81,12 +80,7 @@ class KVCache:
         """Make the cache hold exactly ``token_ids`` and return the logits after the last one.
         Rewinds to the longest common prefix and feeds the rest in one forward."""
         target = list(token_ids)
-        common = 0
-        for a, b in zip(self.tokens, target):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(target) - 1)  # always feed at least one token to get logits
+        common = min(common_prefix(self.tokens, target), len(target) - 1)  # always feed at least one token to get logits
         self.rewind(self.length - common)
         logits = self.step(target[common:])
         if self.kind != "dynamic":  # a point ``rewind`` can return to when it cannot crop

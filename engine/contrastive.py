@@ -34,12 +34,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import sampling
+from . import core, sampling
 from .cache import KVCache
 from .config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig
-from .decode import StopCheck, assemble, make_generator
-from .models import LoadedModel, ModelLoadError, ModelRegistry, ModelSpec
-from .processors import Chain, build_stage
+from .core import StopCheck, assemble, check_prompt, make_generator
+from .models import LoadedModel, ModelLoadError, ModelRegistry, check_same_tokenizer, resolve_variant
+from .processors import Chain, Traced, build_stage
 from .trace import StageTrace, StepTrace, TokenProb, Trace, from_dict
 
 # Contrastive search feeds top_k candidates as one batch: bound it so a large top_k cannot blow up
@@ -104,22 +104,6 @@ def sampling_chain(config: DecodingConfig, lm: LoadedModel) -> Chain:
     return Chain([build_stage(n, config, 0, lm.tokenizer, lm.eos_token_ids) for n in names])
 
 
-def _step_trace(lm: LoadedModel, index: int, pick: sampling.Pick, raw_logits: torch.Tensor,
-                stages: list[StageTrace], start: float, reason: str | None) -> StepTrace:
-    return StepTrace(
-        index=index, chosen_token_id=pick.token_id, chosen_token=lm.token_text(pick.token_id),
-        chosen_prob=pick.prob, raw_prob=float(torch.softmax(raw_logits[0], dim=-1)[pick.token_id]),
-        draw=pick.draw, draw_low=pick.low, draw_high=pick.high,
-        entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages,
-        elapsed_ms=(time.perf_counter() - start) * 1000, finish_reason=reason,
-    )
-
-
-def _check_prompt(prompt_ids: Sequence[int]) -> None:
-    if not prompt_ids:
-        raise ValueError("prompt: empty after tokenisation; type at least one character")
-
-
 # --- contrastive search --------------------------------------------------------------------------
 
 
@@ -160,7 +144,7 @@ def _keep_row(cache: KVCache, row: int, token_id: int) -> None:
 def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
                   ) -> Iterator[tuple[StepTrace, SearchStep]]:
     """Contrastive search, one (StepTrace, SearchStep) per generated token."""
-    _check_prompt(prompt_ids)
+    check_prompt(prompt_ids)
     k = _check_search(config, lm.vocab_size)
     start = time.perf_counter()
     cache, chain, stopper = KVCache(lm.model), processor_chain(config, len(prompt_ids), lm), StopCheck(lm, config)
@@ -170,10 +154,9 @@ def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingCo
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)
     generated: list[int] = []
     while True:
-        final, stages = chain.traced(ids, logits, config.top_n, lm.token_text)
-        sampling.ensure_tokens(final, len(generated))
-        probs = torch.softmax(final[0], dim=-1)
-        top_probs, top_ids = torch.topk(probs, k)  # [k], highest first
+        traced = chain.traced(ids, logits, config.top_n, lm.token_text)
+        sampling.ensure_tokens(traced.logits, len(generated))
+        top_probs, top_ids = torch.topk(traced.final_probs, k)  # [k], highest first
         cand_logits, cand_hidden = _expand_and_feed(cache, top_ids)
         penalty = degeneration_penalty(context, cand_hidden)
         score = search_scores(top_probs, penalty, config.penalty_alpha)
@@ -183,7 +166,8 @@ def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingCo
         generated.append(token)
         reason = stopper.reason(generated)
         pick = sampling.Pick(token, float(top_probs[row]))
-        step = _step_trace(lm, len(generated) - 1, pick, logits, stages, start, reason)
+        step = core.step_trace(lm, traced, pick, len(generated) - 1, (time.perf_counter() - start) * 1000,
+                               finish_reason=reason)
         yield step, SearchStep(step.index, config.penalty_alpha, token, [
             SearchCandidate(int(i), lm.token_text(int(i)), float(p), float(d), float(s) if math.isfinite(s) else None)
             for i, p, d, s in zip(top_ids.tolist(), top_probs.tolist(), penalty.tolist(), score.tolist())])
@@ -198,32 +182,12 @@ def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingCo
 
 
 def resolve_amateur(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistry) -> LoadedModel:
-    """The amateur model for ``config.amateur``; refuses one whose tokenizer differs from the expert's."""
-    name = config.amateur
-    if name in ("self-int8", "self-nf4"):
-        source, quantization = lm.source, name.removeprefix("self-")
-    elif name.startswith("model:"):
-        source, quantization = name.removeprefix("model:"), "none"
-    else:
-        raise ConfigError("amateur", f"expected self-int8 | self-nf4 | model:<dir>, got {name!r}")
-    # On the expert's device and dtype (the same registry key the speculative drafters use).
-    dtype = str(lm.dtype).removeprefix("torch.")
-    spec_dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+    """The amateur model for ``config.amateur`` on the expert's device and dtype; refuses one whose
+    tokenizer differs from the expert's."""
     try:
-        amateur = registry.get(ModelSpec(source, quantization, device=str(lm.device), dtype=spec_dtype))
+        return resolve_variant(lm, config.amateur, registry, "amateur")
     except ModelLoadError as exc:
-        raise ConfigError("amateur", f"could not load {name!r}: {exc}") from None
-    check_same_tokenizer(lm, amateur, name)
-    return amateur
-
-
-def check_same_tokenizer(expert: LoadedModel, amateur: LoadedModel, label: str = "amateur") -> None:
-    if expert.tokenizer is amateur.tokenizer:
-        return
-    if expert.tokenizer.get_vocab() != amateur.tokenizer.get_vocab():
-        raise ConfigError("amateur", (
-            f"{label!r} ({amateur.name}) uses a different tokenizer than the expert {expert.name}; contrastive "
-            f"decoding compares the two models token by token, so the amateur must share the expert's tokenizer"))
+        raise ConfigError("amateur", f"could not load {config.amateur!r}: {exc}") from None
 
 
 def contrast_scores(expert_logits: torch.Tensor, amateur_logits: torch.Tensor, alpha: float
@@ -275,7 +239,7 @@ def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Seque
                     amateur_name: str | None = None) -> Iterator[tuple[StepTrace, ContrastStep]]:
     """Contrastive decoding, one (StepTrace, ContrastStep) per generated token. Both models keep
     their own KV cache and take one forward per token."""
-    _check_prompt(prompt_ids)
+    check_prompt(prompt_ids)
     start, label = time.perf_counter(), amateur_name or amateur.name
     expert_cache, amateur_cache = KVCache(expert.model), KVCache(amateur.model)
     chain, warpers = processor_chain(config, len(prompt_ids), expert), sampling_chain(config, expert)
@@ -289,11 +253,12 @@ def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Seque
         final, warped = warpers.traced(ids, scores, config.top_n, expert.token_text)
         contrast = contrast_stage(scores, plausible, expert_lp, config.cd_alpha, config.top_n, expert, label)
         stages = stages[:-1] + [contrast] + warped[1:]  # raw, processors, contrast, sampling stages, final
-        sampling.ensure_tokens(final, len(generated))
-        pick = sampling.greedy(final) if generator is None else sampling.sample(final, generator)
+        traced = Traced(final, stages, torch.softmax(logits[0].float(), dim=-1), torch.softmax(final[0].float(), dim=-1))
+        pick = core.pick(traced, generator, step=len(generated))
         generated.append(pick.token_id)
         reason = stopper.reason(generated)
-        step = _step_trace(expert, len(generated) - 1, pick, logits, stages, start, reason)
+        step = core.step_trace(expert, traced, pick, len(generated) - 1, (time.perf_counter() - start) * 1000,
+                               finish_reason=reason)
         yield step, contrast_record(step.index, pick.token_id, scores, plausible, expert_lp, amateur_lp,
                                     config.cd_alpha, config.top_n, expert)
         if reason is not None:
@@ -317,7 +282,7 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
             amateur = resolve_amateur(lm, config, registry or ModelRegistry())
             label = config.amateur
         else:
-            check_same_tokenizer(lm, amateur)
+            check_same_tokenizer(lm, amateur, "amateur")
             label = amateur.name
         yield from stream_contrast(lm, amateur, prompt_ids, config, label)
     else:

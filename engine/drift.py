@@ -36,6 +36,7 @@ from . import decode, kv_quant
 from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
+from .core import StopCheck, check_prompt, timing
 from .metrics import first_divergence
 from .models import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
 from .trace import StepTrace
@@ -158,7 +159,7 @@ def measure_variant(ref_lm: LoadedModel, lm: LoadedModel, prompt_ids: Sequence[i
         positions=positions, mean_kl=sum(p.kl for p in positions) / n,
         max_kl=max((p.kl for p in positions), default=0.0),
         mean_tv=sum(p.tv for p in positions) / n, top1_agreement=sum(p.top1_agrees for p in positions) / n,
-        tokens_per_s=decode.timing(own).tokens_per_s, text=lm.decode(own_ids), generated_token_ids=own_ids,
+        tokens_per_s=timing(own).tokens_per_s, text=lm.decode(own_ids), generated_token_ids=own_ids,
         tokens=[s.chosen_token for s in own], first_divergence=first_divergence([ref_ids, own_ids]),
     )
 
@@ -262,7 +263,7 @@ def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int], config: Decoding
                     control: RunControl | None = None) -> tuple[list[int], list[float]]:
     """The nanoGPT loop: feed the WHOLE sequence at every step, take the argmax. Returns the
     generated ids and the milliseconds each step took."""
-    stopper = decode.StopCheck(lm, config)
+    stopper = StopCheck(lm, config)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)  # [1, S]
     generated: list[int] = []
     times: list[float] = []
@@ -300,8 +301,7 @@ def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
     n, note = capped(max_new_tokens, MAX_UNCACHED_TOKENS, "the uncached loop is quadratic in the length")
     config = greedy_config(n)
     prompt_ids = lm.encode(prompt, chat)
-    if not prompt_ids:
-        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    check_prompt(prompt_ids)
     with torch.inference_mode():  # one throw-away forward, so neither loop pays first-call costs
         lm.model(input_ids=torch.tensor([prompt_ids], device=lm.device), use_cache=False, logits_to_keep=1)
     cache = KVCache(lm.model)
@@ -310,7 +310,7 @@ def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
     cached_ms = [b - a for a, b in zip([0.0] + [s.elapsed_ms for s in cached], [s.elapsed_ms for s in cached])]
     layers, kv_heads, head_dim, width = kv_geometry(lm)
     formula = 2 * layers * kv_heads * head_dim * width
-    cached_rate = decode.timing(cached).tokens_per_s
+    cached_rate = timing(cached).tokens_per_s
     uncached_rate = len(uncached_ids) / (sum(uncached_ms) / 1000) if sum(uncached_ms) > 0 else 0.0
     ids = [s.chosen_token_id for s in cached]
     return KVReport(
@@ -419,7 +419,7 @@ def measure_kind(lm: LoadedModel, prompt_ids: Sequence[int], ref_ids: Sequence[i
         mean_kl=sum(p.kl for p in positions) / n, max_kl=max((p.kl for p in positions), default=0.0),
         mean_tv=sum(p.tv for p in positions) / n, top1_agreement=sum(p.top1_agrees for p in positions) / n,
         generated_token_ids=own_ids, text=lm.decode(own_ids), first_divergence=first_divergence([list(ref_ids), own_ids]),
-        tokens_per_s=decode.timing(own).tokens_per_s, memory_bytes=memory, memory_positions=held,
+        tokens_per_s=timing(own).tokens_per_s, memory_bytes=memory, memory_positions=held,
         cache_positions=counts.positions, stored_positions=counts.stored_positions,
         quantized_positions=counts.quantized_positions, cache_bytes=counts.total,
         formula_bytes=kv_quant.expected_bytes(geo, kind, counts), bytes_per_token=counts.per_position,
@@ -435,8 +435,7 @@ def stream_kv_drift(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
     requested = [kv_quant.parse_kind(k).name for k in dict.fromkeys(kinds)]
     n, note = capped(max_new_tokens, MAX_KV_DRIFT_TOKENS, "every kind decodes the continuation twice")
     prompt_ids = lm.encode(prompt, chat)
-    if not prompt_ids:
-        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    check_prompt(prompt_ids)
     reference = list(checked_stream(lm, prompt_ids, greedy_config(n), KVCache(lm.model), control))
     ref_ids = [s.chosen_token_id for s in reference]
     ref_logits = teacher_forced_logits(lm, prompt_ids, ref_ids)  # one forward, no cache: the yardstick

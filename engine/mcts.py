@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import decode
+from . import core, sampling
 from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
@@ -157,7 +157,7 @@ class _Search:
         tokens: list[int] = []
         logprobs: list[float] = []
         for i in range(n):
-            token = int(torch.argmax(self._processed(path + tokens, logits)[0]))
+            token = sampling.greedy(self._processed(path + tokens, logits)).token_id
             tokens.append(token)
             logprobs.append(max(MIN_LOGPROB, float(torch.log_softmax(logits[0], dim=-1)[token])))
             if token in self.lm.eos_token_ids or i == n - 1:
@@ -189,13 +189,12 @@ def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
               control: RunControl | None = None) -> Iterator[tuple[StepTrace, MctsPosition]]:
     """Search, commit, repeat: yield (the committed token's StepTrace, its search tree) until EOS,
     a stop string or max_new_tokens. ``control`` is checked once per simulation."""
-    if not prompt_ids:
-        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    core.check_prompt(prompt_ids)
     start = time.perf_counter()
     cache = KVCache(lm.model)
-    generator = None if config.is_greedy else decode.make_generator(config, lm.device)  # for stages that draw (XTC)
+    generator = None if config.is_greedy else core.make_generator(config, lm.device)  # for stages that draw (XTC)
     chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids, generator=generator)
-    stopper = decode.StopCheck(lm, config)
+    stopper = core.StopCheck(lm, config)
     sequence = list(prompt_ids)
     logits = cache.sync(sequence)  # [1, V] after the root; the cache holds exactly the root
     generated: list[int] = []
@@ -226,13 +225,8 @@ def _step_trace(lm: LoadedModel, chain: Chain, config: DecodingConfig, sequence:
     """The committed token's StepTrace: the root's stages, as a greedy step would record them."""
     ids = torch.tensor([sequence], dtype=torch.long, device=lm.device)
     traced = chain.traced(ids, logits, config.top_n, lm.token_text)
-    stages = traced.stages
-    return StepTrace(
-        index=index, chosen_token_id=token, chosen_token=lm.token_text(token),
-        chosen_prob=float(traced.final_probs[token]), raw_prob=float(traced.raw_probs[token]), draw=None,
-        draw_low=None, draw_high=None, entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages,
-        elapsed_ms=(time.perf_counter() - start) * 1000,
-    )
+    chosen = sampling.Pick(token, float(traced.final_probs[token]))  # the search chose it, no draw
+    return core.step_trace(lm, traced, chosen, index, (time.perf_counter() - start) * 1000)
 
 
 def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
@@ -244,7 +238,7 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
         steps.append(step)
         records.append(record)
         yield Event(steps=[step], record=record)
-    trace = decode.assemble(lm, prompt, prompt_ids, config, steps, chat)
+    trace = core.assemble(lm, prompt, prompt_ids, config, steps, chat)
     trace.extra["mcts"] = records
     trace.summary |= {
         "simulations": sum(r.simulations for r in records),

@@ -37,6 +37,7 @@ from torch import nn
 from . import speculative
 from .config import ConfigError, DecodingConfig
 from .control import RunControl, check
+from .core import check_prompt
 from .models import LoadedModel
 from .speculative import Draft, SpecRound
 from .trace import Event, TokenProb, Trace, from_dict
@@ -207,8 +208,7 @@ class _MedusaVerifier(speculative._Verifier):
 def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
            control: RunControl | None = None) -> Iterator[MedusaRound]:
     """Yield MedusaRounds until EOS, a stop string or max_new_tokens (``control`` checked per forward)."""
-    if not prompt_ids:
-        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    check_prompt(prompt_ids)
     verifier = _MedusaVerifier(lm, prompt_ids, config, heads)
     index = 0
     while True:

@@ -416,3 +416,52 @@ class ModelHandle:
 
     def get(self, progress: Progress | None = None) -> LoadedModel:
         return self.registry.get(self.spec, progress)
+
+
+# --- variants of a loaded model: drafters and amateurs --------------------------------------------------
+SELF_VARIANTS = ("self-int8", "self-nf4")
+
+
+def variant_spec(lm: LoadedModel, name: str, key: str) -> ModelSpec:
+    """The ModelSpec of ``self-int8 | self-nf4 | model:<id or dir>`` on ``lm``'s device and dtype
+    (so a drafter and an amateur of one target share a registry entry). ConfigError naming ``key``
+    for any other name."""
+    from .config import ConfigError
+
+    if name in SELF_VARIANTS:
+        source, quantization = lm.source, name.removeprefix("self-")
+    elif isinstance(name, str) and name.startswith("model:") and name != "model:":
+        source, quantization = name.removeprefix("model:"), "none"
+    else:
+        raise ConfigError(key, f"expected self-int8 | self-nf4 | model:<id or dir>, got {name!r}")
+    dtype = str(lm.dtype).removeprefix("torch.")
+    return ModelSpec(source, quantization, device=str(lm.device),
+                     dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto")
+
+
+def check_same_tokenizer(target: LoadedModel, other: LoadedModel, key: str, label: str | None = None) -> None:
+    """ConfigError naming ``key`` unless ``other``'s token ids mean what ``target``'s mean: the
+    same vocabulary, and an output layer scoring every token of it."""
+    from .config import ConfigError
+
+    label = label or other.name
+    if target.tokenizer is not other.tokenizer:
+        tv, ov = target.tokenizer.get_vocab(), other.tokenizer.get_vocab()
+        if tv != ov:
+            differing = sorted(set(tv.items()) ^ set(ov.items()), key=lambda kv: kv[1])[:3]
+            raise ConfigError(key, (
+                f"{label!r} ({other.name}) uses a different tokenizer than {target.name!r} (a different vocabulary: "
+                f"{len(ov)} vs {len(tv)} tokens; first differences {differing}); the {key} must share its tokenizer"))
+    if other.vocab_size < len(target.tokenizer):
+        raise ConfigError(key, (
+            f"{label!r} ({other.name}) scores {other.vocab_size} tokens but the tokenizer has {len(target.tokenizer)}; "
+            f"the {key} must score every token of {target.name!r}'s vocabulary"))
+
+
+def resolve_variant(lm: LoadedModel, name: str, registry: ModelRegistry, key: str) -> LoadedModel:
+    """The model a ``self-int8 | self-nf4 | model:<x>`` value names, loaded through ``registry`` (so
+    its allow-list applies, errors naming ``key``) on ``lm``'s device and dtype, and checked to share
+    ``lm``'s tokenizer. Raises ConfigError (bad name, other tokenizer) or ModelLoadError."""
+    other = registry.get(variant_spec(lm, name, key), key=key)
+    check_same_tokenizer(lm, other, key, name)
+    return other

@@ -10,7 +10,7 @@ KV cache and, each tick (continuous batching: runs join and leave at any tick):
 3. prefills the joiners together (one forward, left-padded like the batch) and merges their KV
    into the batch;
 4. per row: the run's own stage chain, pick (its own ``torch.Generator``) and stop rules
-   (``_Run.advance``, a copy of ``decode.stream``'s loop body), and hands the StepTrace to that
+   (``core.RunState.advance``, the loop body ``decode.stream`` runs too), and hands the StepTrace to that
    run's stream. Finished rows leave; left padding shared by all rows is trimmed.
 
 Every run's StepTraces equal ``decode.stream(lm, prompt_ids, config, prefix=, force=)``'s: the same
@@ -45,12 +45,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from . import sampling
 from .config import DecodingConfig
 from .control import RunControl, RunStopped
-from .decode import StopCheck, make_generator
+from .core import RunState, check_prompt
 from .models import LoadedModel
-from .processors import Chain
 from .trace import StepTrace
 
 DEFAULT_MAX_BATCH_CPU = 16
@@ -91,55 +89,25 @@ def batchable(lm: LoadedModel) -> bool:
 
 # --- one run -----------------------------------------------------------------------------------------
 class _Run:
-    """One user's run: its own chain, generator, stop rules, token row and output queue.
-    Built in the caller's thread (so config errors raise there); stepped by the worker."""
+    """One user's run: its ``RunState`` (chain, generator, stop rules, token row) plus its control
+    and output queue. Built in the caller's thread (so config errors raise there); stepped by the worker."""
 
     def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
                  prefix: Sequence[int], force: int | None, control: RunControl | None):
-        self.lm, self.config, self.control, self.force = lm, config, control, force
-        self.start = time.perf_counter()
-        self.chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
-        self.generator = None if config.is_greedy else make_generator(config, lm.device)
-        if self.generator is not None and prefix:
-            sampling.skip_draws(self.generator, len(prefix), lm.vocab_size, lm.device)
-        self.stopper = StopCheck(lm, config)
-        self.sequence = list(prompt_ids) + list(prefix)  # what the prefill feeds
-        self.ids = torch.tensor([self.sequence], dtype=torch.long, device=lm.device)  # [1, T] for penalties
-        self.generated = list(prefix)
+        self.lm, self.control = lm, control
+        self.state = RunState(lm, prompt_ids, config, prefix=prefix, force=force)
+        self.sequence = self.state.sequence  # what the prefill feeds
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # StepTrace | BaseException
         self.closed = False  # the consumer went away
 
     def advance(self, logits: torch.Tensor) -> StepTrace:
-        """One step of ``decode.stream``'s loop on this run's row: logits [1, V] (float32) after the
-        row's last token -> the StepTrace of the token picked. Keep in step with decode.stream."""
-        lm, config = self.lm, self.config
-        traced = self.chain.traced(self.ids, logits, config.top_n, lm.token_text)
-        stages = traced.stages
-        if self.force is not None:
-            pick = sampling.Pick(self.force, float(traced.final_probs[self.force]))
-            if self.generator is not None:  # keep the generator aligned with an unforced run
-                sampling.skip_draws(self.generator, 1, lm.vocab_size, lm.device)
-        elif self.generator is None:
-            token = int(torch.argmax(traced.logits[0]))
-            pick = sampling.Pick(token, float(traced.final_probs[token]))
-        else:
-            pick = sampling.sample_probs(traced.final_probs, self.generator)
-        self.generated.append(pick.token_id)
-        reason = self.stopper.reason(self.generated)
-        step = StepTrace(
-            index=len(self.generated) - 1, chosen_token_id=pick.token_id, chosen_token=lm.token_text(pick.token_id),
-            chosen_prob=pick.prob, raw_prob=float(traced.raw_probs[pick.token_id]),
-            draw=pick.draw, draw_low=pick.low, draw_high=pick.high,
-            entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages,
-            elapsed_ms=(time.perf_counter() - self.start) * 1000, forced=self.force is not None, finish_reason=reason,
-        )
-        self.force = None
-        self.ids = torch.cat([self.ids, torch.tensor([[pick.token_id]], device=lm.device)], dim=1)
-        return step
+        """``decode.stream``'s loop body (``RunState.advance``) on this run's row: logits [1, V]
+        (float32) after the row's last token -> the StepTrace of the token picked."""
+        return self.state.advance(logits)
 
     @property
     def last_token(self) -> int:
-        return int(self.ids[0, -1])
+        return self.state.last_token
 
     def stopped(self) -> RunStopped | None:
         """Why the worker should drop this run now (None: keep it). A closed consumer needs no
@@ -253,8 +221,7 @@ class Scheduler:
         """Yield what ``decode.stream(lm, prompt_ids, config, prefix=prefix, force=force)`` yields,
         computed in shared forwards. Raises SchedulerFull when the queue is full, RunStopped when
         ``control`` is cancelled or past its limit. Closing the generator frees the row."""
-        if not prompt_ids:
-            raise ValueError("prompt: empty after tokenisation; type at least one character")
+        check_prompt(prompt_ids)
         if config.strategy not in ("greedy", "sample"):
             raise ValueError(f"strategy: the scheduler runs greedy and sample runs, got {config.strategy!r}")
         lm = self._model()
@@ -336,7 +303,11 @@ class Scheduler:
             with self._lock:
                 self._ticks += 1
                 self._rows_stepped += len(rows)
-        rows += self._prefill([run for run in joiners if self._still_wanted(run)])
+        joiners = [run for run in joiners if self._still_wanted(run)]
+        rows += self._prefill([run for run in joiners if not run.state.needs_replay])
+        for run in joiners:  # branches of stateful chains: prefilled alone, keeping the prefix's logits
+            if run.state.needs_replay:
+                rows += self._prefill([run], replay=True)
         keep, outputs = [], []
         for i, (run, logits) in enumerate(rows):
             try:
@@ -353,9 +324,11 @@ class Scheduler:
         for run, item in outputs:
             run.out.put(item)
 
-    def _prefill(self, runs: list[_Run]) -> list[tuple[_Run, torch.Tensor]]:
+    def _prefill(self, runs: list[_Run], replay: bool = False) -> list[tuple[_Run, torch.Tensor]]:
         """Prefill the joiners together (one forward, left-padded) and add them as the last rows.
-        Returns each run with its next-token logits [1, V]."""
+        Returns each run with its next-token logits [1, V]. ``replay`` (one run, a branch whose
+        chain is stateful): the forward also keeps its prefix positions' logits, which
+        ``RunState.replay`` walks as ``decode.replay`` does."""
         if not runs:
             return []
         lengths = [len(run.sequence) for run in runs]
@@ -368,7 +341,10 @@ class Scheduler:
         cache = DynamicCache(config=runs[0].lm.model.config)
         try:
             out = runs[0].lm.model(input_ids=ids, attention_mask=mask if min(lengths) < width else None,
-                                   position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                                   position_ids=positions, past_key_values=cache, use_cache=True,
+                                   logits_to_keep=len(runs[0].state.generated) + 1 if replay else 1)
+            if replay:
+                runs[0].state.replay(out.logits[0, :-1].float())  # [len(prefix), V]
         except Exception as exc:  # noqa: BLE001 (the joiners fail; the running rows go on)
             for run in runs:
                 run.out.put(exc)

@@ -31,12 +31,13 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from . import decode, sampling
+from . import core, decode, sampling
 from .cache import KVCache
-from .config import KNOBS, DecodingConfig
+from .config import KNOBS, ConfigError, DecodingConfig
 from .control import RunControl, check
 from .kv_quant import SELF_KV_DRAFTERS
-from .models import LoadedModel, ModelRegistry, ModelSpec
+from .metrics import common_prefix
+from .models import LoadedModel, ModelRegistry, check_same_tokenizer, resolve_variant
 from .processors import Chain, Traced
 from .trace import StepTrace, TokenProb, Trace, from_dict
 
@@ -231,8 +232,7 @@ class ModelDrafter:
         for i in range(k):
             ids = torch.tensor([sequence + tokens], dtype=torch.long, device=self.lm.device)
             final = ctx.chain(ids, align_vocab(logits.float(), ctx.vocab_size))  # [1, V]
-            sampling.ensure_tokens(final)
-            pick = sampling.greedy(final) if ctx.generator is None else sampling.sample(final, ctx.generator)
+            pick = core.pick(final, ctx.generator)
             tokens.append(pick.token_id)
             qs.append(torch.softmax(final[0], dim=-1))
             if i < k - 1:
@@ -241,33 +241,15 @@ class ModelDrafter:
 
     def rewind_to(self, sequence: list[int]) -> None:
         """Drop cached positions that are not a prefix of ``sequence`` (the rejected drafts)."""
-        common = 0
-        for a, b in zip(self.cache.tokens, sequence):
-            if a != b:
-                break
-            common += 1
-        self.cache.rewind(self.cache.length - common)
+        self.cache.rewind(self.cache.length - common_prefix(self.cache.tokens, sequence))
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft model whose token ids do not mean what the target's mean."""
-    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if tv != dv:
-        differing = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
-        raise DrafterError(
-            f"drafter: {draft.name!r} has a different vocabulary from {target.name!r} "
-            f"({len(dv)} vs {len(tv)} tokens; first differences {differing}); a draft model must share the target's tokenizer"
-        )
-    if draft.vocab_size < len(target.tokenizer):
-        raise DrafterError(
-            f"drafter: {draft.name!r} scores {draft.vocab_size} tokens but the tokenizer has {len(target.tokenizer)}; "
-            f"a draft model must score every token of the target's vocabulary"
-        )
-
-
-def _spec_for(lm: LoadedModel, source: str, quantization: str) -> ModelSpec:
-    dtype = str(lm.dtype).removeprefix("torch.")
-    return ModelSpec(source, quantization, device=str(lm.device), dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto")
+    try:
+        check_same_tokenizer(target, draft, "drafter")
+    except ConfigError as exc:
+        raise DrafterError(str(exc)) from None
 
 
 def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistry) -> Drafter:
@@ -277,12 +259,12 @@ def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistr
     if config.drafter in SELF_KV_DRAFTERS:  # QuantSpec: the target itself, reading a quantized KV cache
         kind = SELF_KV_DRAFTERS[config.drafter]
         return ModelDrafter(lm, f"{lm.name} ({kind} KV)", KVCache(lm.model, kind, config.kv_residual_length))
-    if config.drafter in ("self-int8", "self-nf4"):
-        quantization = config.drafter.removeprefix("self-")
-        return ModelDrafter(registry.get(_spec_for(lm, lm.source, quantization)), f"{lm.name} ({quantization})")
-    source = config.drafter.removeprefix("model:")
-    draft = registry.get(_spec_for(lm, source, "none"))
-    check_compatible(lm, draft)
+    try:
+        draft = resolve_variant(lm, config.drafter, registry, "drafter")
+    except ConfigError as exc:
+        raise DrafterError(str(exc)) from None
+    if config.drafter.startswith("self-"):
+        return ModelDrafter(draft, f"{lm.name} ({config.drafter.removeprefix('self-')})")
     return ModelDrafter(draft)
 
 
@@ -295,9 +277,9 @@ class _Verifier:
         self.lm, self.config, self.drafter = lm, config, drafter
         self.cache = cache or KVCache(lm.model)
         self.chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
-        self.generator = None if config.is_greedy else decode.make_generator(config, lm.device)
+        self.generator = None if config.is_greedy else core.make_generator(config, lm.device)
         self.ctx = DraftContext(self.chain, self.generator, lm.vocab_size)
-        self.stopper = decode.StopCheck(lm, config)
+        self.stopper = core.StopCheck(lm, config)
         self.sequence = list(prompt_ids)
         self.generated: list[int] = []
         self.start = time.perf_counter()
@@ -361,7 +343,7 @@ class _Verifier:
         p = traced.final_probs  # [V]
         q_row = q if q is not None else torch.nn.functional.one_hot(torch.tensor(x), p.shape[0]).to(p.device, p.dtype)
         if self.generator is None:  # greedy: accept while the draft is the target's argmax
-            best = int(torch.argmax(traced.logits[0]))  # as decode's greedy pick
+            best = sampling.greedy(traced.logits).token_id  # as decode's greedy pick
             accept_prob, u, accepted = float(best == x), None, best == x
         else:
             accept_prob = float(acceptance_probability(p[x], q_row[x]))
@@ -383,11 +365,7 @@ class _Verifier:
         argmax of p, as decode picks it)."""
         p = traced.final_probs
         dist = p if dist is None else dist
-        if self.generator is None:
-            token = int(torch.argmax(traced.logits[0]))
-            pick = sampling.Pick(token, float(p[token]))
-        else:
-            pick = sampling.sample_probs(dist, self.generator)
+        pick = core.pick(traced, None) if self.generator is None else sampling.sample_probs(dist, self.generator)
         return ExtraToken(kind, pick.token_id, self.lm.token_text(pick.token_id), float(dist[pick.token_id]),
                           float(p[pick.token_id]), top_tokens(dist, self.config.top_n, self.lm.token_text), pick.draw)
 
@@ -398,13 +376,9 @@ class _Verifier:
             self.generated.append(token)
             self.sequence.append(token)
             reason = self.stopper.reason(self.generated)
-            stages = traced.stages
-            steps.append(StepTrace(
-                index=len(self.generated) - 1, chosen_token_id=token, chosen_token=self.lm.token_text(token),
-                chosen_prob=float(traced.final_probs[token]), raw_prob=float(traced.raw_probs[token]), draw=None,
-                draw_low=None, draw_high=None, entropy=stages[-1].entropy, raw_entropy=stages[0].entropy,
-                stages=stages, elapsed_ms=self.elapsed_ms(), finish_reason=reason,
-            ))
+            chosen = sampling.Pick(token, float(traced.final_probs[token]))  # the draw is the round's, not this step's
+            steps.append(core.step_trace(self.lm, traced, chosen, len(self.generated) - 1, self.elapsed_ms(),
+                                         finish_reason=reason))
             if reason is not None:
                 return steps, reason
         return steps, None
@@ -432,8 +406,7 @@ def next_k(k: int, num_drafted: int, num_accepted: int) -> int:
 def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter, *,
            cache: KVCache | None = None) -> Iterator[SpecRound]:
     """Yield one SpecRound per draft-then-verify round until EOS, a stop string or max_new_tokens."""
-    if not prompt_ids:
-        raise ValueError("prompt: empty after tokenisation; type at least one character")
+    core.check_prompt(prompt_ids)
     verifier = _Verifier(lm, prompt_ids, config, drafter, cache)
     k, index = config.num_draft_tokens, 0
     while True:
@@ -455,7 +428,7 @@ def summarize(rounds: Sequence[SpecRound], steps: Sequence[StepTrace], drafter: 
     accepted = sum(r.num_accepted for r in rounds)
     tokens = len(steps)
     target_forwards = prefill_forwards + len(rounds)
-    return decode.run_summary(steps) | {
+    return core.run_summary(steps) | {
         "drafter": drafter.name,
         "rounds": len(rounds),
         "drafted": drafted,
@@ -481,7 +454,7 @@ def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: De
              rounds: Sequence[SpecRound], drafter: Drafter, chat: bool) -> Trace:
     """A Trace from streamed rounds: steps gathered into Trace.steps, rounds without them."""
     steps = [s for r in rounds for s in r.steps]
-    trace = decode.assemble(lm, prompt, prompt_ids, config, steps, chat)
+    trace = core.assemble(lm, prompt, prompt_ids, config, steps, chat)
     trace.rounds = [dataclasses.replace(r, steps=[]) for r in rounds]
     trace.summary = summarize(rounds, steps, drafter, int(len(prompt_ids) > 1))
     return trace
@@ -514,7 +487,7 @@ def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, 
     for step in decode.stream(lm, prompt_ids, base_config):
         steps.append(step)
         check(control)
-    base = decode.assemble(lm, prompt, prompt_ids, base_config, steps, chat)
+    base = core.assemble(lm, prompt, prompt_ids, base_config, steps, chat)
     spec_ms = trace.summary.get("total_ms", 0.0)
     base_ms = base.timing.total_ms
     return {

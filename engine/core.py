@@ -1,0 +1,201 @@
+"""What every decoding strategy shares: prompt validation, stop rules, the seeded generator, the
+pick policy, the StepTrace builder, trace assembly and one greedy/sampling run's per-step state.
+
+The strategies (decode, the batched scheduler, beam, speculative, contrastive, MCTS, Medusa) import
+these so each of them reads like its algorithm. ``RunState.advance`` is THE greedy/sampling loop
+body: ``decode.stream`` and the scheduler's per-row step both call it, so a batched run equals a
+solo run by construction (stage chain, pick, stateful stages, stop rules).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import sampling
+from .config import DecodingConfig
+from .metrics import mean_logprob, perplexity
+from .models import LoadedModel
+from .processors import Chain, Traced
+from .trace import StepTrace, Timing, Trace
+
+
+def check_prompt(prompt_ids: Sequence[int]) -> None:
+    """ValueError naming ``prompt`` when the prompt tokenised to nothing (no position to predict from)."""
+    if not len(prompt_ids):
+        raise ValueError("prompt: empty after tokenisation; type at least one character")
+
+
+def make_generator(config: DecodingConfig, device: torch.device) -> torch.Generator:
+    """The run's own generator, seeded with ``config.seed`` (on the GPU when the model is there, as
+    generate() draws; on the CPU otherwise)."""
+    gen_device = device if device.type == "cuda" else torch.device("cpu")
+    return torch.Generator(device=gen_device).manual_seed(config.seed)
+
+
+@dataclass
+class StopCheck:
+    """EOS, stop strings and the token budget. ``text`` is the generated text cut before a stop
+    string (stop strings are not part of the returned text, as in OpenAI's API)."""
+
+    lm: LoadedModel
+    config: DecodingConfig
+
+    def reason(self, generated: Sequence[int]) -> str | None:
+        if generated and generated[-1] in self.lm.eos_token_ids:
+            return "eos"
+        if self.config.stop and self._stop_index(self.lm.decode(list(generated))) is not None:
+            return "stop_string"
+        if len(generated) >= self.config.max_new_tokens:
+            return "max_new_tokens"
+        return None
+
+    def _stop_index(self, text: str) -> int | None:
+        hits = [text.find(s) for s in self.config.stop if s in text]
+        return min(hits) if hits else None
+
+    def text(self, generated: Sequence[int]) -> str:
+        text = self.lm.decode(list(generated))
+        cut = self._stop_index(text) if self.config.stop else None
+        return text if cut is None else text[:cut]
+
+
+# --- the pick policy ---------------------------------------------------------------------------------
+def pick(final: Traced | torch.Tensor, generator: torch.Generator | None, force: int | None = None, *,
+         step: int | None = None) -> sampling.Pick:
+    """The token of one step from the final distribution (a ``Traced``, or final logits [1, V]).
+
+    - ``force``: that token (a branch); a sampling run's generator still skips one step's draws, so
+      the steps after it draw what an unforced run would;
+    - no token left (every logit masked, NaN): NoTokensLeft(step);
+    - no generator (greedy): ``sampling.greedy``, the argmax (ties: the lowest id);
+    - else a seeded draw from the final probabilities (``sampling.sample_probs``)."""
+    logits, probs = (final.logits, final.final_probs) if isinstance(final, Traced) else (final, None)
+    if probs is None:
+        probs = torch.softmax(logits[0].float(), dim=-1)  # [V], as Chain.traced and generate() compute it
+    if force is not None:
+        if generator is not None:
+            sampling.skip_draws(generator, 1, probs.shape[0], probs.device)
+        return sampling.Pick(force, float(probs[force]))
+    if not sampling.has_tokens(logits):
+        raise sampling.NoTokensLeft(step)
+    if generator is None:
+        return sampling.greedy(logits)
+    return sampling.sample_probs(probs, generator)
+
+
+def step_trace(lm: LoadedModel, traced: Traced, chosen: sampling.Pick, index: int, elapsed_ms: float, *,
+               forced: bool = False, finish_reason: str | None = None) -> StepTrace:
+    """The StepTrace of token ``chosen`` picked from ``traced`` (its stages: raw first, final last)."""
+    token, stages = chosen.token_id, traced.stages
+    return StepTrace(
+        index=index, chosen_token_id=token, chosen_token=lm.token_text(token), chosen_prob=chosen.prob,
+        raw_prob=float(traced.raw_probs[token]), draw=chosen.draw, draw_low=chosen.low, draw_high=chosen.high,
+        entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages, elapsed_ms=elapsed_ms,
+        forced=forced, finish_reason=finish_reason,
+    )
+
+
+# --- one greedy / sampling run -----------------------------------------------------------------------
+class RunState:
+    """One greedy or sampling run's per-step state: its stage chain (built with its generator, so
+    XTC draws from it), stop rules, token row [1, T] and generated tokens (``prefix`` included).
+
+    The caller owns the model forwards: it feeds ``sequence`` (the prefill), then after every step
+    the step's token, and hands the next-token logits to ``advance``. With a ``prefix`` (a branch),
+    a stateless chain only skips the generator's draws; a stateful one (mirostat's μ, XTC's coin)
+    must see the prefix positions' logits first: ``needs_replay``, then ``replay(rows)``."""
+
+    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+                 prefix: Sequence[int] = (), force: int | None = None):
+        check_prompt(prompt_ids)
+        self.start = time.perf_counter()
+        self.lm, self.config, self.force = lm, config, force
+        self.prompt_length = len(prompt_ids)
+        self.generator = None if config.is_greedy else make_generator(config, lm.device)
+        self.chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids, generator=self.generator)
+        self.stopper = StopCheck(lm, config)
+        self.sequence = list(prompt_ids) + list(prefix)  # what the prefill feeds
+        self.ids = torch.tensor([self.sequence], dtype=torch.long, device=lm.device)  # [1, T] for penalties
+        self.generated = list(prefix)
+        self.needs_replay = bool(prefix) and self.chain.stateful
+        if self.generator is not None and prefix and not self.needs_replay:
+            sampling.skip_draws(self.generator, len(prefix), lm.vocab_size, lm.device)
+
+    def replay(self, rows: torch.Tensor) -> None:
+        """Bring the chain and the generator to where the run stood after its prefix: ``rows``
+        [len(prefix), V] are the logits that picked each prefix token (positions prompt_length - 1
+        onwards). Position by position the chain is applied (XTC draws its coin as the run did),
+        the generator skips the pick's draws, and the prefix token is observed (mirostat's μ moves)."""
+        prefix = self.generated
+        if rows.shape[0] != len(prefix):
+            raise ValueError(f"replay: expected {len(prefix)} rows of logits, got {rows.shape[0]}")
+        for i, token in enumerate(prefix):
+            ids = self.ids[:, :self.prompt_length + i]
+            self.chain(ids, rows[i:i + 1].float())
+            if self.generator is not None:
+                sampling.skip_draws(self.generator, 1, self.lm.vocab_size, self.lm.device)
+            self.chain.observe(ids, token)
+        self.needs_replay = False
+
+    def advance(self, logits: torch.Tensor) -> StepTrace:
+        """One step: logits [1, V] after the last token -> the chain, the pick, the stateful stages'
+        update, the stop rules -> the StepTrace of the token picked (``finish_reason`` set on the last)."""
+        if self.needs_replay:
+            raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
+        traced = self.chain.traced(self.ids, logits, self.config.top_n, self.lm.token_text)
+        chosen = pick(traced, self.generator, self.force, step=len(self.generated))
+        self.chain.observe(self.ids, chosen.token_id)
+        self.chain.annotate(traced.stages)
+        self.generated.append(chosen.token_id)
+        reason = self.stopper.reason(self.generated)
+        step = step_trace(self.lm, traced, chosen, len(self.generated) - 1, (time.perf_counter() - self.start) * 1000,
+                          forced=self.force is not None, finish_reason=reason)
+        self.force = None
+        self.ids = torch.cat([self.ids, torch.tensor([[chosen.token_id]], device=self.ids.device)], dim=1)
+        return step
+
+    @property
+    def last_token(self) -> int:
+        return int(self.ids[0, -1])
+
+
+# --- trace assembly ----------------------------------------------------------------------------------
+def timing(steps: Sequence[StepTrace]) -> Timing:
+    """Time to first token, tokens/s and total, from the steps' ``elapsed_ms``."""
+    if not steps:
+        return Timing(0.0, 0.0, 0.0)
+    total = steps[-1].elapsed_ms
+    return Timing(ttft_ms=steps[0].elapsed_ms, tokens_per_s=len(steps) / (total / 1000) if total > 0 else 0.0, total_ms=total)
+
+
+def run_summary(steps: Sequence[StepTrace]) -> dict:
+    """Mean log-prob (under the final, processed distribution and the raw model), perplexity of the
+    raw model along the text, and mean entropy (``engine.metrics`` computes them)."""
+    if not steps:
+        return {"tokens": 0}
+    raw = [s.raw_prob for s in steps]
+    return {
+        "tokens": len(steps),
+        "mean_logprob": mean_logprob([s.chosen_prob for s in steps]),
+        "mean_raw_logprob": mean_logprob(raw),
+        "perplexity": perplexity(raw),
+        "mean_entropy": sum(s.entropy for s in steps) / len(steps),
+    }
+
+
+def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+             steps: list[StepTrace], chat: bool, branch_of: int | None = None) -> Trace:
+    """A Trace from collected steps (also used while streaming, for partial traces)."""
+    generated = [s.chosen_token_id for s in steps]
+    total_ms = steps[-1].elapsed_ms if steps else 0.0
+    return Trace(
+        model=lm.name, strategy=config.strategy, config=config.to_dict(sparse=True), prompt=prompt,
+        prompt_token_ids=list(prompt_ids), text=StopCheck(lm, config).text(generated),
+        generated_token_ids=generated, stop_reason=(steps[-1].finish_reason or "") if steps else "",
+        steps=steps, timing=timing(steps), chat=chat, quantization=lm.quantization, device=str(lm.device),
+        branch_of=branch_of, summary=run_summary(steps) | {"total_ms": total_ms},
+    )
