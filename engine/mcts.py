@@ -37,6 +37,7 @@ from . import core, sampling
 from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
+from .metrics import MIN_PROB
 from .models import LoadedModel
 from .processors import Chain
 from .trace import Event, StepTrace, Trace, from_dict
@@ -243,7 +244,7 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
     trace.summary |= {
         "simulations": sum(r.simulations for r in records),
         "search_forwards": sum(r.forwards for r in records),
-        "total_raw_logprob": sum(math.log(max(s.raw_prob, 1e-45)) for s in steps),
+        "total_raw_logprob": sum(math.log(max(s.raw_prob, MIN_PROB)) for s in steps),
     }
     yield Event(trace=trace)
 

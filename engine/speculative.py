@@ -37,7 +37,7 @@ from .config import KNOBS, ConfigError, DecodingConfig
 from .control import RunControl, check
 from .kv_quant import SELF_KV_DRAFTERS
 from .metrics import common_prefix
-from .models import LoadedModel, ModelRegistry, check_same_tokenizer, resolve_variant
+from .models import LoadedModel, ModelRegistry, resolve_variant
 from .processors import Chain, Traced
 from .trace import StepTrace, TokenProb, Trace, from_dict
 
@@ -242,14 +242,6 @@ class ModelDrafter:
     def rewind_to(self, sequence: list[int]) -> None:
         """Drop cached positions that are not a prefix of ``sequence`` (the rejected drafts)."""
         self.cache.rewind(self.cache.length - common_prefix(self.cache.tokens, sequence))
-
-
-def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft model whose token ids do not mean what the target's mean."""
-    try:
-        check_same_tokenizer(target, draft, "drafter")
-    except ConfigError as exc:
-        raise DrafterError(str(exc)) from None
 
 
 def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistry) -> Drafter:
