@@ -181,7 +181,7 @@ _KNOB_LIST = [
     Knob("mcts_simulations", "int", 32, 1, 256, doc="MCTS: PUCT simulations per generated token.", step=1),
     Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0, doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
     Knob("mcts_expand_k", "int", 4, 1, 16, doc="MCTS: children per expanded node (the top-k of its processed prior).", step=1),
-    Knob("mcts_rollout_tokens", "int", 4, 0, 16, doc="MCTS: greedy rollout length scoring a new leaf (mean raw log-prob; 0 = the leaf's own log-prob).", step=1),
+    Knob("mcts_rollout_tokens", "int", 4, 0, 16, doc="MCTS: greedy rollout length scoring a new leaf (mean raw log-prob of path + rollout; 0 = the path alone).", step=1),
     Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose top-1 tokens are verified per forward.", step=1),
 ]
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
