@@ -42,6 +42,18 @@ class RunControl:
     started: float = field(default_factory=time.monotonic)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
+    def __getstate__(self) -> dict:
+        """A copy for another process (a ZeroGPU worker gets its arguments pickled): the deadline
+        and the start travel, the flag does not (a cancel reaches that process only through its
+        own deadline; ``threading.Event`` cannot be pickled)."""
+        return {"deadline_s": self.deadline_s, "started": self.started, "cancelled": self.cancelled}
+
+    def __setstate__(self, state: dict) -> None:
+        self.deadline_s, self.started = state["deadline_s"], state["started"]
+        self._cancelled = threading.Event()
+        if state["cancelled"]:
+            self._cancelled.set()
+
     @classmethod
     def with_request_limit(cls) -> "RunControl":
         """A control with the deployment's per-request time limit (``DP_REQUEST_SECONDS``)."""

@@ -81,6 +81,7 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, contr
     if kept:
         yield Event(steps=kept)
     prefix = parent.generated_token_ids[:at_step]
+    scheduler = batched(config, scheduler)
     if scheduler is not None:
         source = scheduler.stream(parent.prompt_token_ids, config, prefix=prefix, force=token_id, control=control)
     else:
@@ -125,7 +126,14 @@ def _end(trace: Trace, ended: list) -> Trace:
     return trace
 
 
+def batched(config: DecodingConfig, scheduler: Any) -> Any:
+    """The scheduler a greedy/sampling run may join, or None: its batch rows are plain
+    full-precision caches, so a run with another KV cache kind decodes on its own."""
+    return scheduler if scheduler is not None and config.kv_cache == "dynamic" else None
+
+
 def _stepwise(lm, prompt, ids, config, chat, control, scheduler) -> Iterator[Event]:
+    scheduler = batched(config, scheduler)
     source = (scheduler.stream(ids, config, control=control) if scheduler is not None
               else decode.stream(lm, ids, config))
     steps, ended = [], []

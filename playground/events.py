@@ -13,9 +13,11 @@ reach the client as one-line ``gr.Error`` messages.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
+import threading
 import typing
 from typing import Any, Callable, Iterator
 
@@ -32,6 +34,7 @@ from engine.sharelink import ShareLinkError
 MODEL_CONCURRENCY_ID = "model"
 DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_GPU = 16, 32
 # Bad input and stopped runs: their message is shown as is. Anything else is a failure of ours.
+DEFAULT_RUNS_PER_SESSION = 3
 USER_ERRORS = (ValueError, ConfigError, ModelLoadError, PresetError, ShareLinkError, RunStopped)
 _DONE = object()
 
@@ -73,9 +76,59 @@ def error_message(exc: Exception, what: str) -> str:
     return f"{what} failed: {type(exc).__name__}: {exc}"
 
 
+class SessionBusy(ValueError):
+    """A session asked for more model requests at once than ``DP_RUNS_PER_SESSION`` allows."""
+
+
+class SessionRuns:
+    """Model requests in flight per session (a browser tab or an API client): at most ``limit``
+    (env ``DP_RUNS_PER_SESSION``, default 3), so one page cannot take every row of the batch."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit or _positive_env("DP_RUNS_PER_SESSION") or DEFAULT_RUNS_PER_SESSION
+        self._lock = threading.Lock()
+        self._running: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def slot(self, session: str | None) -> Iterator[None]:
+        if not session:
+            yield
+            return
+        with self._lock:
+            if self._running.get(session, 0) >= self.limit:
+                raise SessionBusy(f"runs: this page already has {self.limit} runs in progress (DP_RUNS_PER_SESSION); "
+                                  "wait for one to finish or press Stop")
+            self._running[session] = self._running.get(session, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running[session] -= 1
+                if not self._running[session]:
+                    del self._running[session]
+
+    def running(self, session: str) -> int:
+        with self._lock:
+            return self._running.get(session, 0)
+
+
+def _split_request(args: tuple) -> tuple[tuple, str | None]:
+    """Gradio passes the ``request`` parameter the wrapper declares as its last positional argument."""
+    if args and isinstance(args[-1], gr.Request):
+        return args[:-1], getattr(args[-1], "session_hash", None)
+    return args, None
+
+
+def toast_text(message: str) -> str:
+    """A message for a toast, which renders HTML: no tag the user's input put in it survives
+    (``<`` becomes ``&lt;``, so ``<a href=...>`` shows as text, not as a link)."""
+    return message.replace("<", "&lt;")
+
+
 def _without_control(fn: Callable, wrapper: Callable) -> Callable:
     """``wrapper`` presented to Gradio with ``fn``'s name, doc, signature and type hints, minus
-    the ``control`` parameter the wrapper supplies itself (``fn`` may be a functools.partial)."""
+    the ``control`` parameter the wrapper supplies itself (``fn`` may be a functools.partial),
+    plus a trailing ``request: gr.Request`` (Gradio fills it in; it is not an input)."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     try:
         hints = typing.get_type_hints(target)
@@ -84,10 +137,13 @@ def _without_control(fn: Callable, wrapper: Callable) -> Callable:
     signature = inspect.signature(fn)
     params = [p.replace(annotation=hints.get(p.name, p.annotation))
               for p in signature.parameters.values() if p.name != "control"]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params.insert(len(positional), inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                     default=None, annotation=gr.Request))
     wrapper.__signature__ = signature.replace(parameters=params,
                                               return_annotation=hints.get("return", signature.return_annotation))
     wrapper.__annotations__ = {k: v for k, v in hints.items() if k != "control" and k in
-                               {p.name for p in params} | {"return"}}
+                               {p.name for p in params} | {"return"}} | {"request": gr.Request}
     wrapper.__name__ = wrapper.__qualname__ = target.__name__
     wrapper.__doc__ = target.__doc__
     wrapper.__module__ = target.__module__
@@ -98,40 +154,68 @@ def _next(updates: Iterator) -> Any:
     return next(updates, _DONE)
 
 
-def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], dict], what: str) -> Callable:
+def as_rows(handler: Callable[..., Iterator[dict]], outputs: list) -> Callable[..., Iterator[list]]:
+    """``handler`` with each ``{component: value}`` update turned into a list of plain values in
+    ``outputs`` order (``gr.skip()`` for the untouched ones). Components cannot be pickled, and on
+    ZeroGPU everything a handler yields crosses a process boundary."""
+
+    def rows(*args: Any, **kwargs: Any) -> Iterator[list]:
+        for update in handler(*args, **kwargs):
+            yield [update.get(component, gr.skip()) for component in outputs]
+
+    return rows
+
+
+def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], dict], what: str,
+             outputs: list | None = None, sessions: SessionRuns | None = None) -> Callable:
     """An async generator for Gradio that drives ``handler`` in a worker thread. Cancelling the
     task (or closing the generator) cancels the run's control at once, so the thread stops at its
-    next step even though Gradio never resumes it."""
-    gpu_handler = zero_gpu(handler)
+    next step even though Gradio never resumes it. With ``outputs``, updates are yielded as lists
+    in that order (see ``as_rows``), errors too."""
+    gpu_handler = zero_gpu(as_rows(handler, outputs) if outputs is not None else handler)
+
+    def error(message: str) -> Any:
+        update = on_error(message)
+        return update if outputs is None else [update.get(component, gr.skip()) for component in outputs]
+
+    sessions = sessions or SessionRuns()
 
     async def run(*args: Any, **kwargs: Any):
+        args, session = _split_request(args)
         control = RunControl.with_request_limit()
-        updates = gpu_handler(*args, control=control, **kwargs)
         try:
-            while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
-                yield update
+            with sessions.slot(session):
+                updates = gpu_handler(*args, control=control, **kwargs)
+                while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
+                    yield update
         except Exception as exc:  # the page shows the message; it never crashes
-            yield on_error(error_message(exc, what))
+            yield error(error_message(exc, what))
         finally:
             control.cancel()
 
     return _without_control(handler, run)
 
 
-def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True) -> Callable:
+def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
+                 sessions: SessionRuns | None = None) -> Callable:
     """An async API function for ``gr.api`` that runs ``fn`` in a worker thread with its own
     RunControl (cancelled with the request's task); errors become one-line ``gr.Error``s.
     ``uses_model=False``: ``fn`` takes no ``control`` and needs no GPU."""
     gpu_fn = zero_gpu(fn) if uses_model else fn
 
+    sessions = sessions or SessionRuns()
+
     async def endpoint(*args: Any, **kwargs: Any) -> Any:
+        args, session = _split_request(args)
+        kwargs.pop("request", None)
         control = RunControl.with_request_limit()
         extra = {"control": control} if uses_model else {}
         call = functools.partial(gpu_fn, *args, **extra, **kwargs)
         try:
-            return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+            with sessions.slot(session if uses_model else None):
+                return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         except Exception as exc:
-            raise gr.Error(error_message(exc, what)) from None
+            raise gr.Error(toast_text(error_message(exc, what))) from None
         finally:
             control.cancel()
 
@@ -141,8 +225,9 @@ def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True) -> 
 class ModelEvents:
     """Registers model events: every one shares one queue concurrency id and limit."""
 
-    def __init__(self, concurrency_limit: int | None = None):
+    def __init__(self, concurrency_limit: int | None = None, sessions: SessionRuns | None = None):
         self.concurrency_limit = concurrency_limit or default_concurrency()
+        self.sessions = sessions or SessionRuns()
 
     @property
     def _queue(self) -> dict[str, Any]:
@@ -153,12 +238,12 @@ class ModelEvents:
         """Register ``handler`` (a generator of ``{component: value}`` updates taking ``control``)
         for every trigger (e.g. ``[button.click, prompt.submit]``); UI-only, not an API endpoint.
         Returns the dependency, for a Stop button's ``cancels=``."""
-        return gr.on(triggers, streamed(handler, on_error, what), inputs, outputs, api_visibility="private",
+        return gr.on(triggers, streamed(handler, on_error, what, outputs, self.sessions), inputs, outputs, api_visibility="private",
                      **self._queue)
 
     def api(self, fn: Callable[..., Any], api_name: str, what: str = "generation") -> Any:
         """A named API endpoint returning JSON (``fn`` takes typed arguments and ``control``)."""
-        return gr.api(api_endpoint(fn, what), api_name=api_name, **self._queue)
+        return gr.api(api_endpoint(fn, what, sessions=self.sessions), api_name=api_name, **self._queue)
 
 
 def data_api(fn: Callable[..., Any], api_name: str, what: str = "request") -> Any:

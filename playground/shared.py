@@ -40,6 +40,22 @@ class UserError(ValueError):
     """Bad input from the page: shown next to the control, nothing else changes."""
 
 
+@dataclass(frozen=True)
+class CheckedRegistry:
+    """The registry as the page may use it: every load, drafters and amateurs named in a config or
+    a share link included (``model:<x>``), is checked against the model policy first."""
+
+    registry: ModelRegistry
+    policy: ModelPolicy
+
+    def get(self, spec: ModelSpec, progress: Callable[[str], None] | None = None, *, key: str = "model") -> LoadedModel:
+        self.policy.check(spec.source, key)
+        return self.registry.get(spec, progress, key=key)
+
+    def loaded(self) -> list[ModelSpec]:
+        return self.registry.loaded()
+
+
 @dataclass
 class Shared:
     registry: ModelRegistry
@@ -89,7 +105,8 @@ class Shared:
     def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
                control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:
         """Every run of every view and endpoint: engine.runner.stream with this app's registry."""
-        return runner.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=self.registry,
+        return runner.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids,
+                             registry=CheckedRegistry(self.registry, self.policy),
                              control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm))
 
     def run(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],

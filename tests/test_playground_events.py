@@ -9,6 +9,7 @@ import functools
 import inspect
 import time
 
+import gradio as gr
 import pytest
 
 from engine.config import DecodingConfig
@@ -84,8 +85,12 @@ def test_api_endpoint_hides_control_from_gradio_and_guards_errors():
         return {"prompt": prompt, "n": n, "control": isinstance(control, RunControl)}
 
     endpoint = events.api_endpoint(functools.partial(fn, None), "run")
-    assert list(inspect.signature(endpoint).parameters) == ["prompt", "n"]
-    assert endpoint.__annotations__ == {"prompt": str, "n": int, "return": dict} and endpoint.__doc__ == "Doc."
+    params = inspect.signature(endpoint).parameters
+    # the inputs Gradio shows are prompt and n; ``request`` is filled in by Gradio (per-session run limit)
+    assert [name for name, p in params.items() if p.annotation is not gr.Request] == ["prompt", "n"]
+    assert list(params) == ["prompt", "n", "request"] and params["request"].default is None
+    assert endpoint.__annotations__ == {"prompt": str, "n": int, "return": dict, "request": gr.Request}
+    assert endpoint.__doc__ == "Doc."
     assert asyncio.run(endpoint("hi", 2)) == {"prompt": "hi", "n": 2, "control": True}
     with pytest.raises(gr.Error, match="n: must be >= 0"):
         asyncio.run(endpoint("hi", -1))
@@ -201,3 +206,32 @@ def test_session_state_answers_only_its_own_page(step_parts):
         list(handlers.on_generate("hi", False, "embedded", "none", "probability", victim, "", control=RunControl()))
     assert step.own(victim, "x" * 32) is None and step.own(victim, None) is None
     assert step.own(victim, "v" * 32) is victim and len(victim.runs) == 1
+
+
+def test_one_session_gets_at_most_its_runs_at_once():
+    runs = events.SessionRuns(limit=2)
+    with runs.slot("a"), runs.slot("a"):
+        with pytest.raises(events.SessionBusy, match=r"runs: this page already has 2 runs in progress \(DP_RUNS_PER_SESSION\)"):
+            with runs.slot("a"):
+                pass
+        with runs.slot("b"):  # another user is not affected
+            assert runs.running("b") == 1
+        assert runs.running("a") == 2
+    assert runs.running("a") == 0
+    with runs.slot("a"):  # the slots came back
+        pass
+
+
+def test_ui_updates_become_plain_rows_in_output_order():
+    """What a ZeroGPU worker sends back must pickle: rows of values, never components."""
+    import pickle
+
+    a, b = gr.Textbox(), gr.Markdown()
+
+    def handler(x, *, control):
+        yield {b: f"got {x}"}
+
+    agen = events.streamed(handler, lambda m: {a: m}, "generation", outputs=[a, b])("hi")
+    rows = _drain(agen)
+    assert rows == [[gr.skip(), "got hi"]]
+    assert pickle.loads(pickle.dumps(rows)) == rows
