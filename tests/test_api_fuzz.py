@@ -77,24 +77,35 @@ def _check_result(result, label: str) -> str | None:
     return None
 
 
+CLIENTS = 4  # parallel sessions: most calls are quick refusals, so they overlap well
+
+
+def _call(client, api_name: str, args: list, label: str) -> str | None:
+    try:
+        result = client.submit(*args, api_name=api_name).result(timeout=CALL_SECONDS)
+    except Exception as exc:  # AppError (the handler's message) or a client-side refusal
+        return _check_error(str(exc), label)
+    return _check_result(result, label)
+
+
 def test_every_endpoint_fails_cleanly_or_answers_strictly(live_app):
+    from concurrent.futures import ThreadPoolExecutor
+
     from gradio_client import Client
 
-    client = Client(live_app, verbose=False)
-    endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    clients = [Client(live_app, verbose=False) for _ in range(CLIENTS)]
+    endpoints = clients[0].view_api(print_info=False, return_format="dict")["named_endpoints"]
     assert endpoints, "the app exposes no named endpoint"
-    problems, calls, start = [], 0, time.monotonic()
-    for api_name, info in sorted(endpoints.items()):
-        for label, args in _cases(info.get("parameters", [])):
-            label = f"{api_name} {label}"
-            calls += 1
-            try:
-                result = client.submit(*args, api_name=api_name).result(timeout=CALL_SECONDS)
-            except Exception as exc:  # AppError (the handler's message) or a client-side refusal
-                problem = _check_error(str(exc), label)
-            else:
-                problem = _check_result(result, label)
-            if problem:
-                problems.append(problem)
-    print(f"{calls} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s")
-    assert not problems, f"{len(problems)} of {calls} calls misbehaved:\n" + "\n".join(problems[:80])
+    cases = [(api_name, f"{api_name} {label}", args) for api_name, info in sorted(endpoints.items())
+             for label, args in _cases(info.get("parameters", []))]
+    start = time.monotonic()
+    # each client works through its own share of the cases, one call at a time (one session each)
+    shares = [cases[i::CLIENTS] for i in range(CLIENTS)]
+
+    def work(i: int) -> list[str]:
+        return [p for api_name, label, args in shares[i] if (p := _call(clients[i], api_name, args, label))]
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        problems = [p for found in pool.map(work, range(CLIENTS)) for p in found]
+    print(f"{len(cases)} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s")
+    assert not problems, f"{len(problems)} of {len(cases)} calls misbehaved:\n" + "\n".join(problems[:80])
