@@ -7,7 +7,6 @@ A neutral value means "this stage does nothing", so presets can be sparse.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -174,15 +173,15 @@ _KNOB_LIST = [
     Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.", step=0.05),
     Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.", step=0.01),
     Knob("amateur", "str", "self-nf4", doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
-    # --- KV cache
-    Knob("kv_cache", "str", "dynamic", doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
-    Knob("kv_residual_length", "int", 32, 1, 1024, doc="Quantized KV cache: the most recent positions kept unquantized (flushed when full).", step=1),
     # --- mcts / medusa
     Knob("mcts_simulations", "int", 32, 1, 256, doc="MCTS: PUCT simulations per generated token.", step=1),
     Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0, doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
     Knob("mcts_expand_k", "int", 4, 1, 16, doc="MCTS: children per expanded node (the top-k of its processed prior).", step=1),
     Knob("mcts_rollout_tokens", "int", 4, 0, 16, doc="MCTS: greedy rollout length scoring a new leaf (mean raw log-prob of path + rollout; 0 = the path alone).", step=1),
     Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose top-1 tokens are verified per forward.", step=1),
+    # --- KV cache
+    Knob("kv_cache", "str", "dynamic", doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
+    Knob("kv_residual_length", "int", 32, 1, 1024, doc="Quantized KV cache: the most recent positions kept unquantized (flushed when full).", step=1),
 ]
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
 CONFIG_KEYS = ("strategy", *KNOBS, "stage_order")
@@ -273,27 +272,6 @@ def check_text(key: str, value: Any, *, max_len: int = MAX_STRING_LEN, allow_emp
             raise ConfigError(key, f"invalid text: a lone surrogate (U+{ord(bad.group()):04X}) at character "
                                    f"{bad.start()}; send valid Unicode")
     return value
-
-
-def check_bias_map(knob: Knob, value: Any) -> dict[str, float]:
-    """``{token id or word: bias}`` -> a dict with string keys (JSON's own) and float biases.
-    A key of decimal digits is a token id; any other string is a word."""
-    if not isinstance(value, dict) or len(value) > MAX_BIAS_ENTRIES:
-        raise ConfigError(knob.name, f"expected {knob.range_text()}, got {_short(value)}")
-    out: dict[str, float] = {}
-    for key, bias in value.items():
-        if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < 2**31:
-            key = str(key)
-        if not isinstance(key, str) or not key or len(key) > MAX_STRING_LEN:
-            raise ConfigError(knob.name, f"key {_short(key)}: expected a token id or a word of at most "
-                                         f"{MAX_STRING_LEN} characters")
-        if key.isdigit() and int(key) >= 2**31:
-            raise ConfigError(knob.name, f"token id {_short(key)} is too large")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
-                or not knob.low <= bias <= knob.high:
-            raise ConfigError(knob.name, f"bias for {key!r} is {_short(bias)}; allowed [{knob.low:g}, {knob.high:g}]")
-        out[str(int(key)) if key.isdigit() else key] = float(bias)
-    return out
 
 
 def check_bias_map(knob: Knob, value: Any) -> dict[str, float]:
@@ -413,13 +391,13 @@ class DecodingConfig:
     penalty_alpha: float = 0.6
     cd_alpha: float = 0.1
     amateur: str = "self-nf4"
-    kv_cache: str = "dynamic"
-    kv_residual_length: int = 32
     mcts_simulations: int = 32
     mcts_c_puct: float = 1.5
     mcts_expand_k: int = 4
     mcts_rollout_tokens: int = 4
     medusa_heads: int = 3
+    kv_cache: str = "dynamic"
+    kv_residual_length: int = 32
     stage_order: tuple[str, ...] = field(default=DEFAULT_STAGE_ORDER)
 
     def __post_init__(self) -> None:
@@ -555,7 +533,3 @@ def parse_set_value(key: str, text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text  # let the knob validation name the problem
-
-
-def field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(DecodingConfig))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from . import beam, contrastive, decode, mcts, medusa, speculative
+from . import beam, contrastive, core, decode, mcts, medusa, speculative
 from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
@@ -90,14 +90,14 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, contr
     for step in _checked(source, control, ended):
         steps.append(step)
         yield Event(steps=[step])
-    yield Event(trace=_end(decode.assemble(lm, parent.prompt, parent.prompt_token_ids, config, steps, parent.chat,
+    yield Event(trace=_end(core.assemble(lm, parent.prompt, parent.prompt_token_ids, config, steps, parent.chat,
                                            branch_of=at_step), ended))
 
 
 def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
                   steps: list[StepTrace], chat: bool, branch_of: int | None = None) -> Trace:
     """A Trace of the steps streamed so far (what a view draws while the run goes on)."""
-    return decode.assemble(lm, prompt, prompt_ids, config, steps, chat, branch_of=branch_of)
+    return core.assemble(lm, prompt, prompt_ids, config, steps, chat, branch_of=branch_of)
 
 
 # --- one adapter per strategy family ----------------------------------------------------------------
@@ -140,7 +140,7 @@ def _stepwise(lm, prompt, ids, config, chat, control, scheduler) -> Iterator[Eve
     for step in _checked(source, control, ended):
         steps.append(step)
         yield Event(steps=[step])
-    yield Event(trace=_end(decode.assemble(lm, prompt, ids, config, steps, chat), ended))
+    yield Event(trace=_end(core.assemble(lm, prompt, ids, config, steps, chat), ended))
 
 
 def _beam(lm, prompt, ids, config, chat, control) -> Iterator[Event]:
@@ -168,7 +168,7 @@ def _contrastive(lm, prompt, ids, config, chat, registry, control) -> Iterator[E
     for step, record in _checked(contrastive.stream(lm, ids, config, registry=registry), control, ended):
         pairs.append((step, record))
         yield Event(steps=[step], record=record)
-    trace = _end(decode.assemble(lm, prompt, ids, config, [s for s, _ in pairs], chat), ended)
+    trace = _end(core.assemble(lm, prompt, ids, config, [s for s, _ in pairs], chat), ended)
     trace.extra[config.strategy] = [r for _, r in pairs]
     if config.strategy == "contrastive_decoding":
         trace.extra["amateur"] = config.amateur

@@ -49,13 +49,6 @@ def ensure_tokens(final: torch.Tensor, step: int | None = None) -> torch.Tensor:
     return final
 
 
-def ensure_probs(probs: torch.Tensor, step: int | None = None) -> torch.Tensor:
-    """``probs`` [..., V] unchanged, or NoTokensLeft when a row is NaN or has no mass."""
-    if bool(torch.isnan(probs).any()) or not bool((probs.float().sum(dim=-1) > 0).all()):
-        raise NoTokensLeft(step)
-    return probs
-
-
 @dataclass(frozen=True)
 class Pick:
     token_id: int

@@ -5,7 +5,9 @@ import pytest
 from engine.config import DEFAULT_STAGE_ORDER, KNOBS, ConfigError, DecodingConfig, parse_set_value
 
 BAD = [
-    ({"temperature": -0.1}, "temperature", "[0, 5]"),
+    ({"temperature": -0.1}, "temperature", "0 or [0.01, 5]"),
+    ({"temperature": 1e-38}, "temperature", "0 or [0.01, 5]"),
+    ({"repetition_penalty": 1e-38}, "repetition_penalty", "[0.01, 10]"),
     ({"temperature": "hot"}, "temperature", "got 'hot'"),
     ({"temperature": float("nan")}, "temperature", "finite"),
     ({"top_k": 2.5}, "top_k", "integer"),
@@ -14,7 +16,7 @@ BAD = [
     ({"top_p": 1.01}, "top_p", "(0, 1]"),
     ({"min_p": 2}, "min_p", "[0, 1]"),
     ({"typical_p": 0}, "typical_p", "(0, 1]"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "(0, 10]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "[0.01, 10]"),
     ({"frequency_penalty": 2.5}, "frequency_penalty", "[-2, 2]"),
     ({"no_repeat_ngram_size": 11}, "no_repeat_ngram_size", "[0, 10]"),
     ({"max_new_tokens": 0}, "max_new_tokens", "[1, 1024]"),
