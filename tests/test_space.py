@@ -8,7 +8,7 @@ HuggingFaceTB/SmolLM2-135M-Instruct. The Hub is not reachable here: the test giv
 cache holding that model (the embedded model's converted files, the same weights), as a Space has
 after its first download; HF_HUB_OFFLINE=1 keeps the run off the network.
 
-The virtualenv is cached in build/space-venv/<hash of requirements.txt and Python>; a first run
+The virtualenv is cached in ~/.cache/decoding-playground/space-venv/<hash of requirements.txt and Python>; a first run
 installs it (about 3-6 minutes: torch from this machine's local wheel, the rest from PyPI), later
 runs reuse it (the test then takes about 40 s).
 """
@@ -31,7 +31,8 @@ from deploy.make_space import build_space
 from engine.models import embedded_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-VENVS = ROOT / "build" / "space-venv"
+# Outside the checkout, so a fresh clone (CI) on the same machine reuses it.
+VENVS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "decoding-playground" / "space-venv"
 SNAPSHOT = "0" * 40  # any revision name: refs/main points at it
 
 
