@@ -112,11 +112,13 @@ class SessionRuns:
             return self._running.get(session, 0)
 
 
-def _split_request(args: tuple) -> tuple[tuple, str | None]:
-    """Gradio passes the ``request`` parameter the wrapper declares as its last positional argument."""
-    if args and isinstance(args[-1], gr.Request):
-        return args[:-1], getattr(args[-1], "session_hash", None)
-    return args, None
+def _session() -> str | None:
+    """The session hash of the request being handled (Gradio sets it in its LocalContext before it
+    runs or resumes a handler; ChatInterface reads it the same way). None outside a request."""
+    from gradio.context import LocalContext
+
+    request = LocalContext.request.get(None)
+    return getattr(request, "session_hash", None)
 
 
 def toast_text(message: str) -> str:
@@ -127,8 +129,7 @@ def toast_text(message: str) -> str:
 
 def _without_control(fn: Callable, wrapper: Callable) -> Callable:
     """``wrapper`` presented to Gradio with ``fn``'s name, doc, signature and type hints, minus
-    the ``control`` parameter the wrapper supplies itself (``fn`` may be a functools.partial),
-    plus a trailing ``request: gr.Request`` (Gradio fills it in; it is not an input)."""
+    the ``control`` parameter the wrapper supplies itself (``fn`` may be a functools.partial)."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     try:
         hints = typing.get_type_hints(target)
@@ -137,13 +138,10 @@ def _without_control(fn: Callable, wrapper: Callable) -> Callable:
     signature = inspect.signature(fn)
     params = [p.replace(annotation=hints.get(p.name, p.annotation))
               for p in signature.parameters.values() if p.name != "control"]
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    params.insert(len(positional), inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                     default=None, annotation=gr.Request))
     wrapper.__signature__ = signature.replace(parameters=params,
                                               return_annotation=hints.get("return", signature.return_annotation))
     wrapper.__annotations__ = {k: v for k, v in hints.items() if k != "control" and k in
-                               {p.name for p in params} | {"return"}} | {"request": gr.Request}
+                               {p.name for p in params} | {"return"}}
     wrapper.__name__ = wrapper.__qualname__ = target.__name__
     wrapper.__doc__ = target.__doc__
     wrapper.__module__ = target.__module__
@@ -181,10 +179,9 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
     sessions = sessions or SessionRuns()
 
     async def run(*args: Any, **kwargs: Any):
-        args, session = _split_request(args)
         control = RunControl.with_request_limit()
         try:
-            with sessions.slot(session):
+            with sessions.slot(_session()):
                 updates = gpu_handler(*args, control=control, **kwargs)
                 while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
                     yield update
@@ -206,8 +203,7 @@ def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
     sessions = sessions or SessionRuns()
 
     async def endpoint(*args: Any, **kwargs: Any) -> Any:
-        args, session = _split_request(args)
-        kwargs.pop("request", None)
+        session = _session()
         control = RunControl.with_request_limit()
         extra = {"control": control} if uses_model else {}
         call = functools.partial(gpu_fn, *args, **extra, **kwargs)

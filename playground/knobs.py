@@ -1,17 +1,24 @@
 """KnobPanel: a preset picker plus one control per knob, built from the engine's KNOBS (ranges,
 neutral values and docs come from engine/config.py, never duplicated here).
 
-Picking a preset fills the controls; editing any control marks the preset as modified.
-``panel.config(*values)`` turns the controls' values back into a validated DecodingConfig.
+Picking a preset fills the controls; editing any control marks the preset as modified. Sampler
+knobs are grouped (temperature shaping, truncation, penalties, repetition, adaptive), each group a
+collapsible accordion; with the greedy strategy the sampling-only knobs are greyed ("ignored by
+greedy", engine.config.SAMPLING_ONLY_STAGES). The stage order is a sortable list (drag, or the ↑/↓
+buttons) written into a hidden textbox. ``panel.config(*values)`` turns the controls' values back
+into a validated DecodingConfig and reports every invalid knob of a click at once.
 """
 
 from __future__ import annotations
 
+import html
+import json
 from typing import Any, Sequence
 
 import gradio as gr
 
-from engine.config import DEFAULT_STAGE_ORDER, KNOBS, STAGE_NAMES, DecodingConfig, Knob
+from engine.config import (DEFAULT_STAGE_ORDER, KNOBS, SAMPLING_ONLY_STAGES, STAGE_NAMES, ConfigError, DecodingConfig,
+                           Knob, check_knob)
 from engine.presets import Preset, builtin_presets
 
 from .user_presets import CUSTOM, find_preset, preset_choices
@@ -19,36 +26,73 @@ from .shared import Shared, UserError, config_or_error
 
 # Sliders read better with a practical top end; the engine's bound still validates (Number inputs
 # are used for knobs whose full range makes a slider useless).
-NUMBER_INPUT_KNOBS = {"seed", "top_k"}
+NUMBER_INPUT_KNOBS = {"seed", "top_k", "dry_penalty_last_n"}
+# str_list knobs whose items may hold commas or newlines: edited as a JSON list, not comma-separated.
+JSON_LIST_KNOBS = {"dry_sequence_breakers"}
 
-SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff")
+# Sampler knobs by what they do (title, knobs, open at first); a view shows the groups it has knobs of.
+KNOB_GROUPS = (
+    ("Temperature shaping", ("temperature", "dynatemp_range", "dynatemp_exponent", "smoothing_factor",
+                             "smoothing_curve"), True),
+    ("Truncation", ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_a", "top_h",
+                    "top_n_sigma"), True),
+    ("Penalties", ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens"),
+     False),
+    ("Repetition (DRY, no-repeat n-gram)", ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                                            "dry_sequence_breakers", "no_repeat_ngram_size"), False),
+    ("Adaptive (mirostat, XTC)", ("mirostat", "mirostat_tau", "mirostat_eta", "xtc_threshold", "xtc_probability"),
+     False),
+)
+STAGE_KNOBS = tuple(name for _, names, _ in KNOB_GROUPS for name in names)
+SAMPLING_KNOBS = tuple(n for n in STAGE_KNOBS if KNOBS[n].stage in SAMPLING_ONLY_STAGES)
+# The penalties beam search applies (it ignores the sampling-only stages).
 PENALTY_KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size")
-STAGE_KNOBS = SAMPLING_KNOBS + PENALTY_KNOBS
+IGNORED_BY_GREEDY = "Ignored by greedy (it always takes the most likely token)."
 
 
-def knob_component(knob: Knob, value: Any = None, prefix: str = "") -> gr.components.Component:
+def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive: bool = True) -> gr.components.Component:
     """One control for a knob; its element id is ``<prefix>knob-<name>``, unique per view."""
     value = knob.neutral if value is None else value
     label = knob.name
     info = knob.doc
     elem_id = f"{prefix}knob-{knob.name}"
+    common = {"label": label, "elem_id": elem_id, "interactive": interactive}
     if knob.kind in ("float", "int") and knob.name in NUMBER_INPUT_KNOBS:
         # No minimum/maximum here: the engine's validation names the knob and its range in the message.
-        return gr.Number(value=value, label=label, info=f"{info} Range {knob.range_text()}.", precision=0, elem_id=elem_id)
+        return gr.Number(value=value, info=f"{info} Range {knob.range_text()}.", precision=0, **common)
     if knob.kind in ("float", "int"):
         return gr.Slider(minimum=knob.low, maximum=knob.high, value=value, step=knob.step or (1 if knob.kind == "int" else 0.01),
-                         label=label, info=f"{info} Range {knob.range_text()}.", elem_id=elem_id)
+                         info=f"{info} Range {knob.range_text()}.", elem_classes=["dp-knob-slider"], **common)
     if knob.kind == "bool":
-        return gr.Checkbox(value=bool(value), label=label, info=info, elem_id=elem_id)
+        return gr.Checkbox(value=bool(value), info=info, **common)
     if knob.kind == "choice":
-        return gr.Dropdown([_choice_label(c) for c in knob.choices], value=_choice_label(value), label=label, info=info, elem_id=elem_id)
+        return gr.Dropdown([_choice_label(c) for c in knob.choices], value=_choice_label(value), info=info, **common)
+    if knob.kind == "bias_map":
+        return gr.Textbox(value=display_value(knob, value), info=f'{info} A JSON object, e.g. {{"sea": -5, "13": 2}}.',
+                          **common)
+    if knob.kind == "str_list" and knob.name in JSON_LIST_KNOBS:
+        return gr.Textbox(value=display_value(knob, value), info=f"{info} A JSON list of strings.", **common)
     if knob.kind == "str_list":
-        return gr.Textbox(value=", ".join(value), label=label, info=f"{info} Comma-separated.", elem_id=elem_id)
-    return gr.Textbox(value=str(value), label=label, info=info, elem_id=elem_id)
+        return gr.Textbox(value=", ".join(value), info=f"{info} Comma-separated.", **common)
+    return gr.Textbox(value=str(value), info=info, **common)
 
 
 def _choice_label(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _strict_json(knob: Knob, text: Any, expected: type) -> Any:
+    """JSON text of a knob's box -> its value; NaN/Infinity and the wrong JSON type are refused."""
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not allowed")
+
+    try:
+        value = json.loads(text or ("{}" if expected is dict else "[]"), parse_constant=no_constants)
+    except ValueError as exc:
+        raise UserError(f"{knob.name}: not valid JSON ({str(exc)[:80]}); expected {knob.range_text()}") from None
+    if not isinstance(value, expected):
+        raise UserError(f"{knob.name}: expected {knob.range_text()}, got a JSON {type(value).__name__}")
+    return value
 
 
 def component_value(knob: Knob, value: Any) -> Any:
@@ -60,6 +104,10 @@ def component_value(knob: Knob, value: Any) -> Any:
             if _choice_label(choice) == value:
                 return choice
         return value
+    if knob.kind == "bias_map":
+        return _strict_json(knob, value, dict)
+    if knob.kind == "str_list" and knob.name in JSON_LIST_KNOBS:
+        return _strict_json(knob, value, list)
     if knob.kind == "str_list":
         return [s.strip() for s in (value or "").split(",") if s.strip()]
     if value is None and knob.kind in ("float", "int"):
@@ -70,9 +118,48 @@ def component_value(knob: Knob, value: Any) -> Any:
 def display_value(knob: Knob, value: Any) -> Any:
     if knob.kind == "choice":
         return _choice_label(value)
+    if knob.kind == "bias_map":
+        return json.dumps(dict(value), ensure_ascii=False) if value else "{}"
+    if knob.kind == "str_list" and knob.name in JSON_LIST_KNOBS:
+        return json.dumps(list(value), ensure_ascii=False)
     if knob.kind == "str_list":
         return ", ".join(value)
     return value
+
+
+def checked_values(names: Sequence[str], values: Sequence[Any]) -> tuple[dict[str, Any], list[str]]:
+    """Controls' values -> (knob values, one message per invalid knob): every bad knob is reported,
+    not only the first."""
+    out: dict[str, Any] = {}
+    errors: list[str] = []
+    for name, value in zip(names, values):
+        try:
+            out[name] = check_knob(name, component_value(KNOBS[name], value))
+        except (UserError, ConfigError) as exc:
+            errors.append(str(exc))
+    return out, errors
+
+
+def stage_list_html(order: Sequence[str], target: str) -> str:
+    """The sortable stage list: drag a row, or focus it and use ↑/↓ (the page's JS writes the new
+    order into the hidden textbox ``#<target>``)."""
+    rows = []
+    for name in order:
+        rows.append(f'<li draggable="true" tabindex="0" data-stage="{html.escape(name)}">'
+                    f'<span class="dp-grip" aria-hidden="true">⠿</span> <span class="dp-stage-name">{html.escape(name)}</span>'
+                    f'<button type="button" class="dp-up" aria-label="move {html.escape(name)} up">↑</button>'
+                    f'<button type="button" class="dp-down" aria-label="move {html.escape(name)} down">↓</button></li>')
+    return (f'<div class="dp-stages-label">Stage order: drag a stage, or use its ↑/↓ buttons '
+            f'(stages whose knobs are neutral change nothing)</div>'
+            f'<ol class="dp-stages" data-target="{html.escape(target)}">{"".join(rows)}</ol>')
+
+
+def stage_order_text(order: Sequence[str]) -> str:
+    return ", ".join(order)
+
+
+def parse_stage_order(text: Any) -> list[str]:
+    return [s.strip() for s in str(text or "").split(",") if s.strip()] or list(DEFAULT_STAGE_ORDER)
 
 
 class KnobPanel:
@@ -83,33 +170,45 @@ class KnobPanel:
         self.shared = shared
         self.names = list(knob_names)
         self.strategies = list(strategies)
+        self.prefix = prefix
         start = builtin_presets().get(preset)
         start_cfg = start.config if start else DecodingConfig(strategy=self.strategies[0])
         self.preset = gr.Dropdown(preset_choices([]), value=preset, label="Preset", elem_id=f"{prefix}preset",
                                   info="Picking one fills the controls below.")
         self.modified = gr.Markdown(self._preset_note(preset, False), elem_id=f"{prefix}preset-note")
-        self.strategy = gr.Radio(self.strategies, value=start_cfg.strategy if start_cfg.strategy in self.strategies else self.strategies[0],
-                                 label="Strategy", elem_id=f"{prefix}strategy")
+        strategy = start_cfg.strategy if start_cfg.strategy in self.strategies else self.strategies[0]
+        self.strategy = gr.Radio(self.strategies, value=strategy, label="Strategy", elem_id=f"{prefix}strategy",
+                                 visible=len(self.strategies) > 1)
         self.components: dict[str, gr.components.Component] = {}
-        self._build_controls(start_cfg, prefix)
-        self.stage_order = None
+        self._build_controls(start_cfg, strategy == "greedy")
+        self.stage_order = self.stage_list = None
         if stage_order:
-            self.stage_order = gr.Dropdown(
-                list(STAGE_NAMES), value=list(start_cfg.stage_order), multiselect=True, label="Stage order",
-                info="Order the stages run in. Remove a stage and add it back to move it to the end.",
-                elem_id=f"{prefix}stage-order",
-            )
+            target = f"{prefix}stage-order"
+            self.stage_list = gr.HTML(stage_list_html(start_cfg.stage_order, target),
+                                      elem_id=f"{prefix}stage-list")
+            # The list's JS writes here; hidden by CSS (an invisible component is not in the page).
+            self.stage_order = gr.Textbox(stage_order_text(start_cfg.stage_order), label="Stage order", elem_id=target,
+                                          elem_classes=["dp-hidden"])
 
-    def _build_controls(self, cfg: DecodingConfig, prefix: str) -> None:
-        groups = [("Sampling stages", [n for n in self.names if n in SAMPLING_KNOBS]),
-                  ("Penalties", [n for n in self.names if n in PENALTY_KNOBS]),
-                  ("Run", [n for n in self.names if n not in STAGE_KNOBS])]
-        for title, names in groups:
-            if not names:
+    def _build_controls(self, cfg: DecodingConfig, greedy: bool) -> None:
+        grouped = {n for _, names, _ in KNOB_GROUPS for n in names}
+        run = [n for n in self.names if n not in grouped]
+        if run:
+            with gr.Accordion("Run", open=True):
+                with gr.Row():
+                    for name in run:
+                        self.components[name] = knob_component(KNOBS[name], getattr(cfg, name), self.prefix)
+        for title, names, is_open in KNOB_GROUPS:
+            shown = [n for n in names if n in self.names]
+            if not shown:
                 continue
-            with gr.Accordion(title, open=title != "Penalties"):
-                for name in names:
-                    self.components[name] = knob_component(KNOBS[name], getattr(cfg, name), prefix)
+            with gr.Accordion(title, open=is_open, elem_id=f"{self.prefix}group-{title.split()[0].lower()}"):
+                for name in shown:
+                    control = knob_component(KNOBS[name], getattr(cfg, name), self.prefix)
+                    self.components[name] = control
+                    if greedy and name in SAMPLING_KNOBS:
+                        control.interactive = False
+                        control.info = f"{IGNORED_BY_GREEDY} {control.info or ''}"
 
     @property
     def inputs(self) -> list[gr.components.Component]:
@@ -117,17 +216,25 @@ class KnobPanel:
         return [self.strategy, *self.components.values()] + ([self.stage_order] if self.stage_order else [])
 
     def values(self, *values: Any) -> dict[str, Any]:
-        """Controls' values (in ``inputs`` order) -> a config dict."""
+        """Controls' values (in ``inputs`` order) -> a config dict; UserError listing every invalid knob."""
         strategy, rest = values[0], list(values[1:])
-        out: dict[str, Any] = {"strategy": strategy}
-        for name, value in zip(self.components, rest):
-            out[name] = component_value(KNOBS[name], value)
+        knobs, errors = checked_values(list(self.components), rest)
+        if errors:
+            raise UserError(errors[0] if len(errors) == 1 else f"{len(errors)} invalid knobs: " + " · ".join(errors))
+        out: dict[str, Any] = {"strategy": strategy, **knobs}
         if self.stage_order is not None:
-            out["stage_order"] = list(rest[len(self.components)] or DEFAULT_STAGE_ORDER)
+            out["stage_order"] = parse_stage_order(rest[len(self.components)])
         return out
 
     def config(self, *values: Any, **overrides: Any) -> DecodingConfig:
         return config_or_error(self.values(*values) | overrides)
+
+    def greying(self, strategy: str) -> dict[Any, Any]:
+        """``{control: update}`` greying the sampling-only knobs when ``strategy`` is greedy."""
+        greedy = strategy == "greedy"
+        return {c: gr.update(interactive=not greedy,
+                             info=(f"{IGNORED_BY_GREEDY} " if greedy else "") + f"{KNOBS[n].doc} " + _range_note(KNOBS[n]))
+                for n, c in self.components.items() if n in SAMPLING_KNOBS}
 
     def fill(self, cfg: DecodingConfig) -> dict[Any, Any]:
         """``{control: value}`` showing a config."""
@@ -135,31 +242,41 @@ class KnobPanel:
         out: dict[Any, Any] = {self.strategy: strategy}
         out |= {c: display_value(KNOBS[n], getattr(cfg, n)) for n, c in self.components.items()}
         if self.stage_order is not None:
-            out[self.stage_order] = list(cfg.stage_order)
+            out[self.stage_order] = stage_order_text(cfg.stage_order)
         return out
 
     @staticmethod
     def _preset_note(choice: str, modified: bool) -> str:
         if not choice or choice == CUSTOM:
             return "<small>Custom settings</small>"
-        return f"<small>Preset <b>{choice}</b>{' · <i>modified</i>' if modified else ''}</small>"
+        return f"<small>Preset <b>{html.escape(choice)}</b>{' · <i>modified</i>' if modified else ''}</small>"
 
     def wire(self) -> None:
-        """Preset picking fills controls; any user edit marks the preset modified."""
+        """Preset picking fills controls; any user edit marks the preset modified; greedy greys the
+        sampling-only knobs."""
 
         def on_pick(choice: str, user_presets: list) -> dict:
             preset = find_preset(choice, user_presets)
             note = {self.modified: self._preset_note(choice, False)}
             return note if preset is None else self.fill(preset.config) | note
 
-        self.preset.input(on_pick, [self.preset, self.shared.user_presets], self.inputs + [self.modified],
-                          api_visibility="private", queue=False)
+        local = {"api_visibility": "private", "queue": False}
+        self.preset.input(on_pick, [self.preset, self.shared.user_presets], self.inputs + [self.modified], **local)
         for component in self.inputs:
-            component.input(lambda choice: self._preset_note(choice, True), [self.preset], [self.modified],
-                            api_visibility="private", queue=False)
+            component.input(lambda choice: self._preset_note(choice, True), [self.preset], [self.modified], **local)
+        if self.stage_order is not None:  # a preset or share link filled the order: redraw the list
+            target = f"{self.prefix}stage-order"
+            self.stage_order.change(lambda text: stage_list_html(parse_stage_order(text), target), [self.stage_order],
+                                    [self.stage_list], **local)
+        self.strategy.change(self.greying, [self.strategy], [c for n, c in self.components.items() if n in SAMPLING_KNOBS],
+                             **local)
         self.shared.user_presets.change(lambda presets, choice: gr.update(choices=preset_choices(presets), value=choice),
-                                        [self.shared.user_presets, self.preset], [self.preset], api_visibility="private", queue=False)
+                                        [self.shared.user_presets, self.preset], [self.preset], **local)
 
     def apply_preset(self, preset: Preset, label: str = CUSTOM, modified: bool = False) -> dict[Any, Any]:
         """``{component: value}`` for the controls, picker and note, showing ``preset`` (share links)."""
         return self.fill(preset.config) | {self.preset: label, self.modified: self._preset_note(label, modified)}
+
+
+def _range_note(knob: Knob) -> str:
+    return f"Range {knob.range_text()}." if knob.kind in ("float", "int") else ""

@@ -140,7 +140,7 @@ def wire_share_links(demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[PanelView],
         if isinstance(result, str):
             gr.Warning(html.escape(result))  # toasts render HTML: a link's text must stay text
         if not isinstance(result, ShareState):
-            return {}
+            return {tabs: gr.skip()}  # an empty dict would read as one output value, not as "no updates"
         return {tabs: gr.Tabs(selected=f"tab-{result.view}")} | _restore_updates(result, by_name[result.view], stored)
 
     demo.load(on_load, [user_presets], outputs, api_visibility="private")

@@ -95,3 +95,23 @@ def test_100_sessions_stay_under_the_memory_budget(live_app):
         list(pool.map(session, range(100)))
     grown = _rss_mb() - start
     assert grown < RSS_BUDGET_MB, f"the server grew by {grown:.0f} MB over 100 sessions"
+
+
+def test_one_client_gets_at_most_its_runs_at_once(live_app):
+    """A fourth request from the same session while three run is refused with the limit's name;
+    another session is served meanwhile (DP_RUNS_PER_SESSION, default 3)."""
+    from gradio_client import Client
+
+    client = Client(live_app, verbose=False)
+    long = {"max_new_tokens": 256, "seed": 1, "strategy": "greedy", "min_new_tokens": 256}
+    jobs = [client.submit("Count slowly:", long, "", False, "embedded", "none", api_name="/step_trace")
+            for _ in range(3)]
+    time.sleep(3)  # the three are running (concurrency is the scheduler's batch size)
+    with pytest.raises(Exception, match=r"runs: this page already has 3 runs in progress \(DP_RUNS_PER_SESSION\)"):
+        client.predict("One more", {"max_new_tokens": 2}, "", False, "embedded", "none", api_name="/step_trace")
+    other = Client(live_app, verbose=False)
+    trace = other.predict("Another user", {"max_new_tokens": 2, "strategy": "greedy"}, "", False, "embedded", "none",
+                          api_name="/step_trace")
+    assert len(trace["steps"]) == 2
+    for job in jobs:
+        job.cancel()

@@ -1,0 +1,74 @@
+"""Compare with 4 lanes vs 1 lane: the Compare view runs every greedy/sampling lane at once, so the
+lanes join the batched scheduler together and share its forwards. Prints the wall time of one lane,
+of four lanes (four seeds of the same knobs, as the seed sweep does) and their ratio, interleaved
+over rounds in one process. Target on a 2-core CPU with the embedded model: 4 lanes <= 1.5x one.
+
+    python -m bench.compare_lanes [--tokens 32] [--rounds 3] [--lanes 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def lanes_seconds(shared, lm, prompt_ids, configs) -> float:
+    from engine.control import RunControl
+    from playground.views.compare.lanes import CompareSession
+    from playground.views.compare.run import run_lanes
+
+    session = CompareSession(traces=[None] * len(configs), errors=[""] * len(configs))
+    start = time.perf_counter()
+    for _ in run_lanes(shared, lm, PROMPT, prompt_ids, configs, True, session, RunControl()):
+        pass
+    if any(session.errors):
+        raise RuntimeError(session.errors)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lanes", type=int, default=4)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from engine.config import DecodingConfig
+    from engine.models import ModelRegistry, ModelSpec
+    from playground.shared import Shared
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    registry = ModelRegistry()
+    lm = registry.get(ModelSpec())
+    shared = Shared(registry=registry, model=None, quantization=None, user_presets=None)
+    prompt_ids = lm.encode(PROMPT, True)
+    # min_new_tokens keeps every lane to exactly --tokens tokens, so one and four lanes do the same work each
+    base = DecodingConfig(strategy="sample", temperature=0.8, top_p=0.95, max_new_tokens=args.tokens,
+                          min_new_tokens=args.tokens)
+    configs = [base.replace(seed=s) for s in range(args.lanes)]
+    lanes_seconds(shared, lm, prompt_ids, configs[:1])  # warm up
+    one, many = [], []
+    for _ in range(args.rounds):
+        one.append(lanes_seconds(shared, lm, prompt_ids, configs[:1]))
+        many.append(lanes_seconds(shared, lm, prompt_ids, configs))
+    ratios = [m / o for m, o in zip(many, one)]
+    print(f"{args.tokens} tokens per lane, {args.rounds} interleaved rounds")
+    print(f"1 lane : {', '.join(f'{x:.1f}' for x in one)} s (median {statistics.median(one):.1f} s)")
+    print(f"{args.lanes} lanes: {', '.join(f'{x:.1f}' for x in many)} s (median {statistics.median(many):.1f} s)")
+    print(f"{args.lanes} lanes / 1 lane: {', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x; "
+          f"target <= 1.5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
