@@ -27,6 +27,7 @@ from playground.charts import step as charts
 from .. import downloads
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
+from .whatif import WhatIfPanel
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
@@ -146,11 +147,13 @@ def compare_markdown(session: StepSession) -> str:
 
 
 def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequest, control: RunControl,
-               branch: tuple[Trace, int, int] | None = None) -> Iterator[dict]:
+               branch: tuple[Trace, int, int | None] | None = None, events: Iterator | None = None) -> Iterator[dict]:
     """Run ``req`` (or branch ``(parent, at, token)``) and yield throttled updates; the last one has
     every chart."""
     at = branch[1] if branch else None
-    if branch:
+    if events is not None:
+        pass  # a what-if continuation (whatif.continue_events): the caller made the run's events
+    elif branch:
         events = shared.branch(req.lm, branch[0], at, branch[2], control=control)
     else:
         events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids,
@@ -173,14 +176,15 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
 def build_tab(shared: Shared) -> PanelView:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="step-prompt")
-            chat = gr.Checkbox(True, label="Chat template", info="Wrap the prompt in the model's chat template (instruct models).",
-                               elem_id="step-chat")
-            panel = KnobPanel(shared, RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset="balanced", prefix="step-")
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="step-prompt")
+            # The primary action right under the prompt: visible without scrolling at 1280x720.
             with gr.Row():
                 generate = gr.Button("Generate", variant="primary", elem_id="step-generate")
                 stop = gr.Button("Stop", variant="stop", elem_id="step-stop")
             status = gr.HTML("", elem_id="step-status")
+            chat = gr.Checkbox(True, label="Chat template", info="Wrap the prompt in the model's chat template (instruct models).",
+                               elem_id="step-chat")
+            panel = KnobPanel(shared, RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset="balanced", prefix="step-")
         with gr.Column(scale=2, min_width=480):
             colour_by = gr.Radio(["probability", "surprisal"], value="probability", label="Colour tokens by", elem_id="step-colour")
             text = gr.HighlightedText(label="Generated text: click a token to inspect its step", combine_adjacent=False,
@@ -188,6 +192,7 @@ def build_tab(shared: Shared) -> PanelView:
             step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-index")
             explain = gr.Markdown(elem_id="step-explain")
             chart = gr.Plot(label="Distribution after each stage", elem_id="step-chart")
+            what_if = WhatIfPanel.build()
             with gr.Row():
                 alternatives = gr.Dropdown([], label="Branch: pick another token at this step", scale=3, elem_id="step-alt")
                 branch_btn = gr.Button("Branch from here", scale=1, elem_id="step-branch")
@@ -202,6 +207,7 @@ def build_tab(shared: Shared) -> PanelView:
     panel.wire()
     view = PanelView("step", prompt, panel, chat)
     Handlers(shared, view, out, colour_by).wire(generate, branch_btn, stop)
+    what_if.wire(shared, view, out, colour_by, stream_run, own, StepRequest)
     return view
 
 

@@ -1,0 +1,132 @@
+"""Workshop mode: the what-if handlers (kept logits, first / middle / last step, two sessions at
+once, hostile knobs), continuing with new knobs, the lessons and presenter helpers, and the
+/explore_step and /lessons endpoints over gradio_client against a real server."""
+
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+from engine import explore, runner
+from engine.config import ConfigError, DecodingConfig
+from engine.control import RunControl
+from engine.lessons import builtin_lessons
+from engine.scheduler import scheduler_for
+from engine.trace import StageTrace, from_dict
+from playground.views import whatif
+
+CFG = DecodingConfig(strategy="sample", seed=5, max_new_tokens=10, temperature=0.9, top_k=30, top_p=0.95)
+
+
+class StubShared:
+    """What the what-if handlers use of Shared: the model and its scheduler."""
+
+    max_prompt_tokens = 2048
+
+    def __init__(self, lm):
+        self._lm = lm
+
+    def lm(self, model, quantization):
+        return self._lm
+
+    def scheduler_for(self, lm):
+        return scheduler_for(lm)
+
+
+@pytest.fixture(scope="module")
+def trace(tiny_lm):
+    return runner.run(tiny_lm, "Workshop what if", CFG)
+
+
+def _step(trace, where):
+    return {"first": 0, "middle": len(trace.steps) // 2, "last": len(trace.steps) - 1}[where]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_whatif_with_own_knobs_redraws_the_runs_step(tiny_lm, trace, where):
+    at = _step(trace, where)
+    key = whatif.context_key("m", "none", trace, at)
+    changed, kept = whatif.whatif_step(tiny_lm, trace, at, {}, None, key)
+    assert explore.stages_match(changed.stages, trace.steps[at].stages)
+    assert changed.chosen_token_id == trace.steps[at].chosen_token_id and changed.draw == trace.steps[at].draw
+    assert kept.logits.shape == (1, tiny_lm.vocab_size)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_whatif_knob_change_reuses_the_kept_logits(tiny_lm, trace, where, monkeypatch):
+    at = _step(trace, where)
+    key = whatif.context_key("m", "none", trace, at)
+    _, kept = whatif.whatif_step(tiny_lm, trace, at, {}, None, key)
+    monkeypatch.setattr(explore, "raw_logits", lambda *a, **k: pytest.fail("recomputed the kept logits"))
+    hot, _ = whatif.whatif_step(tiny_lm, trace, at, {"temperature": 2.0, "top_k": 0, "top_p": 1.0}, kept, key)
+    cold, _ = whatif.whatif_step(tiny_lm, trace, at, {"temperature": 0.3}, kept, key)
+    # A flatter distribution keeps more tokens and has more entropy than a sharper one.
+    assert hot.stages[-1].entropy > trace.steps[at].stages[-1].entropy > cold.stages[-1].entropy
+    assert hot.stages[-1].kept > trace.steps[at].stages[-1].kept
+
+
+def test_whatif_key_changes_with_the_step_and_the_model(trace):
+    keys = {whatif.context_key(m, q, trace, s) for m, q, s in [("a", "none", 1), ("a", "none", 2), ("b", "none", 1),
+                                                                ("a", "int8", 1)]}
+    assert len(keys) == 4
+
+
+def test_two_sessions_at_once_keep_their_own_logits(tiny_lm, trace):
+    other = runner.run(tiny_lm, "Another session entirely", CFG.replace(seed=9))
+    results: dict = {}
+
+    def session(name, tr, at):
+        key = whatif.context_key("m", "none", tr, at)
+        kept = None
+        for t in (0.5, 1.0, 1.5):
+            changed, kept = whatif.whatif_step(tiny_lm, tr, at, {"temperature": t}, kept, key)
+        results[name] = (changed, kept, explore.explore_step(tiny_lm, tr, at, {"temperature": 1.5}))
+
+    threads = [threading.Thread(target=session, args=("a", trace, 3)), threading.Thread(target=session, args=("b", other, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in "ab":
+        changed, kept, reference = results[name]
+        assert explore.stages_match(changed.stages, reference)
+    assert results["a"][1].key != results["b"][1].key
+
+
+@pytest.mark.parametrize("knobs, key", [({"temperature": -1}, "temperature"), ({"top_p": math.nan}, "top_p"),
+                                        ({"no_such_knob": 1}, "no_such_knob"), ({"stage_order": ["rm -rf"]}, "stage_order")])
+def test_hostile_knobs_give_an_error_naming_the_knob(tiny_lm, trace, knobs, key):
+    with pytest.raises(ConfigError) as err:
+        whatif.whatif_step(tiny_lm, trace, 1, knobs, None, whatif.context_key("m", "none", trace, 1))
+    assert str(err.value).startswith(f"{key}:")
+
+
+def test_continue_with_new_knobs_keeps_the_prefix_and_uses_the_new_config(tiny_lm, trace):
+    at = 4
+    greedy = CFG.replace(strategy="greedy")
+    events = list(whatif.continue_events(StubShared(tiny_lm), tiny_lm, trace, at, greedy, RunControl()))
+    branch = events[-1].trace
+    assert branch.branch_of == at and branch.config["strategy"] == "greedy"
+    assert branch.generated_token_ids[:at] == trace.generated_token_ids[:at]
+    # The oracle: a greedy run alone over prompt + the parent's first 4 tokens picks the same rest.
+    reference = runner.run(tiny_lm, trace.prompt, greedy.replace(max_new_tokens=CFG.max_new_tokens),
+                           prompt_ids=trace.prompt_token_ids + trace.generated_token_ids[:at])
+    assert branch.generated_token_ids[at:] == reference.generated_token_ids[:len(branch.steps) - at]
+
+
+def test_explore_api_returns_trace_json_stages(tiny_lm, trace):
+    data = json.loads(trace.to_json())
+    stages = whatif.explore_api(StubShared(tiny_lm), data, 2, None, control=RunControl())
+    assert stages == data["steps"][2]["stages"] or explore.stages_match(
+        [from_dict(StageTrace, s) for s in stages], trace.steps[2].stages)
+    json.dumps(stages, allow_nan=False)
+    with pytest.raises(ConfigError, match="^step:"):
+        whatif.explore_api(StubShared(tiny_lm), data, "2", None, control=RunControl())
+
+
+def test_whatif_note_names_the_changed_knob(tiny_lm, trace):
+    changed, _ = whatif.whatif_step(tiny_lm, trace, 1, {"temperature": 2.0}, None, "k")
+    note = whatif.whatif_note(trace.steps[1], changed, {"temperature": 2.0, "seed": 5}, trace.config)
+    assert "temperature = 2.0" in note and "seed" not in note
