@@ -11,7 +11,7 @@ from engine.models import EMBEDDED, ModelRegistry, model_policy
 from . import downloads, share_links
 from .events import ModelEvents
 from .shared import PanelView, Shared, model_pickers, user_presets_state
-from .views import beam, compare, presets, quantization, speculative, step
+from .views import beam, compare, presets, quantization, search, speculative, step
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
 # is "tab-<name>", which is what a share link selects.
@@ -20,6 +20,7 @@ VIEWS = (
     ("Compare", compare, "compare"),
     ("Beam search", beam, "beam"),
     ("Speculative", speculative, "speculative"),
+    ("Search & heads", search, "search"),
     ("Quantization & KV cache", quantization, "quantization"),
     ("Presets", presets, "presets"),
 )

@@ -1,0 +1,346 @@
+"""Search & heads: two strategies that look past the next token, each in its own mode.
+
+- **MCTS**: before every token, PUCT simulations search a tree of continuations; the view draws the
+  tree of any committed position (visits as size, Q as colour, the committed child outlined) and,
+  once the run ends, sets MCTS against greedy and beam on the same prompt by the total raw
+  log-prob of each output (one uncached forward each, the same yardstick for all three).
+- **Medusa**: per round, each head's top candidates as a small tree, which the target accepted,
+  tokens per round and per target forward, and the speed-up over target-only decoding of the
+  same knobs measured in this process (``compare_baseline=True``).
+
+Per-user state: one session dataclass per mode in gr.State (the finished trace). Every run goes
+through ``Shared.stream`` / ``Shared.run``. API: ``/mcts_trace`` and ``/medusa_trace`` return the
+trace JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import gradio as gr
+
+from engine.config import DecodingConfig
+from engine.control import RunControl
+from engine.mcts import MctsPosition, positions_of, raw_logprob
+from engine.medusa import MedusaRound, rounds_of
+from engine.models import LoadedModel
+from engine.trace import Trace
+from playground.charts import mcts as mcts_charts
+from playground.charts import medusa as medusa_charts
+
+from .. import downloads
+from ..events import stop_button
+from ..knobs import SAMPLING_KNOBS, KnobPanel
+from ..shared import SESSION_TTL_S, OutputSet, Shared, error_html, status_html, throttle
+
+STREAM_EVERY_S = 0.5
+MCTS_KNOBS = ("mcts_simulations", "mcts_c_puct", "mcts_expand_k", "mcts_rollout_tokens", "max_new_tokens")
+MEDUSA_KNOBS = ("medusa_heads", "max_new_tokens", "temperature", "top_k", "top_p", "seed")
+MCTS_PRESET, MEDUSA_PRESET = "mcts", "medusa"
+MCTS_PROMPT = "The capital of France is"
+MEDUSA_PROMPT = "Write one sentence about the sea."
+COMPARE_BEAMS = 4  # beam width of the side-by-side run (the MCTS knobs have none)
+VISIT_HEADERS = ["token", "prior", "visits", "Q", "committed"]
+
+
+# --- MCTS ---------------------------------------------------------------------------------------
+@dataclass
+class MctsSession:
+    """A finished (or running) MCTS run: its trees, trace and the side-by-side rows."""
+
+    positions: list[MctsPosition] = field(default_factory=list)
+    trace: Trace | None = None
+    quality: list[tuple[str, float, int, str]] = field(default_factory=list)  # strategy, total, tokens, text
+
+
+@dataclass
+class MctsOutputs(OutputSet):
+    status: Any
+    text: Any
+    position: Any
+    tree: Any
+    visits: Any
+    quality: Any
+    quality_table: Any
+    download: Any
+    session: Any
+
+
+def position_choices(positions: list[MctsPosition]) -> list[tuple[str, int]]:
+    """Picker entries: 'token i → text' per committed position."""
+    return [(f"{p.index}: {mcts_charts.readable(p.chosen_token)}", p.index) for p in positions]
+
+
+def visit_rows(position: MctsPosition) -> list[list[Any]]:
+    """The root's children, most visited first (headers: VISIT_HEADERS)."""
+    return [[r["token"], round(r["prior"], 4), r["visits"], round(r["q"], 4), "yes" if r["committed"] else ""]
+            for r in mcts_charts.visit_table(position)]
+
+
+def tree_updates(out: MctsOutputs, session: MctsSession | None, index: Any) -> dict:
+    """Tree and visit table of position ``index`` (the last one when unset): pure, no model."""
+    if session is None or not session.positions:
+        return {}
+    chosen = next((p for p in session.positions if p.index == index), session.positions[-1])
+    return {out.tree: mcts_charts.tree_figure(chosen), out.visits: visit_rows(chosen)}
+
+
+def quality_rows(lm: LoadedModel, prompt_ids: list[int], traces: dict[str, Trace]) -> list[tuple[str, float, int, str]]:
+    """(strategy, total raw log-prob, tokens, text) per trace, scored by one uncached forward each."""
+    return [(name, raw_logprob(lm, prompt_ids, t.generated_token_ids), len(t.generated_token_ids), t.text)
+            for name, t in traces.items()]
+
+
+def quality_table(rows: list[tuple[str, float, int, str]]) -> list[list[Any]]:
+    return [[name, round(total, 3), tokens, round(total / max(tokens, 1), 3), text] for name, total, tokens, text in rows]
+
+
+def mcts_render(out: MctsOutputs, session: MctsSession, status: str) -> dict:
+    """Every output of a finished run."""
+    rows = session.quality
+    last = session.positions[-1].index if session.positions else None
+    return tree_updates(out, session, last) | {
+        out.status: status, out.text: session.trace.text if session.trace else "",
+        out.position: gr.update(choices=position_choices(session.positions), value=last),
+        out.quality: mcts_charts.quality_figure([(r[0], r[1], r[2]) for r in rows]) if rows else None,
+        out.quality_table: quality_table(rows),
+        out.download: downloads.trace_file(session.trace, "mcts-trace") if session.trace else None, out.session: session}
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One validated run."""
+
+    lm: LoadedModel
+    prompt: str
+    prompt_ids: list[int]
+    config: DecodingConfig
+    chat: bool
+
+
+def stream_mcts(out: MctsOutputs, shared: Shared, req: RunRequest, control: RunControl) -> Iterator[dict]:
+    """Search token by token (throttled tree redraws), then greedy and beam for the side-by-side."""
+    session = MctsSession()
+    events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control)
+    for event, redraw in throttle(events, STREAM_EVERY_S):
+        if event.trace is not None:
+            session.trace = event.trace
+        elif isinstance(event.record, MctsPosition):
+            session.positions.append(event.record)
+        if redraw and event.trace is None and session.positions:
+            done = len(session.positions)
+            yield tree_updates(out, session, None) | {
+                out.status: status_html(f"searching… token {done} / {req.config.max_new_tokens}")}
+    session.positions = positions_of(session.trace)
+    yield mcts_render(out, session, status_html("search done; greedy and beam on the same prompt for comparison…"))
+    traces = {"mcts": session.trace}
+    for name, config in (("greedy", req.config.replace(strategy="greedy")),
+                         (f"beam ({COMPARE_BEAMS})", req.config.replace(strategy="beam", num_beams=COMPARE_BEAMS))):
+        traces[name] = shared.run(req.lm, req.prompt, config, chat=req.chat, prompt_ids=req.prompt_ids, control=control)
+    session.quality = quality_rows(req.lm, req.prompt_ids, traces)
+    sims = session.trace.summary.get("simulations", 0)
+    yield mcts_render(out, session, status_html(
+        f"done: {len(session.positions)} tokens, {sims} simulations. Pick a position to see its search tree."))
+
+
+def _mcts_mode(shared: Shared) -> None:
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=330):
+            prompt = gr.Textbox(MCTS_PROMPT, lines=3, label="Prompt", elem_id="mcts-prompt")
+            with gr.Row():
+                run = gr.Button("Generate", variant="primary", elem_id="mcts-run")
+                stop = gr.Button("Stop", variant="stop", elem_id="mcts-stop")
+            status = gr.HTML("", elem_id="mcts-status")
+            chat = gr.Checkbox(False, label="Chat template", elem_id="mcts-chat")
+            panel = KnobPanel(shared, MCTS_KNOBS + SAMPLING_KNOBS, ["mcts"], preset=MCTS_PRESET, prefix="mcts-")
+        with gr.Column(scale=2, min_width=480):
+            text = gr.Textbox(label="MCTS output", lines=2, interactive=False, elem_id="mcts-text")
+            position = gr.Dropdown([], label="Committed position", elem_id="mcts-position",
+                                   info="Each generated token had its own search; pick one to see its tree.")
+            tree = gr.Plot(label="Search tree: node size = visits, colour = Q; hover a node", elem_id="mcts-tree")
+            visits = gr.Dataframe(headers=VISIT_HEADERS, value=[], interactive=False,
+                                  label="The root's children (the committed one is the most visited)", elem_id="mcts-visits")
+            quality = gr.Plot(label="MCTS vs greedy vs beam", elem_id="mcts-quality")
+            table = gr.Dataframe(headers=["strategy", "total raw log-prob", "tokens", "mean per token", "text"], value=[],
+                                 interactive=False, wrap=True, elem_id="mcts-quality-table")
+            download = gr.DownloadButton("Download trace JSON", elem_id="mcts-download")
+    out = MctsOutputs(status, text, position, tree, visits, quality, table, download,
+                      gr.State(None, time_to_live=SESSION_TTL_S))
+    panel.wire()
+
+    def on_run(prompt_text: str, chat_on: bool, model: str, quant: str, *values: Any,
+               control: RunControl) -> Iterator[dict]:
+        config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
+        yield from stream_mcts(out, shared, RunRequest(lm, prompt_text, prompt_ids, config, chat_on), control)
+
+    event = shared.events.on([run.click, prompt.submit], on_run, [prompt, chat, shared.model, shared.quantization,
+                                                                  *panel.inputs], out.all(),
+                             on_error=lambda message: {out.status: error_html(message)}, what="search")
+    stop_button(stop, out.status, [event], status_html("stopped"))
+    position.input(lambda session, index: tree_updates(out, session, index), [out.session, position], [out.tree, out.visits],
+                   api_visibility="private", queue=False)
+    shared.events.api(functools.partial(mcts_trace, shared), "mcts_trace", what="search")
+
+
+def mcts_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = MCTS_PRESET, chat: bool = False,
+               model: str = "embedded", quantization: str = "none", *, control: RunControl) -> dict:
+    """Run MCTS decoding and return the trace JSON: steps[] as greedy traces have them, the search
+    tree of each committed token under extra.mcts[] (nodes[]: token, prior, visits, q, values,
+    children, committed), summary.simulations / search_forwards / total_raw_logprob.
+    ``preset``: a built-in preset; ``config``: knobs overriding it."""
+    cfg = shared.api_config(preset, config, default_strategy="mcts", strategies=("mcts",))
+    lm = shared.lm(model, quantization)
+    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
+
+
+# --- Medusa -------------------------------------------------------------------------------------
+@dataclass
+class MedusaSession:
+    rounds: list[MedusaRound] = field(default_factory=list)
+    trace: Trace | None = None
+    first_tokens: list[str] = field(default_factory=list)  # per round: the token fed first
+
+
+@dataclass
+class MedusaOutputs(OutputSet):
+    status: Any
+    text: Any
+    summary: Any
+    round_picker: Any
+    round_tree: Any
+    accept: Any
+    download: Any
+    session: Any
+
+
+def _number(value: Any, fmt: str) -> str:
+    return "n/a" if not isinstance(value, (int, float)) or not math.isfinite(value) else format(value, fmt)
+
+
+def medusa_summary(trace: Trace) -> str:
+    """Tokens per target forward, the measured speed-up and each head's acceptance, in Markdown."""
+    s = trace.summary
+    heads = ", ".join(f"head {k}: {a:.0%}" for k, a in enumerate(s.get("head_acceptance", []), start=1)) or "none tested"
+    same = s.get("baseline_same_tokens")
+    lines = [
+        f"**{_number(s.get('tokens_per_target_forward'), '.2f')} tokens per target forward** "
+        f"over {len(trace.rounds or [])} rounds ({len(trace.generated_token_ids)} tokens).",
+        f"**Speed-up vs target-only: {_number(s.get('speedup'), '.2f')}×** (target-only "
+        f"{_number(s.get('baseline_tokens_per_s'), '.1f')} tok/s vs Medusa {_number(trace.timing.tokens_per_s, '.1f')} tok/s,"
+        " measured in this process, one after the other).",
+        f"Acceptance per head: {heads}.",
+    ]
+    if same is not None:
+        lines.append("Same tokens as target-only: " + ("yes" if same else "no (sampling: the same distribution, other draws)"))
+    return "\n\n".join(lines)
+
+
+def round_updates(out: MedusaOutputs, session: MedusaSession | None, index: Any) -> dict:
+    if session is None or not session.rounds:
+        return {}
+    i = next((n for n, r in enumerate(session.rounds) if r.index == index), len(session.rounds) - 1)
+    first = session.first_tokens[i] if i < len(session.first_tokens) else ""
+    return {out.round_tree: medusa_charts.round_figure(session.rounds[i], first)}
+
+
+def first_tokens(lm: LoadedModel, trace: Trace, rounds: list[MedusaRound]) -> list[str]:
+    """The token each round fed first: the last one emitted before it (the prompt's last token for round 0)."""
+    tokens = [s.chosen_token for s in trace.steps]
+    prompt_last = lm.token_text(trace.prompt_token_ids[-1])
+    return [tokens[r.start - 1] if 0 < r.start <= len(tokens) else prompt_last for r in rounds]
+
+
+def medusa_render(out: MedusaOutputs, session: MedusaSession, status: str) -> dict:
+    last = session.rounds[-1].index if session.rounds else None
+    tpf = session.trace.summary.get("tokens_per_target_forward") if session.trace else None
+    updates = round_updates(out, session, last) | {
+        out.status: status, out.accept: medusa_charts.accept_figure(session.rounds, tpf),
+        out.round_picker: gr.update(choices=[(f"round {r.index}: +{len(r.emitted_token_ids)}", r.index)
+                                             for r in session.rounds], value=last), out.session: session}
+    if session.trace is not None:
+        updates |= {out.text: session.trace.text, out.summary: medusa_summary(session.trace),
+                    out.download: downloads.trace_file(session.trace, "medusa-trace")}
+    return updates
+
+
+def stream_medusa(out: MedusaOutputs, shared: Shared, req: RunRequest, control: RunControl) -> Iterator[dict]:
+    """Medusa rounds (throttled redraws), then the target-only timing run, then every output."""
+    session = MedusaSession()
+    events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control,
+                           compare_baseline=True)
+    text = ""
+    for event, redraw in throttle(events, STREAM_EVERY_S):
+        if event.trace is not None:
+            session.trace = event.trace
+        elif isinstance(event.record, MedusaRound):
+            session.rounds.append(event.record)
+            text += event.record.emitted_text
+        if redraw and event.trace is None and session.rounds:
+            yield {out.text: text, out.accept: medusa_charts.accept_figure(session.rounds),
+                   out.status: status_html(f"round {len(session.rounds)}…")}
+    session.rounds = rounds_of(session.trace)
+    session.first_tokens = first_tokens(req.lm, session.trace, session.rounds)
+    yield medusa_render(out, session, status_html("done: pick a round to see the heads' proposals."))
+
+
+def _medusa_mode(shared: Shared) -> None:
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=330):
+            prompt = gr.Textbox(MEDUSA_PROMPT, lines=3, label="Prompt", elem_id="medusa-prompt")
+            with gr.Row():
+                run = gr.Button("Generate", variant="primary", elem_id="medusa-run")
+                stop = gr.Button("Stop", variant="stop", elem_id="medusa-stop")
+            status = gr.HTML("", elem_id="medusa-status")
+            chat = gr.Checkbox(True, label="Chat template", elem_id="medusa-chat")
+            panel = KnobPanel(shared, MEDUSA_KNOBS, ["medusa"], preset=MEDUSA_PRESET, stage_order=False, prefix="medusa-")
+        with gr.Column(scale=2, min_width=480):
+            text = gr.Textbox(label="Medusa output", lines=3, interactive=False, elem_id="medusa-text")
+            summary = gr.Markdown(elem_id="medusa-summary")
+            picker = gr.Dropdown([], label="Round", elem_id="medusa-round",
+                                 info="One target forward per round; pick one to see what each head proposed.")
+            tree = gr.Plot(label="Heads' proposals (top-1 chain verified, other candidates below)", elem_id="medusa-tree")
+            accept = gr.Plot(label="Tokens per round", elem_id="medusa-accept")
+            download = gr.DownloadButton("Download trace JSON", elem_id="medusa-download")
+    out = MedusaOutputs(status, text, summary, picker, tree, accept, download, gr.State(None, time_to_live=SESSION_TTL_S))
+    panel.wire()
+
+    def on_run(prompt_text: str, chat_on: bool, model: str, quant: str, *values: Any,
+               control: RunControl) -> Iterator[dict]:
+        config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
+        yield from stream_medusa(out, shared, RunRequest(lm, prompt_text, prompt_ids, config, chat_on), control)
+
+    event = shared.events.on([run.click, prompt.submit], on_run, [prompt, chat, shared.model, shared.quantization,
+                                                                  *panel.inputs], out.all(),
+                             on_error=lambda message: {out.status: error_html(message)}, what="generation")
+    stop_button(stop, out.status, [event], status_html("stopped"))
+    picker.input(lambda session, index: round_updates(out, session, index), [out.session, picker], [out.round_tree],
+                 api_visibility="private", queue=False)
+    shared.events.api(functools.partial(medusa_trace, shared), "medusa_trace")
+
+
+def medusa_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = MEDUSA_PRESET,
+                 chat: bool = False, compare_baseline: bool = True, model: str = "embedded",
+                 quantization: str = "none", *, control: RunControl) -> dict:
+    """Run Medusa decoding and return the trace JSON: rounds[] (drafted[] with p, accept_prob,
+    accepted; proposals[] per head with its top candidates), summary.tokens_per_target_forward,
+    summary.head_acceptance, and with ``compare_baseline`` summary.speedup over target-only."""
+    cfg = shared.api_config(preset, config, default_strategy="medusa", strategies=("medusa",))
+    lm = shared.lm(model, quantization)
+    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control,
+                      compare_baseline=bool(compare_baseline)).to_dict()
+
+
+def build_tab(shared: Shared) -> None:
+    gr.Markdown("Two strategies that look past the next token. **MCTS** searches a tree of continuations before "
+                "committing each token (slow; it avoids locally likely dead ends). **Medusa** adds trained heads that "
+                "guess the next few tokens from the model's own hidden state; one target forward checks them all.")
+    with gr.Tabs():
+        with gr.Tab("MCTS", id="search-mcts", elem_id="search-mcts"):
+            _mcts_mode(shared)
+        with gr.Tab("Medusa", id="search-medusa", elem_id="search-medusa"):
+            _medusa_mode(shared)
