@@ -8,10 +8,10 @@ import gradio as gr
 
 from engine.models import EMBEDDED, ModelRegistry, model_policy
 
-from . import downloads, share_links
+from . import downloads, page_js, share_links
 from .events import ModelEvents
 from .shared import PanelView, Shared, model_pickers, user_presets_state
-from .views import beam, compare, presets, quantization, search, speculative, step
+from .views import beam, compare, lessons, presets, quantization, search, speculative, step
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
 # is "tab-<name>", which is what a share link selects.
@@ -31,7 +31,20 @@ CSS = """
 .dp-status { color: #555; padding: 4px 2px; }
 #step-text .textspan { cursor: pointer; }
 footer { display: none !important; }
-"""
+.dp-presenter { font-size: 1.5rem; }
+.dp-present-text { font-size: 2rem; line-height: 1.4; overflow-wrap: anywhere; }
+.dp-present-token { padding: 0 .3em; border-radius: 6px; background: #ffe08a; }
+.dp-present-label { font-size: 1.1rem; color: #555; }
+.dp-qr img { max-width: 100%; height: auto; }
+.dp-qr figcaption { overflow-wrap: anywhere; font-size: .8rem; }
+@media (max-width: 600px) {
+  .gradio-container { padding-left: 4px !important; padding-right: 4px !important; min-width: 0 !important; }
+  .gradio-container .row { flex-wrap: wrap !important; }
+  .gradio-container .column { min-width: 0 !important; flex-basis: 100% !important; }
+  .js-plotly-plot, .plot-container { max-width: 100% !important; overflow-x: auto; }
+  .dp-present-text { font-size: 1.3rem; }
+}
+""" + page_js.CSS
 
 INTRO = (
     "## Decoding Playground\n"
@@ -57,15 +70,18 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
                         events=ModelEvents(), policy=policy)
         handles: list[PanelView] = []
         with gr.Tabs(elem_id="dp-tabs") as tabs:
+            with gr.Tab("Lessons", id="tab-lessons", elem_id="tab-lessons"):  # first: the entry point for newcomers
+                lessons_tab = lessons.build_tab(shared)
             for title, module, name in VIEWS:
                 with gr.Tab(title, id=f"tab-{name}", elem_id=f"tab-{name}"):
                     handle = module.build_tab(shared)
                 if isinstance(handle, PanelView):
                     handles.append(handle)
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
+        lessons_tab.wire_page(demo, tabs, handles)
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     return demo
 
 
 def launch_kwargs() -> dict:
-    return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": []}
+    return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD}

@@ -140,15 +140,15 @@ def build_tab(shared: Shared) -> PanelView:
     lp = KNOBS["length_penalty"]
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="beam-prompt")
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="beam-prompt")
+            with gr.Row():  # the primary action right under the prompt
+                run = gr.Button("Search", variant="primary", elem_id="beam-run")
+                stop = gr.Button("Stop", variant="stop", elem_id="beam-stop")
+            status = gr.HTML("", elem_id="beam-status")
             chat = gr.Checkbox(False, label="Chat template", elem_id="beam-chat",
                                info="Wrap the prompt in the model's chat template (instruct models end with EOS).")
             panel = KnobPanel(shared, BEAM_KNOBS + PENALTY_KNOBS, ["beam"], preset=DEFAULT_PRESET, stage_order=False,
                               prefix="beam-")
-            with gr.Row():
-                run = gr.Button("Search", variant="primary", elem_id="beam-run")
-                stop = gr.Button("Stop", variant="stop", elem_id="beam-stop")
-            status = gr.HTML("", elem_id="beam-status")
         with gr.Column(scale=2, min_width=480):
             collapse = gr.Checkbox(True, label="Collapse pruned candidates into one marker per beam",
                                    elem_id="beam-collapse")

@@ -147,17 +147,17 @@ def stream_run(out: Outputs, shared: Shared, session: SpecSession, req: SpecRequ
 def build_tab(shared: Shared) -> PanelView:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="spec-prompt",
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="spec-prompt",
                                 info="Speculation pays off when the output repeats the input: rewriting, extraction, code edits.")
+            with gr.Row():  # the primary action right under the prompt
+                generate = gr.Button("Generate", variant="primary", elem_id="spec-generate")
+                stop = gr.Button("Stop", variant="stop", elem_id="spec-stop")
+            status = gr.HTML("", elem_id="spec-status")
             chat = gr.Checkbox(True, label="Chat template", elem_id="spec-chat")
             panel = KnobPanel(shared, SPEC_KNOBS + RUN_KNOBS + STAGE_KNOBS, ["speculative"], preset="speculative-ngram",
                               prefix="spec-")
             compare = gr.Checkbox(True, label="Compare with target-only", elem_id="spec-compare",
                                   info="Also time the same settings decoded by the target alone, in this process (speed-up).")
-            with gr.Row():
-                generate = gr.Button("Generate", variant="primary", elem_id="spec-generate")
-                stop = gr.Button("Stop", variant="stop", elem_id="spec-stop")
-            status = gr.HTML("", elem_id="spec-status")
         with gr.Column(scale=2, min_width=480):
             counters = gr.HTML(charts.counters_html([]), elem_id="spec-counters")
             rounds = gr.HTML(charts.rounds_html([]), js_on_load=CHIP_JS, elem_id="spec-rounds")

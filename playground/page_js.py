@@ -1,0 +1,104 @@
+"""The page's few lines of JavaScript (``launch(head=...)``): Ctrl/Cmd+Enter in a prompt runs its
+view, the sortable stage list, arrow keys through Step through's tokens, and a slider's number box
+that refuses an out-of-range value with the typed value named (instead of clamping silently)."""
+
+# prompt box id -> the button it runs
+PROMPT_BUTTONS = {"step-prompt": "step-generate", "cmp-prompt": "cmp-run", "beam-prompt": "beam-run",
+                  "spec-prompt": "spec-generate", "quant-prompt": "quant-measure"}
+
+_JS = r"""
+(() => {
+  const PROMPTS = __PROMPTS__;
+  const visible = el => el && el.offsetParent !== null;
+  document.addEventListener('keydown', e => {
+    const t = e.target;
+    if ((e.ctrlKey || e.metaKey) && e.key === 'Enter' && t.tagName === 'TEXTAREA') {
+      const box = t.closest('[id]');
+      const button = box && PROMPTS[box.id] && document.getElementById(PROMPTS[box.id]);
+      if (button) { e.preventDefault(); e.stopPropagation(); button.click(); }
+      return;
+    }
+    if (['ArrowLeft', 'ArrowRight', 'Enter'].includes(e.key) && !['INPUT', 'TEXTAREA', 'SELECT'].includes(t.tagName)) {
+      const text = document.getElementById('step-text');
+      if (!visible(text)) return;
+      const tokens = [...text.querySelectorAll('.token')];
+      if (e.key === 'Enter') {
+        if (t.classList && t.classList.contains('token')) { e.preventDefault(); t.click(); }
+        return;
+      }
+      if (t !== document.body && !text.contains(t)) return;
+      const box = document.querySelector('#step-index input[type=number]');
+      const at = box ? Number(box.value) : 0;
+      const next = Math.max(0, Math.min(tokens.length - 1, at + (e.key === 'ArrowRight' ? 1 : -1)));
+      if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
+    }
+  }, true);
+  // Tokens take the keyboard focus (Tab, then Enter opens a token's step).
+  new MutationObserver(() => {
+    document.querySelectorAll('#step-text .token:not([tabindex])').forEach(el => el.setAttribute('tabindex', '0'));
+  }).observe(document.documentElement, {childList: true, subtree: true});
+
+  // The sortable stage list writes its order into the hidden textbox named by data-target.
+  const commit = ol => {
+    const box = document.querySelector('#' + ol.dataset.target + ' textarea, #' + ol.dataset.target + ' input');
+    if (!box) return;
+    const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), 'value').set;
+    setter.call(box, [...ol.children].map(li => li.dataset.stage).join(', '));
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+  };
+  let dragged = null;
+  document.addEventListener('dragstart', e => {
+    const li = e.target.closest && e.target.closest('.dp-stages li');
+    if (li) { dragged = li; e.dataTransfer.effectAllowed = 'move'; e.dataTransfer.setData('text/plain', li.dataset.stage); }
+  });
+  document.addEventListener('dragover', e => {
+    if (dragged && e.target.closest && e.target.closest('.dp-stages')) e.preventDefault();
+  });
+  document.addEventListener('drop', e => {
+    const li = e.target.closest && e.target.closest('.dp-stages li');
+    if (!dragged || !li || li === dragged || li.parentNode !== dragged.parentNode) { dragged = null; return; }
+    e.preventDefault();
+    const r = li.getBoundingClientRect();
+    li.parentNode.insertBefore(dragged, e.clientY > r.top + r.height / 2 ? li.nextSibling : li);
+    commit(li.parentNode);
+    dragged = null;
+  });
+  document.addEventListener('click', e => {
+    const b = e.target.closest && e.target.closest('.dp-stages button');
+    if (!b) return;
+    const li = b.closest('li'), ol = li.parentNode;
+    if (b.classList.contains('dp-up') && li.previousElementSibling) ol.insertBefore(li, li.previousElementSibling);
+    else if (b.classList.contains('dp-down') && li.nextElementSibling) ol.insertBefore(li.nextElementSibling, li);
+    else return;
+    commit(ol);
+  });
+
+  // A slider's number box: an out-of-range value is refused with the typed value named.
+  document.addEventListener('change', e => {
+    const t = e.target;
+    if (!(t.tagName === 'INPUT' && t.type === 'number' && t.closest('.dp-knob-slider'))) return;
+    const v = Number(t.value), lo = Number(t.min), hi = Number(t.max);
+    const holder = t.closest('.dp-knob-slider');
+    let note = holder.querySelector('.dp-refused');
+    if (t.value !== '' && (v < lo || v > hi)) {
+      if (!note) { note = document.createElement('div'); note.className = 'dp-refused dp-error'; note.setAttribute('role', 'alert'); holder.appendChild(note); }
+      const name = (holder.id || '').replace(/^.*knob-/, '');
+      note.textContent = `⚠ ${name}: ${t.value} is out of range [${t.min}, ${t.max}]; not applied, the value stays as it was`;
+    } else if (note) { note.remove(); }
+  }, true);
+})();
+"""
+
+HEAD = "<script>" + _JS.replace("__PROMPTS__", str(PROMPT_BUTTONS).replace("'", '"')) + "</script>"
+
+CSS = """
+.dp-hidden { display: none !important; }
+.dp-stages { list-style: none; padding: 0; margin: 4px 0; counter-reset: stage; }
+.dp-stages li { display: flex; align-items: center; gap: 6px; padding: 3px 6px; margin: 2px 0; border: 1px solid #ccc;
+  border-radius: 4px; background: #fafafa; cursor: grab; font-size: 14px; counter-increment: stage; }
+.dp-stages li::before { content: counter(stage) "."; color: #555; min-width: 1.6em; }
+.dp-stages li .dp-stage-name { flex: 1; }
+.dp-stages li button { border: 1px solid #bbb; border-radius: 3px; background: white; padding: 0 6px; cursor: pointer; }
+.dp-stages-label { font-size: 14px; color: #444; }
+.dp-refused { margin-top: 4px; font-size: 14px; }
+"""

@@ -1,0 +1,85 @@
+"""The first minute of a new user, in a real browser at 1280x720: Generate is on the first screen
+of every view, Ctrl+Enter in the prompt runs it, a first token and a non-empty chart appear; the
+stage list reorders by drag; an out-of-range slider value is refused with the typed value named.
+Time to interactive and time to first token are printed as a record (no timed assertion)."""
+
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+VIEWS = (("Step through", "#step-generate"), ("Compare", "#cmp-run"), ("Beam search", "#beam-run"),
+         ("Speculative", "#spec-generate"))
+
+
+@pytest.fixture
+def small_page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 720})
+    pg = context.new_page()
+    pg.set_default_timeout(120_000)
+    yield pg
+    context.close()
+
+
+def in_first_screen(page, selector: str) -> bool:
+    box = page.locator(selector).bounding_box()
+    return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 720 and box["x"] + box["width"] <= 1280
+
+
+def test_generate_on_first_screen_and_ctrl_enter_runs(small_page, live_app, artifacts):
+    page = small_page
+    start = time.perf_counter()
+    page.goto(live_app)
+    page.locator("#step-generate").wait_for(state="visible")
+    page.wait_for_function("() => !document.querySelector('#step-generate').disabled")
+    print(f"\ntime to interactive: {time.perf_counter() - start:.2f} s")
+    for title, button in VIEWS:
+        page.click(f"button[role=tab]:has-text('{title}')")
+        page.locator(button).wait_for(state="visible")
+        assert in_first_screen(page, button), f"{title}: {button} is below the first screen"
+    page.click("button[role=tab]:has-text('Step through')")
+    page.fill("#step-knob-max_new_tokens input[type=number]", "8")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    page.locator("#step-prompt textarea").focus()
+    start = time.perf_counter()
+    page.keyboard.press("Control+Enter")
+    page.locator("#step-text .token").first.wait_for(timeout=300_000)
+    print(f"time to first token: {time.perf_counter() - start:.2f} s")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#step-chart .main-svg .bars, #step-chart .main-svg .trace", timeout=60_000)
+    assert page.locator("#step-status .dp-error").count() == 0
+
+
+def test_drag_a_stage_changes_the_chart_panel_order(page, live_app):
+    page.goto(live_app)
+    page.fill("#step-knob-max_new_tokens input[type=number]", "3")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    names = page.locator("#step-stage-list li .dp-stage-name")
+    order = names.all_inner_texts()
+    assert order.index("temperature") < order.index("top_p")
+    page.locator("#step-stage-list li[data-stage=top_p]").drag_to(page.locator("#step-stage-list li[data-stage=temperature]"),
+                                                                 target_position={"x": 20, "y": 2})
+    page.wait_for_function("() => document.querySelector('#step-stage-order textarea').value.startsWith('constraints, logit_bias, repetition_penalty, frequency_penalty, presence_penalty, dry, no_repeat_ngram, min_new_tokens, top_p')")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#step-chart .annotation-text")
+    joined = " | ".join(page.locator("#step-chart .annotation-text").all_text_contents()).lower()
+    assert 0 <= joined.find("top-p") < joined.find("temperature"), joined
+
+
+def test_keyboard_moves_a_stage(page, live_app):
+    page.goto(live_app)
+    page.locator("#step-stage-list li[data-stage=top_k] .dp-up").focus()
+    page.keyboard.press("Enter")
+    value = page.locator("#step-stage-order textarea").input_value()
+    assert value.split(", ").index("top_k") == value.split(", ").index("top_n_sigma") - 1
+
+
+def test_out_of_range_slider_value_is_refused_with_the_value_named(page, live_app):
+    page.goto(live_app)
+    box = page.locator("#step-knob-temperature input[type=number]")
+    box.fill("999")
+    box.press("Enter")
+    page.wait_for_selector("#step-knob-temperature .dp-refused")
+    assert "999" in page.locator("#step-knob-temperature .dp-refused").inner_text()
