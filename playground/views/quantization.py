@@ -14,19 +14,26 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine import drift
+from engine import drift, kv_arith
+from engine.config import KNOBS
 from engine.control import RunControl
 from engine.models import QUANTIZATIONS
 from engine.trace import to_dict
+from playground.charts import memory as memory_charts
 from playground.charts import quantization as charts
 
 from .. import downloads
-from ..events import stop_button
+from ..events import data_api, stop_button
 from ..shared import OutputSet, Shared, UserError, error_html, status_html
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DRIFT_TOKENS = (1, 128, 20)  # slider minimum, maximum, default
 KV_TOKENS = (2, 256, 48)
+KIND_TOKENS = (2, drift.MAX_KV_DRIFT_TOKENS, 40)
+DEFAULT_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
+SLIDING = "sliding-<N>"  # the checkbox; N comes from the window input
+DEFAULT_RESIDUAL = 8  # small, so a short run already shows the quantized part (the engine's default is 32)
+CUSTOM = "custom"
 
 
 @dataclass
@@ -115,6 +122,8 @@ def build_tab(shared: Shared) -> None:
     out = DriftOutputs(status, table, kl, texts, download)
     kv = _kv_section()
     _wire(shared, QuantInputs(prompt, chat, tokens, variants), measure, stop, out, kv)
+    _kinds_section(shared, prompt, chat, stop)
+    _calculator_section()
 
 
 @dataclass
@@ -184,3 +193,222 @@ def kv_cache_report(shared: Shared, prompt: str, chat: bool = False, max_new_tok
     report = drift.kv_cache_report(lm, prompt, chat, kv_tokens(max_new_tokens))
     control.check()
     return to_dict(report)
+
+
+# --- KV cache kinds: dynamic / quantized-int8 / quantized-int4 / sliding-<N> ------------------------
+@dataclass
+class KindOutputs(OutputSet):
+    status: Any
+    table: Any
+    memory: Any
+    per_token: Any
+    drift: Any
+    download: Any
+
+
+def kind_names(picked: list[str] | None, window: Any) -> list[str]:
+    """The ticked kinds, ``sliding-<N>`` filled in with the window (ValueError naming a bad one)."""
+    names = []
+    for kind in picked or []:
+        if kind == SLIDING:
+            if isinstance(window, float) and window.is_integer():
+                window = int(window)
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise UserError(f"sliding window: expected a positive whole number of positions, got {window!r}")
+            kind = f"sliding-{window}"
+        names.append(kind)
+    if not names:
+        raise UserError("kinds: tick at least one KV cache kind")
+    return names
+
+
+def kind_tokens(value: Any) -> int:
+    low, high, default = KIND_TOKENS
+    tokens = default if value is None else value
+    if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or not low <= tokens <= high:
+        raise UserError(f"max_new_tokens: {value!r} is out of range for the KV kinds report; allowed [{low}, {high}]")
+    return int(tokens)
+
+
+def residual(value: Any) -> int:
+    knob = KNOBS["kv_residual_length"]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not knob.low <= value <= knob.high:
+        raise UserError(f"kv_residual_length: {value!r} is out of range; allowed {knob.range_text()}")
+    return value
+
+
+def render_kinds(out: KindOutputs, report: drift.KVDriftReport, final: bool) -> dict:
+    done = len(report.kinds) + len(report.errors)
+    message = (f"done: {done} kinds, {report.max_new_tokens} greedy tokens" + (f" ({report.note})" if report.note else "")
+               if final else f"measured {done} of {len(report.requested)} kinds…")
+    updates = {out.status: status_html(message), out.table: memory_charts.kind_rows(report)}
+    if report.kinds:
+        updates |= {out.memory: memory_charts.memory_figure(report), out.per_token: memory_charts.bytes_per_token_figure(report),
+                    out.drift: memory_charts.kind_drift_figure(report)}
+    if final:
+        updates[out.download] = downloads.json_file("kv-cache-kinds-report.json", to_dict(report))
+    return updates
+
+
+def kinds_updates(out: KindOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, picked: list[str] | None,
+                  window: Any, residual_length: Any, model: str, quantization: str, control: RunControl) -> Iterator[dict]:
+    """Validate, then stream the KV kinds report as each kind finishes."""
+    kinds, tokens, res = kind_names(picked, window), kind_tokens(max_new_tokens), residual(residual_length)
+    lm = shared.lm(model, quantization)
+    shared.encode_prompt(lm, prompt, chat)
+    yield {out.status: status_html("full-precision reference: greedy run…")}
+    reports = drift.stream_kv_drift(lm, prompt, chat, tokens, kinds, res, control=control)
+    for n, report in enumerate(reports):
+        yield render_kinds(out, report, final=n == len(kinds))
+
+
+def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox, stop: gr.Button) -> None:
+    gr.Markdown("### KV cache kinds\\nThe header's model decodes the prompt with each kind of KV cache. "
+                + drift.KV_DRIFT_METHOD)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=330):
+            kinds = gr.CheckboxGroup([*DEFAULT_KINDS, SLIDING], value=list(DEFAULT_KINDS), label="KV cache kinds",
+                                     info="dynamic is the full-precision yardstick; quantized kinds use HQQ.",
+                                     elem_id="kinds-kinds")
+            window = gr.Number(16, precision=0, label="N of sliding-<N> (positions kept)", elem_id="kinds-window")
+            knob = KNOBS["kv_residual_length"]
+            res = gr.Slider(knob.low, 256, value=DEFAULT_RESIDUAL, step=1, label="kv_residual_length",
+                            info=knob.doc + " Larger than the run: nothing is quantized, no saving.", elem_id="kinds-residual")
+            low, high, default = KIND_TOKENS
+            tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens (greedy)", elem_id="kinds-tokens")
+            run = gr.Button("Measure KV cache kinds", variant="primary", elem_id="kinds-measure")
+            status = gr.HTML("", elem_id="kinds-status")
+        with gr.Column(scale=2, min_width=480):
+            table = gr.Dataframe(headers=memory_charts.KIND_HEADERS, value=[], interactive=False, wrap=True,
+                                 label="Per kind: bytes (teacher-forced pass), tokens/s (free-running), drift vs dynamic",
+                                 elem_id="kinds-table")
+            memory = gr.Plot(label="Cache memory over the run (free-running)", elem_id="kinds-memory")
+            per_token = gr.Plot(label="Bytes per token: measured vs formula", elem_id="kinds-per-token")
+            drift_plot = gr.Plot(label="KL per step against the full-precision cache (teacher-forced)", elem_id="kinds-drift")
+            download = gr.DownloadButton("Download report JSON", elem_id="kinds-download")
+    out = KindOutputs(status, table, memory, per_token, drift_plot, download)
+
+    def on_run(prompt_text: str, chat_on: bool, max_new: Any, picked: list[str] | None, n: Any, res_len: Any,
+               model: str, quant: str, *, control: RunControl) -> Iterator[dict]:
+        yield from kinds_updates(out, shared, prompt_text, chat_on, max_new, picked, n, res_len, model, quant, control)
+
+    event = shared.events.on([run.click], on_run, [prompt, chat, tokens, kinds, window, res, shared.model,
+                                                   shared.quantization], out.all(),
+                             on_error=lambda message: {out.status: error_html(message)}, what="measurement")
+    stop_button(stop, out.status, [event], status_html("stopped"))
+    shared.events.api(functools.partial(kv_cache_kinds_report, shared), "kv_cache_kinds_report", what="measurement")
+
+
+def kv_cache_kinds_report(shared: Shared, prompt: str, chat: bool = False, max_new_tokens: int = 32,
+                          kinds: list[str] | None = None, residual_length: int = 32, model: str = "embedded",
+                          quantization: str = "none", *, control: RunControl) -> dict:
+    """Per KV cache kind (dynamic | quantized-int8 | quantized-int4 | sliding-<N>; default the
+    first three): bytes per token measured from the cache tensors vs the formula, cache bytes over
+    the run, tokens/s, and drift against the full-precision cache (teacher-forced KL, top-1
+    agreement; free-running first divergence). ``residual_length``: kv_residual_length."""
+    lm = shared.lm(model, quantization)
+    shared.encode_prompt(lm, prompt, chat)
+    report = drift.kv_drift_report(lm, prompt, chat, kind_tokens(max_new_tokens), list(kinds or DEFAULT_KINDS),
+                                   residual(residual_length), control=control)
+    return to_dict(report)
+
+
+# --- the calculator: KV cache and weights of real models ------------------------------------------
+def _count(key: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}: expected a whole number, got {value!r}")
+    return value
+
+
+def architecture(name: str, layers: Any = None, heads: Any = None, kv_heads: Any = None, head_dim: Any = None,
+                 parameters_b: Any = None) -> kv_arith.Architecture:
+    """A well-known architecture by name, or ``custom`` from the typed numbers (parameters in billions)."""
+    if name != CUSTOM:
+        known = kv_arith.load_architectures()
+        if name not in known:
+            raise ValueError(f"architecture: expected one of {' | '.join([*known, CUSTOM])}, got {name!r}")
+        return known[name]
+    if isinstance(parameters_b, bool) or not isinstance(parameters_b, (int, float)) or not 0 < parameters_b <= 1e5:
+        raise ValueError(f"parameters_b: expected billions of parameters in (0, 100000], got {parameters_b!r}")
+    return kv_arith.Architecture("custom", _count("layers", layers), _count("heads", heads), _count("kv_heads", kv_heads),
+                                 _count("head_dim", head_dim), round(parameters_b * 1e9))
+
+
+def kv_calculator(architecture_name: str = "Llama-2-7B", context: int = 4096, batch: int = 1, kv_dtype: str = "fp16",
+                  weights_dtype: str = "fp16", layers: int | None = None, heads: int | None = None,
+                  kv_heads: int | None = None, head_dim: int | None = None, parameters_b: float | None = None) -> dict:
+    """KV cache and weights memory of a model: ``architecture_name`` (Llama-2-7B, Llama-3-8B,
+    Llama-3-70B, Mistral-7B, Qwen2.5-7B) or ``custom`` with layers / heads / kv_heads / head_dim /
+    parameters_b. KV bytes per token = 2 × layers × kv_heads × head_dim × bytes; GB are 1e9 bytes.
+    ``attention``: the same model as MHA, its own GQA (if any) and MQA side by side."""
+    arch = architecture(architecture_name, layers, heads, kv_heads, head_dim, parameters_b)
+    kv_arith.dtype_bytes(kv_dtype, "kv_dtype")
+    kv_arith.dtype_bytes(weights_dtype, "weights_dtype")
+    tokens, batch = _count("context", context), _count("batch", batch)
+    mine = kv_arith.estimate(arch, tokens, batch, kv_dtype, weights_dtype)
+    return {"architecture": to_dict(arch), "context": tokens, "batch": batch, "kv_dtype": kv_dtype,
+            "weights_dtype": weights_dtype, "estimate": to_dict(mine),
+            "kv_mb_per_token": mine.kv_bytes_per_token / 2**20,
+            "formula": (f"2 × {arch.layers} layers × {arch.kv_heads} KV heads × {arch.head_dim} head dim × "
+                        f"{kv_arith.dtype_bytes(kv_dtype):g} bytes = {mine.kv_bytes_per_token:,.0f} bytes per token"),
+            "attention": [to_dict(e) for e in kv_arith.compare_attention(arch, tokens, batch, kv_dtype, weights_dtype)],
+            "note": kv_arith.LECTURE_SLIP}
+
+
+@dataclass
+class CalcOutputs(OutputSet):
+    formula: Any
+    table: Any
+    chart: Any
+
+
+def calculator_updates(out: CalcOutputs, *values: Any) -> dict:
+    """The calculator's outputs for its inputs, or the error in place of the formula."""
+    try:
+        data = kv_calculator(*values)
+    except ValueError as exc:
+        return {out.formula: error_html(str(exc))}
+    rows = [kv_arith.MemoryEstimate(**e) for e in data["attention"]]
+    text = (f"<b>KV cache per token:</b> {data['formula']} ({data['kv_mb_per_token']:.3g} MiB) · "
+            f"<b>{data['estimate']['kv_cache_gb']:,.2f} GB</b> for {data['context']:,} tokens × batch {data['batch']}; "
+            f"weights {data['estimate']['weights_gb']:,.2f} GB.<br><small>{data['note']}</small>")
+    return {out.formula: f'<div class="dp-status" id="calc-result">{text}</div>',
+            out.table: memory_charts.calculator_rows(rows), out.chart: memory_charts.calculator_figure(rows)}
+
+
+def _calculator_section() -> None:
+    gr.Markdown("### KV cache calculator\nKV cache bytes = 2 (K and V) × layers × KV heads × head dim × bytes × tokens × "
+                "batch. Grouped-query (GQA) and multi-query (MQA) attention shrink it by sharing KV heads.")
+    names = [*kv_arith.load_architectures(), CUSTOM]
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=330):
+            arch = gr.Dropdown(names, value=names[0], label="Architecture", elem_id="calc-arch",
+                               info="Config values from each model's config.json (engine/assets/architectures.json); "
+                                    "'custom' uses the numbers below.")
+            with gr.Row():
+                context = gr.Number(4096, precision=0, label="context (tokens)", elem_id="calc-context")
+                batch = gr.Number(1, precision=0, label="batch", elem_id="calc-batch")
+            with gr.Row():
+                kv_dtype = gr.Dropdown(list(kv_arith.DTYPE_BYTES), value="fp16", label="KV dtype", elem_id="calc-kv-dtype")
+                w_dtype = gr.Dropdown(list(kv_arith.DTYPE_BYTES), value="fp16", label="weights dtype",
+                                      elem_id="calc-w-dtype")
+            with gr.Accordion("custom architecture", open=False):
+                custom = [gr.Number(v, precision=0, label=label, elem_id=f"calc-{key}") for key, label, v in
+                          (("layers", "layers", 32), ("heads", "query heads", 32), ("kv-heads", "KV heads", 8),
+                           ("head-dim", "head dim", 128))]
+                params = gr.Number(7.0, label="parameters (billions)", elem_id="calc-params")
+        first = calculator_updates(CalcOutputs("formula", "table", "chart"), names[0], 4096, 1, "fp16", "fp16")
+        with gr.Column(scale=2, min_width=480):
+            formula = gr.HTML(first["formula"], elem_id="calc-formula")
+            table = gr.Dataframe(first["table"], headers=memory_charts.CALCULATOR_HEADERS, interactive=False,
+                                 label="MHA vs GQA vs MQA (weights kept as the real model's)", elem_id="calc-table")
+            chart = gr.Plot(first["chart"], label="weights + KV cache", elem_id="calc-chart")
+    out = CalcOutputs(formula, table, chart)
+    inputs = [arch, context, batch, kv_dtype, w_dtype, *custom, params]
+    for component in inputs:
+        component.change(lambda *v: calculator_updates(out, *v), inputs, out.all(), api_visibility="private", queue=False)
+    data_api(kv_calculator, "kv_calculator", what="calculation")
