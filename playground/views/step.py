@@ -119,7 +119,7 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
         out.text: charts.token_highlights(trace.steps, colour_by),
         out.step: gr.update(maximum=max(1, last), value=sel),
         out.runs: gr.update(choices=[(_run_label(i, t), i) for i, t in enumerate(session.runs)], value=session.current),
-        out.summary: charts.summary_markdown(trace),
+        out.summary: charts.summary_markdown(trace, running=not full),
         out.status: status,
         out.session: session,
     }
@@ -169,8 +169,15 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
                                                        branch_of=at)
             note = f"generating… {len(steps) - (at or 0)} / {req.config.max_new_tokens} tokens"
             yield render(out, session, None, req.colour_by, status_html(note), full=False)
-    done = f"done: {len(steps)} tokens, stopped by {session.runs[index].stop_reason}. Click any token to inspect it."
-    yield render(out, session, at if at is not None else 0, req.colour_by, status_html(done))
+    done = (f"done: {len(steps)} tokens, stopped by {session.runs[index].stop_reason}. Showing the most uncertain "
+            f"step; click any token (or use ←/→) to inspect another.")
+    yield render(out, session, at if at is not None else most_uncertain(session.runs[index].steps), req.colour_by,
+                 status_html(done))
+
+
+def most_uncertain(steps: list) -> int:
+    """The step with the highest entropy (the first of ties): the one whose chart teaches most."""
+    return max(range(len(steps)), key=lambda i: (steps[i].entropy, -i)) if steps else 0
 
 
 def build_tab(shared: Shared) -> PanelView:
