@@ -61,7 +61,7 @@ def _copy_link(page) -> str:
         button, box = "#dp-copy-link", "dp-share-link"
     page.locator(button).click()
     page.wait_for_function(
-        f"(document.querySelector('#{box} textarea, #{box} input') || {{}}).value?.includes('share=s1.')",
+        f"(document.querySelector('#{box} textarea, #{box} input') || {{}}).value?.includes('share=s2.')",
         timeout=30_000)
     return textbox(page, box).input_value()
 
@@ -73,7 +73,7 @@ def test_copy_link_opens_the_same_state(live_app, page):
     seed.fill("77")
     seed.press("Enter")
     link = _copy_link(page)
-    assert link.startswith(live_app) and "share=s1." in link
+    assert link.startswith(live_app) and "share=s2." in link
     other = page.context.new_page()
     other.goto(link)
     wait_value(other, "step-prompt", "Round trip: ünïcode & ?query#hash")

@@ -7,6 +7,8 @@ it as your own, export it, or see it in another tool's terms. Nothing here touch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any
 
 import gradio as gr
@@ -102,8 +104,7 @@ def build_tab(shared: Shared) -> None:
     gr.Markdown("#### Built-in library")
     gr.Dataframe(table_rows(list(builtin_presets().values())), headers=TABLE_HEADERS, interactive=False,
                  wrap=True, column_widths=COLUMN_WIDTHS, elem_id="presets-library")
-    c["interop"] = (target, interop_text, interop_notes, interop_file)
-    _wire_editor(shared, c)
+    _wire_editor(shared, c, Interop(target, interop_text, interop_notes, interop_file))
     _wire_mine(shared, c, m)
     _wire_import(shared, c, m)
     data_api(validate_api, "preset_validate")
@@ -111,7 +112,44 @@ def build_tab(shared: Shared) -> None:
     data_api(share_link_api, "share_link")
 
 
-def _editor_column() -> dict[str, Any]:
+@dataclass(frozen=True)
+class Interop:
+    """The "use this preset in another tool" panel."""
+
+    target: gr.Radio
+    text: gr.Code
+    notes: gr.Markdown
+    file: gr.File
+
+
+@dataclass(frozen=True)
+class Editor:
+    """The preset editor column: picker, JSON, status, save and export controls."""
+
+    picker: gr.Dropdown
+    editor: gr.Code
+    status: gr.HTML
+    save_name: gr.Textbox
+    save: gr.Button
+    export_one: gr.Button
+    export_mine: gr.Button
+    export_library: gr.Button
+    exported: gr.File
+
+
+@dataclass(frozen=True)
+class Mine:
+    """The "your presets" column: table, picker, rename/delete and import."""
+
+    table: gr.Dataframe
+    chosen: gr.Dropdown
+    new_name: gr.Textbox
+    rename: gr.Button
+    delete: gr.Button
+    upload: gr.File
+
+
+def _editor_column() -> Editor:
     picker = gr.Dropdown(ui.preset_choices([])[1:], value=DEFAULT_CHOICE, label="Preset", elem_id="presets-picker",
                          info="Built-ins, then yours (★).")
     editor = gr.Code(builtin_presets()[DEFAULT_CHOICE].to_json(), language="json", label="Preset JSON",
@@ -126,12 +164,10 @@ def _editor_column() -> dict[str, Any]:
         export_mine = gr.Button("Export all my presets", size="sm", elem_id="presets-export-mine")
         export_library = gr.Button("Export the built-in library", size="sm", elem_id="presets-export-library")
     exported = gr.File(label="Exported file", interactive=False, height=90, visible=False, elem_id="presets-exported")
-    return {"picker": picker, "editor": editor, "status": status, "save_name": save_name, "save": save,
-            "export_one": export_one, "export_mine": export_mine, "export_library": export_library,
-            "exported": exported}
+    return Editor(picker, editor, status, save_name, save, export_one, export_mine, export_library, exported)
 
 
-def _mine_column() -> dict[str, Any]:
+def _mine_column() -> Mine:
     gr.Markdown("#### Your presets\nKept in this browser's storage: they survive reloads and app restarts, "
                 "and no one else can see them.")
     table = gr.Dataframe([], headers=TABLE_HEADERS, interactive=False, wrap=True, column_widths=COLUMN_WIDTHS,
@@ -143,12 +179,11 @@ def _mine_column() -> dict[str, Any]:
         delete = gr.Button("Delete", size="sm", variant="stop", scale=1, elem_id="presets-delete")
     upload = gr.File(label="Import presets (.json: one preset or a list)", file_types=[".json"], type="filepath",
                      elem_id="presets-import")
-    return {"table": table, "chosen": chosen, "new_name": new_name, "rename": rename, "delete": delete,
-            "upload": upload}
+    return Mine(table, chosen, new_name, rename, delete, upload)
 
 
-def _wire_editor(shared: Shared, c: dict[str, Any]) -> None:
-    target, interop_text, interop_notes, interop_file = c["interop"]
+def _wire_editor(shared: Shared, c: Editor, interop: Interop) -> None:
+    target, interop_text, interop_notes, interop_file = interop.target, interop.text, interop.notes, interop.file
 
     def on_pick(choice: str, stored: Any):
         preset = ui.find_preset(choice, stored)
@@ -160,10 +195,10 @@ def _wire_editor(shared: Shared, c: dict[str, Any]) -> None:
         return gr.update(value=out_text, language=language), notes, gr.update(value=path, visible=path is not None)
 
     private = {"api_visibility": "private"}
-    c["picker"].input(on_pick, [c["picker"], shared.user_presets], [c["editor"], c["status"]], **private
-                      ).then(on_interop, [c["editor"], target], [interop_text, interop_notes, interop_file], **private)
+    c.picker.input(on_pick, [c.picker, shared.user_presets], [c.editor, c.status], **private
+                      ).then(on_interop, [c.editor, target], [interop_text, interop_notes, interop_file], **private)
     # blur, not input: the export (and its file) is rebuilt once per edit, not once per keystroke
-    gr.on([c["editor"].blur, target.change], on_interop, [c["editor"], target],
+    gr.on([c.editor.blur, target.change], on_interop, [c.editor, target],
           [interop_text, interop_notes, interop_file], **private)
 
     def on_export(what: str, text: str, stored: Any):
@@ -178,12 +213,12 @@ def _wire_editor(shared: Shared, c: dict[str, Any]) -> None:
         except PresetError as exc:
             return gr.update(value=None, visible=False), error_html(str(exc))
 
-    for what in ("one", "mine", "library"):
-        c[f"export_{what}"].click(lambda text, stored, what=what: on_export(what, text, stored),
-                                  [c["editor"], shared.user_presets], [c["exported"], c["status"]], **private)
+    for what, button in (("one", c.export_one), ("mine", c.export_mine), ("library", c.export_library)):
+        button.click(lambda text, stored, what=what: on_export(what, text, stored),
+                                  [c.editor, shared.user_presets], [c.exported, c.status], **private)
 
 
-def _wire_mine(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
+def _wire_mine(shared: Shared, c: Editor, m: Mine) -> None:
     private = {"api_visibility": "private"}
 
     def refresh(stored: Any, choice: str, mine_choice: str):
@@ -194,8 +229,8 @@ def _wire_mine(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
                 gr.update(choices=choices, value=choice if choice in choices else DEFAULT_CHOICE),
                 error_html("; ".join(errors)) if errors else gr.update())
 
-    shared.user_presets.change(refresh, [shared.user_presets, c["picker"], m["chosen"]],
-                               [m["table"], m["chosen"], c["picker"], c["status"]], **private)
+    shared.user_presets.change(refresh, [shared.user_presets, c.picker, m.chosen],
+                               [m.table, m.chosen, c.picker, c.status], **private)
 
     def on_save(text: str, name: str, stored: Any):
         try:
@@ -206,7 +241,7 @@ def _wire_mine(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
             return gr.update(), error_html(str(exc))
         return new, status_html(f"Saved {preset.name!r} in this browser.")
 
-    c["save"].click(on_save, [c["editor"], c["save_name"], shared.user_presets], [shared.user_presets, c["status"]],
+    c.save.click(on_save, [c.editor, c.save_name, shared.user_presets], [shared.user_presets, c.status],
                     **private)
 
     def on_change(action: str, stored: Any, chosen: str, new_name: str):
@@ -220,13 +255,13 @@ def _wire_mine(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
         except PresetError as exc:
             return gr.update(), error_html(str(exc))
 
-    for action in ("rename", "delete"):
-        m[action].click(lambda stored, chosen, new, action=action: on_change(action, stored, chosen, new),
-                        [shared.user_presets, m["chosen"], m["new_name"]], [shared.user_presets, c["status"]],
+    for action, button in (("rename", m.rename), ("delete", m.delete)):
+        button.click(lambda stored, chosen, new, action=action: on_change(action, stored, chosen, new),
+                        [shared.user_presets, m.chosen, m.new_name], [shared.user_presets, c.status],
                         **private)
 
 
-def _wire_import(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
+def _wire_import(shared: Shared, c: Editor, m: Mine) -> None:
     def on_upload(path: str | None, stored: Any):
         try:
             new, imported, errors = ui.import_user_presets(stored, ui.read_upload(path))
@@ -236,5 +271,5 @@ def _wire_import(shared: Shared, c: dict[str, Any], m: dict[str, Any]) -> None:
         html = status_html(message) + "".join(error_html(e) for e in errors[:20])
         return new, html, None
 
-    m["upload"].upload(on_upload, [m["upload"], shared.user_presets], [shared.user_presets, c["status"], m["upload"]],
+    m.upload.upload(on_upload, [m.upload, shared.user_presets], [shared.user_presets, c.status, m.upload],
                        api_visibility="private")
