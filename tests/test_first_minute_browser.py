@@ -22,6 +22,10 @@ def small_page(browser):
     context.close()
 
 
+def open_step(page) -> None:
+    page.click("button[role=tab]:has-text('Step through')")
+
+
 def in_first_screen(page, selector: str) -> bool:
     box = page.locator(selector).bounding_box()
     return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 720 and box["x"] + box["width"] <= 1280
@@ -31,6 +35,8 @@ def test_generate_on_first_screen_and_ctrl_enter_runs(small_page, live_app, arti
     page = small_page
     start = time.perf_counter()
     page.goto(live_app)
+    page.locator("button[role=tab]").first.wait_for(state="visible")  # the Lessons tab may come first
+    open_step(page)
     page.locator("#step-generate").wait_for(state="visible")
     page.wait_for_function("() => !document.querySelector('#step-generate').disabled")
     print(f"\ntime to interactive: {time.perf_counter() - start:.2f} s")
@@ -53,6 +59,7 @@ def test_generate_on_first_screen_and_ctrl_enter_runs(small_page, live_app, arti
 
 def test_drag_a_stage_changes_the_chart_panel_order(page, live_app):
     page.goto(live_app)
+    open_step(page)
     page.fill("#step-knob-max_new_tokens input[type=number]", "3")
     page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
     names = page.locator("#step-stage-list li .dp-stage-name")
@@ -70,6 +77,7 @@ def test_drag_a_stage_changes_the_chart_panel_order(page, live_app):
 
 def test_keyboard_moves_a_stage(page, live_app):
     page.goto(live_app)
+    open_step(page)
     page.locator("#step-stage-list li[data-stage=top_k] .dp-up").focus()
     page.keyboard.press("Enter")
     value = page.locator("#step-stage-order textarea").input_value()
@@ -78,8 +86,40 @@ def test_keyboard_moves_a_stage(page, live_app):
 
 def test_out_of_range_slider_value_is_refused_with_the_value_named(page, live_app):
     page.goto(live_app)
+    open_step(page)
     box = page.locator("#step-knob-temperature input[type=number]")
     box.fill("999")
     box.press("Enter")
     page.wait_for_selector("#step-knob-temperature .dp-refused")
     assert "999" in page.locator("#step-knob-temperature .dp-refused").inner_text()
+
+
+def test_screenshots_for_the_readme(browser, live_app):
+    """docs/: each view's first screen at 1280x720 (Step through after a run) and Step through on a phone."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    context = browser.new_context(viewport={"width": 1280, "height": 720})
+    page = context.new_page()
+    page.set_default_timeout(120_000)
+    page.goto(live_app)
+    open_step(page)
+    page.fill("#step-knob-max_new_tokens input[type=number]", "12")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#step-chart .js-plotly-plot")
+    page.screenshot(path=str(docs / "step-through.png"))
+    for title, name in (("Compare", "compare"), ("Beam search", "beam"), ("Speculative", "speculative")):
+        page.click(f"button[role=tab]:has-text('{title}')")
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(docs / f"{name}.png"))
+    context.close()
+    phone = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
+    page = phone.new_page()
+    page.goto(live_app)
+    open_step(page)
+    page.locator("#step-generate").wait_for(state="visible")
+    page.screenshot(path=str(docs / "step-phone.png"))
+    phone.close()
+    assert (docs / "step-phone.png").stat().st_size > 0
