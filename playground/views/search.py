@@ -255,7 +255,8 @@ def first_tokens(lm: LoadedModel, trace: Trace, rounds: list[MedusaRound]) -> li
 
 
 def medusa_render(out: MedusaOutputs, session: MedusaSession, status: str) -> dict:
-    last = session.rounds[-1].index if session.rounds else None
+    # open on the round that accepted most head tokens (the last one usually has no room to draft)
+    last = max(session.rounds, key=lambda r: (r.num_accepted, -r.index)).index if session.rounds else None
     tpf = session.trace.summary.get("tokens_per_target_forward") if session.trace else None
     updates = round_updates(out, session, last) | {
         out.status: status, out.accept: medusa_charts.accept_figure(session.rounds, tpf),
