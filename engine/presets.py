@@ -118,7 +118,8 @@ def _check_body(body: dict) -> None:
     """Validate key by key, so every message names its key even for values whose own repr fails."""
     for key, value in body.items():
         if key not in CONFIG_KEYS:
-            raise PresetError(f"{_key_label(key)}: unknown key{_suggest(key)}; allowed keys: {', '.join(PRESET_KEYS)}")
+            suggestion = _suggest(key)  # a close match says enough; otherwise list every key
+            raise PresetError(f"{_key_label(key)}: unknown key" + (suggestion or f"; allowed keys: {', '.join(PRESET_KEYS)}"))
         try:
             if key == "stage_order":
                 check_stage_order(value)

@@ -123,7 +123,7 @@ def test_speculative_self_int8_preset_runs(embedded):
     (valid(top_k=2.5), "top_k: expected an integer"),
     (valid(top_k=10**5000), "top_k:"),  # a 5000-digit integer: its repr itself fails in Python
     (valid(temperature=10**400), "temperature:"),  # too big for a float
-    (valid(stop="END"), "stop: expected a list of at most 8 strings"),
+    (valid(stop="END"), "stop: expected a list of strings, got a single string 'END'; write ['END']"),
     (valid(stop=[[["deep"]]]), "stop:"),
     (valid(stage_order=["top_k", "top_k"]), "stage_order: stage 'top_k' appears twice"),
     (valid(stage_order=["warp"]), "stage_order: unknown stage 'warp'"),
