@@ -130,3 +130,72 @@ def test_whatif_note_names_the_changed_knob(tiny_lm, trace):
     changed, _ = whatif.whatif_step(tiny_lm, trace, 1, {"temperature": 2.0}, None, "k")
     note = whatif.whatif_note(trace.steps[1], changed, {"temperature": 2.0, "seed": 5}, trace.config)
     assert "temperature = 2.0" in note and "seed" not in note
+
+
+# --- lessons and presenter helpers ------------------------------------------------------------
+def test_lesson_links_round_trip_and_bad_links_name_the_key():
+    from playground.views import lessons as view
+
+    text = (next(iter(sorted(__import__("pathlib").Path("presets/lessons").glob("*.json"))))).read_text()
+    lesson = view.lesson_from_token(view.lesson_token(text))
+    assert lesson == next(iter(builtin_lessons().values()))
+    assert view.lesson_from_token("temperature").id == "temperature"
+    for bad in ("no-such-lesson", "l1.!!!", "l1." + "A" * 50, 42):
+        with pytest.raises(ValueError, match="^lesson:"):
+            view.lesson_from_token(bad)
+
+
+def test_pasted_lesson_with_a_bad_key_is_refused_by_name():
+    from engine.lessons import LessonError, parse_lesson_json
+
+    with pytest.raises(LessonError, match="^steps:"):
+        parse_lesson_json(json.dumps({"version": 1, "id": "x", "title": "t", "view": "step", "prompt": "p",
+                                      "preset": {"version": 1, "name": "g", "strategy": "greedy"}, "steps": ["one"]}))
+
+
+def test_list_lessons_is_strict_json_with_the_issue_fields():
+    from playground.views.lessons import list_lessons
+
+    items = list_lessons()
+    assert len(items) >= 8
+    json.dumps(items, allow_nan=False)
+    for item in items:
+        assert {"id", "title", "view", "preset", "prompt", "steps"} <= set(item) and 2 <= len(item["steps"]) <= 5
+
+
+def test_presenter_chart_labels_are_projector_sized(trace):
+    from playground.views.presenter import presenter_chart, context_html
+
+    fig = presenter_chart(trace, 2)
+    assert fig.layout.yaxis.tickfont.size >= 18 and fig.layout.font.size >= 18
+    hidden, shown = context_html(trace, 2, True), context_html(trace, 2, False)
+    assert ">?</mark>" in hidden and "p = " not in hidden and "p = " in shown
+
+
+# --- the endpoints over gradio_client ---------------------------------------------------------
+@pytest.mark.slow
+def test_explore_step_endpoint_reproduces_the_traces_stages(live_app):
+    from gradio_client import Client
+
+    client = Client(live_app, verbose=False)
+    data = client.predict("Write one word about rain.", {"max_new_tokens": 5, "seed": 2}, "balanced", True,
+                          api_name="/step_trace")
+    for step in (0, len(data["steps"]) - 1):
+        stages = client.predict(data, step, {}, api_name="/explore_step")
+        assert [s["name"] for s in stages] == [s["name"] for s in data["steps"][step]["stages"]]
+        for got, want in zip(stages, data["steps"][step]["stages"]):
+            assert got["kept"] == want["kept"]
+            assert [t["token_id"] for t in got["top"]] == [t["token_id"] for t in want["top"]]
+            assert all(abs(a["prob"] - b["prob"]) < 1e-4 for a, b in zip(got["top"], want["top"]))
+    hot = client.predict(data, 0, {"temperature": 3.0, "top_p": 1.0, "top_k": 0}, api_name="/explore_step")
+    assert hot[-1]["entropy"] > data["steps"][0]["stages"][-1]["entropy"]
+    with pytest.raises(Exception, match="temperature"):
+        client.predict(data, 0, {"temperature": -2}, api_name="/explore_step")
+
+
+@pytest.mark.slow
+def test_lessons_endpoint_lists_the_builtin_lessons(live_app):
+    from gradio_client import Client
+
+    items = Client(live_app, verbose=False).predict(api_name="/lessons")
+    assert [i["id"] for i in items] == list(builtin_lessons())

@@ -1,0 +1,281 @@
+"""Lessons (the first tab): the guided lessons of engine.lessons, each 2-5 steps of text and a ready
+configuration. "Run and check" runs the lesson on the model, selects its step
+(``lessons.selected_step``) and shows the outcome sentence its check verifies
+(``lessons.evaluate``); "Open in its view" puts the prompt and preset into the lesson's view.
+A presenter can paste their own lesson JSON and share it by link (``?lesson=<token>``, with
+``&present=1`` for the presenter view). API: ``/lessons`` lists the built-in lessons.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import gradio as gr
+
+from engine import lessons as engine_lessons
+from engine.control import RunControl
+from engine.lessons import Lesson, LessonError, Outcome, parse_lesson_json
+from engine.trace import Trace
+from playground.charts import step as charts
+
+from ..events import data_api
+from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, status_html
+from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
+
+LESSON_PARAM = "lesson"
+TOKEN_PREFIX = "l1."
+MAX_TOKEN_CHARS = 6_000
+MAX_LESSON_BYTES = 32_768
+
+
+# --- lessons in links -------------------------------------------------------------------------
+def lesson_token(text: str) -> str:
+    """A URL-safe token carrying a lesson's JSON text (raw deflate + base64url)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    packed = packer.compress(text.encode("utf-8")) + packer.flush()
+    token = TOKEN_PREFIX + base64.urlsafe_b64encode(packed).decode("ascii").rstrip("=")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise UserError(f"lesson: {len(token):,} characters is too long for a link (limit {MAX_TOKEN_CHARS:,})")
+    return token
+
+
+def lesson_from_token(token: Any) -> Lesson:
+    """A built-in lesson id, or a token from ``lesson_token``, as a validated Lesson (LessonError if bad)."""
+    if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
+        raise LessonError("lesson: the link's lesson is not text or is too long")
+    builtin = engine_lessons.builtin_lessons()
+    if token in builtin:
+        return builtin[token]
+    if not token.startswith(TOKEN_PREFIX):
+        raise LessonError(f"lesson: no built-in lesson is called {token[:40]!r}")
+    body = token[len(TOKEN_PREFIX):]
+    try:
+        unpacker = zlib.decompressobj(-15)
+        raw = unpacker.decompress(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)), MAX_LESSON_BYTES + 1)
+    except (ValueError, zlib.error):
+        raise LessonError("lesson: the link is damaged; was it copied whole?") from None
+    if len(raw) > MAX_LESSON_BYTES or not unpacker.eof:
+        raise LessonError("lesson: the link is damaged or over the size limit")
+    return parse_lesson_json(raw)
+
+
+def steps_markdown(lesson: Lesson) -> str:
+    steps = "\n".join(f"{i}. {html.escape(s)}" for i, s in enumerate(lesson.steps, start=1))
+    runs = ", ".join(html.escape(p.name) for p in lesson.runs)
+    return (f"### {html.escape(lesson.title)}\n\n{steps}\n\n<small>Opens the **{lesson.view}** view · "
+            f"prompt: {html.escape(repr(lesson.prompt))} · runs: {runs}</small>")
+
+
+# --- running ----------------------------------------------------------------------------------
+@dataclass
+class LessonSession:
+    """One page's lesson: the Lesson, its runs' traces once run, and the check's outcome."""
+
+    lesson: Lesson
+    traces: list[Trace] = field(default_factory=list)
+    outcome: Outcome | None = None
+
+    def first(self) -> Trace | None:
+        return self.traces[0] if self.traces else None
+
+
+def outcome_html(outcome: Outcome) -> str:
+    mark, cls = ("✓", "dp-status") if outcome.ok else ("✗ not shown on this run:", "dp-error")
+    return f'<div class="{cls}" id="lesson-outcome-text">{mark} {html.escape(outcome.summary)}</div>'
+
+
+def runs_markdown(lesson: Lesson, traces: Sequence[Trace]) -> str:
+    return "\n\n".join(f"**{html.escape(p.name)}**: {html.escape(''.join(s.chosen_token for s in t.steps))}"
+                       for p, t in zip(lesson.runs, traces))
+
+
+def list_lessons() -> list[dict]:
+    """Every built-in lesson as ``Lesson.to_dict()`` (id, title, view, preset, prompt, steps...)."""
+    return [lesson.to_dict() for lesson in engine_lessons.builtin_lessons().values()]
+
+
+@dataclass
+class LessonsTab:
+    """The tab's components; ``wire_open`` needs the other views' handles, so the app calls it last."""
+
+    shared: Shared
+    pick: gr.Dropdown
+    steps: gr.Markdown
+    open_btn: gr.Button
+    run_btn: gr.Button
+    status: gr.HTML
+    outcome: gr.HTML
+    texts: gr.Markdown
+    chart: gr.Plot
+    custom: gr.Textbox
+    load_btn: gr.Button
+    link: gr.Textbox
+    present: gr.Checkbox
+    base_url: gr.Textbox
+    presenter: PresenterPanel
+    session: gr.State = None
+
+    def current(self, session: LessonSession | None, choice: str) -> Lesson:
+        if session is not None and (choice == session.lesson.id or choice is None):
+            return session.lesson
+        return lesson_from_token(choice or "")
+
+    def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, *,
+               control: RunControl) -> Iterator[dict]:
+        lesson = self.current(session, choice)
+        lm = self.shared.lm(model, quant)
+        ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
+        yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: ""}
+        traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=ids, control=control)
+                  for p in lesson.runs]
+        session = LessonSession(lesson, traces)
+        first = traces[0]
+        at = engine_lessons.selected_step(first, lesson.select_step)
+        updates = {self.texts: runs_markdown(lesson, traces), self.session: session,
+                   self.chart: charts.stage_chart(first.steps[at]) if first.steps else None,
+                   self.status: status_html(f"done: step {at} of the first run selected; checking the claim…")}
+        updates |= self.presenter.show(first, at, False)
+        yield updates
+        registry = CheckedRegistry(self.shared.registry, self.shared.policy)
+        session.outcome = engine_lessons.evaluate(lm, lesson, traces, registry)
+        yield {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
+
+    # --- wiring -----------------------------------------------------------------------------------
+    def on_pick(self, choice: str, session: LessonSession | None) -> dict:
+        try:
+            lesson = self.current(session, choice)
+        except LessonError as exc:
+            return {self.status: error_html(str(exc))}
+        return {self.steps: steps_markdown(lesson), self.status: "", self.outcome: ""}
+
+    def on_load_custom(self, text: str, session: LessonSession | None) -> dict:
+        """A pasted lesson JSON: validated (the error names the key), then shown and offered."""
+        try:
+            lesson = parse_lesson_json(text or "")
+        except LessonError as exc:
+            return {self.status: error_html(str(exc))}
+        choices = [(l.title, l.id) for l in engine_lessons.builtin_lessons().values() if l.id != lesson.id]
+        return {self.session: LessonSession(lesson), self.steps: steps_markdown(lesson), self.outcome: "",
+                self.pick: gr.update(choices=[*choices, (f"{lesson.title} (yours)", lesson.id)], value=lesson.id),
+                self.status: status_html("lesson loaded: press Run and check")}
+
+    def on_link(self, choice: str, session: LessonSession | None, custom: str, base_url: str) -> dict:
+        """The lesson's share link (a built-in by id, a pasted one carried whole) and its QR code."""
+        try:
+            lesson = self.current(session, choice)
+            builtin = engine_lessons.builtin_lessons().get(lesson.id)
+            value = lesson.id if builtin == lesson else lesson_token(custom)
+        except (LessonError, UserError) as exc:
+            return {self.link: "", self.status: error_html(str(exc))}
+        query = f"{LESSON_PARAM}={value}"
+        return {self.link: f"{base_url}?{query}" if base_url else f"?{query}",
+                self.presenter.qr: qr_block(base_url, f"{query}&{PRESENT_PARAM}=1")}
+
+    def wire(self) -> None:
+        local = {"api_visibility": "private", "queue": False}
+        self.pick.change(self.on_pick, [self.pick, self.session], [self.steps, self.status, self.outcome], **local)
+        self.load_btn.click(self.on_load_custom, [self.custom, self.session],
+                            [self.session, self.steps, self.outcome, self.pick, self.status], **local)
+        link_io = ([self.pick, self.session, self.custom, self.base_url], [self.link, self.presenter.qr, self.status])
+        gr.on([self.pick.change, self.base_url.change, self.load_btn.click], self.on_link, *link_io, **local)
+        self.present.change(lambda on: gr.update(visible=bool(on)), [self.present], [self.presenter.column], **local)
+        outputs = [self.status, self.outcome, self.texts, self.chart, self.session, self.presenter.text,
+                   self.presenter.chart, self.presenter.index]
+        self.shared.events.on([self.run_btn.click], self.on_run,
+                               [self.pick, self.session, self.shared.model, self.shared.quantization], outputs,
+                               on_error=lambda message: {self.status: error_html(message)}, what="lesson")
+        self.presenter.wire(lambda s: s.first() if isinstance(s, LessonSession) else None, self.session)
+        data_api(list_lessons, "lessons")
+
+    def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any]) -> None:
+        """Page load: ``?lesson=`` opens that lesson, ``?present=1`` the presenter view; Open fills the
+        lesson's view (prompt, chat, the first run's preset) and switches to its tab."""
+        demo.load(None, None, [self.base_url], js="() => window.location.origin + window.location.pathname",
+                  api_visibility="private")
+        demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
+        demo.load(self.on_query, None, [self.session, self.pick, self.steps, self.present, self.status],
+                  api_visibility="private")
+        handles = {v.name: v for v in views if isinstance(v, PanelView)}
+        targets = [tabs, self.status]
+        for view in handles.values():
+            targets += [view.prompt, *([view.chat] if view.chat is not None else []), *view.panel.inputs,
+                        view.panel.preset, view.panel.modified]
+
+        def on_open(choice: str, session: LessonSession | None, stored: Any) -> dict:
+            try:
+                lesson = self.current(session, choice)
+            except LessonError as exc:
+                return {self.status: error_html(str(exc))}
+            runs = "; ".join(f"{p.name} ({p.config.strategy})" for p in lesson.runs)
+            note = status_html(f"opened in {lesson.view}: prompt {lesson.prompt!r}; runs: {runs}")
+            return (open_updates(lesson, handles.get(lesson.view), stored)
+                    | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note})
+
+        self.open_btn.click(on_open, [self.pick, self.session, self.shared.user_presets], targets,
+                            api_visibility="private", queue=False)
+
+    def on_query(self, request: gr.Request) -> dict:
+        params: Mapping[str, str] = dict(request.query_params) if request is not None else {}
+        updates: dict = {self.present: params.get(PRESENT_PARAM) == "1"}
+        if LESSON_PARAM not in params:
+            return updates
+        try:
+            lesson = lesson_from_token(params[LESSON_PARAM])
+        except LessonError as exc:
+            return updates | {self.status: error_html(f"This lesson link could not be opened ({exc}).")}
+        choices = [(l.title, l.id) for l in engine_lessons.builtin_lessons().values()]
+        if lesson.id not in dict((v, k) for k, v in choices):
+            choices.append((f"{lesson.title} (shared)", lesson.id))
+        return updates | {self.session: LessonSession(lesson), self.steps: steps_markdown(lesson),
+                          self.pick: gr.update(choices=choices, value=lesson.id)}
+
+
+def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
+    """Updates putting ``lesson``'s prompt and first preset into ``view`` (None: a view without a
+    knob panel, e.g. Compare, whose lanes the status lists instead)."""
+    from ..user_presets import matching_choice
+
+    if view is None:
+        return {}
+    preset = lesson.runs[0]
+    choice, modified = matching_choice(preset.config, stored, preset.name)
+    updates = {view.prompt: lesson.prompt} | view.panel.apply_preset(preset, choice, modified)
+    if view.chat is not None:
+        updates[view.chat] = lesson.chat
+    return updates
+
+
+def build_tab(shared: Shared) -> LessonsTab:
+    """The Lessons tab: pick, read, run and check a lesson; the presenter view lives here too."""
+    lessons = engine_lessons.builtin_lessons()
+    first = next(iter(lessons.values()))
+    gr.Markdown("Short guided tours of one decoding idea each. Pick a lesson, read its steps, press **Run and check** "
+                "(or **Open in its view** to explore it there).", elem_id="lessons-intro")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=300):
+            pick = gr.Dropdown([(l.title, l.id) for l in lessons.values()], value=first.id, label="Lesson",
+                               elem_id="lessons-pick")
+            steps = gr.Markdown(steps_markdown(first), elem_id="lessons-steps")
+            with gr.Row():
+                run_btn = gr.Button("Run and check", variant="primary", elem_id="lessons-run", min_width=120)
+                open_btn = gr.Button("Open in its view", elem_id="lessons-open", min_width=120)
+            present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id="lessons-present")
+            status = gr.HTML("", elem_id="lessons-status")
+            with gr.Accordion("Your own lesson (JSON) and its link", open=False, elem_id="lessons-custom-box"):
+                custom = gr.Textbox(lines=6, label="Lesson JSON (format: presets/lessons/*.json)", elem_id="lessons-json")
+                load_btn = gr.Button("Load lesson", elem_id="lessons-load")
+                link = gr.Textbox(label="Link to this lesson", interactive=False, elem_id="lessons-link")
+            base_url = gr.Textbox(visible=False, elem_id="lessons-base-url")
+        with gr.Column(scale=2, min_width=300):
+            presenter = PresenterPanel.build()
+            outcome = gr.HTML("", elem_id="lessons-outcome")
+            texts = gr.Markdown(elem_id="lessons-texts")
+            chart = gr.Plot(label="The lesson's selected step", elem_id="lessons-chart")
+    tab = LessonsTab(shared, pick, steps, open_btn, run_btn, status, outcome, texts, chart, custom, load_btn, link,
+                     present, base_url, presenter, gr.State(None))
+    tab.wire()
+    return tab

@@ -1,0 +1,83 @@
+"""Workshop mode in a real browser: run a lesson and see its checked claim, move a knob on a
+selected step and see the chart change (the round trip is recorded, not asserted), the presenter
+view with guess / reveal and the QR code, and the phone width (390x844, no horizontal scroll)."""
+
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+
+def test_open_and_run_a_lesson(page, live_app, artifacts):
+    page.goto(live_app)
+    page.wait_for_selector("#lessons-pick")
+    assert page.locator("#tab-lessons").is_visible()  # the first tab on a fresh visit
+    page.locator("#lessons-steps").get_by_text("Greedy always takes").wait_for()
+    page.click("#lessons-run")
+    page.wait_for_selector("#lesson-outcome-text", timeout=300_000)
+    assert "Greedy gives the same text" in page.locator("#lessons-outcome").inner_text()
+    assert page.locator("#lessons-status .dp-error").count() == 0
+    page.screenshot(path="docs/lessons.png")
+    page.click("#lessons-open")
+    page.wait_for_selector("#tab-compare:visible")
+
+
+def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
+    page.goto(live_app)
+    page.get_by_role("tab", name="Step through").click()
+    page.fill("#step-knob-max_new_tokens input[type=number]", "5")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.locator("#step-text .token").nth(2).click()
+    page.wait_for_function("() => document.querySelector('#step-chart .gtitle')?.textContent.startsWith('step 2:')")
+    before = page.locator("#step-chart").inner_text()
+    box = page.locator("#step-knob-temperature input[type=number]")
+    start = time.perf_counter()
+    box.fill("3")
+    box.press("Enter")
+    page.wait_for_selector("#step-whatif-note:has-text('temperature = 3')", timeout=60_000)
+    page.wait_for_function("(b) => document.querySelector('#step-chart').innerText !== b", arg=before)
+    print(f"what-if round trip: {(time.perf_counter() - start) * 1000:.0f} ms")
+    assert page.locator("#step-status .dp-error").count() == 0
+    page.screenshot(path=str(artifacts / "step-whatif.png"), full_page=True)
+
+
+def test_presenter_guess_reveal_and_qr(browser, live_app, artifacts):
+    context = browser.new_context(viewport={"width": 1280, "height": 720})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{live_app}/?lesson=temperature&present=1")
+    page.wait_for_selector("#presenter:visible")
+    page.wait_for_selector("#present-qr img[alt='QR code of the share link']")
+    page.click("#lessons-run")
+    page.wait_for_selector("#present-chart .gtitle", timeout=300_000)
+    size = page.evaluate("() => parseFloat(getComputedStyle(document.querySelector('#present-chart .ytick text')).fontSize)")
+    assert size >= 18
+    page.check("#present-guess input")
+    page.wait_for_selector("#present-text .dp-present-token:has-text('?')")
+    page.click("#present-reveal")
+    page.wait_for_selector("#present-text:has-text('p = ')")
+    page.click("#present-next")  # guess mode stays on: the next token is hidden again
+    page.wait_for_selector("#present-text:has-text('Guess the next token')")
+    page.uncheck("#present-guess input")
+    page.wait_for_selector("#present-text:has-text('Step ')")
+    page.screenshot(path="docs/presenter.png")
+    context.close()
+
+
+def test_phone_width_has_no_horizontal_scroll(browser, live_app, artifacts):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    for query, name in (("", "lessons"), ("?present=1", "presenter")):
+        page.goto(f"{live_app}/{query}")
+        page.wait_for_selector("#lessons-pick")
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= 390, name
+        page.screenshot(path=str(artifacts / f"phone-{name}.png"))
+    page.get_by_role("tab", name="Step through").click()
+    page.wait_for_selector("#step-generate")
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    page.screenshot(path=str(artifacts / "phone-step.png"))
+    context.close()
