@@ -44,19 +44,6 @@ footer { display: none !important; }
   .js-plotly-plot, .plot-container { max-width: 100% !important; overflow-x: auto; }
   .dp-present-text { font-size: 1.3rem; }
 }
-.dp-presenter { font-size: 1.5rem; }
-.dp-present-text { font-size: 2rem; line-height: 1.4; overflow-wrap: anywhere; }
-.dp-present-token { padding: 0 .3em; border-radius: 6px; background: #ffe08a; }
-.dp-present-label { font-size: 1.1rem; color: #555; }
-.dp-qr img { max-width: 100%; height: auto; }
-.dp-qr figcaption { overflow-wrap: anywhere; font-size: .8rem; }
-@media (max-width: 600px) {
-  .gradio-container { padding-left: 4px !important; padding-right: 4px !important; min-width: 0 !important; }
-  .gradio-container .row { flex-wrap: wrap !important; }
-  .gradio-container .column { min-width: 0 !important; flex-basis: 100% !important; }
-  .js-plotly-plot, .plot-container { max-width: 100% !important; overflow-x: auto; }
-  .dp-present-text { font-size: 1.3rem; }
-}
 """ + page_js.CSS
 
 INTRO = (
@@ -85,15 +72,12 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
         with gr.Tabs(elem_id="dp-tabs") as tabs:
             with gr.Tab("Lessons", id="tab-lessons", elem_id="tab-lessons"):  # first: the entry point for newcomers
                 lessons_tab = lessons.build_tab(shared)
-            with gr.Tab("Lessons", id="tab-lessons", elem_id="tab-lessons"):  # first: the entry point for newcomers
-                lessons_tab = lessons.build_tab(shared)
             for title, module, name in VIEWS:
                 with gr.Tab(title, id=f"tab-{name}", elem_id=f"tab-{name}"):
                     handle = module.build_tab(shared)
                 if isinstance(handle, PanelView):
                     handles.append(handle)
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
-        lessons_tab.wire_page(demo, tabs, handles)
         lessons_tab.wire_page(demo, tabs, handles)
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     return demo
