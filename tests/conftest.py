@@ -113,3 +113,8 @@ def page(browser):
     pg.set_default_timeout(60_000)
     yield pg
     context.close()
+
+
+def open_tab(page, title: str = "Step through") -> None:
+    """Click a view's tab (the Lessons tab is the one a fresh visit opens on)."""
+    page.locator("button[role=tab]", has_text=title).first.click()

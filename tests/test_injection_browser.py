@@ -12,6 +12,8 @@ import pytest
 
 from engine.sharelink import SHARE_PARAM, TOKEN_PREFIX, checksum
 
+from conftest import open_tab
+
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 LINK = "<a href=//evil.example>Login</a>"
@@ -52,6 +54,7 @@ def test_hostile_share_links_stay_text(page, live_app):
 
 def test_hostile_prompt_and_model_output_stay_text(page, live_app):
     page.goto(live_app)
+    open_tab(page)
     page.fill("#step-prompt textarea", f"Repeat exactly: {PAYLOAD}")
     page.fill("#step-knob-max_new_tokens input[type=number]", "12")
     page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")

@@ -11,6 +11,8 @@ import pytest
 from engine.presets import builtin_presets
 from engine.sharelink import ShareState, decode, encode
 
+from conftest import open_tab
+
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 DEFAULT_PROMPT = "Write a haiku about the sea."  # the step view's default
@@ -49,6 +51,7 @@ def test_share_link_restores_view_prompt_preset_and_seed(live_app, page):
 @pytest.mark.parametrize("token", ["s1.garbage!!", "s1." + "A" * 7000, "v2.abc"])
 def test_bad_link_warns_and_opens_the_defaults(live_app, page, token):
     page.goto(f"{live_app}/?share={token}")
+    open_tab(page)
     page.get_by_text("could not be opened").first.wait_for(timeout=30_000)
     assert textbox(page, "step-prompt").input_value() == DEFAULT_PROMPT
 
@@ -68,6 +71,7 @@ def _copy_link(page) -> str:
 
 def test_copy_link_opens_the_same_state(live_app, page):
     page.goto(live_app)
+    open_tab(page)
     textbox(page, "step-prompt").fill("Round trip: ünïcode & ?query#hash")
     seed = page.locator("#tab-step #step-knob-seed input").first
     seed.fill("77")

@@ -3,11 +3,14 @@
 
 import pytest
 
+from conftest import open_tab
+
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def test_branch_from_first_middle_and_last_step(page, live_app, artifacts):
     page.goto(live_app)
+    open_tab(page)
     page.fill("#step-prompt textarea", "Once upon a time, in a small village by the sea,")
     page.fill("#step-knob-max_new_tokens input[type=number]", "6")
     page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")

@@ -2,6 +2,8 @@
 
 import pytest
 
+from conftest import open_tab
+
 pytestmark = pytest.mark.slow
 
 
@@ -32,6 +34,7 @@ def test_step_trace_api_rejects_bad_input_with_message(live_app):
 @pytest.mark.browser
 def test_generate_click_token_changes_chart(page, live_app, artifacts):
     page.goto(live_app)
+    open_tab(page)
     page.fill("#step-prompt textarea", "Write one sentence about cats.")
     page.fill("#step-knob-max_new_tokens input[type=number]", "12")
     page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
@@ -54,6 +57,7 @@ def test_generate_click_token_changes_chart(page, live_app, artifacts):
 @pytest.mark.browser
 def test_bad_input_shows_message_and_keeps_prompt(page, live_app):
     page.goto(live_app)
+    open_tab(page)
     page.fill("#step-prompt textarea", "Keep me")
     page.fill("#step-knob-top_k input[type=number]", "-3")
     page.click("#step-generate")

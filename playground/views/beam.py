@@ -160,7 +160,8 @@ def build_tab(shared: Shared) -> PanelView:
             winner = gr.Markdown(elem_id="beam-winner")
             hypotheses = gr.Dataframe(headers=charts.HYPOTHESES_HEADERS, value=[], interactive=False, wrap=True,
                                       label="Finished hypotheses, ranked at the slider's length penalty",
-                                      elem_id="beam-hypotheses")
+                                      column_widths=charts.HYPOTHESES_WIDTHS, elem_id="beam-hypotheses")
+            gr.Markdown(f"<small>{charts.HYPOTHESES_NOTE}</small>", elem_id="beam-hypotheses-note")
             greedy = gr.Markdown(elem_id="beam-greedy")
             download = gr.DownloadButton("Download trace JSON", elem_id="beam-download")
     out = Outputs(tree, summary, hypotheses, greedy, slider, winner, status, download,

@@ -115,7 +115,8 @@ def build_tab(shared: Shared) -> None:
             status = gr.HTML("", elem_id="quant-status")
         with gr.Column(scale=2, min_width=480):
             table = gr.Dataframe(headers=charts.DRIFT_HEADERS, value=[], interactive=False, wrap=True,
-                                 label="Variants (load s: when first loaded)", elem_id="quant-table")
+                                 label="Variants", elem_id="quant-table")
+            gr.Markdown(f"<small>{charts.DRIFT_NOTE}</small>", elem_id="quant-drift-note")
             kl = gr.Plot(label="KL from fp32 per step", elem_id="quant-kl")
             texts = gr.HTML(elem_id="quant-texts")
             download = gr.DownloadButton("Download report JSON", elem_id="quant-download")

@@ -23,6 +23,7 @@ from engine.models import LoadedModel
 from engine import runner
 from engine.trace import Trace, from_dict
 from playground.charts import step as charts
+from playground.charts import tokens as token_charts
 
 from .. import downloads
 from ..events import stop_button
@@ -104,6 +105,11 @@ class Outputs(OutputSet):
 def own(state: StepSession | None, owner: Any) -> StepSession | None:
     """``state`` if this page owns it, else None (as if there were no runs)."""
     return state if state is not None and state.owned_by(owner) else None
+
+
+def token_legend(colour_by: str) -> str:
+    """What the token colours mean, and how special tokens, spaces and newlines are written."""
+    return charts.colour_legend(colour_by) + token_charts.legend_html()
 
 
 def render(out: Outputs, session: StepSession, selected: int | None, colour_by: str, status: str = "",
@@ -196,6 +202,8 @@ def build_tab(shared: Shared) -> PanelView:
             colour_by = gr.Radio(["probability", "surprisal"], value="probability", label="Colour tokens by", elem_id="step-colour")
             text = gr.HighlightedText(label="Generated text: click a token to inspect its step", combine_adjacent=False,
                                       show_legend=False, show_inline_category=False, interactive=False, elem_id="step-text")
+            legend = gr.HTML(token_legend("probability"), elem_id="step-legend")
+            colour_by.change(token_legend, colour_by, legend, queue=False, api_visibility="private")
             step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-index")
             explain = gr.Markdown(elem_id="step-explain")
             chart = gr.Plot(label="Distribution after each stage", elem_id="step-chart")

@@ -64,7 +64,9 @@ def render_results(page: Page, session: CompareSession, count: int, raw: bool, r
     finished = [t for _, t in done]
     rows = charts.metrics_rows([lane_metrics(t, n) for n, t in done], [t.strategy for t in finished])
     figure = charts.entropy_chart([n for n, _ in done], [t.steps for t in finished], at, raw) if done else None
-    return out | {page.divergence: charts.divergence_markdown([n for n, _ in done], finished, at),
+    names = [n for n, _ in done]
+    same = charts.same_text_note(names, finished) if done else ""
+    return out | {page.divergence: charts.divergence_markdown(names, finished, at) + (f"\n\n{same}" if same else ""),
                   page.metrics: rows, page.entropy: figure}
 
 

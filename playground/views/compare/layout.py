@@ -153,6 +153,7 @@ def build_page() -> Page:
     divergence = gr.Markdown(elem_id="cmp-divergence")
     metrics = gr.Dataframe(headers=charts.METRIC_HEADERS, value=[], interactive=False, wrap=True, elem_id="cmp-metrics",
                            label="Per-lane metrics (log-prob and perplexity under the unprocessed model)")
+    gr.Markdown(f"<small>{charts.metrics_glossary()}</small>", elem_id="cmp-metrics-glossary")
     entropy_kind = gr.Radio(["picked-from distribution", "raw model"], value="picked-from distribution",
                             label="Entropy of", elem_id="cmp-entropy-kind")
     entropy = gr.Plot(label="Entropy per step", elem_id="cmp-entropy")
