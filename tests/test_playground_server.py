@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 # this much over its warmed-up size (README "Limits and safety").
 RSS_BUDGET_MB = 300
 NAMED_ENDPOINTS = {"/step_trace", "/branch", "/compare", "/compare_sweep", "/beam_trace", "/speculative_trace",
-                   "/quantization_report", "/kv_cache_report", "/preset_validate", "/preset_interop", "/share_link", "/explore_step", "/lessons"}
+                   "/quantization_report", "/kv_cache_report", "/preset_validate", "/preset_interop", "/share_link",
+                   "/explore_step", "/lessons", "/mcts_trace", "/medusa_trace", "/kv_cache_kinds_report", "/kv_calculator"}
 
 
 @pytest.fixture
