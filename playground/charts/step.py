@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
 
 from . import glossary
+from .stage_notes import stage_note
 from .tokens import render as readable  # the one token rendering (␣ ↵ ⇥ ⟪special⟫)
 from .tokens import render_flow
 from .tokens import unique_labels as _unique_labels
@@ -315,7 +316,8 @@ def explain_step(step: StepTrace) -> str:
         pick = (f"The draw u = {step.draw:.3f} fell in “{chosen}”'s slice [{step.draw_low:.3f}, {step.draw_high:.3f}) "
                 f"of the sorted cumulative distribution, so it was chosen (p = {step.chosen_prob:.1%}; raw model {step.raw_prob:.1%}).")
     head = ("; ".join(parts) + ". ") if parts else "No stage changed the raw distribution. "
-    return head[0].upper() + head[1:] + pick
+    notes = "".join(f"\n- {html.escape(stage_note(stage), quote=False)}" for stage in step.stages[1:-1])
+    return head[0].upper() + head[1:] + pick + (f"\n\nStage by stage:{notes}" if notes else "")
 
 
 STOP_WORDS = {"eos": "end of sequence", "stop_string": "stop string", "max_new_tokens": "max_new_tokens reached",
