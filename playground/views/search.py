@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 
@@ -146,6 +146,22 @@ def stream_mcts(out: MctsOutputs, shared: Shared, req: RunRequest, control: RunC
         f"done: {len(session.positions)} tokens, {sims} simulations. Pick a position to see its search tree."))
 
 
+def wire_run(shared: Shared, panel: KnobPanel, prompt: gr.Textbox, chat: gr.Checkbox, run: gr.Button,
+             stop: gr.Button, out: Any, stream: Callable[..., Iterator[dict]], what: str) -> None:
+    """Run (button or Enter in the prompt) validates the inputs and streams ``stream``'s updates
+    into ``out``; Stop cancels it."""
+
+    def on_run(prompt_text: str, chat_on: bool, model: str, quant: str, *values: Any,
+               control: RunControl) -> Iterator[dict]:
+        config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
+        yield from stream(out, shared, RunRequest(lm, prompt_text, prompt_ids, config, chat_on), control)
+
+    event = shared.events.on([run.click, prompt.submit], on_run,
+                             [prompt, chat, shared.model, shared.quantization, *panel.inputs], out.all(),
+                             on_error=lambda message: {out.status: error_html(message)}, what=what)
+    stop_button(stop, out.status, [event], status_html("stopped"))
+
+
 def _mcts_mode(shared: Shared) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
@@ -171,15 +187,7 @@ def _mcts_mode(shared: Shared) -> None:
                       gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
 
-    def on_run(prompt_text: str, chat_on: bool, model: str, quant: str, *values: Any,
-               control: RunControl) -> Iterator[dict]:
-        config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
-        yield from stream_mcts(out, shared, RunRequest(lm, prompt_text, prompt_ids, config, chat_on), control)
-
-    event = shared.events.on([run.click, prompt.submit], on_run, [prompt, chat, shared.model, shared.quantization,
-                                                                  *panel.inputs], out.all(),
-                             on_error=lambda message: {out.status: error_html(message)}, what="search")
-    stop_button(stop, out.status, [event], status_html("stopped"))
+    wire_run(shared, panel, prompt, chat, run, stop, out, stream_mcts, "search")
     position.input(lambda session, index: tree_updates(out, session, index), [out.session, position], [out.tree, out.visits],
                    api_visibility="private", queue=False)
     shared.events.api(functools.partial(mcts_trace, shared), "mcts_trace", what="search")
@@ -309,15 +317,7 @@ def _medusa_mode(shared: Shared) -> None:
     out = MedusaOutputs(status, text, summary, picker, tree, accept, download, gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
 
-    def on_run(prompt_text: str, chat_on: bool, model: str, quant: str, *values: Any,
-               control: RunControl) -> Iterator[dict]:
-        config, lm, prompt_ids = shared.prepare(panel, values, model, quant, prompt_text, chat_on)
-        yield from stream_medusa(out, shared, RunRequest(lm, prompt_text, prompt_ids, config, chat_on), control)
-
-    event = shared.events.on([run.click, prompt.submit], on_run, [prompt, chat, shared.model, shared.quantization,
-                                                                  *panel.inputs], out.all(),
-                             on_error=lambda message: {out.status: error_html(message)}, what="generation")
-    stop_button(stop, out.status, [event], status_html("stopped"))
+    wire_run(shared, panel, prompt, chat, run, stop, out, stream_medusa, "generation")
     picker.input(lambda session, index: round_updates(out, session, index), [out.session, picker], [out.round_tree],
                  api_visibility="private", queue=False)
     shared.events.api(functools.partial(medusa_trace, shared), "medusa_trace")
