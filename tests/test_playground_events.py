@@ -5,6 +5,7 @@ are API endpoints."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import time
@@ -21,10 +22,17 @@ from playground.shared import PanelView, Shared, UserError
 # --- the event helper, without a server ---------------------------------------------------------
 
 
+def run_async(coroutine):
+    """asyncio.run in a thread of its own: a browser test's Playwright keeps an event loop running in
+    this thread when the whole suite runs in one process."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def _drain(agen) -> list:
     async def collect():
         return [item async for item in agen]
-    return asyncio.run(collect())
+    return run_async(collect())
 
 
 def test_error_guard_shows_user_errors_as_is_and_names_other_failures():
@@ -68,7 +76,7 @@ def test_closing_the_event_cancels_its_run_within_a_step():
             await task
         await agen.aclose()
 
-    asyncio.run(main())
+    run_async(main())
     assert seen["control"].cancelled
     at_cancel = len(steps)
     time.sleep(0.3)
@@ -87,9 +95,9 @@ def test_api_endpoint_hides_control_from_gradio_and_guards_errors():
     endpoint = events.api_endpoint(functools.partial(fn, None), "run")
     assert list(inspect.signature(endpoint).parameters) == ["prompt", "n"]
     assert endpoint.__annotations__ == {"prompt": str, "n": int, "return": dict} and endpoint.__doc__ == "Doc."
-    assert asyncio.run(endpoint("hi", 2)) == {"prompt": "hi", "n": 2, "control": True}
+    assert run_async(endpoint("hi", 2)) == {"prompt": "hi", "n": 2, "control": True}
     with pytest.raises(gr.Error, match="n: must be >= 0"):
-        asyncio.run(endpoint("hi", -1))
+        run_async(endpoint("hi", -1))
 
 
 def test_concurrency_defaults_to_the_scheduler_batch(monkeypatch):

@@ -118,7 +118,7 @@ def test_mcts_and_medusa_on_the_embedded_model(embedded, shared):
     config = DecodingConfig(strategy="mcts", max_new_tokens=3, mcts_simulations=8)
     session = list(search.stream_mcts(mcts_out(), shared, request(embedded, config), RunControl()))[-1]["mcts.session"]
     assert len(session.quality) == 3 and all(math.isfinite(r[1]) for r in session.quality)
-    config = DecodingConfig(strategy="medusa", max_new_tokens=12, medusa_heads=3)
+    config = DecodingConfig(strategy="medusa", max_new_tokens=12, medusa_heads=3, temperature=0.0)  # greedy: same tokens
     last = list(search.stream_medusa(medusa_out(), shared, request(embedded, config, "Say hello."),
                                      RunControl()))[-1]
     trace = last["medusa.session"].trace

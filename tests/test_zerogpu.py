@@ -30,7 +30,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
-# Small arguments for each model API endpoint (beside ``prompt``); ``branch`` also gets a parent trace.
+# Small arguments for each model API endpoint (beside ``prompt``); ``branch`` and ``explore_step`` take the
+# step_trace result instead of a prompt.
+TRACE_ENDPOINTS = ("branch", "explore_step")
 ENDPOINT_ARGS: dict[str, dict] = {
     "step_trace": {"config": {"strategy": "greedy", "max_new_tokens": 3}},
     "beam_trace": {"config": {"max_new_tokens": 3}},
@@ -132,7 +134,7 @@ def run_endpoints(url: str, api_names: list[str]) -> dict:
     runs: dict[str, dict] = {}
     parent = None
     for name in api_names:
-        if name == "branch":
+        if name in TRACE_ENDPOINTS:
             continue
         kwargs = {"prompt": PROMPT, **ENDPOINT_ARGS.get(name, {})}
         runs[name] = call(client, name, kwargs)
@@ -142,6 +144,8 @@ def run_endpoints(url: str, api_names: list[str]) -> dict:
         token = (parent or {}).get("steps", [{}])[0].get("stages", [{}])[0].get("top", [{}, {}])[-1].get("token_id", 0)
         runs["branch"] = call(client, "branch", {"parent": parent, "step": 0, "token_id": token})
         runs["branch"].pop("result", None)
+    if "explore_step" in api_names:
+        runs["explore_step"] = call(client, "explore_step", {"trace": parent, "step": 0, "knobs": {"temperature": 2.0}})
     for run in runs.values():
         run.pop("result", None)
     return runs
@@ -152,6 +156,8 @@ def call(client, name: str, kwargs: dict) -> dict:
         result = client.predict(api_name=f"/{name}", **kwargs)
     except Exception as exc:  # reported, asserted on by the test
         return {"error": f"{type(exc).__name__}: {exc}"}
+    if isinstance(result, list) and result and isinstance(result[0], dict):
+        result = result[0]  # explore_step returns a list of stage records: check the first one's keys
     keys = sorted(result) if isinstance(result, dict) else []
     return {"keys": keys, "result": result}
 
