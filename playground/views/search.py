@@ -162,15 +162,21 @@ def wire_run(shared: Shared, panel: KnobPanel, prompt: gr.Textbox, chat: gr.Chec
     stop_button(stop, out.status, [event], status_html("stopped"))
 
 
+def _prompt_column(prefix: str, prompt_text: str, chat_on: bool) -> tuple[gr.Textbox, gr.Button, gr.Button, gr.HTML, gr.Checkbox]:
+    """The left column's head, as in every view: the prompt, Generate and Stop right under it, the status."""
+    prompt = gr.Textbox(prompt_text, lines=3, label="Prompt", elem_id=f"{prefix}-prompt")
+    with gr.Row():
+        run = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-run")
+        stop = gr.Button("Stop", variant="stop", elem_id=f"{prefix}-stop")
+    status = gr.HTML("", elem_id=f"{prefix}-status")
+    chat = gr.Checkbox(chat_on, label="Chat template", elem_id=f"{prefix}-chat")
+    return prompt, run, stop, status, chat
+
+
 def _mcts_mode(shared: Shared) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(MCTS_PROMPT, lines=3, label="Prompt", elem_id="mcts-prompt")
-            with gr.Row():
-                run = gr.Button("Generate", variant="primary", elem_id="mcts-run")
-                stop = gr.Button("Stop", variant="stop", elem_id="mcts-stop")
-            status = gr.HTML("", elem_id="mcts-status")
-            chat = gr.Checkbox(False, label="Chat template", elem_id="mcts-chat")
+            prompt, run, stop, status, chat = _prompt_column("mcts", MCTS_PROMPT, False)
             panel = KnobPanel(shared, MCTS_KNOBS + SAMPLING_KNOBS, ["mcts"], preset=MCTS_PRESET, prefix="mcts-")
         with gr.Column(scale=2, min_width=480):
             text = gr.Textbox(label="MCTS output", lines=2, interactive=False, elem_id="mcts-text")
@@ -299,12 +305,7 @@ def stream_medusa(out: MedusaOutputs, shared: Shared, req: RunRequest, control: 
 def _medusa_mode(shared: Shared) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(MEDUSA_PROMPT, lines=3, label="Prompt", elem_id="medusa-prompt")
-            with gr.Row():
-                run = gr.Button("Generate", variant="primary", elem_id="medusa-run")
-                stop = gr.Button("Stop", variant="stop", elem_id="medusa-stop")
-            status = gr.HTML("", elem_id="medusa-status")
-            chat = gr.Checkbox(True, label="Chat template", elem_id="medusa-chat")
+            prompt, run, stop, status, chat = _prompt_column("medusa", MEDUSA_PROMPT, True)
             panel = KnobPanel(shared, MEDUSA_KNOBS, ["medusa"], preset=MEDUSA_PRESET, stage_order=False, prefix="medusa-")
         with gr.Column(scale=2, min_width=480):
             text = gr.Textbox(label="Medusa output", lines=3, interactive=False, elem_id="medusa-text")

@@ -60,7 +60,8 @@ def concurrently(jobs: Sequence[Callable[[], Iterator[Trace]]], control: RunCont
     try:
         while running:
             i, trace, error = results.get()
-            running -= trace is None and error is None
+            if trace is None and error is None:  # the job's end marker
+                running -= 1
             yield i, trace, error
     finally:
         if running:  # the consumer went away mid-run: stop the jobs too
