@@ -32,6 +32,10 @@ class RunStopped(RuntimeError):
         self.reason = reason
         super().__init__(message)
 
+    def __reduce__(self):
+        """Picklable with its reason and message (a ZeroGPU worker sends its exceptions back pickled)."""
+        return type(self), (self.reason, str(self))
+
 
 @dataclass
 class RunControl:

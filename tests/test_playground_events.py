@@ -239,3 +239,14 @@ def test_ui_updates_become_plain_rows_in_output_order():
     rows = _drain(agen)
     assert rows == [[gr.skip(), "got hi"]]
     assert pickle.loads(pickle.dumps(rows)) == rows
+
+
+def test_run_stopped_survives_the_trip_back_from_a_zerogpu_worker():
+    """A ZeroGPU worker pickles its exception back: the reason and the user's message must survive."""
+    import pickle
+
+    from engine.control import RunStopped
+
+    stop = pickle.loads(pickle.dumps(RunStopped("time_limit", "stopped: past the 5 s time limit")))
+    assert isinstance(stop, RunStopped) and stop.reason == "time_limit"
+    assert str(stop) == "stopped: past the 5 s time limit"

@@ -42,6 +42,8 @@ ENDPOINT_ARGS: dict[str, dict] = {
     "compare_sweep": {"lane": {"config": {"strategy": "sample"}}, "seeds": 2, "max_new_tokens": 3},
     "quantization_report": {"max_new_tokens": 3, "variants": ["none"]},
     "kv_cache_report": {"max_new_tokens": 3},
+    "mcts_trace": {"config": {"max_new_tokens": 2, "mcts_simulations": 4, "mcts_rollout_tokens": 1}},
+    "medusa_trace": {"config": {"max_new_tokens": 4}},
 }
 
 
