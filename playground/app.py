@@ -8,7 +8,7 @@ import gradio as gr
 
 from engine.models import EMBEDDED, ModelRegistry, model_policy
 
-from . import downloads, page_js, share_links
+from . import downloads, examples, page_js, share_links
 from .events import ModelEvents
 from .shared import PanelView, Shared, model_pickers, user_presets_state
 from .views import beam, compare, lessons, presets, quantization, search, speculative, step
@@ -69,17 +69,21 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
         shared = Shared(registry=registry, model=model, quantization=quant, user_presets=user_presets_state(),
                         events=ModelEvents(), policy=policy)
         handles: list[PanelView] = []
+        pages: dict = {}  # every view's handle by name (Compare's page is not a PanelView)
         with gr.Tabs(elem_id="dp-tabs") as tabs:
             with gr.Tab("Lessons", id="tab-lessons", elem_id="tab-lessons"):  # first: the entry point for newcomers
                 lessons_tab = lessons.build_tab(shared)
             for title, module, name in VIEWS:
                 with gr.Tab(title, id=f"tab-{name}", elem_id=f"tab-{name}"):
                     handle = module.build_tab(shared)
+                    pages[name] = handle
                 if isinstance(handle, PanelView):
                     handles.append(handle)
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
-        lessons_tab.wire_page(demo, tabs, handles)
+        lessons_tab.wire_page(demo, tabs, handles, pages["compare"])
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
+    # The views' example runs (first screens that already show a result), off the launch's path.
+    examples.cache_for(registry).start(shared, default_model)
     return demo
 
 

@@ -103,14 +103,35 @@ def legend_html() -> str:
     return f'<div class="spec-legend">{"".join(items)}</div>'
 
 
-def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = None, limit: int = 200) -> str:
-    """All rounds as rows of chips (the last ``limit`` rounds), with a legend. Chips carry
-    data-round / data-pos so a click can select the position."""
+def special_drafts_note(rounds: Sequence[SpecRound], drafter: str = "") -> str:
+    """One line naming the rounds whose drafts hold special tokens (⟪im_start⟫...) and why they
+    appear; "" when none do. The n-gram drafter builds its table from the prompt's token ids, and
+    with the chat template on those include the template's control tokens, so it copies them too."""
+    hits = [r.index for r in rounds if any(is_special(d.token) for d in r.drafted)]
+    if not hits:
+        return ""
+    names = sorted({readable(d.token) for r in rounds for d in r.drafted if is_special(d.token)})
+    where = ", ".join(f"#{i}" for i in hits[:6]) + (f" and {len(hits) - 6} more" if len(hits) > 6 else "")
+    why = ("the n-gram drafter copies what followed the same tokens in the prompt, and the prompt's tokens include "
+           "the chat template's control tokens" if drafter == "ngram" else
+           "the drafter copies the chat template's control tokens it saw in the prompt")
+    return (f"Round{'s' if len(hits) > 1 else ''} {where} drafted special tokens ({', '.join(names[:3])}): {why}; "
+            "the target rejects them where they do not fit.")
+
+
+def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = None, limit: int = 200,
+                drafter: str = "") -> str:
+    """All rounds as rows of chips (the last ``limit`` rounds), with a legend and, when drafts hold
+    special tokens, a one-line note on why. Chips carry data-round / data-pos so a click can
+    select the position."""
     if not rounds:
         return '<div class="spec-rounds" style="color:#555">No rounds yet: press Generate.</div>'
     shown = list(rounds)[-limit:]
     hidden = len(rounds) - len(shown)
     note = f'<div style="color:#555;font-size:{FONT}px">{hidden} earlier rounds not shown</div>' if hidden else ""
+    special = special_drafts_note(rounds, drafter)
+    if special:
+        note += f'<div class="spec-special-note" style="color:#333;font-size:{FONT}px">ⓘ {html.escape(special)}</div>'
     rows = "".join(round_chips(r, selected) for r in shown)
     return f'<div class="spec-rounds">{legend_html()}{note}{rows}</div>'
 

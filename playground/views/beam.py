@@ -8,6 +8,7 @@ API: ``/beam_trace`` returns the trace JSON (``beam.steps[].candidates[]``, ``be
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from engine.models import LoadedModel
 from engine.trace import Trace
 from playground.charts import beam as charts
 
-from .. import downloads
+from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import PENALTY_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, error_html, status_html, throttle
@@ -32,6 +33,8 @@ BEAM_KNOBS = ("num_beams", "length_penalty", "early_stopping", "num_return_seque
               "diversity_penalty", "max_new_tokens", "stop")
 DEFAULT_PROMPT = "The best way to learn a new language is"
 DEFAULT_PRESET = "beam-4"
+EMPTY_SUMMARY = ("Press **Search** (or Ctrl/Cmd+Enter in the prompt) to grow the search tree; then hover a node for its "
+                 "scores and move the slider to re-rank the finished hypotheses.")
 
 
 @dataclass
@@ -153,7 +156,7 @@ def build_tab(shared: Shared) -> PanelView:
             collapse = gr.Checkbox(True, label="Collapse pruned candidates into one marker per beam",
                                    elem_id="beam-collapse")
             tree = gr.Plot(label="Search tree: drag to pan, box or scroll to zoom, hover a node", elem_id="beam-tree")
-            summary = gr.Markdown(elem_id="beam-summary")
+            summary = gr.Markdown(EMPTY_SUMMARY, elem_id="beam-summary")
             slider = gr.Slider(lp.low, lp.high, value=lp.neutral, step=lp.step, label="Re-rank with length penalty",
                                info="score = sum log-prob / length ^ penalty; > 0 favours longer hypotheses",
                                elem_id="beam-rerank")
@@ -169,7 +172,39 @@ def build_tab(shared: Shared) -> PanelView:
     panel.wire()
     view = PanelView("beam", prompt, panel, chat)
     _wire(shared, view, out, collapse, run, stop)
+    example = examples.ExampleRequest("beam", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel), chat=False,
+                                      with_greedy=True)  # the view compares the winner with greedy
+    examples.cache_for(shared.registry).want(example)
+    _wire_example(shared, view, out, collapse, example)
     return view
+
+
+def on_example(shared: Shared, view: PanelView, out: Outputs, example: examples.ExampleRequest, timer: gr.Timer,
+               model: str, quant: str, collapse_on: bool, state: BeamSession | None, prompt: str, chat: bool,
+               *values: Any) -> dict:
+    """A fresh page's first screen: the example search's tree, once the startup thread has it.
+    Polling stops once filled, once this page searched, or once its prompt or knobs differ."""
+    done = {timer: gr.Timer(active=False)}
+    if state is not None or not examples.matches(example, prompt, chat, view.panel, values):
+        return done
+    ready, found = examples.cache_for(shared.registry).get(example, model, quant)
+    if ready == "pending":
+        return {out.status: status_html(examples.PREPARING)}
+    if found is None:
+        return done | {out.status: ""}
+    session = BeamSession(copy.deepcopy(found.trace), copy.deepcopy(found.greedy))
+    note = ("An example search of this prompt with the default preset (the same as pressing Search). Hover a node for "
+            "its scores; move the slider to re-rank.")
+    return done | render(out, session, example.config.length_penalty, collapse_on, status_html(note))
+
+
+def _wire_example(shared: Shared, view: PanelView, out: Outputs, collapse: gr.Checkbox,
+                  example: examples.ExampleRequest) -> None:
+    """Poll for the startup example while the page has no search of its own (no model call)."""
+    timer = gr.Timer(examples.POLL_S)
+    inputs = [shared.model, shared.quantization, collapse, out.session, view.prompt, view.chat, *view.panel.inputs]
+    timer.tick(functools.partial(on_example, shared, view, out, example, timer), inputs, [*out.all(), timer],
+               api_visibility="private", queue=False)
 
 
 def _wire(shared: Shared, view: PanelView, out: Outputs, collapse: gr.Checkbox, run: gr.Button, stop: gr.Button) -> None:

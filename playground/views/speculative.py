@@ -8,6 +8,7 @@ out, and the residual distribution a rejected token was resampled from. Per-user
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -17,11 +18,11 @@ import gradio as gr
 from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.models import LoadedModel
-from engine.speculative import SpecRound
+from engine.speculative import SpecRound, rounds_of
 from engine.trace import Trace
 from playground.charts import speculative as charts
 
-from .. import downloads
+from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, error_html, status_html, throttle
@@ -29,6 +30,10 @@ from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, error_html, st
 STREAM_EVERY_S = 0.25
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
 SPEC_KNOBS = ("drafter", "num_draft_tokens", "ngram_size", "adaptive_k")
+DEFAULT_PRESET = "speculative-ngram"
+PICK_A_TOKEN = "Click a round's token (a chip above) or pick a position to see p vs q and its acceptance test."
+EMPTY_EXPLAIN = ("Press **Generate** (or Ctrl/Cmd+Enter in the prompt) to run it; then click a round's token to see "
+                 "p vs q and its acceptance test.")
 DEFAULT_PROMPT = ("Rewrite this with correct spelling: The quick brown fox jumpd over the lazy dog. "
                   "It was a sunny day in the forrest, and all the animals were playing near the river.")
 # A click on a chip sends its (round, position) to Python; delegated so it survives re-renders.
@@ -50,6 +55,7 @@ class SpecSession:
     rounds: list[SpecRound] = field(default_factory=list)
     trace: Trace | None = None
     selected: tuple[int, int] | None = None
+    drafter: str = ""  # the run's drafter, for the note on drafted special tokens
 
 
 @dataclass
@@ -80,13 +86,26 @@ def default_position(rounds: list[SpecRound]) -> tuple[int, int] | None:
     return None
 
 
+def selection_note(session: SpecSession) -> str:
+    """What the selected position is and what to do next."""
+    sel = session.selected
+    spec_round = charts.find_round(session.rounds, sel[0]) if sel else None
+    if spec_round is None:
+        return "Click a chip to see its acceptance test."
+    rejected = sel[1] < len(spec_round.drafted) and not spec_round.drafted[sel[1]].accepted
+    what = "the first rejected draft" if rejected else "the first drafted token (every draft was accepted)"
+    return f"Showing {what}; click any other chip to see its acceptance test."
+
+
 def detail(out: Outputs, session: SpecSession) -> dict:
     """Dropdown, explanation, p-vs-q figure and residual figure for the selected position."""
     sel = session.selected
     spec_round = charts.find_round(session.rounds, sel[0]) if sel else None
     choices = charts.position_choices(session.rounds)
     if spec_round is None:
-        return {out.position: gr.update(choices=choices, value=None), out.explain: "", out.pq: None, out.residual: None}
+        explain = PICK_A_TOKEN if session.rounds else ""
+        return {out.position: gr.update(choices=choices, value=None), out.explain: explain, out.pq: None,
+                out.residual: None}
     pos = sel[1]
     return {out.position: gr.update(choices=choices, value=f"{sel[0]}:{pos}"),
             out.explain: charts.acceptance_text(spec_round, pos), out.pq: charts.pq_figure(spec_round, pos),
@@ -97,7 +116,7 @@ def render(out: Outputs, session: SpecSession, status: str | None = None, full: 
     """Updates for the rounds so far (``full``: the selected position's detail, summary and download too)."""
     summary = session.trace.summary if session.trace is not None else None
     updates = {out.counters: charts.counters_html(session.rounds, summary),
-               out.rounds: charts.rounds_html(session.rounds, session.selected),
+               out.rounds: charts.rounds_html(session.rounds, session.selected, drafter=session.drafter),
                out.text: charts.text_html(session.rounds), out.lengths: charts.accepted_length_figure(session.rounds),
                out.session: session}
     if status is not None:
@@ -124,6 +143,7 @@ class SpecRequest:
 def stream_run(out: Outputs, shared: Shared, session: SpecSession, req: SpecRequest,
                control: RunControl) -> Iterator[dict]:
     """Draft and verify, yielding throttled updates; the runner times the target-only run if asked."""
+    session.drafter = req.config.drafter
     yield render(out, session, status_html(f"loading drafter {req.config.drafter}…"), full=False)
     events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control,
                            compare_baseline=req.compare)
@@ -138,9 +158,9 @@ def stream_run(out: Outputs, shared: Shared, session: SpecSession, req: SpecRequ
                 if req.compare and tokens >= req.config.max_new_tokens:
                     note += "; then timing a target-only run of the same settings…"
                 yield render(out, session, status_html(note), full=False)
-    session.selected = default_position(session.rounds)
+    session.selected = default_position(session.rounds)  # the first rejection: p vs q shows something at once
     done = (f"done: {len(session.trace.generated_token_ids)} tokens in {len(session.rounds)} rounds, stopped by "
-            f"{session.trace.stop_reason}. Click a chip to see its acceptance test.")
+            f"{session.trace.stop_reason}. {selection_note(session)}")
     yield render(out, session, status_html(done))
 
 
@@ -154,7 +174,7 @@ def build_tab(shared: Shared) -> PanelView:
                 stop = gr.Button("Stop", variant="stop", elem_id="spec-stop")
             status = gr.HTML("", elem_id="spec-status")
             chat = gr.Checkbox(True, label="Chat template", elem_id="spec-chat")
-            panel = KnobPanel(shared, SPEC_KNOBS + RUN_KNOBS + STAGE_KNOBS, ["speculative"], preset="speculative-ngram",
+            panel = KnobPanel(shared, SPEC_KNOBS + RUN_KNOBS + STAGE_KNOBS, ["speculative"], preset=DEFAULT_PRESET,
                               prefix="spec-")
             compare = gr.Checkbox(True, label="Compare with target-only", elem_id="spec-compare",
                                   info="Also time the same settings decoded by the target alone, in this process (speed-up).")
@@ -163,7 +183,7 @@ def build_tab(shared: Shared) -> PanelView:
             rounds = gr.HTML(charts.rounds_html([]), js_on_load=CHIP_JS, elem_id="spec-rounds")
             text = gr.HTML(charts.text_html([]), elem_id="spec-text")
             position = gr.Dropdown([], label="Position (round : position in the round)", elem_id="spec-position")
-            explain = gr.Markdown(elem_id="spec-explain")
+            explain = gr.Markdown(EMPTY_EXPLAIN, elem_id="spec-explain")
             with gr.Row():
                 pq = gr.Plot(label="p (target) vs q (drafter)", elem_id="spec-pq")
                 residual = gr.Plot(label="Where the target's own token came from", elem_id="spec-residual")
@@ -175,7 +195,45 @@ def build_tab(shared: Shared) -> PanelView:
     panel.wire()
     view = PanelView("speculative", prompt, panel, chat)
     _wire(shared, view, out, compare, generate, stop)
+    example = examples.ExampleRequest("speculative", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel),
+                                      chat=True, compare_baseline=True)  # the checkboxes' defaults
+    examples.cache_for(shared.registry).want(example)
+    _wire_example(shared, view, out, compare, example)
     return view
+
+
+def example_session(example: examples.Example) -> SpecSession:
+    """A session showing an example run, its first rejected draft selected (a copy: sessions change it)."""
+    trace = copy.deepcopy(example.trace)
+    rounds = rounds_of(trace)
+    return SpecSession(rounds, trace, default_position(rounds), example.request.config.drafter)
+
+
+def on_example(shared: Shared, view: PanelView, out: Outputs, example: examples.ExampleRequest, timer: gr.Timer,
+               model: str, quant: str, compare_on: bool, state: SpecSession | None, prompt: str, chat: bool,
+               *values: Any) -> dict:
+    """A fresh page's first screen: the example run with its first rejected draft selected, once
+    the startup thread has it. Polling stops once filled, once this page ran, or once its inputs differ."""
+    done = {timer: gr.Timer(active=False)}
+    if state is not None or not compare_on or not examples.matches(example, prompt, chat, view.panel, values):
+        return done
+    ready, found = examples.cache_for(shared.registry).get(example, model, quant)
+    if ready == "pending":
+        return {out.status: status_html(examples.PREPARING)}
+    if found is None:
+        return done | {out.status: ""}
+    session = example_session(found)
+    note = f"An example run of this prompt with the default preset (the same as pressing Generate). {selection_note(session)}"
+    return done | render(out, session, status_html(note))
+
+
+def _wire_example(shared: Shared, view: PanelView, out: Outputs, compare: gr.Checkbox,
+                  example: examples.ExampleRequest) -> None:
+    """Poll for the startup example while the page has no run of its own (no model call)."""
+    timer = gr.Timer(examples.POLL_S)
+    inputs = [shared.model, shared.quantization, compare, out.session, view.prompt, view.chat, *view.panel.inputs]
+    timer.tick(functools.partial(on_example, shared, view, out, example, timer), inputs, [*out.all(), timer],
+               api_visibility="private", queue=False)
 
 
 def _wire(shared: Shared, view: PanelView, out: Outputs, compare: gr.Checkbox, generate: gr.Button,

@@ -9,6 +9,7 @@ with another token) return trace JSON.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import secrets
@@ -25,7 +26,7 @@ from engine.trace import Trace, from_dict
 from playground.charts import step as charts
 from playground.charts import tokens as token_charts
 
-from .. import downloads
+from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
 from .whatif import WhatIfPanel
@@ -36,6 +37,9 @@ MAX_RUNS = 8  # runs kept per session: the original and the latest branches
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
 DEFAULT_PROMPT = "Write a haiku about the sea."
 STEP_STRATEGIES = ("greedy", "sample")
+DEFAULT_PRESET = "balanced"
+EMPTY_EXPLAIN = ("Press **Generate** (or Ctrl/Cmd+Enter in the prompt) to run it; then click any token to see the "
+                 "distribution it was picked from, stage by stage.")
 
 
 @dataclass
@@ -197,7 +201,7 @@ def build_tab(shared: Shared) -> PanelView:
             status = gr.HTML("", elem_id="step-status")
             chat = gr.Checkbox(True, label="Chat template", info="Wrap the prompt in the model's chat template (instruct models).",
                                elem_id="step-chat")
-            panel = KnobPanel(shared, RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset="balanced", prefix="step-")
+            panel = KnobPanel(shared, RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset=DEFAULT_PRESET, prefix="step-")
         with gr.Column(scale=2, min_width=480):
             colour_by = gr.Radio(["probability", "surprisal"], value="probability", label="Colour tokens by", elem_id="step-colour")
             text = gr.HighlightedText(label="Generated text: click a token to inspect its step", combine_adjacent=False,
@@ -205,7 +209,7 @@ def build_tab(shared: Shared) -> PanelView:
             legend = gr.HTML(token_legend("probability"), elem_id="step-legend")
             colour_by.change(token_legend, colour_by, legend, queue=False, api_visibility="private")
             step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-index")
-            explain = gr.Markdown(elem_id="step-explain")
+            explain = gr.Markdown(EMPTY_EXPLAIN, elem_id="step-explain")
             chart = gr.Plot(label="Distribution after each stage", elem_id="step-chart")
             what_if = WhatIfPanel.build()
             with gr.Row():
@@ -221,7 +225,9 @@ def build_tab(shared: Shared) -> PanelView:
                   gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET))
     panel.wire()
     view = PanelView("step", prompt, panel, chat)
-    Handlers(shared, view, out, colour_by).wire(generate, branch_btn, stop)
+    example = examples.ExampleRequest("step", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel), chat=True)
+    examples.cache_for(shared.registry).want(example)
+    Handlers(shared, view, out, colour_by, example).wire(generate, branch_btn, stop)
     what_if.wire(shared, view, out, colour_by, stream_run, own, StepRequest)
     return view
 
@@ -234,6 +240,7 @@ class Handlers:
     view: PanelView
     out: Outputs
     colour_by: gr.Radio
+    example: examples.ExampleRequest | None = None
 
     def error(self, message: str) -> dict:
         return {self.out.status: error_html(message)}
@@ -273,8 +280,38 @@ class Handlers:
                                  out.all(), on_error=self.error)
         stop_button(stop, out.status, [gen_event, branch_event], status_html("stopped"))
         self.wire_local()
+        self.wire_example()
         events.api(functools.partial(step_trace, shared), "step_trace")
         events.api(functools.partial(branch_trace, shared), "branch", what="branch")
+
+    def on_example(self, timer: gr.Timer, model: str, quant: str, colour: str, state: StepSession | None,
+                   owner: str, prompt: str, chat: bool, *values: Any) -> dict:
+        """A fresh page's first screen: the example run with its most uncertain step selected, once
+        the startup thread has it. Polling stops once filled, once this page ran something, or once
+        its prompt or knobs differ from the example's (edited, or filled by a share link)."""
+        done = {timer: gr.Timer(active=False)}
+        if state is not None or not examples.matches(self.example, prompt, chat, self.view.panel, values):
+            return done
+        ready, example = examples.cache_for(self.shared.registry).get(self.example, model, quant)
+        if ready == "pending":
+            return {self.out.status: status_html(examples.PREPARING)}
+        if example is None:
+            return done | {self.out.status: ""}
+        owner = owner if isinstance(owner, str) and len(owner) >= 32 else secrets.token_hex(16)
+        session = StepSession(runs=[copy.deepcopy(example.trace)], owner=owner)  # a session may branch it
+        note = ("An example run of this prompt with the default preset (the same as pressing Generate), showing its "
+                "most uncertain step; click any token (or use ←/→) to inspect another.")
+        return done | render(self.out, session, most_uncertain(example.trace.steps), colour, status_html(note)) | {
+            self.out.owner: owner}
+
+    def wire_example(self) -> None:
+        """Poll for the startup example while the page has no run of its own (no model call)."""
+        timer = gr.Timer(examples.POLL_S)
+        out = self.out
+        inputs = [self.shared.model, self.shared.quantization, self.colour_by, out.session, out.owner, self.view.prompt,
+                  self.view.chat, *self.view.panel.inputs]
+        timer.tick(functools.partial(self.on_example, timer), inputs, [*out.all(), timer], api_visibility="private",
+                   queue=False)
 
     def wire_local(self) -> None:
         """Events that only redraw the session's traces (no model): not queued, not API endpoints."""

@@ -1,0 +1,176 @@
+"""Example runs for a first screen that already teaches: each view's default prompt and preset,
+run once on the default model in a background thread when the app starts, and kept in memory.
+
+A view describes its example as an ``ExampleRequest`` (the prompt, the config its controls show on
+a fresh page, the chat checkbox, the extras its Generate runs too) and asks ``cache_for(registry)``
+for it when a page opens. The run goes through ``Shared.run`` like every other run (this module
+never decodes), so an example is the very trace the user gets by pressing Generate unchanged.
+
+The cache lives on the model registry (the process-wide state the design allows), keyed by model,
+quantization, prompt, preset, config and chat; it holds one entry per view, never per user.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from engine.config import DecodingConfig
+from engine.control import RunControl
+from engine.trace import Trace
+
+if TYPE_CHECKING:  # shared imports gradio; this module is imported by it only through the views
+    from .shared import Shared
+
+log = logging.getLogger(__name__)
+EXAMPLE_SECONDS = 300.0  # an example that takes longer on a slow machine is dropped, not waited for
+State = Literal["ready", "pending", "none"]
+
+
+def enabled() -> bool:
+    """Example runs at startup: on unless env ``DP_EXAMPLES`` is 0 / false / no / off."""
+    return os.environ.get("DP_EXAMPLES", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class ExampleRequest:
+    """What a view's Generate runs on a fresh page. ``with_greedy``: a greedy run of the same
+    prompt too (the beam view compares with it); ``compare_baseline``: time a target-only run."""
+
+    view: str
+    prompt: str
+    preset: str
+    config: DecodingConfig
+    chat: bool
+    compare_baseline: bool = False
+    with_greedy: bool = False
+
+    def key(self, model: str, quantization: str) -> tuple:
+        config = json.dumps(self.config.to_dict(sparse=True), sort_keys=True)
+        return (model, quantization or "none", self.prompt, self.preset, config, self.chat, self.compare_baseline,
+                self.with_greedy)
+
+
+@dataclass(frozen=True)
+class Example:
+    """A finished example: the run's trace (and the greedy run of the same prompt, if asked)."""
+
+    request: ExampleRequest
+    trace: Trace
+    greedy: Trace | None = None
+
+
+def compute(shared: Shared, request: ExampleRequest, model: str, quantization: str = "none",
+            control: RunControl | None = None) -> Example:
+    """Run ``request`` on ``model`` through ``Shared.run``, as the view's Generate does."""
+    control = control or RunControl(deadline_s=EXAMPLE_SECONDS)
+    lm = shared.lm(model, quantization)
+    prompt_ids = shared.encode_prompt(lm, request.prompt, request.chat)
+    trace = shared.run(lm, request.prompt, request.config, chat=request.chat, prompt_ids=prompt_ids, control=control,
+                       compare_baseline=request.compare_baseline)
+    greedy = None
+    if request.with_greedy:
+        greedy = shared.run(lm, request.prompt, request.config.replace(strategy="greedy"), chat=request.chat,
+                            prompt_ids=prompt_ids, control=control)
+    return Example(request, trace, greedy)
+
+
+class ExampleCache:
+    """Finished examples by key; ``want`` queues a request, ``start`` computes the queue in one
+    background thread (one example at a time: the machine's cores belong to the users)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[tuple, Example] = {}
+        self._queued: dict[tuple, ExampleRequest] = {}
+        self._pending: set[tuple] = set()  # keys a startup thread has yet to finish
+        self._thread: threading.Thread | None = None
+
+    def want(self, request: ExampleRequest) -> None:
+        """Queue ``request`` for the next ``start`` (a request already done or queued is kept once)."""
+        with self._lock:
+            self._queued.setdefault((request.view, request.prompt, request.preset, request.chat), request)
+
+    def start(self, shared: Shared, model: str, quantization: str = "none") -> threading.Thread | None:
+        """Compute the queued requests on ``model`` in a daemon thread; None when there is nothing
+        to do or examples are off (env DP_EXAMPLES=0)."""
+        with self._lock:
+            busy = set(self._done) | self._pending
+            todo = [r for r in self._queued.values() if r.key(model, quantization) not in busy]
+            self._queued.clear()
+            if not todo or not enabled():
+                return None
+            self._pending |= {r.key(model, quantization) for r in todo}
+            thread = threading.Thread(target=self._run, args=(shared, todo, model, quantization),
+                                      name="dp-examples", daemon=True)
+            self._thread = thread
+        thread.start()
+        return thread
+
+    def _run(self, shared: Shared, todo: list[ExampleRequest], model: str, quantization: str) -> None:
+        for request in todo:
+            key = request.key(model, quantization)
+            try:
+                example = compute(shared, request, model, quantization)
+            except Exception as exc:  # an example is a nicety: log it, the view says "press Generate"
+                log.warning("example run for %s failed: %s: %s", request.view, type(exc).__name__, exc)
+                example = None
+            with self._lock:
+                self._pending.discard(key)
+                if example is not None:
+                    self._done[key] = example
+
+    def get(self, request: ExampleRequest, model: Any, quantization: Any) -> tuple[State, Example | None]:
+        """("ready", example), ("pending", None) while the startup thread may still produce it, or
+        ("none", None): another model, examples off, or the run failed."""
+        key = request.key(model if isinstance(model, str) else "", quantization if isinstance(quantization, str) else "")
+        with self._lock:
+            if key in self._done:
+                return "ready", self._done[key]
+            return ("pending" if key in self._pending else "none"), None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the startup thread is done (tests, the CLI); True if it finished."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+
+_CACHES_LOCK = threading.Lock()
+
+
+def cache_for(registry: Any) -> ExampleCache:
+    """The example cache of this model registry, created on first use; it lives on the registry
+    object, so it goes with the models it was computed on."""
+    with _CACHES_LOCK:
+        cache = getattr(registry, "_examples", None)
+        if cache is None:
+            cache = ExampleCache()
+            registry._examples = cache
+        return cache
+
+
+def fresh_config(panel: Any) -> DecodingConfig:
+    """The config a knob panel's controls show on a fresh page (what Generate runs untouched)."""
+    return panel.config(*[component.value for component in panel.inputs])
+
+
+PREPARING = "Preparing an example run of this prompt… or press Generate to run your own now."
+POLL_S = 1.0  # how often a fresh page asks whether its example is ready
+
+
+def matches(request: ExampleRequest | None, prompt: Any, chat: Any, panel: Any, values: Any) -> bool:
+    """Whether a page still shows ``request``'s inputs: same prompt, chat checkbox and config
+    (a page whose user edited them, or that a share link filled, gets no example)."""
+    if request is None or prompt != request.prompt or bool(chat) != request.chat:
+        return False
+    try:
+        return panel.config(*values) == request.config
+    except ValueError:  # an invalid knob on the page: not the example's config
+        return False
