@@ -19,7 +19,7 @@ from . import sampling
 from .config import DecodingConfig
 from .metrics import mean_logprob, perplexity
 from .models import LoadedModel
-from .processors import Chain, Traced
+from .processors import Chain, Traced, traced_rows
 from .trace import StepTrace, Timing, Trace
 
 
@@ -147,7 +147,11 @@ class RunState:
         if self.needs_replay:
             raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
         traced = self.chain.traced(self.ids, logits, self.config.top_n, self.lm.token_text)
-        chosen = pick(traced, self.generator, self.force, step=len(self.generated))
+        return self.finish(traced, pick(traced, self.generator, self.force, step=len(self.generated)))
+
+    def finish(self, traced: Traced, chosen: sampling.Pick) -> StepTrace:
+        """The rest of ``advance`` once the step's token is picked: the stateful stages' update, the
+        stop rules, the token row -> the StepTrace."""
         self.chain.observe(self.ids, chosen.token_id)
         self.chain.annotate(traced.stages)
         self.generated.append(chosen.token_id)
@@ -161,6 +165,54 @@ class RunState:
     @property
     def last_token(self) -> int:
         return int(self.ids[0, -1])
+
+
+def advance_rows(states: Sequence[RunState], logits: torch.Tensor) -> list[StepTrace | Exception]:
+    """``RunState.advance`` for many runs at once: row b of ``logits`` [B, V] is ``states[b]``'s.
+    Each run gets the StepTrace its own ``advance`` would give (same tokens, draws from its own
+    generator, floats to rounding), or the exception its step raised. The stage statistics, the
+    argmax and the draws' intervals are computed on [R, V] (``processors.traced_rows``,
+    ``pick_rows``) instead of row by row."""
+    if any(s.needs_replay for s in states):
+        raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
+    traced = traced_rows([s.chain for s in states], [s.ids for s in states], logits,
+                         [s.config.top_n for s in states], states[0].lm.token_text)
+    ok = [b for b, t in enumerate(traced) if not isinstance(t, Exception)]
+    picks = pick_rows([traced[b] for b in ok], [states[b].generator for b in ok], [states[b].force for b in ok],
+                      [len(states[b].generated) for b in ok])
+    out: list[StepTrace | Exception] = list(traced)  # the failed rows keep their exception
+    for b, chosen in zip(ok, picks):
+        try:
+            out[b] = chosen if isinstance(chosen, Exception) else states[b].finish(traced[b], chosen)
+        except Exception as exc:  # noqa: BLE001 (one run's failure ends that run only)
+            out[b] = exc
+    return out
+
+
+def pick_rows(finals: Sequence[Traced], generators: Sequence[torch.Generator | None],
+              forces: Sequence[int | None], steps: Sequence[int]) -> list[sampling.Pick | Exception]:
+    """``pick`` for many rows (the same tokens and draws): forced rows one by one; for the others
+    the no-token check, the greedy argmax and the seeded draws' race on [R, V]."""
+    out: list[sampling.Pick | Exception | None] = [None] * len(finals)
+    free = [i for i, f in enumerate(forces) if f is None]
+    for i in (i for i, f in enumerate(forces) if f is not None):
+        out[i] = pick(finals[i], generators[i], forces[i], step=steps[i])
+    if free:
+        has = sampling.rows_with_tokens(torch.cat([finals[i].logits for i in free]))
+        for i in (i for i, h in zip(free, has) if not h):
+            out[i] = sampling.NoTokensLeft(steps[i])
+        greedy = [i for i, h in zip(free, has) if h and generators[i] is None]
+        drawn = [i for i, h in zip(free, has) if h and generators[i] is not None]
+        if greedy:  # argmax ties: the lowest id, as sampling.greedy
+            tokens = torch.argmax(torch.cat([finals[i].logits for i in greedy]), dim=-1).tolist()
+            for i, token in zip(greedy, tokens):
+                out[i] = sampling.Pick(token, float(finals[i].final_probs[token]))
+        if drawn:
+            picks = sampling.sample_rows(torch.stack([finals[i].final_probs for i in drawn]),
+                                         [generators[i] for i in drawn])
+            for i, chosen in zip(drawn, picks):
+                out[i] = chosen
+    return out  # type: ignore[return-value]
 
 
 # --- trace assembly ----------------------------------------------------------------------------------

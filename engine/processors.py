@@ -722,3 +722,144 @@ class _Recorder:
     @staticmethod
     def copy_as(name: str, last: StageTrace) -> StageTrace:
         return StageTrace(name, last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {})
+
+
+# --- many rows at once (the batched scheduler) ---------------------------------------------------------
+# Stages whose output row depends only on that row's logits and on params fixed at construction (no
+# input_ids, no state, no draws, params not rewritten per call): rows whose stage has equal params
+# share one call on [G, V]. Every other stage runs per row (its own object, ids and state).
+_SHAREABLE = (Temperature, TopK, TopP, MinP, TypicalP, Epsilon, Eta, Smoothing, TopA)
+
+
+def _share_key(stage: Stage) -> tuple | None:
+    if type(stage) not in _SHAREABLE:
+        return None
+    return type(stage), tuple(sorted(stage.params.items()))
+
+
+def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], logits: torch.Tensor,
+                top_n: Sequence[int], token_text: Callable[[int], str]) -> list["Traced | Exception"]:
+    """``Chain.traced`` for B rows at once: row b is ``chains[b].traced(input_ids[b], logits[b:b+1],
+    top_n[b], token_text)`` (input_ids[b]: [1, S_b]; logits [B, V]), with the same tokens and
+    floats. The statistics of each stage position are computed on [R, V] for every row that has a
+    stage there, with one ``.tolist()`` per statistic; stages shareable across rows run once per
+    group of equal params. A row whose stage raises gets that exception and drops out."""
+    logits = logits.float()
+    rows: list[torch.Tensor | None] = [logits[b:b + 1] for b in range(len(chains))]  # [1, V] each
+    recorder = _RowsRecorder(list(top_n), token_text)
+    traces: list[list[StageTrace]] = [[t] for t in recorder.record(list(range(len(chains))), logits, ["raw"] * len(chains), [{}] * len(chains))]
+    raw_probs = recorder.probs_of(list(range(len(chains))))
+    errors: dict[int, Exception] = {}
+    for j in range(max((len(c.stages) for c in chains), default=0)):
+        active = [b for b, c in enumerate(chains) if j < len(c.stages) and b not in errors]
+        errors.update(_apply_position(j, active, chains, input_ids, rows))
+        active = [b for b in active if b not in errors]
+        if active:
+            stages = [chains[b].stages[j] for b in active]
+            stacked = torch.cat([rows[b] for b in active])  # [R, V]
+            for b, trace in zip(active, recorder.record(active, stacked, [s.name for s in stages], [s.params for s in stages])):
+                traces[b].append(trace)
+    out: list[Traced | Exception] = []
+    for b in range(len(chains)):
+        if b in errors:
+            out.append(errors[b])
+            continue
+        traces[b].append(_Recorder.copy_as("final", traces[b][-1]))
+        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0]))
+    return out
+
+
+def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
+                    rows: list) -> dict[int, Exception]:
+    """Apply stage ``j`` of each active row's chain to ``rows[b]`` (in place in the list): shareable
+    stages with equal params once on the stacked rows, the others row by row. Returns the rows
+    whose stage raised."""
+    groups: dict[tuple, list[int]] = {}
+    alone: list[int] = []
+    for b in active:
+        key = _share_key(chains[b].stages[j])
+        (groups.setdefault(key, []) if key is not None else alone).append(b)
+    for key, members in groups.items():
+        if len(members) == 1:
+            alone.extend(members)
+            continue
+        try:
+            out = chains[members[0]].stages[j](input_ids[members[0]], torch.cat([rows[b] for b in members]))
+        except Exception:  # noqa: BLE001 (stateless: retried row by row below, so the error lands on its row)
+            alone.extend(members)
+            continue
+        for i, b in enumerate(members):
+            rows[b] = out[i:i + 1]
+    errors: dict[int, Exception] = {}
+    for b in alone:
+        try:
+            rows[b] = chains[b].stages[j](input_ids[b], rows[b])
+        except Exception as exc:  # noqa: BLE001 (one row's failure ends that row only)
+            errors[b] = exc
+    return errors
+
+
+class _RowsRecorder:
+    """``_Recorder`` over many rows: keeps each row's previous probabilities and top list; one
+    softmax, entropy, top-k and ``.tolist()`` per statistic for all the rows of a stage position."""
+
+    def __init__(self, top_n: list[int], token_text: Callable[[int], str]):
+        self.top_n, self.token_text = top_n, token_text
+        self.prev: list[tuple[torch.Tensor, int] | None] = [None] * len(top_n)  # (probs [R, V], row) per row
+        self.prev_top: list[list[TokenProb]] = [[] for _ in top_n]
+
+    def probs_of(self, rows: list[int]) -> list[torch.Tensor]:
+        """The latest probabilities [V] of each of ``rows``."""
+        return [self.prev[b][0][self.prev[b][1]] for b in rows]
+
+    def _prev_stacked(self, rows: list[int]) -> torch.Tensor:
+        """The previous probabilities of ``rows`` as [R, V] (no copy when they are one record's rows)."""
+        first = self.prev[rows[0]][0]
+        if all(self.prev[b][0] is first for b in rows) and [self.prev[b][1] for b in rows] == list(range(first.shape[0])):
+            return first
+        return torch.stack(self.probs_of(rows))
+
+    def record(self, rows: list[int], logits: torch.Tensor, names: list[str], params: list[dict]) -> list[StageTrace]:
+        """The StageTraces of ``rows`` (indices into the batch) whose logits are ``logits`` [R, V]."""
+        probs = torch.softmax(logits, dim=-1)  # [R, V]; masked tokens get exactly 0
+        alive = probs > 0
+        kept = alive.sum(dim=-1)  # [R]
+        entropy = torch.special.entr(probs).sum(dim=-1)  # [R]
+        first = self.prev[rows[0]] is None
+        if first:
+            mass, tv = [0.0] * len(rows), [0.0] * len(rows)
+        else:
+            prev = self._prev_stacked(rows)
+            mass = prev.masked_fill(alive, 0.0).sum(dim=-1).tolist()
+            tv = (0.5 * (probs - prev).abs().sum(dim=-1)).tolist()
+        kept_list, entropy_list = kept.tolist(), entropy.tolist()
+        tops = self._tops(rows, probs, kept_list)
+        removed = [[] for _ in rows] if first else self._removed(rows, alive)
+        out = []
+        for i, b in enumerate(rows):
+            out.append(StageTrace(names[i], kept_list[i], float(mass[i]), entropy_list[i], float(tv[i]),
+                                  tops[i], removed[i], dict(params[i])))
+            self.prev[b], self.prev_top[b] = (probs, i), tops[i]
+        return out
+
+    def _tops(self, rows: list[int], probs: torch.Tensor, kept: list[int]) -> list[list[TokenProb]]:
+        """Each row's top min(top_n, kept, V) tokens; one top-k per distinct k (as ``_Recorder`` asks)."""
+        ks = [min(self.top_n[b], kept[i], probs.shape[1]) for i, b in enumerate(rows)]
+        tops: list[list[TokenProb]] = [[] for _ in rows]
+        for k in set(ks):
+            members = [i for i, ki in enumerate(ks) if ki == k]
+            index = torch.tensor(members, dtype=torch.long, device=probs.device)
+            values, ids = torch.topk(probs.index_select(0, index) if len(members) < len(rows) else probs, k)
+            for i, id_row, p_row in zip(members, ids.tolist(), values.tolist()):
+                tops[i] = [TokenProb(t, self.token_text(t), p) for t, p in zip(id_row, p_row)]
+        return tops
+
+    def _removed(self, rows: list[int], alive: torch.Tensor) -> list[list[TokenProb]]:
+        """Of each row's previous top list, the tokens this stage removed."""
+        width = max(len(self.prev_top[b]) for b in rows)
+        if width == 0:
+            return [[] for _ in rows]
+        ids = torch.tensor([[t.token_id for t in self.prev_top[b]] + [0] * (width - len(self.prev_top[b])) for b in rows],
+                           dtype=torch.long, device=alive.device)  # [R, width], padded with token 0
+        still = alive.gather(1, ids).tolist()
+        return [[t for t, s in zip(self.prev_top[b], still[i]) if not s] for i, b in enumerate(rows)]

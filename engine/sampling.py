@@ -91,3 +91,26 @@ def skip_draws(generator: torch.Generator, steps: int, vocab_size: int, device: 
     """Advance the generator past ``steps`` sampling steps (used to resume a run mid-way)."""
     for _ in range(steps):
         exponential_noise(torch.Size([1, vocab_size]), generator, device)
+
+
+def rows_with_tokens(final: torch.Tensor) -> list[bool]:
+    """``has_tokens`` for each row of ``final`` [R, V], in one pass over the batch."""
+    final = final.float()
+    bad = torch.isnan(final).any(dim=-1) | torch.isposinf(final).any(dim=-1)
+    return (~bad & torch.isfinite(final).any(dim=-1)).tolist()
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[Pick]:
+    """``sample_probs`` for R rows at once: row r of ``probs`` [R, V] draws with ``generators[r]``
+    (V draws each, as alone); the race, the winner and its interval are computed on [R, V]."""
+    noise = torch.cat([exponential_noise(torch.Size([1, probs.shape[1]]), g, probs.device) for g in generators])  # [R, V]
+    tokens = torch.argmax(probs / noise, dim=-1, keepdim=True)  # [R, 1]
+    p = probs.gather(1, tokens)  # [R, 1]
+    times = noise.gather(1, tokens) / p  # [R, 1]: the race's winning times, as sample_probs divides them
+    ids = torch.arange(probs.shape[1], device=probs.device)
+    before = (probs > p) | ((probs == p) & (ids < tokens))  # [R, V]: sorted before the winner
+    low = probs.masked_fill(~before, 0.0).double().sum(dim=-1)  # [R]
+    out = []
+    for token, prob, t, lo in zip(tokens[:, 0].tolist(), p[:, 0].tolist(), times[:, 0].tolist(), low.tolist()):
+        out.append(Pick(token, prob, lo + prob * -math.expm1(-t), lo, lo + prob))
+    return out
