@@ -50,6 +50,17 @@ def max_batch() -> int:
     return _positive_env("DP_MAX_BATCH") or default
 
 
+DEFAULT_SESSIONS = 500
+
+
+def session_capacity() -> int:
+    """How many browser/API sessions the server keeps state for (env ``DP_SESSIONS``, default 500);
+    the least recently used is dropped beyond it. Gradio keeps a copy of the page's configuration
+    per session (about 1.5 MB for this app, measured by ``bench.sessions``), and its own default
+    (10,000 sessions) would let a public deployment grow to ~15 GB."""
+    return _positive_env("DP_SESSIONS") or DEFAULT_SESSIONS
+
+
 def default_concurrency() -> int:
     """How many model events run at once: env ``DP_CONCURRENCY``, default the scheduler's batch
     size (greedy/sampling runs share batched forwards, so more than one per core pays off)."""
