@@ -280,3 +280,30 @@ class KnobPanel:
 
 def _range_note(knob: Knob) -> str:
     return f"Range {knob.range_text()}." if knob.kind in ("float", "int") else ""
+
+
+# --- compact controls (the Compare lanes): a small number box per knob, greyed by the same rule ----
+IGNORED_BY_GREEDY_SHORT = "ignored by greedy"
+
+
+def compact_knob_state(name: str, strategy: str) -> dict[str, Any]:
+    """``interactive``/``info`` of a compact control under ``strategy``: the Step view's rule (greedy
+    greys the sampling-only knobs), in a few words."""
+    ignored = strategy == "greedy" and name in SAMPLING_KNOBS
+    return {"interactive": not ignored, "info": IGNORED_BY_GREEDY_SHORT if ignored else None}
+
+
+def compact_knob_component(knob: Knob, value: Any, prefix: str, strategy: str) -> gr.Number:
+    """A number box for a numeric knob, id ``<prefix>knob-<name>``: no slider and no bounds in the
+    browser, so a typed out-of-range value reaches the engine, whose message names it and the range."""
+    if knob.kind not in ("float", "int"):
+        raise ValueError(f"{knob.name}: a compact control is for numeric knobs, not {knob.kind}")
+    state = compact_knob_state(knob.name, strategy)
+    return gr.Number(value=knob.neutral if value is None else value, label=knob.name, min_width=90,
+                     precision=0 if knob.kind == "int" else None, step=knob.step or (1 if knob.kind == "int" else 0.05),
+                     elem_id=f"{prefix}knob-{knob.name}", elem_classes=["dp-compact-knob"], **state)
+
+
+def knob_errors_text(errors: Sequence[str]) -> str:
+    """Every invalid knob of one click in one line, as the Step view reports them."""
+    return errors[0] if len(errors) == 1 else f"{len(errors)} invalid knobs: " + " · ".join(errors)

@@ -1,5 +1,6 @@
 """The compare view: lane settings and chart builders on hand-made data, the /compare API through
-gradio_client, and a browser session (add a lane, run, read both texts and the metrics table)."""
+gradio_client, and a browser session (add a lane, set a knob with its control, run, read the lanes'
+texts and the metrics table). The lane controls' handlers: tests/test_compare_lanes.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 import plotly.graph_objects as go
 import pytest
 
-from engine.config import DecodingConfig
 from engine.contrastive import ContrastCandidate, ContrastStep, SearchCandidate, SearchStep
 from engine.metrics import lane_metrics
 from engine.trace import StageTrace, StepTrace, Timing, Trace
@@ -33,31 +33,9 @@ def trace(tokens: list[str], ids: list[int], strategy: str = "greedy") -> Trace:
 # --- lane settings -------------------------------------------------------------------------------
 
 
-def test_knobs_text_round_trips_through_a_config():
-    cfg = DecodingConfig(strategy="sample", temperature=0.7, top_p=0.9, stop=("\n",), early_stopping="never",
-                         adaptive_k=True, stage_order=("top_p", "temperature"), seed=5, max_new_tokens=9)
-    text = view.format_knobs(cfg)
-    assert "seed" not in text and "max_new_tokens" not in text  # shared by all lanes
-    assert "temperature = 0.7" in text.splitlines() and 'stop = ["\\n"]' in text.splitlines()
-    back = view.lane_config(view.LaneSpec("(custom)", "sample", text), "Lane 1", 5, 9)
-    assert back == cfg
-
-
-def test_parse_knobs_names_the_lane_and_line():
-    assert view.parse_knobs("# a comment\n\ntop_k = 4\n", "Lane 2") == {"top_k": 4}
-    with pytest.raises(UserError, match="Lane 2, line 2: expected key = value"):
-        view.parse_knobs("top_k = 4\ntemperature 0.5", "Lane 2")
-    with pytest.raises(UserError, match="Lane 3: seed is shared by all lanes"):
-        view.parse_knobs("seed = 4", "Lane 3")
-    with pytest.raises(UserError, match=r"Lane 1: temperature: 9.0 is out of range; allowed 0 or \[0.01, 5\]"):
-        view.lane_config(view.LaneSpec("(custom)", "sample", "temperature = 9"), "Lane 1", 0, 8)
-    with pytest.raises(UserError, match="Lane 1: top_p_typo: unknown key"):
-        view.lane_config(view.LaneSpec("(custom)", "sample", "top_p_typo = 1"), "Lane 1", 0, 8)
-
-
 def test_presets_fill_lanes_and_new_lanes_pick_an_unused_preset():
     spec = view.spec_from_preset("contrastive-search")
-    assert spec.strategy == "contrastive_search" and "top_k = 4" in spec.knobs
+    assert spec.strategy == "contrastive_search" and spec.knob("top_k") == 4 and spec.more == ""
     assert view.spec_from_preset("no-such-preset") is None
     used = [view.spec_from_preset("greedy"), view.spec_from_preset("balanced")]
     assert view.default_spec(used).preset == "contrastive-search"
@@ -179,19 +157,30 @@ def test_seed_sweep_api_counts_distinct_outputs(live_app):
 
 @pytest.mark.slow
 @pytest.mark.browser
-def test_add_lane_run_and_read_texts_and_metrics(page, live_app, artifacts):
+def test_add_lane_set_a_knob_run_and_read_both_texts(page, live_app, artifacts):
     page.goto(live_app)
     page.get_by_role("tab", name="Compare").click()
     page.fill("#cmp-prompt textarea", "The sky is")
-    page.fill("#cmp-max-new-tokens input[type=number]", "6")
-    page.locator("#cmp-max-new-tokens input[type=number]").press("Enter")
     page.click("#cmp-add")
     page.wait_for_selector("#cmp-lane-2", state="visible")
+    for i in range(3):
+        box = page.locator(f"#cmp-lane-{i}-knob-max_new_tokens input")
+        box.fill("6")
+        box.press("Enter")
+    temperature = page.locator("#cmp-lane-1-knob-temperature input")  # lane 2: balanced (sample)
+    temperature.fill("0.5")
+    temperature.press("Enter")
+    page.wait_for_selector("#cmp-lane-1-header:has-text('sample · T 0.5 · top-p 0.9 · seed 0 · 6 tokens')")
+    assert page.locator("#cmp-lane-0-knob-temperature input").is_disabled()  # greedy ignores it
+    assert "=" not in page.locator("#cmp-lane-0-header").inner_text()
     page.click("#cmp-run")
     page.wait_for_selector("#cmp-status:has-text('done')", timeout=300_000)
+    texts = []
     for i in range(3):
         assert page.locator(f"#cmp-lane-{i}-text .token").count() >= 1
         assert "tokens, stop:" in page.locator(f"#cmp-lane-{i}-status").inner_text()
+        texts.append(page.locator(f"#cmp-lane-{i}-text").inner_text())
+    assert all(t.strip() for t in texts[:2])
     assert page.locator("#cmp-metrics [role=row]").count() == 4  # the header and one row per lane
     table = page.locator("#cmp-metrics").inner_text()
     assert all(name in table for name in ("Lane 1", "Lane 2", "Lane 3", "greedy", "contrastive_search"))

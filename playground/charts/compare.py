@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import plotly.graph_objects as go
 
+from engine.config import KNOBS, SAMPLING_ONLY_STAGES, DecodingConfig
 from engine.contrastive import ContrastStep, SearchStep
 from engine.metrics import LaneMetrics, SweepSpread, entropy_series
 from engine.trace import StepTrace, Trace
@@ -20,6 +21,54 @@ LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c"
 METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
                   "rep-4", "first token (ms)", "tokens/s", "stop"]
 SWEEP_HEADERS = ["seed", "tokens", "mean log-prob (raw)", "text"]
+
+
+# Words for a lane's header; any other knob is named by its key with spaces.
+SHORT_NAMES = {"temperature": "T", "top_k": "top-k", "top_p": "top-p", "min_p": "min-p", "typical_p": "typical-p",
+               "stage_order": "stage order"}
+MAX_HEADER_KNOBS = 6
+
+
+def _word_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        text = " → ".join(str(v) for v in value) if all(isinstance(v, str) and v.isidentifier() for v in value) \
+            else ", ".join(repr(v) for v in value)
+    elif isinstance(value, dict):
+        text = ", ".join(f"{k} {v:+g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in value.items())
+    else:
+        text = str(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def lane_summary(cfg: DecodingConfig) -> str:
+    """A lane in words, e.g. "sample · T 0.8 · top-p 0.9 · seed 1 · 32 tokens": the strategy, its
+    non-neutral knobs (the sampling-only ones left out where the pick is greedy, which ignores
+    them), the seed where a draw uses it, and the token budget."""
+    strategy = cfg.strategy.replace("_", " ")
+    parts = [f"{strategy} at T 0 (a greedy pick)" if cfg.is_greedy and cfg.strategy != "greedy" else strategy]
+    knobs = []
+    for key, value in cfg.to_dict(sparse=True).items():
+        knob = KNOBS.get(key)
+        if key in ("strategy", "seed", "max_new_tokens") or (cfg.is_greedy and knob and knob.stage in SAMPLING_ONLY_STAGES):
+            continue
+        knobs.append(f"{SHORT_NAMES.get(key, key.replace('_', ' '))} {_word_value(value)}")
+    parts += knobs[:MAX_HEADER_KNOBS]
+    if len(knobs) > MAX_HEADER_KNOBS:
+        parts.append(f"+{len(knobs) - MAX_HEADER_KNOBS} more knobs")
+    if not cfg.is_greedy:
+        parts.append(f"seed {cfg.seed}")
+    parts.append(f"{cfg.max_new_tokens} tokens")
+    return " · ".join(parts)
+
+
+def lane_header(name: str, summary: str, error: bool = False) -> str:
+    """The lane's title line: its name and its settings in words (or what is wrong with them)."""
+    body = f'<span class="dp-error">⚠ {html.escape(summary)}</span>' if error else html.escape(summary)
+    return f'<div class="cmp-lane-header"><b>{html.escape(name)}</b> · {body}</div>'
 
 
 def lane_colour(i: int) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import gradio as gr
 
 from engine import lessons as engine_lessons
+from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.trace import Trace
@@ -24,6 +25,8 @@ from playground.charts import step as charts
 
 from ..events import data_api
 from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, status_html
+from ..user_presets import CUSTOM, matching_choice
+from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
 
 LESSON_PARAM = "lesson"
@@ -191,9 +194,10 @@ class LessonsTab:
         self.presenter.wire(lambda s: s.first() if isinstance(s, LessonSession) else None, self.session)
         data_api(list_lessons, "lessons")
 
-    def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any]) -> None:
+    def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None) -> None:
         """Page load: ``?lesson=`` opens that lesson, ``?present=1`` the presenter view; Open fills the
-        lesson's view (prompt, chat, the first run's preset) and switches to its tab."""
+        lesson's view (prompt, chat, the first run's preset; every lane on ``compare_page``, the
+        Compare view's handles) and switches to its tab."""
         demo.load(None, None, [self.base_url], js="() => window.location.origin + window.location.pathname",
                   api_visibility="private")
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
@@ -204,6 +208,8 @@ class LessonsTab:
         for view in handles.values():
             targets += [view.prompt, *([view.chat] if view.chat is not None else []), *view.panel.inputs,
                         view.panel.preset, view.panel.modified]
+        if compare_page is not None:
+            targets += compare.lesson_outputs(compare_page)
 
         def on_open(choice: str, session: LessonSession | None, stored: Any) -> dict:
             try:
@@ -212,8 +218,11 @@ class LessonsTab:
                 return {self.status: error_html(str(exc))}
             runs = "; ".join(f"{p.name} ({p.config.strategy})" for p in lesson.runs)
             note = status_html(f"opened in {lesson.view}: prompt {lesson.prompt!r}; runs: {runs}")
-            return (open_updates(lesson, handles.get(lesson.view), stored)
-                    | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note})
+            if lesson.view == "compare" and compare_page is not None:
+                updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored))
+            else:
+                updates = open_updates(lesson, handles.get(lesson.view), stored)
+            return updates | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note}
 
         self.open_btn.click(on_open, [self.pick, self.session, self.shared.user_presets], targets,
                             api_visibility="private", queue=False)
@@ -234,11 +243,15 @@ class LessonsTab:
                           self.pick: gr.update(choices=choices, value=lesson.id)}
 
 
+def lane_configs(lesson: Lesson, stored: Any) -> list[tuple[DecodingConfig, str]]:
+    """Each run's config and the lane's preset label (the preset it equals, else custom)."""
+    labels = [matching_choice(p.config, stored) for p in lesson.runs]
+    return [(p.config, label if not modified else CUSTOM) for p, (label, modified) in zip(lesson.runs, labels)]
+
+
 def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
     """Updates putting ``lesson``'s prompt and first preset into ``view`` (None: a view without a
-    knob panel, e.g. Compare, whose lanes the status lists instead)."""
-    from ..user_presets import matching_choice
-
+    knob panel: nothing to fill)."""
     if view is None:
         return {}
     preset = lesson.runs[0]

@@ -1,8 +1,10 @@
 """Compare: 2–6 lanes side by side, each a strategy and its knobs, on one prompt and one seed.
 
-A lane's settings are its strategy and ``key = value`` lines (the CLI's ``--set`` syntax); picking
-a preset fills both. Seed and max_new_tokens are shared by all lanes. "Run all" runs the lanes one
-after another through the runner, streaming each lane's text; then the metrics table
+A lane's settings are a preset picker, its strategy, a number box each for temperature, top-k,
+top-p, min-p, seed and max_new_tokens (greyed where greedy ignores them, as in the Step view), and
+a JSON object of any other knob; its header says them in words. Picking a preset fills the lane
+but keeps its seed and budget; a new lane copies the last lane's. "Run all" runs the lanes at once
+through the runner, streaming each lane's text; then the metrics table
 (engine.metrics), the per-step entropy chart and the first divergent step appear. Clicking a token
 opens its step chart. "Seed sweep" runs one lane over several seeds.
 

@@ -8,27 +8,39 @@ from typing import Any, Iterator, Sequence
 import gradio as gr
 
 from engine import contrastive
+from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.metrics import lane_metrics, mean_logprob, sweep_spread
 from playground.charts import compare as charts
 from playground.charts import step as step_charts
 
 from ...events import stop_button
+from ...knobs import compact_knob_state
 from ...shared import Shared, UserError, error_html, status_html
 from ...user_presets import CUSTOM, preset_choices
 from .lanes import (
-    MAX_LANES, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config, lane_name, remove_lane,
-    spec_from_preset, sweep_seeds,
+    LANE_FIELDS, MAX_LANES, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config, lane_name,
+    remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
 )
-from .layout import Page
+from .layout import LaneWidgets, Page, summary_of
 from .run import run_lanes, run_sweep
 
 RAW_ENTROPY = "raw model"
 
 
 def specs_from(values: Sequence[Any], count: int) -> list[LaneSpec]:
-    """The first ``count`` lanes' settings from the flat (preset, strategy, knobs) x MAX_LANES values."""
-    return [LaneSpec(*values[3 * i:3 * i + 3]) for i in range(count)]
+    """The first ``count`` lanes' settings from the flat LANE_FIELDS x MAX_LANES values."""
+    n = len(LANE_FIELDS)
+    return [LaneSpec.from_values(values[n * i:n * i + n]) for i in range(count)]
+
+
+def lane_updates(lane: LaneWidgets, i: int, spec: LaneSpec) -> dict:
+    """``{control: update}`` showing ``spec`` in lane ``i``: values, header, greyed knobs."""
+    out = {lane.preset: spec.preset, lane.strategy: spec.strategy, lane.more: spec.more,
+           lane.header: charts.lane_header(lane_name(i), *summary_of(spec))}
+    for name, control in lane.knobs.items():
+        out[control] = gr.update(value=spec.knob(name), **compact_knob_state(name, spec.strategy))
+    return out
 
 
 def render_specs(page: Page, specs: Sequence[LaneSpec]) -> dict:
@@ -36,8 +48,7 @@ def render_specs(page: Page, specs: Sequence[LaneSpec]) -> dict:
     out: dict = {}
     for i, lane in enumerate(page.lanes):
         if i < len(specs):
-            out |= {lane.column: gr.update(visible=True), lane.preset: specs[i].preset,
-                    lane.strategy: specs[i].strategy, lane.knobs: specs[i].knobs}
+            out |= {lane.column: gr.update(visible=True)} | lane_updates(lane, i, specs[i])
         else:
             out[lane.column] = gr.update(visible=False)
     return out
@@ -54,7 +65,7 @@ def render_results(page: Page, session: CompareSession, count: int, raw: bool, r
         if error:
             out[lane.status] = error_html(f"{lane_name(i)}: {error}")
         else:
-            out[lane.status] = charts.lane_status(lane_name(i), trace, session.max_new_tokens, running == i)
+            out[lane.status] = charts.lane_status(lane_name(i), trace, session.budget(i), running == i)
         out[lane.text] = charts.lane_highlights(trace.steps, None if error else at) if trace else []
     names = [lane_name(i) for i in range(count)]
     out |= {page.inspect.lane: gr.update(choices=names), page.sweep.lane: gr.update(choices=names)}
@@ -113,13 +124,21 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
 
 
 def wire_lanes(shared: Shared, page: Page) -> None:
-    """Preset pickers fill their lane; add / duplicate / remove reshape the lanes (and their results)."""
+    """Preset pickers fill their lane; any edit rewrites the lane's header (and a hand edit marks
+    the lane custom); the strategy greys the knobs it ignores; add / duplicate / remove reshape
+    the lanes (and their results)."""
     local = {"api_visibility": "private", "queue": False}
-    for lane in page.lanes:
-        lane.preset.input(lambda choice, stored, lane=lane: _fill_lane(lane, choice, stored),
-                          [lane.preset, shared.user_presets], [lane.strategy, lane.knobs], **local)
-        for edited in (lane.strategy, lane.knobs):  # a hand edit: the lane no longer is the preset
+    for i, lane in enumerate(page.lanes):
+        lane.preset.input(lambda *values, i=i, lane=lane: fill_lane(lane, i, values[:-1], values[-1]),
+                          [*lane.controls, shared.user_presets], lane.controls + [lane.header], **local)
+        for edited in lane.controls[1:]:  # a hand edit: the lane no longer is the preset
             edited.input(lambda: CUSTOM, None, [lane.preset], **local)
+        gr.on([c.change for c in lane.controls[1:]],
+              lambda *values, i=i: charts.lane_header(lane_name(i), *summary_of(LaneSpec.from_values(values))),
+              lane.controls, [lane.header], **local)
+        lane.strategy.change(lambda strategy, lane=lane: {c: gr.update(**compact_knob_state(n, strategy))
+                                                          for n, c in lane.knobs.items()},
+                             [lane.strategy], list(lane.knobs.values()), **local)
     inputs = [page.count, page.session, page.entropy_kind, *page.lane_values]
     outputs = [page.count, page.status, *page.spec_outputs, *page.result_outputs, page.session]
     ops = [(page.add, "add", 0)] + [(b, op, i) for i, lane in enumerate(page.lanes)
@@ -133,32 +152,57 @@ def wire_lanes(shared: Shared, page: Page) -> None:
         [shared.user_presets, *[lane.preset for lane in page.lanes]], [lane.preset for lane in page.lanes], **local)
 
 
-def _fill_lane(lane: Any, choice: str, stored: list | None) -> dict:
-    spec = spec_from_preset(choice, stored)
-    return {} if spec is None else {lane.strategy: spec.strategy, lane.knobs: spec.knobs}
+def fill_lane(lane: LaneWidgets, i: int, values: Sequence[Any], stored: list | None) -> dict:
+    """The picked preset (``values[0]``) shown in lane ``i``, keeping its seed and max_new_tokens."""
+    current = LaneSpec.from_values(values)
+    spec = spec_from_preset(current.preset, stored, keep=current)
+    return {} if spec is None else lane_updates(lane, i, spec)
+
+
+def open_lesson(page: Page, prompt: str, chat: bool, configs: Sequence[tuple[DecodingConfig, str]]) -> dict:
+    """Updates filling the page with a lesson's prompt and lanes (config, preset label each); the
+    previous run's results are cleared."""
+    specs = [spec_from_config(cfg, label) for cfg, label in configs[:MAX_LANES]]
+    session = CompareSession([None] * len(specs), [""] * len(specs), budgets=[c.max_new_tokens for c, _ in configs])
+    return ({page.prompt: prompt, page.chat: chat, page.count: len(specs), page.session: session, page.status: ""}
+            | render_specs(page, specs) | render_results(page, session, len(specs), False))
+
+
+def lesson_outputs(page: Page) -> list:
+    """The components ``open_lesson`` updates."""
+    return [page.prompt, page.chat, page.count, page.session, page.status, *page.spec_outputs, *page.result_outputs]
+
+
+def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, quant: str, count: int, kind: str,
+            values: Sequence[Any], control: RunControl) -> Iterator[dict]:
+    """Run the first ``count`` lanes (their settings: the flat ``values``) at once, streaming each
+    lane's status and text, then the divergence, metrics and entropy chart."""
+    names = [lane_name(i) for i in range(count)]
+    configs = [lane_config(spec, names[i]) for i, spec in enumerate(specs_from(values, count))]
+    lm = shared.lm(model, quant)
+    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens,
+                             [c.max_new_tokens for c in configs])
+    raw = kind == RAW_ENTROPY
+    note = status_html(f"running {count} lanes at once…")
+    yield {page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
+    for i in run_lanes(shared, lm, prompt, prompt_ids, configs, chat, session, control):
+        yield {page.status: status_html(f"running: {names[i]} of {count} updated…")} | render_results(
+            page, session, count, raw, i)
+    failed = sum(1 for e in session.errors if e)
+    done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
+    yield {page.status: status_html(done + ". Click any token to open its step.")} | render_results(
+        page, session, count, raw)
 
 
 def wire_run(shared: Shared, page: Page) -> Any:
     """Run every lane (one model event); returns the event for the Stop button."""
-    def on_run(prompt: str, seed: Any, max_new: Any, chat: bool, model: str, quant: str, count: int, kind: str,
-               *values: Any, control: RunControl) -> Iterator[dict]:
-        names = [lane_name(i) for i in range(count)]
-        configs = [lane_config(spec, names[i], seed, max_new) for i, spec in enumerate(specs_from(values, count))]
-        lm = shared.lm(model, quant)
-        prompt_ids = shared.encode_prompt(lm, prompt, chat)
-        session, raw = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens), kind == RAW_ENTROPY
-        note = status_html(f"running {count} lanes one after another…")
-        yield {page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
-        for i in run_lanes(shared, lm, prompt, prompt_ids, configs, chat, session, control):
-            yield {page.status: status_html(f"running {names[i]} of {count}…")} | render_results(page, session, count,
-                                                                                                raw, i)
-        failed = sum(1 for e in session.errors if e)
-        done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
-        yield {page.status: status_html(done + ". Click any token to open its step.")} | render_results(
-            page, session, count, raw)
+    def on_run(prompt: str, chat: bool, model: str, quant: str, count: int, kind: str, *values: Any,
+               control: RunControl) -> Iterator[dict]:
+        return run_all(shared, page, prompt, chat, model, quant, count, kind, values, control)
 
-    inputs = [page.prompt, page.seed, page.max_new_tokens, page.chat, shared.model, shared.quantization, page.count,
-              page.entropy_kind, *page.lane_values]
+    inputs = [page.prompt, page.chat, shared.model, shared.quantization, page.count, page.entropy_kind,
+              *page.lane_values]
     event = shared.events.on([page.run.click, page.prompt.submit], on_run, inputs,
                              [page.status, *page.result_outputs, page.session],
                              on_error=lambda message: {page.status: error_html(message)})
@@ -188,12 +232,12 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
     """The seed sweep (one model event); returns the event for the Stop button."""
     panel = page.sweep
 
-    def on_sweep(prompt: str, seed: Any, max_new: Any, chat: bool, model: str, quant: str, count: int, lane: str,
-                 seeds: Any, *values: Any, control: RunControl) -> Iterator[dict]:
+    def on_sweep(prompt: str, chat: bool, model: str, quant: str, count: int, lane: str, seeds: Any, *values: Any,
+                 control: RunControl) -> Iterator[dict]:
         names = [lane_name(i) for i in range(count)]
         if lane not in names:
             raise UserError(f"seed sweep: pick one of {', '.join(names)}")
-        config = lane_config(specs_from(values, count)[names.index(lane)], lane, seed, max_new)
+        config = lane_config(specs_from(values, count)[names.index(lane)], lane)
         seed_list = sweep_seeds(config.seed, seeds)
         lm = shared.lm(model, quant)
         prompt_ids = shared.encode_prompt(lm, prompt, chat)
@@ -204,8 +248,8 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
         yield {panel.status: status_html("done"), panel.summary: charts.sweep_markdown(lane, seed_list, spread),
                panel.table: rows}
 
-    inputs = [page.prompt, page.seed, page.max_new_tokens, page.chat, shared.model, shared.quantization, page.count,
-              panel.lane, panel.seeds, *page.lane_values]
+    inputs = [page.prompt, page.chat, shared.model, shared.quantization, page.count, panel.lane, panel.seeds,
+              *page.lane_values]
     return shared.events.on([panel.run.click], on_sweep, inputs, [panel.status, panel.summary, panel.table],
                             on_error=lambda message: {panel.status: error_html(message)})
 

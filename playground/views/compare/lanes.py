@@ -1,6 +1,6 @@
-"""Compare lanes as data: a lane's settings (strategy + ``key = value`` lines, the CLI's ``--set``
-syntax), turning them into validated configs, lane list operations, and the last run's results.
-Pure: no Gradio, no model."""
+"""Compare lanes as data: a lane's settings (preset label, strategy, one value per lane control
+and a JSON object of any other knobs), turning them into validated configs, lane list operations,
+and the last run's results. No model here; validation is the Step view's (playground.knobs)."""
 
 from __future__ import annotations
 
@@ -8,99 +8,124 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from engine.config import KNOBS, ConfigError, DecodingConfig, parse_set_value
+from engine.config import KNOBS, ConfigError, DecodingConfig, check_knob
 from engine.metrics import first_divergence
 from engine.trace import Trace
 
+from ...knobs import checked_values, display_value, knob_errors_text
 from ...shared import UserError, config_or_error
-from ...user_presets import find_preset
+from ...user_presets import CUSTOM, find_preset
 
 MIN_LANES, MAX_LANES = 2, 6
 MAX_SWEEP_SEEDS = 16
-SHARED_KEYS = ("seed", "max_new_tokens")  # set once for all lanes, not per lane
+MAX_MORE_CHARS = 4_000
+# The knobs every lane shows as a control of its own; any other knob goes in the lane's "more" JSON.
+LANE_KNOBS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens")
+RUN_KNOBS = ("seed", "max_new_tokens")  # a new lane or a picked preset keeps the lane's own
+LANE_FIELDS = ("preset", "strategy", *LANE_KNOBS, "more")  # a lane's controls, in the page's order
+START_BUDGET = 32  # max_new_tokens of the lanes on a fresh page (short runs, on a CPU)
 # Presets offered, in order, to each new lane (the first one not already in use).
 LANE_PRESETS = ("greedy", "balanced", "contrastive-search", "min-p", "creative", "anti-repetition")
 
 
 @dataclass(frozen=True)
 class LaneSpec:
-    """A lane's settings as the page holds them: preset label, strategy, ``key = value`` lines."""
+    """A lane's settings as the page holds them: preset label, strategy, the LANE_KNOBS controls'
+    values (as typed: may be anything) and the "more knobs" JSON text."""
 
     preset: str
     strategy: str
-    knobs: str
+    knobs: tuple
+    more: str = ""
+
+    @classmethod
+    def from_values(cls, values: Sequence[Any]) -> "LaneSpec":
+        """One lane's control values, in LANE_FIELDS order."""
+        preset, strategy, *rest = values
+        return cls(preset, strategy, tuple(rest[:len(LANE_KNOBS)]), rest[len(LANE_KNOBS)] or "")
+
+    def values(self) -> tuple:
+        """The controls' values, in LANE_FIELDS order."""
+        return (self.preset, self.strategy, *self.knobs, self.more)
+
+    def knob(self, name: str) -> Any:
+        return self.knobs[LANE_KNOBS.index(name)]
 
 
 def lane_name(i: int) -> str:
     return f"Lane {i + 1}"
 
 
-def format_knobs(cfg: DecodingConfig) -> str:
-    """The config's non-neutral knobs (strategy and shared keys left out) as ``key = value`` lines."""
-    lines = []
-    for key, value in cfg.to_dict(sparse=True).items():
-        if key == "strategy" or key in SHARED_KEYS:
-            continue
-        if key == "stage_order":
-            text = ", ".join(value)
-        elif isinstance(value, bool):
-            text = str(value).lower()
-        elif isinstance(value, list):
-            text = json.dumps(value, ensure_ascii=False)
-        else:
-            text = str(value)
-        lines.append(f"{key} = {text}")
-    return "\n".join(lines)
+def spec_from_config(cfg: DecodingConfig, label: str = CUSTOM) -> LaneSpec:
+    """A config shown in a lane: its LANE_KNOBS in the controls, every other non-neutral knob in
+    the JSON box."""
+    knobs = tuple(display_value(KNOBS[n], getattr(cfg, n)) for n in LANE_KNOBS)
+    rest = {k: v for k, v in cfg.to_dict(sparse=True).items() if k != "strategy" and k not in LANE_KNOBS}
+    return LaneSpec(label, cfg.strategy, knobs, json.dumps(rest, ensure_ascii=False) if rest else "")
 
 
-def parse_knobs(text: str, name: str) -> dict[str, Any]:
-    """``key = value`` lines -> a config dict (types as the CLI's --set; the config validates)."""
-    out: dict[str, Any] = {}
-    for number, line in enumerate((text or "").splitlines(), start=1):
-        if not line.strip() or line.strip().startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            raise UserError(f"{name}, line {number}: expected key = value, got {line.strip()[:60]!r}")
-        if key in SHARED_KEYS:
-            raise UserError(f"{name}: {key} is shared by all lanes; set it above the lanes")
-        if key == "strategy":
-            raise UserError(f"{name}: pick the strategy in the lane's strategy menu, not in its knobs")
-        try:
-            out[key] = parse_set_value(key, value)
-        except ConfigError as exc:
-            raise UserError(f"{name}: {exc}") from None
-    return out
+def parse_more(text: Any) -> tuple[dict[str, Any], list[str]]:
+    """The "more knobs" box: a strict JSON object of knobs -> (values, one message per bad knob)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return {}, []
+    if not isinstance(text, str) or len(text) > MAX_MORE_CHARS:
+        return {}, [f"more knobs: expected a JSON object of at most {MAX_MORE_CHARS:,} characters"]
 
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not allowed")
 
-def lane_config(spec: LaneSpec, name: str, seed: Any, max_new_tokens: Any) -> DecodingConfig:
-    """A lane's validated config; errors name the lane and the key."""
-    values = {"strategy": spec.strategy, **parse_knobs(spec.knobs, name), "seed": _int(seed),
-              "max_new_tokens": _int(max_new_tokens)}
     try:
-        return config_or_error(values)
+        data = json.loads(text, parse_constant=no_constants)
+    except ValueError as exc:
+        return {}, [f"more knobs: not valid JSON ({str(exc)[:80]}); expected an object such as "
+                    '{"repetition_penalty": 1.3}']
+    if not isinstance(data, dict):
+        return {}, [f"more knobs: expected a JSON object of knobs, got a JSON {type(data).__name__}"]
+    out, errors = {}, []
+    for key, value in data.items():
+        if key == "strategy" or key in LANE_KNOBS:
+            errors.append(f"more knobs: {key} has its own control in the lane; set it there")
+        elif key == "stage_order":
+            out[key] = value  # the config checks the order as a whole
+        else:
+            try:
+                out[key] = check_knob(key, value)
+            except ConfigError as exc:
+                errors.append(str(exc))
+    return out, errors
+
+
+def lane_config(spec: LaneSpec, name: str) -> DecodingConfig:
+    """A lane's validated config; the one-line error names the lane, then every bad knob and value."""
+    knobs, errors = checked_values(LANE_KNOBS, spec.knobs)
+    more, more_errors = parse_more(spec.more)
+    errors += more_errors
+    if errors:
+        raise UserError(f"{name}: {knob_errors_text(errors)}")
+    try:
+        return config_or_error({"strategy": spec.strategy, **knobs, **more})
     except UserError as exc:
         raise UserError(f"{name}: {exc}") from None
 
 
-def _int(value: Any) -> Any:
-    """Number inputs send floats; a whole float becomes an int (anything else is left to validation)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def spec_from_preset(choice: str, user_presets: Sequence[dict] | None = None) -> LaneSpec | None:
+def spec_from_preset(choice: str, user_presets: Sequence[dict] | None = None,
+                     keep: LaneSpec | None = None) -> LaneSpec | None:
+    """A preset shown in a lane; ``keep``: the lane whose seed and max_new_tokens stay (a preset
+    changes the knobs, not the run); else the preset's seed and the start budget."""
     preset = find_preset(choice, user_presets)
     if preset is None:
         return None
-    return LaneSpec(choice, preset.config.strategy, format_knobs(preset.config))
+    spec = spec_from_config(preset.config, choice)
+    run = {n: keep.knob(n) for n in RUN_KNOBS} if keep else {"max_new_tokens": START_BUDGET}
+    return LaneSpec(spec.preset, spec.strategy, tuple(run.get(n, v) for n, v in zip(LANE_KNOBS, spec.knobs)), spec.more)
 
 
 def default_spec(used: Sequence[LaneSpec]) -> LaneSpec:
-    """The first of LANE_PRESETS no lane uses yet (the first one if all are used)."""
+    """The first of LANE_PRESETS no lane uses yet (the first one if all are used), with the last
+    lane's seed and max_new_tokens, so lanes compare on one seed and budget unless changed."""
     taken = {s.preset for s in used}
     choice = next((p for p in LANE_PRESETS if p not in taken), LANE_PRESETS[0])
-    return spec_from_preset(choice)
+    return spec_from_preset(choice, keep=used[-1] if used else None)
 
 
 def add_lane(specs: Sequence[Any], new: Any) -> list:
@@ -122,6 +147,11 @@ def remove_lane(specs: Sequence[Any], i: int) -> list:
     return [*specs[:i], *specs[i + 1:]]
 
 
+def _int(value: Any) -> Any:
+    """Number inputs send floats; a whole float becomes an int (anything else is left to validation)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def sweep_seeds(seed: int, count: Any) -> list[int]:
     count = _int(count)
     if not isinstance(count, int) or not 2 <= count <= MAX_SWEEP_SEEDS:
@@ -132,11 +162,16 @@ def sweep_seeds(seed: int, count: Any) -> list[int]:
 
 @dataclass
 class CompareSession:
-    """The last run: lane names, their traces (None: not run or failed) and errors."""
+    """The last run: lane names, their traces (None: not run or failed) and errors; ``budgets``:
+    each lane's max_new_tokens (else ``max_new_tokens`` for all)."""
 
     traces: list[Trace | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     max_new_tokens: int = 0
+    budgets: list[int] = field(default_factory=list)
+
+    def budget(self, i: int) -> int:
+        return self.budgets[i] if i < len(self.budgets) else self.max_new_tokens
 
     def done(self) -> list[tuple[str, Trace]]:
         return [(lane_name(i), t) for i, t in enumerate(self.traces) if t is not None and t.steps]

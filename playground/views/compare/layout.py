@@ -1,5 +1,5 @@
 """The Compare page: a fixed pool of MAX_LANES lane columns shown or hidden (every event is wired
-once, which Gradio 6 handles robustly), the shared prompt/seed row, results, inspector, seed sweep."""
+once, which Gradio 6 handles robustly), the shared prompt row, results, inspector, seed sweep."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ import gradio as gr
 from engine.config import KNOBS, STRATEGIES
 from playground.charts import compare as charts
 
-from ...shared import SESSION_TTL_S
+from ...knobs import compact_knob_component
+from ...shared import SESSION_TTL_S, UserError
 from ...user_presets import preset_choices
-from .lanes import LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_name, spec_from_preset
+from .lanes import (
+    LANE_KNOBS, LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_config, lane_name,
+    spec_from_preset,
+)
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -21,13 +25,20 @@ DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
 @dataclass
 class LaneWidgets:
     column: Any
+    header: Any  # the lane's settings in words
     preset: Any
     strategy: Any
-    knobs: Any
+    knobs: dict[str, Any]  # LANE_KNOBS name -> its number box
+    more: Any  # the other knobs, a JSON object
     duplicate: Any
     remove: Any
     status: Any
     text: Any
+
+    @property
+    def controls(self) -> list:
+        """The lane's settings controls, in LANE_FIELDS order."""
+        return [self.preset, self.strategy, *(self.knobs[n] for n in LANE_KNOBS), self.more]
 
 
 @dataclass
@@ -55,8 +66,6 @@ class Page:
     """Component handles, grouped as the handlers read and update them."""
 
     prompt: Any
-    seed: Any
-    max_new_tokens: Any
     chat: Any
     run: Any
     add: Any
@@ -74,12 +83,12 @@ class Page:
 
     @property
     def lane_values(self) -> list:
-        """Every lane's (preset, strategy, knobs) controls, flat, in lane order."""
-        return [c for lane in self.lanes for c in (lane.preset, lane.strategy, lane.knobs)]
+        """Every lane's settings controls (LANE_FIELDS), flat, in lane order."""
+        return [c for lane in self.lanes for c in lane.controls]
 
     @property
     def spec_outputs(self) -> list:
-        return [c for lane in self.lanes for c in (lane.column, lane.preset, lane.strategy, lane.knobs)]
+        return [c for lane in self.lanes for c in (lane.column, lane.header, *lane.controls)]
 
     @property
     def result_outputs(self) -> list:
@@ -89,20 +98,40 @@ class Page:
 
 def _lane_column(i: int, spec: LaneSpec | None) -> LaneWidgets:
     spec = spec or default_spec([])
+    prefix = f"cmp-lane-{i}-"
     with gr.Column(visible=i < MIN_LANES, min_width=280, elem_id=f"cmp-lane-{i}", elem_classes=["cmp-lane"]) as column:
-        gr.Markdown(f"### {lane_name(i)}")
-        preset = gr.Dropdown(preset_choices([]), value=spec.preset, label="Preset", elem_id=f"cmp-lane-{i}-preset")
-        strategy = gr.Dropdown(list(STRATEGIES), value=spec.strategy, label="Strategy", elem_id=f"cmp-lane-{i}-strategy")
-        knobs = gr.Textbox(spec.knobs, lines=3, max_lines=12, label="Knobs (key = value per line)",
-                           elem_id=f"cmp-lane-{i}-knobs")
+        header = gr.HTML(charts.lane_header(lane_name(i), *summary_of(spec)), elem_id=f"{prefix}header")
         with gr.Row():
-            duplicate = gr.Button("Duplicate", size="sm", elem_id=f"cmp-lane-{i}-duplicate")
-            remove = gr.Button("Remove", size="sm", elem_id=f"cmp-lane-{i}-remove")
-        status = gr.HTML("", elem_id=f"cmp-lane-{i}-status")
+            preset = gr.Dropdown(preset_choices([]), value=spec.preset, label="Preset", elem_id=f"{prefix}preset",
+                                 min_width=120)
+            strategy = gr.Dropdown(list(STRATEGIES), value=spec.strategy, label="Strategy", elem_id=f"{prefix}strategy",
+                                   min_width=120)
+        knobs = {}
+        for pair in zip(LANE_KNOBS[::2], LANE_KNOBS[1::2]):  # two number boxes a row keeps a lane narrow
+            with gr.Row():
+                for name in pair:
+                    knobs[name] = compact_knob_component(KNOBS[name], spec.knob(name), prefix, spec.strategy)
+        with gr.Accordion("More knobs", open=bool(spec.more), elem_id=f"{prefix}more-box"):
+            more = gr.Textbox(spec.more, lines=2, max_lines=8, label="Other knobs (JSON object)",
+                              placeholder='{"repetition_penalty": 1.3}', elem_id=f"{prefix}more",
+                              info="Any knob of the Step view by its name, e.g. repetition_penalty, typical_p, "
+                                   "num_beams; same ranges and messages.")
+        with gr.Row():
+            duplicate = gr.Button("Duplicate", size="sm", elem_id=f"{prefix}duplicate")
+            remove = gr.Button("Remove", size="sm", elem_id=f"{prefix}remove")
+        status = gr.HTML("", elem_id=f"{prefix}status")
         text = gr.HighlightedText(label="Output (click a token to open its step)", combine_adjacent=False,
                                   show_legend=False, show_inline_category=False, interactive=False,
-                                  elem_id=f"cmp-lane-{i}-text")
-    return LaneWidgets(column, preset, strategy, knobs, duplicate, remove, status, text)
+                                  elem_id=f"{prefix}text")
+    return LaneWidgets(column, header, preset, strategy, knobs, more, duplicate, remove, status, text)
+
+
+def summary_of(spec: LaneSpec) -> tuple[str, bool]:
+    """(the lane's settings in words, False), or (the validation message, True)."""
+    try:
+        return charts.lane_summary(lane_config(spec, "settings")), False
+    except UserError as exc:
+        return str(exc), True
 
 
 def _inspect_panel() -> InspectPanel:
@@ -121,7 +150,7 @@ def _sweep_panel() -> SweepPanel:
         with gr.Row():
             lane = gr.Dropdown([lane_name(i) for i in range(MIN_LANES)], value=lane_name(1), label="Lane",
                                elem_id="cmp-sweep-lane")
-            seeds = gr.Slider(2, MAX_SWEEP_SEEDS, value=5, step=1, label="Seeds (from the shared seed on)",
+            seeds = gr.Slider(2, MAX_SWEEP_SEEDS, value=5, step=1, label="Seeds (from the lane's seed on)",
                               elem_id="cmp-sweep-seeds")
             run = gr.Button("Run seed sweep", elem_id="cmp-sweep-run")
         status = gr.HTML("", elem_id="cmp-sweep-status")
@@ -137,12 +166,7 @@ def build_page() -> Page:
     with gr.Row():
         prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (shared by all lanes)", elem_id="cmp-prompt",
                             scale=3)
-        with gr.Column(scale=1, min_width=240):
-            seed = gr.Number(0, precision=0, label="Seed (shared)", minimum=0, maximum=KNOBS["seed"].high,
-                             elem_id="cmp-seed")
-            max_new = gr.Slider(1, 256, value=32, step=1, label="max_new_tokens (shared)", elem_id="cmp-max-new-tokens",
-                                info=KNOBS["max_new_tokens"].doc)
-            chat = gr.Checkbox(False, label="Chat template", elem_id="cmp-chat")
+        chat = gr.Checkbox(False, label="Chat template", elem_id="cmp-chat", scale=1)
     with gr.Row():
         run = gr.Button("Run all lanes", variant="primary", elem_id="cmp-run")
         add = gr.Button("Add lane", elem_id="cmp-add")
@@ -157,5 +181,5 @@ def build_page() -> Page:
     entropy_kind = gr.Radio(["picked-from distribution", "raw model"], value="picked-from distribution",
                             label="Entropy of", elem_id="cmp-entropy-kind")
     entropy = gr.Plot(label="Entropy per step", elem_id="cmp-entropy")
-    return Page(prompt, seed, max_new, chat, run, add, stop, status, lanes, divergence, metrics, entropy_kind, entropy,
+    return Page(prompt, chat, run, add, stop, status, lanes, divergence, metrics, entropy_kind, entropy,
                 _inspect_panel(), _sweep_panel(), gr.State(MIN_LANES), gr.State(None, time_to_live=SESSION_TTL_S))
