@@ -5,13 +5,15 @@ single sequence. So a ``Scheduler`` per loaded model keeps every active run as o
 KV cache and, each tick (continuous batching: runs join and leave at any tick):
 
 1. drops rows whose run was cancelled, timed out or whose consumer went away;
-2. runs ONE forward of the next token of every active row (left padding, attention mask [B, L],
-   per-row position ids; a running sequence is never prefilled again);
-3. prefills the joiners together (one forward, left-padded like the batch) and merges their KV
-   into the batch;
-4. per row: the run's own stage chain, pick (its own ``torch.Generator``) and stop rules
-   (``core.RunState.advance``, the loop body ``decode.stream`` runs too), and hands the StepTrace to that
-   run's stream. Finished rows leave; left padding shared by all rows is trimmed.
+2. prefills the joiners together (one forward, left-padded like the batch), merges their KV into
+   the batch and hands out their first token at once (runs that arrived meanwhile join the same
+   way, up to ``max_batch``), so a newcomer never waits for the running rows' forward;
+3. runs ONE forward of the next token of every row (left padding, attention mask [B, L], per-row
+   position ids; a running sequence is never prefilled again);
+4. steps every row with its own stage chain, pick (its own ``torch.Generator``) and stop rules:
+   ``core.advance_rows``, which equals ``core.RunState.advance`` (the loop body ``decode.stream``
+   runs) row by row but computes the stage statistics, argmax and draw intervals on [B, V]; each
+   StepTrace goes to its run's stream. Finished rows leave; left padding shared by all is trimmed.
 
 Every run's StepTraces equal ``decode.stream(lm, prompt_ids, config, prefix=, force=)``'s: the same
 tokens and stage top lists, probabilities within float tolerance (a batched matmul may round
@@ -47,7 +49,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .config import DecodingConfig
 from .control import RunControl, RunStopped
-from .core import RunState, check_prompt
+from .core import RunState, advance_rows, check_prompt
 from .models import LoadedModel
 from .trace import StepTrace
 
@@ -99,11 +101,6 @@ class _Run:
         self.sequence = self.state.sequence  # what the prefill feeds
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # StepTrace | BaseException
         self.closed = False  # the consumer went away
-
-    def advance(self, logits: torch.Tensor) -> StepTrace:
-        """``decode.stream``'s loop body (``RunState.advance``) on this run's row: logits [1, V]
-        (float32) after the row's last token -> the StepTrace of the token picked."""
-        return self.state.advance(logits)
 
     @property
     def last_token(self) -> int:
@@ -294,43 +291,60 @@ class Scheduler:
                     self._active = len(self._batch.runs)
 
     def _tick(self, joiners: list[_Run]) -> None:
-        """Drop stopped rows, one batched forward, prefill joiners, then each row's own step."""
+        """Drop stopped rows; prefill the joiners and hand out their first token (runs that arrived
+        meanwhile join too, up to ``max_batch``); then one batched forward of every row and each
+        row's step. Joiners go first so a newcomer's first token never waits for a forward and
+        capture of the rows already running."""
         self._drop([i for i, run in enumerate(self._batch.runs) if not self._still_wanted(run)])
-        rows: list[tuple[_Run, torch.Tensor]] = []
+        while joiners:
+            self._join([run for run in joiners if self._still_wanted(run)])
+            joiners = self._take_waiting()
         if self._batch.runs:
             logits = self._batch.forward(self._batch.runs[0].lm.model)  # [B, V]
-            rows = [(run, logits[i:i + 1]) for i, run in enumerate(self._batch.runs)]
             with self._lock:
                 self._ticks += 1
-                self._rows_stepped += len(rows)
-        joiners = [run for run in joiners if self._still_wanted(run)]
-        rows += self._prefill([run for run in joiners if not run.state.needs_replay])
-        for run in joiners:  # branches of stateful chains: prefilled alone, keeping the prefix's logits
-            if run.state.needs_replay:
-                rows += self._prefill([run], replay=True)
-        keep, outputs = [], []
-        for i, (run, logits) in enumerate(rows):
-            try:
-                step = run.advance(logits)
-            except Exception as exc:  # noqa: BLE001 (one run's failure ends that run only)
-                outputs.append((run, exc))
-                continue
-            outputs.append((run, step))
-            if step.finish_reason is None:
-                keep.append(i)
-        self._batch.keep(keep)
+                self._rows_stepped += len(self._batch.runs)
+            self._step(list(self._batch.runs), logits)
+
+    def _join(self, joiners: list[_Run]) -> None:
+        """Prefill the joiners (together; branches of stateful chains alone) and step their first token."""
+        prefilled = [self._prefill([run for run in joiners if not run.state.needs_replay])]
+        prefilled += [self._prefill([run], replay=True) for run in joiners if run.state.needs_replay]
+        prefilled = [(runs, logits) for runs, logits in prefilled if runs]
+        if prefilled:
+            self._step([run for runs, _ in prefilled for run in runs], torch.cat([logits for _, logits in prefilled]))
+
+    def _take_waiting(self) -> list[_Run]:
+        """Runs that arrived while the last joiners were prefilled, as many as there are free rows."""
+        with self._lock:
+            if self._closing:
+                return []
+            free = self.max_batch - len(self._batch.runs)
+            joiners, self._waiting = self._waiting[:max(free, 0)], self._waiting[max(free, 0):]
+            return joiners
+
+    def _step(self, runs: list[_Run], logits: torch.Tensor) -> None:
+        """Each run's own step on its row of ``logits`` [R, V] (``core.advance_rows``: the batched
+        capture, equal to each row's ``RunState.advance``); finished and failed runs leave the
+        batch, then every StepTrace (or the run's exception) goes to its stream."""
+        results = advance_rows([run.state for run in runs], logits)
+        done = {id(run) for run, item in zip(runs, results)
+                if isinstance(item, Exception) or item.finish_reason is not None}
+        if done:
+            self._batch.keep([i for i, run in enumerate(self._batch.runs) if id(run) not in done])
         with self._lock:  # before the outputs go out, so a consumer that saw its last step sees its row gone
             self._active = len(self._batch.runs)
-        for run, item in outputs:
+        for run, item in zip(runs, results):
             run.out.put(item)
 
-    def _prefill(self, runs: list[_Run], replay: bool = False) -> list[tuple[_Run, torch.Tensor]]:
+    def _prefill(self, runs: list[_Run], replay: bool = False) -> tuple[list[_Run], torch.Tensor | None]:
         """Prefill the joiners together (one forward, left-padded) and add them as the last rows.
-        Returns each run with its next-token logits [1, V]. ``replay`` (one run, a branch whose
-        chain is stateful): the forward also keeps its prefix positions' logits, which
-        ``RunState.replay`` walks as ``decode.replay`` does."""
+        Returns the runs added and their next-token logits [J, V] (no runs: the forward failed and
+        they got its exception). ``replay`` (one run, a branch whose chain is stateful): the
+        forward also keeps its prefix positions' logits, which ``RunState.replay`` walks as
+        ``decode.replay`` does."""
         if not runs:
-            return []
+            return [], None
         lengths = [len(run.sequence) for run in runs]
         width = max(lengths)
         # Pads repeat the row's first token (any real id works: they are masked out).
@@ -348,10 +362,9 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 (the joiners fail; the running rows go on)
             for run in runs:
                 run.out.put(exc)
-            return []
+            return [], None
         self._batch.add(runs, cache, mask)
-        logits = out.logits[:, -1, :].float()  # [J, V]
-        return [(run, logits[i:i + 1]) for i, run in enumerate(runs)]
+        return runs, out.logits[:, -1, :].float()  # [J, V]
 
     @staticmethod
     def _still_wanted(run: _Run) -> bool:
