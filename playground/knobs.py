@@ -290,7 +290,8 @@ def compact_knob_state(name: str, strategy: str) -> dict[str, Any]:
     """``interactive``/``info`` of a compact control under ``strategy``: the Step view's rule (greedy
     greys the sampling-only knobs), in a few words."""
     ignored = strategy == "greedy" and name in SAMPLING_KNOBS
-    return {"interactive": not ignored, "info": IGNORED_BY_GREEDY_SHORT if ignored else None}
+    # "" and not None: an update with info=None leaves the old note in place.
+    return {"interactive": not ignored, "info": IGNORED_BY_GREEDY_SHORT if ignored else ""}
 
 
 def compact_knob_component(knob: Knob, value: Any, prefix: str, strategy: str) -> gr.Number:

@@ -172,6 +172,10 @@ def test_add_lane_set_a_knob_run_and_read_both_texts(page, live_app, artifacts):
     temperature.press("Enter")
     page.wait_for_selector("#cmp-lane-1-header:has-text('sample · T 0.5 · top-p 0.9 · seed 0 · 6 tokens')")
     assert page.locator("#cmp-lane-0-knob-temperature input").is_disabled()  # greedy ignores it
+    assert page.locator("#cmp-lane-2-knob-top_k input").is_enabled()  # the added lane: contrastive search's k
+    assert "ignored by greedy" not in page.locator("#cmp-lane-2").inner_text()
+    assert page.locator("#cmp-lane-0-preset input").input_value() == "greedy"  # the budget is not a knob of it
+    assert page.locator("#cmp-lane-1-preset input").input_value() == "(custom)"  # the temperature is
     assert "=" not in page.locator("#cmp-lane-0-header").inner_text()
     page.click("#cmp-run")
     page.wait_for_selector("#cmp-status:has-text('done')", timeout=300_000)

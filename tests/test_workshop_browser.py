@@ -81,3 +81,18 @@ def test_phone_width_has_no_horizontal_scroll(browser, live_app, artifacts):
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
     page.screenshot(path=str(artifacts / "phone-step.png"))
     context.close()
+
+
+def test_a_compare_lesson_opens_compare_with_its_lanes_filled(page, live_app):
+    page.goto(f"{live_app}/?lesson=temperature")
+    page.locator("#lessons-steps").get_by_text("Temperature divides every logit").wait_for()
+    page.click("#lessons-open")
+    page.wait_for_selector("#cmp-lane-2:visible")
+    assert page.locator("#cmp-prompt textarea").input_value() == "Write one sentence about the moon."
+    assert page.locator("#cmp-chat input").is_checked()
+    assert not page.locator("#cmp-lane-3").is_visible()  # the lesson has three lanes
+    page.wait_for_selector("#cmp-lane-2-header:has-text('sample · T 5 · seed 7 · 24 tokens')")
+    assert page.locator("#cmp-lane-2-knob-temperature input").input_value() == "5"
+    assert page.locator("#cmp-lane-1-knob-seed input").input_value() == "7"
+    assert "T 0 (a greedy pick)" in page.locator("#cmp-lane-0-header").inner_text()
+    assert page.locator("#lessons-status .dp-error, #cmp-status .dp-error").count() == 0

@@ -53,7 +53,8 @@ def lane_summary(cfg: DecodingConfig) -> str:
     knobs = []
     for key, value in cfg.to_dict(sparse=True).items():
         knob = KNOBS.get(key)
-        if key in ("strategy", "seed", "max_new_tokens") or (cfg.is_greedy and knob and knob.stage in SAMPLING_ONLY_STAGES):
+        ignored = cfg.is_greedy and knob is not None and knob.stage in SAMPLING_ONLY_STAGES
+        if key in ("strategy", "seed", "max_new_tokens") or ignored:
             continue
         knobs.append(f"{SHORT_NAMES.get(key, key.replace('_', ' '))} {_word_value(value)}")
     parts += knobs[:MAX_HEADER_KNOBS]

@@ -19,8 +19,8 @@ from ...knobs import compact_knob_state
 from ...shared import Shared, UserError, error_html, status_html
 from ...user_presets import CUSTOM, preset_choices
 from .lanes import (
-    LANE_FIELDS, MAX_LANES, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config, lane_name,
-    remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
+    LANE_FIELDS, MAX_LANES, RUN_KNOBS, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config,
+    lane_name, remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
 )
 from .layout import LaneWidgets, Page, summary_of
 from .run import run_lanes, run_sweep
@@ -131,8 +131,10 @@ def wire_lanes(shared: Shared, page: Page) -> None:
     for i, lane in enumerate(page.lanes):
         lane.preset.input(lambda *values, i=i, lane=lane: fill_lane(lane, i, values[:-1], values[-1]),
                           [*lane.controls, shared.user_presets], lane.controls + [lane.header], **local)
-        for edited in lane.controls[1:]:  # a hand edit: the lane no longer is the preset
-            edited.input(lambda: CUSTOM, None, [lane.preset], **local)
+        # A hand edit of a knob: the lane no longer is the preset (a preset keeps the seed and budget).
+        for name, edited in zip(LANE_FIELDS[1:], lane.controls[1:]):
+            if name not in RUN_KNOBS:
+                edited.input(lambda: CUSTOM, None, [lane.preset], **local)
         gr.on([c.change for c in lane.controls[1:]],
               lambda *values, i=i: charts.lane_header(lane_name(i), *summary_of(LaneSpec.from_values(values))),
               lane.controls, [lane.header], **local)
