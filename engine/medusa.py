@@ -1,29 +1,36 @@
 """Medusa decoding: extra heads on the target's last hidden state propose the next few tokens, and
-the target verifies all of them in ONE forward with the speculative module's exact rules.
+the target verifies a tree of them in ONE forward, keeping its own output distribution exactly.
 
 Heads (Medusa-1): head k (k = 1..K) maps the final, normalised hidden state h_j [H] at position j
 to ``h + SiLU(W_k h + b_k)`` and reads it out with the base model's own LM head, predicting the
 token k + 1 positions ahead (the base head predicts the next one). Each head adds H² + H
 parameters; W_k starts at zero, so an untrained head equals the base head.
 
-Round (the candidates are a single chain, each head's top-1; no tree attention): the cache holds
-the sequence minus its last token t, and the heads have read h at t's position. Feed
-[t, d_1, ..., d_K] in one forward; position i's logits test d_{i+1} exactly as a speculative
-round tests a draft (greedy: accept while d equals the target's argmax; sampling: accept with
-probability p(d), the draft being a point mass q, else resample from normalise(max(0, p - q)));
-the target's token at the first rejection (or the bonus after all K) ends the round. The hidden
-state at that last accepted position feeds the heads for the next round, and the cache is cropped
-back past the rejected drafts, never recomputed. So every round emits 1 + accepted tokens for one
-target forward, and greedy Medusa equals target greedy token for token.
+Round: the cache holds the sequence minus its last token t (the root), and the heads have read h
+at the position that chose t. The tree (``build_tree``, the Medusa paper's sparse tree chosen per
+round): the best ``TreeShape.nodes`` paths by product of head probabilities, a depth-d node being
+one of head d's top ``width`` candidates. One forward feeds [t, nodes...] with a 4D mask (each
+node sees the cache, the root, its ancestors and itself) and position ids cache length + depth.
+The walk (``walk``) starts at the root: the target's distribution p at a node tests its children
+(greedy: the child equal to p's argmax; sampling: speculative's accept/resample rule applied to
+the children one by one, exact: see ``test_children``); it descends into an accepted child, else
+ends with the target's own token (the residual draw, or the bonus at a leaf). The cache keeps the
+root and the accepted nodes' keys/values, moved to sit in sequence (``keep_rows``), and drops the
+rest: never recomputed. ``CHAIN`` (width 1) is the single chain of each head's top-1.
+
+So every round emits 1 + accepted tokens for one target forward, and greedy Medusa equals target
+greedy token for token. The hidden state at the last accepted node feeds the heads next round.
 
 ``stream`` yields an Event per round (record: a ``MedusaRound``, a SpecRound plus the heads'
-top candidates); the last event holds the Trace, with ``rounds`` and
+candidates, the tree and its accepted path); the last event holds the Trace, with ``rounds`` and
 ``summary["tokens_per_target_forward"]`` as speculative traces have them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import re
 import time
 from dataclasses import dataclass, field
@@ -34,16 +41,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import speculative
+from . import sampling, speculative
 from .config import ConfigError, DecodingConfig
 from .control import RunControl, check
 from .core import check_prompt
 from .models import LoadedModel
-from .speculative import Draft, SpecRound
+from .processors import Traced
+from .speculative import DraftToken, ExtraToken, SpecRound
 from .trace import Event, TokenProb, Trace, from_dict
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-CANDIDATES_SHOWN = 3  # per head, in the record (the chain itself uses the top-1)
+CANDIDATES_SHOWN = 3  # per head, in the record (at least; the tree may use more)
 
 
 # --- the heads ------------------------------------------------------------------------------------
@@ -122,7 +130,7 @@ def load_heads(lm: LoadedModel, path: Path | None = None) -> MedusaHeads:
 @dataclass
 class HeadProposal:
     """Head k's proposal for the token k + 1 after the round's first position: its top candidates
-    (after the stage chain) and the one put in the chain (its top-1)."""
+    (after the stage chain) and its top-1."""
 
     head: int  # 1-based
     token_id: int
@@ -131,16 +139,115 @@ class HeadProposal:
 
 
 @dataclass
+class TreeNode:
+    """One node of the round's candidate tree: head ``depth``'s ``rank``-th candidate placed under
+    node ``parent`` (-1: the round's first token, the root). ``index`` is the node's place in the
+    verify forward (row ``index + 1``; row 0 is the root). ``score``: the product of the head
+    probabilities along its path. ``status``: accepted (on the emitted path), rejected (tested
+    against the target and refused) or untested (under a node that was never reached)."""
+
+    index: int
+    parent: int
+    depth: int  # 1-based: the head that proposed it
+    rank: int  # 0: the head's top-1
+    token_id: int
+    token: str
+    score: float
+    status: str = "untested"
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Which candidates one round verifies: the best ``nodes`` paths by product of head
+    probabilities over each head's top ``width``. ``width=1`` is the single chain of top-1s."""
+
+    width: int
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.width <= 8:
+            raise ConfigError("medusa_tree", f"width {self.width} must be in [1, 8]")
+        if not 1 <= self.nodes <= 64:
+            raise ConfigError("medusa_tree", f"nodes {self.nodes} must be in [1, 64]")
+
+
+CHAIN = TreeShape(width=1, nodes=4)  # each head's top-1, one after another
+# Default: the sparse tree. Measured on the embedded model (bench/medusa.py): 10 nodes over the
+# top 4 of each head accept more per forward than the chain for about the same forward cost on CPU.
+TREE = TreeShape(width=4, nodes=10)
+
+
+@dataclass
 class MedusaRound(SpecRound):
-    """A speculative round whose drafts came from the heads (``drafted[i]`` tests head i + 1's
-    token); ``proposals`` keeps each head's top candidates for the view."""
+    """A speculative round whose drafts came from the heads. ``drafted[d]`` is the test at depth
+    d + 1 along the walked path (the accepted node, or the last candidate refused there);
+    ``proposals`` keeps each head's top candidates, ``tree`` the verified nodes and ``path`` the
+    indices of the accepted ones (root to leaf)."""
 
     proposals: list[HeadProposal] = field(default_factory=list)
+    tree: list[TreeNode] = field(default_factory=list)
+    path: list[int] = field(default_factory=list)
 
 
 def rounds_of(trace: Trace) -> list[MedusaRound]:
     """The trace's rounds as MedusaRound records (a trace read back from JSON holds dicts)."""
     return [r if isinstance(r, MedusaRound) else from_dict(MedusaRound, r) for r in trace.rounds or []]
+
+
+# --- the tree ---------------------------------------------------------------------------------------
+def build_tree(proposals: Sequence[HeadProposal], shape: TreeShape, eos_ids: Sequence[int]) -> list[TreeNode]:
+    """The best ``shape.nodes`` paths by product of head probabilities, best-first (a child's score
+    never exceeds its parent's, so parents always come first: tree order). Candidates with zero
+    probability (masked by the stage chain) and children of an end-of-sequence token are skipped."""
+    counter = itertools.count()
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, tie-break, parent, depth, rank)
+
+    def push(parent: int, depth: int, score: float) -> None:
+        for rank, cand in enumerate(proposals[depth - 1].candidates[: shape.width]):
+            if cand.prob > 0:
+                heapq.heappush(heap, (-score * cand.prob, next(counter), parent, depth, rank))
+
+    nodes: list[TreeNode] = []
+    if proposals:
+        push(-1, 1, 1.0)
+    while heap and len(nodes) < shape.nodes:
+        neg, _, parent, depth, rank = heapq.heappop(heap)
+        cand = proposals[depth - 1].candidates[rank]
+        nodes.append(TreeNode(len(nodes), parent, depth, rank, cand.token_id, cand.token, -neg))
+        if depth < len(proposals) and cand.token_id not in eos_ids:
+            push(len(nodes) - 1, depth + 1, -neg)
+    return nodes
+
+
+def tree_attention_mask(tree: Sequence[TreeNode], cached: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, T, cached + T] additive mask (0: attend, dtype min: masked), T = 1 + len(tree): every
+    row sees the cache; row 0 (the root) sees itself; a node's row sees the root, its ancestors and
+    itself, never its siblings or cousins."""
+    size = len(tree) + 1
+    allowed = torch.zeros(size, size, dtype=torch.bool)
+    allowed[:, 0] = True
+    for node in tree:  # tree order: the parent's row is complete before the child copies it
+        row = node.index + 1
+        allowed[row] = allowed[node.parent + 1]
+        allowed[row, row] = True
+    allowed = torch.cat([torch.ones(size, cached, dtype=torch.bool), allowed], dim=1)
+    mask = torch.zeros(size, cached + size, dtype=dtype)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@torch.inference_mode()
+def keep_rows(cache, start: int, rows: Sequence[int]) -> None:
+    """Keep positions [0, start) and then start + rows (increasing) of every layer of a
+    DynamicCache; drop the rest. The verified tree's accepted path becomes a plain sequence: its
+    keys and values were computed at its own positions, seeing only its own ancestors."""
+    index = torch.tensor(rows, dtype=torch.long) + start
+    for layer in cache.layers:
+        index = index.to(layer.keys.device)
+        layer.keys[..., start: start + len(rows), :] = layer.keys[..., index, :]  # the gather copies first
+        layer.values[..., start: start + len(rows), :] = layer.values[..., index, :]
+    drop = cache.get_seq_length() - start - len(rows)
+    if drop:
+        cache.crop(-drop)
 
 
 # --- the loop ---------------------------------------------------------------------------------
@@ -152,18 +259,24 @@ class _HeadsName:
     forwards: int = 0
 
 
-class _MedusaVerifier(speculative._Verifier):
-    """speculative's verifier (same acceptance, residual, bonus and emit code) with drafts from
-    the heads and the verify forward also returning the final hidden states."""
+def heads_name(config: DecodingConfig, shape: TreeShape) -> str:
+    kind = "chain" if shape.width == 1 else f"tree of {shape.nodes}"
+    return f"medusa ({config.medusa_heads} heads, {kind})"
 
-    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads):
-        super().__init__(lm, prompt_ids, config, _HeadsName(f"medusa ({config.medusa_heads} heads)"), None)
-        self.heads = heads
+
+class _MedusaVerifier(speculative._Verifier):
+    """speculative's verifier (same trace capture, bonus and emit code) with candidates from the
+    heads, verified as a tree in one forward that also returns the final hidden states."""
+
+    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
+                 shape: TreeShape = TREE):
+        super().__init__(lm, prompt_ids, config, _HeadsName(heads_name(config, shape)), None)
+        self.heads, self.shape = heads, shape
         self.lm_head = lm.model.get_output_embeddings()
         self.hidden: torch.Tensor | None = None  # [H] at the position that produced the last token
 
     def propose(self, k: int) -> list[HeadProposal]:
-        """Each head's top-1 after the stage chain, as a chain: head i sees the drafts before it."""
+        """Each head's top candidates after the stage chain; head i sees the top-1s before it."""
         if self.hidden is None or k <= 0:
             return []
         with torch.inference_mode():
@@ -173,43 +286,126 @@ class _MedusaVerifier(speculative._Verifier):
         for i in range(k):
             ids = torch.tensor([self.sequence + tokens], dtype=torch.long, device=self.lm.device)
             probs = torch.softmax(self.chain(ids, logits[i: i + 1])[0], dim=-1)  # [V]
-            candidates = speculative.top_tokens(probs, CANDIDATES_SHOWN, self.lm.token_text)
+            candidates = speculative.top_tokens(probs, max(self.shape.width, CANDIDATES_SHOWN), self.lm.token_text)
             tokens.append(candidates[0].token_id)
             proposals.append(HeadProposal(i + 1, candidates[0].token_id, candidates[0].token, candidates))
         return proposals
+
+    def verify(self, tree: Sequence[TreeNode]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE target forward over the root and the tree: logits [T, V] and final hidden states
+        [T, H], row 0 the root, row i + 1 node i. Positions: cache length + depth."""
+        cached = self.cache.length
+        fed = torch.tensor([[self.sequence[-1], *(n.token_id for n in tree)]], dtype=torch.long, device=self.lm.device)
+        positions = cached + torch.tensor([[0, *(n.depth for n in tree)]], dtype=torch.long, device=self.lm.device)
+        mask = tree_attention_mask(tree, cached, self.lm.dtype).to(self.lm.device)
+        with torch.inference_mode():
+            out = self.lm.model(input_ids=fed, attention_mask=mask, position_ids=positions,
+                                past_key_values=self.cache.cache, use_cache=True, logits_to_keep=0,
+                                output_hidden_states=True)
+        self.cache.forwards += 1
+        return out.logits[0].float(), out.hidden_states[-1][0]
+
+    def walk(self, tree: list[TreeNode], logits: torch.Tensor
+             ) -> tuple[list[DraftToken], list[tuple[int, Traced]], ExtraToken | None, list[int]]:
+        """From the root down: test the node's children against the target's distribution there
+        (``test_children``); descend into the accepted one, else end with the target's token (a
+        leaf: the bonus). Returns the per-depth records, the emitted (token, traced) pairs, the
+        bonus, and the accepted node indices."""
+        drafted: list[DraftToken] = []
+        emitted: list[tuple[int, Traced]] = []
+        path: list[int] = []
+        at = -1
+        while True:
+            history = self.sequence + [tree[i].token_id for i in path]
+            ids = torch.tensor([history], dtype=torch.long, device=self.lm.device)
+            traced = self.chain.traced(ids, logits[at + 1: at + 2], self.config.top_n, self.lm.token_text)
+            sampling.ensure_tokens(traced.logits)
+            children = [n for n in tree if n.parent == at]
+            if not children:
+                bonus = self._extra("bonus", traced)
+                emitted.append((bonus.token_id, traced))
+                return drafted, emitted, bonus, path
+            record, child = self.test_children(len(drafted), children, traced)
+            drafted.append(record)
+            if child is None:
+                emitted.append((record.resampled.token_id, traced))
+                return drafted, emitted, None, path
+            emitted.append((child.token_id, traced))
+            path.append(child.index)
+            at = child.index
+
+    def test_children(self, depth: int, children: list[TreeNode], traced: Traced) -> tuple[DraftToken, TreeNode | None]:
+        """Test a node's children (each a point-mass draft) against the target's p there.
+        Greedy: the child equal to the target's argmax, if any. Sampling: children in rank order,
+        each accepted with probability r(x), where r starts as p and after each refusal becomes
+        normalise(max(0, r - onehot(x))) (speculative's residual with q a point mass); after the
+        last refusal the target's token is drawn from r. Every token's total probability is then
+        exactly p(x) (the chain, one child, is speculative's rule as it is)."""
+        p = traced.final_probs  # [V]
+        if self.generator is None:
+            best = sampling.greedy(traced.logits).token_id  # as decode's greedy pick
+            for child in children:
+                child.status = "accepted" if child.token_id == best else "rejected"
+            child = next((c for c in children if c.token_id == best), None)
+            found = child is not None
+            return self._draft_record(depth, child or children[0], traced, float(found), None, found, p), child
+        residual = p
+        for child in children:
+            accept_prob = float(residual[child.token_id])
+            u = float(torch.rand(1, generator=self.generator, device=self.generator.device))
+            child.status = "accepted" if u < accept_prob else "rejected"
+            if u < accept_prob:
+                return self._draft_record(depth, child, traced, accept_prob, u, True, residual), child
+            point = torch.nn.functional.one_hot(torch.tensor(child.token_id), p.shape[0]).to(p.device, p.dtype)
+            residual = speculative.residual_distribution(residual, point)
+        return self._draft_record(depth, children[-1], traced, accept_prob, u, False, residual), None
+
+    def _draft_record(self, depth: int, node: TreeNode, traced: Traced, accept_prob: float, u: float | None,
+                      accepted: bool, residual: torch.Tensor) -> DraftToken:
+        """The DraftToken of ``node`` (q: a point mass on it); a refusal draws the target's token
+        from ``residual`` (greedy: the argmax of p)."""
+        x, top_n, p = node.token_id, self.config.top_n, traced.final_probs
+        record = DraftToken(
+            position=depth, token_id=x, token=node.token, q=1.0, p=float(p[x]), accept_prob=accept_prob, u=u,
+            accepted=accepted, q_top=[TokenProb(x, node.token, 1.0)],
+            p_top=speculative.top_tokens(p, top_n, self.lm.token_text),
+        )
+        if not accepted:
+            record.resampled = self._extra("resampled", traced, residual)
+        return record
 
     def medusa_round(self, index: int) -> MedusaRound:
         remaining = self.config.max_new_tokens - len(self.generated)
         t0 = time.perf_counter()
         proposals = self.propose(min(self.config.medusa_heads, self.heads.num_heads, remaining - 1))
-        tokens = speculative.cut_at_eos(Draft([p.token_id for p in proposals]), self.lm.eos_token_ids).tokens
-        proposals = proposals[: len(tokens)]
+        tree = build_tree(proposals, self.shape, self.lm.eos_token_ids)
         t1 = time.perf_counter()
-        fed = torch.tensor([[self.sequence[-1], *tokens]], dtype=torch.long)
-        out = self.cache.forward(fed, all_logits=True, output_hidden_states=True)
-        logits = out.logits[0].float()  # [K+1, V]
+        cached = self.cache.length
+        logits, hidden = self.verify(tree)  # [T, V], [T, H]
         t2 = time.perf_counter()
-        drafted, emitted, bonus = self._accept(Draft(tokens), logits)  # q: a point mass on each draft
-        accepted = sum(d.accepted for d in drafted)
-        self.hidden = out.hidden_states[-1][0, accepted]  # [H]: the position that chose the round's last token
+        drafted, emitted, bonus, path = self.walk(tree, logits)
+        self.hidden = hidden[path[-1] + 1 if path else 0]  # the position that chose the round's last token
         start = len(self.generated)
         steps, reason = self._emit(emitted)
         t3 = time.perf_counter()
-        self.cache.rewind(self.cache.length - (len(self.sequence) - 1))  # drop the rejected drafts
+        kept = len(self.sequence) - 1 - cached  # the root and the accepted nodes emitted before a stop
+        keep_rows(self.cache.cache, cached, [0, *(i + 1 for i in path)][:kept])
+        self.cache.tokens = list(self.sequence[:-1])
         ids = self.generated[start:]
         return MedusaRound(
-            index=index, start=start, k=len(tokens), drafted=drafted, num_accepted=accepted, bonus=bonus,
+            index=index, start=start, k=len(tree), drafted=drafted, num_accepted=len(path), bonus=bonus,
             emitted_token_ids=ids, emitted_text=self.lm.decode(ids), draft_ms=(t1 - t0) * 1000,
             verify_ms=(t2 - t1) * 1000, elapsed_ms=self.elapsed_ms(), finish_reason=reason, steps=steps,
             capture_ms=(t3 - t2) * 1000, prefill_ms=self.prefill_ms if index == 0 else 0.0, proposals=proposals,
+            tree=tree, path=path,
         )
 
 
 def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
-           control: RunControl | None = None) -> Iterator[MedusaRound]:
+           control: RunControl | None = None, shape: TreeShape = TREE) -> Iterator[MedusaRound]:
     """Yield MedusaRounds until EOS, a stop string or max_new_tokens (``control`` checked per forward)."""
     check_prompt(prompt_ids)
-    verifier = _MedusaVerifier(lm, prompt_ids, config, heads)
+    verifier = _MedusaVerifier(lm, prompt_ids, config, heads, shape)
     index = 0
     while True:
         check(control)
@@ -223,17 +419,17 @@ def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, h
 
 
 def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
-             collected: Sequence[MedusaRound], chat: bool) -> Trace:
+             collected: Sequence[MedusaRound], chat: bool, shape: TreeShape = TREE) -> Trace:
     """The Trace: steps in ``steps``, rounds (without their steps) in ``rounds``, speculative's
     summary (``tokens_per_target_forward``...) plus the heads' per-head acceptance."""
-    trace = speculative.assemble(lm, prompt, prompt_ids, config, collected,
-                                 _HeadsName(f"medusa ({config.medusa_heads} heads)"), chat)
-    trace.summary |= {"heads": config.medusa_heads, "head_acceptance": head_acceptance(collected)}
+    trace = speculative.assemble(lm, prompt, prompt_ids, config, collected, _HeadsName(heads_name(config, shape)), chat)
+    trace.summary |= {"heads": config.medusa_heads, "head_acceptance": head_acceptance(collected),
+                      "tree_width": shape.width, "tree_nodes": shape.nodes}
     return trace
 
 
 def head_acceptance(collected: Sequence[SpecRound]) -> list[float]:
-    """Per head k, the share of rounds in which head k's token was proposed and accepted."""
+    """Per depth k, the share of rounds that tested depth k in which a head-k candidate was accepted."""
     width = max((len(r.drafted) for r in collected), default=0)
     out = []
     for k in range(width):
@@ -244,27 +440,29 @@ def head_acceptance(collected: Sequence[SpecRound]) -> list[float]:
 
 def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
            control: RunControl | None = None, heads: MedusaHeads | None = None,
-           compare_baseline: bool = False) -> Iterator[Event]:
+           compare_baseline: bool = False, shape: TreeShape = TREE) -> Iterator[Event]:
     """One Event per round (steps: its tokens; record: the MedusaRound); the last holds the Trace.
-    ``heads``: default the trained heads of ``lm`` (engine/assets). ``compare_baseline`` also
-    times target-only decoding of the same knobs in this process (summary ``speedup``)."""
+    ``heads``: default the trained heads of ``lm`` (engine/assets); ``shape``: the verified tree
+    (``CHAIN`` for each head's top-1). ``compare_baseline`` also times target-only decoding of the
+    same knobs in this process (summary ``speedup``)."""
     heads = heads if heads is not None else load_heads(lm)
     collected = []
-    for medusa_round in rounds(lm, prompt_ids, config, heads, control):
+    for medusa_round in rounds(lm, prompt_ids, config, heads, control, shape):
         collected.append(medusa_round)
         yield Event(steps=list(medusa_round.steps), record=medusa_round)
-    trace = assemble(lm, prompt, prompt_ids, config, collected, chat)
+    trace = assemble(lm, prompt, prompt_ids, config, collected, chat, shape)
     if compare_baseline:
         trace.summary |= speculative.compare_with_baseline(lm, prompt, config, trace, chat, control=control)
     yield Event(trace=trace)
 
 
 def run(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int] | None, config: DecodingConfig, *, chat: bool = False,
-        control: RunControl | None = None, heads: MedusaHeads | None = None, compare_baseline: bool = False) -> Trace:
+        control: RunControl | None = None, heads: MedusaHeads | None = None, compare_baseline: bool = False,
+        shape: TreeShape = TREE) -> Trace:
     """``stream`` collected: the whole Trace."""
     ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
     for event in stream(lm, prompt, ids, config, chat=chat, control=control, heads=heads,
-                        compare_baseline=compare_baseline):
+                        compare_baseline=compare_baseline, shape=shape):
         if event.trace is not None:
             return event.trace
     raise RuntimeError("medusa: the stream ended without a trace")

@@ -1,6 +1,7 @@
-"""Medusa: greedy equals target-only greedy token for token; sampling keeps the target's
-distribution (chi-square, as tests/test_speculative.py); caches cropped, never rebuilt; heads
-file I/O with its checksum; trace JSON round trip."""
+"""Medusa, chain and tree verification: greedy equals target-only greedy token for token; sampling
+keeps the target's distribution (chi-square, as tests/test_speculative.py); the tree's mask,
+positions and node choice checked by hand; the cache after each round equals an uncached prefill;
+heads file I/O with its checksum; trace JSON round trip."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch
 from conftest import make_tiny_llama
 from engine import decode, medusa
 from engine.config import ConfigError, DecodingConfig
-from engine.medusa import MedusaHeads, head_logits, load_heads, save_heads
-from engine.trace import Trace
+from engine.medusa import (CHAIN, TREE, HeadProposal, MedusaHeads, TreeShape, build_tree, head_logits, load_heads,
+                           save_heads)
+from engine.trace import TokenProb, Trace
 from test_speculative import chi_square_p, exact_two_token_joint, wrap
 
 GREEDY = DecodingConfig(strategy="medusa", temperature=0.0, max_new_tokens=20, medusa_heads=3)
+SHAPES = pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 
 
 def random_heads(hidden: int, k: int, scale: float, seed: int = 0) -> MedusaHeads:
@@ -43,64 +46,135 @@ def test_untrained_heads_read_out_exactly_the_base_head(tiny_lm):
         torch.testing.assert_close(logits[:, k], lm_head(h).float())
 
 
+@SHAPES
 @pytest.mark.parametrize("knobs", [{}, {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}])
 @pytest.mark.parametrize("scale", [0.0, 3.0])
-def test_greedy_medusa_equals_target_greedy(tiny_lm, knobs, scale):
+def test_greedy_medusa_equals_target_greedy(tiny_lm, knobs, scale, shape):
     config = GREEDY.replace(**knobs)
     ids = tiny_lm.encode("The cat sat on the mat. The cat sat on the")
-    trace = medusa.run(tiny_lm, "", ids, config, heads=random_heads(64, 3, scale))
+    trace = medusa.run(tiny_lm, "", ids, config, heads=random_heads(64, 3, scale), shape=shape)
     assert trace.generated_token_ids == target_only(tiny_lm, ids, config)
     assert trace.summary["rounds"] == len(trace.rounds)
     assert trace.summary["tokens_per_target_forward"] == len(trace.steps) / len(trace.rounds)
-    assert all(r.k <= 3 and len(r.proposals) == r.k for r in trace.rounds)
+    assert all(len(r.proposals) <= 3 and r.k == len(r.tree) <= shape.nodes for r in trace.rounds)
+    if shape == CHAIN:  # one node per head: each head's top-1
+        assert all([n.token_id for n in r.tree] == [p.token_id for p in r.proposals] for r in trace.rounds)
 
 
-def test_a_perfect_proposer_emits_k_plus_one_tokens_per_forward(tiny_lm, monkeypatch):
-    """Heads that always propose the target's own greedy continuation: every draft is accepted,
-    so each round after the first emits K + 1 tokens, and the budget is still exact."""
-    ids = tiny_lm.encode("Once upon a time")
-    config = GREEDY.replace(max_new_tokens=13)
-    reference = target_only(tiny_lm, ids, config)
+# --- the tree, by hand ----------------------------------------------------------------------------------
+def proposal(head: int, *probs_and_ids: tuple[int, float]) -> HeadProposal:
+    cands = [TokenProb(t, f"t{t}", p) for t, p in probs_and_ids]
+    return HeadProposal(head, cands[0].token_id, cands[0].token, cands)
 
-    def oracle(self, k):
+
+def test_build_tree_takes_the_best_paths_by_product_of_head_probabilities():
+    """Head 1: a .6, b .25; head 2: c .5, d .4. Paths: a .6, ac .30, b .25, ad .24, bc .125, bd .1.
+    The best 4: a, ac, b, ad, each parent before its children."""
+    heads = [proposal(1, (10, 0.6), (11, 0.25)), proposal(2, (20, 0.5), (21, 0.4))]
+    tree = build_tree(heads, TreeShape(width=2, nodes=4), eos_ids=())
+    assert [(n.token_id, n.parent, n.depth, n.rank) for n in tree] == [
+        (10, -1, 1, 0), (20, 0, 2, 0), (11, -1, 1, 1), (21, 0, 2, 1)]
+    assert [round(n.score, 6) for n in tree] == [0.6, 0.3, 0.25, 0.24]
+    assert [n.token_id for n in build_tree(heads, CHAIN, ())] == [10, 20]  # the chain: each head's top-1
+    nothing_after_eos = build_tree(heads, TreeShape(2, 6), eos_ids=(10,))
+    assert [n.token_id for n in nothing_after_eos] == [10, 11, 20, 21]
+
+
+def test_tree_attention_mask_sees_cache_ancestors_and_self():
+    """Root r, nodes 0 = a (depth 1), 1 = c under a, 2 = b (depth 1): with 2 cached positions."""
+    heads = [proposal(1, (10, 0.6), (11, 0.25)), proposal(2, (20, 0.5))]
+    tree = build_tree(heads, TreeShape(width=2, nodes=3), eos_ids=())
+    assert [(n.token_id, n.parent) for n in tree] == [(10, -1), (20, 0), (11, -1)]
+    mask = medusa.tree_attention_mask(tree, cached=2, dtype=torch.float32)
+    allowed = (mask[0, 0] == 0).int().tolist()
+    assert allowed == [[1, 1, 1, 0, 0, 0],   # root: cache + itself
+                       [1, 1, 1, 1, 0, 0],   # a: cache, root, a
+                       [1, 1, 1, 1, 1, 0],   # c: cache, root, a, c
+                       [1, 1, 1, 0, 0, 1]]   # b: cache, root, b (not its cousin a, c)
+    assert mask.min() == torch.finfo(torch.float32).min
+
+
+def test_tree_shape_is_validated():
+    with pytest.raises(ConfigError, match="medusa_tree: nodes 0 must be in"):
+        TreeShape(width=2, nodes=0)
+
+
+def oracle_proposer(reference: list[int], decoys: int):
+    """A ``propose`` whose head k ranks ``decoys`` wrong tokens first, then the target's own
+    greedy token (decoys = 0: a perfect proposer)."""
+    def propose(self, k):
         if self.hidden is None or k <= 0:
             return []
         done = len(self.generated)
-        return [medusa.HeadProposal(i + 1, t, "", []) for i, t in enumerate(reference[done: done + k])]
+        out = []
+        for i, t in enumerate(reference[done: done + k]):
+            wrong = [TokenProb(t + 1 + j, "", 0.4 / (j + 1)) for j in range(decoys)]
+            out.append(HeadProposal(i + 1, t, "", wrong + [TokenProb(t, "", 0.1)]))
+        return out
+    return propose
 
-    monkeypatch.setattr(medusa._MedusaVerifier, "propose", oracle)
-    trace = medusa.run(tiny_lm, "", ids, config, heads=MedusaHeads(64, 3))
+
+@pytest.mark.parametrize("shape, decoys, emitted", [
+    (CHAIN, 0, [1, 4, 4, 4]),  # every top-1 right: K + 1 tokens per round after the first
+    (CHAIN, 1, [1] * 13),  # every top-1 wrong: the chain accepts nothing
+    (TreeShape(width=2, nodes=16), 1, [1, 4, 4, 4]),  # the right token is each head's second: the tree finds it
+])
+def test_an_oracle_proposer_is_accepted_where_the_tree_holds_it(tiny_lm, monkeypatch, shape, decoys, emitted):
+    ids = tiny_lm.encode("Once upon a time")
+    config = GREEDY.replace(max_new_tokens=13)
+    reference = target_only(tiny_lm, ids, config)
+    monkeypatch.setattr(medusa._MedusaVerifier, "propose", oracle_proposer(reference, decoys))
+    trace = medusa.run(tiny_lm, "", ids, config, heads=MedusaHeads(64, 3), shape=shape)
     assert trace.generated_token_ids == reference
-    assert [len(r.emitted_token_ids) for r in trace.rounds] == [1, 4, 4, 4]  # 13 tokens, 4 forwards
-    assert trace.summary["tokens_per_target_forward"] == 13 / 4
+    assert [len(r.emitted_token_ids) for r in trace.rounds] == emitted
+    assert trace.summary["tokens_per_target_forward"] == 13 / len(emitted)
+    for r in trace.rounds:  # the record: the accepted path is the emitted tokens, its nodes marked accepted
+        assert [r.tree[i].token_id for i in r.path] == r.emitted_token_ids[: len(r.path)]
+        assert all(r.tree[i].status == "accepted" for i in r.path)
+        assert [r.tree[i].depth for i in r.path] == list(range(1, len(r.path) + 1))
 
 
-def test_the_cache_is_cropped_back_to_the_sequence(tiny_lm, monkeypatch):
-    """After each round the target cache holds exactly the sequence minus its last token, with
-    the keys a fresh prefill would have."""
-    seen = []
+@SHAPES
+def test_the_cache_after_each_round_equals_an_uncached_recompute(tiny_lm, monkeypatch, shape):
+    """After each round the cache holds exactly the sequence minus its last token, with the keys
+    and values of a fresh prefill, and the next logits equal an uncached forward's."""
+    checked = []
     original = medusa._MedusaVerifier.medusa_round
 
     def spy(self, index):
         out = original(self, index)
-        seen.append((self.cache.length, len(self.sequence) - 1, list(self.cache.tokens) == self.sequence[:-1]))
-        if index == 2:
+        assert self.cache.length == len(self.sequence) - 1 and list(self.cache.tokens) == self.sequence[:-1]
+        with torch.inference_mode():
             fresh = tiny_lm.model(torch.tensor([self.sequence[:-1]]), use_cache=True).past_key_values
-            torch.testing.assert_close(self.cache.cache.layers[0].keys, fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
+            for ours, theirs in zip(self.cache.cache.layers, fresh.layers):
+                torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(ours.values, theirs.values, atol=1e-4, rtol=1e-4)
+            full = tiny_lm.model(torch.tensor([self.sequence])).logits[0, -1]
+            cached = tiny_lm.model(torch.tensor([self.sequence[-1:]]), past_key_values=self.cache.cache,
+                                   use_cache=True).logits[0, -1]
+        self.cache.cache.crop(-1)  # undo the probe
+        torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
+        checked.append(len(out.path))
         return out
 
     monkeypatch.setattr(medusa._MedusaVerifier, "medusa_round", spy)
-    medusa.run(tiny_lm, "", tiny_lm.encode("a b a b a b"), GREEDY, heads=random_heads(64, 3, 3.0))
-    assert seen and all(length == want and same for length, want, same in seen)
+    ids = tiny_lm.encode("a b a b a b")
+    reference = target_only(tiny_lm, ids, GREEDY)
+    monkeypatch.setattr(medusa._MedusaVerifier, "propose", oracle_proposer(reference, 1 if shape != CHAIN else 0))
+    medusa.run(tiny_lm, "", ids, GREEDY, heads=MedusaHeads(64, 3), shape=shape)
+    assert len(checked) > 3 and max(checked) >= 2  # paths of several nodes were accepted (in the tree: second ranks)
 
 
 # --- sampling: the target distribution is unchanged ------------------------------------------------
 E2E_RUNS = 1500
 
 
-def test_sampling_medusa_keeps_the_target_distribution(tiny_lm):
+@pytest.mark.parametrize("shape", [pytest.param(CHAIN, marks=pytest.mark.slow), TreeShape(width=3, nodes=6)],
+                         ids=["chain", "tree"])  # the chain is the tree's one-child case: CI's slow run checks it too
+def test_sampling_medusa_keeps_the_target_distribution(tiny_lm, shape):
     """Two tokens after a one-token prompt on an 8-token model: the first from p, the second
-    through a head's draft and the rejection rule. Their joint must be the target's."""
+    through the heads' candidates (the tree: three siblings tested one after another) and the
+    rejection rule. Their joint must be the target's."""
     target = wrap(make_tiny_llama(vocab_size=8, seed=0, layers=1, hidden=32), tiny_lm, "tiny8-target", eos=())
     heads = random_heads(32, 2, 4.0, seed=3)
     config = DecodingConfig(strategy="medusa", temperature=2.0, top_k=6, frequency_penalty=1.0,
@@ -108,7 +182,7 @@ def test_sampling_medusa_keeps_the_target_distribution(tiny_lm):
     joint = exact_two_token_joint(target, [3], config)
     firsts, seconds, rejected = [], [], 0
     for seed in range(E2E_RUNS):
-        collected = list(medusa.rounds(target, [3], dataclasses.replace(config, seed=seed), heads))
+        collected = list(medusa.rounds(target, [3], dataclasses.replace(config, seed=seed), heads, shape=shape))
         tokens = [t for r in collected for t in r.emitted_token_ids]
         firsts.append(tokens[0])
         seconds.append(tokens[1])
@@ -132,7 +206,10 @@ def test_trace_json_round_trips_with_proposals(tiny_lm):
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
     back = medusa.rounds_of(Trace.from_json(text))
     assert [len(r.proposals) for r in back] == [len(r.proposals) for r in trace.rounds]
-    assert back[1].proposals[0].candidates[0].token_id == back[1].drafted[0].token_id
+    assert back[1].proposals[0].candidates[0].token_id == back[1].tree[0].token_id  # the best node: head 1's top-1
+    assert [(n.index, n.parent, n.status) for n in back[1].tree] == [
+        (n.index, n.parent, n.status) for n in trace.rounds[1].tree]
+    assert [back[1].tree[i].token_id for i in back[1].path] == back[1].emitted_token_ids[: len(back[1].path)]
     assert sum(len(r.emitted_token_ids) for r in back) == 8
     assert all(r.steps == [] for r in trace.rounds)  # steps live in trace.steps only
 
@@ -160,7 +237,12 @@ def test_medusa_heads_knob_is_validated():
 def test_trained_heads_greedy_equals_target_and_accept_drafts(embedded):
     ids = embedded.encode("Explain the water cycle in two sentences.", chat=True)
     config = GREEDY.replace(max_new_tokens=48)
-    trace = medusa.run(embedded, "", ids, config)
-    assert trace.generated_token_ids == target_only(embedded, ids, config)
-    assert trace.summary["accepted"] > 0 and trace.summary["tokens_per_target_forward"] > 1.0  # heads' tokens get accepted
+    reference = target_only(embedded, ids, config)
+    per_forward = {}
+    for shape in (CHAIN, TREE):
+        trace = medusa.run(embedded, "", ids, config, shape=shape)
+        assert trace.generated_token_ids == reference
+        per_forward[shape] = trace.summary["tokens_per_target_forward"]
+    assert per_forward[CHAIN] > 1.0  # heads' tokens get accepted
+    assert per_forward[TREE] > per_forward[CHAIN]  # and more of them from the tree
     assert medusa.heads_path(embedded.name).with_suffix(".sha256").is_file()
