@@ -8,7 +8,7 @@ import gradio as gr
 
 from engine.models import EMBEDDED, ModelRegistry, model_policy
 
-from . import downloads, examples, page_js, share_links
+from . import downloads, events, examples, page_js, share_links
 from .events import ModelEvents
 from .shared import PanelView, Shared, model_pickers, user_presets_state
 from .views import beam, compare, lessons, presets, quantization, search, speculative, step
@@ -31,8 +31,23 @@ CSS = """
 .dp-status { color: #555; padding: 4px 2px; }
 #step-text .textspan { cursor: pointer; }
 footer { display: none !important; }
-.dp-presenter { font-size: 1.5rem; }
-.dp-present-text { font-size: 2rem; line-height: 1.4; overflow-wrap: anywhere; }
+.dp-presenter { font-size: 1.5rem; position: fixed !important; inset: 0; z-index: 1000; margin: 0 !important;
+  padding: 10px 16px !important; background: var(--body-background-fill, #fff); overflow: auto;
+  display: flex !important; flex-direction: column !important; flex-wrap: nowrap !important; gap: 8px !important; }
+.dp-presenter > * { flex: 0 0 auto; }
+#present-top { flex-wrap: nowrap; align-items: flex-start; }
+#present-top > #present-text { flex: 1 1 auto; min-width: 0; }
+#present-top > #present-qr { flex: 0 0 auto; min-width: 0; width: auto; max-width: 40%; }
+#present-qr { cursor: zoom-in; }
+#present-qr .dp-qr { margin: 0; display: flex; gap: 8px; align-items: flex-start; }
+#present-qr .dp-qr img { width: 96px; height: 96px; }
+#present-qr .dp-qr figcaption { max-width: 220px; font-size: .75rem; }
+#present-qr.dp-qr-big { cursor: zoom-out; }
+#present-qr.dp-qr-big .dp-qr img { width: min(60vh, 480px); height: min(60vh, 480px); }
+#present-controls { flex-wrap: wrap; gap: 8px; }
+#present-chart { flex: 1 1 0 !important; min-height: 280px; position: relative; padding: 0 !important; }
+#present-chart [data-testid=plotly], #present-chart .js-plotly-plot { position: absolute !important; inset: 0; width: 100% !important; height: 100% !important; }
+.dp-present-text { font-size: 2rem; line-height: 1.3; overflow-wrap: anywhere; max-height: 30vh; overflow: auto; }
 .dp-present-token { padding: 0 .3em; border-radius: 6px; background: #ffe08a; }
 .dp-present-label { font-size: 1.1rem; color: #555; }
 .dp-qr img { max-width: 100%; height: auto; }
@@ -88,4 +103,5 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
 
 
 def launch_kwargs() -> dict:
-    return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD}
+    return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD,
+            "state_session_capacity": events.session_capacity()}

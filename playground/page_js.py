@@ -1,10 +1,12 @@
 """The page's few lines of JavaScript (``launch(head=...)``): Ctrl/Cmd+Enter in a prompt runs its
-view, the sortable stage list, arrow keys through Step through's tokens, and a slider's number box
-that refuses an out-of-range value with the typed value named (instead of clamping silently)."""
+view, the sortable stage list, arrow keys through Step through's tokens, a slider's number box
+that refuses an out-of-range value with the typed value named (instead of clamping silently), and
+the presenter view's page width (its chart is laid out on the server for the width it is shown at)."""
 
 # prompt box id -> the button it runs
 PROMPT_BUTTONS = {"step-prompt": "step-generate", "cmp-prompt": "cmp-run", "beam-prompt": "beam-run",
                   "spec-prompt": "spec-generate", "quant-prompt": "quant-measure"}
+PRESENT_NARROW_PX = 900  # the presenter's chart goes two panels a row on pages narrower than this
 
 _JS = r"""
 (() => {
@@ -33,9 +35,35 @@ _JS = r"""
       if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
     }
   }, true);
+  // Presenter: the page width goes into the hidden #present-width box (its change redraws the chart
+  // for that width); a chart laid out for the other width (the lesson's run draws it wide) is redrawn once.
+  const setValue = (box, value) => {
+    const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), 'value').set;
+    setter.call(box, value);
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+  };
+  const presentWidth = () => {
+    const box = document.querySelector('#present-width input');
+    if (!box) return;
+    const want = String(Math.round(window.innerWidth));
+    if (box.value !== want) { setValue(box, want); return; }
+    const plot = document.querySelector('#present-chart .js-plotly-plot');
+    const meta = plot && plot.layout && plot.layout.meta;
+    if (meta && meta.narrow !== (window.innerWidth < __NARROW__) && plot.dataset.dpAsked !== want) {
+      plot.dataset.dpAsked = want;
+      document.getElementById('present-redraw')?.click();
+    }
+  };
+  window.addEventListener('resize', presentWidth);
+  // The QR code in the presenter view: a click enlarges it for the room, another shrinks it back.
+  document.addEventListener('click', e => {
+    const code = e.target.closest && e.target.closest('#present-qr');
+    if (code) code.classList.toggle('dp-qr-big');
+  });
   // Tokens take the keyboard focus (Tab, then Enter opens a token's step).
   new MutationObserver(() => {
     document.querySelectorAll('#step-text .token:not([tabindex])').forEach(el => el.setAttribute('tabindex', '0'));
+    presentWidth();
   }).observe(document.documentElement, {childList: true, subtree: true});
 
   // The sortable stage list writes its order into the hidden textbox named by data-target.
@@ -89,7 +117,8 @@ _JS = r"""
 })();
 """
 
-HEAD = "<script>" + _JS.replace("__PROMPTS__", str(PROMPT_BUTTONS).replace("'", '"')) + "</script>"
+HEAD = ("<script>" + _JS.replace("__PROMPTS__", str(PROMPT_BUTTONS).replace("'", '"'))
+        .replace("__NARROW__", str(PRESENT_NARROW_PX)) + "</script>")
 
 CSS = """
 .dp-hidden { display: none !important; }

@@ -1,14 +1,17 @@
-"""Presenter view: one step at a time of the lesson's run, in fonts readable from the back of a
-room (chart token labels >= 20 px), Next / Previous token (buttons and the left/right arrow keys),
-"guess the next token" (the chosen token hidden until Reveal), and a QR code of the share link.
+"""Presenter view: one step at a time of the lesson's run, full screen (an overlay over the page,
+the chart taking the free height and width), fonts readable from the back of a room (chart token
+labels >= 18 px), Next / Previous token (buttons and the left/right arrow keys), "guess the next
+token" (the chosen token hidden until Reveal), and a QR code of the share link (click to enlarge).
 
-Shown by the toggle on the Lessons tab or the URL flag ``?present=1``. Pure helpers
-(``presenter_chart``, ``context_html``) take a trace; the panel only wires them.
+Shown by the toggle on the Lessons tab or the URL flag ``?present=1``; Exit (or Esc) leaves it.
+Pure helpers (``presenter_chart``, ``context_html``, ``panel_columns``) take a trace; the panel
+only wires them.
 """
 
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,36 +20,62 @@ import plotly.graph_objects as go
 
 from engine.trace import Trace
 from playground import qr
+from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # panels two a row below this page width
 from playground.charts import step as charts
 
 PRESENT_PARAM = "present"
 BIG_FONT = 22  # px: token labels at projector distance (the issue asks >= 18 px at 1280x720)
+PHONE_FONT = 16  # px: a phone is read at arm's length, and 22 px labels do not fit 2 panels in 390 px
 
-# Left/right arrows press Previous/Next while the presenter view is shown and no text field has focus.
+# Left/right arrows press Previous/Next and Esc presses Exit while the presenter view is shown and
+# no text field has focus (page load; the page's other keys live in playground/page_js.py).
 ARROW_KEYS_JS = """
 () => {
   if (window.dpPresenterKeys) return;
   window.dpPresenterKeys = true;
   document.addEventListener("keydown", (e) => {
     const view = document.querySelector("#presenter");
-    if (!view || view.offsetParent === null) return;
+    if (!view || !view.getClientRects().length) return;  // offsetParent is null for a fixed overlay
     const tag = (document.activeElement && document.activeElement.tagName) || "";
     if (["INPUT", "TEXTAREA", "SELECT"].includes(tag)) return;
-    const id = e.key === "ArrowRight" ? "#present-next" : e.key === "ArrowLeft" ? "#present-prev" : null;
+    const keys = {ArrowRight: "#present-next", ArrowLeft: "#present-prev", Escape: "#present-exit"};
+    const id = keys[e.key];
     if (id) { e.preventDefault(); document.querySelector(id)?.click(); }
   });
 }
 """
+# Exit unticks the Lessons tab's presenter toggle (its change event hides this view); Run presses
+# the tab's own Run and check, which the overlay covers.
+EXIT_JS = "() => { document.querySelector('#lessons-present input')?.click(); }"
+RUN_JS = "() => { document.querySelector('#lessons-run')?.click(); }"
 
 
-def presenter_chart(trace: Trace, index: int) -> go.Figure:
-    """Step ``index``'s stage chart, two panels a row, every text at projector size."""
-    fig = charts.stage_chart(trace.steps[index], columns=2)
-    fig.update_layout(font=dict(size=BIG_FONT), title_font_size=BIG_FONT + 4, legend_font_size=BIG_FONT - 2,
-                      height=max(640, int(fig.layout.height or 0) + 200), margin=dict(l=20, r=20, t=140, b=90))
-    fig.update_yaxes(tickfont=dict(size=BIG_FONT))
-    fig.update_xaxes(tickfont=dict(size=BIG_FONT - 4))
-    fig.update_annotations(font_size=BIG_FONT)
+def panel_columns(panels: int, width: float | None) -> int:
+    """Panels per row: all in one row (up to 4) on a wide screen, two a row below NARROW_PX
+    (``width`` None: the page width is not known yet, so wide)."""
+    if width is not None and width < NARROW_PX:
+        return min(2, panels)
+    return min(4, panels) if panels <= 4 else math.ceil(panels / math.ceil(panels / 4))
+
+
+def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.Figure:
+    """Step ``index``'s stage chart at projector size, laid out for a page ``width`` px wide. No
+    fixed height: the figure fills its box, which the page's CSS sizes to the free viewport.
+    ``layout.meta`` says which layout it is, so the page can ask for the other one on a resize."""
+    step = trace.steps[index]
+    panels = len(step.stages) + (1 if step.draw is not None else 0)
+    columns = panel_columns(panels, width)
+    narrow = width is not None and width < NARROW_PX
+    font = PHONE_FONT if narrow else BIG_FONT
+    fig = charts.stage_chart(step, columns=columns)
+    rows = math.ceil(panels / columns)
+    fig.update_layout(font=dict(size=font), title_font_size=font + 4, legend_font_size=font - 2,
+                      height=None, autosize=True, meta={"narrow": narrow, "columns": columns},
+                      margin=dict(l=10, r=20, t=110 + 40 * min(rows, 2), b=70))
+    fig.update_layout(title=dict(y=1, yanchor="top", pad=dict(t=8)))
+    fig.update_yaxes(tickfont=dict(size=font))
+    fig.update_xaxes(tickfont=dict(size=font - 4))
+    fig.update_annotations(font_size=font)
     return fig
 
 
@@ -58,7 +87,7 @@ def context_html(trace: Trace, index: int, hidden: bool) -> str:
     prob = "" if hidden else f' <small>p = {step.chosen_prob:.1%}</small>'
     label = "Guess the next token, then press Reveal." if hidden else f"Step {index} of {len(trace.steps) - 1}"
     return (f'<div class="dp-present-text"><span>{before}</span><mark class="dp-present-token">{token}</mark>{prob}'
-            f'<p class="dp-present-label">{label}</p></div>')
+            f'<p class="dp-present-label" data-step="{index}">{label}</p></div>')
 
 
 def qr_block(base_url: str, query: str) -> str:
@@ -73,7 +102,9 @@ def qr_block(base_url: str, query: str) -> str:
 
 @dataclass
 class PresenterPanel:
-    """The presenter column: context text, the big chart, Previous / Next / Reveal, guess toggle, QR."""
+    """The presenter overlay: context text and QR code, Exit / Run / Previous / Next / guess /
+    Reveal, the big chart. Hidden: ``width``, the page width the page's script writes, and
+    ``redraw``, which the script presses when the chart was laid out for another width."""
 
     column: gr.Column
     text: gr.HTML
@@ -84,28 +115,38 @@ class PresenterPanel:
     reveal: gr.Button
     qr: gr.HTML
     index: gr.State
+    width: gr.Number
+    exit: gr.Button
+    run: gr.Button
+    redraw: gr.Button
 
     @classmethod
     def build(cls) -> "PresenterPanel":
         with gr.Column(visible=False, elem_id="presenter", elem_classes=["dp-presenter"]) as column:
-            text = gr.HTML(elem_id="present-text")
+            with gr.Row(elem_id="present-top"):
+                text = gr.HTML(elem_id="present-text")
+                code = gr.HTML(elem_id="present-qr")
             with gr.Row(elem_id="present-controls"):
+                exit_btn = gr.Button("✕ Exit", elem_id="present-exit", min_width=80, size="sm")
+                run = gr.Button("Run the lesson", elem_id="present-run", min_width=110, size="sm")
                 prev = gr.Button("◀ Previous token", elem_id="present-prev", min_width=120)
                 nxt = gr.Button("Next token ▶", variant="primary", elem_id="present-next", min_width=120)
                 guess = gr.Checkbox(False, label="Guess the next token (hide it)", elem_id="present-guess", min_width=160)
                 reveal = gr.Button("Reveal", elem_id="present-reveal", min_width=100)
             chart = gr.Plot(show_label=False, elem_id="present-chart")
-            code = gr.HTML(elem_id="present-qr")
-        return cls(column, text, chart, prev, nxt, guess, reveal, code, gr.State(0))
+            width = gr.Number(None, show_label=False, elem_id="present-width", elem_classes=["dp-hidden"])
+            redraw = gr.Button("redraw", elem_id="present-redraw", elem_classes=["dp-hidden"])
+        return cls(column, text, chart, prev, nxt, guess, reveal, code, gr.State(0), width, exit_btn, run, redraw)
 
-    def show(self, trace: Trace | None, index: int, hidden: bool) -> dict:
-        """Updates drawing step ``index`` of ``trace`` (the chart stays empty while the guess is on)."""
+    def show(self, trace: Trace | None, index: int, hidden: bool, width: float | None = None) -> dict:
+        """Updates drawing step ``index`` of ``trace`` for a page ``width`` px wide (None: wide);
+        the chart stays empty while the guess is on."""
         if trace is None or not trace.steps:
-            return {self.text: '<p class="dp-status">Run a lesson first: its steps appear here one at a time.</p>',
-                    self.chart: None, self.index: 0}
+            return {self.text: '<p class="dp-status">Run a lesson first (Run the lesson): its steps appear '
+                               'here one at a time.</p>', self.chart: None, self.index: 0}
         index = max(0, min(int(index), len(trace.steps) - 1))
         return {self.text: context_html(trace, index, hidden), self.index: index,
-                self.chart: None if hidden else presenter_chart(trace, index)}
+                self.chart: None if hidden else presenter_chart(trace, index, width)}
 
     def wire(self, trace_of: Any, state: gr.State) -> None:
         """``trace_of(state)``: the trace the presenter steps through (the lesson's first run)."""
@@ -113,11 +154,15 @@ class PresenterPanel:
         outputs = [self.text, self.chart, self.index]
 
         def move(by: int):
-            def handler(session: Any, index: int, hidden: bool) -> dict:
-                return self.show(trace_of(session), (index or 0) + by, hidden)
+            def handler(session: Any, index: int, hidden: bool, width: float | None) -> dict:
+                return self.show(trace_of(session), (index or 0) + by, hidden, width or None)
             return handler
 
-        self.prev.click(move(-1), [state, self.index, self.guess], outputs, **local)
-        self.next.click(move(+1), [state, self.index, self.guess], outputs, **local)
-        self.guess.change(move(0), [state, self.index, self.guess], outputs, **local)
-        self.reveal.click(move(0), [state, self.index, gr.State(False)], outputs, **local)
+        inputs = [state, self.index, self.guess, self.width]
+        self.prev.click(move(-1), inputs, outputs, **local)
+        self.next.click(move(+1), inputs, outputs, **local)
+        self.guess.change(move(0), inputs, outputs, **local)
+        gr.on([self.width.change, self.redraw.click], move(0), inputs, outputs, **local)  # page resized / relaid out
+        self.reveal.click(move(0), [state, self.index, gr.State(False), self.width], outputs, **local)
+        self.exit.click(None, js=EXIT_JS, **local)
+        self.run.click(None, js=RUN_JS, **local)

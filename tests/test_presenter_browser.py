@@ -1,0 +1,84 @@
+"""The presenter view in a real browser (embedded model, one lesson run): at 1280x720 the step's
+chart fills the screen below the controls, ←/→ step through the tokens and redraw the chart, Esc
+leaves; resized to a phone (390x844) the chart is redrawn two panels a row within the page width.
+And Step through's keyboard: Enter on a focused token chip opens that step."""
+
+import json
+
+import pytest
+
+from playground.views.lessons import lesson_token
+from tests.conftest import open_tab
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+# A lesson of one short sampled run (4 panels: raw, temperature, final, the draw), carried by its link.
+LESSON = {"version": 1, "id": "presenter-test", "title": "Temperature 0.8", "view": "step", "chat": False,
+          "prompt": "The capital of France is", "select_step": 0,
+          "preset": {"version": 1, "name": "T 0.8", "strategy": "sample", "temperature": 0.8, "seed": 1,
+                     "max_new_tokens": 4},
+          "steps": ["Temperature 0.8 sharpens the distribution.", "Step through the four tokens."]}
+CHART_TITLE = "() => document.querySelector('#present-chart .gtitle')?.textContent || ''"
+
+
+def box(page, selector: str) -> dict:
+    return page.locator(selector).bounding_box()
+
+
+def wait_for_step(page, index: int) -> None:
+    page.wait_for_selector(f"#present-text:has-text('Step {index} of')")
+    page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step {index}:')")
+
+
+def test_presenter_fills_the_screen_steps_by_keys_and_fits_a_phone(browser, live_app):
+    context = browser.new_context(viewport={"width": 1280, "height": 720})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{live_app}/?lesson={lesson_token(json.dumps(LESSON))}&present=1")
+    page.wait_for_selector("#presenter:visible")
+    page.click("#present-run")  # the overlay covers the Lessons tab's own Run button
+    page.wait_for_selector("#present-chart .gtitle", timeout=300_000)
+    wait_for_step(page, 0)
+
+    chart, controls = box(page, "#present-chart .js-plotly-plot"), box(page, "#present-controls")
+    assert chart["y"] >= controls["y"] + controls["height"] - 1  # below the controls
+    assert chart["y"] + chart["height"] <= 720 + 1  # and within the screen: no scrolling to see it
+    assert chart["height"] >= 0.6 * 720 and chart["width"] >= 0.9 * 1280, chart
+    size = page.evaluate("() => parseFloat(getComputedStyle(document.querySelector('#present-chart .ytick text')).fontSize)")
+    assert size >= 18
+
+    page.keyboard.press("ArrowRight")
+    wait_for_step(page, 1)
+    page.keyboard.press("ArrowRight")
+    wait_for_step(page, 2)
+    page.keyboard.press("ArrowLeft")
+    wait_for_step(page, 1)
+
+    page.set_viewport_size({"width": 390, "height": 844})  # the page's script sends the new width
+    page.wait_for_function("() => document.querySelector('#present-chart .js-plotly-plot')?.layout?.meta?.narrow === true")
+    wait_for_step(page, 1)
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    chart = box(page, "#present-chart .js-plotly-plot")
+    assert chart["x"] >= 0 and chart["x"] + chart["width"] <= 390 + 1
+    assert page.evaluate("() => document.querySelector('#present-chart .js-plotly-plot').layout.meta.columns") <= 2
+
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#presenter", state="detached")
+    assert not page.locator("#lessons-present input").is_checked()
+    context.close()
+
+
+def test_enter_on_a_focused_token_chip_opens_its_step(page, live_app):
+    page.goto(live_app)
+    open_tab(page, "Step through")
+    page.fill("#step-knob-max_new_tokens input[type=number]", "4")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    chip = page.locator("#step-text .token").nth(2)
+    chip.focus()
+    page.keyboard.press("Enter")
+    title = "() => document.querySelector('#step-chart .gtitle')?.textContent || ''"
+    page.wait_for_function(f"() => ({title})().startsWith('step 2:')")
+    page.keyboard.press("ArrowRight")  # the focus moved with the selection: the next token
+    page.wait_for_function(f"() => ({title})().startsWith('step 3:')")
