@@ -206,3 +206,16 @@ def test_flat_values_round_trip_lane_fields():
     spec = with_knob(spec_from_preset("anti-repetition"), seed=3)
     assert len(spec.values()) == len(LANE_FIELDS) and LaneSpec.from_values(spec.values()) == spec
     assert handlers.specs_from(flat([spec, spec]), 2) == [spec, spec]
+
+
+@pytest.mark.parametrize("lesson_id", [k for k, v in builtin_lessons().items() if v.view == "compare"])
+def test_every_compare_lesson_fills_lanes_that_run_its_exact_configurations(lesson_id):
+    lesson = builtin_lessons()[lesson_id]
+    page = fake_page()
+    out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lessons_view.lane_configs(lesson, None))
+    assert out[page.count] == len(lesson.runs) and out[page.prompt] == lesson.prompt
+    values = [v["value"] if isinstance(v, dict) else v for v in (out[c] for c in page.lane_values[:len(
+        lesson.runs) * len(LANE_FIELDS)])]
+    specs = handlers.specs_from(values, len(lesson.runs))
+    assert [lane_config(s, "x") for s in specs] == [p.config for p in lesson.runs]
+    assert all("⚠" not in out[page.lanes[i].header] for i in range(len(lesson.runs)))
