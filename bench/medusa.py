@@ -1,11 +1,15 @@
-"""Medusa (trained heads, one-forward chain verification) vs target-only greedy: same model,
-prompt, token count, interleaved in one process after a short warm-up of each. Greedy, so both
-must produce the same tokens. Optionally the n-gram speculative drafter on the same prompts.
+"""Medusa (trained heads, one-forward verification of a chain or a tree of candidates) vs
+target-only greedy: same model, prompt, token count, interleaved in one process after a short
+warm-up of each. Greedy, so both must produce the same tokens. Optionally the n-gram speculative
+drafter on the same prompts.
 
 CPU, embedded model, chat template; prompts: two held out from the heads' training prompts
 (never trained on) and the spelling-correction prompt of bench/speculative.py.
 
-    .venv/bin/python -m bench.medusa [--tokens 128] [--repeats 3] [--heads 3] [--ngram]
+    .venv/bin/python -m bench.medusa [--tokens 128] [--repeats 3] [--heads 3] [--shapes chain,4x10] [--ngram]
+
+``--shapes``: ``chain`` (each head's top-1) and/or WIDTHxNODES trees (the best NODES paths over each
+head's top WIDTH; engine.medusa.TREE is the default the app runs).
 
 Targets (issue 16): >= 1.8 tokens per target forward and a wall-clock speed-up > 1.2x on CPU.
 """
@@ -54,14 +58,29 @@ class Row:
         return statistics.median(b / f for f, b in zip(self.fast_ms, self.base_ms))
 
 
-def bench_prompt(lm, registry, name: str, prompt: str, method: str, config: DecodingConfig, repeats: int) -> Row:
+def parse_shape(text: str) -> medusa.TreeShape:
+    """``chain`` or WIDTHxNODES (``4x10``)."""
+    if text == "chain":
+        return medusa.CHAIN
+    width, _, nodes = text.partition("x")
+    if not (width.isdigit() and nodes.isdigit()):
+        raise SystemExit(f"--shapes: {text!r} is neither 'chain' nor WIDTHxNODES (e.g. 4x10)")
+    return medusa.TreeShape(int(width), int(nodes))
+
+
+def shape_name(shape: medusa.TreeShape) -> str:
+    return "medusa chain" if shape == medusa.CHAIN else f"medusa {shape.width}x{shape.nodes}"
+
+
+def bench_prompt(lm, registry, name: str, prompt: str, method: str, config: DecodingConfig, repeats: int,
+                 shape: medusa.TreeShape | None = None) -> Row:
     ids = lm.encode(prompt, chat=True)
-    heads = medusa.load_heads(lm) if method == "medusa" else None
+    heads = medusa.load_heads(lm) if shape is not None else None
     base_config = config.replace(strategy="greedy")
 
     def fast(cfg):
-        if method == "medusa":
-            return medusa.run(lm, prompt, ids, cfg, chat=True, heads=heads)
+        if shape is not None:
+            return medusa.run(lm, prompt, ids, cfg, chat=True, heads=heads, shape=shape)
         return speculative.run(lm, prompt, cfg, chat=True, registry=registry)
 
     def base(cfg):
@@ -85,12 +104,13 @@ def bench_prompt(lm, registry, name: str, prompt: str, method: str, config: Deco
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"\n{'prompt':<22} {'method':<14} {'tokens':>6} {'tok/fwd':>8} {'ms/token':>9} {'target ms/tok':>14} "
+    print(f"\n{'prompt':<22} {'method':<15} {'tokens':>6} {'tok/fwd':>8} {'ms/token':>9} {'target ms/tok':>14} "
           f"{'speed-up':>9} {'same':>5}  per-head acceptance")
     for r in rows:
         heads = ", ".join(f"{a:.0%}" for a in r.head_acceptance) or "-"
-        print(f"{r.prompt:<22} {r.method:<14} {r.tokens:>6} {r.per_forward:>8.2f} {statistics.median(r.fast_ms):>9.1f} "
-              f"{statistics.median(r.base_ms):>14.1f} {r.speedup:>8.2f}x {'yes' if r.same_tokens else 'NO':>5}  {heads}")
+        print(f"{r.prompt:<22} {r.method:<15} {r.tokens:>6} {r.per_forward:>8.2f} "
+              f"{statistics.median(r.fast_ms):>9.1f} {statistics.median(r.base_ms):>14.1f} {r.speedup:>8.2f}x "
+              f"{'yes' if r.same_tokens else 'NO':>5}  {heads}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--shapes", default="chain,4x10", help="comma-separated: chain and/or WIDTHxNODES trees")
     p.add_argument("--ngram", action="store_true", help="also the n-gram speculative drafter (K=4) on the same prompts")
     args = p.parse_args(argv)
     registry = ModelRegistry(capacity=2)
@@ -105,19 +126,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, {args.tokens} tokens, "
           f"greedy, chat template, {args.repeats} interleaved repeats (ms per token: medians)")
     config = DecodingConfig(strategy="medusa", temperature=0.0, max_new_tokens=args.tokens, medusa_heads=args.heads)
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
     rows = []
     for name, prompt in PROMPTS.items():
-        rows.append(bench_prompt(lm, registry, name, prompt, "medusa", config, args.repeats))
+        for shape in shapes:
+            rows.append(bench_prompt(lm, registry, name, prompt, shape_name(shape), config, args.repeats, shape))
         if args.ngram:
             ngram = config.replace(strategy="speculative", drafter="ngram", num_draft_tokens=4)
             rows.append(bench_prompt(lm, registry, name, prompt, "ngram (K=4)", ngram, args.repeats))
     print_table(rows)
-    med = [r for r in rows if r.method == "medusa"]
-    per_forward = statistics.mean(r.per_forward for r in med)
-    speedup = statistics.mean(r.speedup for r in med)
-    ok = per_forward >= TARGET_PER_FORWARD and speedup > TARGET_SPEEDUP
-    print(f"medusa mean: {per_forward:.2f} tokens per target forward (target >= {TARGET_PER_FORWARD}), "
-          f"speed-up {speedup:.2f}x (target > {TARGET_SPEEDUP}x): {'PASS' if ok else 'BELOW TARGET'}")
+    for shape in shapes:
+        med = [r for r in rows if r.method == shape_name(shape)]
+        per_forward = statistics.mean(r.per_forward for r in med)
+        speedup = statistics.mean(r.speedup for r in med)
+        ok = per_forward >= TARGET_PER_FORWARD and speedup > TARGET_SPEEDUP
+        print(f"{shape_name(shape)} mean: {per_forward:.2f} tokens per target forward "
+              f"(target >= {TARGET_PER_FORWARD}), "
+              f"speed-up {speedup:.2f}x (target > {TARGET_SPEEDUP}x): {'PASS' if ok else 'BELOW TARGET'}")
     return 0 if all(r.same_tokens for r in rows) else 1
 
 
