@@ -1,7 +1,8 @@
 """Lessons (the first tab): the guided lessons of engine.lessons, each 2-5 steps of text and a ready
 configuration. "Run and check" runs the lesson on the model, selects its step
 (``lessons.selected_step``) and shows the outcome sentence its check verifies
-(``lessons.evaluate``); "Open in its view" puts the prompt and preset into the lesson's view.
+(``lessons.evaluate``); "Open in its view" puts the prompt and preset into the lesson's view
+(a Compare lesson: every lane, each with its run's configuration).
 A presenter can paste their own lesson JSON and share it by link (``?lesson=<token>``, with
 ``&present=1`` for the presenter view). API: ``/lessons`` lists the built-in lessons.
 """

@@ -132,9 +132,8 @@ def wire_lanes(shared: Shared, page: Page) -> None:
         lane.preset.input(lambda *values, i=i, lane=lane: fill_lane(lane, i, values[:-1], values[-1]),
                           [*lane.controls, shared.user_presets], lane.controls + [lane.header], **local)
         # A hand edit of a knob: the lane no longer is the preset (a preset keeps the seed and budget).
-        for name, edited in zip(LANE_FIELDS[1:], lane.controls[1:]):
-            if name not in RUN_KNOBS:
-                edited.input(lambda: CUSTOM, None, [lane.preset], **local)
+        edits = [c.input for name, c in zip(LANE_FIELDS[1:], lane.controls[1:]) if name not in RUN_KNOBS]
+        gr.on(edits, lambda: CUSTOM, None, [lane.preset], **local)
         gr.on([c.change for c in lane.controls[1:]],
               lambda *values, i=i: charts.lane_header(lane_name(i), *summary_of(LaneSpec.from_values(values))),
               lane.controls, [lane.header], **local)
