@@ -111,3 +111,10 @@ def test_sample_rows_matches_sample_probs_by_hand():
     assert rows[1].low == pytest.approx(0.25 * rows[1].token_id)  # ties: lower id first
     for p in rows + alone:
         assert p.low <= p.draw < p.high
+
+
+def test_rows_with_tokens_agrees_with_has_tokens():
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[0.0, 1.0, -inf], [-inf, -inf, -inf], [nan, 1.0, 2.0], [inf, 1.0, 2.0], [-inf, 3.0, -inf]])
+    assert sampling.rows_with_tokens(rows) == [True, False, False, False, True]
+    assert sampling.rows_with_tokens(rows) == [sampling.has_tokens(rows[r:r + 1]) for r in range(rows.shape[0])]
