@@ -34,6 +34,26 @@ def lanes_seconds(shared, lm, prompt_ids, configs) -> float:
     return time.perf_counter() - start
 
 
+def forward_seconds(lm, prompt_ids, rows: int, reps: int = 5) -> float:
+    """Median wall time of one decode forward (one token per row over the prompt's KV cache) for
+    ``rows`` rows: the part of a tick no capture batching can shrink, so 4 lanes / 1 lane cannot
+    go below this ratio on the same machine."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=lm.model.config)
+        lm.model(input_ids=torch.tensor([prompt_ids] * rows), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            lm.model(input_ids=torch.tensor([[prompt_ids[-1]]] * rows), past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)
+            times.append(time.perf_counter() - start)
+            cache.crop(-1)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32)
@@ -57,16 +77,19 @@ def main(argv: list[str] | None = None) -> int:
                           min_new_tokens=args.tokens)
     configs = [base.replace(seed=s) for s in range(args.lanes)]
     lanes_seconds(shared, lm, prompt_ids, configs[:1])  # warm up
-    one, many = [], []
+    one, many, forward = [], [], []
     for _ in range(args.rounds):
         one.append(lanes_seconds(shared, lm, prompt_ids, configs[:1]))
         many.append(lanes_seconds(shared, lm, prompt_ids, configs))
+        forward.append(forward_seconds(lm, prompt_ids, args.lanes) / forward_seconds(lm, prompt_ids, 1))
     ratios = [m / o for m, o in zip(many, one)]
     print(f"{args.tokens} tokens per lane, {args.rounds} interleaved rounds")
     print(f"1 lane : {', '.join(f'{x:.1f}' for x in one)} s (median {statistics.median(one):.1f} s)")
     print(f"{args.lanes} lanes: {', '.join(f'{x:.1f}' for x in many)} s (median {statistics.median(many):.1f} s)")
     print(f"{args.lanes} lanes / 1 lane: {', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x; "
           f"target <= 1.5x)")
+    print(f"forward alone, {args.lanes} rows / 1 row: {', '.join(f'{r:.2f}x' for r in forward)} "
+          f"(median {statistics.median(forward):.2f}x; the floor of the ratio above on this machine)")
     return 0
 
 

@@ -5,9 +5,10 @@ single sequence. So a ``Scheduler`` per loaded model keeps every active run as o
 KV cache and, each tick (continuous batching: runs join and leave at any tick):
 
 1. drops rows whose run was cancelled, timed out or whose consumer went away;
-2. prefills the joiners together (one forward, left-padded like the batch), merges their KV into
-   the batch and hands out their first token at once (runs that arrived meanwhile join the same
-   way, up to ``max_batch``), so a newcomer never waits for the running rows' forward;
+2. prefills the joiners, shortest prompts first, in groups of similar length (one forward per
+   group, left-padded like the batch; ``length_groups``), merges their KV into the batch and hands
+   out each group's first tokens at once (runs that arrived meanwhile join the same way, up to
+   ``max_batch``), so a newcomer never waits for the running rows' forward nor for a long prompt;
 3. runs ONE forward of the next token of every row (left padding, attention mask [B, L], per-row
    position ids; a running sequence is never prefilled again);
 4. steps every row with its own stage chain, pick (its own ``torch.Generator``) and stop rules:
@@ -56,6 +57,7 @@ from .trace import StepTrace
 DEFAULT_MAX_BATCH_CPU = 16
 DEFAULT_MAX_BATCH_GPU = 32
 DEFAULT_MAX_QUEUE = 256
+PAD_SLACK = 2.0  # joiners prefilled together may hold at most this many times their real tokens
 
 
 class SchedulerFull(RuntimeError):
@@ -172,6 +174,22 @@ class _Batch:
             self.mask = self.mask[:, leading:]
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, leading:], layer.values[:, :, leading:]
+
+
+def length_groups(runs: list[_Run], slack: float = PAD_SLACK) -> list[list[_Run]]:
+    """The runs sorted by prompt length (shortest first) and cut into groups prefilled together:
+    a group grows while its padded size (count x longest) stays within ``slack`` x its real tokens."""
+    groups: list[list[_Run]] = []
+    real = 0
+    for run in sorted(runs, key=lambda r: len(r.sequence)):
+        n = len(run.sequence)
+        if groups and n * (len(groups[-1]) + 1) <= slack * (real + n):
+            groups[-1].append(run)
+            real += n
+        else:
+            groups.append([run])
+            real = n
+    return groups
 
 
 def _pad_left(cache: DynamicCache, n: int) -> None:
@@ -307,12 +325,15 @@ class Scheduler:
             self._step(list(self._batch.runs), logits)
 
     def _join(self, joiners: list[_Run]) -> None:
-        """Prefill the joiners (together; branches of stateful chains alone) and step their first token."""
-        prefilled = [self._prefill([run for run in joiners if not run.state.needs_replay])]
-        prefilled += [self._prefill([run], replay=True) for run in joiners if run.state.needs_replay]
-        prefilled = [(runs, logits) for runs, logits in prefilled if runs]
-        if prefilled:
-            self._step([run for runs, _ in prefilled for run in runs], torch.cat([logits for _, logits in prefilled]))
+        """Prefill the joiners and step their first token, shortest prompts first, in groups of
+        similar length (``length_groups``: one long prompt neither pads the short ones to its length
+        nor holds back their first token); branches of stateful chains alone, with their replay."""
+        groups = length_groups([run for run in joiners if not run.state.needs_replay])
+        groups += [[run] for run in joiners if run.state.needs_replay]
+        for group in groups:
+            runs, logits = self._prefill(group, replay=group[0].state.needs_replay)
+            if runs:
+                self._step(runs, logits)
 
     def _take_waiting(self) -> list[_Run]:
         """Runs that arrived while the last joiners were prefilled, as many as there are free rows."""

@@ -328,3 +328,17 @@ def test_batched_runs_equal_solo_runs_embedded(embedded):
         assert_same_steps(steps, solo, f"run {i}")
         reasons.append(solo[-1].finish_reason)
     assert reasons[5] == "eos" and reasons[6] == "stop_string" and "max_new_tokens" in reasons
+
+
+def test_length_groups_sort_and_bound_the_padding():
+    """Prompts of 3, 40, 3, 4 and 30 tokens: shortest first; a group holds at most 2x its real tokens
+    once padded (3+3+4 padded to 4 is 12 <= 20; adding 30 would be 120 > 2 x 40), so the long
+    prompts neither pad the short ones nor delay their first token."""
+    from types import SimpleNamespace
+
+    from engine.scheduler import length_groups
+
+    runs = [SimpleNamespace(sequence=[0] * n) for n in (3, 40, 3, 4, 30)]
+    groups = length_groups(runs)
+    assert [[len(r.sequence) for r in g] for g in groups] == [[3, 3, 4], [30, 40]]
+    assert length_groups([]) == []
