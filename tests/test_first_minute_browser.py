@@ -57,6 +57,40 @@ def test_generate_on_first_screen_and_ctrl_enter_runs(small_page, live_app, arti
     assert page.locator("#step-status .dp-error").count() == 0
 
 
+def tokens_text(page, selector: str) -> str:
+    return "".join(page.locator(selector).all_inner_texts())
+
+
+def test_first_screens_show_the_example_runs(small_page, live_app):
+    """Before pressing anything: Step through shows the startup example at its most uncertain step
+    (the same text Generate then produces), Beam its tree, Speculative p vs q of the first rejected
+    draft and where the target's token came from."""
+    page = small_page
+    page.goto(live_app)
+    open_step(page)
+    page.wait_for_selector("#step-status:has-text('example run')", timeout=300_000)
+    page.wait_for_selector("#step-chart .js-plotly-plot")
+    assert page.locator("#step-over-run .js-plotly-plot").count() == 1
+    explain = page.locator("#step-explain").inner_text()
+    assert explain.strip() and "Press Generate" not in explain  # the step's explanation, not the empty state
+    example = tokens_text(page, "#step-text .token")
+    assert len(example) > 20
+    page.click("button[role=tab]:has-text('Beam search')")
+    page.wait_for_selector("#beam-status:has-text('example search')", timeout=300_000)
+    page.wait_for_selector("#beam-tree .js-plotly-plot")
+    assert page.locator("#beam-hypotheses tbody tr").count() >= 1
+    page.click("button[role=tab]:has-text('Speculative')")
+    page.wait_for_selector("#spec-status:has-text('example run')", timeout=300_000)
+    page.wait_for_selector("#spec-pq .js-plotly-plot")
+    page.wait_for_selector("#spec-residual .js-plotly-plot")
+    assert "rejected" in page.locator("#spec-explain").inner_text()
+    assert page.locator("#spec-rounds [data-chip][style*='outline']").count() >= 1  # the selected chip
+    page.click("button[role=tab]:has-text('Step through')")
+    page.click("#step-generate")  # the example is what Generate gives with the page untouched
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    assert tokens_text(page, "#step-text .token") == example
+
+
 def test_drag_a_stage_changes_the_chart_panel_order(page, live_app):
     page.goto(live_app)
     open_step(page)
