@@ -199,3 +199,30 @@ def test_generate_then_click_a_chip(page, live_app, artifacts):
     assert page.locator("#spec-position input").input_value().startswith(f"round {r} · pos {pos}")
     assert page.locator("#spec-pq .js-plotly-plot").count() == 1
     page.screenshot(path=str(artifacts / "speculative.png"), full_page=True)
+
+
+def test_special_drafts_get_a_one_line_note_naming_the_rounds():
+    rounds = hand_rounds()
+    assert charts.special_drafts_note(rounds) == "" and "spec-special-note" not in charts.rounds_html(rounds)
+    rounds[1].drafted[0].token = "<|im_start|>"  # what the n-gram drafter copies from a chat prompt
+    note = charts.special_drafts_note(rounds, "ngram")
+    assert note.startswith("Round #1 drafted special tokens (⟪im_start⟫)")
+    assert "n-gram drafter" in note and "chat template" in note and "\n" not in note
+    html = charts.rounds_html(rounds, drafter="ngram")
+    assert html.count('class="spec-special-note"') == 1 and "&lt;|im_start|&gt;" not in html.split("spec-special-note")[1][:400]
+
+
+def test_empty_states_say_what_to_do():
+    from playground.views import speculative as view
+
+    out = view.Outputs(*[f"spec.{f}" for f in view.Outputs.__dataclass_fields__])
+    session = view.SpecSession(hand_rounds())
+    assert view.detail(out, session)[out.explain] == view.PICK_A_TOKEN  # a run, nothing selected
+    assert "click a round's token to see p vs q" in view.EMPTY_EXPLAIN  # before any run
+    assert view.detail(out, view.SpecSession())[out.explain] == ""
+    session.selected = view.default_position(session.rounds)
+    shown = view.detail(out, session)
+    assert shown[out.pq] is not None and shown[out.residual] is not None  # the first rejection, filled at once
+    assert view.selection_note(session).startswith("Showing the first rejected draft")
+    session.selected = (1, 0)
+    assert view.selection_note(session).startswith("Showing the first drafted token")
