@@ -250,3 +250,15 @@ def test_run_stopped_survives_the_trip_back_from_a_zerogpu_worker():
     stop = pickle.loads(pickle.dumps(RunStopped("time_limit", "stopped: past the 5 s time limit")))
     assert isinstance(stop, RunStopped) and stop.reason == "time_limit"
     assert str(stop) == "stopped: past the 5 s time limit"
+
+
+def test_sessions_kept_are_bounded(monkeypatch):
+    """Gradio keeps a copy of the page config per session; DP_SESSIONS bounds how many (LRU)."""
+    from playground.app import launch_kwargs
+
+    monkeypatch.delenv("DP_SESSIONS", raising=False)
+    assert launch_kwargs()["state_session_capacity"] == events.DEFAULT_SESSIONS == 500
+    monkeypatch.setenv("DP_SESSIONS", "60")
+    assert launch_kwargs()["state_session_capacity"] == 60
+    monkeypatch.setenv("DP_SESSIONS", "-3")  # not a positive integer: the default
+    assert launch_kwargs()["state_session_capacity"] == 500
