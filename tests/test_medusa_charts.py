@@ -50,3 +50,21 @@ def test_accept_figure_stacks_heads_and_target():
     target, heads = fig.data
     assert list(target.y) == [1, 1] and list(heads.y) == [1, 3] and list(heads.x) == [4, 5]
     assert fig.layout.shapes[0].y0 == 3.0  # (2 + 4) / 2 tokens per forward
+
+
+def test_tree_figure_draws_the_verified_tree_and_its_accepted_path():
+    """A hand tree: root -> the (accepted) -> dog (accepted); root -> a (rejected); the -> cat
+    (rejected). Leaves one apart depth-first: dog 0, cat -1, a -2; the at -0.5, root at -1.25."""
+    from engine.medusa import TreeNode
+
+    r = hand_round()
+    r.tree = [TreeNode(0, -1, 1, 0, 5, " the", 0.7, "accepted"), TreeNode(1, 0, 2, 1, 8, " dog", 0.21, "accepted"),
+              TreeNode(2, -1, 1, 1, 6, " a", 0.2, "rejected"), TreeNode(3, 0, 2, 0, 7, " cat", 0.28, "rejected")]
+    r.path, r.num_accepted, r.bonus = [0, 1], 2, ExtraToken("bonus", 10, " sat", 0.9, 0.9, [])
+    r.drafted = [draft(0, 5, " the", True), draft(1, 8, " dog", True)]
+    assert charts.tree_layout(r.tree) == [-0.5, 0.0, -2.0, -1.0, -1.25]
+    by_name = {t.name: t for t in charts.round_figure(r, first_token=" on").data}
+    assert list(by_name["accepted"].text) == ["␣the", "␣dog"] and list(by_name["accepted"].x) == [1, 2]
+    assert list(by_name["rejected"].text) == ["␣a", "␣cat"]
+    assert list(by_name["accepted path"].x) == [0, 1, None, 1, 2, None]
+    assert list(by_name["target's bonus token"].x) == [2.5]

@@ -1,6 +1,10 @@
 """Medusa charts: pure functions of MedusaRound records (engine.medusa) -> plotly figures.
 
-``round_figure``: one round's proposals as a small tree. Column 0 is the round's first token (the
+``round_figure``: a round with a verified ``tree`` is drawn by ``tree_figure``: the nodes by depth
+(column d: head d's candidates placed under their parent), edges parent -> child, each node coloured
+by its status (accepted: on the emitted path, drawn thick; rejected; untested), and the target's own
+token after the path. A round without one (a chain trace from before tree verification) is drawn
+as a chain: column 0 is the round's first token (the
 last committed one); column k holds head k's top candidates (top-1 first, at the top). The chain
 the target verified links each head's top-1; each top-1 is coloured by its fate (accepted,
 rejected, or never tested because an earlier head's was rejected); the target's own token (the
@@ -16,7 +20,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.medusa import MedusaRound
+from engine.medusa import MedusaRound, TreeNode
 
 from .step import readable
 
@@ -49,6 +53,8 @@ def target_token(medusa_round: MedusaRound) -> tuple[int, str, str] | None:
 def round_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
     """One round as a tree (see the module docstring). ``first_token``: the text of the token fed
     first (the last committed one), for the root label."""
+    if medusa_round.tree:
+        return tree_figure(medusa_round, first_token)
     fig = go.Figure()
     fate = fates(medusa_round)
     accepted = medusa_round.num_accepted
@@ -82,7 +88,8 @@ def round_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
     if extra is not None:
         x = accepted + 0.5
         fig.add_trace(go.Scatter(x=[x], y=[0.6], mode="markers+text", marker=dict(size=16, color=FATES["target"], symbol="diamond"),
-                                 text=[readable(extra[1])], textposition="top center", name=f"target's {extra[2]} token",
+                                 text=[readable(extra[1])], textposition="top center",
+                                 name=f"target's {extra[2]} token",
                                  hovertext=[f"{extra[2]} token from the target: {html.escape(readable(extra[1]))}"], hoverinfo="text"))
     width = max(1, len(medusa_round.proposals))
     fig.update_layout(
@@ -92,6 +99,76 @@ def round_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
     fig.update_xaxes(tickvals=list(range(width + 1)), ticktext=["fed"] + [f"head {k}" for k in range(1, width + 1)],
                      range=[-0.5, width + 0.8], showgrid=False)
     fig.update_yaxes(visible=False, range=[-(max((len(p.candidates) for p in medusa_round.proposals), default=1)) - 0.5, 1.3])
+    return fig
+
+
+def tree_layout(tree: Sequence[TreeNode]) -> list[float]:
+    """The y of each node (root: index -1, returned last): leaves one apart in depth-first order,
+    a parent at the mean of its children, so no two edges cross. Tree order puts parents first."""
+    children: dict[int, list[int]] = {}
+    for node in tree:
+        children.setdefault(node.parent, []).append(node.index)
+    y: dict[int, float] = {}
+    next_leaf = [0.0]
+
+    def place(index: int) -> float:
+        kids = children.get(index, [])
+        if kids:
+            y[index] = sum(place(k) for k in kids) / len(kids)
+        else:
+            y[index], next_leaf[0] = -next_leaf[0], next_leaf[0] + 1
+        return y[index]
+
+    place(-1)
+    return [y[n.index] for n in tree] + [y[-1]]
+
+
+def tree_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
+    """The verified tree of one round (see the module docstring)."""
+    tree, path = medusa_round.tree, set(medusa_round.path)
+    *ys, root_y = tree_layout(tree)
+    fig = go.Figure()
+    for on_path in (False, True):
+        xs, yss = [], []
+        for node in tree:
+            if (node.index in path) == on_path:
+                parent_y = root_y if node.parent < 0 else ys[node.parent]
+                xs += [node.depth - 1, node.depth, None]
+                yss += [parent_y, ys[node.index], None]
+        line = dict(color=FATES["accepted"], width=4) if on_path else dict(color="#bbbbbb", width=1.5)
+        fig.add_trace(go.Scatter(x=xs, y=yss, mode="lines", hoverinfo="skip", line=line,
+                                 name="accepted path" if on_path else "tree edges"))
+    for status in ("accepted", "rejected", "untested"):
+        nodes = [n for n in tree if n.status == status]
+        if nodes:
+            fig.add_trace(go.Scatter(
+                x=[n.depth for n in nodes], y=[ys[n.index] for n in nodes], mode="markers+text",
+                marker=dict(size=16, color=FATES[status]), text=[readable(n.token) for n in nodes],
+                textposition="middle right", name=status,
+                hovertext=[f"head {n.depth} candidate {n.rank + 1}: <b>{html.escape(readable(n.token))}</b>, "
+                           f"path score {n.score:.3f}, {status}" for n in nodes], hoverinfo="text"))
+    fig.add_trace(go.Scatter(x=[0], y=[root_y], mode="markers+text",
+                             marker=dict(size=16, color="#222222", symbol="square"),
+                             text=[readable(first_token) if first_token else "fed"], textposition="top center",
+                             name="first token fed", hoverinfo="skip"))
+    extra = target_token(medusa_round)
+    if extra is not None:
+        last_y = ys[medusa_round.path[-1]] if medusa_round.path else root_y
+        fig.add_trace(go.Scatter(x=[len(medusa_round.path) + 0.5], y=[last_y + 0.5], mode="markers+text",
+                                 marker=dict(size=16, color=FATES["target"], symbol="diamond"),
+                                 text=[readable(extra[1])], textposition="top center",
+                                 name=f"target's {extra[2]} token",
+                                 hovertext=[f"{extra[2]} token from the target: {html.escape(readable(extra[1]))}"],
+                                 hoverinfo="text"))
+    depth = max((n.depth for n in tree), default=0)
+    fig.update_layout(
+        title=f"Round {medusa_round.index}: {len(path)} of {len(tree)} tree nodes accepted (one path), "
+              f"{len(medusa_round.emitted_token_ids)} emitted for one target forward",
+        height=max(340, 28 * (1 + int(-min(ys, default=0)))), margin=dict(l=30, r=30, t=60, b=40),
+        plot_bgcolor="white", legend=dict(orientation="h", y=-0.15))
+    fig.update_xaxes(tickvals=list(range(depth + 1)), ticktext=["fed"] + [f"head {k}" for k in range(1, depth + 1)],
+                     range=[-0.5, depth + 0.9], showgrid=False)
+    fig.update_yaxes(visible=False)
     return fig
 
 
