@@ -107,6 +107,24 @@ def app_user(url: str, tokens: int):
     return user_fn
 
 
+def prefill_seconds(lm, n: int) -> float:
+    """Wall time of one forward over the N users' prompts (left-padded, as the scheduler prefills
+    joiners): when N users arrive at once, none can see a first token before this, so it is the
+    floor of p95 time to first token on this machine."""
+    import torch
+    from transformers import DynamicCache
+
+    prompts = [lm.encode(prompt_for(i)) for i in range(n)]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        lm.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                 past_key_values=DynamicCache(config=lm.model.config), use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
 def report(rows: list[tuple[int, list[UserResult], float, float | None]]) -> None:
     base = None
     print(f"\n{'users':>5} {'tokens':>7} {'wall s':>7} {'agg tok/s':>10} {'vs 1':>6} "
@@ -161,6 +179,9 @@ def main() -> None:
                 rows_stepped = after["mean_batch"] * after["ticks"] - before["mean_batch"] * before["ticks"]
                 rows.append((n, results, wall, rows_stepped / ticks if ticks else None))
     report(rows)
+    if not args.app:
+        floors = ", ".join(f"{n} users {prefill_seconds(lm, n):.2f} s" for n in args.users)
+        print(f"prefill of every user's prompt in one forward (the floor of p95 ttft when all arrive at once): {floors}")
 
 
 if __name__ == "__main__":
