@@ -310,19 +310,24 @@ class Scheduler:
 
     def _tick(self, joiners: list[_Run]) -> None:
         """Drop stopped rows; prefill the joiners and hand out their first token (runs that arrived
-        meanwhile join too, up to ``max_batch``); then one batched forward of every row and each
-        row's step. Joiners go first so a newcomer's first token never waits for a forward and
-        capture of the rows already running."""
+        meanwhile join too, up to ``max_batch``); then one batched forward of every row, the runs
+        that arrived during it, and each row's step. Joiners go first so a newcomer's first token
+        never waits for both a forward and a capture of the rows already running."""
         self._drop([i for i, run in enumerate(self._batch.runs) if not self._still_wanted(run)])
         while joiners:
             self._join([run for run in joiners if self._still_wanted(run)])
             joiners = self._take_waiting()
         if self._batch.runs:
-            logits = self._batch.forward(self._batch.runs[0].lm.model)  # [B, V]
+            running = list(self._batch.runs)
+            logits = self._batch.forward(running[0].lm.model)  # [B, V]
             with self._lock:
                 self._ticks += 1
-                self._rows_stepped += len(self._batch.runs)
-            self._step(list(self._batch.runs), logits)
+                self._rows_stepped += len(running)
+            # Runs that arrived during the forward get their first token before the rows' capture,
+            # so a newcomer waits at most one forward or one capture, not both.
+            for late in iter(self._take_waiting, []):
+                self._join([run for run in late if self._still_wanted(run)])
+            self._step(running, logits)
 
     def _join(self, joiners: list[_Run]) -> None:
         """Prefill the joiners and step their first token, shortest prompts first, in groups of

@@ -342,3 +342,42 @@ def test_length_groups_sort_and_bound_the_padding():
     groups = length_groups(runs)
     assert [[len(r.sequence) for r in g] for g in groups] == [[3, 3, 4], [30, 40]]
     assert length_groups([]) == []
+
+
+def test_run_arriving_during_a_forward_gets_its_first_token_before_the_rows_step(tiny_lm):
+    """Ticks driven by hand (no worker): run b arrives while a is running; the next tick's forward
+    steps a, then b is prefilled and gets its first token before a's step goes out. Both still
+    equal their solo runs."""
+    import torch
+
+    from engine.scheduler import _Run
+
+    order = []
+
+    class Out(list):
+        """A run's stream that records, across runs, the order in which steps went out."""
+
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def put(self, item):
+            order.append((self.name, item.index))
+            self.append(item)
+
+    jobs = {"a": (tiny_lm.encode("Once upon a time"), DecodingConfig(strategy="sample", seed=3, max_new_tokens=6)),
+            "b": (tiny_lm.encode("The quick brown fox jumps"), DecodingConfig(strategy="greedy", max_new_tokens=5))}
+    runs = {}
+    for name, (ids, config) in jobs.items():
+        runs[name] = _Run(tiny_lm, ids, config, (), None, None)
+        runs[name].out = Out(name)
+    scheduler = Scheduler(tiny_lm, max_batch=4)
+    with torch.inference_mode():
+        scheduler._tick([runs["a"]])  # a: prefill -> step 0; forward -> step 1
+        scheduler._waiting.append(runs["b"])
+        scheduler._tick([])
+        assert order == [("a", 0), ("a", 1), ("b", 0), ("a", 2)]
+        while scheduler._batch.runs:
+            scheduler._tick([])
+    for name, (ids, config) in jobs.items():
+        assert_same_steps(list(runs[name].out), list(decode.stream(tiny_lm, ids, config)), name)
