@@ -52,12 +52,23 @@ footer { display: none !important; }
 .dp-present-label { font-size: 1.1rem; color: #555; }
 .dp-qr img { max-width: 100%; height: auto; }
 .dp-qr figcaption { overflow-wrap: anywhere; font-size: .8rem; }
+/* A plot's label sits above the figure, not floating over its title and legend. */
+.block:has(> div .js-plotly-plot) > label[data-testid=block-label].float:not(.sr-only),
+.block:has(.js-plotly-plot) > label[data-testid=block-label].float:not(.sr-only) { position: static !important; margin: 0 0 4px 0; }
 @media (max-width: 600px) {
   .gradio-container { padding-left: 4px !important; padding-right: 4px !important; min-width: 0 !important; }
   .gradio-container .row { flex-wrap: wrap !important; }
   .gradio-container .column { min-width: 0 !important; flex-basis: 100% !important; }
   .js-plotly-plot, .plot-container { max-width: 100% !important; overflow-x: auto; }
   .dp-present-text { font-size: 1.3rem; }
+  #present-top { flex-wrap: nowrap !important; }
+  #present-qr .dp-qr img { width: 72px; height: 72px; }
+  #present-qr .dp-qr figcaption { display: none; }
+  #present-controls { gap: 4px !important; }
+  #present-controls > * { min-width: 0 !important; flex: 1 1 30% !important; }
+  #present-controls button { font-size: .9rem; padding: 4px 6px; min-height: 0; }
+  #present-guess { padding: 4px !important; }
+  #present-guess .label-text { font-size: .85rem; }
 }
 """ + page_js.CSS
 

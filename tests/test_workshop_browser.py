@@ -51,7 +51,7 @@ def test_presenter_guess_reveal_and_qr(browser, live_app, artifacts):
     page.goto(f"{live_app}/?lesson=temperature&present=1")
     page.wait_for_selector("#presenter:visible")
     page.wait_for_selector("#present-qr img[alt='QR code of the share link']")
-    page.click("#lessons-run")
+    page.click("#present-run")  # the presenter overlay covers the tab's own Run button
     page.wait_for_selector("#present-chart .gtitle", timeout=300_000)
     size = page.evaluate("() => parseFloat(getComputedStyle(document.querySelector('#present-chart .ytick text')).fontSize)")
     assert size >= 18
@@ -71,7 +71,7 @@ def test_phone_width_has_no_horizontal_scroll(browser, live_app, artifacts):
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
     page = context.new_page()
     page.set_default_timeout(60_000)
-    for query, name in (("", "lessons"), ("?present=1", "presenter")):
+    for query, name in (("?present=1", "presenter"), ("", "lessons")):  # Lessons last: the overlay covers the tabs
         page.goto(f"{live_app}/{query}")
         page.wait_for_selector("#lessons-pick")
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 390, name

@@ -32,6 +32,7 @@ ENTROPY, SURPRISAL = "#4c78a8", "#a35d00"
 PANELS_PER_ROW = 3
 FONT = 14  # px, the smallest chart text
 TITLE_WRAP = 14  # characters per subplot title line: titles wrap instead of overlapping at 390 px
+SUP_WRAP = 18  # characters of the smaller "kept 56 tokens · −9.9%" line under it (else two lines)
 SURPRISAL_CAP = 5.0  # nats: surprisal colouring saturates here (p ≈ 0.7%)
 GAP = "⋯"  # the empty row between a panel's top-N and the chosen token drawn outside it
 
@@ -78,8 +79,14 @@ def stage_title(stage: StageTrace) -> str:
     """Name and parameters (wrapped to short lines), then what the stage kept and removed."""
     name = STAGE_TITLES.get(stage.name, stage.name)
     params = _params(stage)
-    removed = f" · −{stage.mass_removed:.1%}" if stage.mass_removed > 0 else ""
-    return f"{_wrap(name + (f' {params}' if params else ''))}<br><sup>kept {tokens_word(stage.kept)}{removed}</sup>"
+    kept = f"kept {tokens_word(stage.kept)}"
+    removed = f"−{stage.mass_removed:.1%}" if stage.mass_removed > 0 else ""
+    # One line when it fits a phone's panel, else the removed mass on a line of its own.
+    if not removed or len(kept) + len(removed) + 3 > SUP_WRAP:
+        note = f"<sup>{kept}</sup>" + (f"<br><sup>{removed}</sup>" if removed else "")
+    else:
+        note = f"<sup>{kept} · {removed}</sup>"
+    return f"{_wrap(name + (f' {params}' if params else ''))}<br>{note}"
 
 
 def _hover(stage: StageTrace) -> str:

@@ -72,7 +72,9 @@ def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.
     fig.update_layout(font=dict(size=font), title_font_size=font + 4, legend_font_size=font - 2,
                       height=None, autosize=True, meta={"narrow": narrow, "columns": columns},
                       margin=dict(l=10, r=20, t=110 + 40 * min(rows, 2), b=70))
-    fig.update_layout(title=dict(y=1, yanchor="top", pad=dict(t=8)))
+    if narrow:  # a phone's height goes to the bars: no legend (the Step through view has it), less margin
+        fig.update_layout(showlegend=False, margin=dict(l=4, r=8, t=100, b=10))
+    fig.update_layout(title=dict(y=1, yanchor="top", pad=dict(t=24)))  # a smaller pad clips the first line
     fig.update_yaxes(tickfont=dict(size=font))
     fig.update_xaxes(tickfont=dict(size=font - 4))
     fig.update_annotations(font_size=font)

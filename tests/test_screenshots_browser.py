@@ -1,0 +1,144 @@
+"""Every view in a real browser at 1280x720 and 390x844 (one app, one page, one short run per
+strategy on the embedded model): at phone width the page never scrolls sideways and no two chart
+titles overlap; the screenshots go to docs/<view>.png and docs/<view>-phone.png (the README's)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import open_tab
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+DESKTOP, PHONE = {"width": 1280, "height": 720}, {"width": 390, "height": 844}
+RUN_TIMEOUT = 300_000
+
+# Bounding boxes of every chart's title texts (figure title, subplot titles, annotations, and the
+# component's label over it) on the shown tab, and the pairs of one chart that intersect by more
+# than 2 px each way.
+OVERLAPS_JS = """
+() => {
+  const out = [];
+  for (const plot of document.querySelectorAll('.js-plotly-plot')) {
+    if (!plot.getClientRects().length) continue;
+    const label = plot.closest('.block')?.querySelector(':scope > [data-testid=block-label]:not(.sr-only):not(.hide)');
+    const boxes = [...plot.querySelectorAll('.gtitle, .annotation-text'), ...(label ? [label] : [])]
+      .map(el => [el.textContent.trim(), el.getBoundingClientRect()]).filter(([, r]) => r.width > 0);
+    for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+      const [a, r] = boxes[i], [b, s] = boxes[j];
+      const dx = Math.min(r.right, s.right) - Math.max(r.left, s.left);
+      const dy = Math.min(r.bottom, s.bottom) - Math.max(r.top, s.top);
+      if (dx > 2 && dy > 2) out.push(`${plot.parentElement.closest('[id]')?.id}: "${a}" / "${b}"`);
+    }
+  }
+  return out;
+}
+"""
+def set_number(page, selector: str, value: str) -> None:
+    page.fill(selector, value)
+    page.locator(selector).press("Enter")
+
+
+def run_step(page):
+    set_number(page, "#step-knob-max_new_tokens input[type=number]", "4")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=RUN_TIMEOUT)
+    page.locator("#step-text .token").nth(1).click()
+    page.wait_for_function("() => document.querySelector('#step-chart .gtitle')?.textContent.startsWith('step 1:')")
+
+
+def run_beam(page):
+    page.fill("#beam-prompt textarea", "The capital of France is")
+    set_number(page, "#beam-knob-max_new_tokens input[type=number]", "4")
+    page.click("#beam-run")
+    page.wait_for_selector("#beam-status:has-text('done')", timeout=RUN_TIMEOUT)
+    page.wait_for_selector("#beam-tree .js-plotly-plot")
+
+
+def run_speculative(page):
+    set_number(page, "#spec-knob-max_new_tokens input[type=number]", "8")
+    page.click("#spec-generate")
+    page.wait_for_selector("#spec-status:has-text('done')", timeout=RUN_TIMEOUT)
+    page.wait_for_selector("#spec-pq .js-plotly-plot")
+
+
+def run_compare(page):
+    boxes = page.locator(".cmp-lane:visible [id$='knob-max_new_tokens'] input")
+    for i in range(boxes.count()):
+        boxes.nth(i).fill("4")
+        boxes.nth(i).press("Enter")
+    page.click("#cmp-run")
+    page.wait_for_selector("#cmp-status:has-text('done')", timeout=RUN_TIMEOUT)
+    page.wait_for_selector("#cmp-entropy .js-plotly-plot")
+
+
+def run_mcts(page):
+    page.fill("#mcts-prompt textarea", "The capital of France is")
+    set_number(page, "#mcts-knob-max_new_tokens input[type=number]", "2")
+    set_number(page, "#mcts-knob-mcts_simulations input[type=number]", "4")
+    page.click("#mcts-run")
+    page.wait_for_selector("#mcts-status:has-text('done')", timeout=RUN_TIMEOUT)
+    page.wait_for_selector("#mcts-tree .js-plotly-plot")
+
+
+# (docs name, tab title, the run that fills it or None, what the screenshot scrolls to the top):
+# every tab of the page, in its order.
+VIEWS = (
+    ("lessons", "Lessons", None, "#dp-tabs"),
+    ("step-through", "Step through", run_step, "#step-text"),
+    ("compare", "Compare", run_compare, "#cmp-status"),
+    ("beam", "Beam search", run_beam, "#beam-status"),
+    ("speculative", "Speculative", run_speculative, "#spec-status"),
+    ("mcts", "Search & heads", run_mcts, "#mcts-status"),
+    ("quantization", "Quantization & KV cache", None, "#dp-tabs"),
+    ("presets", "Presets", None, "#dp-tabs"),
+)
+
+
+def check_phone_page(page, name: str) -> None:
+    """No sideways page scroll and no overlapping chart titles at the current (phone) width."""
+    width = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert width[0] <= width[1], f"{name}: the page is {width[0]} px wide in a {width[1]} px window"
+    assert page.evaluate(OVERLAPS_JS) == [], name
+
+
+def shoot(page, anchor: str, path: Path) -> None:
+    """The viewport with ``anchor`` (the view's result) scrolled to its top."""
+    page.wait_for_timeout(400)  # plotly relays out on the resize / tab switch
+    page.evaluate("(sel) => document.querySelector(sel)?.scrollIntoView({block: 'start'})", anchor)
+    page.screenshot(path=str(path))
+
+
+def test_every_view_at_desktop_and_phone_width(browser, live_app):
+    context = browser.new_context(viewport=DESKTOP)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{live_app}/?lesson=temperature")
+    page.wait_for_selector("#lessons-pick")
+    for name, title, run, anchor in VIEWS:
+        page.set_viewport_size(DESKTOP)  # the tabs all show at desktop width (a phone folds them into ⋯)
+        open_tab(page, title)
+        if run is not None:
+            run(page)
+        shoot(page, anchor, DOCS / f"{name}.png")
+        page.set_viewport_size(PHONE)  # the same page and results, relaid out
+        shoot(page, anchor, DOCS / f"{name}-phone.png")  # first, so a failure can be looked at
+        check_phone_page(page, name)
+    context.close()
+
+
+def test_presenter_at_desktop_and_phone_width(browser, live_app):
+    context = browser.new_context(viewport=DESKTOP)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{live_app}/?lesson=truncation&present=1")  # its first run: top-k 40, sampled (4 panels)
+    page.click("#present-run")
+    page.wait_for_selector("#present-text .dp-present-label:has-text('Step ')", timeout=RUN_TIMEOUT)
+    page.wait_for_selector("#present-chart .gtitle")
+    page.screenshot(path=str(DOCS / "presenter.png"))
+    page.set_viewport_size(PHONE)
+    page.wait_for_function("() => document.querySelector('#present-chart .js-plotly-plot')?.layout?.meta?.narrow === true")
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(DOCS / "presenter-phone.png"))
+    check_phone_page(page, "presenter")
+    context.close()
