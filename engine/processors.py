@@ -745,10 +745,11 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
     stage there, with one ``.tolist()`` per statistic; stages shareable across rows run once per
     group of equal params. A row whose stage raises gets that exception and drops out."""
     logits = logits.float()
-    rows: list[torch.Tensor | None] = [logits[b:b + 1] for b in range(len(chains))]  # [1, V] each
+    every = list(range(len(chains)))
+    rows: list[torch.Tensor] = [logits[b:b + 1] for b in every]  # [1, V] each: row b's logits so far
     recorder = _RowsRecorder(list(top_n), token_text)
-    traces: list[list[StageTrace]] = [[t] for t in recorder.record(list(range(len(chains))), logits, ["raw"] * len(chains), [{}] * len(chains))]
-    raw_probs = recorder.probs_of(list(range(len(chains))))
+    traces = [[t] for t in recorder.record(every, logits, ["raw"] * len(every), [{}] * len(every))]
+    raw_probs = recorder.probs_of(every)
     errors: dict[int, Exception] = {}
     for j in range(max((len(c.stages) for c in chains), default=0)):
         active = [b for b, c in enumerate(chains) if j < len(c.stages) and b not in errors]
@@ -757,7 +758,8 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
         if active:
             stages = [chains[b].stages[j] for b in active]
             stacked = torch.cat([rows[b] for b in active])  # [R, V]
-            for b, trace in zip(active, recorder.record(active, stacked, [s.name for s in stages], [s.params for s in stages])):
+            records = recorder.record(active, stacked, [s.name for s in stages], [s.params for s in stages])
+            for b, trace in zip(active, records):
                 traces[b].append(trace)
     out: list[Traced | Exception] = []
     for b in range(len(chains)):
