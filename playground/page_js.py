@@ -101,17 +101,22 @@ _JS = r"""
     commit(ol);
   });
 
-  // A slider's number box: an out-of-range value is refused with the typed value named.
+  // A slider's number box: an out-of-range value is refused with the typed value named, and the box
+  // goes back to its last in-range value before Gradio sees the change (Gradio would clamp it: T 999
+  // would run as 5 without a word). The last value is noted when the box takes the focus.
+  const knobBox = t => t && t.tagName === 'INPUT' && t.type === 'number' && t.closest('.dp-knob-slider');
+  document.addEventListener('focusin', e => { if (knobBox(e.target)) e.target.dataset.dpLast = e.target.value; }, true);
   document.addEventListener('change', e => {
     const t = e.target;
-    if (!(t.tagName === 'INPUT' && t.type === 'number' && t.closest('.dp-knob-slider'))) return;
+    if (!knobBox(t)) return;
     const v = Number(t.value), lo = Number(t.min), hi = Number(t.max);
     const holder = t.closest('.dp-knob-slider');
     let note = holder.querySelector('.dp-refused');
     if (t.value !== '' && (v < lo || v > hi)) {
       if (!note) { note = document.createElement('div'); note.className = 'dp-refused dp-error'; note.setAttribute('role', 'alert'); holder.appendChild(note); }
       const name = (holder.id || '').replace(/^.*knob-/, '');
-      note.textContent = `⚠ ${name}: ${t.value} is out of range [${t.min}, ${t.max}]; not applied, the value stays as it was`;
+      note.textContent = `⚠ ${name}: ${t.value} is out of range [${t.min}, ${t.max}]; not applied, the value stays ${t.dataset.dpLast ?? 'as it was'}`;
+      if (t.dataset.dpLast !== undefined && t.dataset.dpLast !== '') setValue(t, t.dataset.dpLast);
     } else if (note) { note.remove(); }
   }, true);
 })();

@@ -1,7 +1,8 @@
 """The presenter view in a real browser (embedded model, one lesson run): at 1280x720 the step's
 chart fills the screen below the controls, ←/→ step through the tokens and redraw the chart, Esc
 leaves; resized to a phone (390x844) the chart is redrawn two panels a row within the page width.
-And Step through's keyboard: Enter on a focused token chip opens that step."""
+Step through's keyboard: Enter on a focused token chip opens that step. Out-of-range values typed
+into slider boxes are refused, each named with its typed value."""
 
 import json
 
@@ -82,3 +83,26 @@ def test_enter_on_a_focused_token_chip_opens_its_step(page, live_app):
     page.wait_for_function(f"() => ({title})().startsWith('step 2:')")
     page.keyboard.press("ArrowRight")  # the focus moved with the selection: the next token
     page.wait_for_function(f"() => ({title})().startsWith('step 3:')")
+
+
+def test_out_of_range_slider_values_are_refused_each_named_with_its_typed_value(page, live_app):
+    """Issue #19 "Inputs silently changed": T 999, max_new_tokens 100000 and top-p -1 typed into
+    the sliders' boxes. Each box shows its own refusal naming the knob and the typed value, and
+    goes back to its previous value (Gradio's slider would clamp T to 5 and max_new_tokens to 1024)."""
+    page.goto(live_app)
+    open_tab(page, "Step through")
+    typed = {"temperature": "999", "max_new_tokens": "100000", "top_p": "-1"}
+    before = {}
+    for name, value in typed.items():
+        box = page.locator(f"#step-knob-{name} input[type=number]")
+        before[name] = box.input_value()
+        box.fill(value)
+        box.press("Enter")
+    for name, value in typed.items():
+        note = page.locator(f"#step-knob-{name} .dp-refused")
+        note.wait_for()
+        assert f"{name}: {value} is out of range" in note.inner_text()
+    page.wait_for_timeout(500)
+    shown = {name: page.locator(f"#step-knob-{name} input[type=number]").input_value() for name in typed}
+    assert shown == before, f"typed {typed}: the boxes went from {before} to {shown}"
+    assert page.locator(".dp-refused").count() == 3  # every invalid knob at once, not only the first

@@ -81,17 +81,17 @@ def run_mcts(page):
     page.wait_for_selector("#mcts-tree .js-plotly-plot")
 
 
-# (docs name, tab title, the run that fills it or None, what the screenshot scrolls to the top):
-# every tab of the page, in its order.
+# (docs name, tab title, the run that fills it or None, what the desktop and the phone screenshots
+# scroll to the top: a phone stacks the knobs above the results): every tab of the page, in order.
 VIEWS = (
-    ("lessons", "Lessons", None, "#dp-tabs"),
-    ("step-through", "Step through", run_step, "#step-text"),
-    ("compare", "Compare", run_compare, "#cmp-status"),
-    ("beam", "Beam search", run_beam, "#beam-status"),
-    ("speculative", "Speculative", run_speculative, "#spec-status"),
-    ("mcts", "Search & heads", run_mcts, "#mcts-status"),
-    ("quantization", "Quantization & KV cache", None, "#dp-tabs"),
-    ("presets", "Presets", None, "#dp-tabs"),
+    ("lessons", "Lessons", None, "#dp-tabs", "#dp-tabs"),
+    ("step-through", "Step through", run_step, "#step-text", "#step-chart"),
+    ("compare", "Compare", run_compare, "#cmp-status", "#cmp-status"),
+    ("beam", "Beam search", run_beam, "#beam-status", "#beam-tree"),
+    ("speculative", "Speculative", run_speculative, "#spec-status", "#spec-rounds"),
+    ("mcts", "Search & heads", run_mcts, "#mcts-status", "#mcts-tree"),
+    ("quantization", "Quantization & KV cache", None, "#dp-tabs", "#dp-tabs"),
+    ("presets", "Presets", None, "#dp-tabs", "#dp-tabs"),
 )
 
 
@@ -115,14 +115,14 @@ def test_every_view_at_desktop_and_phone_width(browser, live_app):
     page.set_default_timeout(60_000)
     page.goto(f"{live_app}/?lesson=temperature")
     page.wait_for_selector("#lessons-pick")
-    for name, title, run, anchor in VIEWS:
+    for name, title, run, anchor, phone_anchor in VIEWS:
         page.set_viewport_size(DESKTOP)  # the tabs all show at desktop width (a phone folds them into ⋯)
         open_tab(page, title)
         if run is not None:
             run(page)
         shoot(page, anchor, DOCS / f"{name}.png")
         page.set_viewport_size(PHONE)  # the same page and results, relaid out
-        shoot(page, anchor, DOCS / f"{name}-phone.png")  # first, so a failure can be looked at
+        shoot(page, phone_anchor, DOCS / f"{name}-phone.png")  # first, so a failure can be looked at
         check_phone_page(page, name)
     context.close()
 
