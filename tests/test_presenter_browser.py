@@ -9,9 +9,9 @@ import json
 import pytest
 
 from playground.views.lessons import lesson_token
+from playground.views.presenter import NARROW_PX, panel_columns
 from tests.conftest import open_tab
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 # A lesson of one short sampled run (4 panels: raw, temperature, final, the draw), carried by its link.
 LESSON = {"version": 1, "id": "presenter-test", "title": "Temperature 0.8", "view": "step", "chat": False,
@@ -20,6 +20,13 @@ LESSON = {"version": 1, "id": "presenter-test", "title": "Temperature 0.8", "vie
                      "max_new_tokens": 4},
           "steps": ["Temperature 0.8 sharpens the distribution.", "Step through the four tokens."]}
 CHART_TITLE = "() => document.querySelector('#present-chart .gtitle')?.textContent || ''"
+
+
+def test_panel_columns_one_row_on_a_projector_two_on_a_phone():
+    assert [panel_columns(n, 1280) for n in (2, 3, 4, 5, 6, 8)] == [2, 3, 4, 3, 3, 4]  # rows of at most 4
+    assert [panel_columns(n, None) for n in (2, 4)] == [2, 4]  # width not known yet: laid out wide
+    assert [panel_columns(n, 390) for n in (1, 2, 4, 5)] == [1, 2, 2, 2]
+    assert panel_columns(4, NARROW_PX - 1) == 2 and panel_columns(4, NARROW_PX) == 4
 
 
 def box(page, selector: str) -> dict:
@@ -31,6 +38,8 @@ def wait_for_step(page, index: int) -> None:
     page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step {index}:')")
 
 
+@pytest.mark.slow
+@pytest.mark.browser
 def test_presenter_fills_the_screen_steps_by_keys_and_fits_a_phone(browser, live_app):
     context = browser.new_context(viewport={"width": 1280, "height": 720})
     page = context.new_page()
@@ -69,6 +78,8 @@ def test_presenter_fills_the_screen_steps_by_keys_and_fits_a_phone(browser, live
     context.close()
 
 
+@pytest.mark.slow
+@pytest.mark.browser
 def test_enter_on_a_focused_token_chip_opens_its_step(page, live_app):
     page.goto(live_app)
     open_tab(page, "Step through")
@@ -85,6 +96,8 @@ def test_enter_on_a_focused_token_chip_opens_its_step(page, live_app):
     page.wait_for_function(f"() => ({title})().startsWith('step 3:')")
 
 
+@pytest.mark.slow
+@pytest.mark.browser
 def test_out_of_range_slider_values_are_refused_each_named_with_its_typed_value(page, live_app):
     """Issue #19 "Inputs silently changed": T 999, max_new_tokens 100000 and top-p -1 typed into
     the sliders' boxes. Each box shows its own refusal naming the knob and the typed value, and
