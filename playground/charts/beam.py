@@ -36,11 +36,12 @@ STATUS_NAMES = {  # legend entries: what each marker means
     "finished": "finished hypothesis (diamond)",
     "dropped": "dropped: finished, not among the best",
     "pruned": "pruned candidate (small dot)",
-    "collapsed": "pruned candidates, collapsed (size = how many)",
+    "collapsed": "pruned, collapsed (size = count)",  # short: the legend fits a phone's width
     "root": "prompt",
 }
 WINNER = "#c4421a"
-TREE_TITLE = "Search tree · drag to pan, box-zoom from the toolbar, double-click to reset"
+# Short lines: one long line would be cut off at phone width.
+TREE_TITLE = "Search tree<br><sup>drag to pan, box-zoom from the toolbar,</sup><br><sup>double-click to reset</sup>"
 ROW_PX = 26  # vertical pixels per leaf row
 COLLAPSED_OFFSET = 0.4  # a collapsed-pruned marker sits this far below its parent's row
 

@@ -125,7 +125,8 @@ def tree_figure(position: MctsPosition, show_unvisited: bool = True) -> go.Figur
               f"{html.escape(readable(position.chosen_token))}",
         height=max(320, int(26 * rows) + 140), margin=dict(l=40, r=40, t=60, b=40), plot_bgcolor="white",
         legend=dict(orientation="h", y=-0.08), hoverlabel=dict(align="left"))
-    fig.update_xaxes(title="depth", dtick=1, range=[-0.5, max(p.x for p in laid.values()) + 0.8], showgrid=False)
+    # "depth" goes into the tick labels: an axis title sits where the legend below wraps on a phone.
+    fig.update_xaxes(tickprefix="depth ", dtick=1, range=[-0.5, max(p.x for p in laid.values()) + 0.8], showgrid=False)
     fig.update_yaxes(visible=False, autorange="reversed")
     return fig
 
@@ -148,7 +149,7 @@ def quality_figure(rows: Sequence[tuple[str, float, int]]) -> go.Figure:
         x=names, y=totals, marker_color=[ACCENT if t == best else "#4c78a8" for t in totals],
         text=[f"{t:.2f}" for t in totals], textposition="outside",
         hovertext=[f"{n}: total {t:.3f} over {k} tokens (mean {t / max(k, 1):.3f})" for n, t, k in rows], hoverinfo="text"))
-    fig.update_layout(title="Total log-prob of each output under the raw model (higher is better)",
+    fig.update_layout(title="Total log-prob of each output<br><sup>under the raw model; higher is better</sup>",
                       yaxis_title="sum of raw log-probs", height=360, margin=dict(l=60, r=20, t=60, b=40),
                       plot_bgcolor="white")
     return fig
