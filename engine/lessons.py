@@ -61,6 +61,10 @@ class Lesson:
             out["lanes"] = [p.to_dict() for p in self.runs]
         return out
 
+    def to_file_dict(self) -> dict[str, Any]:
+        """The lesson file's JSON (what ``parse_lesson`` reads back into an equal Lesson)."""
+        return {"version": LESSON_VERSION, **self.to_dict()}
+
 
 @dataclass(frozen=True)
 class Outcome:

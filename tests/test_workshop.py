@@ -12,7 +12,7 @@ import torch
 from engine import explore, runner
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
-from engine.lessons import builtin_lessons
+from engine.lessons import builtin_lessons, parse_lesson
 from engine.scheduler import scheduler_for
 from engine.trace import StageTrace, from_dict
 from playground.views import whatif
@@ -143,6 +143,25 @@ def test_lesson_links_round_trip_and_bad_links_name_the_key():
     for bad in ("no-such-lesson", "l1.!!!", "l1." + "A" * 50, 42):
         with pytest.raises(ValueError, match="^lesson:"):
             view.lesson_from_token(bad)
+
+
+def test_a_shared_lessons_link_and_qr_carry_that_lesson():
+    """A lesson opened from a link has no pasted text: its link and QR code are rebuilt from it
+    (they used to name the built-in lesson the picker showed before, or fail)."""
+    import types
+
+    from playground.views import lessons as view
+
+    data = next(iter(builtin_lessons().values())).to_file_dict() | {"id": "my-own", "title": "Mine"}
+    shared = view.lesson_from_token(view.lesson_token(json.dumps(data)))
+    tab = types.SimpleNamespace(link="link", status="status", presenter=types.SimpleNamespace(qr="qr"))
+    tab.current = lambda session, choice: view.LessonsTab.current(tab, session, choice)
+    out = view.LessonsTab.on_link(tab, "my-own", view.LessonSession(shared), "", "http://room.example/")
+    token = out["link"].split("?lesson=", 1)[1]
+    assert view.lesson_from_token(token) == shared
+    assert "<svg" in out["qr"] or "<img" in out["qr"]
+    for lesson in builtin_lessons().values():  # the file form reads back into the same lesson
+        assert parse_lesson(lesson.to_file_dict()) == lesson
 
 
 def test_pasted_lesson_with_a_bad_key_is_refused_by_name():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -172,7 +173,8 @@ class LessonsTab:
         try:
             lesson = self.current(session, choice)
             builtin = engine_lessons.builtin_lessons().get(lesson.id)
-            value = lesson.id if builtin == lesson else lesson_token(custom)
+            # A shared lesson (opened from a link) has no pasted text: its token is rebuilt from the lesson.
+            value = lesson.id if builtin == lesson else lesson_token(json.dumps(lesson.to_file_dict(), ensure_ascii=False))
         except (LessonError, UserError) as exc:
             return {self.link: "", self.status: error_html(str(exc))}
         query = f"{LESSON_PARAM}={value}"
@@ -202,8 +204,10 @@ class LessonsTab:
         demo.load(None, None, [self.base_url], js="() => window.location.origin + window.location.pathname",
                   api_visibility="private")
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
+        link_io = ([self.pick, self.session, self.custom, self.base_url], [self.link, self.presenter.qr, self.status])
+        # The link and QR code follow the lesson the page opened with (a shared one has no pasted text).
         demo.load(self.on_query, None, [self.session, self.pick, self.steps, self.present, self.status],
-                  api_visibility="private")
+                  api_visibility="private").then(self.on_link, *link_io, api_visibility="private", queue=False)
         handles = {v.name: v for v in views if isinstance(v, PanelView)}
         targets = [tabs, self.status]
         for view in handles.values():
