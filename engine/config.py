@@ -178,7 +178,9 @@ _KNOB_LIST = [
     Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0, doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
     Knob("mcts_expand_k", "int", 4, 1, 16, doc="MCTS: children per expanded node (the top-k of its processed prior).", step=1),
     Knob("mcts_rollout_tokens", "int", 4, 0, 16, doc="MCTS: greedy rollout length scoring a new leaf (mean raw log-prob of path + rollout; 0 = the path alone).", step=1),
-    Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose top-1 tokens are verified per forward.", step=1),
+    Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose candidates are verified per forward (the tree's depth).", step=1),
+    Knob("medusa_tree_width", "int", 3, 1, 8, doc="Medusa: candidates per head in the verified tree (1 = the chain of each head's top-1).", step=1),
+    Knob("medusa_tree_nodes", "int", 6, 1, 64, doc="Medusa: tree nodes verified in one forward (the best paths by product of head probabilities).", step=1),
     # --- KV cache
     Knob("kv_cache", "str", "dynamic", doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
     Knob("kv_residual_length", "int", 32, 1, 1024, doc="Quantized KV cache: the most recent positions kept unquantized (flushed when full).", step=1),
@@ -396,6 +398,8 @@ class DecodingConfig:
     mcts_expand_k: int = 4
     mcts_rollout_tokens: int = 4
     medusa_heads: int = 3
+    medusa_tree_width: int = 3
+    medusa_tree_nodes: int = 6
     kv_cache: str = "dynamic"
     kv_residual_length: int = 32
     stage_order: tuple[str, ...] = field(default=DEFAULT_STAGE_ORDER)

@@ -180,6 +180,14 @@ CHAIN = TreeShape(width=1, nodes=4)  # each head's top-1, one after another
 TREE = TreeShape(width=3, nodes=6)
 
 
+def shape_of(config: DecodingConfig) -> TreeShape:
+    """The tree the config asks for (knobs ``medusa_tree_width`` / ``medusa_tree_nodes``; defaults: TREE).
+    Width 1 is the chain of top-1s, at most one node per head."""
+    if config.medusa_tree_width == 1:
+        return TreeShape(width=1, nodes=min(config.medusa_tree_nodes, config.medusa_heads))
+    return TreeShape(width=config.medusa_tree_width, nodes=config.medusa_tree_nodes)
+
+
 @dataclass
 class MedusaRound(SpecRound):
     """A speculative round whose drafts came from the heads. ``drafted[d]`` is the test at depth
@@ -405,10 +413,11 @@ class _MedusaVerifier(speculative._Verifier):
 
 
 def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
-           control: RunControl | None = None, shape: TreeShape = TREE) -> Iterator[MedusaRound]:
-    """Yield MedusaRounds until EOS, a stop string or max_new_tokens (``control`` checked per forward)."""
+           control: RunControl | None = None, shape: TreeShape | None = None) -> Iterator[MedusaRound]:
+    """Yield MedusaRounds until EOS, a stop string or max_new_tokens (``control`` checked per forward).
+    ``shape``: default the config's tree (``shape_of``)."""
     check_prompt(prompt_ids)
-    verifier = _MedusaVerifier(lm, prompt_ids, config, heads, shape)
+    verifier = _MedusaVerifier(lm, prompt_ids, config, heads, shape if shape is not None else shape_of(config))
     index = 0
     while True:
         check(control)
@@ -443,12 +452,13 @@ def head_acceptance(collected: Sequence[SpecRound]) -> list[float]:
 
 def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
            control: RunControl | None = None, heads: MedusaHeads | None = None,
-           compare_baseline: bool = False, shape: TreeShape = TREE) -> Iterator[Event]:
+           compare_baseline: bool = False, shape: TreeShape | None = None) -> Iterator[Event]:
     """One Event per round (steps: its tokens; record: the MedusaRound); the last holds the Trace.
     ``heads``: default the trained heads of ``lm`` (engine/assets); ``shape``: the verified tree
-    (``CHAIN`` for each head's top-1). ``compare_baseline`` also times target-only decoding of the
+    (``CHAIN`` for each head's top-1; default: the config's ``medusa_tree_*`` knobs). ``compare_baseline`` also times target-only decoding of the
     same knobs in this process (summary ``speedup``)."""
     heads = heads if heads is not None else load_heads(lm)
+    shape = shape if shape is not None else shape_of(config)
     collected = []
     for medusa_round in rounds(lm, prompt_ids, config, heads, control, shape):
         collected.append(medusa_round)
@@ -461,7 +471,7 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
 
 def run(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int] | None, config: DecodingConfig, *, chat: bool = False,
         control: RunControl | None = None, heads: MedusaHeads | None = None, compare_baseline: bool = False,
-        shape: TreeShape = TREE) -> Trace:
+        shape: TreeShape | None = None) -> Trace:
     """``stream`` collected: the whole Trace."""
     ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
     for event in stream(lm, prompt, ids, config, chat=chat, control=control, heads=heads,

@@ -15,7 +15,7 @@ from conftest import make_tiny_llama
 from engine import decode, medusa
 from engine.config import ConfigError, DecodingConfig
 from engine.medusa import (CHAIN, TREE, HeadProposal, MedusaHeads, TreeShape, build_tree, head_logits, load_heads,
-                           save_heads)
+                           rounds_of, run, save_heads)
 from engine.trace import TokenProb, Trace
 from test_speculative import chi_square_p, exact_two_token_joint, wrap
 
@@ -230,6 +230,27 @@ def test_heads_file_round_trip_and_checksum(tiny_lm, tmp_path):
 def test_medusa_heads_knob_is_validated():
     with pytest.raises(ConfigError, match="medusa_heads: 5 is out of range"):
         DecodingConfig(strategy="medusa", medusa_heads=5)
+    with pytest.raises(ConfigError, match="medusa_tree_width: 9 is out of range"):
+        DecodingConfig(strategy="medusa", medusa_tree_width=9)
+    with pytest.raises(ConfigError, match="medusa_tree_nodes: 0 is out of range"):
+        DecodingConfig(strategy="medusa", medusa_tree_nodes=0)
+
+
+def test_the_tree_knobs_choose_the_verified_tree(tiny_lm):
+    """``medusa_tree_width`` / ``medusa_tree_nodes`` reach the verifier: the rounds' trees have that
+    shape (width 1: the chain, one node per head), and the defaults are the engine's TREE."""
+    from engine.medusa import shape_of
+
+    assert shape_of(DecodingConfig(strategy="medusa")) == TREE
+    assert shape_of(DecodingConfig(strategy="medusa", medusa_tree_width=1, medusa_tree_nodes=9)) == TreeShape(1, 3)
+    heads = random_heads(tiny_lm.model.config.hidden_size, 3, 3.0)
+    ids = tiny_lm.encode("a b c", chat=False)
+    for width, nodes in ((1, 3), (2, 5)):
+        config = GREEDY.replace(max_new_tokens=6, medusa_tree_width=width, medusa_tree_nodes=nodes)
+        trace = run(tiny_lm, "a b c", ids, config, heads=heads)
+        assert trace.summary["tree_width"] == width and trace.summary["tree_nodes"] == nodes
+        assert all(len(r.tree) <= nodes for r in rounds_of(trace))
+        assert trace.generated_token_ids == target_only(tiny_lm, ids, config)
 
 
 # --- the shipped heads on the embedded model -----------------------------------------------------------

@@ -38,7 +38,7 @@ from ..shared import SESSION_TTL_S, OutputSet, Shared, error_html, status_html, 
 
 STREAM_EVERY_S = 0.5
 MCTS_KNOBS = ("mcts_simulations", "mcts_c_puct", "mcts_expand_k", "mcts_rollout_tokens", "max_new_tokens")
-MEDUSA_KNOBS = ("medusa_heads", "max_new_tokens", "temperature", "top_k", "top_p", "seed")
+MEDUSA_KNOBS = ("medusa_heads", "medusa_tree_width", "medusa_tree_nodes", "max_new_tokens", "temperature", "top_k", "top_p", "seed")
 MCTS_PRESET, MEDUSA_PRESET = "mcts", "medusa"
 MCTS_PROMPT = "The capital of France is"
 MEDUSA_PROMPT = "Write one sentence about the sea."
@@ -312,7 +312,7 @@ def _medusa_mode(shared: Shared) -> None:
             summary = gr.Markdown(elem_id="medusa-summary")
             picker = gr.Dropdown([], label="Round", elem_id="medusa-round",
                                  info="One target forward per round; pick one to see what each head proposed.")
-            tree = gr.Plot(label="Heads' proposals (top-1 chain verified, other candidates below)", elem_id="medusa-tree")
+            tree = gr.Plot(label="The round's verified tree (accepted path thick; chain rounds: each head's top-1)", elem_id="medusa-tree")
             accept = gr.Plot(label="Tokens per round", elem_id="medusa-accept")
             download = gr.DownloadButton("Download trace JSON", elem_id="medusa-download")
     out = MedusaOutputs(status, text, summary, picker, tree, accept, download, gr.State(None, time_to_live=SESSION_TTL_S))
