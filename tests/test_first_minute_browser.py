@@ -136,34 +136,3 @@ def test_out_of_range_slider_value_is_refused_with_the_value_named(page, live_ap
     box.press("Enter")
     page.wait_for_selector("#step-knob-temperature .dp-refused")
     assert "999" in page.locator("#step-knob-temperature .dp-refused").inner_text()
-
-
-def test_screenshots_for_the_readme(browser, live_app):
-    """docs/: each view's first screen at 1280x720 (Step through after a run) and Step through on a phone."""
-    from pathlib import Path
-
-    docs = Path(__file__).resolve().parents[1] / "docs"
-    context = browser.new_context(viewport={"width": 1280, "height": 720})
-    page = context.new_page()
-    page.set_default_timeout(120_000)
-    page.goto(live_app)
-    open_step(page)
-    page.fill("#step-knob-max_new_tokens input[type=number]", "12")
-    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
-    page.click("#step-generate")
-    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
-    page.wait_for_selector("#step-chart .js-plotly-plot")
-    page.screenshot(path=str(docs / "step-through.png"))
-    for title, name in (("Compare", "compare"), ("Beam search", "beam"), ("Speculative", "speculative")):
-        page.click(f"button[role=tab]:has-text('{title}')")
-        page.wait_for_timeout(1500)
-        page.screenshot(path=str(docs / f"{name}.png"))
-    context.close()
-    phone = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
-    page = phone.new_page()
-    page.goto(live_app)
-    open_step(page)
-    page.locator("#step-generate").wait_for(state="visible")
-    page.screenshot(path=str(docs / "step-phone.png"))
-    phone.close()
-    assert (docs / "step-phone.png").stat().st_size > 0

@@ -34,7 +34,7 @@ def test_mcts_tree_appears(page, live_app, artifacts):
     assert page.locator("#mcts-tree .scatterlayer .point").count() >= 4  # root + its expanded children
     assert "greedy" in page.locator("#mcts-quality-table").inner_text()
     page.screenshot(path=str(artifacts / "mcts.png"), full_page=True)
-    shot(page, "#search-mcts", DOCS / "mcts.png")
+    shot(page, "#search-mcts", artifacts / "mcts-view.png")  # docs/mcts.png: tests/test_screenshots_browser.py
 
 
 def test_medusa_rounds_appear(page, live_app, artifacts):
