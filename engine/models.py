@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -369,6 +370,18 @@ def _quiet():
         hf_logging.enable_progress_bar()
 
 
+_REGISTRIES: "weakref.WeakSet[ModelRegistry]" = weakref.WeakSet()
+
+
+def _fresh_locks_after_fork() -> None:
+    """In a forked child (ZeroGPU runs each request in one) only the forking thread exists: a lock
+    another thread held at the fork would stay held forever, so the child gets fresh ones."""
+    global _convert_lock
+    _convert_lock = threading.Lock()
+    for registry in list(_REGISTRIES):
+        registry._lock = threading.Lock()
+
+
 class ModelRegistry:
     """The loaded models of this process (the only process-wide mutable state), least recently
     used evicted past ``capacity``. Thread-safe; a model is loaded once however many users ask.
@@ -384,6 +397,7 @@ class ModelRegistry:
         self.policy = policy
         self._models: dict[ModelSpec, LoadedModel] = {}
         self._lock = threading.Lock()
+        _REGISTRIES.add(self)
 
     def get(self, spec: ModelSpec, progress: Progress | None = None, *, key: str = "model") -> LoadedModel:
         if self.policy is not None:
@@ -465,3 +479,6 @@ def resolve_variant(lm: LoadedModel, name: str, registry: ModelRegistry, key: st
     other = registry.get(variant_spec(lm, name, key), key=key)
     check_same_tokenizer(lm, other, key, name)
     return other
+
+
+os.register_at_fork(after_in_child=_fresh_locks_after_fork)

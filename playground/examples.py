@@ -32,8 +32,13 @@ State = Literal["ready", "pending", "none"]
 
 
 def enabled() -> bool:
-    """Example runs at startup: on unless env ``DP_EXAMPLES`` is 0 / false / no / off."""
-    return os.environ.get("DP_EXAMPLES", "1").strip().lower() not in {"0", "false", "no", "off"}
+    """Example runs at startup: on unless env ``DP_EXAMPLES`` is 0 / false / no / off, and off on
+    ZeroGPU (``SPACES_ZERO_GPU``): there every model call runs in a worker forked per request, and a
+    fork taken while the startup thread holds the model registry's lock would inherit it held."""
+    off = {"0", "false", "no", "off"}
+    if os.environ.get("SPACES_ZERO_GPU", "").strip().lower() not in off | {""}:
+        return False
+    return os.environ.get("DP_EXAMPLES", "1").strip().lower() not in off
 
 
 @dataclass(frozen=True)

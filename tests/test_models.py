@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.models import ModelLoadError, ModelSpec, embedded_model_dir, gguf_path, load_model
+from engine.models import ModelLoadError, ModelRegistry, ModelSpec, embedded_model_dir, gguf_path, load_model
 
 
 def test_embedded_gguf_is_found_and_converted_once():
@@ -72,3 +72,30 @@ def test_unloadable_checkpoint_gives_one_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="Could not int8-quantize"):
         load_model(ModelSpec(source=str(tmp_path), quantization="int8"))
+
+
+def test_a_forked_child_gets_a_free_registry_lock():
+    """ZeroGPU forks a worker per request: a registry lock held by another thread at the fork (a
+    model loading) must not stay held in the child."""
+    import os
+
+    registry = ModelRegistry()
+    registry._lock.acquire()  # another thread is loading a model right now
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the lock must be free
+            os._exit(0 if registry._lock.acquire(timeout=5) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        registry._lock.release()
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_startup_examples_are_off_on_zerogpu(monkeypatch):
+    from playground import examples
+
+    monkeypatch.delenv("DP_EXAMPLES", raising=False)
+    monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)
+    assert examples.enabled()
+    monkeypatch.setenv("SPACES_ZERO_GPU", "true")
+    assert not examples.enabled()
