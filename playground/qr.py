@@ -23,11 +23,17 @@ def qr_png_data_url(url: str, scale: int = 8) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+MAX_CAPTION_CHARS = 72
+
+
 def qr_html(url: str, size_px: int = 320) -> str:
     """An <img> of the QR code, sized for a projector, with the link as its accessible label."""
     import html
 
     src = qr_png_data_url(url)
+    # A pasted lesson's link carries the whole lesson (hundreds of characters): the caption shows its
+    # start, so it never pushes the presenter's chart down; the code itself holds the whole link.
+    shown = url if len(url) <= MAX_CAPTION_CHARS else url[:MAX_CAPTION_CHARS - 1] + "…"
     return (f'<figure class="dp-qr"><img src="{src}" width="{size_px}" height="{size_px}" '
             f'alt="QR code of the share link" style="image-rendering: pixelated"/>'
-            f'<figcaption>Scan to open this exact state: {html.escape(url)}</figcaption></figure>')
+            f'<figcaption>Scan to open this exact state: {html.escape(shown)}</figcaption></figure>')

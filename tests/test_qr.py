@@ -33,3 +33,11 @@ def test_html_escapes_the_caption():
 def test_bad_links_are_refused_with_the_argument_named(bad):
     with pytest.raises(ValueError, match="^url:"):
         qr_png_data_url(bad)
+
+
+def test_a_long_links_caption_is_shortened_but_its_code_holds_it_whole():
+    url = "http://room.example/?lesson=l1." + "A" * 400
+    html = qr_html(url)
+    caption = html.split("<figcaption>")[1].split("</figcaption>")[0]
+    assert len(caption) < 120 and caption.endswith("…")
+    assert qr_png_data_url(url) in html  # the code is the whole link
