@@ -179,3 +179,16 @@ def matches(request: ExampleRequest | None, prompt: Any, chat: Any, panel: Any, 
         return panel.config(*values) == request.config
     except ValueError:  # an invalid knob on the page: not the example's config
         return False
+
+
+def wire_poll(shared: Any, view: Any, out: Any, extra: Any, on_example: Any) -> None:
+    """Poll for the startup example while the page has no run of its own (no model call):
+    ``on_example(timer, model, quantization, extra, session, prompt, chat, *knob values)`` returns
+    the view's updates and stops the timer once the example is shown or cannot be."""
+    import functools
+
+    import gradio as gr
+
+    timer = gr.Timer(POLL_S)
+    inputs = [shared.model, shared.quantization, extra, out.session, view.prompt, view.chat, *view.panel.inputs]
+    timer.tick(functools.partial(on_example, timer), inputs, [*out.all(), timer], api_visibility="private", queue=False)

@@ -175,7 +175,7 @@ def build_tab(shared: Shared) -> PanelView:
     example = examples.ExampleRequest("beam", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel), chat=False,
                                       with_greedy=True)  # the view compares the winner with greedy
     examples.cache_for(shared.registry).want(example)
-    _wire_example(shared, view, out, collapse, example)
+    examples.wire_poll(shared, view, out, collapse, functools.partial(on_example, shared, view, out, example))
     return view
 
 
@@ -196,15 +196,6 @@ def on_example(shared: Shared, view: PanelView, out: Outputs, example: examples.
     note = ("An example search of this prompt with the default preset (the same as pressing Search). Hover a node for "
             "its scores; move the slider to re-rank.")
     return done | render(out, session, example.config.length_penalty, collapse_on, status_html(note))
-
-
-def _wire_example(shared: Shared, view: PanelView, out: Outputs, collapse: gr.Checkbox,
-                  example: examples.ExampleRequest) -> None:
-    """Poll for the startup example while the page has no search of its own (no model call)."""
-    timer = gr.Timer(examples.POLL_S)
-    inputs = [shared.model, shared.quantization, collapse, out.session, view.prompt, view.chat, *view.panel.inputs]
-    timer.tick(functools.partial(on_example, shared, view, out, example, timer), inputs, [*out.all(), timer],
-               api_visibility="private", queue=False)
 
 
 def _wire(shared: Shared, view: PanelView, out: Outputs, collapse: gr.Checkbox, run: gr.Button, stop: gr.Button) -> None:

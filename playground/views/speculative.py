@@ -198,7 +198,7 @@ def build_tab(shared: Shared) -> PanelView:
     example = examples.ExampleRequest("speculative", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel),
                                       chat=True, compare_baseline=True)  # the checkboxes' defaults
     examples.cache_for(shared.registry).want(example)
-    _wire_example(shared, view, out, compare, example)
+    examples.wire_poll(shared, view, out, compare, functools.partial(on_example, shared, view, out, example))
     return view
 
 
@@ -225,15 +225,6 @@ def on_example(shared: Shared, view: PanelView, out: Outputs, example: examples.
     session = example_session(found)
     note = f"An example run of this prompt with the default preset (the same as pressing Generate). {selection_note(session)}"
     return done | render(out, session, status_html(note))
-
-
-def _wire_example(shared: Shared, view: PanelView, out: Outputs, compare: gr.Checkbox,
-                  example: examples.ExampleRequest) -> None:
-    """Poll for the startup example while the page has no run of its own (no model call)."""
-    timer = gr.Timer(examples.POLL_S)
-    inputs = [shared.model, shared.quantization, compare, out.session, view.prompt, view.chat, *view.panel.inputs]
-    timer.tick(functools.partial(on_example, shared, view, out, example, timer), inputs, [*out.all(), timer],
-               api_visibility="private", queue=False)
 
 
 def _wire(shared: Shared, view: PanelView, out: Outputs, compare: gr.Checkbox, generate: gr.Button,
