@@ -192,3 +192,24 @@ def wire_poll(shared: Any, view: Any, out: Any, extra: Any, on_example: Any) -> 
     timer = gr.Timer(POLL_S)
     inputs = [shared.model, shared.quantization, extra, out.session, view.prompt, view.chat, *view.panel.inputs]
     timer.tick(functools.partial(on_example, timer), inputs, [*out.all(), timer], api_visibility="private", queue=False)
+
+
+def poll(registry: Any, request: ExampleRequest, timer: Any, status: Any, model: Any, quantization: Any,
+         fresh: bool) -> tuple[dict, Example | None]:
+    """One poll of a fresh page for its startup example: (updates, example). ``example`` is set once
+    it is ready (the caller adds its view's updates to ``updates``, which stop the timer); otherwise
+    ``updates`` is the whole answer: "preparing" while pending, or the timer stopped when the page is
+    no longer ``fresh`` (it ran something, or its inputs differ) or no example will come."""
+    import gradio as gr
+
+    from .shared import status_html
+
+    done = {timer: gr.Timer(active=False)}
+    if not fresh:
+        return done, None
+    ready, example = cache_for(registry).get(request, model, quantization)
+    if ready == "pending":
+        return {status: status_html(PREPARING)}, None
+    if example is None:
+        return done | {status: ""}, None
+    return done, example

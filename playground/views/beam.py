@@ -184,14 +184,10 @@ def on_example(shared: Shared, view: PanelView, out: Outputs, example: examples.
                *values: Any) -> dict:
     """A fresh page's first screen: the example search's tree, once the startup thread has it.
     Polling stops once filled, once this page searched, or once its prompt or knobs differ."""
-    done = {timer: gr.Timer(active=False)}
-    if state is not None or not examples.matches(example, prompt, chat, view.panel, values):
-        return done
-    ready, found = examples.cache_for(shared.registry).get(example, model, quant)
-    if ready == "pending":
-        return {out.status: status_html(examples.PREPARING)}
+    fresh = state is None and examples.matches(example, prompt, chat, view.panel, values)
+    done, found = examples.poll(shared.registry, example, timer, out.status, model, quant, fresh)
     if found is None:
-        return done | {out.status: ""}
+        return done
     session = BeamSession(copy.deepcopy(found.trace), copy.deepcopy(found.greedy))
     note = ("An example search of this prompt with the default preset (the same as pressing Search). Hover a node for "
             "its scores; move the slider to re-rank.")

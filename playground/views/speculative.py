@@ -214,14 +214,10 @@ def on_example(shared: Shared, view: PanelView, out: Outputs, example: examples.
                *values: Any) -> dict:
     """A fresh page's first screen: the example run with its first rejected draft selected, once
     the startup thread has it. Polling stops once filled, once this page ran, or once its inputs differ."""
-    done = {timer: gr.Timer(active=False)}
-    if state is not None or not compare_on or not examples.matches(example, prompt, chat, view.panel, values):
-        return done
-    ready, found = examples.cache_for(shared.registry).get(example, model, quant)
-    if ready == "pending":
-        return {out.status: status_html(examples.PREPARING)}
+    fresh = state is None and compare_on and examples.matches(example, prompt, chat, view.panel, values)
+    done, found = examples.poll(shared.registry, example, timer, out.status, model, quant, fresh)
     if found is None:
-        return done | {out.status: ""}
+        return done
     session = example_session(found)
     note = f"An example run of this prompt with the default preset (the same as pressing Generate). {selection_note(session)}"
     return done | render(out, session, status_html(note))

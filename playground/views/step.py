@@ -289,14 +289,10 @@ class Handlers:
         """A fresh page's first screen: the example run with its most uncertain step selected, once
         the startup thread has it. Polling stops once filled, once this page ran something, or once
         its prompt or knobs differ from the example's (edited, or filled by a share link)."""
-        done = {timer: gr.Timer(active=False)}
-        if state is not None or not examples.matches(self.example, prompt, chat, self.view.panel, values):
-            return done
-        ready, example = examples.cache_for(self.shared.registry).get(self.example, model, quant)
-        if ready == "pending":
-            return {self.out.status: status_html(examples.PREPARING)}
+        fresh = state is None and examples.matches(self.example, prompt, chat, self.view.panel, values)
+        done, example = examples.poll(self.shared.registry, self.example, timer, self.out.status, model, quant, fresh)
         if example is None:
-            return done | {self.out.status: ""}
+            return done
         owner = owner if isinstance(owner, str) and len(owner) >= 32 else secrets.token_hex(16)
         session = StepSession(runs=[copy.deepcopy(example.trace)], owner=owner)  # a session may branch it
         note = ("An example run of this prompt with the default preset (the same as pressing Generate), showing its "
