@@ -8,7 +8,8 @@ KV cache and, each tick (continuous batching: runs join and leave at any tick):
 2. prefills the joiners, shortest prompts first, in groups of similar length (one forward per
    group, left-padded like the batch; ``length_groups``), merges their KV into the batch and hands
    out each group's first tokens at once (runs that arrived meanwhile join the same way, up to
-   ``max_batch``), so a newcomer never waits for the running rows' forward nor for a long prompt;
+   ``max_batch``; runs with the same prompt are prefilled once and get copies of its KV rows),
+   so a newcomer never waits for the running rows' forward nor for a long prompt;
 3. runs ONE forward of the next token of every row (left padding, attention mask [B, L], per-row
    position ids; a running sequence is never prefilled again);
 4. steps every row with its own stage chain, pick (its own ``torch.Generator``) and stop rules:
@@ -58,6 +59,9 @@ DEFAULT_MAX_BATCH_CPU = 16
 DEFAULT_MAX_BATCH_GPU = 32
 DEFAULT_MAX_QUEUE = 256
 PAD_SLACK = 2.0  # joiners prefilled together may hold at most this many times their real tokens
+# An idle scheduler's worker waits this long before its first prefill, so runs sent together (a
+# Compare's lanes start in threads a few ms apart) share one prefill instead of the first going alone.
+GATHER_S = 0.02
 
 
 class SchedulerFull(RuntimeError):
@@ -192,6 +196,22 @@ def length_groups(runs: list[_Run], slack: float = PAD_SLACK) -> list[list[_Run]
     return groups
 
 
+def distinct_sequences(runs: list[_Run]) -> tuple[list[_Run], list[int]]:
+    """The first run of each distinct sequence, and for every run the index of its sequence among
+    them. Runs with the same prompt (a Compare's lanes, its seed sweep, a room on one lesson's
+    prompt) are prefilled once: their rows would be the same computation."""
+    fed: list[_Run] = []
+    index: dict[tuple[int, ...], int] = {}
+    rows = []
+    for run in runs:
+        key = tuple(run.sequence)
+        if key not in index:
+            index[key] = len(fed)
+            fed.append(run)
+        rows.append(index[key])
+    return fed, rows
+
+
 def _pad_left(cache: DynamicCache, n: int) -> None:
     """Prepend n zero positions to every layer (masked out, so their values never matter)."""
     if n <= 0:
@@ -286,6 +306,7 @@ class Scheduler:
 
     def _work(self) -> None:
         """The worker: tick while any run is active or waiting, then end (a new run starts a new one)."""
+        time.sleep(GATHER_S)
         with torch.inference_mode():
             while True:
                 with self._lock:
@@ -364,20 +385,21 @@ class Scheduler:
             run.out.put(item)
 
     def _prefill(self, runs: list[_Run], replay: bool = False) -> tuple[list[_Run], torch.Tensor | None]:
-        """Prefill the joiners together (one forward, left-padded) and add them as the last rows.
-        Returns the runs added and their next-token logits [J, V] (no runs: the forward failed and
-        they got its exception). ``replay`` (one run, a branch whose chain is stateful): the
-        forward also keeps its prefix positions' logits, which ``RunState.replay`` walks as
-        ``decode.replay`` does."""
+        """Prefill the joiners together (one forward, left-padded, each distinct sequence once:
+        ``distinct_sequences``) and add them as the last rows. Returns the runs added and their
+        next-token logits [J, V] (no runs: the forward failed and they got its exception).
+        ``replay`` (one run, a branch whose chain is stateful): the forward also keeps its prefix
+        positions' logits, which ``RunState.replay`` walks as ``decode.replay`` does."""
         if not runs:
             return [], None
-        lengths = [len(run.sequence) for run in runs]
+        fed, rows = distinct_sequences(runs)
+        lengths = [len(run.sequence) for run in fed]
         width = max(lengths)
         # Pads repeat the row's first token (any real id works: they are masked out).
-        ids = torch.tensor([[run.sequence[0]] * (width - n) + run.sequence for run, n in zip(runs, lengths)],
-                           dtype=torch.long, device=self.device)  # [J, T]
+        ids = torch.tensor([[run.sequence[0]] * (width - n) + run.sequence for run, n in zip(fed, lengths)],
+                           dtype=torch.long, device=self.device)  # [U, T]
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [J, T]: each row counts from 0 at its first token
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [U, T]: each row counts from 0 at its first token
         cache = DynamicCache(config=runs[0].lm.model.config)
         try:
             out = runs[0].lm.model(input_ids=ids, attention_mask=mask if min(lengths) < width else None,
@@ -389,8 +411,13 @@ class Scheduler:
             for run in runs:
                 run.out.put(exc)
             return [], None
+        logits = out.logits[:, -1, :].float()  # [U, V]
+        if len(fed) < len(runs):  # each run gets its own copy of its sequence's KV rows: [U, ...] -> [J, ...]
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            cache.batch_select_indices(index)
+            mask, logits = mask.index_select(0, index), logits.index_select(0, index)
         self._batch.add(runs, cache, mask)
-        return runs, out.logits[:, -1, :].float()  # [J, V]
+        return runs, logits  # [J, V]
 
     @staticmethod
     def _still_wanted(run: _Run) -> bool:

@@ -381,3 +381,48 @@ def test_run_arriving_during_a_forward_gets_its_first_token_before_the_rows_step
             scheduler._tick([])
     for name, (ids, config) in jobs.items():
         assert_same_steps(list(runs[name].out), list(decode.stream(tiny_lm, ids, config)), name)
+
+
+def prefill_same_prompt_once(lm, other: str, monkeypatch):
+    """Three lanes of one prompt (seeds 1, 2, 3) and a greedy run of ``other`` join in one tick:
+    the prefill forward feeds 2 rows, not 4, the decode forwards 4 rows, and every run still
+    equals its solo run (each got its own copy of the shared KV rows)."""
+    import torch
+
+    from engine.scheduler import _Run, distinct_sequences
+
+    same = lm.encode("Once upon a time")
+    jobs = [(same, DecodingConfig(strategy="sample", seed=seed, max_new_tokens=6)) for seed in (1, 2, 3)]
+    jobs.append((lm.encode(other), DecodingConfig(strategy="greedy", max_new_tokens=6)))
+    runs = [_Run(lm, ids, config, (), None, None) for ids, config in jobs]
+    assert distinct_sequences(runs)[1] == [0, 0, 0, 1]
+    shapes = []
+    forward = lm.model.forward
+
+    def counting_forward(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm.model, "forward", counting_forward)
+    scheduler = Scheduler(lm, max_batch=4)
+    with torch.inference_mode():
+        scheduler._tick(runs)
+        while scheduler._batch.runs:
+            scheduler._tick([])
+    monkeypatch.undo()
+    assert shapes[0] == (2, max(len(same), len(jobs[3][0])))
+    assert set(shapes[1:]) == {(4, 1)}
+    for i, (run, (ids, config)) in enumerate(zip(runs, jobs)):
+        steps = [run.out.get_nowait() for _ in range(run.out.qsize())]
+        assert_same_steps(steps, list(decode.stream(lm, ids, config)), f"run {i}")
+
+
+def test_runs_with_the_same_prompt_are_prefilled_once(tiny_lm, monkeypatch):
+    # The random model's distributions are near-flat: "The quick brown fox jumps" has two top-list
+    # entries 3e-8 apart, whose order any change of batch shape may flip; this prompt has none.
+    prefill_same_prompt_once(tiny_lm, "Q: why is the sky blue?", monkeypatch)
+
+
+@pytest.mark.slow
+def test_runs_with_the_same_prompt_are_prefilled_once_embedded(embedded, monkeypatch):
+    prefill_same_prompt_once(embedded, "The quick brown fox jumps", monkeypatch)
