@@ -2,7 +2,7 @@
 prompt and seed, 32 tokens each. Prints aggregate tokens/s, its ratio to N = 1 (same process), and
 p50/p95 time to first token and to done.
 
-    python -m bench.concurrency [--users 1 4 16 32] [--tokens 32] [--rounds 1] [--model embedded]
+    python -m bench.concurrency [--users 1 4 16 32] [--tokens 32] [--rounds 1] [--model embedded] [--same-prompt]
     python -m bench.concurrency --app http://127.0.0.1:7860 [--users 1 4 16]
 
 Threads mode: each user is a thread calling ``scheduler_for(lm).stream`` (the engine's batched
@@ -39,6 +39,11 @@ SUBJECTS = ["a lighthouse", "the moon", "a bicycle", "rain in the city", "an old
 def prompt_for(user: int) -> str:
     """A distinct prompt per user (plain text, so the model rarely stops before the token budget)."""
     return f"User {user} writes a story about {SUBJECTS[user % len(SUBJECTS)]}. Once upon a time,"
+
+
+def one_prompt(user: int) -> str:
+    """User 0's prompt for every user (``--same-prompt``: a room running one lesson's prompt)."""
+    return prompt_for(0)
 
 
 @dataclass
@@ -82,13 +87,13 @@ def run_users(n: int, user_fn) -> tuple[list[UserResult], float]:
     return results, wall  # type: ignore[return-value]
 
 
-def engine_user(lm, tokens: int):
+def engine_user(lm, tokens: int, prompt=prompt_for):
     from engine.config import DecodingConfig
     from engine.scheduler import scheduler_for
 
     def user_fn(i: int) -> UserResult:
         start = time.perf_counter()
-        ids = lm.encode(prompt_for(i))
+        ids = lm.encode(prompt(i))
         config = DecodingConfig(strategy="sample", seed=1000 + i, max_new_tokens=tokens)
         ttft, count = None, 0
         for _ in scheduler_for(lm).stream(ids, config):
@@ -115,13 +120,13 @@ def app_clients(url: str, n: int) -> list:
     return clients
 
 
-def app_user(clients: list, tokens: int):
+def app_user(clients: list, tokens: int, prompt=prompt_for):
     from gradio_client.utils import Status
 
     def user_fn(i: int) -> UserResult:
         config = {"strategy": "sample", "seed": 1000 + i, "max_new_tokens": tokens}
         submitted, start = datetime.now(), time.perf_counter()
-        job = clients[i].submit(prompt_for(i), config, "", False, "embedded", "none", api_name="/step_trace")
+        job = clients[i].submit(prompt(i), config, "", False, "embedded", "none", api_name="/step_trace")
         started = None  # when the client heard that the server started the request (queue left)
         while started is None and not job.done():
             status = job.status()
@@ -179,11 +184,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--model", default="embedded")
     p.add_argument("--rounds", type=int, default=1, help="repeat the sweep (each round's ratios use its own N = 1)")
+    p.add_argument("--same-prompt", action="store_true",
+                   help="every user sends user 0's prompt (a room on one lesson), still with its own seed")
     p.add_argument("--app", default="", help="URL of a running app: drive /step_trace with gradio_client instead")
     args = p.parse_args()
+    prompt = one_prompt if args.same_prompt else prompt_for
     rows = []
     if args.app:
-        user_fn = app_user(app_clients(args.app.rstrip("/"), max(args.users)), args.tokens)
+        user_fn = app_user(app_clients(args.app.rstrip("/"), max(args.users)), args.tokens, prompt)
         user_fn(0)  # warm-up: the app loads its model on first use
         print(f"app {args.app}, /step_trace, {args.tokens} tokens per user")
         for _ in range(args.rounds):
@@ -200,7 +208,7 @@ def main() -> None:
         scheduler = scheduler_for(lm)
         print(f"model {lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, "
               f"max batch {scheduler.max_batch}, {args.tokens} tokens per user")
-        user_fn = engine_user(lm, args.tokens)
+        user_fn = engine_user(lm, args.tokens, prompt)
         user_fn(0)  # warm-up
         for _ in range(args.rounds):
             for n in args.users:
@@ -211,7 +219,7 @@ def main() -> None:
                 rows_stepped = after["mean_batch"] * after["ticks"] - before["mean_batch"] * before["ticks"]
                 rows.append((n, results, wall, rows_stepped / ticks if ticks else None))
     report(rows)
-    if not args.app:
+    if not args.app and not args.same_prompt:
         floors = ", ".join(f"{n} users {prefill_seconds(lm, n):.2f} s" for n in args.users)
         print(f"prefill of every user's prompt in one forward (the floor of p95 ttft when all arrive at once): {floors}")
 
