@@ -426,3 +426,29 @@ def test_runs_with_the_same_prompt_are_prefilled_once(tiny_lm, monkeypatch):
 @pytest.mark.slow
 def test_runs_with_the_same_prompt_are_prefilled_once_embedded(embedded, monkeypatch):
     prefill_same_prompt_once(embedded, "The quick brown fox jumps", monkeypatch)
+
+
+def test_runs_sent_together_to_an_idle_scheduler_share_the_first_prefill(tiny_lm, monkeypatch):
+    """Four runs (three of one prompt) started in threads at once: the idle scheduler's worker waits
+    GATHER_S (0.5 s here, so a loaded machine's thread starts fit in it) and prefills them in one
+    forward of 2 rows; every run equals its solo run."""
+    import engine.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "GATHER_S", 0.5)
+    same, other = tiny_lm.encode("Once upon a time"), tiny_lm.encode("Q: why is the sky blue?")
+    jobs = [(same, DecodingConfig(strategy="sample", seed=seed, max_new_tokens=5)) for seed in (1, 2, 3)]
+    jobs.append((other, DecodingConfig(strategy="greedy", max_new_tokens=5)))
+    shapes = []
+    forward = tiny_lm.model.forward
+
+    def counting_forward(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_lm.model, "forward", counting_forward)
+    batched, _ = run_concurrently(Scheduler(tiny_lm, max_batch=4), jobs)
+    monkeypatch.undo()
+    assert shapes[0] == (2, max(len(same), len(other)))
+    assert set(shapes[1:]) == {(4, 1)}
+    for i, ((ids, config), steps) in enumerate(zip(jobs, batched)):
+        assert_same_steps(steps, list(decode.stream(tiny_lm, ids, config)), f"run {i}")
