@@ -29,7 +29,8 @@ Limits (environment variables, read when the scheduler is created):
   ``SchedulerFull``.
 
 One worker thread per scheduler, started when a run arrives and ended when none is left (so an idle
-scheduler holds no thread and, through a weak reference, does not keep its model alive). Errors in
+scheduler holds no thread and, through a weak reference, does not keep its model alive). A new worker
+waits ``GATHER_S`` (20 ms) first, so runs sent together share its first prefill. Errors in
 the worker go to the affected runs' streams as exceptions; the worker carries on with the others.
 Models whose cache is not a plain full-attention ``DynamicCache`` (sliding-window layers...) are
 stepped one row at a time (``max_batch`` 1), still through the same queue.
