@@ -46,6 +46,31 @@ def test_untrained_heads_read_out_exactly_the_base_head(tiny_lm):
         torch.testing.assert_close(logits[:, k], lm_head(h).float())
 
 
+def test_a_shortlist_reads_out_only_its_tokens(tiny_lm, tmp_path):
+    """Heads with a shortlist give the LM head's logits on its tokens and -inf elsewhere (so they
+    never propose another token); the shortlist survives the file round trip."""
+    lm_head = tiny_lm.model.get_output_embeddings()
+    vocab = torch.tensor([2, 5, 7, 40, 99])
+    heads = MedusaHeads(64, 2, vocab)
+    h = torch.randn(3, 64)
+    logits = head_logits(heads, lm_head, h)  # [3, 2, V]
+    assert logits.shape == (3, 2, tiny_lm.vocab_size)
+    outside = torch.ones(tiny_lm.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(logits[..., outside]).all()
+    torch.testing.assert_close(logits[:, 0, vocab], lm_head(h).float()[:, vocab])
+    path = tmp_path / "short.safetensors"
+    save_heads(heads, path, {"base_model": "tiny"})
+    assert load_heads(tiny_lm, path).vocab.tolist() == vocab.tolist()
+
+
+def test_readout_equals_the_lm_head(tiny_lm):
+    """The verify forward's own read-out (weight @ h.T) equals nn.Linear to float rounding."""
+    lm_head = tiny_lm.model.get_output_embeddings()
+    h = torch.randn(7, 64)
+    torch.testing.assert_close(medusa.readout(lm_head.weight, h), lm_head(h), rtol=1e-5, atol=1e-5)
+
+
 @SHAPES
 @pytest.mark.parametrize("knobs", [{}, {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}])
 @pytest.mark.parametrize("scale", [0.0, 3.0])
