@@ -41,7 +41,9 @@ def forward_seconds(lm, prompt_ids, rows: int, reps: int = 5) -> float:
     import torch
     from transformers import DynamicCache
 
-    with torch.inference_mode():
+    from engine.scheduler import step_threads
+
+    with torch.inference_mode(), step_threads(lm.device, rows):  # the threads the scheduler's step uses
         cache = DynamicCache(config=lm.model.config)
         lm.model(input_ids=torch.tensor([prompt_ids] * rows), past_key_values=cache, use_cache=True, logits_to_keep=1)
         times = []
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lanes", type=int, default=4)
+    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads")
     args = p.parse_args(argv)
 
     import torch
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models import ModelRegistry, ModelSpec
     from playground.shared import Shared
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads)
     registry = ModelRegistry()
     lm = registry.get(ModelSpec())
     shared = Shared(registry=registry, model=None, quantization=None, user_presets=None)
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         many.append(lanes_seconds(shared, lm, prompt_ids, configs))
         forward.append(forward_seconds(lm, prompt_ids, args.lanes) / forward_seconds(lm, prompt_ids, 1))
     ratios = [m / o for m, o in zip(many, one)]
-    print(f"{args.tokens} tokens per lane, {args.rounds} interleaved rounds")
+    print(f"{args.tokens} tokens per lane, {args.rounds} interleaved rounds, torch threads {torch.get_num_threads()}")
     print(f"1 lane : {', '.join(f'{x:.1f}' for x in one)} s (median {statistics.median(one):.1f} s)")
     print(f"{args.lanes} lanes: {', '.join(f'{x:.1f}' for x in many)} s (median {statistics.median(many):.1f} s)")
     print(f"{args.lanes} lanes / 1 lane: {', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x; "
