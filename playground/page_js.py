@@ -1,12 +1,32 @@
 """The page's few lines of JavaScript (``launch(head=...)``): Ctrl/Cmd+Enter in a prompt runs its
 view, the sortable stage list, arrow keys through Step through's tokens, a slider's number box
 that refuses an out-of-range value with the typed value named (instead of clamping silently), and
-the presenter view's page width (its chart is laid out on the server for the width it is shown at)."""
+the page width for the presenter's and Step through's charts (laid out on the server for the width
+they are shown at), the selected token of Step through outlined, and the run a lesson's "Open in its
+view" presses (``OPEN_RUN_JS``)."""
 
 # prompt box id -> the button it runs
 PROMPT_BUTTONS = {"step-prompt": "step-generate", "cmp-prompt": "cmp-run", "beam-prompt": "beam-run",
                   "spec-prompt": "spec-generate", "quant-prompt": "quant-measure"}
-PRESENT_NARROW_PX = 900  # the presenter's chart goes two panels a row on pages narrower than this
+# view name (a lesson's "view") -> the button that runs it
+RUN_BUTTONS = {"step": "step-generate", "compare": "cmp-run", "beam": "beam-run", "speculative": "spec-generate",
+               "quantization": "quant-measure"}
+PRESENT_NARROW_PX = 900  # the presenter's and Step through's charts go two panels a row on pages narrower than this
+
+# After "Open in its view" filled the view (its tab switching in): press the view's run button once
+# it is shown, so the lesson runs through the view's own handler (its errors, Stop, streaming).
+OPEN_RUN_JS = """
+(id) => {
+  if (!id) return;
+  let tries = 0;
+  const press = () => {
+    const button = document.getElementById(id);
+    if (button && button.offsetParent !== null) button.click();
+    else if (++tries < 50) setTimeout(press, 100);
+  };
+  press();
+}
+"""
 
 _JS = r"""
 (() => {
@@ -35,26 +55,39 @@ _JS = r"""
       if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
     }
   }, true);
-  // Presenter: the page width goes into the hidden #present-width box (its change redraws the chart
-  // for that width); a chart laid out for the other width (the lesson's run draws it wide) is redrawn once.
+  // Presenter and Step through: the page width goes into a hidden width box (its change redraws the
+  // chart for that width); a chart laid out for the other width (e.g. the lesson's run draws it wide)
+  // is redrawn once, by the hidden redraw button.
   const setValue = (box, value) => {
     const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), 'value').set;
     setter.call(box, value);
     box.dispatchEvent(new Event('input', {bubbles: true}));
   };
-  const presentWidth = () => {
-    const box = document.querySelector('#present-width input');
+  const fitWidth = (name) => {
+    const box = document.querySelector(`#${name}-width input`);
     if (!box) return;
     const want = String(Math.round(window.innerWidth));
     if (box.value !== want) { setValue(box, want); return; }
-    const plot = document.querySelector('#present-chart .js-plotly-plot');
+    const plot = document.querySelector(`#${name}-chart .js-plotly-plot`);
     const meta = plot && plot.layout && plot.layout.meta;
     if (meta && meta.narrow !== (window.innerWidth < __NARROW__) && plot.dataset.dpAsked !== want) {
       plot.dataset.dpAsked = want;
-      document.getElementById('present-redraw')?.click();
+      document.getElementById(`${name}-redraw`)?.click();
     }
   };
+  const presentWidth = () => { fitWidth('present'); fitWidth('step'); };
   window.addEventListener('resize', presentWidth);
+  // Step through's selected step: its token is outlined (the step box holds the selected index).
+  const markSelected = () => {
+    const box = document.querySelector('#step-index input[type=number]');
+    const at = box ? Number(box.value) : -1;
+    document.querySelectorAll('#step-text .token').forEach((el, i) => {
+      const on = i === at;
+      if (el.classList.contains('dp-selected') !== on) el.classList.toggle('dp-selected', on);
+      if (on && el.getAttribute('aria-current') !== 'true') el.setAttribute('aria-current', 'true');
+      if (!on && el.hasAttribute('aria-current')) el.removeAttribute('aria-current');
+    });
+  };
   // The QR code in the presenter view: a click enlarges it for the room, another shrinks it back.
   document.addEventListener('click', e => {
     const code = e.target.closest && e.target.closest('#present-qr');
@@ -64,6 +97,7 @@ _JS = r"""
   new MutationObserver(() => {
     document.querySelectorAll('#step-text .token:not([tabindex])').forEach(el => el.setAttribute('tabindex', '0'));
     presentWidth();
+    markSelected();
   }).observe(document.documentElement, {childList: true, subtree: true});
 
   // The sortable stage list writes its order into the hidden textbox named by data-target.
@@ -135,4 +169,5 @@ CSS = """
 .dp-stages li button { border: 1px solid #bbb; border-radius: 3px; background: white; padding: 0 6px; cursor: pointer; }
 .dp-stages-label { font-size: 14px; color: #444; }
 .dp-refused { margin-top: 4px; font-size: 14px; }
+#step-text .token.dp-selected { outline: 3px solid #6a1b9a; outline-offset: 1px; }
 """

@@ -62,3 +62,94 @@ def test_each_lessons_claim_holds_on_the_embedded_model(embedded, registry, less
     outcome = evaluate(embedded, lesson, traces, registry)
     assert outcome.ok, outcome.summary
     json.dumps(outcome.figures, allow_nan=False)
+
+
+# --- "Open in its view" on Step through: the open-then-run path, through the views' own handlers --------
+STEP_LESSON = GOOD | {"prompt": "The sea is", "preset": {"version": 1, "name": "Sampled", "strategy": "sample",
+                                                          "seed": 11, "temperature": 1.5, "max_new_tokens": 8}}
+
+
+@pytest.fixture
+def step_view(tiny_lm):
+    """Step through's handlers over the tiny random Llama, the view's real knob panel and handle;
+    field names stand in for the output components (handlers return ``{component: value}``)."""
+    import gradio as gr
+
+    from engine.models import ModelRegistry
+    from playground.knobs import STAGE_KNOBS, KnobPanel
+    from playground.shared import Shared, model_pickers, user_presets_state
+    from playground.views import step
+
+    class TinyRegistry(ModelRegistry):
+        def get(self, spec, progress=None, *, key="model"):
+            return tiny_lm
+
+    with gr.Blocks():
+        model, quant = model_pickers()
+        shared = Shared(registry=TinyRegistry(), model=model, quantization=quant, user_presets=user_presets_state())
+        panel = KnobPanel(shared, step.RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset=step.DEFAULT_PRESET)
+        view = step.StepView("step", gr.Textbox(step.DEFAULT_PROMPT), panel, gr.Checkbox(True),
+                             select_once=gr.State(None), width=gr.Number(None))
+    out = step.Outputs(*step.Outputs.__dataclass_fields__)
+    return step, view, out, step.Handlers(shared, view, out, None)
+
+
+def open_and_run(step_view, select_step):
+    """Open the lesson in Step through (the Lessons tab's own on_open), then press Generate with the
+    view's inputs as the open left them: every update of that run."""
+    from engine.control import RunControl
+    from playground.views import lessons
+
+    step, view, out, handlers = step_view
+    lesson = parse_lesson(STEP_LESSON | {"select_step": select_step})
+    tab = lessons.LessonsTab(*lessons.LessonsTab.__dataclass_fields__)
+    opened = tab.on_open("tabs", {"step": view}, None, lesson.id, lessons.LessonSession(lesson), None)
+    assert opened["open_run"] == "step-generate" and opened[view.prompt] == "The sea is"
+    values = [opened.get(c, c.value) for c in view.panel.inputs]
+    return opened, list(handlers.on_run(opened[view.select_once], 390, opened[view.prompt], opened[view.chat],
+                                        "embedded", "none", "probability", None, "", *values, control=RunControl()))
+
+
+def test_open_then_run_selects_the_lessons_step_number(step_view):
+    step, view, out, _ = step_view
+    opened, updates = open_and_run(step_view, 5)
+    assert opened[view.select_once] == 5
+    assert updates[0] == {view.select_once: None}  # cleared first: it applies to this run only
+    final = updates[-1]
+    trace = final[out.session].trace()
+    assert len(trace.steps) == 8 and trace.config["temperature"] == 1.5  # the lesson's preset ran
+    assert final[out.step]["value"] == 5 and "the lesson&#x27;s step 5" in final[out.status]
+    assert final[out.chart].layout.title.text.startswith("step 5:")
+    assert final[out.chart].layout.meta["columns"] <= 2  # laid out for the 390 px page it was given
+
+
+def test_open_then_run_selects_the_min_entropy_step_then_generate_is_the_default_again(step_view):
+    from engine.control import RunControl
+
+    step, view, out, handlers = step_view
+    opened, updates = open_and_run(step_view, "min_entropy")
+    trace = updates[-1][out.session].trace()
+    raw = [s.raw_entropy for s in trace.steps]
+    final = [s.entropy for s in trace.steps]
+    assert raw.index(min(raw)) != final.index(max(final))  # else this test could not tell them apart
+    assert updates[-1][out.step]["value"] == raw.index(min(raw))
+    # The user presses Generate: select_once holds None now, so the view's own default is back.
+    values = [opened.get(c, c.value) for c in view.panel.inputs]
+    again = list(handlers.on_run(None, None, "The sea is", False, "embedded", "none", "probability",
+                                 updates[-1][out.session], updates[-1][out.session].owner, *values, control=RunControl()))
+    assert again[-1][out.session].trace().generated_token_ids == trace.generated_token_ids  # same seed
+    assert again[-1][out.step]["value"] == final.index(max(final))  # the most uncertain step
+
+
+def test_a_failed_open_run_clears_the_selection_and_leaves_the_prompt(step_view):
+    from engine.control import RunControl
+    from playground.shared import UserError
+
+    step, view, out, handlers = step_view
+    values = [c.value for c in view.panel.inputs]
+    values[view.panel.inputs.index(view.panel.components["temperature"])] = -3  # out of range
+    run = handlers.on_run(2, None, "The sea is", False, "embedded", "none", "probability", None, "", *values,
+                          control=RunControl())
+    assert next(run) == {view.select_once: None}
+    with pytest.raises(UserError, match="temperature"):
+        next(run)  # events.streamed shows it as the view's error; the prompt box is not an output

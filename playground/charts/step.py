@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
+from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # the page's script compares against it too
 
 from . import glossary
 from .stage_notes import stage_note
@@ -227,6 +228,26 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
         template="plotly_white", font=dict(size=FONT),
         legend=dict(orientation="h", x=0, xanchor="left", yref="container", y=0, yanchor="bottom", font=dict(size=FONT)),
     )
+    return fig
+
+
+def panel_columns(panels: int, width: float | None) -> int:
+    """Panels per row: all in one row (up to 4) on a wide screen, two a row below NARROW_PX
+    (``width`` None: the page width is not known yet, so wide)."""
+    if width is not None and width < NARROW_PX:
+        return min(2, panels)
+    return min(4, panels) if panels <= 4 else math.ceil(panels / math.ceil(panels / 4))
+
+
+def fitted_stage_chart(step: StepTrace, width: float | None) -> go.Figure:
+    """``stage_chart`` for a page ``width`` px wide (None: not known yet): PANELS_PER_ROW a row,
+    at most two below NARROW_PX (a phone's panels stay readable). ``layout.meta`` says which
+    layout it is, so the page asks for the other one after a resize (page_js)."""
+    narrow = width is not None and width < NARROW_PX
+    count = len(step.stages) + (1 if step.draw is not None else 0)
+    columns = panel_columns(count, width) if narrow else PANELS_PER_ROW
+    fig = stage_chart(step, columns=columns)
+    fig.update_layout(meta={"narrow": narrow, "columns": columns})
     return fig
 
 

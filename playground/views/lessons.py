@@ -2,7 +2,9 @@
 configuration. "Run and check" runs the lesson on the model, selects its step
 (``lessons.selected_step``) and shows the outcome sentence its check verifies
 (``lessons.evaluate``); "Open in its view" puts the prompt and preset into the lesson's view
-(a Compare lesson: every lane, each with its run's configuration).
+(a Compare lesson: every lane, each with its run's configuration), then presses the view's own run
+button (page_js.OPEN_RUN_JS), so the view shows the lesson's run; Step through then selects the
+lesson's step, once (``step.StepView.select_once``).
 A presenter can paste their own lesson JSON and share it by link (``?lesson=<token>``, with
 ``&present=1`` for the presenter view). API: ``/lessons`` lists the built-in lessons.
 """
@@ -10,6 +12,7 @@ A presenter can paste their own lesson JSON and share it by link (``?lesson=<tok
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import json
 import zlib
@@ -26,10 +29,12 @@ from engine.trace import Trace
 from playground.charts import step as charts
 
 from ..events import data_api
+from ..page_js import OPEN_RUN_JS, RUN_BUTTONS
 from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, status_html
 from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
+from .step import StepView
 
 LESSON_PARAM = "lesson"
 TOKEN_PREFIX = "l1."
@@ -123,6 +128,7 @@ class LessonsTab:
     base_url: gr.Textbox
     presenter: PresenterPanel
     session: gr.State = None
+    open_run: gr.Textbox = None  # hidden: the run button "Open in its view" presses ("" none)
 
     def current(self, session: LessonSession | None, choice: str) -> Lesson:
         if session is not None and (choice == session.lesson.id or choice is None):
@@ -200,7 +206,7 @@ class LessonsTab:
     def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None) -> None:
         """Page load: ``?lesson=`` opens that lesson, ``?present=1`` the presenter view; Open fills the
         lesson's view (prompt, chat, the first run's preset; every lane on ``compare_page``, the
-        Compare view's handles) and switches to its tab."""
+        Compare view's handles), switches to its tab and runs it there."""
         demo.load(None, None, [self.base_url], js="() => window.location.origin + window.location.pathname",
                   api_visibility="private")
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
@@ -209,28 +215,36 @@ class LessonsTab:
         demo.load(self.on_query, None, [self.session, self.pick, self.steps, self.present, self.status],
                   api_visibility="private").then(self.on_link, *link_io, api_visibility="private", queue=False)
         handles = {v.name: v for v in views if isinstance(v, PanelView)}
-        targets = [tabs, self.status]
+        targets = [tabs, self.status, self.open_run]
         for view in handles.values():
             targets += [view.prompt, *([view.chat] if view.chat is not None else []), *view.panel.inputs,
                         view.panel.preset, view.panel.modified]
+            targets += [view.select_once] if isinstance(view, StepView) else []
         if compare_page is not None:
             targets += compare.lesson_outputs(compare_page)
-
-        def on_open(choice: str, session: LessonSession | None, stored: Any) -> dict:
-            try:
-                lesson = self.current(session, choice)
-            except LessonError as exc:
-                return {self.status: error_html(str(exc))}
-            runs = "; ".join(f"{p.name} ({p.config.strategy})" for p in lesson.runs)
-            note = status_html(f"opened in {lesson.view}: prompt {lesson.prompt!r}; runs: {runs}")
-            if lesson.view == "compare" and compare_page is not None:
-                updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored))
-            else:
-                updates = open_updates(lesson, handles.get(lesson.view), stored)
-            return updates | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note}
-
+        on_open = functools.partial(self.on_open, tabs, handles, compare_page)
+        # Filled first (not queued), then the view's own run button is pressed in the page: the run,
+        # its streaming, Stop and errors are the view's, and a failed run keeps the lesson's prompt.
         self.open_btn.click(on_open, [self.pick, self.session, self.shared.user_presets], targets,
-                            api_visibility="private", queue=False)
+                            api_visibility="private", queue=False
+                            ).then(None, [self.open_run], None, js=OPEN_RUN_JS, api_visibility="private", queue=False)
+
+    def on_open(self, tabs: gr.Tabs, handles: Mapping[str, PanelView], compare_page: Any, choice: str,
+                session: LessonSession | None, stored: Any) -> dict:
+        """Updates filling the lesson's view (``handles`` by name; Compare's lanes on
+        ``compare_page``), switching to its tab and naming its run button in ``open_run``."""
+        try:
+            lesson = self.current(session, choice)
+        except LessonError as exc:
+            return {self.status: error_html(str(exc)), self.open_run: ""}
+        runs = "; ".join(f"{p.name} ({p.config.strategy})" for p in lesson.runs)
+        note = status_html(f"opened in {lesson.view} and running it: prompt {lesson.prompt!r}; runs: {runs}")
+        if lesson.view == "compare" and compare_page is not None:
+            updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored))
+        else:
+            updates = open_updates(lesson, handles.get(lesson.view), stored)
+        return updates | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note,
+                          self.open_run: RUN_BUTTONS.get(lesson.view, "")}
 
     def on_query(self, request: gr.Request) -> dict:
         params: Mapping[str, str] = dict(request.query_params) if request is not None else {}
@@ -256,7 +270,7 @@ def lane_configs(lesson: Lesson, stored: Any) -> list[tuple[DecodingConfig, str]
 
 def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
     """Updates putting ``lesson``'s prompt and first preset into ``view`` (None: a view without a
-    knob panel: nothing to fill)."""
+    knob panel: nothing to fill); Step through also gets the lesson's step to select after its run."""
     if view is None:
         return {}
     preset = lesson.runs[0]
@@ -264,6 +278,8 @@ def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
     updates = {view.prompt: lesson.prompt} | view.panel.apply_preset(preset, choice, modified)
     if view.chat is not None:
         updates[view.chat] = lesson.chat
+    if isinstance(view, StepView):
+        updates[view.select_once] = lesson.select_step
     return updates
 
 
@@ -288,12 +304,13 @@ def build_tab(shared: Shared) -> LessonsTab:
                 load_btn = gr.Button("Load lesson", elem_id="lessons-load")
                 link = gr.Textbox(label="Link to this lesson", interactive=False, elem_id="lessons-link")
             base_url = gr.Textbox(visible=False, elem_id="lessons-base-url")
+            open_run = gr.Textbox(visible=False, elem_id="lessons-open-run")
         with gr.Column(scale=2, min_width=300):
             presenter = PresenterPanel.build()
             outcome = gr.HTML("", elem_id="lessons-outcome")
             texts = gr.Markdown(elem_id="lessons-texts")
             chart = gr.Plot(label="The lesson's selected step", elem_id="lessons-chart")
     tab = LessonsTab(shared, pick, steps, open_btn, run_btn, status, outcome, texts, chart, custom, load_btn, link,
-                     present, base_url, presenter, gr.State(None))
+                     present, base_url, presenter, gr.State(None), open_run)
     tab.wire()
     return tab

@@ -4,8 +4,8 @@ labels >= 18 px), Next / Previous token (buttons and the left/right arrow keys),
 token" (the chosen token hidden until Reveal), and a QR code of the share link (click to enlarge).
 
 Shown by the toggle on the Lessons tab or the URL flag ``?present=1``; Exit (or Esc) leaves it.
-Pure helpers (``presenter_chart``, ``context_html``, ``panel_columns``) take a trace; the panel
-only wires them.
+Pure helpers (``presenter_chart``, ``context_html``; ``panel_columns`` is charts.step's, shared
+with the Step view) take a trace; the panel only wires them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import plotly.graph_objects as go
 
 from engine.trace import Trace
 from playground import qr
-from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # panels two a row below this page width
 from playground.charts import step as charts
+from playground.charts.step import NARROW_PX, panel_columns  # shared with the Step view's chart
 
 PRESENT_PARAM = "present"
 BIG_FONT = 22  # px: token labels at projector distance (the issue asks >= 18 px at 1280x720)
@@ -48,14 +48,6 @@ ARROW_KEYS_JS = """
 # the tab's own Run and check, which the overlay covers.
 EXIT_JS = "() => { document.querySelector('#lessons-present input')?.click(); }"
 RUN_JS = "() => { document.querySelector('#lessons-run')?.click(); }"
-
-
-def panel_columns(panels: int, width: float | None) -> int:
-    """Panels per row: all in one row (up to 4) on a wide screen, two a row below NARROW_PX
-    (``width`` None: the page width is not known yet, so wide)."""
-    if width is not None and width < NARROW_PX:
-        return min(2, panels)
-    return min(4, panels) if panels <= 4 else math.ceil(panels / math.ceil(panels / 4))
 
 
 def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.Figure:

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
+from engine import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.models import LoadedModel
@@ -64,6 +65,17 @@ class StepSession:
         if len(self.runs) > MAX_RUNS:
             del self.runs[1]
         self.current = len(self.runs) - 1
+
+
+@dataclass
+class StepView(PanelView):
+    """The Step view's handle: its PanelView, plus ``select_once``, a gr.State holding the step to
+    select when the next run ends ("max_entropy" | "min_entropy" | an int; a lesson's "Open in its
+    view" sets it, that run clears it), and ``width``, the page width (px) the page's script writes
+    (the step chart goes at most two panels a row below charts.NARROW_PX)."""
+
+    select_once: Any = None
+    width: Any = None
 
 
 @dataclass(frozen=True)
@@ -117,8 +129,9 @@ def token_legend(colour_by: str) -> str:
 
 
 def render(out: Outputs, session: StepSession, selected: int | None, colour_by: str, status: str = "",
-           full: bool = True) -> dict:
-    """Updates for the session's current run with step ``selected`` in view (``full``: every chart)."""
+           full: bool = True, width: float | None = None) -> dict:
+    """Updates for the session's current run with step ``selected`` in view (``full``: every chart,
+    the step chart laid out for a page ``width`` px wide; None: not known, wide)."""
     trace = session.trace()
     if trace is None or not trace.steps:
         return {out.text: [], out.alternatives: gr.update(choices=[]), out.summary: "", out.status: status,
@@ -135,7 +148,7 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
     }
     if full:
         step = trace.steps[sel]
-        updates |= {out.explain: charts.explain_step(step), out.chart: charts.stage_chart(step),
+        updates |= {out.explain: charts.explain_step(step), out.chart: charts.fitted_stage_chart(step, width),
                     out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
                     out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
                     out.download: downloads.trace_file(trace)}
@@ -157,9 +170,11 @@ def compare_markdown(session: StepSession) -> str:
 
 
 def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequest, control: RunControl,
-               branch: tuple[Trace, int, int | None] | None = None, events: Iterator | None = None) -> Iterator[dict]:
+               branch: tuple[Trace, int, int | None] | None = None, events: Iterator | None = None,
+               select: str | int | None = None, width: float | None = None) -> Iterator[dict]:
     """Run ``req`` (or branch ``(parent, at, token)``) and yield throttled updates; the last one has
-    every chart."""
+    every chart, on the branch's step, else on ``select`` (a lesson's: "max_entropy" | "min_entropy"
+    | an int, see engine.lessons.selected_step), else on the most uncertain step."""
     at = branch[1] if branch else None
     if events is not None:
         pass  # a what-if continuation (whatif.continue_events): the caller made the run's events
@@ -179,10 +194,29 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
                                                        branch_of=at)
             note = f"generating… {len(steps) - (at or 0)} / {req.config.max_new_tokens} tokens"
             yield render(out, session, None, req.colour_by, status_html(note), full=False)
-    done = (f"done: {len(steps)} tokens, stopped by {session.runs[index].stop_reason}. Showing the most uncertain "
-            f"step; click any token (or use ←/→) to inspect another.")
-    yield render(out, session, at if at is not None else most_uncertain(session.runs[index].steps), req.colour_by,
-                 status_html(done))
+    final = session.runs[index]
+    if at is not None:
+        shown, what = at, f"step {at}, where it branched"
+    elif select is not None:
+        shown = engine_lessons.selected_step(final, select)
+        what = f"the lesson's step {shown}"
+    else:
+        shown, what = most_uncertain(final.steps), "the most uncertain step"
+    done = (f"done: {len(steps)} tokens, stopped by {final.stop_reason}. Showing {what}; click any token "
+            f"(or use ←/→) to inspect another.")
+    yield render(out, session, shown, req.colour_by, status_html(done), width=width)
+
+
+def page_width(value: Any) -> float | None:
+    """The page width the page's script wrote (px), or None when it is not known (yet)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def lesson_select(value: Any) -> str | int | None:
+    """A lesson's select_step as held in ``StepView.select_once``, or None (anything else)."""
+    if value in ("max_entropy", "min_entropy"):
+        return value
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def most_uncertain(steps: list) -> int:
@@ -190,7 +224,7 @@ def most_uncertain(steps: list) -> int:
     return max(range(len(steps)), key=lambda i: (steps[i].entropy, -i)) if steps else 0
 
 
-def build_tab(shared: Shared) -> PanelView:
+def build_tab(shared: Shared) -> StepView:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="step-prompt")
@@ -211,6 +245,8 @@ def build_tab(shared: Shared) -> PanelView:
             step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-index")
             explain = gr.Markdown(EMPTY_EXPLAIN, elem_id="step-explain")
             chart = gr.Plot(label="Distribution after each stage", elem_id="step-chart")
+            width = gr.Number(None, show_label=False, elem_id="step-width", elem_classes=["dp-hidden"])
+            redraw = gr.Button("redraw", elem_id="step-redraw", elem_classes=["dp-hidden"])
             what_if = WhatIfPanel.build()
             with gr.Row():
                 alternatives = gr.Dropdown([], label="Branch: pick another token at this step", scale=3, elem_id="step-alt")
@@ -224,10 +260,10 @@ def build_tab(shared: Shared) -> PanelView:
                   gr.State(None, time_to_live=SESSION_TTL_S),
                   gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET))
     panel.wire()
-    view = PanelView("step", prompt, panel, chat)
+    view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width)
     example = examples.ExampleRequest("step", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel), chat=True)
     examples.cache_for(shared.registry).want(example)
-    Handlers(shared, view, out, colour_by, example).wire(generate, branch_btn, stop)
+    Handlers(shared, view, out, colour_by, example, redraw).wire(generate, branch_btn, stop)
     what_if.wire(shared, view, out, colour_by, stream_run, own, StepRequest)
     return view
 
@@ -241,12 +277,15 @@ class Handlers:
     out: Outputs
     colour_by: gr.Radio
     example: examples.ExampleRequest | None = None
+    redraw: gr.Button | None = None  # hidden; the page's script presses it when the chart's layout misses the width
 
     def error(self, message: str) -> dict:
         return {self.out.status: error_html(message)}
 
     def on_generate(self, prompt: str, chat: bool, model: str, quant: str, colour: str, state: StepSession | None,
-                    owner: str, *values: Any, control: RunControl) -> Iterator[dict]:
+                    owner: str, *values: Any, control: RunControl, select: str | int | None = None,
+                    width: float | None = None) -> Iterator[dict]:
+        """Run the prompt under the panel's knobs; the last update selects ``select`` (see stream_run)."""
         if state is not None and not state.owned_by(owner):
             raise UserError("session: this session belongs to another page; reload the page")
         config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, model, quant, prompt, chat)
@@ -254,10 +293,17 @@ class Handlers:
         session = StepSession(owner=owner)  # a new prompt starts a new list of runs
         yield {self.out.owner: owner}
         yield from stream_run(self.out, self.shared, session, StepRequest(lm, prompt, prompt_ids, config, chat, colour),
-                              control)
+                              control, select=select, width=width)
+
+    def on_run(self, select_once: Any, width: Any, *args: Any, control: RunControl) -> Iterator[dict]:
+        """Generate (the button, Ctrl/Cmd+Enter, a lesson's Open): ``on_generate`` of ``args``, ending
+        on ``select_once``'s step when a lesson set it. It is cleared first, so it applies to this run
+        only (a failed one too): the next Generate shows the most uncertain step again."""
+        yield {self.view.select_once: None}
+        yield from self.on_generate(*args, control=control, select=lesson_select(select_once), width=page_width(width))
 
     def on_branch(self, model: str, quant: str, colour: str, state: StepSession | None, owner: str, at: Any,
-                  token: Any, *, control: RunControl) -> Iterator[dict]:
+                  token: Any, width: Any = None, *, control: RunControl) -> Iterator[dict]:
         state = own(state, owner)
         if state is None or state.trace() is None:
             raise UserError("branch: generate a run first")
@@ -267,16 +313,18 @@ class Handlers:
         lm = self.shared.lm(model, quant)
         req = StepRequest(lm, parent.prompt, parent.prompt_token_ids, DecodingConfig.from_dict(parent.config),
                           parent.chat, colour)
-        yield from stream_run(self.out, self.shared, state, req, control, branch=(parent, int(at), int(token)))
+        yield from stream_run(self.out, self.shared, state, req, control, branch=(parent, int(at), int(token)),
+                              width=page_width(width))
 
     def wire(self, generate: gr.Button, branch: gr.Button, stop: gr.Button) -> None:
         out, shared, events = self.out, self.shared, self.shared.events
-        gen_inputs = [self.view.prompt, self.view.chat, shared.model, shared.quantization, self.colour_by, out.session,
-                      out.owner, *self.view.panel.inputs]
-        gen_event = events.on([generate.click, self.view.prompt.submit], self.on_generate, gen_inputs, out.all(),
-                              on_error=self.error)
+        gen_inputs = [self.view.select_once, self.view.width, self.view.prompt, self.view.chat, shared.model,
+                      shared.quantization, self.colour_by, out.session, out.owner, *self.view.panel.inputs]
+        gen_event = events.on([generate.click, self.view.prompt.submit], self.on_run, gen_inputs,
+                              [*out.all(), self.view.select_once], on_error=self.error)
         branch_event = events.on([branch.click], self.on_branch, [shared.model, shared.quantization, self.colour_by,
-                                                                  out.session, out.owner, out.step, out.alternatives],
+                                                                  out.session, out.owner, out.step, out.alternatives,
+                                                                  self.view.width],
                                  out.all(), on_error=self.error)
         stop_button(stop, out.status, [gen_event, branch_event], status_html("stopped"))
         self.wire_local()
@@ -313,26 +361,37 @@ class Handlers:
         """Events that only redraw the session's traces (no model): not queued, not API endpoints."""
         out, local = self.out, {"api_visibility": "private", "queue": False}
 
-        def on_select(state: StepSession | None, owner: str, colour: str, evt: gr.SelectData) -> dict:
+        def on_select(state: StepSession | None, owner: str, colour: str, width: Any, evt: gr.SelectData) -> dict:
             index = evt.index if isinstance(evt.index, int) else evt.index[0]
-            return redraw(state, owner, index, colour)
+            return redraw(state, owner, index, colour, width)
 
-        def redraw(state: StepSession | None, owner: str, index: Any, colour: str) -> dict:
+        def redraw(state: StepSession | None, owner: str, index: Any, colour: str, width: Any) -> dict:
             state = own(state, owner)
-            return {} if state is None else render(out, state, index, colour)
+            return {} if state is None else render(out, state, index, colour, width=page_width(width))
 
-        def on_pick_run(state: StepSession | None, owner: str, index: Any, colour: str) -> dict:
+        def on_pick_run(state: StepSession | None, owner: str, index: Any, colour: str, width: Any) -> dict:
             state = own(state, owner)
             if state is None or index is None or not 0 <= int(index) < len(state.runs):
                 return {}
             state.current = int(index)
-            return render(out, state, state.trace().branch_of or 0, colour)
+            return render(out, state, state.trace().branch_of or 0, colour, width=page_width(width))
 
-        mine = [out.session, out.owner]
-        out.text.select(on_select, [*mine, self.colour_by], out.all(), **local)
-        out.step.release(redraw, [*mine, out.step, self.colour_by], out.all(), **local)
-        self.colour_by.change(redraw, [*mine, out.step, self.colour_by], out.all(), **local)
-        out.runs.input(on_pick_run, [*mine, out.runs, self.colour_by], out.all(), **local)
+        def on_width(state: StepSession | None, owner: str, index: Any, width: Any) -> dict:
+            """The page crossed the narrow width (or the chart was laid out for the other one): the
+            selected step's chart again, for this width."""
+            state = own(state, owner)
+            trace = state.trace() if state is not None else None
+            if trace is None or not trace.steps:
+                return {}
+            step = trace.steps[max(0, min(int(index or 0), len(trace.steps) - 1))]
+            return {out.chart: charts.fitted_stage_chart(step, page_width(width))}
+
+        mine, width = [out.session, out.owner], self.view.width
+        out.text.select(on_select, [*mine, self.colour_by, width], out.all(), **local)
+        out.step.release(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
+        self.colour_by.change(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
+        out.runs.input(on_pick_run, [*mine, out.runs, self.colour_by, width], out.all(), **local)
+        gr.on([width.change, self.redraw.click], on_width, [*mine, out.step, width], [out.chart], **local)
 
 
 def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,

@@ -133,9 +133,12 @@ class WhatIfPanel:
         Continue is a model event that streams the new branch into the view."""
         panel = view.panel
         triggers = [c.input for c in panel.inputs]
-        inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, self.kept, *panel.inputs]
+        from .step import page_width  # step imports this module
 
-        def on_knob(state, owner, step, model, quant, kept, *values) -> dict:
+        inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, self.kept, view.width,
+                  *panel.inputs]
+
+        def on_knob(state, owner, step, model, quant, kept, width, *values) -> dict:
             state = own(state, owner)
             trace = state.trace() if state is not None else None
             if trace is None or not trace.steps or trace.strategy not in ("greedy", "sample"):
@@ -147,13 +150,14 @@ class WhatIfPanel:
                 changed, kept = whatif_step(lm, trace, at, knobs, kept, context_key(model, quant, trace, at))
             except (UserError, ConfigError, ValueError) as exc:
                 return {self.note: error_html(str(exc))}
-            return {out.chart: charts.stage_chart(changed), self.kept: kept,
+            return {out.chart: charts.fitted_stage_chart(changed, page_width(width)), self.kept: kept,
                     self.note: whatif_note(trace.steps[at], changed, knobs, trace.config)}
 
         gr.on(triggers, on_knob, inputs, [out.chart, self.note, self.kept], api_visibility="private",
               trigger_mode="always_last", **WHATIF_CONCURRENCY)
 
-        def on_continue(model, quant, colour, state, owner, step, *values, control: RunControl) -> Iterator[dict]:
+        def on_continue(model, quant, colour, state, owner, step, width, *values,
+                        control: RunControl) -> Iterator[dict]:
             state = own(state, owner)
             if state is None or state.trace() is None or not state.trace().steps:
                 raise UserError("continue: generate a run first")
@@ -163,9 +167,11 @@ class WhatIfPanel:
             lm = shared.lm(model, quant)
             req = request_cls(lm, parent.prompt, parent.prompt_token_ids, config, parent.chat, colour)
             events = continue_events(shared, lm, parent, at, config, control)
-            yield from stream_run(out, shared, state, req, control, branch=(parent, at, None), events=events)
+            yield from stream_run(out, shared, state, req, control, branch=(parent, at, None), events=events,
+                                  width=page_width(width))
 
         shared.events.on([self.continue_btn.click], on_continue,
-                         [shared.model, shared.quantization, colour_by, out.session, out.owner, out.step, *panel.inputs],
+                         [shared.model, shared.quantization, colour_by, out.session, out.owner, out.step, view.width,
+                          *panel.inputs],
                          out.all(), on_error=lambda message: {out.status: error_html(message)}, what="continue")
         shared.events.api(functools.partial(explore_api, shared), "explore_step", what="what-if")
