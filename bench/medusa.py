@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--shapes", default="chain,4x10", help="comma-separated: chain and/or WIDTHxNODES trees")
     p.add_argument("--ngram", action="store_true", help="also the n-gram speculative drafter (K=4) on the same prompts")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, the app's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     registry = ModelRegistry(capacity=2)
     lm = registry.get(ModelSpec())
     print(f"{lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, {args.tokens} tokens, "
