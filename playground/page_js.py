@@ -12,6 +12,7 @@ PROMPT_BUTTONS = {"step-prompt": "step-generate", "cmp-prompt": "cmp-run", "beam
 RUN_BUTTONS = {"step": "step-generate", "compare": "cmp-run", "beam": "beam-run", "speculative": "spec-generate",
                "quantization": "quant-measure"}
 PRESENT_NARROW_PX = 900  # the presenter's and Step through's charts go two panels a row on pages narrower than this
+PHONE_PX = 600  # Step through's chart goes one panel a row below this (app.CSS stacks the columns there too)
 
 # After "Open in its view" filled the view (its tab switching in): press the view's run button once
 # it is shown, so the lesson runs through the view's own handler (its errors, Stop, streaming).
@@ -70,7 +71,9 @@ _JS = r"""
     if (box.value !== want) { setValue(box, want); return; }
     const plot = document.querySelector(`#${name}-chart .js-plotly-plot`);
     const meta = plot && plot.layout && plot.layout.meta;
-    if (meta && meta.narrow !== (window.innerWidth < __NARROW__) && plot.dataset.dpAsked !== want) {
+    const stale = meta && (meta.narrow !== (window.innerWidth < __NARROW__)
+                           || (meta.phone !== undefined && meta.phone !== (window.innerWidth < __PHONE__)));
+    if (stale && plot.dataset.dpAsked !== want) {
       plot.dataset.dpAsked = want;
       document.getElementById(`${name}-redraw`)?.click();
     }
@@ -157,7 +160,7 @@ _JS = r"""
 """
 
 HEAD = ("<script>" + _JS.replace("__PROMPTS__", str(PROMPT_BUTTONS).replace("'", '"'))
-        .replace("__NARROW__", str(PRESENT_NARROW_PX)) + "</script>")
+        .replace("__NARROW__", str(PRESENT_NARROW_PX)).replace("__PHONE__", str(PHONE_PX)) + "</script>")
 
 CSS = """
 .dp-hidden { display: none !important; }

@@ -16,7 +16,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
-from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # the page's script compares against it too
+from playground.page_js import PHONE_PX
+from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # the page's script compares against these too
 
 from . import glossary
 from .stage_notes import stage_note
@@ -31,6 +32,7 @@ DRAW = "#222222"  # the u line
 MARKER = "#6a1b9a"  # the selected step on the run chart (not a data line's colour)
 ENTROPY, SURPRISAL = "#4c78a8", "#a35d00"
 PANELS_PER_ROW = 3
+PHONE_GAP_PX = 100  # between a phone's rows: a panel's 3-4 title lines, nothing more
 FONT = 14  # px, the smallest chart text
 TITLE_WRAP = 14  # characters per subplot title line: titles wrap instead of overlapping at 390 px
 SUP_WRAP = 18  # characters of the smaller "kept 56 tokens · −9.9%" line under it (else two lines)
@@ -184,12 +186,14 @@ def _legend_traces() -> list[go.Bar]:
                                                            pattern_shape="/"), **swatch)]
 
 
-def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW) -> go.Figure:
+def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW,
+                gap_px: int | None = None) -> go.Figure:
     """Small multiples: the top-N tokens raw, after each stage in order, and final; tokens a stage
     removed are hatched; the chosen token is always drawn (after a gap when outside the top-N);
     the last panel shows where u landed. ``shared_axis``: every stage panel on one probability
     axis, so a stage's effect is bar length (False: each panel zoomed to its own scale).
-    ``columns``: panels per row (1 or 2 suits a phone)."""
+    ``columns``: panels per row (1 or 2 suits a phone); ``gap_px``: the room between rows (None: a
+    share of the height, which leaves tall single-column charts short panels)."""
     panels = list(step.stages)
     with_draw = step.draw is not None
     count = len(panels) + (1 if with_draw else 0)
@@ -198,8 +202,10 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     titles = [stage_title(s) for s in panels]
     if with_draw:
         titles.append(f"where the draw<br>landed: u = {step.draw:.3f}<br><sup>sorted cumulative</sup>")
+    height = max(360, (330 if gap_px is None else 260 + gap_px) * rows + 120)
+    spacing = min(0.3, 0.5 / rows) if gap_px is None else gap_px / (height - 180)  # 180: top + bottom margins
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.12,
-                        vertical_spacing=min(0.3, 0.5 / rows) if rows > 1 else 0.1)
+                        vertical_spacing=spacing if rows > 1 else 0.1)
     for i, stage in enumerate(panels):
         for bar in _stage_traces(stage, step):
             fig.add_trace(bar, row=i // cols + 1, col=i % cols + 1)
@@ -219,7 +225,6 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
             fig.update_xaxes(range=[0, top], row=i // cols + 1, col=i % cols + 1)
     fig.update_annotations(font_size=FONT + 1)
     axis_note = "one probability axis for all stages" if shared_axis else "each panel on its own scale"
-    height = max(360, 330 * rows + 120)
     fig.update_layout(
         height=height, margin=dict(l=10, r=10, t=110, b=70), bargap=0.25, barmode="overlay",
         title=dict(text=f"step {step.index}: chose {html.escape(readable(step.chosen_token))} (p = {step.chosen_prob:.1%})"
@@ -241,13 +246,15 @@ def panel_columns(panels: int, width: float | None) -> int:
 
 def fitted_stage_chart(step: StepTrace, width: float | None) -> go.Figure:
     """``stage_chart`` for a page ``width`` px wide (None: not known yet): PANELS_PER_ROW a row,
-    at most two below NARROW_PX (a phone's panels stay readable). ``layout.meta`` says which
-    layout it is, so the page asks for the other one after a resize (page_js)."""
+    two below NARROW_PX, one below PHONE_PX (two panels in a phone's 390 px leave ~80 px of bars
+    and every other token label). ``layout.meta`` says which layout it is, so the page asks for
+    the other one after a resize (page_js)."""
     narrow = width is not None and width < NARROW_PX
+    phone = width is not None and width < PHONE_PX
     count = len(step.stages) + (1 if step.draw is not None else 0)
-    columns = panel_columns(count, width) if narrow else PANELS_PER_ROW
-    fig = stage_chart(step, columns=columns)
-    fig.update_layout(meta={"narrow": narrow, "columns": columns})
+    columns = 1 if phone else panel_columns(count, width) if narrow else PANELS_PER_ROW
+    fig = stage_chart(step, columns=columns, gap_px=PHONE_GAP_PX if phone else None)
+    fig.update_layout(meta={"narrow": narrow, "phone": phone, "columns": columns})
     return fig
 
 

@@ -382,7 +382,7 @@ class Handlers:
             state = own(state, owner)
             trace = state.trace() if state is not None else None
             if trace is None or not trace.steps:
-                return {}
+                return {out.chart: gr.skip()}  # an empty dict would read as the chart's value
             step = trace.steps[max(0, min(int(index or 0), len(trace.steps) - 1))]
             return {out.chart: charts.fitted_stage_chart(step, page_width(width))}
 

@@ -1,0 +1,78 @@
+"""A lesson's "Open in its view" in a real browser (embedded model): Step through runs the lesson and
+lands on the lesson's step (its token chip outlined, the step box and chart on it), once: the next
+Generate shows the most uncertain step again. On a phone (390x844) the Step chart of that run is
+laid out one panel a row (at most two is the ask), within the page width, its token labels still readable."""
+
+import json
+
+import pytest
+
+from playground.views.lessons import lesson_token
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+# A short sampled run with five panels (raw, temperature, top-k, final, the draw): three a row on a
+# wide page (3 + 2), on a phone one a row.
+LESSON = {"version": 1, "id": "open-test", "title": "Open me", "view": "step", "chat": False,
+          "prompt": "The capital of France is", "select_step": 2,
+          "preset": {"version": 1, "name": "T 0.8, top-k 20", "strategy": "sample", "temperature": 0.8, "top_k": 20,
+                     "seed": 3, "max_new_tokens": 5},
+          "steps": ["Step 2 of this run is selected.", "Press Generate: the most uncertain step again."]}
+SELECTED = """() => [...document.querySelectorAll('#step-text .token')].findIndex(t => t.classList.contains('dp-selected'))"""
+CHART_TITLE = "() => document.querySelector('#step-chart .gtitle')?.textContent || ''"
+
+
+def open_lesson(page, live_app) -> None:
+    page.goto(f"{live_app}/?lesson={lesson_token(json.dumps(LESSON))}")
+    page.locator("#lessons-steps").get_by_text("Step 2 of this run is selected").wait_for()
+    page.click("#lessons-open")
+    page.wait_for_selector("#step-prompt:visible")
+    page.wait_for_selector("#step-status:has-text('done:')", timeout=300_000)
+
+
+def test_open_runs_the_lesson_in_step_through_and_selects_its_step(page, live_app, artifacts):
+    open_lesson(page, live_app)
+    assert page.locator("#step-prompt textarea").input_value() == LESSON["prompt"]
+    assert page.locator("#step-text .token").count() == 5  # the lesson's 5 tokens, generated
+    assert "the lesson's step 2" in page.locator("#step-status").inner_text()
+    page.wait_for_function(f"() => ({SELECTED})() === 2")  # the lesson's token chip is the selected one
+    assert page.locator("#step-index input[type=number]").input_value() == "2"
+    page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step 2:')")  # plotly draws a moment later
+    assert page.locator("#step-text .token[aria-current=true]").count() == 1
+    page.screenshot(path=str(artifacts / "lesson-open-step.png"), full_page=True)
+
+    # Generate again (same prompt and knobs, same seed): the view's own default selection is back.
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('the most uncertain step')", timeout=300_000)
+    assert page.locator("#step-status .dp-error").count() == 0
+    index = int(page.locator("#step-index input[type=number]").input_value())
+    page.wait_for_function(f"() => ({SELECTED})() === {index}")
+    page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step {index}:')")
+
+
+def test_step_chart_on_a_phone_is_at_most_two_panels_a_row(browser, live_app, artifacts):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True,
+                                  has_touch=True)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    open_lesson(page, live_app)
+    page.wait_for_function("() => document.querySelector('#step-chart .js-plotly-plot')?.layout?.meta?.narrow === true")
+    page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step 2:')")
+    # Each subplot's x axis as drawn (page px): their left edges give the columns.
+    panels = page.evaluate("""() => {
+        const plot = document.querySelector('#step-chart .js-plotly-plot'), layout = plot._fullLayout;
+        const left = plot.getBoundingClientRect().x;
+        return Object.keys(layout).filter(k => /^xaxis[0-9]*$/.test(k)).map(k => layout[k]).map(a => (
+            {x: Math.round(left + a._offset), right: left + a._offset + a._length, width: a._length}));
+    }""")
+    assert len(panels) == 5, panels
+    assert len({p["x"] for p in panels}) <= 2, panels  # at most two columns (one, below page_js.PHONE_PX)
+    assert all(p["right"] <= 390 + 1 and p["width"] >= 150 for p in panels), panels  # bars with room
+    sizes = page.evaluate("""() => [...document.querySelectorAll('#step-chart .ytick text')]
+        .map(t => parseFloat(getComputedStyle(t).fontSize))""")
+    assert sizes and min(sizes) >= 12, sizes
+    assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth + 1")
+    chart = page.locator("#step-chart .js-plotly-plot").bounding_box()
+    assert chart["x"] >= -1 and chart["x"] + chart["width"] <= 390 + 1, chart
+    page.locator("#step-chart").screenshot(path=str(artifacts / "lesson-open-step-phone-chart.png"))
+    context.close()
