@@ -191,6 +191,31 @@ def test_presenter_chart_labels_are_projector_sized(trace):
     assert ">?</mark>" in hidden and "p = " not in hidden and "p = " in shown
 
 
+# --- Step through's chart at the page's width --------------------------------------------------
+@pytest.mark.parametrize("width, columns", [(None, 3), (1400, 3), (900, 3), (899, 2), (600, 2), (599, 1), (390, 1)])
+def test_step_chart_columns_follow_the_page_width(trace, width, columns):
+    from playground.charts import step as charts
+
+    step = trace.steps[0]  # raw, temperature, top-k, top-p, final and the draw: 6 panels
+    assert len(step.stages) + 1 == 6
+    fig = charts.fitted_stage_chart(step, width)
+    assert fig.layout.meta["columns"] == columns and fig.layout.meta["narrow"] == (width is not None and width < 900)
+    lefts = {round(fig.layout[k].domain[0], 3) for k in fig.layout if k.startswith("xaxis")}
+    assert len(lefts) == columns  # the subplots' left edges: one per column
+    if columns == 1:  # a phone: the six rows 100 px apart, each panel ~260 px tall
+        assert fig.layout.height == 6 * 360 + 120
+
+
+def test_open_of_a_lesson_whose_view_has_no_handle_switches_tab_without_running():
+    from playground.views import lessons
+
+    tab = lessons.LessonsTab(*lessons.LessonsTab.__dataclass_fields__)
+    lesson = builtin_lessons()["kv-cache"]  # Quantization & KV cache: no prompt box to fill
+    opened = tab.on_open("tabs", {}, None, lesson.id, None, None)
+    assert opened["open_run"] == "" and "run it there" in opened["status"]
+    assert opened["tabs"].selected == "tab-quantization"
+
+
 # --- the endpoints over gradio_client ---------------------------------------------------------
 @pytest.mark.slow
 def test_explore_step_endpoint_reproduces_the_traces_stages(live_app):

@@ -243,8 +243,10 @@ class LessonsTab:
             updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored))
         else:
             updates = open_updates(lesson, handles.get(lesson.view), stored)
+        if not updates:  # a view with no handle to fill (Quantization & KV cache): running its own prompt would mislead
+            note = status_html(f"opened {lesson.view}: run it there with the lesson's prompt {lesson.prompt!r}")
         return updates | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note,
-                          self.open_run: RUN_BUTTONS.get(lesson.view, "")}
+                          self.open_run: RUN_BUTTONS.get(lesson.view, "") if updates else ""}
 
     def on_query(self, request: gr.Request) -> dict:
         params: Mapping[str, str] = dict(request.query_params) if request is not None else {}
