@@ -72,7 +72,7 @@ class StepView(PanelView):
     """The Step view's handle: its PanelView, plus ``select_once``, a gr.State holding the step to
     select when the next run ends ("max_entropy" | "min_entropy" | an int; a lesson's "Open in its
     view" sets it, that run clears it), and ``width``, the page width (px) the page's script writes
-    (the step chart goes at most two panels a row below charts.NARROW_PX)."""
+    (the step chart goes two panels a row below charts.NARROW_PX, one below charts.PHONE_PX)."""
 
     select_once: Any = None
     width: Any = None
