@@ -102,6 +102,8 @@ _JS = r"""
     presentWidth();
     markSelected();
   }).observe(document.documentElement, {childList: true, subtree: true});
+  // The step box's value is set as a property (no DOM mutation when only it changes): look again.
+  setInterval(markSelected, 250);
 
   // The sortable stage list writes its order into the hidden textbox named by data-target.
   const commit = ol => {

@@ -49,6 +49,12 @@ def test_open_runs_the_lesson_in_step_through_and_selects_its_step(page, live_ap
     page.wait_for_function(f"() => ({SELECTED})() === {index}")
     page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step {index}:')")
 
+    # Narrowed to a phone, the page asks for the chart again, one panel a row (page_js's width box).
+    assert page.evaluate("() => document.querySelector('#step-chart .js-plotly-plot').layout.meta.columns") == 3
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_function("() => document.querySelector('#step-chart .js-plotly-plot').layout.meta.columns === 1")
+    page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step {index}:')")  # the same step
+
 
 def test_step_chart_on_a_phone_is_at_most_two_panels_a_row(browser, live_app, artifacts):
     context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True,
