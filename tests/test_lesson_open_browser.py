@@ -18,7 +18,8 @@ LESSON = {"version": 1, "id": "open-test", "title": "Open me", "view": "step", "
           "preset": {"version": 1, "name": "T 0.8, top-k 20", "strategy": "sample", "temperature": 0.8, "top_k": 20,
                      "seed": 3, "max_new_tokens": 5},
           "steps": ["Step 2 of this run is selected.", "Press Generate: the most uncertain step again."]}
-SELECTED = """() => [...document.querySelectorAll('#step-text .token')].findIndex(t => t.classList.contains('dp-selected'))"""
+SELECTED = ("() => [...document.querySelectorAll('#step-text .token')]"
+            ".findIndex(t => t.classList.contains('dp-selected'))")
 CHART_TITLE = "() => document.querySelector('#step-chart .gtitle')?.textContent || ''"
 
 

@@ -135,8 +135,9 @@ def test_open_then_run_selects_the_min_entropy_step_then_generate_is_the_default
     assert updates[-1][out.step]["value"] == raw.index(min(raw))
     # The user presses Generate: select_once holds None now, so the view's own default is back.
     values = [opened.get(c, c.value) for c in view.panel.inputs]
-    again = list(handlers.on_run(None, None, "The sea is", False, "embedded", "none", "probability",
-                                 updates[-1][out.session], updates[-1][out.session].owner, *values, control=RunControl()))
+    session = updates[-1][out.session]
+    again = list(handlers.on_run(None, None, "The sea is", False, "embedded", "none", "probability", session,
+                                 session.owner, *values, control=RunControl()))
     assert again[-1][out.session].trace().generated_token_ids == trace.generated_token_ids  # same seed
     assert again[-1][out.step]["value"] == final.index(max(final))  # the most uncertain step
 
