@@ -1,10 +1,12 @@
 """The stages: small named pure objects ``(input_ids, logits) -> logits``.
 
 Where transformers has the processor, a stage wraps it (exact by construction; the oracle tests
-guard the wrapping). Frequency/presence penalties and word constraints are ours, and so are the
-samplers of llama.cpp / text-generation-webui that transformers lacks (DRY, XTC, top-nσ, dynamic
-temperature, smoothing, mirostat, top-a), each following its reference definition. Every stage
-returns a new tensor and never modifies its inputs. Shapes: input_ids [B, S], logits [B, V].
+guard the wrapping; top-p skips the processor's full sort where the answer is certain without it,
+and returns the same tensor bit for bit). Frequency/presence penalties and word constraints are
+ours, and so are the samplers of llama.cpp / text-generation-webui that transformers lacks (DRY,
+XTC, top-nσ, dynamic temperature, smoothing, mirostat, top-a), each following its reference
+definition. Every stage returns a new tensor and never modifies its inputs. Shapes: input_ids
+[B, S], logits [B, V].
 
 Two stages carry state across steps: mirostat (μ, updated by ``observe`` after each pick) and XTC
 (it draws from the run's generator). A run that uses them calls ``Chain.observe`` after every pick
@@ -78,11 +80,70 @@ class TopK(_Wrapped):
 
 
 class TopP(_Wrapped):
+    """transformers' ``TopPLogitsWarper``, without its full sort of the vocabulary where the answer
+    is certain from the top candidates (``top_p_fast``): the same tensor, bit for bit."""
+
     name = "top_p"
 
     def __init__(self, top_p: float):
         _require(0 < top_p <= 1, "top_p", top_p, "(0, 1]")
         super().__init__(tlp.TopPLogitsWarper(top_p=top_p), top_p=top_p)
+
+    def __call__(self, input_ids, logits):
+        return top_p_fast(input_ids, logits, self.params["top_p"], self._processor)
+
+
+TOP_P_FLOOR = 1e-6  # the fast path sorts only the tokens at least this likely
+
+
+def top_p_fast(input_ids: torch.LongTensor, logits: torch.Tensor, top_p: float, oracle: Callable,
+               floor: float = TOP_P_FLOOR) -> torch.Tensor:
+    """``oracle(input_ids, logits)`` (transformers' top-p: sort the whole row ascending, remove the
+    tokens whose float32 cumulative probability is <= 1 - top_p, keep at least one) computed by
+    sorting only the row's tokens of probability >= ``floor`` where that gives the same answer
+    (on the embedded model a row has a few to a few hundred such tokens: 3x faster on 4 rows).
+
+    A token is kept iff the probability of the tokens above it is < top_p. In float64 over the
+    candidates that boundary is exact, and every token below ``floor`` is below the first removed
+    token, so removed too (when every candidate is kept, the first token below the floor has all
+    of their mass above it). transformers' float32 cumsum over V sorted values can be off by at
+    most about V * 2^-24 * (its running sum there) (first-order bound of a sum in any order; the
+    softmax's normaliser, a sum too, scales every probability by at most as much). A row takes
+    this path only when both tokens beside the boundary are further than twice that bound from
+    top_p and are not tied (a tie's order is the sort's choice); other rows (NaN, +inf, all -inf,
+    top_p near 1) go to ``oracle``, and so does everything off the CPU. Shapes: logits [B, V] ->
+    [B, V], a new tensor."""
+    vocab = logits.shape[-1]
+    if top_p >= 0.999 or logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return oracle(input_ids, logits)  # a GPU sorts [B, V] in well under a millisecond; row loops sync
+    probs = torch.softmax(logits.double(), dim=-1)  # [B, V]
+    out = torch.full_like(logits, -float("inf"))
+    slow: list[int] = []
+    bad = (torch.isnan(logits) | (logits == float("inf"))).any(dim=-1).tolist()
+    for b in range(logits.shape[0]):
+        index = (probs[b] >= floor).nonzero().squeeze(1) if not bad[b] else None
+        if index is None or len(index) == 0 or len(index) > vocab // 2:  # a flat row: sorting it all is as cheap
+            slow.append(b)
+            continue
+        top, order = torch.sort(probs[b, index], descending=True)
+        above = top.cumsum(dim=0) - top  # mass strictly above each candidate
+        n_keep = int((above < top_p).sum())
+        kept = index[order[:n_keep]]
+        above_last = float(above[n_keep - 1])
+        if n_keep < len(index):  # the first removed token is a candidate
+            above_out = float(above[n_keep])
+            tied = bool(logits[b, kept[-1]] == logits[b, index[order[n_keep]]])
+        else:  # every candidate kept: the first token below the floor has all their mass above it
+            above_out, tied = float(top.sum()), False  # (strictly less likely, so never tied)
+        bound = 2 * (vocab * 2.0 ** -24 * (1 - above_last) + 1e-6)  # |float32 cumsum - exact|, doubled
+        if top_p - above_last <= bound or above_out - top_p <= bound or tied:
+            slow.append(b)
+            continue
+        out[b, kept] = logits[b, kept]
+    if slow:
+        rows = torch.tensor(slow, device=logits.device)
+        out[rows] = oracle(input_ids, logits[rows])  # top-p ignores the ids
+    return out
 
 
 class MinP(_Wrapped):

@@ -106,7 +106,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
                 if isinstance(handle, PanelView):
                     handles.append(handle)
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
-        lessons_tab.wire_page(demo, tabs, handles, pages["compare"])
+        lessons_tab.wire_page(demo, tabs, handles, pages["compare"], pages["quantization"])
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     # The views' example runs (first screens that already show a result), off the launch's path.
     examples.cache_for(registry).start(shared, default_model)

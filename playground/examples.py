@@ -12,15 +12,17 @@ quantization, prompt, preset, config and chat; it holds one entry per view, neve
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine.config import DecodingConfig
-from engine.control import RunControl
+from engine.control import RunControl, RunStopped
 from engine.trace import Trace
 
 if TYPE_CHECKING:  # shared imports gradio; this module is imported by it only through the views
@@ -94,6 +96,8 @@ class ExampleCache:
         self._queued: dict[tuple, ExampleRequest] = {}
         self._pending: set[tuple] = set()  # keys a startup thread has yet to finish
         self._thread: threading.Thread | None = None
+        self._control: RunControl | None = None  # the running thread's: close() cancels it
+        _CACHES.add(self)
 
     def want(self, request: ExampleRequest) -> None:
         """Queue ``request`` for the next ``start`` (a request already done or queued is kept once)."""
@@ -110,17 +114,23 @@ class ExampleCache:
             if not todo or not enabled():
                 return None
             self._pending |= {r.key(model, quantization) for r in todo}
-            thread = threading.Thread(target=self._run, args=(shared, todo, model, quantization),
+            self._control = RunControl(deadline_s=EXAMPLE_SECONDS)
+            thread = threading.Thread(target=self._run, args=(shared, todo, model, quantization, self._control),
                                       name="dp-examples", daemon=True)
             self._thread = thread
         thread.start()
         return thread
 
-    def _run(self, shared: Shared, todo: list[ExampleRequest], model: str, quantization: str) -> None:
+    def _run(self, shared: Shared, todo: list[ExampleRequest], model: str, quantization: str,
+             control: RunControl) -> None:
         for request in todo:
             key = request.key(model, quantization)
             try:
-                example = compute(shared, request, model, quantization)
+                control.check()  # closed (the process exits): the rest are not started
+                example = compute(shared, request, model, quantization, control)
+            except RunStopped as exc:  # closed at exit (or its time limit): nothing to show
+                log.info("example run for %s stopped: %s", request.view, exc)
+                example = None
             except Exception as exc:  # an example is a nicety: log it, the view says "press Generate"
                 log.warning("example run for %s failed: %s: %s", request.view, type(exc).__name__, exc)
                 example = None
@@ -138,6 +148,15 @@ class ExampleCache:
                 return "ready", self._done[key]
             return ("pending" if key in self._pending else "none"), None
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the startup thread within one step of its run and wait for it (at exit: a daemon
+        thread still inside torch when the interpreter finalizes aborts the process)."""
+        control, thread = self._control, self._thread
+        if control is not None:
+            control.cancel()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the startup thread is done (tests, the CLI); True if it finished."""
         thread = self._thread
@@ -148,6 +167,13 @@ class ExampleCache:
 
 
 _CACHES_LOCK = threading.Lock()
+_CACHES: "weakref.WeakSet[ExampleCache]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for cache in list(_CACHES):
+        cache.close()
 
 
 def cache_for(registry: Any) -> ExampleCache:

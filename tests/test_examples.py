@@ -199,3 +199,23 @@ def test_speculative_example_is_the_generate_run_with_p_vs_q_filled(built):
     # compare unticked: not the example's run, so the page waits for its own
     assert set(speculative.on_example(shared, view, out, request, timer, "embedded", "none", False, None,
                                       view.prompt.value, True, *values(view))) == {timer}
+
+
+def test_close_stops_the_startup_thread_within_a_step(built):
+    """At exit the example thread is cancelled and joined (a daemon thread still inside torch when
+    the interpreter finalizes aborts the process: "terminate called without an active exception")."""
+    import time
+
+    shared, views = built
+    request = request_for(views["step"])
+    long = examples.ExampleRequest(request.view, "A long one", request.preset,
+                                   request.config.replace(max_new_tokens=1024, stop=(), min_new_tokens=1024),
+                                   chat=False)
+    cache = examples.ExampleCache()
+    cache.want(long)
+    thread = cache.start(shared, "embedded")
+    assert thread is not None and cache.get(long, "embedded", "none")[0] == "pending"
+    start = time.perf_counter()
+    cache.close()
+    assert not thread.is_alive() and time.perf_counter() - start < 10
+    assert cache.get(long, "embedded", "none")[0] == "none"  # stopped: the view says "press Generate"

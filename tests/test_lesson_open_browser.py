@@ -83,3 +83,17 @@ def test_step_chart_on_a_phone_is_at_most_two_panels_a_row(browser, live_app, ar
     assert chart["x"] >= -1 and chart["x"] + chart["width"] <= 390 + 1, chart
     page.locator("#step-chart").screenshot(path=str(artifacts / "lesson-open-step-phone-chart.png"))
     context.close()
+
+
+def test_open_runs_the_kv_cache_lesson_in_its_section(page, live_app):
+    """Quantization & KV cache has no knob panel: Open fills its prompt, chat and the KV section's
+    budget and presses that section's button; the report comes back with the lesson's prompt kept."""
+    page.goto(f"{live_app}/?lesson=kv-cache")
+    page.locator("#lessons-steps").get_by_text("Run the KV cache report").wait_for()
+    page.click("#lessons-open")
+    page.wait_for_selector("#quant-prompt:visible")
+    page.wait_for_selector("#kv-status:has-text('done')", timeout=300_000)
+    assert page.locator("#quant-prompt textarea").input_value() == "Explain in two sentences why the sky is blue."
+    assert page.locator("#kv-tokens input[type=number]").input_value() == "16"
+    assert page.locator("#kv-status .dp-error").count() == 0
+    assert page.locator("#kv-summary").inner_text().strip()  # the report, drawn

@@ -116,3 +116,64 @@ def test_traced_records_kept_mass_and_removed_tokens():
 def test_stage_constructor_validates(cls, value, key):
     with pytest.raises(ConfigError, match=key):
         cls(value)
+
+
+# --- top-p without the full sort: bit for bit transformers' warper ------------------------------
+class _CountingOracle:
+    """transformers' TopPLogitsWarper, counting the rows it is handed (the slow path)."""
+
+    def __init__(self, top_p):
+        self.warper, self.rows = tlp.TopPLogitsWarper(top_p), 0
+
+    def __call__(self, input_ids, logits):
+        self.rows += logits.shape[0]
+        return self.warper(input_ids, logits)
+
+
+def test_top_p_fast_path_equals_transformers_bit_for_bit():
+    from engine.processors import top_p_fast
+
+    g = torch.Generator().manual_seed(11)
+    vocab, fast_rows, rows = 49152, 0, 0
+    for trial in range(120):
+        scale = (0.3, 1.0, 3.0, 6.0, 12.0)[trial % 5]  # flat ... peaked rows
+        logits = torch.randn(4, vocab, generator=g) * scale
+        if trial % 4 == 0:  # an earlier stage's -inf (top-k, constraints)
+            logits[:, torch.randint(0, vocab, (30000,), generator=g)] = -float("inf")
+        top_p = (0.3, 0.5, 0.8, 0.9, 0.95, 0.99)[trial % 6]
+        oracle = _CountingOracle(top_p)
+        assert torch.equal(top_p_fast(None, logits, top_p, oracle), tlp.TopPLogitsWarper(top_p)(None, logits.clone()))
+        fast_rows, rows = fast_rows + 4 - oracle.rows, rows + 4
+    assert 0.3 * rows < fast_rows < rows  # both paths taken, the fast one often
+
+
+def test_top_p_fast_path_hands_ambiguous_rows_to_transformers():
+    from engine.processors import top_p_fast
+
+    vocab = 4096
+    base = torch.full((vocab,), -20.0)
+    base[:3] = torch.tensor([4.0, 2.0, 2.0])  # a tie right where top_p puts the boundary
+    probs = torch.softmax(base.double(), -1)
+    tie_p = float(probs[0] + probs[1] / 2)  # keeps the first 2.0 but not the second: the sort's choice
+    peaked = base.clone()
+    peaked[2] = 1.0
+    nan_row, inf_row = peaked.clone(), peaked.clone()
+    nan_row[5], inf_row[5] = float("nan"), float("inf")
+    logits = torch.stack([base, peaked, nan_row, inf_row, torch.full((vocab,), -float("inf"))])
+    oracle = _CountingOracle(tie_p)
+    got = top_p_fast(None, logits, tie_p, oracle)
+    want = tlp.TopPLogitsWarper(tie_p)(None, logits.clone())
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert oracle.rows == 4  # the tie, NaN, +inf and all -inf rows; the peaked row went the fast way
+    near_one = _CountingOracle(0.9995)
+    top_p_fast(None, logits[:2], 0.9995, near_one)
+    assert near_one.rows == 2  # top_p near 1: float32 rounding decides, so transformers does
+
+
+def test_top_p_stage_takes_the_fast_path_on_real_logits(tiny_lm):
+    """TopP on [B, V] of a model's logits equals transformers' warper, bit for bit."""
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.inference_mode():
+        logits = tiny_lm.model(input_ids=ids).logits[0].float()  # [S, V]: six rows
+    for top_p in (0.5, 0.9, 0.95):
+        assert torch.equal(TopP(top_p)(ids, logits), tlp.TopPLogitsWarper(top_p)(ids, logits.clone()))

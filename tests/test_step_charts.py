@@ -44,6 +44,29 @@ def test_stage_chart_bars_marks_and_draw():
     assert "u = 0.700" in titles  # the u value is written beside its line
 
 
+@pytest.mark.parametrize("columns", [1, 2, 3])
+def test_each_panel_has_its_own_axes_in_a_grid_and_charts_share_no_layout(columns):
+    """The chart is built as dicts over a cached grid: panel i's bars are on axes i + 1, the axes
+    tile the page row by row, the u line sits on the draw panel, and no two charts share state."""
+    step = make_step()
+    fig = charts.stage_chart(step, columns=columns)
+    panels = [t for t in fig.data if t.type == "bar" and t.x != (None,)]
+    raw, topk, removed, final, draw = panels
+    axes = [(t.xaxis, t.yaxis) for t in (raw, topk, final, draw)]
+    assert axes == [("x", "y"), ("x2", "y2"), ("x3", "y3"), ("x4", "y4")]
+    assert (removed.xaxis, removed.yaxis) == ("x2", "y2")  # the removed overlay on its stage's panel
+    lefts = [fig.layout[f"xaxis{s}"].domain[0] for s in ("", "2", "3", "4")]
+    tops = [fig.layout[f"yaxis{s}"].domain[1] for s in ("", "2", "3", "4")]
+    for i in range(4):  # same column as panel i - columns, one row further down
+        if i >= columns:
+            assert lefts[i] == lefts[i - columns] and tops[i] < tops[i - columns]
+    assert (fig.layout.shapes[0].xref, fig.layout.shapes[0].yref) == ("x4", "y4 domain")
+    assert list(fig.layout.xaxis4.range) == [0, 1] and fig.layout.xaxis.range[1] < 1  # draw panel 0..1, stages shared
+    fig.layout.xaxis.domain = [0.4, 0.5]  # a caller changing one figure...
+    again = charts.stage_chart(step, columns=columns)
+    assert again.layout.xaxis.domain[0] == lefts[0]  # ...changes no other
+
+
 def test_greedy_step_has_no_draw_panel():
     fig = charts.stage_chart(make_step(draw=None))
     assert not fig.layout.shapes

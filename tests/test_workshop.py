@@ -210,10 +210,42 @@ def test_open_of_a_lesson_whose_view_has_no_handle_switches_tab_without_running(
     from playground.views import lessons
 
     tab = lessons.LessonsTab(*lessons.LessonsTab.__dataclass_fields__)
-    lesson = builtin_lessons()["kv-cache"]  # Quantization & KV cache: no prompt box to fill
-    opened = tab.on_open("tabs", {}, None, lesson.id, None, None)
+    lesson = builtin_lessons()["kv-cache"]
+    opened = tab.on_open("tabs", {}, None, None, lesson.id, None, None)  # no Quantization page built
     assert opened["open_run"] == "" and "run it there" in opened["status"]
     assert opened["tabs"].selected == "tab-quantization"
+
+
+@pytest.mark.parametrize("lesson_id, budget_key, button", [("kv-cache", "kv_tokens", "kv-measure"),
+                                                           ("quantization", "tokens", "quant-measure")])
+def test_open_of_a_quantization_tab_lesson_fills_its_section_and_runs_it(lesson_id, budget_key, button):
+    from playground.views import lessons
+    from playground.views.quantization import QuantPage
+
+    tab = lessons.LessonsTab(*lessons.LessonsTab.__dataclass_fields__)
+    page = QuantPage("prompt", "chat", "tokens", "kv_tokens")
+    lesson = builtin_lessons()[lesson_id]
+    opened = tab.on_open("tabs", {}, None, page, lesson.id, None, None)
+    assert opened["open_run"] == button and opened["tabs"].selected == "tab-quantization"
+    assert opened["prompt"] == lesson.prompt and opened["chat"] is lesson.chat
+    assert opened[budget_key] == lesson.check["max_new_tokens"]
+    other = {"tokens": "kv_tokens", "kv_tokens": "tokens"}[budget_key]
+    assert other not in opened  # the other section's budget is left as the user set it
+
+
+def test_open_of_a_pasted_quantization_lesson_clamps_and_ignores_a_bad_budget():
+    from engine.lessons import parse_lesson
+    from playground.views import lessons
+    from playground.views.quantization import DRIFT_TOKENS, QuantPage
+
+    page = QuantPage("prompt", "chat", "tokens", "kv_tokens")
+    data = builtin_lessons()["quantization"].to_file_dict()
+    huge = parse_lesson(data | {"id": "q1", "check": {"kind": "quantization_order", "max_new_tokens": 10 ** 9}})
+    updates, button = lessons.quant_updates(huge, page)
+    assert updates["tokens"] == DRIFT_TOKENS[1] and button == "quant-measure"
+    bad = parse_lesson(data | {"id": "q2", "check": {"kind": "quantization_order", "max_new_tokens": "lots"}})
+    updates, _ = lessons.quant_updates(bad, page)
+    assert updates["tokens"] == bad.runs[0].config.max_new_tokens
 
 
 # --- the endpoints over gradio_client ---------------------------------------------------------

@@ -7,7 +7,9 @@ is unit-tested on hand-made traces.
 
 from __future__ import annotations
 
+import functools
 import html
+import json
 import math
 import textwrap
 from typing import Sequence
@@ -110,7 +112,7 @@ def _chosen_outside(stage: StageTrace, step: StepTrace) -> TokenProb | None:
     return TokenProb(step.chosen_token_id, step.chosen_token, prob)
 
 
-def _stage_traces(stage: StageTrace, step: StepTrace) -> list[go.Bar]:
+def _stage_traces(stage: StageTrace, step: StepTrace) -> list[dict]:
     """The stage's top-N bars (chosen token in ACCENT), then a gap row and the chosen token when
     it is not among them (labelled with its rank bound), then the tokens it removed, hatched."""
     entries = list(stage.top)
@@ -124,23 +126,24 @@ def _stage_traces(stage: StageTrace, step: StepTrace) -> list[go.Bar]:
         probs += [None, outside.prob or 0.0]
         colors += [BAR, ACCENT]
         texts += ["", "" if outside.prob is not None else "p not recorded"]
-    bars = [go.Bar(
-        x=probs, y=labels, orientation="h", marker_color=colors, name=stage.name, showlegend=False,
+    bars = [dict(
+        type="bar", x=probs, y=labels, orientation="h", marker=dict(color=colors), name=stage.name, showlegend=False,
         text=texts, textposition="outside", textfont=dict(size=FONT, color=ACCENT), cliponaxis=False,
         hovertemplate="%{y}<br>p = %{x:.4%}<br>" + _hover(stage) + "<extra>" + stage.name + "</extra>",
     )]
     if stage.removed:
         rem_labels = _unique_labels([t.token for t in stage.removed], [t.token_id for t in stage.removed])
-        bars.append(go.Bar(
-            x=[t.prob for t in stage.removed], y=[f"✕ {short_label(lab)}" for lab in rem_labels], orientation="h",
-            marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5), pattern_shape="/"),
+        bars.append(dict(
+            type="bar", x=[t.prob for t in stage.removed], y=[f"✕ {short_label(lab)}" for lab in rem_labels],
+            orientation="h",
+            marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5), pattern=dict(shape="/")),
             name="removed", showlegend=False,
             hovertemplate="%{y}: removed here (had p = %{x:.4%})<extra>" + stage.name + "</extra>",
         ))
     return bars
 
 
-def _draw_traces(step: StepTrace) -> list:
+def _draw_traces(step: StepTrace) -> list[dict]:
     """The inverse-CDF picture: each final top token owns [F(before), F(before) + p); u falls in
     the chosen token's interval."""
     final = step.stages[-1]
@@ -155,20 +158,45 @@ def _draw_traces(step: StepTrace) -> list:
         bases.append(step.draw_low)
         entries.append(TokenProb(step.chosen_token_id, step.chosen_token, step.chosen_prob))
     colors = [ACCENT if t.token_id == step.chosen_token_id else BAR for t in entries]
-    return [go.Bar(
-        x=[t.prob for t in entries], base=bases, y=labels, orientation="h", marker_color=colors, showlegend=False,
+    return [dict(
+        type="bar", x=[t.prob for t in entries], base=bases, y=labels, orientation="h", marker=dict(color=colors),
+        showlegend=False,
         hovertemplate="%{y}: [%{base:.3f}, %{x:.3f} wide)<br>" + html.escape(glossary.hover("u")) + "<extra>cumulative</extra>",
     )]
 
 
-def _add_u_line(fig: go.Figure, u: float, row: int, col: int) -> None:
-    """The draw as a dashed vertical line over the whole panel (a shape, so it shows even when
-    the panel has one row), its value written on the side with room (never clipped)."""
+def _u_line(u: float, axis: str) -> tuple[dict, dict]:
+    """The draw as a dashed vertical line over the whole panel of ``axis`` ("" or "2", "3"...; a
+    shape, so it shows even when the panel has one row), and its value written on the side with
+    room (never clipped): the shape and the annotation."""
     right = u > 0.5
-    fig.add_vline(x=u, row=row, col=col, line=dict(color=DRAW, dash="dash", width=2),
-                  annotation=dict(text=f"u = {u:.3f}", font=dict(size=FONT, color=DRAW), bgcolor="rgba(255,255,255,0.85)",
-                                  xanchor="right" if right else "left", yanchor="top", showarrow=False),
-                  annotation_position="top left" if right else "top right")
+    shape = dict(type="line", x0=u, x1=u, xref=f"x{axis}", y0=0, y1=1, yref=f"y{axis} domain",
+                 line=dict(color=DRAW, dash="dash", width=2))
+    label = dict(text=f"u = {u:.3f}", font=dict(size=FONT + 1, color=DRAW), bgcolor="rgba(255,255,255,0.85)",
+                 xanchor="right" if right else "left", yanchor="top", showarrow=False, x=u, xref=f"x{axis}", y=1,
+                 yref=f"y{axis} domain")
+    return shape, label
+
+
+def _legend_traces() -> list[dict]:
+    """Legend-only entries (no data): what the colours and hatching mean."""
+    swatch = dict(type="bar", x=[None], y=[None], orientation="h", hoverinfo="skip", xaxis="x", yaxis="y")
+    return [dict(name="chosen token", marker=dict(color=ACCENT), **swatch),
+            dict(name="other tokens (top-N)", marker=dict(color=BAR), **swatch),
+            dict(name="removed by this stage", marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5),
+                                                           pattern=dict(shape="/")), **swatch)]
+
+
+@functools.lru_cache(maxsize=64)
+def _grid(rows: int, cols: int, vertical_spacing: float) -> tuple[str, tuple[tuple[float, float], ...]]:
+    """make_subplots' axes (domains and anchors, as JSON) and subplot-title positions for a grid,
+    computed once per shape: the rest of a chart is built as plain dicts and validated once, since
+    plotly's figure API re-validates on every update (~110 ms a chart against ~25 ms)."""
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=["·"] * (rows * cols), horizontal_spacing=0.12,
+                        vertical_spacing=vertical_spacing)
+    layout = fig.to_plotly_json()["layout"]
+    axes = {k: v for k, v in layout.items() if k.startswith(("xaxis", "yaxis"))}
+    return json.dumps(axes), tuple((a["x"], a["y"]) for a in layout["annotations"])
 
 
 def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
@@ -177,23 +205,15 @@ def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
     return min(1.0, max(probs, default=1.0) * 1.08)
 
 
-def _legend_traces() -> list[go.Bar]:
-    """Legend-only entries (no data): what the colours and hatching mean."""
-    swatch = dict(x=[None], y=[None], orientation="h", hoverinfo="skip")
-    return [go.Bar(name="chosen token", marker_color=ACCENT, **swatch),
-            go.Bar(name="other tokens (top-N)", marker_color=BAR, **swatch),
-            go.Bar(name="removed by this stage", marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5),
-                                                           pattern_shape="/"), **swatch)]
-
-
 def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW,
-                gap_px: int | None = None) -> go.Figure:
+                gap_px: int | None = None, meta: dict | None = None) -> go.Figure:
     """Small multiples: the top-N tokens raw, after each stage in order, and final; tokens a stage
     removed are hatched; the chosen token is always drawn (after a gap when outside the top-N);
     the last panel shows where u landed. ``shared_axis``: every stage panel on one probability
     axis, so a stage's effect is bar length (False: each panel zoomed to its own scale).
     ``columns``: panels per row (1 or 2 suits a phone); ``gap_px``: the room between rows (None: a
-    share of the height, which leaves tall single-column charts short panels)."""
+    share of the height, which leaves tall single-column charts short panels); ``meta``: the
+    layout's meta (what the page reads back)."""
     panels = list(step.stages)
     with_draw = step.draw is not None
     count = len(panels) + (1 if with_draw else 0)
@@ -204,36 +224,46 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
         titles.append(f"where the draw<br>landed: u = {step.draw:.3f}<br><sup>sorted cumulative</sup>")
     height = max(360, (330 if gap_px is None else 260 + gap_px) * rows + 120)
     spacing = min(0.3, 0.5 / rows) if gap_px is None else gap_px / (height - 180)  # 180: top + bottom margins
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.12,
-                        vertical_spacing=spacing if rows > 1 else 0.1)
+    axes_json, positions = _grid(rows, cols, spacing if rows > 1 else 0.1)
+    layout: dict = json.loads(axes_json)
+    suffix = ["" if i == 0 else str(i + 1) for i in range(count)]  # panel i's axes: x, y, x2, y2...
+    data: list[dict] = []
     for i, stage in enumerate(panels):
-        for bar in _stage_traces(stage, step):
-            fig.add_trace(bar, row=i // cols + 1, col=i % cols + 1)
+        data += [bar | dict(xaxis=f"x{suffix[i]}", yaxis=f"y{suffix[i]}") for bar in _stage_traces(stage, step)]
+    annotations = [dict(font=dict(size=FONT + 1), showarrow=False, text=title, x=x, xanchor="center", xref="paper",
+                        y=y, yanchor="bottom", yref="paper") for title, (x, y) in zip(titles, positions)]
+    shapes = []
+    for name, axis in layout.items():
+        if name.startswith("yaxis"):
+            axis.update(autorange="reversed", tickfont=dict(size=FONT), automargin=True)
+        else:
+            axis.update(tickformat=".0%", rangemode="tozero", tickfont=dict(size=FONT), nticks=3)
     if with_draw:
-        row, col = len(panels) // cols + 1, len(panels) % cols + 1
-        for trace in _draw_traces(step):
-            fig.add_trace(trace, row=row, col=col)
-        _add_u_line(fig, step.draw, row, col)
-        fig.update_xaxes(range=[0, 1], row=row, col=col)
-    for trace in _legend_traces():
-        fig.add_trace(trace, row=1, col=1)
-    fig.update_yaxes(autorange="reversed", tickfont=dict(size=FONT), automargin=True)
-    fig.update_xaxes(tickformat=".0%", rangemode="tozero", tickfont=dict(size=FONT), nticks=3)
+        axis = suffix[len(panels)]
+        data += [bar | dict(xaxis=f"x{axis}", yaxis=f"y{axis}") for bar in _draw_traces(step)]
+        shape, label = _u_line(step.draw, axis)
+        shapes.append(shape)
+        annotations.append(label)
+        layout[f"xaxis{axis}"]["range"] = [0, 1]
+    data += _legend_traces()
     if shared_axis:
         top = _shared_range(panels, step)
         for i in range(len(panels)):
-            fig.update_xaxes(range=[0, top], row=i // cols + 1, col=i % cols + 1)
-    fig.update_annotations(font_size=FONT + 1)
+            layout[f"xaxis{suffix[i]}"]["range"] = [0, top]
     axis_note = "one probability axis for all stages" if shared_axis else "each panel on its own scale"
-    fig.update_layout(
-        height=height, margin=dict(l=10, r=10, t=110, b=70), bargap=0.25, barmode="overlay",
+    layout.update(
+        annotations=annotations, height=height, margin=dict(l=10, r=10, t=110, b=70), bargap=0.25, barmode="overlay",
         title=dict(text=f"step {step.index}: chose {html.escape(readable(step.chosen_token))} (p = {step.chosen_prob:.1%})"
                         f"<br><sup>{axis_note}</sup>", x=0.01, xanchor="left", yref="container", y=1 - 12 / height,
                    yanchor="top", font=dict(size=FONT + 3)),
         template="plotly_white", font=dict(size=FONT),
         legend=dict(orientation="h", x=0, xanchor="left", yref="container", y=0, yanchor="bottom", font=dict(size=FONT)),
     )
-    return fig
+    if shapes:
+        layout["shapes"] = shapes
+    if meta is not None:
+        layout["meta"] = meta
+    return go.Figure(dict(data=data, layout=layout))
 
 
 def panel_columns(panels: int, width: float | None) -> int:
@@ -253,9 +283,8 @@ def fitted_stage_chart(step: StepTrace, width: float | None) -> go.Figure:
     phone = width is not None and width < PHONE_PX
     count = len(step.stages) + (1 if step.draw is not None else 0)
     columns = 1 if phone else panel_columns(count, width) if narrow else PANELS_PER_ROW
-    fig = stage_chart(step, columns=columns, gap_px=PHONE_GAP_PX if phone else None)
-    fig.update_layout(meta={"narrow": narrow, "phone": phone, "columns": columns})
-    return fig
+    return stage_chart(step, columns=columns, gap_px=PHONE_GAP_PX if phone else None,
+                       meta={"narrow": narrow, "phone": phone, "columns": columns})
 
 
 def surprisal(step: StepTrace) -> float:

@@ -131,7 +131,7 @@ def stream_run(out: Outputs, shared: Shared, session: BeamSession, req: BeamRequ
                    out.status: status_html(f"searching… step {len(steps)} / {req.config.max_new_tokens}")}
     final = session.beam()
     yield {out.tree: charts.tree_figure(final, req.collapse), out.summary: charts.step_summary(final),
-           out.status: status_html("search done; decoding greedily for comparison…"), out.session: session}
+           out.status: status_html("search finished; decoding greedily for comparison…"), out.session: session}
     session.greedy = shared.run(req.lm, req.prompt, req.config.replace(strategy="greedy"), chat=req.chat,
                                 prompt_ids=req.prompt_ids, control=control)
     done = (f"done: {len(final.steps)} steps, {len(final.hypotheses)} finished hypotheses. Hover a node for its "

@@ -34,6 +34,7 @@ from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, 
 from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
+from .quantization import QuantPage
 from .step import StepView
 
 LESSON_PARAM = "lesson"
@@ -148,7 +149,7 @@ class LessonsTab:
         at = engine_lessons.selected_step(first, lesson.select_step)
         updates = {self.texts: runs_markdown(lesson, traces), self.session: session,
                    self.chart: charts.stage_chart(first.steps[at]) if first.steps else None,
-                   self.status: status_html(f"done: step {at} of the first run selected; checking the claim…")}
+                   self.status: status_html(f"step {at} of the first run selected; checking the claim…")}
         updates |= self.presenter.show(first, at, False)
         yield updates
         registry = CheckedRegistry(self.shared.registry, self.shared.policy)
@@ -203,10 +204,12 @@ class LessonsTab:
         self.presenter.wire(lambda s: s.first() if isinstance(s, LessonSession) else None, self.session)
         data_api(list_lessons, "lessons")
 
-    def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None) -> None:
+    def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None,
+                  quant_page: QuantPage | None = None) -> None:
         """Page load: ``?lesson=`` opens that lesson, ``?present=1`` the presenter view; Open fills the
         lesson's view (prompt, chat, the first run's preset; every lane on ``compare_page``, the
-        Compare view's handles), switches to its tab and runs it there."""
+        Compare view's handles; prompt, chat and budget on ``quant_page``, Quantization & KV cache's),
+        switches to its tab and runs it there."""
         demo.load(None, None, [self.base_url], js="() => window.location.origin + window.location.pathname",
                   api_visibility="private")
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
@@ -222,31 +225,37 @@ class LessonsTab:
             targets += [view.select_once] if isinstance(view, StepView) else []
         if compare_page is not None:
             targets += compare.lesson_outputs(compare_page)
-        on_open = functools.partial(self.on_open, tabs, handles, compare_page)
+        if quant_page is not None:
+            targets += quant_page.components()
+        on_open = functools.partial(self.on_open, tabs, handles, compare_page, quant_page)
         # Filled first (not queued), then the view's own run button is pressed in the page: the run,
         # its streaming, Stop and errors are the view's, and a failed run keeps the lesson's prompt.
         self.open_btn.click(on_open, [self.pick, self.session, self.shared.user_presets], targets,
                             api_visibility="private", queue=False
                             ).then(None, [self.open_run], None, js=OPEN_RUN_JS, api_visibility="private", queue=False)
 
-    def on_open(self, tabs: gr.Tabs, handles: Mapping[str, PanelView], compare_page: Any, choice: str,
-                session: LessonSession | None, stored: Any) -> dict:
+    def on_open(self, tabs: gr.Tabs, handles: Mapping[str, PanelView], compare_page: Any,
+                quant_page: QuantPage | None, choice: str, session: LessonSession | None, stored: Any) -> dict:
         """Updates filling the lesson's view (``handles`` by name; Compare's lanes on
-        ``compare_page``), switching to its tab and naming its run button in ``open_run``."""
+        ``compare_page``; Quantization & KV cache on ``quant_page``), switching to its tab and naming
+        its run button in ``open_run``."""
         try:
             lesson = self.current(session, choice)
         except LessonError as exc:
             return {self.status: error_html(str(exc)), self.open_run: ""}
         runs = "; ".join(f"{p.name} ({p.config.strategy})" for p in lesson.runs)
         note = status_html(f"opened in {lesson.view} and running it: prompt {lesson.prompt!r}; runs: {runs}")
+        button = RUN_BUTTONS.get(lesson.view, "")
         if lesson.view == "compare" and compare_page is not None:
             updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored))
+        elif lesson.view == "quantization" and quant_page is not None:
+            updates, button = quant_updates(lesson, quant_page)
         else:
             updates = open_updates(lesson, handles.get(lesson.view), stored)
-        if not updates:  # a view with no handle to fill (Quantization & KV cache): running its own prompt would mislead
+        if not updates:  # a view with no handle to fill: running its own prompt would mislead
             note = status_html(f"opened {lesson.view}: run it there with the lesson's prompt {lesson.prompt!r}")
         return updates | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note,
-                          self.open_run: RUN_BUTTONS.get(lesson.view, "") if updates else ""}
+                          self.open_run: button if updates else ""}
 
     def on_query(self, request: gr.Request) -> dict:
         params: Mapping[str, str] = dict(request.query_params) if request is not None else {}
@@ -268,6 +277,16 @@ def lane_configs(lesson: Lesson, stored: Any) -> list[tuple[DecodingConfig, str]
     """Each run's config and the lane's preset label (the preset it equals, else custom)."""
     labels = [matching_choice(p.config, stored) for p in lesson.runs]
     return [(p.config, label if not modified else CUSTOM) for p, (label, modified) in zip(lesson.runs, labels)]
+
+
+def quant_updates(lesson: Lesson, page: QuantPage) -> tuple[dict, str]:
+    """A Quantization & KV cache lesson: its prompt, chat and budget (the check's, else the preset's)
+    in the section it teaches (the KV cache one for a ``kv_cache_same`` check), and that section's button."""
+    check = lesson.check or {}
+    budget = check.get("max_new_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool):  # a pasted lesson's check may say anything
+        budget = lesson.runs[0].config.max_new_tokens
+    return page.open_lesson(lesson.prompt, lesson.chat, budget, check.get("kind") == "kv_cache_same")
 
 
 def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:

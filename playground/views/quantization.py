@@ -95,7 +95,29 @@ def kv_updates(out: KVOutputs, shared: Shared, prompt: str, chat: bool, max_new_
     yield {out.status: status_html("done"), out.summary: charts.kv_summary_html(report), out.chart: charts.kv_figure(report)}
 
 
-def build_tab(shared: Shared) -> None:
+@dataclass
+class QuantPage:
+    """The tab's handle for lessons: "Open in its view" fills the prompt, chat and token budget of
+    the drift or the KV cache section and names the section's own run button."""
+
+    prompt: gr.Textbox
+    chat: gr.Checkbox
+    tokens: gr.Slider  # drift's max_new_tokens
+    kv_tokens: gr.Slider  # the KV cache section's
+
+    def components(self) -> list:
+        return [self.prompt, self.chat, self.tokens, self.kv_tokens]
+
+    def open_lesson(self, prompt: str, chat: bool, max_new_tokens: int, kv: bool) -> tuple[dict, str]:
+        """Updates for a lesson of this tab (``kv``: the KV cache section's, else drift's) and the id
+        of the button that runs it; the budget is clamped to that section's slider."""
+        low, high, _ = KV_TOKENS if kv else DRIFT_TOKENS
+        budget = min(max(int(max_new_tokens), low), high)
+        updates = {self.prompt: prompt, self.chat: chat, (self.kv_tokens if kv else self.tokens): budget}
+        return updates, "kv-measure" if kv else "quant-measure"
+
+
+def build_tab(shared: Shared) -> QuantPage:
     gr.Markdown("Load the header's model as fp32, int8 and nf4 (bitsandbytes) and see what quantization changes. "
                 "Each variant reads the fp32 model's greedy continuation in one forward; the chart shows how far its "
                 "next-token distribution is from fp32's at every step (KL divergence).")
@@ -125,6 +147,7 @@ def build_tab(shared: Shared) -> None:
     _wire(shared, QuantInputs(prompt, chat, tokens, variants), measure, stop, out, kv)
     _kinds_section(shared, prompt, chat, stop)
     _calculator_section()
+    return QuantPage(prompt, chat, tokens, kv["tokens"])
 
 
 @dataclass

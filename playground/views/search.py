@@ -135,7 +135,7 @@ def stream_mcts(out: MctsOutputs, shared: Shared, req: RunRequest, control: RunC
             yield tree_updates(out, session, None) | {
                 out.status: status_html(f"searching… token {done} / {req.config.max_new_tokens}")}
     session.positions = positions_of(session.trace)
-    yield mcts_render(out, session, status_html("search done; greedy and beam on the same prompt for comparison…"))
+    yield mcts_render(out, session, status_html("search finished; greedy and beam on the same prompt for comparison…"))
     traces = {"mcts": session.trace}
     for name, config in (("greedy", req.config.replace(strategy="greedy")),
                          (f"beam ({COMPARE_BEAMS})", req.config.replace(strategy="beam", num_beams=COMPARE_BEAMS))):

@@ -243,7 +243,7 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
         lm = shared.lm(model, quant)
         prompt_ids = shared.encode_prompt(lm, prompt, chat)
         for traces in run_sweep(shared, lm, prompt, prompt_ids, config, seed_list, chat, control):
-            yield {panel.status: status_html(f"{lane}: seed {len(traces)} of {len(seed_list)} done…")}
+            yield {panel.status: status_html(f"{lane}: seed {len(traces)} of {len(seed_list)} finished…")}
         spread = sweep_spread([t.generated_token_ids for t in traces])
         rows = charts.sweep_rows(seed_list, traces, [mean_logprob([s.raw_prob for s in t.steps]) for t in traces])
         yield {panel.status: status_html("done"), panel.summary: charts.sweep_markdown(lane, seed_list, spread),
