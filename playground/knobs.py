@@ -48,6 +48,15 @@ SAMPLING_KNOBS = tuple(n for n in STAGE_KNOBS if KNOBS[n].stage in SAMPLING_ONLY
 # The penalties beam search applies (it ignores the sampling-only stages).
 PENALTY_KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size")
 IGNORED_BY_GREEDY = "Ignored by greedy (it always takes the most likely token)."
+# KnobPanel._preset_note(choice, True), written in the page when a knob is edited: no round trip, and
+# the events after it on the same knob (Gradio runs one trigger's events one after another; the
+# what-if is one) do not wait for a server note.
+MODIFIED_JS = """(choice) => {
+  if (!choice || choice === %s) return '<small>Custom settings</small>';
+  const escape = {'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#x27;'};
+  const name = String(choice).replace(/[&<>"']/g, c => escape[c]);
+  return `<small>Preset <b>${name}</b> · <i>modified</i></small>`;
+}""" % json.dumps(CUSTOM)
 
 
 def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive: bool = True) -> gr.components.Component:
@@ -247,6 +256,7 @@ class KnobPanel:
 
     @staticmethod
     def _preset_note(choice: str, modified: bool) -> str:
+        """The note under the preset picker (MODIFIED_JS writes the modified one in the page)."""
         if not choice or choice == CUSTOM:
             return "<small>Custom settings</small>"
         return f"<small>Preset <b>{html.escape(choice)}</b>{' · <i>modified</i>' if modified else ''}</small>"
@@ -262,8 +272,8 @@ class KnobPanel:
 
         local = {"api_visibility": "private", "queue": False}
         self.preset.input(on_pick, [self.preset, self.shared.user_presets], self.inputs + [self.modified], **local)
-        for component in self.inputs:
-            component.input(lambda choice: self._preset_note(choice, True), [self.preset], [self.modified], **local)
+        for component in self.inputs:  # in the page: Gradio runs one trigger's events one after another
+            component.input(None, [self.preset], [self.modified], js=MODIFIED_JS, **local)
         if self.stage_order is not None:  # a preset or share link filled the order: redraw the list
             target = f"{self.prefix}stage-order"
             self.stage_order.change(lambda text: stage_list_html(parse_stage_order(text), target), [self.stage_order],

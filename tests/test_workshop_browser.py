@@ -2,9 +2,13 @@
 selected step and see the chart change (the round trip is recorded, not asserted), the presenter
 view with guess / reveal and the QR code, and the phone width (390x844, no horizontal scroll)."""
 
+import re
 import time
 
 import pytest
+
+from playground.knobs import KnobPanel
+from playground.views.step import DEFAULT_PRESET
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -50,6 +54,22 @@ def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
     in_page = page.evaluate("() => Math.round(window.dpT1 - window.dpT0)")
     with_playwright = (time.perf_counter() - start) * 1000
     print(f"what-if round trip: {in_page} ms in the page, {with_playwright:.0f} ms with Playwright")
+    times = []
+    for value in ("0.5", "1.5", "2"):  # later knob changes reuse the kept logits
+        shown = page.locator("#step-chart").inner_text()
+        page.evaluate("() => { window.dpT1 = undefined; }")
+        box.fill(value)
+        page.wait_for_selector(f"#step-whatif-note:has-text('temperature = {value}')", timeout=60_000)
+        page.wait_for_function("(b) => document.querySelector('#step-chart').innerText !== b", arg=shown)
+        time.sleep(0.5)
+        times.append(page.evaluate("() => Math.round(window.dpT1 - window.dpT0)"))
+    print(f"what-if round trips with kept logits: {times} ms in the page")
+    # The preset note is written in the page (knobs.MODIFIED_JS), as the server would write it.
+    note = re.sub(r"<[^>]+>", "", KnobPanel._preset_note(DEFAULT_PRESET, True))
+    assert page.locator("#step-preset-note").inner_text().strip() == note
+    # Selecting the same step again shows the run's own chart, though the what-if drew into that plot.
+    page.locator("#step-text .token").nth(2).click()
+    page.wait_for_function("(b) => document.querySelector('#step-chart').innerText === b", arg=before, timeout=30_000)
     assert page.locator("#step-status .dp-error").count() == 0
     page.screenshot(path=str(artifacts / "step-whatif.png"), full_page=True)
 

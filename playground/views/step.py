@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -128,6 +129,16 @@ def token_legend(colour_by: str) -> str:
     return charts.colour_legend(colour_by) + token_charts.legend_html()
 
 
+_REVISION = itertools.count(1)
+
+
+def revised(fig: Any) -> Any:
+    """``fig`` with a new ``layout.meta["rev"]``: the what-if draws into the step chart behind its
+    ``gr.Plot`` (whatif.DRAW_JS), so the Plot must redraw even a figure equal to the last one it got."""
+    fig.layout.meta = {**(fig.layout.meta or {}), "rev": next(_REVISION)}
+    return fig
+
+
 def render(out: Outputs, session: StepSession, selected: int | None, colour_by: str, status: str = "",
            full: bool = True, width: float | None = None) -> dict:
     """Updates for the session's current run with step ``selected`` in view (``full``: every chart,
@@ -148,7 +159,7 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
     }
     if full:
         step = trace.steps[sel]
-        updates |= {out.explain: charts.explain_step(step), out.chart: charts.fitted_stage_chart(step, width),
+        updates |= {out.explain: charts.explain_step(step), out.chart: revised(charts.fitted_stage_chart(step, width)),
                     out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
                     out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
                     out.download: downloads.trace_file(trace)}
@@ -384,7 +395,7 @@ class Handlers:
             if trace is None or not trace.steps:
                 return {out.chart: gr.skip()}  # an empty dict would read as the chart's value
             step = trace.steps[max(0, min(int(index or 0), len(trace.steps) - 1))]
-            return {out.chart: charts.fitted_stage_chart(step, page_width(width))}
+            return {out.chart: revised(charts.fitted_stage_chart(step, page_width(width)))}
 
         mine, width = [out.session, out.owner], self.view.width
         out.text.select(on_select, [*mine, self.colour_by, width], out.all(), **local)

@@ -5,6 +5,12 @@ before the selected one are the run's, the rest are generated under the new knob
 
 Per-session state is one ``KeptLogits`` (one step's raw logits, [1, V] float32: bounded); it is
 recomputed with one forward when the selected step (or the run, or the model) changes.
+
+The re-drawn chart does not go through the chart's ``gr.Plot``: Gradio's Plot follows every new value
+with ``Plotly.Plots.resize``, which waits 100 ms and lays the whole chart out again. The figure's JSON
+goes into a hidden box and the page draws it into the same plot with one ``Plotly.react`` (DRAW_JS).
+The view stamps every chart it sends the Plot (``step.revised``), so the Plot redraws the run's own
+step after a what-if even when that figure equals the last one it drew.
 API: ``/explore_step`` (trace JSON, step, knobs -> that step's ``stages`` in trace-JSON format).
 """
 
@@ -30,6 +36,18 @@ from playground.charts import step as charts
 from ..shared import Shared, UserError, error_html
 
 WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}
+# The what-if figure (JSON text) into Step through's chart, set up as Gradio's Plot sets up its own
+# (responsive, autosize, a titled chart's top margin at least 100 px).
+DRAW_JS = """(figure) => {
+  const plot = document.querySelector('#step-chart .js-plotly-plot');
+  if (!figure || !plot || !window.Plotly) return;
+  const fig = JSON.parse(figure);
+  fig.layout.autosize = true;
+  fig.layout.margin = fig.layout.margin || {};
+  if (fig.layout.title) fig.layout.margin.t = Math.max(100, fig.layout.margin.t || 0);
+  fig.layout.margin.autoexpand = true;
+  window.Plotly.react(plot, fig.data, fig.layout, Object.assign({}, fig.config || {}, {responsive: true}));
+}"""
 
 
 @dataclass(frozen=True)
@@ -112,11 +130,13 @@ def explore_api(shared: Shared, trace: dict | str, step: int, knobs: dict | None
 
 @dataclass
 class WhatIfPanel:
-    """The what-if row under the step chart: a note and the Continue button, plus the kept logits."""
+    """The what-if row under the step chart: a note and the Continue button, plus the kept logits
+    and the hidden box the re-drawn figure's JSON goes through (DRAW_JS)."""
 
     note: gr.Markdown
     continue_btn: gr.Button
     kept: gr.State
+    figure: gr.Textbox
 
     @classmethod
     def build(cls) -> "WhatIfPanel":
@@ -125,7 +145,9 @@ class WhatIfPanel:
                                "that step under the new knobs, without generating again.", elem_id="step-whatif-note")
             button = gr.Button("Continue from here with these knobs", scale=0, min_width=200,
                                elem_id="step-whatif-continue")
-        return cls(note, button, gr.State(None))
+        figure = gr.Textbox("", show_label=False, container=False, elem_id="step-whatif-figure",
+                            elem_classes=["dp-hidden"])
+        return cls(note, button, gr.State(None), figure)
 
     def wire(self, shared: Shared, view: Any, out: Any, colour_by: gr.Radio, stream_run: Any, own: Any,
              request_cls: Any) -> None:
@@ -142,19 +164,20 @@ class WhatIfPanel:
             state = own(state, owner)
             trace = state.trace() if state is not None else None
             if trace is None or not trace.steps or trace.strategy not in ("greedy", "sample"):
-                return {self.note: gr.skip()}
+                return {self.note: gr.skip(), self.figure: ""}  # nothing to draw
             at = max(0, min(int(step or 0), len(trace.steps) - 1))
             try:
                 knobs = panel.values(*values)
                 lm = shared.lm(model, quant)
                 changed, kept = whatif_step(lm, trace, at, knobs, kept, context_key(model, quant, trace, at))
             except (UserError, ConfigError, ValueError) as exc:
-                return {self.note: error_html(str(exc))}
-            return {out.chart: charts.fitted_stage_chart(changed, page_width(width)), self.kept: kept,
+                return {self.note: error_html(str(exc)), self.figure: ""}
+            return {self.figure: charts.fitted_stage_chart(changed, page_width(width)).to_json(), self.kept: kept,
                     self.note: whatif_note(trace.steps[at], changed, knobs, trace.config)}
 
-        gr.on(triggers, on_knob, inputs, [out.chart, self.note, self.kept], api_visibility="private",
-              trigger_mode="always_last", **WHATIF_CONCURRENCY)
+        gr.on(triggers, on_knob, inputs, [self.figure, self.note, self.kept], api_visibility="private",
+              trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY).success(
+            None, [self.figure], None, js=DRAW_JS, queue=False, show_progress="hidden", api_visibility="private")
 
         def on_continue(model, quant, colour, state, owner, step, width, *values,
                         control: RunControl) -> Iterator[dict]:
