@@ -3,7 +3,10 @@ lanes join the batched scheduler together and share its forwards. Prints the wal
 of four lanes (four seeds of the same knobs, as the seed sweep does) and their ratio, interleaved
 over rounds in one process. Target on a 2-core CPU with the embedded model: 4 lanes <= 1.5x one.
 
-    python -m bench.compare_lanes [--tokens 32] [--rounds 3] [--lanes 4]
+    python -m bench.compare_lanes [--tokens 32] [--rounds 3] [--lanes 4] [--plain-head]
+
+``--plain-head`` also runs every round with the LM head as one product (engine.models.slice_lm_head
+undone), so the sliced head's gain is measured in the same process.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lanes", type=int, default=4)
     p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads")
+    p.add_argument("--plain-head", action="store_true", help="also time the unsliced LM head, interleaved")
     args = p.parse_args(argv)
 
     import torch
@@ -80,19 +84,35 @@ def main(argv: list[str] | None = None) -> int:
                           min_new_tokens=args.tokens)
     configs = [base.replace(seed=s) for s in range(args.lanes)]
     lanes_seconds(shared, lm, prompt_ids, configs[:1])  # warm up
-    one, many, forward = [], [], []
+    head = lm.model.get_output_embeddings()
+    sliced = vars(head).get("forward")
+    one, many, forward, plain_one, plain_many = [], [], [], [], []
     for _ in range(args.rounds):
         one.append(lanes_seconds(shared, lm, prompt_ids, configs[:1]))
         many.append(lanes_seconds(shared, lm, prompt_ids, configs))
         forward.append(forward_seconds(lm, prompt_ids, args.lanes) / forward_seconds(lm, prompt_ids, 1))
+        if args.plain_head and sliced is not None:
+            del head.forward  # nn.Linear's own forward
+            try:
+                plain_one.append(lanes_seconds(shared, lm, prompt_ids, configs[:1]))
+                plain_many.append(lanes_seconds(shared, lm, prompt_ids, configs))
+            finally:
+                head.forward = sliced
     ratios = [m / o for m, o in zip(many, one)]
-    print(f"{args.tokens} tokens per lane, {args.rounds} interleaved rounds, torch threads {torch.get_num_threads()}")
+    print(f"{args.tokens} tokens per lane, {args.rounds} interleaved rounds, torch threads {torch.get_num_threads()}, "
+          f"LM head {'sliced' if sliced is not None else 'one product'}")
     print(f"1 lane : {', '.join(f'{x:.1f}' for x in one)} s (median {statistics.median(one):.1f} s)")
     print(f"{args.lanes} lanes: {', '.join(f'{x:.1f}' for x in many)} s (median {statistics.median(many):.1f} s)")
     print(f"{args.lanes} lanes / 1 lane: {', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x; "
           f"target <= 1.5x)")
     print(f"forward alone, {args.lanes} rows / 1 row: {', '.join(f'{r:.2f}x' for r in forward)} "
           f"(median {statistics.median(forward):.2f}x; the floor of the ratio above on this machine)")
+    if plain_one:
+        plain = [m / o for m, o in zip(plain_many, plain_one)]
+        print(f"LM head as one product: 1 lane {statistics.median(plain_one):.1f} s, {args.lanes} lanes "
+              f"{statistics.median(plain_many):.1f} s, ratio median {statistics.median(plain):.2f}x "
+              f"({', '.join(f'{r:.2f}x' for r in plain)}); sliced head: {args.lanes} lanes "
+              f"{statistics.median(plain_many) / statistics.median(many):.2f}x faster")
     return 0
 
 

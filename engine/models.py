@@ -20,7 +20,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -309,6 +309,7 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
     elif not _has_quantized_layers(model):
         raise ModelLoadError(f"Could not {spec.quantization}-quantize {name!r}: it has no Linear layers bitsandbytes can replace")
     model.eval()
+    slice_lm_head(model)
     eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     return LoadedModel(
@@ -316,6 +317,37 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
         source=spec.source, eos_token_ids=eos_ids, memory_bytes=int(model.get_memory_footprint()),
         load_seconds=time.perf_counter() - start,
     )
+
+
+# On CPU the logits of a few rows come faster from the LM head a slice of its vocabulary at a time:
+# MKL packs the weight for a product of several rows, and a 1024-row slice (2.4 MB for a 576-wide
+# model) is still in cache when it is used. Embedded model's head, one thread: 2 rows 25.6 -> 16 ms,
+# 4 rows 17.8 -> 13.7 ms, 16 rows 27 -> 23 ms. The result is the same float32 tensor bit for bit
+# (tests/test_models.py). One row (a matrix-vector product) and long sequences keep the plain product.
+LM_HEAD_SLICE = 1024
+LM_HEAD_SLICED_ROWS = (2, 32)
+
+
+def _sliced_linear(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``head(x)``; for LM_HEAD_SLICED_ROWS rows on CPU, computed LM_HEAD_SLICE output rows at a time."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    low, high = LM_HEAD_SLICED_ROWS
+    if not low <= rows <= high or x.device.type != "cpu":
+        return torch.nn.functional.linear(x, head.weight, head.bias)
+    weights = head.weight.split(LM_HEAD_SLICE)
+    biases = head.bias.split(LM_HEAD_SLICE) if head.bias is not None else (None,) * len(weights)
+    return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
+def slice_lm_head(model: Any) -> bool:
+    """Compute a CPU float32 model's LM head in vocabulary slices (``_sliced_linear``); True if it
+    did. Other heads (GPU, half precision, quantized or not a plain Linear) are left alone."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (type(head) is not torch.nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32
+            or head.weight.shape[0] <= 2 * LM_HEAD_SLICE):
+        return False
+    head.forward = partial(_sliced_linear, head)
+    return True
 
 
 def _hub_offline() -> bool:

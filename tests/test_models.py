@@ -1,5 +1,7 @@
 """Model loading: the embedded cache, bitsandbytes quantization on CPU, clear errors."""
 
+import functools
+
 import pytest
 import torch
 
@@ -99,3 +101,34 @@ def test_startup_examples_are_off_on_zerogpu(monkeypatch):
     assert examples.enabled()
     monkeypatch.setenv("SPACES_ZERO_GPU", "true")
     assert not examples.enabled()
+
+
+def test_sliced_lm_head_gives_the_plain_product_bit_for_bit(embedded):
+    """engine.models.slice_lm_head: the embedded model's head on real hidden states, 1 to 33 rows
+    (2..32 are sliced), equals F.linear exactly, and the head still shares the embedding's weight."""
+    model = embedded.model
+    head = model.get_output_embeddings()
+    assert isinstance(head.forward, functools.partial)  # sliced at load (CPU, float32)
+    assert head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # still tied
+    ids = torch.tensor([embedded.encode("The history of the printing press begins with woodblocks, movable type "
+                                        "in China and Korea, and then Gutenberg's press in Mainz, whose books "
+                                        "spread across Europe within fifty years and changed how people read.")])
+    with torch.inference_mode():
+        hidden = model.model(input_ids=ids).last_hidden_state[0]  # [L, 576]
+        assert hidden.shape[0] >= 33
+        for rows in (1, 2, 3, 4, 8, 16, 32, 33):
+            x = hidden[:rows].unsqueeze(1)  # [rows, 1, 576], as a batched decode step feeds it
+            assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight)), rows
+        x = hidden[:5].unsqueeze(0)  # [1, 5, 576]: one row's last positions (speculative verification)
+        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+
+
+def test_lm_head_left_alone_where_slicing_does_not_apply(tiny_lm):
+    from engine.models import slice_lm_head
+
+    small = torch.nn.Linear(8, 100, bias=False)
+    holder = type("M", (), {"get_output_embeddings": lambda self: small})()
+    assert not slice_lm_head(holder)  # a vocabulary of 100: nothing to slice
+    half = torch.nn.Linear(8, 4096, bias=False).to(torch.bfloat16)
+    holder = type("M", (), {"get_output_embeddings": lambda self: half})()
+    assert not slice_lm_head(holder) and "forward" not in vars(half)

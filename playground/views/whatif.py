@@ -42,6 +42,9 @@ DRAW_JS = """(figure) => {
   const plot = document.querySelector('#step-chart .js-plotly-plot');
   if (!figure || !plot || !window.Plotly) return;
   const fig = JSON.parse(figure);
+  const box = document.querySelector('#step-index input[type=number]');
+  const step = fig.layout.meta ? fig.layout.meta.step : undefined;
+  if (box && step !== undefined && Number(box.value) !== step) return;  // another step was selected meanwhile
   fig.layout.autosize = true;
   fig.layout.margin = fig.layout.margin || {};
   if (fig.layout.title) fig.layout.margin.t = Math.max(100, fig.layout.margin.t || 0);
@@ -172,7 +175,9 @@ class WhatIfPanel:
                 changed, kept = whatif_step(lm, trace, at, knobs, kept, context_key(model, quant, trace, at))
             except (UserError, ConfigError, ValueError) as exc:
                 return {self.note: error_html(str(exc)), self.figure: ""}
-            return {self.figure: charts.fitted_stage_chart(changed, page_width(width)).to_json(), self.kept: kept,
+            fig = charts.fitted_stage_chart(changed, page_width(width))
+            fig.layout.meta = {**fig.layout.meta, "step": at}  # DRAW_JS draws it only while that step is selected
+            return {self.figure: fig.to_json(), self.kept: kept,
                     self.note: whatif_note(trace.steps[at], changed, knobs, trace.config)}
 
         gr.on(triggers, on_knob, inputs, [self.figure, self.note, self.kept], api_visibility="private",
