@@ -20,7 +20,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -328,25 +328,29 @@ LM_HEAD_SLICE = 1024
 LM_HEAD_SLICED_ROWS = (2, 32)
 
 
-def _sliced_linear(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``head(x)``; for LM_HEAD_SLICED_ROWS rows on CPU, computed LM_HEAD_SLICE output rows at a time."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    low, high = LM_HEAD_SLICED_ROWS
-    if not low <= rows <= high or x.device.type != "cpu":
-        return torch.nn.functional.linear(x, head.weight, head.bias)
-    weights = head.weight.split(LM_HEAD_SLICE)
-    biases = head.bias.split(LM_HEAD_SLICE) if head.bias is not None else (None,) * len(weights)
-    return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+class SlicedLinear(torch.nn.Linear):
+    """An LM head (``nn.Linear``) that computes 2..32 rows on CPU LM_HEAD_SLICE output rows at a
+    time; other inputs take the plain product. ``slice_lm_head`` sets it as a loaded head's class
+    (the weight, its tie to the embedding and the state dict are unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        low, high = LM_HEAD_SLICED_ROWS
+        if not low <= rows <= high or x.device.type != "cpu":
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        weights = self.weight.split(LM_HEAD_SLICE)
+        biases = self.bias.split(LM_HEAD_SLICE) if self.bias is not None else (None,) * len(weights)
+        return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
 
 def slice_lm_head(model: Any) -> bool:
-    """Compute a CPU float32 model's LM head in vocabulary slices (``_sliced_linear``); True if it
-    did. Other heads (GPU, half precision, quantized or not a plain Linear) are left alone."""
+    """Make a CPU float32 model's LM head a ``SlicedLinear``; True if it did. Other heads (GPU,
+    half precision, quantized, not a plain Linear, or a small vocabulary) are left alone."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (type(head) is not torch.nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32
             or head.weight.shape[0] <= 2 * LM_HEAD_SLICE):
         return False
-    head.forward = partial(_sliced_linear, head)
+    head.__class__ = SlicedLinear
     return True
 
 

@@ -1,11 +1,10 @@
 """Model loading: the embedded cache, bitsandbytes quantization on CPU, clear errors."""
 
-import functools
-
 import pytest
 import torch
 
-from engine.models import ModelLoadError, ModelRegistry, ModelSpec, embedded_model_dir, gguf_path, load_model
+from engine.models import (ModelLoadError, ModelRegistry, ModelSpec, SlicedLinear, embedded_model_dir, gguf_path,
+                           load_model)
 
 
 def test_embedded_gguf_is_found_and_converted_once():
@@ -108,7 +107,7 @@ def test_sliced_lm_head_gives_the_plain_product_bit_for_bit(embedded):
     (2..32 are sliced), equals F.linear exactly, and the head still shares the embedding's weight."""
     model = embedded.model
     head = model.get_output_embeddings()
-    assert isinstance(head.forward, functools.partial)  # sliced at load (CPU, float32)
+    assert type(head) is SlicedLinear  # sliced at load (CPU, float32)
     assert head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # still tied
     ids = torch.tensor([embedded.encode("The history of the printing press begins with woodblocks, movable type "
                                         "in China and Korea, and then Gutenberg's press in Mainz, whose books "
@@ -123,7 +122,7 @@ def test_sliced_lm_head_gives_the_plain_product_bit_for_bit(embedded):
         assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
 
 
-def test_lm_head_left_alone_where_slicing_does_not_apply(tiny_lm):
+def test_lm_head_left_alone_where_slicing_does_not_apply():
     from engine.models import slice_lm_head
 
     small = torch.nn.Linear(8, 100, bias=False)
@@ -131,4 +130,16 @@ def test_lm_head_left_alone_where_slicing_does_not_apply(tiny_lm):
     assert not slice_lm_head(holder)  # a vocabulary of 100: nothing to slice
     half = torch.nn.Linear(8, 4096, bias=False).to(torch.bfloat16)
     holder = type("M", (), {"get_output_embeddings": lambda self: half})()
-    assert not slice_lm_head(holder) and "forward" not in vars(half)
+    assert not slice_lm_head(holder) and type(half) is torch.nn.Linear
+
+
+def test_a_sliced_head_with_a_bias_gives_the_plain_product():
+    from engine.models import slice_lm_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 5000)  # 5 slices, the last one short
+    holder = type("M", (), {"get_output_embeddings": lambda self: head})()
+    assert slice_lm_head(holder) and type(head) is SlicedLinear
+    for shape in ((1, 64), (4, 1, 64), (2, 3, 64), (40, 64)):
+        x = torch.randn(*shape)
+        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias)), shape
