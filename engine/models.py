@@ -456,6 +456,11 @@ class ModelRegistry:
         with self._lock:
             return list(self._models)
 
+    def peek(self, spec: ModelSpec) -> LoadedModel | None:
+        """The model of ``spec`` if it is loaded, else None (never loads, never reorders)."""
+        with self._lock:
+            return self._models.get(spec)
+
 
 @dataclass(frozen=True)
 class ModelHandle:

@@ -11,7 +11,7 @@ from engine.models import EMBEDDED, ModelRegistry, model_policy
 from . import downloads, events, examples, page_js, share_links
 from .events import ModelEvents
 from .shared import PanelView, Shared, model_pickers, user_presets_state
-from .views import beam, compare, lessons, presets, quantization, search, speculative, step
+from .views import beam, compare, lessons, presets, quantization, search, speculative, step, whatif
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
 # is "tab-<name>", which is what a share link selects.
@@ -107,6 +107,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
                     handles.append(handle)
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
         lessons_tab.wire_page(demo, tabs, handles, pages["compare"], pages["quantization"])
+    whatif.serve(demo, pages["step"].whatif)
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     # The views' example runs (first screens that already show a result), off the launch's path.
     examples.cache_for(registry).start(shared, default_model)
@@ -115,4 +116,4 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
 
 def launch_kwargs() -> dict:
     return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD,
-            "state_session_capacity": events.session_capacity()}
+            "state_session_capacity": events.session_capacity(), "app_kwargs": {"routes": whatif.routes()}}

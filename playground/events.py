@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import os
 import threading
@@ -65,6 +66,13 @@ def default_concurrency() -> int:
     """How many model events run at once: env ``DP_CONCURRENCY``, default the scheduler's batch
     size (greedy/sampling runs share batched forwards, so more than one per core pays off)."""
     return _positive_env("DP_CONCURRENCY") or max_batch()
+
+
+def zero_gpu_active() -> bool:
+    """Whether this is a ZeroGPU Space (``zero_gpu`` wraps model events there)."""
+    if not os.environ.get("SPACE_ID"):
+        return False
+    return importlib.util.find_spec("spaces") is not None
 
 
 def zero_gpu(fn: Callable) -> Callable:

@@ -75,6 +75,16 @@ class Shared:
         except ModelLoadError as exc:
             raise UserError(str(exc)) from None
 
+    def loaded_lm(self, source: Any, quantization: Any) -> LoadedModel | None:
+        """The model the pickers name if the policy allows it and it is loaded already, else None
+        (a page route that must not load a model: engine.models.ModelRegistry.peek)."""
+        try:
+            source = self.policy.check((source or EMBEDDED).strip() if isinstance(source, str) else source)
+            spec = ModelSpec(source=source, quantization=quantization or "none")
+        except ModelLoadError as exc:
+            raise UserError(str(exc)) from None
+        return self.registry.peek(spec)
+
     def prepare(self, panel: Any, values: Sequence, model: str, quantization: str, prompt: str,
                 chat: bool) -> tuple[DecodingConfig, LoadedModel, list[int]]:
         """Validate a run's inputs: the panel's config, the model, the prompt ids (UserError if bad)."""

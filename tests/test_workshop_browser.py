@@ -8,6 +8,7 @@ import time
 import pytest
 
 from playground.knobs import KnobPanel
+from playground.views import whatif
 from playground.views.step import DEFAULT_PRESET
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -72,6 +73,23 @@ def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
     page.wait_for_function("(b) => document.querySelector('#step-chart').innerText === b", arg=before, timeout=30_000)
     assert page.locator("#step-status .dp-error").count() == 0
     page.screenshot(path=str(artifacts / "step-whatif.png"), full_page=True)
+    # Where the route cannot answer (DP_WHATIF_ROUTE=0, a model not loaded, ZeroGPU) the same what-if
+    # runs as a Gradio event: the page presses the hidden fallback button.
+    routes = list(whatif._ROUTES.values())
+    try:
+        for route in routes:
+            route.direct = False
+        box.fill("2.5")
+        page.wait_for_selector("#step-whatif-note:has-text('temperature = 2.5')", timeout=60_000)
+        page.wait_for_function("(b) => document.querySelector('#step-chart').innerText !== b", arg=before)
+    finally:
+        for route in routes:
+            route.direct = True
+    # A bad value is named in the note, and the chart keeps the last good what-if.
+    shown = page.locator("#step-chart").inner_text()
+    page.fill("#step-knob-top_k input[type=number]", "-3")
+    page.wait_for_selector("#step-whatif-note .dp-error:has-text('top_k')", timeout=60_000)
+    assert page.locator("#step-chart").inner_text() == shown
 
 
 def test_presenter_guess_reveal_and_qr(browser, live_app, artifacts):

@@ -31,7 +31,7 @@ from playground.charts import tokens as token_charts
 from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
-from .whatif import WhatIfPanel
+from .whatif import KeptLogits, WhatIfPanel, register
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
@@ -53,6 +53,11 @@ class StepSession:
     runs: list[Trace] = field(default_factory=list)
     current: int = 0
     owner: str = ""
+    kept: KeptLogits | None = None  # the what-if's raw logits of one step (whatif.KeptLogits)
+    whatif_key: str = ""  # the page's key for the what-if route (whatif.register)
+
+    def __post_init__(self) -> None:
+        self.whatif_key = register(self)
 
     def trace(self) -> Trace | None:
         return self.runs[self.current] if self.runs else None
@@ -77,6 +82,7 @@ class StepView(PanelView):
 
     select_once: Any = None
     width: Any = None
+    whatif: Any = None  # the what-if route's handler (whatif.WhatIfRoute), served by the app
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class Outputs(OutputSet):
     download: Any
     session: Any
     owner: Any  # gr.BrowserState: this page's secret, see StepSession
+    whatif_key: Any  # hidden box: the session's what-if key (whatif.WHATIF_JS)
 
 
 def own(state: StepSession | None, owner: Any) -> StepSession | None:
@@ -146,7 +153,8 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
     trace = session.trace()
     if trace is None or not trace.steps:
         return {out.text: [], out.alternatives: gr.update(choices=[]), out.summary: "", out.status: status,
-                out.explain: "", out.chart: None, out.over_run: None, out.session: session}
+                out.explain: "", out.chart: None, out.over_run: None, out.session: session,
+                out.whatif_key: session.whatif_key}
     last = len(trace.steps) - 1
     sel = last if selected is None else max(0, min(int(selected), last))
     updates = {
@@ -156,6 +164,7 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
         out.summary: charts.summary_markdown(trace, running=not full),
         out.status: status,
         out.session: session,
+        out.whatif_key: session.whatif_key,
     }
     if full:
         step = trace.steps[sel]
@@ -269,13 +278,14 @@ def build_tab(shared: Shared) -> StepView:
             download = gr.DownloadButton("Download trace JSON", elem_id="step-download")
     out = Outputs(text, step_slider, explain, chart, alternatives, runs, compare, over_run, summary, status, download,
                   gr.State(None, time_to_live=SESSION_TTL_S),
-                  gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET))
+                  gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET), what_if.key)
     panel.wire()
     view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width)
     example = examples.ExampleRequest("step", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel), chat=True)
     examples.cache_for(shared.registry).want(example)
     Handlers(shared, view, out, colour_by, example, redraw).wire(generate, branch_btn, stop)
     what_if.wire(shared, view, out, colour_by, stream_run, own, StepRequest)
+    view.whatif = what_if.route
     return view
 
 

@@ -6,11 +6,16 @@ before the selected one are the run's, the rest are generated under the new knob
 Per-session state is one ``KeptLogits`` (one step's raw logits, [1, V] float32: bounded); it is
 recomputed with one forward when the selected step (or the run, or the model) changes.
 
-The re-drawn chart does not go through the chart's ``gr.Plot``: Gradio's Plot follows every new value
-with ``Plotly.Plots.resize``, which waits 100 ms and lays the whole chart out again. The figure's JSON
-goes into a hidden box and the page draws it into the same plot with one ``Plotly.react`` (DRAW_JS).
-The view stamps every chart it sends the Plot (``step.revised``), so the Plot redraws the run's own
-step after a what-if even when that figure equals the last one it drew.
+The knob change takes the shortest way there is (WHATIF_JS, in the page): no Gradio event reaches
+the server. The page posts the knob values with the session's what-if key (a secret the view wrote
+into a hidden box) to the app's own route ``/dp/whatif`` (``WhatIfRoute``: the stage chain over the
+kept logits and the chart, ~20 ms on a CPU) and draws the figure into the step chart with one
+``Plotly.react``: not through the chart's ``gr.Plot``, which follows every new value with
+``Plotly.Plots.resize`` (a 100 ms timer and a second layout). When the route cannot answer (a model
+not loaded yet, a ZeroGPU Space, where only Gradio's events hold the GPU) the page presses a hidden
+button and the same what-if runs as a Gradio event (``on_knob``: the figure's JSON through a hidden
+box, drawn by DRAW_JS). The view stamps every chart it sends the Plot (``step.revised``), so the Plot
+redraws the run's own step after a what-if even when that figure equals the last one it drew.
 API: ``/explore_step`` (trace JSON, step, knobs -> that step's ``stages`` in trace-JSON format).
 """
 
@@ -20,11 +25,20 @@ import dataclasses
 import functools
 import hashlib
 import html
+import json
+import os
+import secrets
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import anyio
 import gradio as gr
 import torch
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from engine import explore, runner
 from engine.config import ConfigError, DecodingConfig
@@ -33,15 +47,20 @@ from engine.models import LoadedModel
 from engine.trace import Event, StageTrace, StepTrace, Trace, to_dict
 from playground.charts import step as charts
 
+from ..events import zero_gpu, zero_gpu_active
 from ..shared import Shared, UserError, error_html
 
 WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}
-# The what-if figure (JSON text) into Step through's chart, set up as Gradio's Plot sets up its own
-# (responsive, autosize, a titled chart's top margin at least 100 px).
-DRAW_JS = """(figure) => {
+ROUTE = "/dp/whatif"
+MAX_BODY_BYTES = 64 * 1024  # the knob values of one panel are ~2 KB
+ROUTE_SLOTS = 4  # what-ifs computed at once by the route (a recompute forward is the costly case)
+ROUTE_WAIT_S = 10.0  # a request waits this long for a slot, then the page is told to try again
+# Draws a what-if figure (an object) into Step through's chart, set up as Gradio's Plot sets up its
+# own (responsive, autosize, a titled chart's top margin at least 100 px); only while its step is
+# still the selected one.
+_DRAW = """(fig) => {
   const plot = document.querySelector('#step-chart .js-plotly-plot');
-  if (!figure || !plot || !window.Plotly) return;
-  const fig = JSON.parse(figure);
+  if (!fig || !plot || !window.Plotly) return;
   const box = document.querySelector('#step-index input[type=number]');
   const step = fig.layout.meta ? fig.layout.meta.step : undefined;
   if (box && step !== undefined && Number(box.value) !== step) return;  // another step was selected meanwhile
@@ -51,6 +70,62 @@ DRAW_JS = """(figure) => {
   fig.layout.margin.autoexpand = true;
   window.Plotly.react(plot, fig.data, fig.layout, Object.assign({}, fig.config || {}, {responsive: true}));
 }"""
+# The fallback path's figure arrives as JSON text in a hidden box.
+DRAW_JS = "(figure) => { if (figure) (%s)(JSON.parse(figure)); }" % _DRAW
+# A knob's input event, in the page: post the values to the route, draw the figure, return the note
+# (the only output). Nothing to draw without a key (no run yet). ``seq``: only the latest answer
+# counts when changes overlap. ``fallback``: the route cannot answer; the hidden button runs on_knob.
+WHATIF_JS = """async (key, note, step, model, quantization, width, ...values) => {
+  if (!key) return note;
+  const seq = window.dpWhatIfSeq = (window.dpWhatIfSeq || 0) + 1;
+  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
+  let reply;
+  try {
+    const res = await fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
+      body: JSON.stringify({key, step, model, quantization, width, values})});
+    reply = await res.json();
+  } catch (err) {
+    reply = {fallback: true};
+  }
+  if (seq !== window.dpWhatIfSeq) return note;
+  if (reply.fallback) {
+    const button = document.querySelector('#step-whatif-fallback');
+    if (button) button.click();
+    return note;
+  }
+  if (reply.figure) (%s)(reply.figure);
+  return reply.note || note;
+}""" % (json.dumps(ROUTE), _DRAW)
+
+# A step's chart was drawn (a run ended, a token or a run was picked): ask the route to keep that
+# step's raw logits, so the first knob change needs no forward. Fire and forget.
+PREPARE_JS = """(key, step, model, quantization) => {
+  if (!key) return;
+  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
+  fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
+    body: JSON.stringify({prepare: true, key, step, model, quantization})}).catch(() => {});
+}""" % json.dumps(ROUTE)
+
+# What-if key -> StepSession (weakly: the session's gr.State owns it; an expired session's key stops
+# working with it). A key is a secret only its own page gets, like the page's owner token.
+_SESSIONS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_SESSIONS_LOCK = threading.Lock()
+
+
+def register(session: Any) -> str:
+    """A new what-if key for ``session`` (a StepSession)."""
+    key = secrets.token_urlsafe(24)
+    with _SESSIONS_LOCK:
+        _SESSIONS[key] = session
+    return key
+
+
+def session_of(key: Any) -> Any:
+    """The StepSession of what-if ``key``, or None (unknown, expired, not a key)."""
+    if not isinstance(key, str) or not 16 <= len(key) <= 64:
+        return None
+    with _SESSIONS_LOCK:
+        return _SESSIONS.get(key)
 
 
 @dataclass(frozen=True)
@@ -131,15 +206,204 @@ def explore_api(shared: Shared, trace: dict | str, step: int, knobs: dict | None
     return to_dict(stages)
 
 
+def direct_enabled() -> bool:
+    """Whether the page's knob changes go to the route (env ``DP_WHATIF_ROUTE``, default on; 0:
+    every what-if is a Gradio event, e.g. behind a proxy that passes only Gradio's own paths)."""
+    return os.environ.get("DP_WHATIF_ROUTE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class RouteError(ValueError):
+    """A malformed route request (not the page's): HTTP 400 with the message."""
+
+
+@dataclass
+class WhatIfRoute:
+    """``POST /dp/whatif``: one knob change of one page, answered without Gradio's event path.
+
+    Body (JSON object): ``key`` (the session's what-if key), ``step`` (the selected step),
+    ``model`` and ``quantization`` (the pickers), ``width`` (the page's, px, or null) and
+    ``values`` (the knob panel's values in its inputs' order). Answer: ``{"figure": <plotly
+    figure>, "note": <markdown>}``; ``{"figure": null, "note": <error html>}`` for bad knob values
+    or an expired session; ``{"fallback": true}`` when only a Gradio event can answer (the model
+    is not loaded, or this is a ZeroGPU Space and the step's logits must be recomputed); HTTP 400
+    with ``{"error": ...}`` for a body that is not such an object. Every answer is strict JSON."""
+
+    shared: Shared
+    panel: Any  # the view's KnobPanel
+    direct: bool = dataclasses.field(default_factory=lambda: direct_enabled())  # False: always the fallback
+    slots: threading.BoundedSemaphore = dataclasses.field(
+        default_factory=lambda: threading.BoundedSemaphore(ROUTE_SLOTS))
+
+    def answer(self, body: bytes) -> dict:
+        request = parse_body(body)
+        if request.get("prepare") is True:
+            return self.prepare(request)
+        if not self.direct:
+            return {"fallback": True}
+        values = request.get("values")
+        if not isinstance(values, list) or len(values) != len(self.panel.inputs):
+            raise RouteError(f"values: expected a list of {len(self.panel.inputs)} knob values")
+        found = self.selected(request)
+        if isinstance(found, dict):
+            return found
+        session, trace, at = found
+        model, quant = request.get("model"), request.get("quantization")
+        try:
+            knobs = self.panel.values(*values)
+            lm = self.shared.loaded_lm(model, quant)
+            if lm is None:
+                return {"fallback": True}
+            key = context_key(model, quant, trace, at)
+            kept = session.kept
+            if (kept is None or kept.key != key) and zero_gpu_active():
+                return {"fallback": True}  # a forward needs the GPU, which only Gradio's events get there
+            if not self.slots.acquire(timeout=ROUTE_WAIT_S):
+                return {"figure": None, "note": error_html("what if: the server is busy; move the knob again")}
+            try:
+                changed, kept = whatif_step(lm, trace, at, knobs, kept_for(session, lm, trace, at, key), key)
+            finally:
+                self.slots.release()
+        except (UserError, ConfigError, ValueError) as exc:
+            return {"figure": None, "note": error_html(str(exc))}
+        from .step import page_width  # step imports this module
+
+        fig = charts.fitted_stage_chart(changed, page_width(request.get("width")))
+        fig.layout.meta = {**fig.layout.meta, "step": at}  # drawn only while that step is selected
+        return {"figure": RawJSON(fig.to_json()), "note": whatif_note(trace.steps[at], changed, knobs, trace.config)}
+
+    def prepare(self, request: dict) -> dict:
+        """``{"prepare": true, key, step, model, quantization}`` (the page sends it when a step is
+        selected): keep that step's raw logits now, so the first knob change needs no forward. Only
+        when a slot is free at once: under load the first change pays the forward instead."""
+        found = self.selected(request)
+        if not self.direct or isinstance(found, dict):
+            return {"prepared": False}
+        session, trace, at = found
+        model, quant = request.get("model"), request.get("quantization")
+        try:
+            lm = self.shared.loaded_lm(model, quant)
+        except UserError:
+            return {"prepared": False}
+        key = context_key(model, quant, trace, at)
+        if session.kept is not None and session.kept.key == key:
+            return {"prepared": True}
+        if lm is None or zero_gpu_active() or not self.slots.acquire(blocking=False):
+            return {"prepared": False}
+        try:
+            kept_for(session, lm, trace, at, key)
+        finally:
+            self.slots.release()
+        return {"prepared": True}
+
+    @staticmethod
+    def selected(request: dict) -> tuple[Any, Trace, int] | dict:
+        """(session, its current trace, the selected step clamped to it) of a request, or the answer
+        when there is nothing to draw (an expired key, no run, a strategy without stages)."""
+        session = session_of(request.get("key"))
+        if session is None:
+            return {"figure": None, "note": error_html("what if: this page's runs have expired; generate again")}
+        trace = session.trace()
+        if trace is None or not trace.steps or trace.strategy not in ("greedy", "sample"):
+            return {"figure": None, "note": None}  # nothing to draw
+        step = request.get("step")
+        number = isinstance(step, (int, float)) and not isinstance(step, bool)
+        return session, trace, max(0, min(int(step), len(trace.steps) - 1)) if number else 0
+
+
+# One session's kept logits are computed once even when a prepare and a knob change overlap.
+_KEPT_LOCKS = tuple(threading.Lock() for _ in range(16))
+
+
+def kept_for(session: Any, lm: LoadedModel, trace: Trace, step: int, key: str) -> KeptLogits:
+    """The session's kept logits for ``key`` (step ``step`` of ``trace``), computed with one forward
+    if it holds other ones; a concurrent request for the same session waits for that forward."""
+    with _KEPT_LOCKS[hash(session.whatif_key) % len(_KEPT_LOCKS)]:
+        kept = session.kept
+        if kept is None or kept.key != key:
+            with torch.inference_mode():
+                kept = session.kept = KeptLogits(key, explore.raw_logits(lm, trace, step))
+        return kept
+
+
+class RawJSON(str):
+    """JSON text already strict (plotly's ``to_json`` writes NaN as null), placed as is by ``dumps``."""
+
+
+def dumps(payload: dict) -> str:
+    """Strict JSON of a route answer (ValueError on NaN), RawJSON values spliced in as they are."""
+    raw = {k: v for k, v in payload.items() if isinstance(v, RawJSON)}
+    text = json.dumps({k: (None if k in raw else v) for k, v in payload.items()}, allow_nan=False)
+    for name, value in raw.items():
+        text = text.replace(json.dumps(name) + ": null", json.dumps(name) + ": " + value, 1)
+    return text
+
+
+def parse_body(body: bytes) -> dict:
+    """The request body as a JSON object (strict: NaN and Infinity are refused), else RouteError."""
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not allowed")
+
+    try:
+        request = json.loads(body.decode("utf-8"), parse_constant=no_constants)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RouteError(f"body: not valid JSON ({str(exc)[:80]})") from None
+    if not isinstance(request, dict):
+        raise RouteError(f"body: expected a JSON object, got a JSON {type(request).__name__}")
+    return request
+
+
+# The route of each app: Gradio builds the web app at launch, so the route finds its WhatIfRoute
+# through the app's Blocks.
+_ROUTES: "weakref.WeakKeyDictionary[Any, WhatIfRoute]" = weakref.WeakKeyDictionary()
+
+
+def serve(demo: gr.Blocks, route: WhatIfRoute) -> None:
+    """Answer ``ROUTE`` for ``demo`` with ``route`` (the app passes ``routes()`` to its web app)."""
+    _ROUTES[demo] = route
+
+
+def _json(payload: dict, status: int = 200) -> Response:
+    return Response(dumps(payload), status_code=status, media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
+async def whatif_endpoint(request: Request) -> Response:
+    """``ROUTE``: the body read up to MAX_BODY_BYTES, answered in a worker thread."""
+    get_blocks = getattr(request.app, "get_blocks", None)
+    route = _ROUTES.get(get_blocks()) if get_blocks is not None else None
+    if route is None:
+        return _json({"error": "what if: this app has no Step-through view"}, 404)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            return _json({"error": f"body: over {MAX_BODY_BYTES:,} bytes"}, 413)
+    try:
+        payload = await anyio.to_thread.run_sync(route.answer, bytes(body))
+    except RouteError as exc:
+        return _json({"error": str(exc)}, 400)
+    try:
+        return _json(payload)
+    except ValueError:  # a NaN in the figure: refuse rather than emit non-strict JSON
+        return _json({"figure": None, "note": error_html("what if: the chart could not be drawn")})
+
+
+def routes() -> list[Route]:
+    """The web app's own routes (given to Gradio's FastAPI app at launch: playground.app.launch_kwargs)."""
+    return [Route(ROUTE, whatif_endpoint, methods=["POST"])]
+
+
 @dataclass
 class WhatIfPanel:
-    """The what-if row under the step chart: a note and the Continue button, plus the kept logits
-    and the hidden box the re-drawn figure's JSON goes through (DRAW_JS)."""
+    """The what-if row under the step chart: a note and the Continue button, plus the hidden
+    what-if key (WHATIF_JS), the fallback button and the box its figure's JSON goes through (DRAW_JS)."""
 
     note: gr.Markdown
     continue_btn: gr.Button
-    kept: gr.State
     figure: gr.Textbox
+    key: gr.Textbox
+    fallback: gr.Button
+    route: WhatIfRoute | None = None
 
     @classmethod
     def build(cls) -> "WhatIfPanel":
@@ -148,22 +412,29 @@ class WhatIfPanel:
                                "that step under the new knobs, without generating again.", elem_id="step-whatif-note")
             button = gr.Button("Continue from here with these knobs", scale=0, min_width=200,
                                elem_id="step-whatif-continue")
-        figure = gr.Textbox("", show_label=False, container=False, elem_id="step-whatif-figure",
-                            elem_classes=["dp-hidden"])
-        return cls(note, button, gr.State(None), figure)
+        hidden = {"show_label": False, "container": False, "elem_classes": ["dp-hidden"]}
+        figure = gr.Textbox("", elem_id="step-whatif-figure", **hidden)
+        key = gr.Textbox("", elem_id="step-whatif-key", **hidden)
+        fallback = gr.Button("what if", elem_id="step-whatif-fallback", elem_classes=["dp-hidden"])
+        return cls(note, button, figure, key, fallback)
 
     def wire(self, shared: Shared, view: Any, out: Any, colour_by: gr.Radio, stream_run: Any, own: Any,
              request_cls: Any) -> None:
-        """Every stage knob and the stage order re-draw the selected step (UI only, no generation);
+        """Every stage knob and the stage order re-draw the selected step (UI only, no generation):
+        in the page through the route (WHATIF_JS), else through the hidden fallback button's event;
         Continue is a model event that streams the new branch into the view."""
         panel = view.panel
         triggers = [c.input for c in panel.inputs]
         from .step import page_width  # step imports this module
 
-        inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, self.kept, view.width,
-                  *panel.inputs]
+        self.route = WhatIfRoute(shared, panel)
+        gr.on(triggers, None, [self.key, self.note, out.step, shared.model, shared.quantization, view.width,
+                               *panel.inputs], [self.note], js=WHATIF_JS, api_visibility="private",
+              trigger_mode="always_last", show_progress="hidden", queue=False)
+        out.chart.change(None, [self.key, out.step, shared.model, shared.quantization], None, js=PREPARE_JS,
+                         api_visibility="private", trigger_mode="always_last", show_progress="hidden", queue=False)
 
-        def on_knob(state, owner, step, model, quant, kept, width, *values) -> dict:
+        def on_knob(state, owner, step, model, quant, width, *values) -> dict:
             state = own(state, owner)
             trace = state.trace() if state is not None else None
             if trace is None or not trace.steps or trace.strategy not in ("greedy", "sample"):
@@ -172,15 +443,15 @@ class WhatIfPanel:
             try:
                 knobs = panel.values(*values)
                 lm = shared.lm(model, quant)
-                changed, kept = whatif_step(lm, trace, at, knobs, kept, context_key(model, quant, trace, at))
+                changed, state.kept = whatif_step(lm, trace, at, knobs, state.kept, context_key(model, quant, trace, at))
             except (UserError, ConfigError, ValueError) as exc:
                 return {self.note: error_html(str(exc)), self.figure: ""}
             fig = charts.fitted_stage_chart(changed, page_width(width))
             fig.layout.meta = {**fig.layout.meta, "step": at}  # DRAW_JS draws it only while that step is selected
-            return {self.figure: fig.to_json(), self.kept: kept,
-                    self.note: whatif_note(trace.steps[at], changed, knobs, trace.config)}
+            return {self.figure: fig.to_json(), self.note: whatif_note(trace.steps[at], changed, knobs, trace.config)}
 
-        gr.on(triggers, on_knob, inputs, [self.figure, self.note, self.kept], api_visibility="private",
+        inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, view.width, *panel.inputs]
+        gr.on([self.fallback.click], zero_gpu(on_knob), inputs, [self.figure, self.note], api_visibility="private",
               trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY).success(
             None, [self.figure], None, js=DRAW_JS, queue=False, show_progress="hidden", api_visibility="private")
 

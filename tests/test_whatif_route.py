@@ -1,0 +1,175 @@
+"""The what-if route (POST /dp/whatif): the page's knob change answered without Gradio's event
+path. Handler level on the embedded model (first / middle / last step, against engine.explore's
+stages drawn by the view's own chart builder; kept logits reused; prepare; two sessions at once;
+hostile bodies and values), then over HTTP against the real server (status codes, strict JSON)."""
+
+import dataclasses
+import gc
+import json
+import threading
+
+import httpx
+import pytest
+
+from engine import explore, runner
+from engine.config import DecodingConfig
+from playground.charts import step as charts
+from playground.views import step as step_view
+from playground.views import whatif
+
+pytestmark = pytest.mark.slow
+
+CFG = DecodingConfig(strategy="sample", seed=3, max_new_tokens=6, temperature=0.9, top_k=40, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def route(registry, embedded):
+    """The WhatIfRoute of a freshly built app (its own knob panel) over the test registry."""
+    from playground.app import build_app
+
+    demo = build_app(registry)
+    yield whatif._ROUTES[demo]
+
+
+@pytest.fixture(scope="module")
+def trace(embedded):
+    return runner.run(embedded, "Name a colour of the sea.", CFG, chat=True)
+
+
+def values(route, **knobs):
+    """The panel's default control values with ``knobs`` set (by knob name), in inputs order."""
+    out = []
+    for component in route.panel.inputs:
+        name = (component.elem_id or "").split("knob-")[-1]
+        out.append(knobs[name] if name in knobs else component.value)
+    return out
+
+
+def ask(route, session, step, width=1400, model="embedded", **knobs) -> dict:
+    body = {"key": session.whatif_key, "step": step, "model": model, "quantization": "none", "width": width,
+            "values": values(route, **knobs)}
+    return json.loads(whatif.dumps(route.answer(json.dumps(body).encode())))
+
+
+def expected_figure(lm, trace, at, knobs, width=1400) -> dict:
+    """The oracle: engine.explore's stages for the step under the knobs, drawn by the view's builder."""
+    stages = explore.explore_step(lm, trace, at, knobs)
+    fig = charts.fitted_stage_chart(dataclasses.replace(trace.steps[at], stages=stages), width)
+    fig.layout.meta = {**fig.layout.meta, "step": at}
+    return json.loads(fig.to_json())
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_route_draws_the_step_under_new_knobs_like_explore_step(route, embedded, trace, where):
+    at = {"first": 0, "middle": len(trace.steps) // 2, "last": len(trace.steps) - 1}[where]
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    reply = ask(route, session, at, temperature=2.5, top_k=0)
+    config = route.panel.values(*values(route, temperature=2.5, top_k=0))
+    assert reply["figure"] == expected_figure(embedded, trace, at, config)
+    assert "temperature = 2.5" in reply["note"] and "top_k = 0" in reply["note"]
+    assert session.kept.key == whatif.context_key("embedded", "none", trace, at)
+
+
+def test_later_changes_reuse_the_kept_logits_and_prepare_keeps_them_first(route, trace, monkeypatch):
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    prepared = route.answer(json.dumps({"prepare": True, "key": session.whatif_key, "step": 2, "model": "embedded",
+                                        "quantization": "none"}).encode())
+    assert prepared == {"prepared": True}
+    assert session.kept.key == whatif.context_key("embedded", "none", trace, 2)
+    monkeypatch.setattr(explore, "raw_logits", lambda *a, **k: pytest.fail("recomputed the kept logits"))
+    for t in (0.3, 1.7, 4.0):
+        assert f"temperature = {t}" in ask(route, session, 2, temperature=t)["note"]
+
+
+def test_two_sessions_at_once_get_their_own_runs(route, embedded, trace):
+    other = runner.run(embedded, "Write the word MARKER twice.", CFG, chat=True)
+    sessions = {"a": step_view.StepSession(runs=[trace], owner="a" * 32),
+                "b": step_view.StepSession(runs=[other], owner="b" * 32)}
+    assert sessions["a"].whatif_key != sessions["b"].whatif_key
+    replies: dict = {}
+
+    def worker(name):
+        replies[name] = [ask(route, sessions[name], s, temperature=t) for s, t in ((1, 1.5), (3, 0.5), (0, 2.0))]
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in sessions]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    config = lambda t: route.panel.values(*values(route, temperature=t))  # noqa: E731
+    for name, tr in (("a", trace), ("b", other)):
+        for reply, (s, t) in zip(replies[name], ((1, 1.5), (3, 0.5), (0, 2.0))):
+            assert reply["figure"] == expected_figure(embedded, tr, s, config(t))
+
+
+def test_an_expired_session_key_draws_nothing(route, trace):
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    key = session.whatif_key
+    del session
+    gc.collect()
+    body = {"key": key, "step": 1, "model": "embedded", "quantization": "none", "values": values(route)}
+    reply = route.answer(json.dumps(body).encode())
+    assert reply["figure"] is None and "expired" in reply["note"]
+    for bad in (None, 7, "short", "x" * 500, ["k"]):
+        assert route.answer(json.dumps(body | {"key": bad}).encode())["figure"] is None
+
+
+@pytest.mark.parametrize("knobs, named", [({"temperature": -2}, "temperature"), ({"top_p": 7}, "top_p"),
+                                          ({"top_k": "many"}, "top_k"), ({"logit_bias": "{nope"}, "logit_bias")])
+def test_bad_knob_values_give_a_note_naming_the_knob(route, trace, knobs, named):
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    reply = ask(route, session, 1, **knobs)
+    assert reply["figure"] is None and named in reply["note"] and "dp-error" in reply["note"]
+
+
+def test_models_are_never_loaded_by_the_route(route, registry, trace):
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    before = registry.loaded()
+    for model in ("/etc", "../../etc/passwd", "gpt2", "x" * 600):
+        reply = ask(route, session, 1, model=model)
+        assert reply["figure"] is None and "model" in reply["note"], model
+    assert ask(route, session, 1, model="embedded")["figure"] is not None
+    body = {"key": session.whatif_key, "step": 1, "model": "embedded", "quantization": "int8", "values": values(route)}
+    assert route.answer(json.dumps(body).encode()) == {"fallback": True}  # allowed, not loaded: Gradio's path loads it
+    assert registry.loaded() == before
+
+
+def test_hostile_steps_are_clamped_and_bodies_refused(route, trace):
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    last = len(trace.steps) - 1
+    assert ask(route, session, 10**9)["figure"]["layout"]["meta"]["step"] == last
+    assert ask(route, session, -5)["figure"]["layout"]["meta"]["step"] == 0
+    assert ask(route, session, "2")["figure"]["layout"]["meta"]["step"] == 0
+    for body in (b"", b"[]", b"{", b'{"values": NaN}', b"\xff\xfe", json.dumps({"key": session.whatif_key}).encode(),
+                 json.dumps({"key": session.whatif_key, "values": [1, 2]}).encode()):
+        with pytest.raises(whatif.RouteError):
+            route.answer(body)
+
+
+def test_the_direct_path_can_be_turned_off(route, trace, monkeypatch):
+    monkeypatch.setattr(route, "direct", False)
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    body = {"key": session.whatif_key, "step": 1, "model": "embedded", "quantization": "none", "values": values(route)}
+    assert route.answer(json.dumps(body).encode()) == {"fallback": True}
+    assert route.answer(json.dumps(body | {"prepare": True}).encode()) == {"prepared": False}
+    monkeypatch.setenv("DP_WHATIF_ROUTE", "0")
+    assert not whatif.direct_enabled()
+
+
+def test_route_over_http_is_strict_json_with_clear_statuses(live_app, embedded, trace):
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)  # the server runs in this process
+    route = next(iter(whatif._ROUTES.values()))
+    body = {"key": session.whatif_key, "step": 2, "model": "embedded", "quantization": "none", "width": None,
+            "values": values(route, temperature=1.3)}
+    with httpx.Client(base_url=live_app, timeout=60) as client:
+        ok = client.post(whatif.ROUTE, json=body)
+        assert ok.status_code == 200 and ok.headers["content-type"].startswith("application/json")
+        reply = strict(ok.text)
+        assert reply["figure"]["layout"]["meta"]["step"] == 2 and "temperature = 1.3" in reply["note"]
+        for content, status in ((b"{", 400), (b"[1]", 400), (b'{"values": Infinity}', 400), (b"x" * 70_000, 413)):
+            res = client.post(whatif.ROUTE, content=content)
+            assert res.status_code == status and "error" in strict(res.text)
+        assert client.get(whatif.ROUTE).status_code == 405
