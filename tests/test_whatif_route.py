@@ -173,3 +173,14 @@ def test_route_over_http_is_strict_json_with_clear_statuses(live_app, embedded, 
             res = client.post(whatif.ROUTE, content=content)
             assert res.status_code == status and "error" in strict(res.text)
         assert client.get(whatif.ROUTE).status_code == 405
+
+
+def test_a_failure_inside_the_route_is_a_note_not_a_500(live_app, monkeypatch):
+    def broken(self, body):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(whatif.WhatIfRoute, "answer", broken)
+    res = httpx.post(live_app + whatif.ROUTE, json={"key": "k"}, timeout=60)
+    assert res.status_code == 200
+    reply = res.json()
+    assert reply["figure"] is None and "what if failed: RuntimeError" in reply["note"]

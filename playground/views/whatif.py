@@ -26,6 +26,7 @@ import functools
 import hashlib
 import html
 import json
+import logging
 import os
 import secrets
 import threading
@@ -50,6 +51,7 @@ from playground.charts import step as charts
 from ..events import zero_gpu, zero_gpu_active
 from ..shared import Shared, UserError, error_html
 
+LOG = logging.getLogger(__name__)
 WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}
 ROUTE = "/dp/whatif"
 MAX_BODY_BYTES = 64 * 1024  # the knob values of one panel are ~2 KB
@@ -382,6 +384,9 @@ async def whatif_endpoint(request: Request) -> Response:
         payload = await anyio.to_thread.run_sync(route.answer, bytes(body))
     except RouteError as exc:
         return _json({"error": str(exc)}, 400)
+    except Exception as exc:  # a bug, not the page's: logged, and the page gets a note instead of a 500
+        LOG.exception("what-if route failed")
+        return _json({"figure": None, "note": error_html(f"what if failed: {type(exc).__name__}")})
     try:
         return _json(payload)
     except ValueError:  # a NaN in the figure: refuse rather than emit non-strict JSON
