@@ -45,6 +45,11 @@ footer { display: none !important; }
 #present-qr.dp-qr-big { cursor: zoom-out; }
 #present-qr.dp-qr-big .dp-qr img { width: min(60vh, 480px); height: min(60vh, 480px); }
 #present-controls { flex-wrap: wrap; gap: 8px; }
+#present-temperature { padding: 4px 8px !important; }
+#present-temperature .wrap { display: flex; flex-direction: row !important; align-items: center; gap: 8px; flex-wrap: wrap; }
+#present-temperature .head { margin: 0 !important; flex: 0 0 auto; gap: 6px; }
+#present-temperature .slider_input_container { flex: 1 1 120px; min-width: 120px; }
+#present-temperature .min_value, #present-temperature .max_value, #present-temperature .reset-button { display: none; }
 #present-chart { flex: 1 1 0 !important; min-height: 280px; position: relative; padding: 0 !important; }
 #present-chart [data-testid=plotly], #present-chart .js-plotly-plot { position: absolute !important; inset: 0; width: 100% !important; height: 100% !important; }
 .dp-present-text { font-size: 2rem; line-height: 1.3; overflow-wrap: anywhere; max-height: 30vh; overflow: auto; }

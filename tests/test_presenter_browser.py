@@ -119,3 +119,48 @@ def test_out_of_range_slider_values_are_refused_each_named_with_its_typed_value(
     shown = {name: page.locator(f"#step-knob-{name} input[type=number]").input_value() for name in typed}
     assert shown == before, f"typed {typed}: the boxes went from {before} to {shown}"
     assert page.locator(".dp-refused").count() == 3  # every invalid knob at once, not only the first
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_presenter_temperature_slider_redraws_the_shown_step(browser, live_app):
+    """The projector's what-if: the slider redraws the shown step at another temperature through the
+    route (no generation), the next step starts from the run's own temperature, and nothing is drawn
+    while the guess hides the token."""
+    context = browser.new_context(viewport={"width": 1280, "height": 720})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{live_app}/?lesson={lesson_token(json.dumps(LESSON))}&present=1")
+    page.wait_for_selector("#presenter:visible")
+    page.click("#present-run")
+    page.wait_for_selector("#present-chart .gtitle", timeout=300_000)
+    wait_for_step(page, 0)
+    slider = page.locator("#present-temperature input[type=number]")
+    assert float(slider.input_value()) == 0.8  # the run's own temperature
+    own = page.locator("#present-chart").inner_text()
+    page.evaluate("""() => { window.dpT1 = undefined;
+        document.querySelector('#present-temperature input[type=number]').addEventListener('input',
+            () => { window.dpT0 = performance.now(); }, true);
+        new MutationObserver(() => { window.dpT1 = performance.now(); }).observe(
+            document.querySelector('#present-chart'), {subtree: true, childList: true, attributes: true}); }""")
+    slider.fill("2.5")
+    page.wait_for_function("(b) => document.querySelector('#present-chart').innerText !== b", arg=own)
+    page.wait_for_timeout(400)
+    print(f"presenter what-if: {page.evaluate('() => Math.round(window.dpT1 - window.dpT0)')} ms in the page")
+    hot = page.locator("#present-chart").inner_text()
+    size = page.evaluate("() => parseFloat(getComputedStyle(document.querySelector('#present-chart .ytick text')).fontSize)")
+    assert size >= 18  # still projector-sized
+    slider.fill("0.8")  # back to the run's own temperature: the run's own chart again
+    page.wait_for_function("(b) => document.querySelector('#present-chart').innerText === b", arg=own)
+    assert hot != own
+
+    page.click("#present-next")  # (the arrow keys move the focused slider)
+    wait_for_step(page, 1)
+    assert float(slider.input_value()) == 0.8
+    page.check("#present-guess input")
+    page.wait_for_selector("#present-text:has-text('Guess the next token')")
+    page.wait_for_function("() => !document.querySelector('#present-chart .gtitle')")
+    slider.fill("2")
+    page.wait_for_timeout(1500)
+    assert page.locator("#present-chart .gtitle").count() == 0  # the guess is not given away
+    context.close()

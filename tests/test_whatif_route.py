@@ -122,8 +122,10 @@ def test_bad_knob_values_give_a_note_naming_the_knob(route, trace, knobs, named)
     assert reply["figure"] is None and named in reply["note"] and "dp-error" in reply["note"]
 
 
-def test_models_are_never_loaded_by_the_route(route, registry, trace):
+def test_models_are_never_loaded_by_the_route(route, registry, trace, monkeypatch):
     session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    peek = registry.peek  # another test may have loaded the int8 model: as if it had not
+    monkeypatch.setattr(registry, "peek", lambda spec: None if spec.quantization == "int8" else peek(spec))
     before = registry.loaded()
     for model in ("/etc", "../../etc/passwd", "gpt2", "x" * 600):
         reply = ask(route, session, 1, model=model)
@@ -184,3 +186,44 @@ def test_a_failure_inside_the_route_is_a_note_not_a_500(live_app, monkeypatch):
     assert res.status_code == 200
     reply = res.json()
     assert reply["figure"] is None and "what if failed: RuntimeError" in reply["note"]
+
+
+# --- the presenter view's temperature slider -------------------------------------------------------
+def presenter_ask(route, session, step, knobs, width=1280) -> dict:
+    body = {"view": "presenter", "key": session.whatif_key, "step": step, "model": "embedded", "quantization": "none",
+            "width": width, "knobs": knobs}
+    return json.loads(whatif.dumps(route.answer(json.dumps(body).encode())))
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_presenter_slider_draws_the_lessons_step_at_that_temperature(route, embedded, trace, where):
+    from engine.lessons import builtin_lessons
+    from playground.views.lessons import LessonSession
+    from playground.views.presenter import step_chart
+
+    at = {"first": 0, "middle": len(trace.steps) // 2, "last": len(trace.steps) - 1}[where]
+    session = LessonSession(next(iter(builtin_lessons().values())), [trace])
+    reply = presenter_ask(route, session, at, {"temperature": 2.2})
+    stages = explore.explore_step(embedded, trace, at, {"temperature": 2.2})
+    fig = step_chart(dataclasses.replace(trace.steps[at], stages=stages), 1280)
+    fig.layout.meta = {**fig.layout.meta, "step": at}
+    assert reply["figure"] == json.loads(fig.to_json())
+    assert reply["figure"]["layout"]["font"]["size"] >= 18  # projector-sized
+
+
+def test_presenter_slider_on_a_greedy_run_shows_sampling_and_refuses_other_knobs(route, embedded):
+    from engine.lessons import builtin_lessons
+    from playground.views.lessons import LessonSession
+
+    greedy = runner.run(embedded, "Name a colour of the sea.", CFG.replace(strategy="greedy"), chat=True)
+    session = LessonSession(next(iter(builtin_lessons().values())), [greedy])
+    reply = presenter_ask(route, session, 1, {"temperature": 3.0})
+    stages = explore.explore_step(embedded, greedy, 1, {"temperature": 3.0, "strategy": "sample"})
+    assert "temperature" in [s.name for s in stages]
+    assert reply["figure"] is not None and "strategy = sample" in reply["note"]
+    for knobs in ({"top_k": 3}, {"temperature": 1, "seed": 2}, ["temperature"], None):
+        with pytest.raises(whatif.RouteError, match="knobs"):
+            presenter_ask(route, session, 1, knobs)
+    for bad in (-1, "hot", 1e9):
+        assert "temperature" in presenter_ask(route, session, 1, {"temperature": bad})["note"]
+    assert presenter_ask(route, LessonSession(session.lesson), 0, {"temperature": 1.0}) == {"figure": None, "note": None}

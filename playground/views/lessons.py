@@ -36,6 +36,7 @@ from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
 from .quantization import QuantPage
 from .step import StepView
+from .whatif import KeptLogits, register
 
 LESSON_PARAM = "lesson"
 TOKEN_PREFIX = "l1."
@@ -89,9 +90,18 @@ class LessonSession:
     lesson: Lesson
     traces: list[Trace] = field(default_factory=list)
     outcome: Outcome | None = None
+    kept: KeptLogits | None = None  # the presenter what-if's raw logits of one step
+    whatif_key: str = ""  # the page's key for the what-if route (whatif.register)
+
+    def __post_init__(self) -> None:
+        self.whatif_key = register(self)
 
     def first(self) -> Trace | None:
         return self.traces[0] if self.traces else None
+
+    def whatif_trace(self) -> Trace | None:
+        """The trace the presenter's what-if redraws: the first run."""
+        return self.first()
 
 
 def outcome_html(outcome: Outcome) -> str:
@@ -148,6 +158,7 @@ class LessonsTab:
         first = traces[0]
         at = engine_lessons.selected_step(first, lesson.select_step)
         updates = {self.texts: runs_markdown(lesson, traces), self.session: session,
+                   self.presenter.key: session.whatif_key,
                    self.chart: charts.stage_chart(first.steps[at]) if first.steps else None,
                    self.status: status_html(f"step {at} of the first run selected; checking the claim…")}
         updates |= self.presenter.show(first, at, False)
@@ -197,11 +208,12 @@ class LessonsTab:
         gr.on([self.pick.change, self.base_url.change, self.load_btn.click], self.on_link, *link_io, **local)
         self.present.change(lambda on: gr.update(visible=bool(on)), [self.present], [self.presenter.column], **local)
         outputs = [self.status, self.outcome, self.texts, self.chart, self.session, self.presenter.text,
-                   self.presenter.chart, self.presenter.index]
+                   self.presenter.chart, self.presenter.index, self.presenter.temperature, self.presenter.key]
         self.shared.events.on([self.run_btn.click], self.on_run,
                                [self.pick, self.session, self.shared.model, self.shared.quantization], outputs,
                                on_error=lambda message: {self.status: error_html(message)}, what="lesson")
-        self.presenter.wire(lambda s: s.first() if isinstance(s, LessonSession) else None, self.session)
+        self.presenter.wire(lambda s: s.first() if isinstance(s, LessonSession) else None, self.session,
+                            self.shared.model, self.shared.quantization)
         data_api(list_lessons, "lessons")
 
     def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None,

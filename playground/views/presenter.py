@@ -18,12 +18,16 @@ from typing import Any
 import gradio as gr
 import plotly.graph_objects as go
 
-from engine.trace import Trace
+from engine.trace import StepTrace, Trace
 from playground import qr
 from playground.charts import step as charts
 from playground.charts.step import NARROW_PX, panel_columns  # shared with the Step view's chart
 
+from .step import revised
+from .whatif import PRESENTER_JS, PRESENTER_PREPARE_JS
+
 PRESENT_PARAM = "present"
+TEMPERATURE_RANGE = (0.05, 3.0)  # the what-if slider
 BIG_FONT = 22  # px: token labels at projector distance (the issue asks >= 18 px at 1280x720)
 PHONE_FONT = 16  # px: a phone is read at arm's length, and 22 px labels do not fit 2 panels in 390 px
 
@@ -51,10 +55,14 @@ RUN_JS = "() => { document.querySelector('#lessons-run')?.click(); }"
 
 
 def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.Figure:
-    """Step ``index``'s stage chart at projector size, laid out for a page ``width`` px wide. No
-    fixed height: the figure fills its box, which the page's CSS sizes to the free viewport.
+    """Step ``index``'s stage chart at projector size (``step_chart``)."""
+    return step_chart(trace.steps[index], width)
+
+
+def step_chart(step: StepTrace, width: float | None = None) -> go.Figure:
+    """A step's stage chart at projector size, laid out for a page ``width`` px wide. No fixed
+    height: the figure fills its box, which the page's CSS sizes to the free viewport.
     ``layout.meta`` says which layout it is, so the page can ask for the other one on a resize."""
-    step = trace.steps[index]
     panels = len(step.stages) + (1 if step.draw is not None else 0)
     columns = panel_columns(panels, width)
     narrow = width is not None and width < NARROW_PX
@@ -81,7 +89,7 @@ def context_html(trace: Trace, index: int, hidden: bool) -> str:
     prob = "" if hidden else f' <small>p = {step.chosen_prob:.1%}</small>'
     label = "Guess the next token, then press Reveal." if hidden else f"Step {index} of {len(trace.steps) - 1}"
     return (f'<div class="dp-present-text"><span>{before}</span><mark class="dp-present-token">{token}</mark>{prob}'
-            f'<p class="dp-present-label" data-step="{index}">{label}</p></div>')
+            f'<p class="dp-present-label" data-step="{index}" data-hidden="{int(hidden)}">{label}</p></div>')
 
 
 def qr_block(base_url: str, query: str) -> str:
@@ -113,6 +121,8 @@ class PresenterPanel:
     exit: gr.Button
     run: gr.Button
     redraw: gr.Button
+    temperature: gr.Slider  # the what-if: this step at another temperature (whatif.PRESENTER_JS)
+    key: gr.Textbox  # hidden: the lesson session's what-if key
 
     @classmethod
     def build(cls) -> "PresenterPanel":
@@ -127,10 +137,14 @@ class PresenterPanel:
                 nxt = gr.Button("Next token ▶", variant="primary", elem_id="present-next", min_width=120)
                 guess = gr.Checkbox(False, label="Guess the next token (hide it)", elem_id="present-guess", min_width=160)
                 reveal = gr.Button("Reveal", elem_id="present-reveal", min_width=100)
+                temperature = gr.Slider(TEMPERATURE_RANGE[0], TEMPERATURE_RANGE[1], value=1.0, step=0.05,
+                                        label="What if: temperature", elem_id="present-temperature", min_width=200)
             chart = gr.Plot(show_label=False, elem_id="present-chart")
             width = gr.Number(None, show_label=False, elem_id="present-width", elem_classes=["dp-hidden"])
             redraw = gr.Button("redraw", elem_id="present-redraw", elem_classes=["dp-hidden"])
-        return cls(column, text, chart, prev, nxt, guess, reveal, code, gr.State(0), width, exit_btn, run, redraw)
+            key = gr.Textbox("", show_label=False, container=False, elem_id="present-key", elem_classes=["dp-hidden"])
+        return cls(column, text, chart, prev, nxt, guess, reveal, code, gr.State(0), width, exit_btn, run, redraw,
+                   temperature, key)
 
     def show(self, trace: Trace | None, index: int, hidden: bool, width: float | None = None) -> dict:
         """Updates drawing step ``index`` of ``trace`` for a page ``width`` px wide (None: wide);
@@ -139,13 +153,17 @@ class PresenterPanel:
             return {self.text: '<p class="dp-status">Run a lesson first (Run the lesson): its steps appear '
                                'here one at a time.</p>', self.chart: None, self.index: 0}
         index = max(0, min(int(index), len(trace.steps) - 1))
+        own = trace.config.get("temperature")
+        own = own if isinstance(own, (int, float)) and own > 0 else 1.0
         return {self.text: context_html(trace, index, hidden), self.index: index,
-                self.chart: None if hidden else presenter_chart(trace, index, width)}
+                self.temperature: min(max(float(own), TEMPERATURE_RANGE[0]), TEMPERATURE_RANGE[1]),
+                self.chart: None if hidden else revised(presenter_chart(trace, index, width))}
 
-    def wire(self, trace_of: Any, state: gr.State) -> None:
-        """``trace_of(state)``: the trace the presenter steps through (the lesson's first run)."""
+    def wire(self, trace_of: Any, state: gr.State, model: Any, quantization: Any) -> None:
+        """``trace_of(state)``: the trace the presenter steps through (the lesson's first run);
+        ``model``, ``quantization``: the header's pickers (the what-if uses the loaded model)."""
         local = {"api_visibility": "private", "queue": False}
-        outputs = [self.text, self.chart, self.index]
+        outputs = [self.text, self.chart, self.index, self.temperature]
 
         def move(by: int):
             def handler(session: Any, index: int, hidden: bool, width: float | None) -> dict:
@@ -158,5 +176,9 @@ class PresenterPanel:
         self.guess.change(move(0), inputs, outputs, **local)
         gr.on([self.width.change, self.redraw.click], move(0), inputs, outputs, **local)  # page resized / relaid out
         self.reveal.click(move(0), [state, self.index, gr.State(False), self.width], outputs, **local)
+        self.temperature.input(None, [self.key, model, quantization, self.width, self.temperature], None,
+                               js=PRESENTER_JS, trigger_mode="always_last", show_progress="hidden", **local)
+        self.chart.change(None, [self.key, model, quantization], None, js=PRESENTER_PREPARE_JS,
+                          trigger_mode="always_last", show_progress="hidden", **local)
         self.exit.click(None, js=EXIT_JS, **local)
         self.run.click(None, js=RUN_JS, **local)

@@ -62,6 +62,10 @@ class StepSession:
     def trace(self) -> Trace | None:
         return self.runs[self.current] if self.runs else None
 
+    def whatif_trace(self) -> Trace | None:
+        """The trace the what-if redraws: the run in view."""
+        return self.trace()
+
     def owned_by(self, owner: Any) -> bool:
         return bool(self.owner) and isinstance(owner, str) and secrets.compare_digest(self.owner, owner)
 

@@ -56,22 +56,27 @@ WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}
 ROUTE = "/dp/whatif"
 MAX_BODY_BYTES = 64 * 1024  # the knob values of one panel are ~2 KB
 ROUTE_SLOTS = 4  # what-ifs computed at once by the route (a recompute forward is the costly case)
+PRESENTER_KNOBS = ("temperature",)  # what the presenter view's what-if may change
 ROUTE_WAIT_S = 10.0  # a request waits this long for a slot, then the page is told to try again
-# Draws a what-if figure (an object) into Step through's chart, set up as Gradio's Plot sets up its
-# own (responsive, autosize, a titled chart's top margin at least 100 px); only while its step is
-# still the selected one.
-_DRAW = """(fig) => {
-  const plot = document.querySelector('#step-chart .js-plotly-plot');
+# Draws a what-if figure (an object) into a chart, set up as Gradio's Plot sets up its own
+# (responsive, autosize, a titled chart's top margin at least 100 px); only while its step is still
+# the one shown (``step()``: the step now selected there).
+_DRAW_INTO = """(plotSelector, step) => (fig) => {
+  const plot = document.querySelector(plotSelector);
   if (!fig || !plot || !window.Plotly) return;
-  const box = document.querySelector('#step-index input[type=number]');
-  const step = fig.layout.meta ? fig.layout.meta.step : undefined;
-  if (box && step !== undefined && Number(box.value) !== step) return;  // another step was selected meanwhile
+  const shown = fig.layout.meta ? fig.layout.meta.step : undefined;
+  const now = step();
+  if (now !== undefined && shown !== undefined && now !== shown) return;  // another step was selected meanwhile
   fig.layout.autosize = true;
   fig.layout.margin = fig.layout.margin || {};
   if (fig.layout.title) fig.layout.margin.t = Math.max(100, fig.layout.margin.t || 0);
   fig.layout.margin.autoexpand = true;
   window.Plotly.react(plot, fig.data, fig.layout, Object.assign({}, fig.config || {}, {responsive: true}));
 }"""
+_DRAW = """(%s)('#step-chart .js-plotly-plot', () => {
+  const box = document.querySelector('#step-index input[type=number]');
+  return box ? Number(box.value) : undefined;
+})""" % _DRAW_INTO
 # The fallback path's figure arrives as JSON text in a hidden box.
 DRAW_JS = "(figure) => { if (figure) (%s)(JSON.parse(figure)); }" % _DRAW
 # A knob's input event, in the page: post the values to the route, draw the figure, return the note
@@ -99,6 +104,29 @@ WHATIF_JS = """async (key, note, step, model, quantization, width, ...values) =>
   return reply.note || note;
 }""" % (json.dumps(ROUTE), _DRAW)
 
+# The presenter's temperature slider: the shown step (the context's data-step) redrawn at that
+# temperature, projector-sized, through the route; nothing while the guess hides the token.
+PRESENTER_JS = """async (key, model, quantization, width, temperature) => {
+  const label = document.querySelector('#present-text .dp-present-label');
+  if (!key || !label || label.dataset.hidden === '1') return;
+  const step = Number(label.dataset.step);
+  const seq = window.dpPresentSeq = (window.dpPresentSeq || 0) + 1;
+  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
+  let reply;
+  try {
+    const res = await fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
+      body: JSON.stringify({view: 'presenter', key, step, model, quantization, width, knobs: {temperature}})});
+    reply = await res.json();
+  } catch (err) {
+    return;
+  }
+  if (seq !== window.dpPresentSeq || !reply.figure) return;
+  (%s)('#present-chart .js-plotly-plot', () => {
+    const now = document.querySelector('#present-text .dp-present-label');
+    return now && now.dataset.hidden !== '1' ? Number(now.dataset.step) : -1;
+  })(reply.figure);
+}""" % (json.dumps(ROUTE), _DRAW_INTO)
+
 # A step's chart was drawn (a run ended, a token or a run was picked): ask the route to keep that
 # step's raw logits, so the first knob change needs no forward. Fire and forget.
 PREPARE_JS = """(key, step, model, quantization) => {
@@ -108,7 +136,16 @@ PREPARE_JS = """(key, step, model, quantization) => {
     body: JSON.stringify({prepare: true, key, step, model, quantization})}).catch(() => {});
 }""" % json.dumps(ROUTE)
 
-# What-if key -> StepSession (weakly: the session's gr.State owns it; an expired session's key stops
+# The presenter's chart was drawn: keep the shown step's raw logits for its temperature slider.
+PRESENTER_PREPARE_JS = """(key, model, quantization) => {
+  const label = document.querySelector('#present-text .dp-present-label');
+  if (!key || !label) return;
+  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
+  fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
+    body: JSON.stringify({prepare: true, key, step: Number(label.dataset.step), model, quantization})}).catch(() => {});
+}""" % json.dumps(ROUTE)
+
+# What-if key -> StepSession or LessonSession (weakly: the session's gr.State owns it; an expired session's key stops
 # working with it). A key is a secret only its own page gets, like the page's owner token.
 _SESSIONS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 _SESSIONS_LOCK = threading.Lock()
@@ -240,6 +277,8 @@ class WhatIfRoute:
         request = parse_body(body)
         if request.get("prepare") is True:
             return self.prepare(request)
+        if request.get("view") == "presenter":
+            return self.presenter(request)
         if not self.direct:
             return {"fallback": True}
         values = request.get("values")
@@ -273,12 +312,46 @@ class WhatIfRoute:
         fig.layout.meta = {**fig.layout.meta, "step": at}  # drawn only while that step is selected
         return {"figure": RawJSON(fig.to_json()), "note": whatif_note(trace.steps[at], changed, knobs, trace.config)}
 
+    def presenter(self, request: dict) -> dict:
+        """``{"view": "presenter", key, step, model, quantization, width, "knobs": {"temperature": t}}``:
+        the lesson's step at that temperature, projector-sized (a greedy run's step is shown as
+        sampling would see it). No fallback: a ZeroGPU Space or an unloaded model gets a note."""
+        knobs = request.get("knobs")
+        if not isinstance(knobs, dict) or set(knobs) - set(PRESENTER_KNOBS):
+            raise RouteError(f"knobs: expected an object with only {', '.join(PRESENTER_KNOBS)}")
+        found = self.selected(request)
+        if isinstance(found, dict):
+            return found
+        session, trace, at = found
+        model, quant = request.get("model"), request.get("quantization")
+        if trace.strategy == "greedy":
+            knobs = {**knobs, "strategy": "sample"}
+        try:
+            lm = self.shared.loaded_lm(model, quant)
+            key = context_key(model, quant, trace, at)
+            if lm is None or ((session.kept is None or session.kept.key != key) and zero_gpu_active()):
+                return {"figure": None, "note": error_html("what if: not available here; use Step through's knobs")}
+            if not self.slots.acquire(timeout=ROUTE_WAIT_S):
+                return {"figure": None, "note": error_html("what if: the server is busy; move the slider again")}
+            try:
+                changed, _ = whatif_step(lm, trace, at, knobs, kept_for(session, lm, trace, at, key), key)
+            finally:
+                self.slots.release()
+        except (UserError, ConfigError, ValueError) as exc:
+            return {"figure": None, "note": error_html(str(exc))}
+        from .presenter import step_chart  # presenter imports this module
+        from .step import page_width
+
+        fig = step_chart(changed, page_width(request.get("width")))
+        fig.layout.meta = {**fig.layout.meta, "step": at}
+        return {"figure": RawJSON(fig.to_json()), "note": whatif_note(trace.steps[at], changed, knobs, trace.config)}
+
     def prepare(self, request: dict) -> dict:
         """``{"prepare": true, key, step, model, quantization}`` (the page sends it when a step is
         selected): keep that step's raw logits now, so the first knob change needs no forward. Only
         when a slot is free at once: under load the first change pays the forward instead."""
         found = self.selected(request)
-        if not self.direct or isinstance(found, dict):
+        if isinstance(found, dict) or not (self.direct or request.get("view") == "presenter"):
             return {"prepared": False}
         session, trace, at = found
         model, quant = request.get("model"), request.get("quantization")
@@ -304,7 +377,7 @@ class WhatIfRoute:
         session = session_of(request.get("key"))
         if session is None:
             return {"figure": None, "note": error_html("what if: this page's runs have expired; generate again")}
-        trace = session.trace()
+        trace = session.whatif_trace()
         if trace is None or not trace.steps or trace.strategy not in ("greedy", "sample"):
             return {"figure": None, "note": None}  # nothing to draw
         step = request.get("step")
