@@ -227,3 +227,18 @@ def test_presenter_slider_on_a_greedy_run_shows_sampling_and_refuses_other_knobs
     for bad in (-1, "hot", 1e9):
         assert "temperature" in presenter_ask(route, session, 1, {"temperature": bad})["note"]
     assert presenter_ask(route, LessonSession(session.lesson), 0, {"temperature": 1.0}) == {"figure": None, "note": None}
+
+
+def test_a_session_unpickled_from_a_zerogpu_worker_is_found_by_its_key(route, trace):
+    import pickle  # what ZeroGPU's worker does to a handler's result; the app itself never unpickles
+
+    from engine.lessons import builtin_lessons
+    from playground.views.lessons import LessonSession
+
+    for made in (step_view.StepSession(runs=[trace], owner="o" * 32),
+                 LessonSession(next(iter(builtin_lessons().values())), [trace])):
+        key = made.whatif_key
+        copy = pickle.loads(pickle.dumps(made))
+        del made
+        gc.collect()
+        assert copy.whatif_key == key and whatif.session_of(key) is copy

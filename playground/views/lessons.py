@@ -36,7 +36,7 @@ from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
 from .quantization import QuantPage
 from .step import StepView
-from .whatif import KeptLogits, register
+from .whatif import KeptLogits, Registered, register
 
 LESSON_PARAM = "lesson"
 TOKEN_PREFIX = "l1."
@@ -84,7 +84,7 @@ def steps_markdown(lesson: Lesson) -> str:
 
 # --- running ----------------------------------------------------------------------------------
 @dataclass
-class LessonSession:
+class LessonSession(Registered):
     """One page's lesson: the Lesson, its runs' traces once run, and the check's outcome."""
 
     lesson: Lesson

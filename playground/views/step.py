@@ -31,7 +31,7 @@ from playground.charts import tokens as token_charts
 from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
-from .whatif import KeptLogits, WhatIfPanel, register
+from .whatif import KeptLogits, Registered, WhatIfPanel, register
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
@@ -45,7 +45,7 @@ EMPTY_EXPLAIN = ("Press **Generate** (or Ctrl/Cmd+Enter in the prompt) to run it
 
 
 @dataclass
-class StepSession:
+class StepSession(Registered):
     """``owner``: the page's secret (kept in its browser storage). Gradio finds session state by a
     session hash alone; the owner check keeps a raw queue call that names another session's hash
     from reading or replacing that session's runs."""

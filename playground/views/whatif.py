@@ -151,12 +151,25 @@ _SESSIONS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary
 _SESSIONS_LOCK = threading.Lock()
 
 
-def register(session: Any) -> str:
-    """A new what-if key for ``session`` (a StepSession)."""
-    key = secrets.token_urlsafe(24)
+def register(session: Any, key: str = "") -> str:
+    """A new what-if key for ``session`` (a StepSession or LessonSession), or ``key`` again for a
+    session unpickled from another process (ZeroGPU's workers return the sessions they made)."""
+    key = key or secrets.token_urlsafe(24)
     with _SESSIONS_LOCK:
         _SESSIONS[key] = session
     return key
+
+
+class Registered:
+    """Mixin of the sessions the route finds by key: a copy made by unpickling (a ZeroGPU worker's
+    result) is registered under its key in this process too."""
+
+    whatif_key: str
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.whatif_key:
+            register(self, self.whatif_key)
 
 
 def session_of(key: Any) -> Any:
