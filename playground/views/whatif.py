@@ -311,19 +311,11 @@ class WhatIfRoute:
             kept = session.kept
             if (kept is None or kept.key != key) and zero_gpu_active():
                 return {"fallback": True}  # a forward needs the GPU, which only Gradio's events get there
-            if not self.slots.acquire(timeout=ROUTE_WAIT_S):
-                return {"figure": None, "note": error_html("what if: the server is busy; move the knob again")}
-            try:
-                changed, kept = whatif_step(lm, trace, at, knobs, kept_for(session, lm, trace, at, key), key)
-            finally:
-                self.slots.release()
+            changed = self.redraw(session, lm, trace, at, knobs, key, "knob")
         except (UserError, ConfigError, ValueError) as exc:
             return {"figure": None, "note": error_html(str(exc))}
-        from .step import page_width  # step imports this module
-
-        fig = charts.fitted_stage_chart(changed, page_width(request.get("width")))
-        fig.layout.meta = {**fig.layout.meta, "step": at}  # drawn only while that step is selected
-        return {"figure": RawJSON(fig.to_json()), "note": whatif_note(trace.steps[at], changed, knobs, trace.config)}
+        return changed if isinstance(changed, dict) else figure_answer(
+            charts.fitted_stage_chart, changed, request, at, trace, knobs)
 
     def presenter(self, request: dict) -> dict:
         """``{"view": "presenter", key, step, model, quantization, width, "knobs": {"temperature": t}}``:
@@ -344,20 +336,24 @@ class WhatIfRoute:
             key = context_key(model, quant, trace, at)
             if lm is None or ((session.kept is None or session.kept.key != key) and zero_gpu_active()):
                 return {"figure": None, "note": error_html("what if: not available here; use Step through's knobs")}
-            if not self.slots.acquire(timeout=ROUTE_WAIT_S):
-                return {"figure": None, "note": error_html("what if: the server is busy; move the slider again")}
-            try:
-                changed, _ = whatif_step(lm, trace, at, knobs, kept_for(session, lm, trace, at, key), key)
-            finally:
-                self.slots.release()
+            changed = self.redraw(session, lm, trace, at, knobs, key, "slider")
         except (UserError, ConfigError, ValueError) as exc:
             return {"figure": None, "note": error_html(str(exc))}
         from .presenter import step_chart  # presenter imports this module
-        from .step import page_width
 
-        fig = step_chart(changed, page_width(request.get("width")))
-        fig.layout.meta = {**fig.layout.meta, "step": at}
-        return {"figure": RawJSON(fig.to_json()), "note": whatif_note(trace.steps[at], changed, knobs, trace.config)}
+        return changed if isinstance(changed, dict) else figure_answer(step_chart, changed, request, at, trace, knobs)
+
+    def redraw(self, session: Any, lm: LoadedModel, trace: Trace, at: int, knobs: dict, key: str,
+               control: str) -> StepTrace | dict:
+        """Step ``at`` under ``knobs`` from the session's kept logits (one forward when it holds
+        another step's), in one of the route's slots; the answer itself when none frees up in time."""
+        if not self.slots.acquire(timeout=ROUTE_WAIT_S):
+            return {"figure": None, "note": error_html(f"what if: the server is busy; move the {control} again")}
+        try:
+            changed, _ = whatif_step(lm, trace, at, knobs, kept_for(session, lm, trace, at, key), key)
+        finally:
+            self.slots.release()
+        return changed
 
     def prepare(self, request: dict) -> dict:
         """``{"prepare": true, key, step, model, quantization}`` (the page sends it when a step is
@@ -396,6 +392,16 @@ class WhatIfRoute:
         step = request.get("step")
         number = isinstance(step, (int, float)) and not isinstance(step, bool)
         return session, trace, max(0, min(int(step), len(trace.steps) - 1)) if number else 0
+
+
+def figure_answer(chart: Any, changed: StepTrace, request: dict, at: int, trace: Trace, knobs: dict) -> dict:
+    """The route's answer: ``chart(changed, width)`` (stamped with its step: the page draws it only
+    while that step is shown) and the what-if note."""
+    from .step import page_width  # step imports this module
+
+    fig = chart(changed, page_width(request.get("width")))
+    fig.layout.meta = {**fig.layout.meta, "step": at}
+    return {"figure": RawJSON(fig.to_json()), "note": whatif_note(trace.steps[at], changed, knobs, trace.config)}
 
 
 # One session's kept logits are computed once even when a prepare and a knob change overlap.
