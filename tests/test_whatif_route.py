@@ -242,3 +242,17 @@ def test_a_session_unpickled_from_a_zerogpu_worker_is_found_by_its_key(route, tr
         del made
         gc.collect()
         assert copy.whatif_key == key and whatif.session_of(key) is copy
+
+
+def test_a_new_stage_order_redraws_in_that_order_and_the_note_says_so(route, embedded, trace):
+    session = step_view.StepSession(runs=[trace], owner="o" * 32)
+    order = route.panel.stage_order.value.split(", ")
+    i, j = order.index("temperature"), order.index("top_p")
+    order[i], order[j] = order[j], order[i]
+    reply = ask(route, session, 1, **{"step-stage-order": ", ".join(order)})
+    assert "stage_order = reordered" in reply["note"]
+    stages = explore.explore_step(embedded, trace, 1, {"stage_order": order})
+    names = [s.name for s in stages]
+    assert names.index("top_p") < names.index("temperature")
+    assert reply["figure"] == expected_figure(embedded, trace, 1, route.panel.values(*values(
+        route, **{"step-stage-order": ", ".join(order)})))

@@ -73,6 +73,16 @@ def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
     page.wait_for_function("(b) => document.querySelector('#step-chart').innerText === b", arg=before, timeout=30_000)
     assert page.locator("#step-status .dp-error").count() == 0
     page.screenshot(path=str(artifacts / "step-whatif.png"), full_page=True)
+    # The stage order is a knob too: dragging top-p above temperature redraws the step in that order.
+    order_js = """() => [...document.querySelectorAll('#step-chart .annotation-text')]
+        .map(e => e.textContent.toLowerCase()).join(' | ')"""
+    shown = page.evaluate(order_js)
+    assert 0 <= shown.find("temperature") < shown.find("top-p"), shown
+    page.locator("#step-stage-list li[data-stage=top_p]").drag_to(
+        page.locator("#step-stage-list li[data-stage=temperature]"), target_position={"x": 20, "y": 2})
+    page.wait_for_function(f"() => {{ const t = ({order_js})(); return t.indexOf('top-p') >= 0 && "
+                           "t.indexOf('top-p') < t.indexOf('temperature'); }", timeout=60_000)
+    assert "stage_order" in page.locator("#step-whatif-note").inner_text()
     # Where the route cannot answer (DP_WHATIF_ROUTE=0, a model not loaded, ZeroGPU) the same what-if
     # runs as a Gradio event: the page presses the hidden fallback button.
     routes = list(whatif._ROUTES.values())

@@ -207,7 +207,13 @@ def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict, kept: Kep
 
 def whatif_note(original: StepTrace, changed: StepTrace, knobs: dict, config: dict) -> str:
     """One line: which knobs differ from the run's, how many tokens survive, the top token now."""
-    diff = {k: v for k, v in knobs.items() if config.get(k, v) != v and k not in ("max_new_tokens", "seed")}
+    try:
+        full = DecodingConfig.from_dict(config).to_dict()  # a sparse trace config leaves defaults out
+    except ConfigError:
+        full = dict(config)
+    plain = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
+    diff = {k: ("reordered" if k == "stage_order" else v) for k, v in knobs.items()
+            if plain(full.get(k, v)) != plain(v) and k not in ("max_new_tokens", "seed")}
     final = changed.stages[-1]
     top = final.top[0] if final.top else None
     chosen = next((t.prob for t in final.top if t.token_id == original.chosen_token_id), None)
@@ -521,7 +527,9 @@ class WhatIfPanel:
         in the page through the route (WHATIF_JS), else through the hidden fallback button's event;
         Continue is a model event that streams the new branch into the view."""
         panel = view.panel
-        triggers = [c.input for c in panel.inputs]
+        # The stage order's hidden box is written by the page's sortable list, which Gradio does not
+        # see as the box's input event: its change (any new value) is the trigger there.
+        triggers = [c.change if c is panel.stage_order else c.input for c in panel.inputs]
         from .step import page_width  # step imports this module
 
         self.route = WhatIfRoute(shared, panel)
