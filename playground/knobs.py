@@ -57,6 +57,13 @@ MODIFIED_JS = """(choice) => {
   const name = String(choice).replace(/[&<>"']/g, c => escape[c]);
   return `<small>Preset <b>${name}</b> · <i>modified</i></small>`;
 }""" % json.dumps(CUSTOM)
+# The stage order's box changes when the page's sortable list writes it (a person's edit: the list
+# sets window.dpStageEdit) and when a preset or link fills it (not an edit): only the first marks.
+STAGE_MODIFIED_JS = """(choice, note) => {
+  if (!window.dpStageEdit) return note;
+  window.dpStageEdit = false;
+  return (%s)(choice);
+}""" % MODIFIED_JS
 
 
 def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive: bool = True) -> gr.components.Component:
@@ -278,6 +285,7 @@ class KnobPanel:
             target = f"{self.prefix}stage-order"
             self.stage_order.change(lambda text: stage_list_html(parse_stage_order(text), target), [self.stage_order],
                                     [self.stage_list], **local)
+            self.stage_order.change(None, [self.preset, self.modified], [self.modified], js=STAGE_MODIFIED_JS, **local)
         self.strategy.change(self.greying, [self.strategy], [c for n, c in self.components.items() if n in SAMPLING_KNOBS],
                              **local)
         self.shared.user_presets.change(lambda presets, choice: gr.update(choices=preset_choices(presets), value=choice),

@@ -111,6 +111,7 @@ _JS = r"""
     if (!box) return;
     const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), 'value').set;
     setter.call(box, [...ol.children].map(li => li.dataset.stage).join(', '));
+    window.dpStageEdit = true;  // a person's edit: the preset note says modified (knobs.STAGE_MODIFIED_JS)
     box.dispatchEvent(new Event('input', {bubbles: true}));
   };
   let dragged = null;

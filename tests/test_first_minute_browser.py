@@ -112,6 +112,7 @@ def test_drag_a_stage_changes_the_chart_panel_order(page, live_app):
     page.locator("#step-stage-list li[data-stage=top_p]").drag_to(page.locator("#step-stage-list li[data-stage=temperature]"),
                                                                  target_position={"x": 20, "y": 2})
     page.wait_for_function("() => document.querySelector('#step-stage-order textarea').value.startsWith('constraints, logit_bias, repetition_penalty, frequency_penalty, presence_penalty, dry, no_repeat_ngram, min_new_tokens, top_p')")
+    page.wait_for_selector("#step-preset-note:has-text('modified')")  # a reorder is an edit of the preset
     page.click("#step-generate")
     page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
     page.wait_for_selector("#step-chart .annotation-text")
