@@ -1,12 +1,18 @@
 """Train Medusa-1 heads by self-distillation: the base model writes its own training text.
 
     python -m engine.medusa_train [--model embedded] [--heads 4] [--tokens 96] [--epochs 4]
+                                  [--soft 0.0] [--data-cache DIR]
 
 1. The base model continues each prompt of ``engine/assets/medusa_prompts.txt`` (chat template,
    greedy, batched, prompts of similar length together) and returns, as it generates, the final
    hidden state h_j of every generated position j: exactly what the heads see when decoding with
-   the cache (the LM head is frozen and shared; nothing else is trained).
-2. Head k learns, by cross-entropy, the token k + 1 positions after j. The heads read out and
+   the cache (the LM head is frozen and shared; nothing else is trained). ``--data-cache DIR``
+   keeps that text (hidden states, tokens, lengths) as safetensors files in DIR: a later run
+   with the same model, prompts, ``--tokens`` and ``--holdout`` loads it instead of generating.
+2. Head k learns, by cross-entropy, the token k + 1 positions after j. With ``--soft w`` a
+   share w of the loss is instead the cross-entropy against the base model's own distribution
+   for that token (the LM head's softmax on h_{j+k}, renormalised over the shortlist: the
+   Medusa paper's self-distillation); w = 0 trains on the hard labels only. The heads read out and
    propose only a shortlist: the ``--vocab`` most frequent tokens of that text (the model's own
    words; 6x cheaper to train and to read out than the 49,152-token vocabulary); labels outside it
    count as misses in the accuracy.
@@ -22,6 +28,7 @@ The defaults finish in about 20 minutes on an otherwise idle 2-core CPU; on a GP
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -29,8 +36,11 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .medusa import ASSETS, MedusaHeads, head_logits, heads_path, save_heads, shortlist_logits
 from .models import LoadedModel, ModelSpec, load_model
@@ -47,6 +57,8 @@ class Settings:
     epochs: int = 4
     batch: int = 256  # positions per optimiser step
     lr: float = 3e-3
+    weight_decay: float = 0.0
+    soft: float = 0.0  # weight of the soft-target loss (the base model's distribution), 1 - soft on the hard label
     vocab: int = 8192  # shortlist size (0 = the whole vocabulary)
     prompts: int = 0  # use only the first N prompts of the file (0 = all)
     holdout: int = 18  # prompts kept for evaluation (the last ones)
@@ -60,14 +72,15 @@ def say(text: str) -> None:
 
 
 @torch.inference_mode()
-def self_distill(lm: LoadedModel, prompts: list[str], settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_text(lm: LoadedModel, prompts: list[str],
+                  settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Generate a greedy continuation per prompt; return the final hidden states [N, H] of the
-    positions that chose a generated token and their labels [N, K] (label k: the token k + 1
-    after the chosen one; -100 where the text ends first)."""
+    positions that chose a generated token, the tokens they chose [N] and the length of each
+    continuation [P] (they are concatenated in that order, the shortest prompts first)."""
     tok = lm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else lm.eos_token_ids[0]
     encoded = sorted((lm.encode(p, chat=True) for p in prompts), key=len)  # similar lengths: little padding
-    hiddens, labels = [], []
+    hiddens, tokens, lengths = [], [], []
     t0, done = time.perf_counter(), 0
     for start in range(0, len(encoded), settings.gen_batch):
         rows = encoded[start: start + settings.gen_batch]
@@ -85,10 +98,16 @@ def self_distill(lm: LoadedModel, prompts: list[str], settings: Settings) -> tup
             ends = [i for i, t in enumerate(generated) if t in lm.eos_token_ids]
             generated = generated[: ends[0] + 1] if ends else generated
             hiddens.append(hidden[row, : len(generated)])
-            labels.append(_labels(generated, settings.heads))
+            tokens.append(torch.tensor(generated, dtype=torch.long))
+            lengths.append(len(generated))
         done += len(rows)
         say(f"  generated {done}/{len(encoded)} prompts ({time.perf_counter() - t0:.0f} s)")
-    return torch.cat(hiddens), torch.cat(labels)
+    return torch.cat(hiddens), torch.cat(tokens), torch.tensor(lengths, dtype=torch.long)
+
+
+def labels_for(tokens: torch.Tensor, lengths: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[N, K] labels of concatenated continuations (``tokens`` [N], split by ``lengths``)."""
+    return torch.cat([_labels(part.tolist(), num_heads) for part in torch.split(tokens, lengths.tolist())])
 
 
 def _labels(generated: list[int], num_heads: int) -> torch.Tensor:
@@ -99,6 +118,45 @@ def _labels(generated: list[int], num_heads: int) -> torch.Tensor:
             if s + k < len(generated):
                 y[s, k - 1] = generated[s + k]
     return y
+
+
+CACHE_FILES = ("train.safetensors", "heldout.safetensors")
+
+
+def _cache_key(lm: LoadedModel, prompts: list[str], settings: Settings) -> dict[str, str]:
+    """What the self-distilled text depends on (stored with it and checked when it is loaded)."""
+    digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+    return {"base_model": lm.name, "tokens": str(settings.tokens), "holdout": str(settings.holdout),
+            "prompts_sha256": digest}
+
+
+def cached_text(lm: LoadedModel, prompts: list[str], settings: Settings,
+                cache: Path | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The self-distilled (hidden, tokens, lengths) of the training and the held-out prompts:
+    loaded from ``cache`` (a directory of safetensors files) when it holds them for the same
+    model, prompts, ``--tokens`` and ``--holdout``; otherwise generated (and saved there)."""
+    key = _cache_key(lm, prompts, settings)
+    files = [cache / name for name in CACHE_FILES] if cache is not None else []
+    if files and all(f.exists() for f in files):
+        parts = []
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                stored = handle.metadata() or {}
+                differ = [f"{k}={stored.get(k)} (not {v})" for k, v in key.items() if stored.get(k) != v]
+                if differ:
+                    raise SystemExit(f"--data-cache: {f} holds text for other settings: {', '.join(differ)}; "
+                                     f"use another directory or delete it")
+                parts.append(tuple(handle.get_tensor(n) for n in ("hidden", "tokens", "lengths")))
+        say(f"loaded the self-distilled text from {cache}")
+        return parts[0], parts[1]
+    data = generate_text(lm, prompts[: -settings.holdout], settings)
+    held = generate_text(lm, prompts[-settings.holdout:], settings)
+    if files:
+        cache.mkdir(parents=True, exist_ok=True)
+        for f, part in zip(files, (data, held)):
+            save_file({n: t.contiguous() for n, t in zip(("hidden", "tokens", "lengths"), part)}, str(f), metadata=key)
+        say(f"saved the self-distilled text to {cache}")
+    return data, held
 
 
 def shortlist(labels: torch.Tensor, size: int) -> torch.Tensor | None:
@@ -132,16 +190,34 @@ def accuracy(heads: MedusaHeads, lm_head: torch.nn.Module, hidden: torch.Tensor,
     return (hits / counts.clamp_min(1)).tolist()
 
 
+@torch.inference_mode()
+def teacher_logprobs(heads: MedusaHeads, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The base model's own next-token log-probabilities at every position [N, V'] (float16),
+    renormalised over the shortlist (the whole vocabulary without one): computed once, read by
+    every epoch (0.55 GB for the defaults' 58k positions x 4.7k tokens; 10x that with --vocab 0)."""
+    out = []
+    for start in range(0, len(hidden), 1024):
+        h = hidden[start: start + 1024]
+        logits = shortlist_logits(heads, lm_head, h[:, None])[:, 0] if len(heads.vocab) else lm_head(h).float()
+        out.append(torch.log_softmax(logits, dim=-1).to(torch.float16))
+    return torch.cat(out)
+
+
 def train(lm: LoadedModel, heads: MedusaHeads, data: tuple[torch.Tensor, torch.Tensor], held: tuple[torch.Tensor, torch.Tensor],
           settings: Settings) -> list[float]:
-    """AdamW on the per-head cross-entropy over the shortlist (head k weighted 0.8^k); prints
-    progress and held-out accuracy."""
+    """AdamW on the per-head loss over the shortlist (head k weighted 0.8^k); prints progress and
+    held-out accuracy. The loss mixes the cross-entropy against the hard label (weight 1 - soft)
+    and the Medusa paper's self-distillation loss (weight soft): the cross-entropy against the
+    base model's own distribution at the labelled position, i.e. head k at position j learns the
+    softmax of the LM head on h_{j+k}, the hidden state that chose head k's label."""
     lm_head = lm.model.get_output_embeddings()
     lm_head.requires_grad_(False)
     hidden, labels = data
     targets = to_shortlist(labels, heads.vocab.cpu() if len(heads.vocab) else None, lm.vocab_size).to(hidden.device)
     weights = torch.tensor([HEAD_DECAY ** k for k in range(heads.num_heads)], device=hidden.device)
-    opt = torch.optim.AdamW(heads.parameters(), lr=settings.lr, weight_decay=0.0)
+    ahead = torch.arange(1, heads.num_heads + 1, device=hidden.device)  # head k's label was chosen at j + k
+    teacher = teacher_logprobs(heads, lm_head, hidden) if settings.soft > 0 else None
+    opt = torch.optim.AdamW(heads.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     gen = torch.Generator().manual_seed(settings.seed)
     total = math.ceil(len(hidden) / settings.batch) * settings.epochs
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=settings.lr, total_steps=total, pct_start=0.1)
@@ -155,10 +231,17 @@ def train(lm: LoadedModel, heads: MedusaHeads, data: tuple[torch.Tensor, torch.T
             states = heads(hidden[idx])  # [B, K, H]
             logits = shortlist_logits(heads, lm_head, states) if len(heads.vocab) else lm_head(states).float()
             y = targets[idx]  # [B, K]
-            per_head = torch.nn.functional.cross_entropy(logits.permute(0, 2, 1), y, ignore_index=-100,
-                                                         reduction="none")  # [B, K]
-            valid = (y != -100).float()
-            loss = ((per_head * valid).sum(0) / valid.sum(0).clamp_min(1) * weights).sum()
+            loss = 0.0
+            if settings.soft < 1:
+                per_head = torch.nn.functional.cross_entropy(logits.permute(0, 2, 1), y, ignore_index=-100,
+                                                             reduction="none")  # [B, K]
+                loss = loss + (1 - settings.soft) * _mean_per_head(per_head, y != -100, weights)
+            if teacher is not None:
+                labelled = labels[idx] != -100  # j + k lies in the same text: its hidden state is h_{j+k}
+                rows = torch.where(labelled, idx[:, None] + ahead, idx[:, None])  # [B, K]
+                p = teacher[rows].float().exp()  # [B, K, V']
+                per_head = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, K]
+                loss = loss + settings.soft * _mean_per_head(per_head, labelled, weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -171,6 +254,12 @@ def train(lm: LoadedModel, heads: MedusaHeads, data: tuple[torch.Tensor, torch.T
     return acc
 
 
+def _mean_per_head(per_head: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum over heads of ``weights`` x the mean of ``per_head`` [B, K] over its ``valid`` positions."""
+    valid = valid.float()
+    return ((per_head * valid).sum(0) / valid.sum(0).clamp_min(1) * weights).sum()
+
+
 def _fmt(acc: list[float]) -> str:
     return ", ".join(f"head {k + 1}: {a:.3f}" for k, a in enumerate(acc))
 
@@ -181,17 +270,28 @@ def parse(argv: list[str] | None) -> Settings:
     for name, value in asdict(defaults).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--out", default=None, help="output .safetensors (default engine/assets/medusa-<model>.safetensors)")
+    p.add_argument("--data-cache", default=None, metavar="DIR",
+                   help="directory of the self-distilled text (safetensors): loaded if there, else generated and saved")
     args = p.parse_args(argv)
     out = args.out
+    if args.data_cache is not None and os.path.isfile(args.data_cache):
+        p.error(f"--data-cache: must be a directory, got the file {args.data_cache}")
     settings = Settings(**{k: getattr(args, k) for k in asdict(defaults)})
     if settings.prompts < 0:
         p.error(f"--prompts: must be 0 (all) or more, got {settings.prompts}")
+    if not 0.0 <= settings.soft <= 1.0:
+        p.error(f"--soft: must be between 0.0 (hard labels only) and 1.0 (soft targets only), got {settings.soft}")
+    if settings.lr <= 0:
+        p.error(f"--lr: must be more than 0, got {settings.lr}")
+    if settings.weight_decay < 0:
+        p.error(f"--weight-decay: must be 0 or more, got {settings.weight_decay}")
     if settings.vocab < 0:
         p.error(f"--vocab: must be 0 (the whole vocabulary) or more, got {settings.vocab}")
     for name in ("heads", "tokens", "epochs", "batch", "holdout", "gen_batch", "threads"):
         if getattr(settings, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(settings, name)}")
     settings.out = out  # type: ignore[attr-defined]
+    settings.data_cache = args.data_cache  # type: ignore[attr-defined]
     return settings
 
 
@@ -206,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     if settings.holdout >= len(prompts):
         raise SystemExit(f"--holdout: {settings.holdout} leaves no training prompts (the file has {len(prompts)})")
     say(f"{lm.name}: self-distilling {len(prompts)} prompts x {settings.tokens} tokens, {settings.heads} heads")
-    data = self_distill(lm, prompts[: -settings.holdout], settings)
-    held = self_distill(lm, prompts[-settings.holdout:], settings)
+    cache = Path(settings.data_cache) if settings.data_cache else None
+    text, held_text = cached_text(lm, prompts, settings, cache)
+    data = (text[0], labels_for(text[1], text[2], settings.heads))
+    held = (held_text[0], labels_for(held_text[1], held_text[2], settings.heads))
     say(f"self-distilled ({time.perf_counter() - t0:.0f} s)")
     say(f"{len(data[0])} training positions, {len(held[0])} held-out positions ({time.perf_counter() - t0:.0f} s)")
     vocab = shortlist(data[1], settings.vocab)
@@ -216,8 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     acc = train(lm, heads, (data[0].to(lm.device), data[1].to(lm.device)), (held[0].to(lm.device), held[1].to(lm.device)), settings)
     path = settings.out and os.path.abspath(settings.out) or heads_path(lm.name)
     meta = {"base_model": lm.name, "heads": settings.heads, "hidden": int(lm.model.config.hidden_size)}
-    from pathlib import Path
-
     digest = save_heads(heads, Path(path), meta)
     info = {"command": "python -m engine.medusa_train " + " ".join(argv if argv is not None else sys.argv[1:]),
             "settings": {k: v for k, v in asdict(settings).items()}, "base_model": lm.name,
