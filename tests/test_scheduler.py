@@ -19,6 +19,20 @@ from engine.control import RunControl, RunStopped
 from engine.scheduler import Scheduler, SchedulerFull, scheduler_for
 
 TOL = 1e-4
+TIE = 1e-6  # top-list neighbours this close are a tie: a batched forward's rounding may order them either way
+
+
+def tie_order(top) -> list[int]:
+    """Token ids in top-list order, each run of tied neighbours (within TIE) sorted by id. Float
+    rounding differs between a padded batch and a solo forward (~1e-8 here), which only ever
+    swaps tokens whose probabilities are that close; any other order difference still fails."""
+    groups: list[list] = []
+    for t in top:
+        if groups and abs(groups[-1][-1].prob - t.prob) <= TIE:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    return [t.token_id for group in groups for t in sorted(group, key=lambda t: t.token_id)]
 
 
 def assert_same_steps(batched, solo, label=""):
@@ -35,7 +49,7 @@ def assert_same_steps(batched, solo, label=""):
             assert a.draw == pytest.approx(b.draw, abs=TOL), label
         assert [s.name for s in a.stages] == [s.name for s in b.stages], label
         for sa, sb in zip(a.stages, b.stages):
-            assert [t.token_id for t in sa.top] == [t.token_id for t in sb.top], (label, sa.name)
+            assert tie_order(sa.top) == tie_order(sb.top), (label, sa.name)
             assert [t.prob for t in sa.top] == pytest.approx([t.prob for t in sb.top], abs=TOL), (label, sa.name)
             assert sa.kept == sb.kept and sa.mass_removed == pytest.approx(sb.mass_removed, abs=TOL), (label, sa.name)
 
