@@ -77,6 +77,10 @@ _DRAW = """(%s)('#step-chart .js-plotly-plot', () => {
   const box = document.querySelector('#step-index input[type=number]');
   return box ? Number(box.value) : undefined;
 })""" % _DRAW_INTO
+# POSTs ``body`` (an object) as JSON to the route, under the app's root (a Space serves it there).
+_POST = """(body) => fetch(((window.gradio_config && window.gradio_config.root) || location.origin)
+  .replace(/\\/+$/, '') + %s, {method: 'POST', headers: {'Content-Type': 'application/json'}, body: JSON.stringify(body)})
+""" % json.dumps(ROUTE)
 # The fallback path's figure arrives as JSON text in a hidden box.
 DRAW_JS = "(figure) => { if (figure) (%s)(JSON.parse(figure)); }" % _DRAW
 # A knob's input event, in the page: post the values to the route, draw the figure, return the note
@@ -85,11 +89,9 @@ DRAW_JS = "(figure) => { if (figure) (%s)(JSON.parse(figure)); }" % _DRAW
 WHATIF_JS = """async (key, note, step, model, quantization, width, ...values) => {
   if (!key) return note;
   const seq = window.dpWhatIfSeq = (window.dpWhatIfSeq || 0) + 1;
-  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
   let reply;
   try {
-    const res = await fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
-      body: JSON.stringify({key, step, model, quantization, width, values})});
+    const res = await (%s)({key, step, model, quantization, width, values});
     reply = await res.json();
   } catch (err) {
     reply = {fallback: true};
@@ -102,7 +104,7 @@ WHATIF_JS = """async (key, note, step, model, quantization, width, ...values) =>
   }
   if (reply.figure) (%s)(reply.figure);
   return reply.note || note;
-}""" % (json.dumps(ROUTE), _DRAW)
+}""" % (_POST, _DRAW)
 
 # The presenter's temperature slider: the shown step (the context's data-step) redrawn at that
 # temperature, projector-sized, through the route; nothing while the guess hides the token.
@@ -111,11 +113,9 @@ PRESENTER_JS = """async (key, model, quantization, width, temperature) => {
   if (!key || !label || label.dataset.hidden === '1') return;
   const step = Number(label.dataset.step);
   const seq = window.dpPresentSeq = (window.dpPresentSeq || 0) + 1;
-  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
   let reply;
   try {
-    const res = await fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
-      body: JSON.stringify({view: 'presenter', key, step, model, quantization, width, knobs: {temperature}})});
+    const res = await (%s)({view: 'presenter', key, step, model, quantization, width, knobs: {temperature}});
     reply = await res.json();
   } catch (err) {
     return;
@@ -125,25 +125,21 @@ PRESENTER_JS = """async (key, model, quantization, width, temperature) => {
     const now = document.querySelector('#present-text .dp-present-label');
     return now && now.dataset.hidden !== '1' ? Number(now.dataset.step) : -1;
   })(reply.figure);
-}""" % (json.dumps(ROUTE), _DRAW_INTO)
+}""" % (_POST, _DRAW_INTO)
 
 # A step's chart was drawn (a run ended, a token or a run was picked): ask the route to keep that
 # step's raw logits, so the first knob change needs no forward. Fire and forget.
 PREPARE_JS = """(key, step, model, quantization) => {
   if (!key) return;
-  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
-  fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
-    body: JSON.stringify({prepare: true, key, step, model, quantization})}).catch(() => {});
-}""" % json.dumps(ROUTE)
+  (%s)({prepare: true, key, step, model, quantization}).catch(() => {});
+}""" % _POST
 
 # The presenter's chart was drawn: keep the shown step's raw logits for its temperature slider.
 PRESENTER_PREPARE_JS = """(key, model, quantization) => {
   const label = document.querySelector('#present-text .dp-present-label');
   if (!key || !label) return;
-  const root = ((window.gradio_config && window.gradio_config.root) || location.origin).replace(/\\/+$/, '');
-  fetch(root + %s, {method: 'POST', headers: {'Content-Type': 'application/json'},
-    body: JSON.stringify({prepare: true, key, step: Number(label.dataset.step), model, quantization})}).catch(() => {});
-}""" % json.dumps(ROUTE)
+  (%s)({prepare: true, key, step: Number(label.dataset.step), model, quantization}).catch(() => {});
+}""" % _POST
 
 # What-if key -> StepSession or LessonSession (weakly: the session's gr.State owns it; an expired session's key stops
 # working with it). A key is a secret only its own page gets, like the page's owner token.
