@@ -1,5 +1,5 @@
 """CLI: python -m engine --preset PATH_OR_NAME --prompt TEXT [--set KEY=VALUE ...] [--chat]
-[--model ID_OR_DIR] [--quantization none|int8|nf4] [--json]
+[--model ID_OR_DIR] [--quantization none|int8|nf4] [--dtype auto|float32|bfloat16|float16] [--json]
 
 Bad arguments (an invalid preset or knob value included) exit with code 2 and one line on stderr.
 """
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from .config import ConfigError, DecodingConfig, check_text, parse_set_value
-from .models import QUANTIZATIONS, ModelLoadError, ModelRegistry, ModelSpec
+from .models import DTYPES, QUANTIZATIONS, ModelLoadError, ModelRegistry, ModelSpec
 from .presets import PresetError, load_preset
 
 
@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--model", default="embedded", help="'embedded', a local model directory or a Hub id")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and compute dtype (auto: env DP_DTYPE, else float32 on CPU, half precision on a GPU)")
     p.add_argument("--json", action="store_true", help="print exactly one trace JSON object")
     return p
 
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         if not check_text("--prompt", args.prompt, max_len=100_000).strip():
             raise ConfigError("--prompt", "empty; give some text")
-        spec = ModelSpec(source=check_text("--model", args.model, max_len=500), quantization=args.quantization)
+        spec = ModelSpec(source=check_text("--model", args.model, max_len=500), quantization=args.quantization,
+                         dtype=args.dtype)
     except (ConfigError, PresetError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -181,6 +181,7 @@ _KNOB_LIST = [
     Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose candidates are verified per forward (the tree's depth).", step=1),
     Knob("medusa_tree_width", "int", 3, 1, 8, doc="Medusa: candidates per head in the verified tree (1 = the chain of each head's top-1).", step=1),
     Knob("medusa_tree_nodes", "int", 6, 1, 64, doc="Medusa: tree nodes verified in one forward (the best paths by product of head probabilities).", step=1),
+    Knob("medusa_tree_min_score", "float", 0.0, 0.0, 0.5, doc="Medusa: dynamic tree: verify only candidates whose path probability (product of head probabilities) is at least this; 0 = always the full tree.", step=0.005),
     # --- KV cache
     Knob("kv_cache", "str", "dynamic", doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
     Knob("kv_residual_length", "int", 32, 1, 1024, doc="Quantized KV cache: the most recent positions kept unquantized (flushed when full).", step=1),
@@ -400,6 +401,7 @@ class DecodingConfig:
     medusa_heads: int = 3
     medusa_tree_width: int = 3
     medusa_tree_nodes: int = 6
+    medusa_tree_min_score: float = 0.0
     kv_cache: str = "dynamic"
     kv_residual_length: int = 32
     stage_order: tuple[str, ...] = field(default=DEFAULT_STAGE_ORDER)

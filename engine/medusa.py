@@ -32,6 +32,7 @@ import hashlib
 import heapq
 import itertools
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,16 +202,21 @@ class TreeNode:
 @dataclass(frozen=True)
 class TreeShape:
     """Which candidates one round verifies: the best ``nodes`` paths by product of head
-    probabilities over each head's top ``width``. ``width=1`` is the single chain of top-1s."""
+    probabilities over each head's top ``width``, leaving out paths whose product is below
+    ``min_score`` (a dynamic tree: big where the heads are sure, small where they are not).
+    ``width=1`` is the single chain of top-1s."""
 
     width: int
     nodes: int
+    min_score: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.width <= 8:
             raise ConfigError("medusa_tree", f"width {self.width} must be in [1, 8]")
         if not 1 <= self.nodes <= 64:
             raise ConfigError("medusa_tree", f"nodes {self.nodes} must be in [1, 64]")
+        if not 0.0 <= self.min_score < 1.0:
+            raise ConfigError("medusa_tree", f"min_score {self.min_score} must be in [0, 1)")
 
 
 CHAIN = TreeShape(width=1, nodes=4)  # each head's top-1, one after another
@@ -226,8 +232,10 @@ def shape_of(config: DecodingConfig) -> TreeShape:
     """The tree the config asks for (knobs ``medusa_tree_width`` / ``medusa_tree_nodes``; defaults: TREE).
     Width 1 is the chain of top-1s, at most one node per head."""
     if config.medusa_tree_width == 1:
-        return TreeShape(width=1, nodes=min(config.medusa_tree_nodes, config.medusa_heads))
-    return TreeShape(width=config.medusa_tree_width, nodes=config.medusa_tree_nodes)
+        return TreeShape(width=1, nodes=min(config.medusa_tree_nodes, config.medusa_heads),
+                         min_score=config.medusa_tree_min_score)
+    return TreeShape(width=config.medusa_tree_width, nodes=config.medusa_tree_nodes,
+                     min_score=config.medusa_tree_min_score)
 
 
 @dataclass
@@ -250,8 +258,10 @@ def rounds_of(trace: Trace) -> list[MedusaRound]:
 # --- the tree ---------------------------------------------------------------------------------------
 def build_tree(proposals: Sequence[HeadProposal], shape: TreeShape, eos_ids: Sequence[int]) -> list[TreeNode]:
     """The best ``shape.nodes`` paths by product of head probabilities, best-first (a child's score
-    never exceeds its parent's, so parents always come first: tree order). Candidates with zero
-    probability (masked by the stage chain) and children of an end-of-sequence token are skipped."""
+    never exceeds its parent's, so parents always come first: tree order), none scoring below
+    ``shape.min_score`` (best-first, so the first such ends the tree; it may be empty: the round
+    then verifies the root alone). Candidates with zero probability (masked by the stage chain)
+    and children of an end-of-sequence token are skipped."""
     counter = itertools.count()
     heap: list[tuple[float, int, int, int, int]] = []  # (-score, tie-break, parent, depth, rank)
 
@@ -265,6 +275,8 @@ def build_tree(proposals: Sequence[HeadProposal], shape: TreeShape, eos_ids: Seq
         push(-1, 1, 1.0)
     while heap and len(nodes) < shape.nodes:
         neg, _, parent, depth, rank = heapq.heappop(heap)
+        if -neg < shape.min_score:
+            break
         cand = proposals[depth - 1].candidates[rank]
         nodes.append(TreeNode(len(nodes), parent, depth, rank, cand.token_id, cand.token, -neg))
         if depth < len(proposals) and cand.token_id not in eos_ids:
@@ -314,6 +326,7 @@ class _HeadsName:
 
 def heads_name(config: DecodingConfig, shape: TreeShape) -> str:
     kind = "chain" if shape.width == 1 else f"tree of {shape.nodes}"
+    kind += f", paths >= {shape.min_score:g}" if shape.min_score else ""
     return f"medusa ({config.medusa_heads} heads, {kind})"
 
 
@@ -485,7 +498,8 @@ def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: De
     summary (``tokens_per_target_forward``...) plus the heads' per-head acceptance."""
     trace = speculative.assemble(lm, prompt, prompt_ids, config, collected, _HeadsName(heads_name(config, shape)), chat)
     trace.summary |= {"heads": config.medusa_heads, "head_acceptance": head_acceptance(collected),
-                      "tree_width": shape.width, "tree_nodes": shape.nodes}
+                      "tree_width": shape.width, "tree_nodes": shape.nodes, "tree_min_score": shape.min_score,
+                      "mean_tree_nodes": statistics.fmean(len(r.tree) for r in collected) if collected else 0.0}
     return trace
 
 

@@ -67,6 +67,12 @@ class Settings:
     threads: int = 2
 
 
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per non-empty line; the two characters ``\\n`` in a line stand for a newline (the
+    edit prompts carry their paragraph after a blank line)."""
+    return [line.strip().replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
+
+
 def say(text: str) -> None:
     print(text, flush=True)
 
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(settings.seed)
     t0 = time.perf_counter()
     lm = load_model(ModelSpec(settings.model, device="cpu" if not torch.cuda.is_available() else "auto", dtype="float32"))
-    prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = read_prompts(PROMPTS)
     prompts = prompts[: settings.prompts] if settings.prompts else prompts
     if settings.holdout >= len(prompts):
         raise SystemExit(f"--holdout: {settings.holdout} leaves no training prompts (the file has {len(prompts)})")

@@ -53,8 +53,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ModelLoadError(f"quantization: expected one of {' | '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ModelLoadError(f"dtype: expected auto | float32 | bfloat16 | float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ModelLoadError(f"dtype: expected {' | '.join(DTYPES)}, got {self.dtype!r}")
         if not self.source or len(self.source) > 500:
             raise ModelLoadError(f"model: expected 'embedded', a directory or a Hub id, got {self.source[:60]!r}")
 
@@ -253,7 +253,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: the environment's DP_DTYPE if set (a deployment's choice, e.g. bfloat16 on a CPU
+    with AMX), else bfloat16/float16 on a GPU and float32 on CPU."""
+    if name == "auto":
+        name = os.environ.get("DP_DTYPE", "").strip() or "auto"
+        if name not in DTYPES:
+            raise ModelLoadError(f"DP_DTYPE: expected {' | '.join(DTYPES)}, got {name[:60]!r}")
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":

@@ -487,9 +487,32 @@ def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, 
         "baseline_tokens": len(base.generated_token_ids),
         "baseline_tokens_per_s": base.timing.tokens_per_s,
         "baseline_same_tokens": base.generated_token_ids == trace.generated_token_ids,
+        **(first_difference(lm, prompt_ids, trace.generated_token_ids, base.generated_token_ids)
+           if config.is_greedy else {}),
         # per generated token, so runs that stop at different lengths (sampling) compare fairly
         "speedup": _per_token(base_ms, base) / _per_token(spec_ms, trace) if spec_ms > 0 and base_ms > 0 else math.nan,
     }
+
+
+def first_difference(lm: LoadedModel, prompt_ids: Sequence[int], got: Sequence[int], expected: Sequence[int]) -> dict:
+    """Where a greedy run (``got``) first leaves target-only greedy (``expected``), and whether the
+    target's logits of the two tokens there lie within two rounding steps of the model's dtype (an
+    uncached recompute of the shared prefix): ``baseline_first_difference`` (None: equal) and
+    ``baseline_rounding_tie``. A forward of several positions rounds differently from a forward
+    of one, so in bfloat16 a tie of the target's two best tokens may break either way; in
+    float32 the steps are ~1e-7 and any difference is a defect."""
+    got, expected = list(got), list(expected)
+    if got == expected:
+        return {"baseline_first_difference": None, "baseline_rounding_tie": False}
+    n = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    if n >= min(len(got), len(expected)):  # one stopped where the other went on: no tie to blame
+        return {"baseline_first_difference": n, "baseline_rounding_tie": False}
+    with torch.inference_mode():
+        ids = torch.tensor([[*prompt_ids, *expected[:n]]], dtype=torch.long, device=lm.device)
+        logits = lm.model(input_ids=ids).logits[0, -1].float()
+    a, b = float(logits[got[n]]), float(logits[expected[n]])
+    step = torch.finfo(lm.dtype).eps * max(abs(a), abs(b))
+    return {"baseline_first_difference": n, "baseline_rounding_tie": abs(a - b) <= 2 * step}
 
 
 def _per_token(ms: float, trace: Trace) -> float:

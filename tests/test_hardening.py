@@ -255,3 +255,22 @@ def test_evicted_model_is_garbage_collected(tiny_lm, monkeypatch):
     gc.collect()
     assert ref() is None and model_ref() is None
     assert handle.get().source == "first"  # the handle re-resolves (reloads) through the registry
+
+
+def test_dtype_is_validated_on_the_cli_and_in_the_environment(monkeypatch, capsys):
+    """``--dtype`` takes only the listed dtypes (argparse: exit 2, one line naming it); a bad
+    DP_DTYPE is refused by name when a model loads, never silently replaced."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--prompt", "hi", "--dtype", "float64"])
+    assert exc.value.code == 2
+    assert "--dtype" in capsys.readouterr().err
+    from engine.models import ModelLoadError, resolve_dtype
+
+    monkeypatch.setenv("DP_DTYPE", "float64")
+    with pytest.raises(ModelLoadError, match="DP_DTYPE: expected auto .* got 'float64'"):
+        resolve_dtype("auto", torch.device("cpu"))
+    monkeypatch.setenv("DP_DTYPE", "bfloat16")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32  # an explicit dtype wins
+    monkeypatch.delenv("DP_DTYPE")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32

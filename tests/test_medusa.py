@@ -105,6 +105,17 @@ def test_build_tree_takes_the_best_paths_by_product_of_head_probabilities():
     assert [n.token_id for n in nothing_after_eos] == [10, 11, 20, 21]
 
 
+def test_the_dynamic_tree_leaves_out_paths_below_min_score():
+    """The same heads: paths a .6, ac .30, b .25, ad .24, bc .125, bd .1. min_score .25 keeps a,
+    ac, b (a path of exactly .25 stays); .7 keeps nothing (the round then verifies the root
+    alone); the node budget still applies."""
+    heads = [proposal(1, (10, 0.6), (11, 0.25)), proposal(2, (20, 0.5), (21, 0.4))]
+    assert [n.token_id for n in build_tree(heads, TreeShape(2, 6, min_score=0.25), ())] == [10, 20, 11]
+    assert [n.token_id for n in build_tree(heads, TreeShape(2, 2, min_score=0.1), ())] == [10, 20]
+    assert build_tree(heads, TreeShape(2, 6, min_score=0.7), ()) == []
+    assert [n.token_id for n in build_tree(heads, TreeShape(1, 4, min_score=0.5), ())] == [10]  # the chain, cut
+
+
 def test_tree_attention_mask_sees_cache_ancestors_and_self():
     """Root r, nodes 0 = a (depth 1), 1 = c under a, 2 = b (depth 1): with 2 cached positions."""
     heads = [proposal(1, (10, 0.6), (11, 0.25)), proposal(2, (20, 0.5))]
@@ -122,6 +133,8 @@ def test_tree_attention_mask_sees_cache_ancestors_and_self():
 def test_tree_shape_is_validated():
     with pytest.raises(ConfigError, match="medusa_tree: nodes 0 must be in"):
         TreeShape(width=2, nodes=0)
+    with pytest.raises(ConfigError, match=r"medusa_tree: min_score 1.0 must be in \[0, 1\)"):
+        TreeShape(width=2, nodes=4, min_score=1.0)
 
 
 def oracle_proposer(reference: list[int], decoys: int):
@@ -259,6 +272,9 @@ def test_medusa_heads_knob_is_validated():
         DecodingConfig(strategy="medusa", medusa_tree_width=9)
     with pytest.raises(ConfigError, match="medusa_tree_nodes: 0 is out of range"):
         DecodingConfig(strategy="medusa", medusa_tree_nodes=0)
+    for bad in (-0.01, 0.6, float("nan")):
+        with pytest.raises(ConfigError, match="medusa_tree_min_score: "):
+            DecodingConfig(strategy="medusa", medusa_tree_min_score=bad)
 
 
 def test_the_tree_knobs_choose_the_verified_tree(tiny_lm):
@@ -278,17 +294,120 @@ def test_the_tree_knobs_choose_the_verified_tree(tiny_lm):
         assert trace.generated_token_ids == target_only(tiny_lm, ids, config)
 
 
+@pytest.mark.parametrize("min_score", [0.05, 0.3, 0.49])
+def test_the_dynamic_tree_knob_reaches_the_verifier_and_keeps_greedy_exact(tiny_lm, min_score):
+    """``medusa_tree_min_score``: every verified node's path score reaches it, trees shrink (to
+    the root alone where no path does), the summary records it with the mean tree size, and the
+    tokens are still target-only greedy's."""
+    from engine.medusa import shape_of
+
+    config = GREEDY.replace(max_new_tokens=12, medusa_tree_width=4, medusa_tree_nodes=24,
+                            medusa_tree_min_score=min_score)
+    assert shape_of(config) == TreeShape(4, 24, min_score)
+    ids = tiny_lm.encode("The cat sat on the mat. The cat sat on the", chat=False)
+    trace = run(tiny_lm, "", ids, config, heads=random_heads(64, 3, 3.0))
+    rounds = rounds_of(trace)
+    assert all(n.score >= min_score for r in rounds for n in r.tree)
+    assert trace.summary["tree_min_score"] == min_score
+    assert trace.summary["mean_tree_nodes"] == pytest.approx(sum(len(r.tree) for r in rounds) / len(rounds))
+    assert trace.summary["mean_tree_nodes"] < 24
+    assert trace.generated_token_ids == target_only(tiny_lm, ids, config)
+    json.loads(trace.to_json())  # strict JSON with the new fields
+    if min_score == 0.49:  # random heads are rarely that sure: some rounds verify the root alone
+        assert any(not r.tree and len(r.emitted_token_ids) == 1 for r in rounds)
+
+
 # --- the shipped heads on the embedded model -----------------------------------------------------------
 @pytest.mark.slow
 def test_trained_heads_greedy_equals_target_and_accept_drafts(embedded):
     ids = embedded.encode("Explain the water cycle in two sentences.", chat=True)
     config = GREEDY.replace(max_new_tokens=48)
     reference = target_only(embedded, ids, config)
-    per_forward = {}
-    for shape in (CHAIN, TREE):
+    per_forward, nodes = {}, {}
+    big, dynamic = TreeShape(6, 32), TreeShape(8, 48, min_score=0.02)
+    for shape in (CHAIN, TREE, big, dynamic):
         trace = medusa.run(embedded, "", ids, config, shape=shape)
         assert trace.generated_token_ids == reference
         per_forward[shape] = trace.summary["tokens_per_target_forward"]
+        nodes[shape] = trace.summary["mean_tree_nodes"]
     assert per_forward[CHAIN] > 1.0  # heads' tokens get accepted
-    assert per_forward[TREE] > per_forward[CHAIN]  # and more of them from the tree
+    assert per_forward[TREE] >= per_forward[CHAIN]  # the default tree holds the chain's top-1s
+    assert per_forward[big] > per_forward[TREE]  # and a bigger tree finds more (2.8 vs 1.9 on this prompt)
+    assert per_forward[dynamic] > per_forward[TREE] and nodes[dynamic] < nodes[big]  # the dynamic tree: cheaper
     assert medusa.heads_path(embedded.name).with_suffix(".sha256").is_file()
+
+
+# --- where a greedy run leaves target-only, and whether rounding explains it ------------------------------
+def test_first_difference_names_the_token_and_tells_a_rounding_tie_from_a_defect(tiny_lm):
+    """engine.speculative.first_difference (the bench's and the view's check): equal runs give
+    None; a token the target ranks far below its choice is a defect; a token whose LM-head row
+    equals the chosen one's (so its logit ties exactly, in any dtype) is a rounding tie; a run
+    that stops early is never a tie."""
+    from engine.speculative import first_difference
+
+    lm = dataclasses.replace(tiny_lm, model=make_tiny_llama())  # its LM head is edited below
+    ids = lm.encode("The tide comes in", chat=False)
+    expected = target_only(lm, ids, GREEDY.replace(max_new_tokens=6))
+    assert first_difference(lm, ids, expected, expected) == {"baseline_first_difference": None,
+                                                             "baseline_rounding_tie": False}
+    n = 3
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([ids + expected[:n]])).logits[0, -1]
+    worst = int(logits.argmin())
+    defect = expected[:n] + [worst] + expected[n + 1:]
+    assert first_difference(lm, ids, defect, expected) == {"baseline_first_difference": n,
+                                                           "baseline_rounding_tie": False}
+    twin = next(t for t in range(1000, 2000) if t not in ids + expected)
+    with torch.no_grad():
+        lm.model.lm_head.weight[twin] = lm.model.lm_head.weight[expected[n]]
+    tie = expected[:n] + [twin] + expected[n + 1:]
+    assert first_difference(lm, ids, tie, expected) == {"baseline_first_difference": n, "baseline_rounding_tie": True}
+    assert first_difference(lm, ids, expected[:n], expected) == {"baseline_first_difference": n,
+                                                                 "baseline_rounding_tie": False}
+
+
+def test_medusa_summary_explains_a_difference(tiny_lm):
+    from playground.views.search import medusa_summary
+
+    ids = tiny_lm.encode("Hello", chat=False)
+    run_trace = run(tiny_lm, "", ids, GREEDY.replace(max_new_tokens=3), heads=random_heads(64, 3, 1.0))
+    base = {"tokens_per_target_forward": 1.5, "speedup": 1.3, "baseline_tokens_per_s": 20.0, "head_acceptance": [0.4]}
+    for extra, fragment in [
+        ({"baseline_same_tokens": True, "baseline_first_difference": None}, "Same tokens as target-only: yes"),
+        ({"baseline_same_tokens": False}, "sampling: the same distribution"),
+        ({"baseline_same_tokens": False, "baseline_first_difference": 7, "baseline_rounding_tie": True},
+         "from token 7 on, where the target's two best tokens tie"),
+        ({"baseline_same_tokens": False, "baseline_first_difference": 7, "baseline_rounding_tie": False},
+         "but token 7 differs"),
+    ]:
+        trace = dataclasses.replace(run_trace, summary=base | extra)
+        assert fragment in medusa_summary(trace)
+
+
+@pytest.mark.parametrize("shape, decoys", [(CHAIN, 0), (TreeShape(width=2, nodes=16), 1)], ids=["chain", "tree"])
+def test_bfloat16_medusa_equals_target_greedy_up_to_rounding_ties(tiny_lm, monkeypatch, shape, decoys):
+    """The DP_DTYPE=bfloat16 path (mask, heads, read-out and kept cache rows in bfloat16): with an
+    oracle proposer the rounds accept several tokens, and the run equals target-only greedy in
+    bfloat16 or leaves it only at a rounding tie of the target (first_difference)."""
+    from engine.speculative import first_difference
+
+    lm = dataclasses.replace(tiny_lm, model=make_tiny_llama().to(torch.bfloat16), dtype=torch.bfloat16)
+    for prompt in ("Once upon a time", "The tide comes in", "def f(x):"):
+        ids = lm.encode(prompt)
+        config = GREEDY.replace(max_new_tokens=24)
+        reference = target_only(lm, ids, config)
+        monkeypatch.setattr(medusa._MedusaVerifier, "propose", oracle_proposer(reference, decoys))
+        trace = medusa.run(lm, "", ids, config, heads=MedusaHeads(64, 3).to(torch.bfloat16), shape=shape)
+        diff = first_difference(lm, ids, trace.generated_token_ids, reference)
+        assert diff["baseline_first_difference"] is None or diff["baseline_rounding_tie"], (prompt, diff)
+        assert max(len(r.emitted_token_ids) for r in trace.rounds) == 4  # whole paths accepted
+
+
+def test_medusa_summary_names_the_dynamic_tree(tiny_lm):
+    from playground.views.search import medusa_summary
+
+    ids = tiny_lm.encode("Hello", chat=False)
+    config = GREEDY.replace(max_new_tokens=4, medusa_tree_width=4, medusa_tree_nodes=24, medusa_tree_min_score=0.05)
+    text = medusa_summary(run(tiny_lm, "", ids, config, heads=random_heads(64, 3, 3.0)))
+    assert "Verified tree: each head's top 4, at most 24 nodes, only paths with probability ≥ 0.05: " in text
+    assert "nodes per forward on average" in text

@@ -68,3 +68,17 @@ def test_tree_figure_draws_the_verified_tree_and_its_accepted_path():
     assert list(by_name["rejected"].text) == ["␣a", "␣cat"]
     assert list(by_name["accepted path"].x) == [0, 1, None, 1, 2, None]
     assert list(by_name["target's bonus token"].x) == [2.5]
+
+
+def test_a_round_with_an_empty_dynamic_tree_draws_the_root_and_the_target_token():
+    """``medusa_tree_min_score`` can leave a round no candidates: the forward verifies the root
+    alone and the target's bonus token follows it; every chart still draws (and says so)."""
+    bonus = ExtraToken("bonus", 8, " dog", 0.8, 0.8, [])
+    r = MedusaRound(index=2, start=4, k=0, drafted=[], num_accepted=0, bonus=bonus, emitted_token_ids=[8],
+                    emitted_text=" dog", draft_ms=1.0, verify_ms=5.0, elapsed_ms=20.0, proposals=hand_round().proposals,
+                    tree=[], path=[])
+    fig = charts.tree_figure(r, first_token=" the")
+    texts = [str(t) for trace in fig.data for t in (trace.text or [])]
+    assert any("dog" in t for t in texts)  # the target's own token is drawn
+    assert charts.accept_figure([r]).data[0].y[0] == 1
+    charts.round_figure(r, first_token=" the")

@@ -38,7 +38,8 @@ from ..shared import SESSION_TTL_S, OutputSet, Shared, error_html, status_html, 
 
 STREAM_EVERY_S = 0.5
 MCTS_KNOBS = ("mcts_simulations", "mcts_c_puct", "mcts_expand_k", "mcts_rollout_tokens", "max_new_tokens")
-MEDUSA_KNOBS = ("medusa_heads", "medusa_tree_width", "medusa_tree_nodes", "max_new_tokens", "temperature", "top_k", "top_p", "seed")
+MEDUSA_KNOBS = ("medusa_heads", "medusa_tree_width", "medusa_tree_nodes", "medusa_tree_min_score", "max_new_tokens",
+                "temperature", "top_k", "top_p", "seed")
 MCTS_PRESET, MEDUSA_PRESET = "mcts", "medusa"
 MCTS_PROMPT = "The capital of France is"
 MEDUSA_PROMPT = "Write one sentence about the sea."
@@ -235,6 +236,17 @@ def _number(value: Any, fmt: str) -> str:
     return "n/a" if not isinstance(value, (int, float)) or not math.isfinite(value) else format(value, fmt)
 
 
+def _difference(summary: dict) -> str:
+    """Why a Medusa run's tokens differ from target-only's (engine.speculative.first_difference)."""
+    n = summary.get("baseline_first_difference")
+    if n is None:
+        return "no (sampling: the same distribution, other draws)"
+    if summary.get("baseline_rounding_tie"):
+        return (f"from token {n} on, where the target's two best tokens tie within the model dtype's rounding "
+                "(a forward of several positions rounds differently from a forward of one)")
+    return f"**no: greedy Medusa should equal target-only greedy, but token {n} differs**"
+
+
 def medusa_summary(trace: Trace) -> str:
     """Tokens per target forward, the measured speed-up and each head's acceptance, in Markdown."""
     s = trace.summary
@@ -248,8 +260,12 @@ def medusa_summary(trace: Trace) -> str:
         " measured in this process, one after the other).",
         f"Acceptance per head: {heads}.",
     ]
+    if s.get("tree_width", 1) > 1 and "mean_tree_nodes" in s:
+        cut = f", only paths with probability ≥ {s['tree_min_score']:g}" if s.get("tree_min_score") else ""
+        lines.append(f"Verified tree: each head's top {s['tree_width']}, at most {s.get('tree_nodes')} nodes{cut}: "
+                     f"{_number(s['mean_tree_nodes'], '.1f')} nodes per forward on average.")
     if same is not None:
-        lines.append("Same tokens as target-only: " + ("yes" if same else "no (sampling: the same distribution, other draws)"))
+        lines.append("Same tokens as target-only: " + ("yes" if same else _difference(s)))
     return "\n\n".join(lines)
 
 
