@@ -220,11 +220,12 @@ class TreeShape:
 
 
 CHAIN = TreeShape(width=1, nodes=4)  # each head's top-1, one after another
-# Default: a small sparse tree. Measured with the shipped heads on the embedded model (bench/medusa.py
-# prompts, 128 greedy tokens): tokens per target forward 1.25 chain, 1.39 (3x6), 1.41 (4x10),
-# 1.45 (4x16), 1.51 (5x24); but on a loaded 2-core CPU the wall-clock speed-up vs target-only was
-# 0.72x chain, 0.56x (3x6), 0.33x (4x16): each extra position costs more than its accepted tokens
-# save there, so the tree stays small (on a GPU, extra positions are nearly free).
+# Default: a small sparse tree. Measured with the shipped heads on the embedded model (bench/medusa.py,
+# 3 prompts, greedy): in float32 on a 2-core CPU, tokens per target forward 1.43 chain, 1.60 (3x6),
+# 1.69 (4x10), 1.80 (6x32) at 0.80x, 0.85x, 0.84x, 0.67x target-only: each extra position costs
+# compute there, so the tree stays small. In bfloat16 on a CPU with AMX (DP_DTYPE=bfloat16), as on a
+# GPU, extra positions are nearly free: 4x10 1.38x, 6x32 1.88 tokens per forward at 1.23x; pick them
+# with the medusa_tree_* knobs (medusa_tree_min_score: the dynamic tree).
 TREE = TreeShape(width=3, nodes=6)
 
 

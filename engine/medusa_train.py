@@ -21,7 +21,7 @@
    with the shortlist) with a ``.sha256`` and a ``.json`` holding this command, the settings and
    the accuracies.
 
-The defaults finish in about 20 minutes on an otherwise idle 2-core CPU; on a GPU raise
+The defaults finish in about 23 minutes on an otherwise idle 2-core CPU; on a GPU raise
 ``--tokens``, ``--epochs`` and the prompt set for bigger models.
 """
 
