@@ -382,6 +382,10 @@ def test_medusa_summary_explains_a_difference(tiny_lm):
     ]:
         trace = dataclasses.replace(run_trace, summary=base | extra)
         assert fragment in medusa_summary(trace)
+        assert "Slower than target-only here" not in medusa_summary(trace)  # speed-up 1.3
+    slower = medusa_summary(dataclasses.replace(run_trace, summary=base | {"speedup": 0.85}))
+    assert "Slower than target-only here" in slower and "DP_DTYPE=bfloat16" in slower
+    assert "Slower" not in medusa_summary(dataclasses.replace(run_trace, summary=base | {"speedup": float("nan")}))
 
 
 @pytest.mark.parametrize("shape, decoys", [(CHAIN, 0), (TreeShape(width=2, nodes=16), 1)], ids=["chain", "tree"])

@@ -264,6 +264,12 @@ def medusa_summary(trace: Trace) -> str:
         cut = f", only paths with probability ≥ {s['tree_min_score']:g}" if s.get("tree_min_score") else ""
         lines.append(f"Verified tree: each head's top {s['tree_width']}, at most {s.get('tree_nodes')} nodes{cut}: "
                      f"{_number(s['mean_tree_nodes'], '.1f')} nodes per forward on average.")
+    speedup = s.get("speedup")
+    if isinstance(speedup, (int, float)) and math.isfinite(speedup) and speedup < 1:
+        lines.append("Slower than target-only here: the verify forward of the whole tree costs more than the tokens "
+                     "it saves on this hardware (on a CPU in float32 a forward of 7 positions costs ~1.6x one of 1). "
+                     "Where extra positions are nearly free (a GPU, or bfloat16 on a CPU with AMX: DP_DTYPE=bfloat16) "
+                     "Medusa is faster, and bigger trees pay off.")
     if same is not None:
         lines.append("Same tokens as target-only: " + ("yes" if same else _difference(s)))
     return "\n\n".join(lines)
