@@ -303,16 +303,11 @@ class WhatIfRoute:
         if isinstance(found, dict):
             return found
         session, trace, at = found
-        model, quant = request.get("model"), request.get("quantization")
         try:
             knobs = self.panel.values(*values)
-            lm = self.shared.loaded_lm(model, quant)
-            if lm is None:
+            lm, key, kept = self.model_for(request, session, trace, at)
+            if lm is None or (not kept and zero_gpu_active()):  # ZeroGPU: only Gradio's events get the GPU
                 return {"fallback": True}
-            key = context_key(model, quant, trace, at)
-            kept = session.kept
-            if (kept is None or kept.key != key) and zero_gpu_active():
-                return {"fallback": True}  # a forward needs the GPU, which only Gradio's events get there
             changed = self.redraw(session, lm, trace, at, knobs, key, "knob")
         except (UserError, ConfigError, ValueError) as exc:
             return {"figure": None, "note": error_html(str(exc))}
@@ -330,13 +325,11 @@ class WhatIfRoute:
         if isinstance(found, dict):
             return found
         session, trace, at = found
-        model, quant = request.get("model"), request.get("quantization")
         if trace.strategy == "greedy":
             knobs = {**knobs, "strategy": "sample"}
         try:
-            lm = self.shared.loaded_lm(model, quant)
-            key = context_key(model, quant, trace, at)
-            if lm is None or ((session.kept is None or session.kept.key != key) and zero_gpu_active()):
+            lm, key, kept = self.model_for(request, session, trace, at)
+            if lm is None or (not kept and zero_gpu_active()):
                 return {"figure": None, "note": error_html("what if: not available here; use Step through's knobs")}
             changed = self.redraw(session, lm, trace, at, knobs, key, "slider")
         except (UserError, ConfigError, ValueError) as exc:
@@ -365,13 +358,11 @@ class WhatIfRoute:
         if isinstance(found, dict) or not (self.direct or request.get("view") == "presenter"):
             return {"prepared": False}
         session, trace, at = found
-        model, quant = request.get("model"), request.get("quantization")
         try:
-            lm = self.shared.loaded_lm(model, quant)
+            lm, key, kept = self.model_for(request, session, trace, at)
         except UserError:
             return {"prepared": False}
-        key = context_key(model, quant, trace, at)
-        if session.kept is not None and session.kept.key == key:
+        if kept:
             return {"prepared": True}
         if lm is None or zero_gpu_active() or not self.slots.acquire(blocking=False):
             return {"prepared": False}
@@ -380,6 +371,14 @@ class WhatIfRoute:
         finally:
             self.slots.release()
         return {"prepared": True}
+
+    def model_for(self, request: dict, session: Any, trace: Trace, at: int) -> tuple[LoadedModel | None, str, bool]:
+        """The model the request names if it is loaded (None if not; UserError if the policy refuses
+        it: a route never loads one), the kept-logits key of step ``at`` under it, and whether the
+        session keeps that step's logits already (else redrawing it needs a forward)."""
+        model, quant = request.get("model"), request.get("quantization")
+        key = context_key(model, quant, trace, at)
+        return self.shared.loaded_lm(model, quant), key, session.kept is not None and session.kept.key == key
 
     @staticmethod
     def selected(request: dict) -> tuple[Any, Trace, int] | dict:
