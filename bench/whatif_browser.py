@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.sessions import free_port  # noqa: E402
 
 TARGET_MS = 150
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
@@ -31,20 +32,29 @@ WATCH_JS = """() => {
 }"""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def open_step(page, url: str, step: int = 2) -> None:
+    """Step through at ``url``: generate 5 tokens of the default prompt and select step ``step``
+    (its chart drawn). Also the browser test's setup (tests/test_workshop_browser.py)."""
+    page.goto(url)
+    page.get_by_role("tab", name="Step through").click()
+    page.fill("#step-knob-max_new_tokens input[type=number]", "5")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.locator("#step-text .token").nth(step).click()
+    page.wait_for_function(
+        f"() => document.querySelector('#step-chart .gtitle')?.textContent.startsWith('step {step}:')")
 
 
-def change(page, value: str) -> float:
-    """Set the temperature box to ``value``; ms from its input event to the chart's last change."""
+def change(page, value: str, settle_s: float = 0.4) -> float:
+    """Set the temperature box to ``value``; ms from its input event to the chart's last change
+    (``WATCH_JS`` installed; ``settle_s``: how long plotly may still be drawing)."""
     shown = page.locator("#step-chart").inner_text()
     page.evaluate("() => { window.dpT1 = undefined; }")
     page.fill("#step-knob-temperature input[type=number]", value)
     page.wait_for_selector(f"#step-whatif-note:has-text('temperature = {value}')", timeout=60_000)
     page.wait_for_function("(b) => document.querySelector('#step-chart').innerText !== b", arg=shown)
-    time.sleep(0.4)  # plotly may still be drawing: the last mutation counts
+    time.sleep(settle_s)  # the last mutation counts
     return float(page.evaluate("() => window.dpT1 - window.dpT0"))
 
 
@@ -75,14 +85,7 @@ def main() -> None:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(120_000)
-            page.goto(demo.local_url)
-            page.get_by_role("tab", name="Step through").click()
-            page.fill("#step-knob-max_new_tokens input[type=number]", "5")
-            page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
-            page.click("#step-generate")
-            page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
-            page.locator("#step-text .token").nth(2).click()
-            page.wait_for_function("() => document.querySelector('#step-chart .gtitle')?.textContent.startsWith('step 2:')")
+            open_step(page, demo.local_url)
             page.evaluate(WATCH_JS)
             change(page, "1.9")  # warm-up: the step's logits kept, both paths' code paths loaded
             for _ in range(args.rounds):

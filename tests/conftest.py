@@ -106,13 +106,27 @@ def browser():
         chromium.close()
 
 
+def browser_page(browser, width: int, height: int, timeout_ms: int = 60_000):
+    """For a fixture to ``yield from``: a page of a fresh context at width x height, closed after
+    the test (also when it fails)."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    pg = context.new_page()
+    pg.set_default_timeout(timeout_ms)
+    try:
+        yield pg
+    finally:
+        context.close()
+
+
 @pytest.fixture
 def page(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    pg = context.new_page()
-    pg.set_default_timeout(60_000)
-    yield pg
-    context.close()
+    yield from browser_page(browser, 1400, 1000)
+
+
+@pytest.fixture
+def projector_page(browser):
+    """A page the size of a projector (1280x720), as the presenter view is used."""
+    yield from browser_page(browser, 1280, 720)
 
 
 def open_tab(page, title: str = "Step through") -> None:

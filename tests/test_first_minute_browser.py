@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from conftest import browser_page
+
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 VIEWS = (("Step through", "#step-generate"), ("Compare", "#cmp-run"), ("Beam search", "#beam-run"),
@@ -16,11 +18,7 @@ VIEWS = (("Step through", "#step-generate"), ("Compare", "#cmp-run"), ("Beam sea
 
 @pytest.fixture
 def small_page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 720})
-    pg = context.new_page()
-    pg.set_default_timeout(120_000)
-    yield pg
-    context.close()
+    yield from browser_page(browser, 1280, 720, timeout_ms=120_000)
 
 
 def open_step(page) -> None:

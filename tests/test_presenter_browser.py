@@ -40,10 +40,8 @@ def wait_for_step(page, index: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.browser
-def test_presenter_fills_the_screen_steps_by_keys_and_fits_a_phone(browser, live_app):
-    context = browser.new_context(viewport={"width": 1280, "height": 720})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
+def test_presenter_fills_the_screen_steps_by_keys_and_fits_a_phone(projector_page, live_app):
+    page = projector_page
     page.goto(f"{live_app}/?lesson={lesson_token(json.dumps(LESSON))}&present=1")
     page.wait_for_selector("#presenter:visible")
     page.click("#present-run")  # the overlay covers the Lessons tab's own Run button
@@ -75,7 +73,6 @@ def test_presenter_fills_the_screen_steps_by_keys_and_fits_a_phone(browser, live
     page.keyboard.press("Escape")
     page.wait_for_selector("#presenter", state="detached")
     assert not page.locator("#lessons-present input").is_checked()
-    context.close()
 
 
 @pytest.mark.slow
@@ -123,13 +120,11 @@ def test_out_of_range_slider_values_are_refused_each_named_with_its_typed_value(
 
 @pytest.mark.slow
 @pytest.mark.browser
-def test_presenter_temperature_slider_redraws_the_shown_step(browser, live_app):
+def test_presenter_temperature_slider_redraws_the_shown_step(projector_page, live_app):
     """The projector's what-if: the slider redraws the shown step at another temperature through the
     route (no generation), the next step starts from the run's own temperature, and nothing is drawn
     while the guess hides the token."""
-    context = browser.new_context(viewport={"width": 1280, "height": 720})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
+    page = projector_page
     page.goto(f"{live_app}/?lesson={lesson_token(json.dumps(LESSON))}&present=1")
     page.wait_for_selector("#presenter:visible")
     page.click("#present-run")
@@ -163,4 +158,3 @@ def test_presenter_temperature_slider_redraws_the_shown_step(browser, live_app):
     slider.fill("2")
     page.wait_for_timeout(1500)
     assert page.locator("#present-chart .gtitle").count() == 0  # the guess is not given away
-    context.close()

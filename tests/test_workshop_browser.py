@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from bench.whatif_browser import WATCH_JS, change, open_step
 from playground.knobs import KnobPanel
 from playground.views import whatif
 from playground.views.step import DEFAULT_PRESET
@@ -29,23 +30,11 @@ def test_open_and_run_a_lesson(page, live_app, artifacts):
 
 
 def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
-    page.goto(live_app)
-    page.get_by_role("tab", name="Step through").click()
-    page.fill("#step-knob-max_new_tokens input[type=number]", "5")
-    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
-    page.click("#step-generate")
-    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
-    page.locator("#step-text .token").nth(2).click()
-    page.wait_for_function("() => document.querySelector('#step-chart .gtitle')?.textContent.startsWith('step 2:')")
+    open_step(page, live_app)
     before = page.locator("#step-chart").inner_text()
     box = page.locator("#step-knob-temperature input[type=number]")
     # In the page: from the box's last input event to the chart's last change (what a person waits).
-    page.evaluate("""() => {
-        const box = document.querySelector('#step-knob-temperature input[type=number]');
-        box.addEventListener('input', () => { window.dpT0 = performance.now(); }, true);
-        new MutationObserver(() => { window.dpT1 = performance.now(); }).observe(
-            document.querySelector('#step-chart'), {subtree: true, childList: true, attributes: true});
-    }""")
+    page.evaluate(WATCH_JS)
     start = time.perf_counter()
     box.fill("3")
     box.press("Enter")
@@ -55,15 +44,7 @@ def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
     in_page = page.evaluate("() => Math.round(window.dpT1 - window.dpT0)")
     with_playwright = (time.perf_counter() - start) * 1000
     print(f"what-if round trip: {in_page} ms in the page, {with_playwright:.0f} ms with Playwright")
-    times = []
-    for value in ("0.5", "1.5", "2"):  # later knob changes reuse the kept logits
-        shown = page.locator("#step-chart").inner_text()
-        page.evaluate("() => { window.dpT1 = undefined; }")
-        box.fill(value)
-        page.wait_for_selector(f"#step-whatif-note:has-text('temperature = {value}')", timeout=60_000)
-        page.wait_for_function("(b) => document.querySelector('#step-chart').innerText !== b", arg=shown)
-        time.sleep(0.5)
-        times.append(page.evaluate("() => Math.round(window.dpT1 - window.dpT0)"))
+    times = [round(change(page, value, settle_s=0.5)) for value in ("0.5", "1.5", "2")]  # kept logits reused
     print(f"what-if round trips with kept logits: {times} ms in the page")
     # The preset note is written in the page (knobs.MODIFIED_JS), as the server would write it.
     note = re.sub(r"<[^>]+>", "", KnobPanel._preset_note(DEFAULT_PRESET, True))
@@ -102,10 +83,8 @@ def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
     assert page.locator("#step-chart").inner_text() == shown
 
 
-def test_presenter_guess_reveal_and_qr(browser, live_app, artifacts):
-    context = browser.new_context(viewport={"width": 1280, "height": 720})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
+def test_presenter_guess_reveal_and_qr(projector_page, live_app, artifacts):
+    page = projector_page
     page.goto(f"{live_app}/?lesson=temperature&present=1")
     page.wait_for_selector("#presenter:visible")
     page.wait_for_selector("#present-qr img[alt='QR code of the share link']")
@@ -122,7 +101,6 @@ def test_presenter_guess_reveal_and_qr(browser, live_app, artifacts):
     page.uncheck("#present-guess input")
     page.wait_for_selector("#present-text:has-text('Step ')")
     page.screenshot(path=str(artifacts / "presenter-guess.png"))
-    context.close()
 
 
 def test_a_compare_lesson_opens_compare_with_its_lanes_filled(page, live_app):
