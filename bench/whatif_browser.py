@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--changes", type=int, default=12, help="knob changes per path per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.changes < 2 or args.rounds < 1:  # one change per path would set the value already shown
+        parser.error(f"--changes must be at least 2 and --rounds at least 1, got {args.changes} and {args.rounds}")
     from playwright.sync_api import sync_playwright
 
     from engine.models import ModelRegistry
