@@ -124,3 +124,30 @@ def test_mcts_and_medusa_on_the_embedded_model(embedded, shared):
     trace = last["medusa.session"].trace
     assert trace.summary["baseline_same_tokens"] is True
     assert trace.summary["tokens_per_target_forward"] >= 1.0
+
+
+def test_medusa_handler_runs_the_dynamic_tree_for_two_users_at_once(tiny_lm, shared, monkeypatch):
+    """Two people run Medusa at once with different ``medusa_tree_min_score``: each summary and
+    trace names its own threshold, every verified node reaches it, and greedy stays exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_medusa import random_heads, target_only
+
+    heads = random_heads(64, 3, 3.0)
+    monkeypatch.setattr(medusa, "load_heads", lambda lm, path=None: heads)
+
+    def run(min_score: float) -> dict:
+        config = DecodingConfig(strategy="medusa", temperature=0.0, max_new_tokens=8, medusa_heads=3,
+                                medusa_tree_width=4, medusa_tree_nodes=24, medusa_tree_min_score=min_score)
+        out = medusa_out()
+        last = list(search.stream_medusa(out, shared, request(tiny_lm, config), RunControl()))[-1]
+        return {"summary": last[out.summary], "trace": last[out.session].trace, "config": config}
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, (0.05, 0.3)))
+    for min_score, got in zip((0.05, 0.3), results):
+        trace = got["trace"]
+        assert trace.summary["tree_min_score"] == min_score
+        assert f"only paths with probability ≥ {min_score:g}: " in got["summary"]
+        assert all(n.score >= min_score for r in medusa.rounds_of(trace) for n in r.tree)
+        assert trace.generated_token_ids == target_only(tiny_lm, tiny_lm.encode(PROMPT, False), got["config"])
