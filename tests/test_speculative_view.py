@@ -144,9 +144,9 @@ def test_builders_work_on_a_trace_read_back_from_json():
 def test_summary_markdown_reports_the_speedup():
     summary = {"tokens": 6, "rounds": 2, "drafter": "ngram (n=3)", "accepted": 4, "drafted": 5, "acceptance_rate": 0.8,
                "tokens_per_target_forward": 3.0, "target_forwards_saved": 3, "draft_ms": 9.0, "verify_ms": 38.0,
-               "total_ms": 55.0, "baseline_ms": 90.0, "speedup": 1.64, "baseline_same_tokens": True}
+               "total_ms": 55.0, "baseline_ms": 90.0, "baseline_tokens": 6, "speedup": 1.64, "baseline_same_tokens": True}
     text = charts.summary_markdown(summary)
-    assert "4/5 drafts (80%)" in text and "**1.64×**" in text and "(same tokens)" in text
+    assert "4/5 drafts (80%)" in text and "**1.64× tokens/s**" in text and "6 tokens (the same tokens)" in text
 
 
 def test_default_position_prefers_the_first_rejection():

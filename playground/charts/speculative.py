@@ -51,6 +51,15 @@ def _chip(kind: str, token: str, round_index: int, pos: int, title: str, selecte
             f"{render_html(token)}</span>")
 
 
+def extra_origin(x: ExtraToken) -> str:
+    """Where the target's own token came from: in greedy mode (no draw) the target's argmax, else a
+    draw from the residual normalise(max(0, p − q)) after a rejection, or from p for the bonus."""
+    if x.draw is None:
+        return f"{x.kind} {readable(x.token)}: the target's argmax of p"
+    what = "residual normalise(max(0, p − q))" if x.kind == "resampled" else "target distribution p"
+    return f"{x.kind} {readable(x.token)} from the {what}"
+
+
 def _draft_title(d: DraftToken) -> str:
     if d.u is None:
         verdict = "matches the target's argmax" if d.accepted else "differs from the target's argmax"
@@ -81,12 +90,11 @@ def round_chips(r: SpecRound, selected: tuple[int, int] | None = None) -> str:
                            selected == (r.index, d.position), emitted=d.accepted and d.position < emitted))
         if d.resampled is not None:
             x = d.resampled
-            chips.append(_chip("resampled", x.token, r.index, d.position,
-                               f"resampled {readable(x.token)} from the residual (p={x.p:.3f})",
+            chips.append(_chip("resampled", x.token, r.index, d.position, f"{extra_origin(x)} (p={x.p:.3f})",
                                selected == (r.index, d.position), emitted=d.position < emitted))
     if r.bonus is not None:
         pos = len(r.drafted)
-        chips.append(_chip("bonus", r.bonus.token, r.index, pos, f"bonus {readable(r.bonus.token)} from p (p={r.bonus.p:.3f})",
+        chips.append(_chip("bonus", r.bonus.token, r.index, pos, f"{extra_origin(r.bonus)} (p={r.bonus.p:.3f})",
                            selected == (r.index, pos), emitted=pos < emitted))
     timing = f"draft {r.draft_ms:.0f} ms · verify {r.verify_ms:.0f} ms · capture {r.capture_ms:.0f} ms"
     return (f'<div class="spec-round" data-round="{r.index}" style="margin:3px 0;line-height:1.9">'
@@ -115,8 +123,22 @@ def special_drafts_note(rounds: Sequence[SpecRound], drafter: str = "") -> str:
     why = ("the n-gram drafter copies what followed the same tokens in the prompt, and the prompt's tokens include "
            "the chat template's control tokens" if drafter == "ngram" else
            "the drafter copies the chat template's control tokens it saw in the prompt")
-    return (f"Round{'s' if len(hits) > 1 else ''} {where} drafted special tokens ({', '.join(names[:3])}): {why}; "
-            "the target rejects them where they do not fit.")
+    return (f"Round{'s' if len(hits) > 1 else ''} {where} drafted special tokens ({', '.join(names[:3])}): {why}. "
+            + special_verdicts(rounds))
+
+
+def special_verdicts(rounds: Sequence[SpecRound]) -> str:
+    """What the target did with the drafted special tokens, as their chips show it: "The target
+    rejected ⟪im_start⟫ (#0) and accepted ⟪im_end⟫ (#8: the end of the answer)"."""
+    verdicts: dict[bool, list[str]] = {True: [], False: []}
+    for r in rounds:
+        for d in r.drafted:
+            if is_special(d.token):
+                end = " ends the answer" if d.accepted and r.finish_reason == "eos" and d is r.drafted[-1] else ""
+                verdicts[d.accepted].append(f"{readable(d.token)} (#{r.index}{end})")
+    parts = [f"{word} {', '.join(items[:4])}" + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+             for word, items in (("rejected", verdicts[False]), ("accepted", verdicts[True])) if items]
+    return f"The target {' and '.join(parts)}."
 
 
 def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = None, limit: int = 200,
@@ -288,11 +310,10 @@ def residual_figure(r: SpecRound, pos: int) -> go.Figure | None:
     ids = [t.token_id for t in top]
     labels = _bar_labels(ids, {t.token_id: t.token for t in top})
     colours = [HIGHLIGHT if i == extra.token_id else P_COLOUR for i in ids]
-    term = "residual" if extra.kind == "resampled" else "p"
+    term = "residual" if extra.kind == "resampled" and extra.draw is not None else "p"
     fig = go.Figure(go.Bar(y=labels, x=[t.prob for t in top], orientation="h", marker_color=colours, showlegend=False,
                            hovertemplate="%{y}: %{x:.4f}<br>" + _gloss(term) + "<extra></extra>"))
-    what = "residual normalise(max(0, p − q))" if extra.kind == "resampled" else "target distribution p"
-    return _bars_layout(fig, f"{extra.kind} {readable(extra.token)} from the {what}", len(ids))
+    return _bars_layout(fig, extra_origin(extra), len(ids))
 
 
 def _bars_layout(fig: go.Figure, title: str, n: int) -> go.Figure:
@@ -357,7 +378,7 @@ def counters_html(rounds: Sequence[SpecRound], summary: dict | None = None) -> s
     return ('<div class="spec-counters">'
             + box("acceptance rate", rate, "spec-acceptance")
             + box("tokens / target forward", per, "spec-per-forward")
-            + box("speed-up vs target-only", speed, "spec-speedup")
+            + box("speed-up (tokens/s) vs target-only", speed, "spec-speedup")
             + box("rounds · tokens", f"{c['rounds']} · {c['tokens']}", "spec-rounds-count")
             + "</div>")
 
@@ -371,9 +392,28 @@ def summary_markdown(summary: dict) -> str:
             f"({summary.get('acceptance_rate', 0.0):.0%}) · {summary.get('tokens_per_target_forward', 0.0):.2f} tokens per "
             f"target forward · {summary.get('target_forwards_saved', 0)} target forwards saved · {time_breakdown(summary)}")
     if "speedup" in summary:
-        same = " (same tokens)" if summary.get("baseline_same_tokens") else ""
-        text += (f" · target-only {summary['baseline_ms']:.0f} ms{same} → **{summary['speedup']:.2f}×**")
+        text += " · " + speed_comparison(summary)
     return text
+
+
+def _rate(tokens: float, ms: float) -> str:
+    return f"{tokens / (ms / 1000):.1f} tok/s" if ms > 0 else "— tok/s"
+
+
+def speed_comparison(summary: dict) -> str:
+    """Like with like: both runs' time, token count and tokens per second, then the ratio of the
+    rates (``speedup`` is per token, so runs that stop at different lengths compare fairly).
+    An older summary without ``baseline_tokens`` says what the ratio is instead."""
+    spec_ms, spec_n = summary.get("total_ms", 0.0), summary.get("tokens", 0)
+    base_ms, base_n = summary.get("baseline_ms", 0.0), summary.get("baseline_tokens")
+    speedup = summary.get("speedup")
+    ok = isinstance(speedup, (int, float)) and math.isfinite(speedup)
+    ratio = f"**{speedup:.2f}× tokens/s**" if ok else "no ratio (a run took no time)"
+    if base_n is None:
+        return f"speculative {spec_ms:,.0f} ms vs target-only {base_ms:,.0f} ms: {ratio} (per token)"
+    same = " (the same tokens)" if summary.get("baseline_same_tokens") else ""
+    return (f"speculative {spec_ms:,.0f} ms for {spec_n:,} tokens ({_rate(spec_n, spec_ms)}) vs target-only "
+            f"{base_ms:,.0f} ms for {base_n:,} tokens{same} ({_rate(base_n, base_ms)}): {ratio}")
 
 
 BREAKDOWN = (("prefill_ms", "prefill"), ("draft_ms", "draft"), ("verify_ms", "verify (target forwards)"),
