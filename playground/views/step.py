@@ -55,9 +55,13 @@ class StepSession(Registered):
     owner: str = ""
     kept: KeptLogits | None = None  # the what-if's raw logits of one step (whatif.KeptLogits)
     whatif_key: str = ""  # the page's key for the what-if route (whatif.register)
+    # runs[i]'s parent: the run it was branched or continued from (None: an original). The trace
+    # itself, not an index: the list drops old branches, and the comparison must still be with it.
+    parents: list[Trace | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.whatif_key = register(self)
+        self.parents += [None] * (len(self.runs) - len(self.parents))
 
     def trace(self) -> Trace | None:
         return self.runs[self.current] if self.runs else None
@@ -69,12 +73,26 @@ class StepSession(Registered):
     def owned_by(self, owner: Any) -> bool:
         return bool(self.owner) and isinstance(owner, str) and secrets.compare_digest(self.owner, owner)
 
-    def add(self, trace: Trace) -> None:
-        """Show ``trace`` as the newest run; past MAX_RUNS the oldest branch is dropped."""
+    def add(self, trace: Trace, parent: Trace | None = None) -> None:
+        """Show ``trace`` (branched from ``parent``) as the newest run; past MAX_RUNS the oldest
+        branch is dropped."""
+        self.parents += [None] * (len(self.runs) - len(self.parents))
         self.runs.append(trace)
+        self.parents.append(parent)
         if len(self.runs) > MAX_RUNS:
-            del self.runs[1]
+            del self.runs[1], self.parents[1]
         self.current = len(self.runs) - 1
+
+    def parent_of(self, index: int) -> Trace | None:
+        """The run ``runs[index]`` was branched or continued from (None: an original)."""
+        return self.parents[index] if 0 <= index < len(self.parents) else None
+
+    def label_of(self, trace: Trace) -> str:
+        """``trace``'s label in the Runs list, or, once the list dropped it, its own description."""
+        index = next((i for i, t in enumerate(self.runs) if t is trace), None)
+        if index is not None:
+            return _run_label(index, trace)
+        return "the " + _run_label(0, trace).split(" ", 1)[1] + " (no longer in the Runs list)"
 
 
 @dataclass
@@ -179,18 +197,29 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
     return updates
 
 
+def shared_prefix(a: Trace, b: Trace) -> int:
+    """How many leading generated tokens ``a`` and ``b`` have in common."""
+    ids_a, ids_b = [s.chosen_token_id for s in a.steps], [s.chosen_token_id for s in b.steps]
+    return next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+
+
 def compare_markdown(session: StepSession) -> str:
+    """The run in view against the run it was branched (or continued) from: which run that is,
+    their true shared prefix, and how each went on from there."""
     trace = session.trace()
-    if trace is None or trace.branch_of is None:
+    parent = session.parent_of(session.current)
+    if trace is None or trace.branch_of is None or parent is None:
         return ""
-    parent = session.runs[0]
-    k = trace.branch_of
-    shared = "".join(s.chosen_token for s in trace.steps[:k])
-    return (f"**Shared prefix** ({k} tokens): {shared!s}\n\n"
-            f"**Original** continued with {charts.readable(parent.steps[k].chosen_token)!r}: "
-            f"{''.join(s.chosen_token for s in parent.steps[k:])}\n\n"
-            f"**This branch** took {charts.readable(trace.steps[k].chosen_token)!r}: "
-            f"{''.join(s.chosen_token for s in trace.steps[k:])}")
+    n = shared_prefix(trace, parent)
+    tail = lambda run: "".join(s.chosen_token for s in run.steps[n:])  # noqa: E731
+    first = lambda run: repr(charts.readable(run.steps[n].chosen_token)) if n < len(run.steps) else "nothing (it ended)"  # noqa: E731
+    head = (f"**Compared with {session.label_of(parent)}**, the run this one was branched from at step "
+            f"{trace.branch_of}.\n\n**Shared prefix** ({charts.tokens_word(n)}): "
+            f"{''.join(s.chosen_token for s in trace.steps[:n])!s}")
+    if n == len(trace.steps) == len(parent.steps):
+        return head + "\n\n**Same tokens**: from here this run chose exactly what that run chose."
+    return (head + f"\n\n**That run** continued with {first(parent)}: {tail(parent)}\n\n"
+            f"**This run** took {first(trace)}: {tail(trace)}")
 
 
 def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequest, control: RunControl,
@@ -207,7 +236,8 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
     else:
         events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids,
                                control=control)
-    session.add(runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, [], req.chat, branch_of=at))
+    session.add(runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, [], req.chat, branch_of=at),
+                parent=branch[0] if branch else None)
     index, steps = session.current, []
     for event, redraw in throttle(events, STREAM_EVERY_S):
         steps += event.steps
