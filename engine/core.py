@@ -87,6 +87,22 @@ def pick(final: Traced | torch.Tensor, generator: torch.Generator | None, force:
     return sampling.sample_probs(probs, generator)
 
 
+def draw_at(probs: torch.Tensor, u: float) -> sampling.Pick:
+    """The token a uniform draw ``u`` lands on under the inverse-CDF view of ``probs`` [V] (tokens
+    sorted by probability, highest first, ties by lower id, as ``sampling.sample_probs`` orders
+    them): the first token whose cumulative mass exceeds u, with its interval [low, high)."""
+    sorted_probs, order = torch.sort(probs.double(), descending=True, stable=True)  # [V]
+    cumulative = sorted_probs.cumsum(0)
+    alive = int((sorted_probs > 0).sum())
+    if alive == 0:
+        raise sampling.NoTokensLeft()
+    at = int(torch.searchsorted(cumulative, torch.tensor([u], dtype=cumulative.dtype, device=cumulative.device),
+                                right=True)[0])
+    at = min(at, alive - 1)  # u past the total by rounding: the last token with any mass
+    prob, high = float(sorted_probs[at]), float(cumulative[at])
+    return sampling.Pick(int(order[at]), prob, u, high - prob, high)
+
+
 def step_trace(lm: LoadedModel, traced: Traced, chosen: sampling.Pick, index: int, elapsed_ms: float, *,
                forced: bool = False, finish_reason: str | None = None) -> StepTrace:
     """The StepTrace of token ``chosen`` picked from ``traced`` (its stages: raw first, final last)."""

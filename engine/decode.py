@@ -11,11 +11,13 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import explore, sampling
 from .cache import KVCache
 from .config import DecodingConfig
-from .core import RunState, assemble
+from .core import RunState, assemble, draw_at, step_trace
 from .metrics import common_prefix
 from .models import LoadedModel
+from .processors import Chain
 from .trace import StepTrace, Trace
 
 
@@ -75,3 +77,28 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, cache
     yield from parent.steps[:at_step]
     prefix = parent.generated_token_ids[:at_step]
     yield from stream(lm, parent.prompt_token_ids, config, prefix=prefix, force=token_id, cache=cache)
+
+
+@torch.inference_mode()
+def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict | None, logits: torch.Tensor) -> StepTrace:
+    """Step ``step`` of ``trace`` re-processed under ``knobs`` (over the trace's config) from the
+    step's raw ``logits`` [1, V]: the new chain's stages, and the token the new knobs would pick
+    there with the run's own randomness. Greedy knobs: the argmax. Sampling knobs: where the run's
+    draw u lands in the new distribution (inverse CDF). A step without a draw (a greedy or forced
+    pick) has no randomness to replay: it keeps the run's token, at its new probability.
+    ValueError when the knobs leave no token to pick."""
+    config = explore.explore_config(trace, knobs)
+    ids = torch.tensor([explore.step_context(trace, step)], dtype=torch.long, device=lm.device)  # [1, S]
+    chain = Chain.from_config(config, len(trace.prompt_token_ids), lm.tokenizer, lm.eos_token_ids)
+    traced = chain.traced(ids, logits.float(), config.top_n, lm.token_text)
+    run = trace.steps[step]
+    if not sampling.has_tokens(traced.logits):
+        raise ValueError("what if: these knobs leave no token to pick")
+    if config.is_greedy:
+        pick = sampling.greedy(traced.logits)
+    elif run.draw is not None:
+        pick = draw_at(traced.final_probs, run.draw)
+    else:
+        pick = sampling.Pick(run.chosen_token_id, float(traced.final_probs[run.chosen_token_id]))
+    return step_trace(lm, traced, pick, run.index, run.elapsed_ms, forced=run.forced and pick.draw is None
+                      and not config.is_greedy)

@@ -3,7 +3,6 @@ path. Handler level on the embedded model (first / middle / last step, against e
 stages drawn by the view's own chart builder; kept logits reused; prepare; two sessions at once;
 hostile bodies and values), then over HTTP against the real server (status codes, strict JSON)."""
 
-import dataclasses
 import gc
 import json
 import threading
@@ -51,12 +50,15 @@ def ask(route, session, step, width=1400, model="embedded", **knobs) -> dict:
     return json.loads(whatif.dumps(route.answer(json.dumps(body).encode())))
 
 
-def expected_figure(lm, trace, at, knobs, width=1400) -> dict:
-    """The oracle: engine.explore's stages for the step under the knobs, drawn by the view's builder."""
-    stages = explore.explore_step(lm, trace, at, knobs)
-    fig = charts.fitted_stage_chart(dataclasses.replace(trace.steps[at], stages=stages), width)
-    fig.layout.meta = {**fig.layout.meta, "step": at}
-    return json.loads(fig.to_json())
+def expected_figure(lm, trace, at, knobs, width=1400, chart=charts.fitted_stage_chart) -> dict:
+    """The oracle: engine.explore's stages for the step under the knobs (with the token the knobs
+    would pick: engine.decode.whatif_step, from a fresh forward), drawn and titled by the view's builder."""
+    from engine import decode
+
+    changed = decode.whatif_step(lm, trace, at, knobs, explore.raw_logits(lm, trace, at))
+    assert explore.stages_match(changed.stages, explore.explore_step(lm, trace, at, knobs))
+    greedy = whatif.is_greedy(knobs, trace.config)
+    return json.loads(whatif.whatif_figure(chart, trace.steps[at], changed, width, at, greedy).to_json())
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -204,10 +206,7 @@ def test_presenter_slider_draws_the_lessons_step_at_that_temperature(route, embe
     at = {"first": 0, "middle": len(trace.steps) // 2, "last": len(trace.steps) - 1}[where]
     session = LessonSession(next(iter(builtin_lessons().values())), [trace])
     reply = presenter_ask(route, session, at, {"temperature": 2.2})
-    stages = explore.explore_step(embedded, trace, at, {"temperature": 2.2})
-    fig = step_chart(dataclasses.replace(trace.steps[at], stages=stages), 1280)
-    fig.layout.meta = {**fig.layout.meta, "step": at}
-    assert reply["figure"] == json.loads(fig.to_json())
+    assert reply["figure"] == expected_figure(embedded, trace, at, {"temperature": 2.2}, 1280, step_chart)
     assert reply["figure"]["layout"]["font"]["size"] >= 18  # projector-sized
 
 

@@ -352,8 +352,9 @@ def colour_legend(colour_by: str = "probability") -> str:
             f"{html.escape(left)}{bar}{html.escape(right)}</div>")
 
 
-def explain_step(step: StepTrace) -> str:
-    """One or two plain sentences about what the stages did at this step."""
+def explain_step(step: StepTrace, pick: str | None = None) -> str:
+    """One or two plain sentences about what the stages did at this step (``pick``: the sentence
+    about the pick instead of what the run did: a what-if's)."""
     raw = step.stages[0]
     parts = []
     prev_top = raw.top[0] if raw.top else None
@@ -371,17 +372,20 @@ def explain_step(step: StepTrace) -> str:
         else:
             parts.append(f"{label} changed nothing here")
         prev_top = top
-    chosen = readable(step.chosen_token)
-    if step.forced:
-        pick = f"You picked “{chosen}” (p = {step.chosen_prob:.1%} after all stages)."
-    elif step.draw is None:
-        pick = f"Greedy took the most probable token “{chosen}” (p = {step.chosen_prob:.1%}; raw model {step.raw_prob:.1%})."
-    else:
-        pick = (f"The draw u = {step.draw:.3f} fell in “{chosen}”'s slice [{step.draw_low:.3f}, {step.draw_high:.3f}) "
-                f"of the sorted cumulative distribution, so it was chosen (p = {step.chosen_prob:.1%}; raw model {step.raw_prob:.1%}).")
     head = ("; ".join(parts) + ". ") if parts else "No stage changed the raw distribution. "
     notes = "".join(f"\n- {html.escape(stage_note(stage), quote=False)}" for stage in step.stages[1:-1])
-    return head[0].upper() + head[1:] + pick + (f"\n\nStage by stage:{notes}" if notes else "")
+    return head[0].upper() + head[1:] + (pick or _run_pick(step)) + (f"\n\nStage by stage:{notes}" if notes else "")
+
+
+def _run_pick(step: StepTrace) -> str:
+    """The sentence about how the run picked the step's token."""
+    chosen = readable(step.chosen_token)
+    if step.forced:
+        return f"You picked “{chosen}” (p = {step.chosen_prob:.1%} after all stages)."
+    if step.draw is None:
+        return f"Greedy took the most probable token “{chosen}” (p = {step.chosen_prob:.1%}; raw model {step.raw_prob:.1%})."
+    return (f"The draw u = {step.draw:.3f} fell in “{chosen}”'s slice [{step.draw_low:.3f}, {step.draw_high:.3f}) "
+            f"of the sorted cumulative distribution, so it was chosen (p = {step.chosen_prob:.1%}; raw model {step.raw_prob:.1%}).")
 
 
 STOP_WORDS = {"eos": "end of sequence", "stop_string": "stop string", "max_new_tokens": "max_new_tokens reached",

@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine import explore, runner
+from engine import decode, explore, runner
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
 from engine.models import LoadedModel
@@ -84,10 +84,11 @@ _POST = """(body) => fetch(((window.gradio_config && window.gradio_config.root) 
 # The fallback path's figure arrives as JSON text in a hidden box.
 DRAW_JS = "(figure) => { if (figure) (%s)(JSON.parse(figure)); }" % _DRAW
 # A knob's input event, in the page: post the values to the route, draw the figure, return the note
-# (the only output). Nothing to draw without a key (no run yet). ``seq``: only the latest answer
-# counts when changes overlap. ``fallback``: the route cannot answer; the hidden button runs on_knob.
-WHATIF_JS = """async (key, note, step, model, quantization, width, ...values) => {
-  if (!key) return note;
+# and the explanation under the chart (the outputs; unchanged when there is nothing new). Nothing
+# to draw without a key (no run yet). ``seq``: only the latest answer counts when changes overlap.
+# ``fallback``: the route cannot answer; the hidden button runs on_knob.
+WHATIF_JS = """async (key, note, explain, step, model, quantization, width, ...values) => {
+  if (!key) return [note, explain];
   const seq = window.dpWhatIfSeq = (window.dpWhatIfSeq || 0) + 1;
   let reply;
   try {
@@ -96,14 +97,14 @@ WHATIF_JS = """async (key, note, step, model, quantization, width, ...values) =>
   } catch (err) {
     reply = {fallback: true};
   }
-  if (seq !== window.dpWhatIfSeq) return note;
+  if (seq !== window.dpWhatIfSeq) return [note, explain];
   if (reply.fallback) {
     const button = document.querySelector('#step-whatif-fallback');
     if (button) button.click();
-    return note;
+    return [note, explain];
   }
   if (reply.figure) (%s)(reply.figure);
-  return reply.note || note;
+  return [reply.note || note, reply.figure && reply.explain ? reply.explain : explain];
 }""" % (_POST, _DRAW)
 
 # The presenter's temperature slider: the shown step (the context's data-step) redrawn at that
@@ -193,16 +194,16 @@ def context_key(model: str, quantization: str, trace: Trace, step: int) -> str:
 @torch.inference_mode()
 def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict, kept: KeptLogits | None,
                 key: str) -> tuple[StepTrace, KeptLogits]:
-    """Step ``step`` of ``trace`` with its stages re-processed under ``knobs`` (its chosen token and
-    draw u stay the run's, so the chart shows where the same draw would land), and the kept logits."""
+    """Step ``step`` of ``trace`` re-processed under ``knobs``: its stages, and the token the new
+    knobs would pick with the run's own draw u (engine.decode.whatif_step); and the kept logits."""
     if kept is None or kept.key != key:
         kept = KeptLogits(key, explore.raw_logits(lm, trace, step))
-    stages = explore.explore_step(lm, trace, step, knobs, logits=kept.logits)
-    return dataclasses.replace(trace.steps[step], stages=list(stages)), kept
+    return decode.whatif_step(lm, trace, step, knobs, kept.logits), kept
 
 
-def whatif_note(original: StepTrace, changed: StepTrace, knobs: dict, config: dict) -> str:
-    """One line: which knobs differ from the run's, how many tokens survive, the top token now."""
+def knob_diff(knobs: dict, config: dict) -> str:
+    """"temperature = 2.5, top_k = 0": the knobs that differ from the run's ``config`` (or "the
+    run's own knobs"); the seed and the token budget do not change a step."""
     try:
         full = DecodingConfig.from_dict(config).to_dict()  # a sparse trace config leaves defaults out
     except ConfigError:
@@ -210,10 +211,73 @@ def whatif_note(original: StepTrace, changed: StepTrace, knobs: dict, config: di
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
     diff = {k: ("reordered" if k == "stage_order" else v) for k, v in knobs.items()
             if plain(full.get(k, v)) != plain(v) and k not in ("max_new_tokens", "seed")}
+    return ", ".join(f"{k} = {v}" for k, v in diff.items()) or "the run's own knobs"
+
+
+def pct(p: float) -> str:
+    """A probability as a percentage that never reads 0.0% for a token that has some mass."""
+    return f"{p:.1%}" if p >= 0.001 or p == 0 else f"{p:.1e}"
+
+
+def is_greedy(knobs: dict, config: dict) -> bool:
+    """Whether the what-if's knobs (over the run's ``config``) pick greedily."""
+    return knobs.get("strategy", config.get("strategy")) == "greedy"
+
+
+def whatif_headline(changed: StepTrace, greedy: bool) -> str:
+    """What the what-if would pick, in a few words (the chart's title)."""
+    token = html.escape(charts.readable(changed.chosen_token))
+    if greedy:
+        return f"greedy would choose {token} (p = {pct(changed.chosen_prob)})"
+    if changed.draw is not None:
+        return f"the run's u = {changed.draw:.3f} would choose {token} (p = {pct(changed.chosen_prob)})"
+    return f"sampling would draw; the run's {token} has p = {pct(changed.chosen_prob)}"
+
+
+def whatif_pick(original: StepTrace, changed: StepTrace, greedy: bool) -> str:
+    """The explanation's sentence about the what-if's pick (``greedy``: the what-if's knobs are greedy)."""
+    token, run = charts.readable(changed.chosen_token), charts.readable(original.chosen_token)
+    versus = (f" The run chose “{run}” (p = {pct(original.chosen_prob)})." if changed.chosen_token_id != original.chosen_token_id
+              else " The run chose it too.")
+    if greedy:
+        return (f"Greedy would take the most probable token “{token}” (p = {pct(changed.chosen_prob)}; raw model "
+                f"{pct(changed.raw_prob)}).{versus}")
+    if changed.draw is not None:
+        return (f"The run's draw u = {changed.draw:.3f} would fall in “{token}”'s slice [{changed.draw_low:.4f}, "
+                f"{changed.draw_high:.4f}) of the new sorted cumulative distribution, so it would be chosen "
+                f"(p = {pct(changed.chosen_prob)}; raw model {pct(changed.raw_prob)}).{versus}")
+    how = "you picked it" if original.forced else "a greedy pick"
+    return (f"This step has no draw to replay ({how}): sampling would draw from these "
+            f"{charts.tokens_word(changed.stages[-1].kept)}, where the run's “{token}” has p = {pct(changed.chosen_prob)}.")
+
+
+def whatif_explain(original: StepTrace, changed: StepTrace, knobs: dict, config: dict) -> str:
+    """The explanation under the chart for the what-if: the stages under the new knobs and what
+    they would pick, headed by the knobs that differ."""
+    greedy = is_greedy(knobs, config)
+    return (f"**What if** ({html.escape(knob_diff(knobs, config))}): "
+            + charts.explain_step(changed, pick=whatif_pick(original, changed, greedy)))
+
+
+def whatif_figure(chart: Any, original: StepTrace, changed: StepTrace, width: float | None, at: int,
+                  greedy: bool) -> Any:
+    """``chart(changed, width)`` titled with what the what-if would choose and what the run chose,
+    stamped with its step (the page draws it only while that step is shown)."""
+    fig = chart(changed, width)
+    axis_note = "one probability axis for all stages"
+    fig.layout.title.text = (f"step {at}: what if, {whatif_headline(changed, greedy)}<br><sup>the run chose "
+                             f"{html.escape(charts.readable(original.chosen_token))} (p = {pct(original.chosen_prob)})"
+                             f" · {axis_note}</sup>")
+    fig.layout.meta = {**fig.layout.meta, "step": at}
+    return fig
+
+
+def whatif_note(original: StepTrace, changed: StepTrace, knobs: dict, config: dict) -> str:
+    """One line: which knobs differ from the run's, how many tokens survive, the top token now."""
     final = changed.stages[-1]
     top = final.top[0] if final.top else None
     chosen = next((t.prob for t in final.top if t.token_id == original.chosen_token_id), None)
-    what = ", ".join(f"{k} = {v}" for k, v in diff.items()) or "the run's own knobs"
+    what = knob_diff(knobs, config)
     parts = [f"**What if** ({html.escape(what)}): {charts.tokens_word(final.kept)} survive"]
     if top is not None:
         parts.append(f"most likely now {html.escape(repr(charts.readable(top.token)))} ({top.prob:.1%})")
@@ -277,7 +341,8 @@ class WhatIfRoute:
     Body (JSON object): ``key`` (the session's what-if key), ``step`` (the selected step),
     ``model`` and ``quantization`` (the pickers), ``width`` (the page's, px, or null) and
     ``values`` (the knob panel's values in its inputs' order). Answer: ``{"figure": <plotly
-    figure>, "note": <markdown>}``; ``{"figure": null, "note": <error html>}`` for bad knob values
+    figure titled with what the new knobs would pick>, "note": <markdown>, "explain": <markdown:
+    the explanation under the chart, for the new knobs>}``; ``{"figure": null, "note": <error html>}`` for bad knob values
     or an expired session; ``{"fallback": true}`` when only a Gradio event can answer (the model
     is not loaded, or this is a ZeroGPU Space and the step's logits must be recomputed); HTTP 400
     with ``{"error": ...}`` for a body that is not such an object. Every answer is strict JSON."""
@@ -396,13 +461,14 @@ class WhatIfRoute:
 
 
 def figure_answer(chart: Any, changed: StepTrace, request: dict, at: int, trace: Trace, knobs: dict) -> dict:
-    """The route's answer: ``chart(changed, width)`` (stamped with its step: the page draws it only
-    while that step is shown) and the what-if note."""
+    """The route's answer: ``chart(changed, width)`` titled with the what-if's pick (stamped with
+    its step: the page draws it only while that step is shown), the what-if note and explanation."""
     from .step import page_width  # step imports this module
 
-    fig = chart(changed, page_width(request.get("width")))
-    fig.layout.meta = {**fig.layout.meta, "step": at}
-    return {"figure": RawJSON(fig.to_json()), "note": whatif_note(trace.steps[at], changed, knobs, trace.config)}
+    original = trace.steps[at]
+    fig = whatif_figure(chart, original, changed, page_width(request.get("width")), at, is_greedy(knobs, trace.config))
+    return {"figure": RawJSON(fig.to_json()), "note": whatif_note(original, changed, knobs, trace.config),
+            "explain": whatif_explain(original, changed, knobs, trace.config)}
 
 
 # One session's kept logits are computed once even when a prepare and a knob change overlap.
@@ -528,8 +594,8 @@ class WhatIfPanel:
         from .step import page_width  # step imports this module
 
         self.route = WhatIfRoute(shared, panel)
-        gr.on(triggers, None, [self.key, self.note, out.step, shared.model, shared.quantization, view.width,
-                               *panel.inputs], [self.note], js=WHATIF_JS, api_visibility="private",
+        gr.on(triggers, None, [self.key, self.note, out.explain, out.step, shared.model, shared.quantization, view.width,
+                               *panel.inputs], [self.note, out.explain], js=WHATIF_JS, api_visibility="private",
               trigger_mode="always_last", show_progress="hidden", queue=False)
         out.chart.change(None, [self.key, out.step, shared.model, shared.quantization], None, js=PREPARE_JS,
                          api_visibility="private", trigger_mode="always_last", show_progress="hidden", queue=False)
@@ -546,12 +612,15 @@ class WhatIfPanel:
                 changed, state.kept = whatif_step(lm, trace, at, knobs, state.kept, context_key(model, quant, trace, at))
             except (UserError, ConfigError, ValueError) as exc:
                 return {self.note: error_html(str(exc)), self.figure: ""}
-            fig = charts.fitted_stage_chart(changed, page_width(width))
-            fig.layout.meta = {**fig.layout.meta, "step": at}  # DRAW_JS draws it only while that step is selected
-            return {self.figure: fig.to_json(), self.note: whatif_note(trace.steps[at], changed, knobs, trace.config)}
+            original = trace.steps[at]
+            fig = whatif_figure(charts.fitted_stage_chart, original, changed, page_width(width), at,
+                                is_greedy(knobs, trace.config))  # DRAW_JS draws it only while that step is selected
+            return {self.figure: fig.to_json(), self.note: whatif_note(original, changed, knobs, trace.config),
+                    out.explain: whatif_explain(original, changed, knobs, trace.config)}
 
         inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, view.width, *panel.inputs]
-        gr.on([self.fallback.click], zero_gpu(on_knob), inputs, [self.figure, self.note], api_visibility="private",
+        gr.on([self.fallback.click], zero_gpu(on_knob), inputs, [self.figure, self.note, out.explain],
+              api_visibility="private",
               trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY).success(
             None, [self.figure], None, js=DRAW_JS, queue=False, show_progress="hidden", api_visibility="private")
 
