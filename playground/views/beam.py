@@ -26,7 +26,8 @@ from playground.charts import beam as charts
 from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import PENALTY_KNOBS, KnobPanel
-from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, error_html, status_html, throttle
+from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
+from . import stale
 
 STREAM_EVERY_S = 0.4  # throttle tree redraws while the search runs
 BEAM_KNOBS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",
@@ -119,6 +120,9 @@ def stream_run(out: Outputs, shared: Shared, session: BeamSession, req: BeamRequ
                control: RunControl) -> Iterator[dict]:
     """Search, yielding throttled tree updates; then the greedy run; then every output."""
     steps: list[beam.BeamStep] = []
+    # The previous search's tree, hypotheses, greedy text and download go at once (a Stop leaves this search's tree)
+    yield {out.tree: None, out.summary: "", out.hypotheses: None, out.greedy: "", out.winner: "", out.download: None,
+           out.status: status_html("searching…")}
     events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control)
     for event, redraw in throttle(events, STREAM_EVERY_S):
         if event.trace is not None:
@@ -203,7 +207,7 @@ def _wire(shared: Shared, view: PanelView, out: Outputs, collapse: gr.Checkbox, 
 
     inputs = [view.prompt, view.chat, collapse, shared.model, shared.quantization, *view.panel.inputs]
     run_event = shared.events.on([run.click, view.prompt.submit], on_run, inputs, out.all(),
-                                 on_error=lambda message: {out.status: error_html(message)}, what="search")
+                                 on_error=stale.cleared(out.status, out.all()), what="search")
     stop_button(stop, out.status, [run_event], status_html("stopped"))
     rerank_targets = [out.tree, out.hypotheses, out.greedy, out.winner]
     for trigger in (out.slider.change, collapse.change):

@@ -35,6 +35,7 @@ from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
 from .quantization import QuantPage
+from .stale import cleared
 from .step import StepView
 from .whatif import KeptLogits, Registered, register
 
@@ -211,7 +212,7 @@ class LessonsTab:
                    self.presenter.chart, self.presenter.index, self.presenter.temperature, self.presenter.key]
         self.shared.events.on([self.run_btn.click], self.on_run,
                                [self.pick, self.session, self.shared.model, self.shared.quantization], outputs,
-                               on_error=lambda message: {self.status: error_html(message)}, what="lesson")
+                               on_error=cleared(self.status, outputs), what="lesson")
         self.presenter.wire(lambda s: s.first() if isinstance(s, LessonSession) else None, self.session,
                             self.shared.model, self.shared.quantization)
         data_api(list_lessons, "lessons")

@@ -25,6 +25,7 @@ from playground.charts import quantization as charts
 from .. import downloads
 from ..events import data_api, stop_button
 from ..shared import OutputSet, Shared, UserError, error_html, status_html
+from .stale import cleared
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DRIFT_TOKENS = (1, 128, 20)  # slider minimum, maximum, default
@@ -186,10 +187,10 @@ def _wire(shared: Shared, inp: QuantInputs, measure: gr.Button, stop: gr.Button,
 
     drift_event = shared.events.on([measure.click], on_measure, [inp.prompt, inp.chat, inp.tokens, inp.variants,
                                                                  shared.model], out.all(),
-                                   on_error=lambda message: {out.status: error_html(message)}, what="measurement")
+                                   on_error=cleared(out.status, out.all()), what="measurement")
     kv_event = shared.events.on([kv["run"].click], on_kv, [inp.prompt, inp.chat, kv["tokens"], shared.model,
                                                            shared.quantization], kv_out.all(),
-                                on_error=lambda message: {kv_out.status: error_html(message)}, what="measurement")
+                                on_error=cleared(kv_out.status, kv_out.all()), what="measurement")
     stop_button(stop, out.status, [drift_event, kv_event], status_html("stopped"))
     shared.events.api(functools.partial(quantization_report, shared), "quantization_report", what="measurement")
     shared.events.api(functools.partial(kv_cache_report, shared), "kv_cache_report", what="measurement")
@@ -320,7 +321,7 @@ def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox, stop: 
 
     event = shared.events.on([run.click], on_run, [prompt, chat, tokens, kinds, window, res, shared.model,
                                                    shared.quantization], out.all(),
-                             on_error=lambda message: {out.status: error_html(message)}, what="measurement")
+                             on_error=cleared(out.status, out.all()), what="measurement")
     stop_button(stop, out.status, [event], status_html("stopped"))
     shared.events.api(functools.partial(kv_cache_kinds_report, shared), "kv_cache_kinds_report", what="measurement")
 

@@ -34,7 +34,8 @@ from playground.charts import medusa as medusa_charts
 from .. import downloads
 from ..events import stop_button
 from ..knobs import SAMPLING_KNOBS, KnobPanel
-from ..shared import SESSION_TTL_S, OutputSet, Shared, error_html, status_html, throttle
+from ..shared import SESSION_TTL_S, OutputSet, Shared, status_html, throttle
+from .stale import cleared
 
 STREAM_EVERY_S = 0.5
 MCTS_KNOBS = ("mcts_simulations", "mcts_c_puct", "mcts_expand_k", "mcts_rollout_tokens", "max_new_tokens")
@@ -159,7 +160,7 @@ def wire_run(shared: Shared, panel: KnobPanel, prompt: gr.Textbox, chat: gr.Chec
 
     event = shared.events.on([run.click, prompt.submit], on_run,
                              [prompt, chat, shared.model, shared.quantization, *panel.inputs], out.all(),
-                             on_error=lambda message: {out.status: error_html(message)}, what=what)
+                             on_error=cleared(out.status, out.all()), what=what)
     stop_button(stop, out.status, [event], status_html("stopped"))
 
 

@@ -25,7 +25,8 @@ from playground.charts import speculative as charts
 from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, error_html, status_html, throttle
+from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
+from . import stale
 
 STREAM_EVERY_S = 0.25
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
@@ -144,7 +145,8 @@ def stream_run(out: Outputs, shared: Shared, session: SpecSession, req: SpecRequ
                control: RunControl) -> Iterator[dict]:
     """Draft and verify, yielding throttled updates; the runner times the target-only run if asked."""
     session.drafter = req.config.drafter
-    yield render(out, session, status_html(f"loading drafter {req.config.drafter}…"), full=False)
+    # full: the previous run's p-vs-q, residual, summary and download go at once (a Stop leaves this run's rounds)
+    yield render(out, session, status_html(f"loading drafter {req.config.drafter}…")) | {out.download: None}
     events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control,
                            compare_baseline=req.compare)
     for event, redraw in throttle(events, STREAM_EVERY_S):
@@ -233,7 +235,7 @@ def _wire(shared: Shared, view: PanelView, out: Outputs, compare: gr.Checkbox, g
 
     inputs = [view.prompt, view.chat, compare, shared.model, shared.quantization, *view.panel.inputs]
     gen_event = shared.events.on([generate.click], on_generate, inputs, out.all(),
-                                 on_error=lambda message: {out.status: error_html(message)})
+                                 on_error=stale.cleared(out.status, out.all()))
     stop_button(stop, out.status, [gen_event], status_html("stopped"))
 
     def select(state: SpecSession | None, position: tuple[int, int] | None) -> dict:

@@ -31,6 +31,7 @@ from playground.charts import tokens as token_charts
 from .. import downloads, examples
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
+from . import stale
 from .whatif import KeptLogits, Registered, WhatIfPanel, register
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 
@@ -238,6 +239,10 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
                                control=control)
     session.add(runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, [], req.chat, branch_of=at),
                 parent=branch[0] if branch else None)
+    # The new run, empty: the previous run's chart, explanation and comparison go at once (a Stop
+    # or a failure mid-run leaves this run's tokens, not them).
+    yield render(out, session, None, req.colour_by, status_html("generating…"), full=False) | {
+        out.compare: "", out.download: None}
     index, steps = session.current, []
     for event, redraw in throttle(events, STREAM_EVERY_S):
         steps += event.steps
@@ -335,6 +340,8 @@ class Handlers:
     redraw: gr.Button | None = None  # hidden; the page's script presses it when the chart's layout misses the width
 
     def error(self, message: str) -> dict:
+        """A branch's error: the run on screen is still the one in view (a failure after the branch
+        started has already cleared it: stream_run)."""
         return {self.out.status: error_html(message)}
 
     def on_generate(self, prompt: str, chat: bool, model: str, quant: str, colour: str, state: StepSession | None,
@@ -376,7 +383,7 @@ class Handlers:
         gen_inputs = [self.view.select_once, self.view.width, self.view.prompt, self.view.chat, shared.model,
                       shared.quantization, self.colour_by, out.session, out.owner, *self.view.panel.inputs]
         gen_event = events.on([generate.click, self.view.prompt.submit], self.on_run, gen_inputs,
-                              [*out.all(), self.view.select_once], on_error=self.error)
+                              [*out.all(), self.view.select_once], on_error=stale.cleared(out.status, out.all()))
         branch_event = events.on([branch.click], self.on_branch, [shared.model, shared.quantization, self.colour_by,
                                                                   out.session, out.owner, out.step, out.alternatives,
                                                                   self.view.width],

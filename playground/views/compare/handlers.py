@@ -18,6 +18,7 @@ from ...events import stop_button
 from ...knobs import compact_knob_state
 from ...shared import Shared, UserError, error_html, status_html
 from ...user_presets import CUSTOM, preset_choices
+from ..stale import cleared
 from .lanes import (
     LANE_FIELDS, MAX_LANES, RUN_KNOBS, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config,
     lane_name, remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
@@ -206,7 +207,7 @@ def wire_run(shared: Shared, page: Page) -> Any:
               *page.lane_values]
     event = shared.events.on([page.run.click, page.prompt.submit], on_run, inputs,
                              [page.status, *page.result_outputs, page.session],
-                             on_error=lambda message: {page.status: error_html(message)})
+                             on_error=cleared(page.status, page.result_outputs))
     page.entropy_kind.change(
         lambda session, count, kind: render_results(page, session or CompareSession(), count, kind == RAW_ENTROPY),
         [page.session, page.count, page.entropy_kind], page.result_outputs, api_visibility="private", queue=False)
@@ -252,7 +253,7 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
     inputs = [page.prompt, page.chat, shared.model, shared.quantization, page.count, panel.lane, panel.seeds,
               *page.lane_values]
     return shared.events.on([panel.run.click], on_sweep, inputs, [panel.status, panel.summary, panel.table],
-                            on_error=lambda message: {panel.status: error_html(message)})
+                            on_error=cleared(panel.status, [panel.summary, panel.table]))
 
 
 def wire(shared: Shared, page: Page) -> None:

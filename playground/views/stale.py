@@ -1,0 +1,43 @@
+"""After a failed run (bad input, a stopped or timed-out run, a model failure) a view must not leave
+the previous run's charts and text under the error message, where they read as this run's result.
+``cleared`` is the ``on_error`` of a run event: the message in the status, and every chart, text
+and download among the event's outputs emptied. Inputs and state (prompts, knobs, sliders,
+dropdowns, gr.State, hidden keys) are left alone, so the page can run again as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import gradio as gr
+
+from ..shared import error_html, status_html
+
+CLEARED_NOTE = "The charts and text below were cleared: they showed the previous run."
+_LEAVE = object()
+
+
+def empty_value(component: Any) -> Any:
+    """What a cleared output shows: no figure, no text, no rows, no file; ``_LEAVE`` for inputs
+    and state (a Textbox only when it is an output: not interactive)."""
+    if isinstance(component, (gr.Plot, gr.DownloadButton, gr.File, gr.JSON, gr.Dataframe)):
+        return None
+    if isinstance(component, gr.HighlightedText):
+        return []
+    if isinstance(component, (gr.Markdown, gr.HTML, gr.Code)):
+        return ""
+    if isinstance(component, gr.Textbox) and component.interactive is False:
+        return ""
+    return _LEAVE
+
+
+def cleared(status: Any, outputs: Iterable[Any], keep: Iterable[Any] = ()) -> Callable[[str], dict]:
+    """An ``on_error`` for a run event with ``outputs``: ``{status: the message}`` plus every
+    chart, text and download output (but ``keep``) emptied, with a line saying why."""
+    kept = {id(c) for c in keep} | {id(status)}
+    empties = {c: v for c in outputs if id(c) not in kept and (v := empty_value(c)) is not _LEAVE}
+
+    def on_error(message: str) -> dict:
+        return empties | {status: error_html(message) + status_html(CLEARED_NOTE)}
+
+    return on_error
