@@ -57,8 +57,7 @@ def expected_figure(lm, trace, at, knobs, width=1400, chart=charts.fitted_stage_
 
     changed = decode.whatif_step(lm, trace, at, knobs, explore.raw_logits(lm, trace, at))
     assert explore.stages_match(changed.stages, explore.explore_step(lm, trace, at, knobs))
-    greedy = whatif.is_greedy(knobs, trace.config)
-    return json.loads(whatif.whatif_figure(chart, trace.steps[at], changed, width, at, greedy).to_json())
+    return json.loads(whatif.whatif_figure(chart, trace, at, changed, knobs, width).to_json())
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])

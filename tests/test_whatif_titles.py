@@ -102,11 +102,18 @@ def test_the_runs_own_knobs_choose_the_runs_token(route, embedded, trace):
     session = step_view.StepSession(runs=[trace], owner="o" * 32)
     own = {k: v for k, v in DecodingConfig.from_dict(trace.config).to_dict().items()
            if k in ("temperature", "top_k", "top_p", "min_p")}
+    config = route.panel.values(*values(route, **own))
+    assert whatif.knob_diff(config, trace.config) == whatif.OWN_KNOBS
     for at in range(len(trace.steps)):
         reply = ask(route, session, at, **own)
         run = trace.steps[at]
-        assert f"would choose {charts.readable(run.chosen_token)} (p = " in reply["figure"]["layout"]["title"]["text"]
-        assert "The run chose it too." in reply["explain"]
+        assert reply["figure"]["layout"]["title"]["text"].startswith(
+            f"step {at}: chose {charts.readable(run.chosen_token)} (p = {run.chosen_prob:.1%})")
+        assert reply["explain"] == charts.explain_step(run)
+        # The what-if pick under those knobs is the run's own token (its draw u replayed).
+        hotter = ask(route, session, at, **(own | {"temperature": own["temperature"] + 1e-6}))
+        assert f"would choose {charts.readable(run.chosen_token)} (p = " in hotter["figure"]["layout"]["title"]["text"]
+        assert "The run chose it too." in hotter["explain"]
 
 
 def test_fallback_event_sends_the_same_title_and_explanation(demo, route, embedded):

@@ -218,9 +218,9 @@ def compare_markdown(session: StepSession) -> str:
             f"{trace.branch_of}.\n\n**Shared prefix** ({charts.tokens_word(n)}): "
             f"{''.join(s.chosen_token for s in trace.steps[:n])!s}")
     if n == len(trace.steps) == len(parent.steps):
-        return head + "\n\n**Same tokens**: from here this run chose exactly what that run chose."
+        return head + "\n\n**Same tokens**: from here this branch chose exactly what that run chose."
     return (head + f"\n\n**That run** continued with {first(parent)}: {tail(parent)}\n\n"
-            f"**This run** took {first(trace)}: {tail(trace)}")
+            f"**This branch** took {first(trace)}: {tail(trace)}")
 
 
 def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequest, control: RunControl,

@@ -201,6 +201,9 @@ def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict, kept: Kep
     return decode.whatif_step(lm, trace, step, knobs, kept.logits), kept
 
 
+OWN_KNOBS = "the run's own knobs"
+
+
 def knob_diff(knobs: dict, config: dict) -> str:
     """"temperature = 2.5, top_k = 0": the knobs that differ from the run's ``config`` (or "the
     run's own knobs"); the seed and the token budget do not change a step."""
@@ -211,7 +214,7 @@ def knob_diff(knobs: dict, config: dict) -> str:
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
     diff = {k: ("reordered" if k == "stage_order" else v) for k, v in knobs.items()
             if plain(full.get(k, v)) != plain(v) and k not in ("max_new_tokens", "seed")}
-    return ", ".join(f"{k} = {v}" for k, v in diff.items()) or "the run's own knobs"
+    return ", ".join(f"{k} = {v}" for k, v in diff.items()) or OWN_KNOBS
 
 
 def pct(p: float) -> str:
@@ -253,21 +256,26 @@ def whatif_pick(original: StepTrace, changed: StepTrace, greedy: bool) -> str:
 
 def whatif_explain(original: StepTrace, changed: StepTrace, knobs: dict, config: dict) -> str:
     """The explanation under the chart for the what-if: the stages under the new knobs and what
-    they would pick, headed by the knobs that differ."""
-    greedy = is_greedy(knobs, config)
-    return (f"**What if** ({html.escape(knob_diff(knobs, config))}): "
-            + charts.explain_step(changed, pick=whatif_pick(original, changed, greedy)))
+    they would pick, headed by the knobs that differ (the run's own knobs: the run's own explanation)."""
+    what = knob_diff(knobs, config)
+    if what == OWN_KNOBS:
+        return charts.explain_step(original)
+    return (f"**What if** ({html.escape(what)}): "
+            + charts.explain_step(changed, pick=whatif_pick(original, changed, is_greedy(knobs, config))))
 
 
-def whatif_figure(chart: Any, original: StepTrace, changed: StepTrace, width: float | None, at: int,
-                  greedy: bool) -> Any:
-    """``chart(changed, width)`` titled with what the what-if would choose and what the run chose,
-    stamped with its step (the page draws it only while that step is shown)."""
-    fig = chart(changed, width)
-    axis_note = "one probability axis for all stages"
-    fig.layout.title.text = (f"step {at}: what if, {whatif_headline(changed, greedy)}<br><sup>the run chose "
-                             f"{html.escape(charts.readable(original.chosen_token))} (p = {pct(original.chosen_prob)})"
-                             f" · {axis_note}</sup>")
+def whatif_figure(chart: Any, trace: Trace, at: int, changed: StepTrace, knobs: dict, width: float | None) -> Any:
+    """``chart(changed, width)`` titled with what the what-if would choose and what the run chose
+    (the run's own knobs: the run's own step and title), stamped with its step (the page draws it
+    only while that step is shown)."""
+    original = trace.steps[at]
+    if knob_diff(knobs, trace.config) == OWN_KNOBS:
+        fig = chart(original, width)
+    else:
+        fig = chart(changed, width)
+        fig.layout.title.text = (f"step {at}: what if, {whatif_headline(changed, is_greedy(knobs, trace.config))}"
+                                 f"<br><sup>the run chose {html.escape(charts.readable(original.chosen_token))} "
+                                 f"(p = {pct(original.chosen_prob)}) · one probability axis for all stages</sup>")
     fig.layout.meta = {**fig.layout.meta, "step": at}
     return fig
 
@@ -466,7 +474,7 @@ def figure_answer(chart: Any, changed: StepTrace, request: dict, at: int, trace:
     from .step import page_width  # step imports this module
 
     original = trace.steps[at]
-    fig = whatif_figure(chart, original, changed, page_width(request.get("width")), at, is_greedy(knobs, trace.config))
+    fig = whatif_figure(chart, trace, at, changed, knobs, page_width(request.get("width")))
     return {"figure": RawJSON(fig.to_json()), "note": whatif_note(original, changed, knobs, trace.config),
             "explain": whatif_explain(original, changed, knobs, trace.config)}
 
@@ -613,8 +621,8 @@ class WhatIfPanel:
             except (UserError, ConfigError, ValueError) as exc:
                 return {self.note: error_html(str(exc)), self.figure: ""}
             original = trace.steps[at]
-            fig = whatif_figure(charts.fitted_stage_chart, original, changed, page_width(width), at,
-                                is_greedy(knobs, trace.config))  # DRAW_JS draws it only while that step is selected
+            # DRAW_JS draws it only while that step is selected
+            fig = whatif_figure(charts.fitted_stage_chart, trace, at, changed, knobs, page_width(width))
             return {self.figure: fig.to_json(), self.note: whatif_note(original, changed, knobs, trace.config),
                     out.explain: whatif_explain(original, changed, knobs, trace.config)}
 
