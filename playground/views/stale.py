@@ -13,7 +13,7 @@ import gradio as gr
 
 from ..shared import error_html, status_html
 
-CLEARED_NOTE = "The previous run's charts and text were cleared, so they are not taken for this run's."
+CLEARED_NOTE = "The charts and text of the previous run were cleared, so they are not taken for the result of this one."
 _LEAVE = object()
 
 
