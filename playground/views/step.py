@@ -212,8 +212,13 @@ def compare_markdown(session: StepSession) -> str:
     if trace is None or trace.branch_of is None or parent is None:
         return ""
     n = shared_prefix(trace, parent)
-    tail = lambda run: "".join(s.chosen_token for s in run.steps[n:])  # noqa: E731
-    first = lambda run: repr(charts.readable(run.steps[n].chosen_token)) if n < len(run.steps) else "nothing (it ended)"  # noqa: E731
+
+    def first(run: Trace) -> str:
+        return repr(charts.readable(run.steps[n].chosen_token)) if n < len(run.steps) else "nothing (it ended)"
+
+    def tail(run: Trace) -> str:
+        return "".join(s.chosen_token for s in run.steps[n:])
+
     head = (f"**Compared with {session.label_of(parent)}**, the run this one was branched from at step "
             f"{trace.branch_of}.\n\n**Shared prefix** ({charts.tokens_word(n)}): "
             f"{''.join(s.chosen_token for s in trace.steps[:n])!s}")
