@@ -157,3 +157,30 @@ def test_stop_mid_run_leaves_no_chart_of_the_previous_run(demo, view, chart, par
                 value = value["value"]
             page.values[block._id] = value
     assert is_cleared(page.block(chart), page.shown(chart)), f"{view}: {chart} still shows the previous run"
+
+
+@pytest.mark.parametrize("view", ["step", "beam", "speculative"])
+def test_a_model_failure_mid_run_clears_the_previous_run(demo, view, monkeypatch):
+    """A good run, then one whose model fails after two events: the message names the failure and
+    no chart or text of the good run is left."""
+    from engine import runner
+
+    name, first, good = VIEWS[view]
+    page = Page(demo)
+    set_known(page, good)
+    page.fire(name, first)
+    outputs = outputs_of(page, name, first)
+    status = status_of(page, name, first)
+    real = runner.stream
+
+    def failing(*args, **kwargs):
+        for i, event in enumerate(real(*args, **kwargs)):
+            if i == 2:
+                raise RuntimeError("the model failed")
+            yield event
+
+    monkeypatch.setattr(runner, "stream", failing)
+    page.fire(name, first)
+    assert "RuntimeError: the model failed" in page.get(status) and stale.CLEARED_NOTE in page.get(status)
+    left = [b.elem_id for b in outputs if b is not status and not is_cleared(b, page.get(b))]
+    assert not left, f"{view}: still showing the previous run in {left}"
