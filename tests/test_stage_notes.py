@@ -3,11 +3,16 @@ records a real chain writes)."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from engine.config import DecodingConfig
 from engine.processors import Chain
-from engine.trace import StageTrace, TokenProb
+from engine.trace import StageTrace, StepTrace, TokenProb
+from playground.charts import stage_notes
+from playground.charts import step as step_charts
 from playground.charts.stage_notes import stage_note
 
 
@@ -66,3 +71,63 @@ def test_every_stage_of_a_real_chain_gets_a_note():
     assert by_name["dry"] == "DRY: '2' would extend the repeated phrase '01' (length 2): −1 logits"
     assert by_name["min_new_tokens"].startswith("min new tokens 5: EOS masked")  # 3 new tokens < 5
     assert by_name["mirostat"].startswith("mirostat: μ = 10.0 → kept")
+
+
+# Every stage's params as the engine records them (knobs plus what the stage writes per call).
+RECORDED_PARAMS = {
+    "raw": {}, "final": {},
+    "repetition_penalty": {"repetition_penalty": 1.3}, "frequency_penalty": {"frequency_penalty": 0.5},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "dry": {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+            "penalized": [{"token": " the", "phrase": "a b", "length": 3, "penalty": 1.4}]},
+    "logit_bias": {"logit_bias": {"cat": -5.0, "dog": 2.0}},
+    "constraints": {"allowed_words": [], "banned_words": ["cat"]},
+    "no_repeat_ngram": {"no_repeat_ngram_size": 3}, "min_new_tokens": {"min_new_tokens": 5},
+    "temperature": {"temperature": 0.7},
+    "dynamic_temperature": {"temperature": 0.7, "dynatemp_range": 0.5, "dynatemp_exponent": 1.0, "T": 0.91,
+                            "normalized_entropy": 0.4},
+    "smoothing": {"smoothing_factor": 0.3, "smoothing_curve": 1.0},
+    "top_n_sigma": {"top_n_sigma": 1.0, "sigma": 2.1, "cutoff": 11.5},
+    "top_k": {"top_k": 50}, "top_p": {"top_p": 0.9}, "min_p": {"min_p": 0.05}, "typical_p": {"typical_p": 0.9},
+    "epsilon": {"epsilon_cutoff": 0.0003}, "eta": {"eta_cutoff": 0.0003}, "top_h": {"top_h": 0.4},
+    "top_a": {"top_a": 0.2},
+    "xtc": {"xtc_threshold": 0.1, "xtc_probability": 1, "u": None, "fired": True, "kept_id": 634},
+    "mirostat": {"mirostat": 2, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "mu": 10.0, "kept": 12, "mu_after": None},
+    "contrast": {"cd_alpha": 0.1, "amateur": "tiny"},
+}
+
+
+def test_recorded_params_cover_every_stage_name():
+    from engine.config import STAGE_NAMES
+    assert set(STAGE_NAMES) <= set(RECORDED_PARAMS)
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED_PARAMS))
+def test_every_panel_title_is_in_words_without_python_reprs(name):
+    """The issue's "xtc 0.1, 1, None, True, 634": a title names the stage and says what its knobs do."""
+    stage = StageTrace(name, 12, 0.2, 1.0, 0.2, [TokenProb(634, " an", 0.5)], params=RECORDED_PARAMS[name])
+    heading = stage_notes.stage_heading(stage)
+    title = step_charts.stage_title(stage)
+    for text in (heading, title, step_charts.explain_step(_step_with(stage))):
+        assert not re.search(r"\b(None|True|False)\b|[\[\]{}]|\d, \d", text), (name, text)
+    assert "_" not in heading, heading  # words, not the parameter's name
+    if RECORDED_PARAMS[name] and name != "constraints":
+        assert re.search(r"\d", heading), heading  # the knob's value is in the title
+    assert len(heading.split()) >= (1 if name in ("raw", "final") else 3), heading
+
+
+def test_new_samplers_titles_read_as_sentences():
+    def heading(name):
+        return stage_notes.stage_heading(StageTrace(name, 12, 0.2, 1.0, 0.2, [], params=RECORDED_PARAMS[name]))
+    assert heading("xtc") == "XTC: drop top tokens above p=0.10 with probability 1.0"
+    assert heading("mirostat") == "Mirostat v2: target surprise 5.0, mu 10.0"
+    assert heading("top_n_sigma") == "top-nσ: keep logits within 1σ of the top"
+    assert heading("dry").startswith("DRY: repeats over 2 tokens")
+    assert heading("dynamic_temperature").startswith("dynamic temperature 0.7 ± 0.5")
+
+
+def _step_with(stage):
+    raw = StageTrace("raw", 100, 0.0, 2.0, 0.0, [TokenProb(634, " an", 0.4)])
+    final = StageTrace("final", 12, 0.0, 1.0, 0.0, [TokenProb(634, " an", 0.5)])
+    return StepTrace(index=0, chosen_token_id=634, chosen_token=" an", chosen_prob=0.5, raw_prob=0.4, draw=None,
+                     draw_low=None, draw_high=None, entropy=1.0, raw_entropy=2.0, stages=[raw, stage, final])

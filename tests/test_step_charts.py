@@ -40,7 +40,7 @@ def test_stage_chart_bars_marks_and_draw():
     u_line = fig.layout.shapes[0]
     assert (u_line.x0, u_line.x1) == (0.7, 0.7) and u_line.yref.endswith("domain")  # spans the panel
     titles = [a.text for a in fig.layout.annotations]
-    assert "top-k 2<br><sup>kept 2 tokens</sup><br><sup>−20.0%</sup>" in titles  # two short lines fit a phone
+    assert "top-k: keep<br>the top 2<br><sup>kept 2 tokens</sup><br><sup>−20.0%</sup>" in titles  # short lines fit a phone
     assert "u = 0.700" in titles  # the u value is written beside its line
 
 

@@ -22,7 +22,7 @@ from playground.page_js import PHONE_PX
 from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # the page's script compares against these too
 
 from . import glossary
-from .stage_notes import stage_note
+from .stage_notes import stage_heading, stage_label, stage_note
 from .tokens import render as readable  # the one token rendering (␣ ↵ ⇥ ⟪special⟫)
 from .tokens import render_flow
 from .tokens import unique_labels as _unique_labels
@@ -41,22 +41,6 @@ SUP_WRAP = 18  # characters of the smaller "kept 56 tokens · −9.9%" line unde
 SURPRISAL_CAP = 5.0  # nats: surprisal colouring saturates here (p ≈ 0.7%)
 GAP = "⋯"  # the empty row between a panel's top-N and the chosen token drawn outside it
 
-STAGE_TITLES = {
-    "raw": "raw model",
-    "final": "final",
-    "temperature": "temperature",
-    "top_k": "top-k",
-    "top_p": "top-p",
-    "min_p": "min-p",
-    "typical_p": "typical_p",
-    "epsilon": "ε-cutoff",
-    "repetition_penalty": "repetition pen.",
-    "frequency_penalty": "frequency pen.",
-    "presence_penalty": "presence pen.",
-    "no_repeat_ngram": "no-repeat n-gram",
-    "constraints": "constraints",
-    "contrast": "contrast (expert − amateur)",
-}
 STAGE_GLOSSARY = {"temperature": "temperature", "top_k": "top-k", "top_p": "top-p", "min_p": "min-p",
                   "typical_p": "typical_p", "epsilon": "ε"}
 
@@ -64,11 +48,6 @@ STAGE_GLOSSARY = {"temperature": "temperature", "top_k": "top-k", "top_p": "top-
 def tokens_word(n: int) -> str:
     """"1 token", "2 tokens", "49,152 tokens"."""
     return f"{n:,} token" + ("" if n == 1 else "s")
-
-
-def _params(stage: StageTrace) -> str:
-    return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in stage.params.values()
-                     if not isinstance(v, list))
 
 
 def short_label(label: str, limit: int = 12) -> str:
@@ -81,9 +60,7 @@ def _wrap(text: str) -> str:
 
 
 def stage_title(stage: StageTrace) -> str:
-    """Name and parameters (wrapped to short lines), then what the stage kept and removed."""
-    name = STAGE_TITLES.get(stage.name, stage.name)
-    params = _params(stage)
+    """The stage and its knobs in words (wrapped to short lines), then what it kept and removed."""
     kept = f"kept {tokens_word(stage.kept)}"
     removed = f"−{stage.mass_removed:.1%}" if stage.mass_removed > 0 else ""
     # One line when it fits a phone's panel, else the removed mass on a line of its own.
@@ -91,7 +68,7 @@ def stage_title(stage: StageTrace) -> str:
         note = f"<sup>{kept}</sup>" + (f"<br><sup>{removed}</sup>" if removed else "")
     else:
         note = f"<sup>{kept} · {removed}</sup>"
-    return f"{_wrap(name + (f' {params}' if params else ''))}<br>{note}"
+    return f"{_wrap(html.escape(stage_heading(stage), quote=False))}<br>{note}"
 
 
 def _hover(stage: StageTrace) -> str:
@@ -359,7 +336,7 @@ def explain_step(step: StepTrace, pick: str | None = None) -> str:
     parts = []
     prev_top = raw.top[0] if raw.top else None
     for stage in step.stages[1:-1]:
-        label = f"{STAGE_TITLES.get(stage.name, stage.name)} {_params(stage)}".strip()
+        label = stage_label(stage)
         top = stage.top[0] if stage.top else None
         if stage.mass_removed > 0:
             covered = 1.0 - stage.mass_removed
