@@ -5,6 +5,11 @@ for step k needs no new generation: take step k's raw logits (kept by the caller
 with one forward over the prompt and the k tokens before it) and run the stage chain of the new
 config over them. With the trace's own knobs this reproduces the trace's own stages for that step.
 
+Stateful stages (mirostat's μ, XTC's draw) are not replayed: each step's stage records carry the
+state the stage used (StageTrace.state), loaded into the new chain's stage of the same name. A
+stage the run did not have starts fresh (mirostat at μ = 2τ); an XTC the run did not have draws
+its coin from a generator seeded by the run's seed and the step, so a what-if is repeatable.
+
 Shapes: logits [1, V] float32; ids [1, S].
 """
 
@@ -56,8 +61,16 @@ def explore_step(lm: LoadedModel, trace: Trace, step: int, knobs: Any = None, *,
     if logits is None:
         logits = raw_logits(lm, trace, step, cache)
     ids = torch.tensor([context], dtype=torch.long, device=lm.device)
-    chain = Chain.from_config(config, len(trace.prompt_token_ids), lm.tokenizer, lm.eos_token_ids)
+    chain = Chain.from_config(config, len(trace.prompt_token_ids), lm.tokenizer, lm.eos_token_ids,
+                              generator=whatif_generator(config, step, lm.device))
+    chain.load_states(trace.steps[step].stages)
     return chain.traced(ids, logits.float(), config.top_n, lm.token_text).stages
+
+
+def whatif_generator(config: DecodingConfig, step: int, device: Any = "cpu") -> torch.Generator:
+    """The draws of a stage the run did not record (an XTC added by the what-if): seeded by the
+    run's seed and the step, so the same what-if gives the same answer."""
+    return torch.Generator(device=device).manual_seed(config.seed * 1_000_003 + step)
 
 
 def stages_match(a: Sequence[StageTrace], b: Sequence[StageTrace], tol: float = 1e-4) -> bool:

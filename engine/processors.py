@@ -10,7 +10,10 @@ definition. Every stage returns a new tensor and never modifies its inputs. Shap
 
 Two stages carry state across steps: mirostat (μ, updated by ``observe`` after each pick) and XTC
 (it draws from the run's generator). A run that uses them calls ``Chain.observe`` after every pick
-and builds the chain with the run's generator; ``Chain.stateful`` says whether it must.
+and builds the chain with the run's generator; ``Chain.stateful`` says whether it must. Each
+stage's ``state()`` after a call is what that call depended on beyond its knobs, ids and logits
+(JSON-ready; recorded in the step's StageTrace.state); ``load_state`` puts it into a fresh stage,
+so re-processing a step (what-if) gives exactly the run's output at that step without replaying.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ class Stage:
 
     def observe(self, input_ids: torch.LongTensor, token_id: int) -> None:
         """Called after every pick with the ids before it [1, S] and the token picked."""
+
+    def state(self) -> dict[str, Any]:
+        """What the last call depended on besides the knobs, ids and logits (JSON-ready); {} for a
+        stateless stage."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Make the next call behave as the call that reported ``state`` (see ``state``)."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -369,15 +380,29 @@ class Xtc(Stage):
         super().__init__(xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
         self.knobs = dict(self.params)
         self.generator = generator
+        self._loaded_u: float | None = None
 
     def coin(self) -> float | None:
+        """The call's draw u: the loaded one (``load_state``), else one from the run's generator;
+        None when the probability is 1 (nothing to draw)."""
         probability = self.knobs["xtc_probability"]
         if probability >= 1:
             return None
+        if self._loaded_u is not None:
+            return self._loaded_u
         if self.generator is None:
             raise ConfigError("xtc_probability", f"{probability!r} in (0, 1) draws from the run's generator; "
                                                  "none was given (Chain.from_config(..., generator=...))")
         return float(torch.rand((), generator=self.generator, device=self.generator.device))
+
+    def state(self) -> dict[str, Any]:
+        return {"u": self.params.get("u")}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        u = state.get("u")
+        if u is not None:
+            _require(isinstance(u, (int, float)) and not isinstance(u, bool) and 0 <= u < 1, "xtc.u", u, "[0, 1)")
+            self._loaded_u = float(u)
 
     def __call__(self, input_ids, logits):
         u = self.coin()
@@ -385,8 +410,11 @@ class Xtc(Stage):
         out, kept = logits.clone(), None
         if fired:
             probs = _softmax(logits)
-            top = probs >= self.knobs["xtc_threshold"]  # [B, V]
-            # the least likely top choice survives (ties: the highest id, an arbitrary but fixed rule)
+            # the tokens still alive at or above the threshold (a masked token is never a "top choice":
+            # with threshold 0 it would otherwise be the least likely one kept, leaving nothing)
+            top = (probs >= self.knobs["xtc_threshold"]) & (probs > 0)  # [B, V]
+            # the least likely top choice survives (ties: the highest id, an arbitrary but fixed rule),
+            # as llama.cpp keeps the last candidate above the threshold
             least = torch.where(top, probs, torch.full_like(probs, 2.0))
             keep_idx = (least == least.min(dim=-1, keepdim=True).values).int().cumsum(-1).argmax(-1)  # [B]
             remove = top & (top.sum(-1, keepdim=True) >= 2)
@@ -494,6 +522,7 @@ class Mirostat(Stage):
         super().__init__(mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
         self.knobs = dict(self.params)
         self.mu = 2.0 * mirostat_tau
+        self._mu_used = self.mu  # μ of the last call (observe moves self.mu after it)
         self._probs: tuple[torch.Tensor, torch.Tensor] | None = None  # (before, after) of row 0, [V]
 
     def _keep_count(self, probs: torch.Tensor, alive: int) -> int:
@@ -520,7 +549,18 @@ class Mirostat(Stage):
         out = logits.masked_fill(mask, float("-inf"))  # B = 1: mirostat keeps one μ per run
         self._probs = (probs[0], _softmax(out)[0])
         self.params = {**self.knobs, "mu": self.mu, "kept": keep, "mu_after": None}
+        self._mu_used = self.mu
         return out
+
+    def state(self) -> dict[str, Any]:
+        return {"mu": self._mu_used}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        mu = state.get("mu")
+        if mu is not None:
+            _require(isinstance(mu, (int, float)) and not isinstance(mu, bool) and math.isfinite(mu),
+                     "mirostat.mu", mu, "a finite number")
+            self.mu = self._mu_used = float(mu)
 
     def observe(self, input_ids, token_id: int) -> None:
         if self._probs is None:
@@ -711,6 +751,14 @@ class Chain:
         for stage in self.stages:
             stage.observe(input_ids, token_id)
 
+    def load_states(self, recorded: Sequence[StageTrace]) -> None:
+        """Load into each stage the state its namesake recorded at a step (``recorded``: that
+        step's stage records), so the chain re-processes the step as the run did."""
+        states = {r.name: r.state for r in recorded if r.state}
+        for stage in self.stages:
+            if stage.name in states:
+                stage.load_state(states[stage.name])
+
     def annotate(self, traces: list[StageTrace]) -> None:
         """After ``observe``: copy what stateful stages learnt from the pick (mirostat's μ after) into
         the records ``traced`` made (``traces``: raw, one per stage, final)."""
@@ -733,7 +781,7 @@ class Chain:
         raw_probs = recorder.prev_probs
         for stage in self.stages:
             logits = stage(input_ids, logits)
-            traces.append(recorder.record(stage.name, logits, stage.params))
+            traces.append(recorder.record(stage.name, logits, stage.params, stage.state()))
         traces.append(recorder.copy_as("final", traces[-1]))
         return Traced(logits, traces, raw_probs, recorder.prev_probs)
 
@@ -765,7 +813,7 @@ class _Recorder:
     def _tokens(self, ids: torch.Tensor, probs: torch.Tensor) -> list[TokenProb]:
         return [TokenProb(int(i), self.token_text(int(i)), float(p)) for i, p in zip(ids.tolist(), probs.tolist())]
 
-    def record(self, name: str, logits: torch.Tensor, params: dict) -> StageTrace:
+    def record(self, name: str, logits: torch.Tensor, params: dict, state: dict | None = None) -> StageTrace:
         probs = torch.softmax(logits[0], dim=-1)  # [V]; masked tokens get exactly 0
         alive = probs > 0
         kept = int(alive.sum())
@@ -778,7 +826,7 @@ class _Recorder:
             tv = float(0.5 * (probs - self.prev_probs).abs().sum())
             removed = [t for t in self.prev_top if not bool(alive[t.token_id])]
         self.prev_probs, self.prev_top = probs, top
-        return StageTrace(name, kept, mass_removed, entropy, tv, top, removed, dict(params))
+        return StageTrace(name, kept, mass_removed, entropy, tv, top, removed, dict(params), dict(state or {}))
 
     @staticmethod
     def copy_as(name: str, last: StageTrace) -> StageTrace:
@@ -819,7 +867,8 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
         if active:
             stages = [chains[b].stages[j] for b in active]
             stacked = torch.cat([rows[b] for b in active])  # [R, V]
-            records = recorder.record(active, stacked, [s.name for s in stages], [s.params for s in stages])
+            records = recorder.record(active, stacked, [s.name for s in stages], [s.params for s in stages],
+                                      [s.state() for s in stages])
             for b, trace in zip(active, records):
                 traces[b].append(trace)
     out: list[Traced | Exception] = []
@@ -882,7 +931,8 @@ class _RowsRecorder:
             return first
         return torch.stack(self.probs_of(rows))
 
-    def record(self, rows: list[int], logits: torch.Tensor, names: list[str], params: list[dict]) -> list[StageTrace]:
+    def record(self, rows: list[int], logits: torch.Tensor, names: list[str], params: list[dict],
+               states: list[dict] | None = None) -> list[StageTrace]:
         """The StageTraces of ``rows`` (indices into the batch) whose logits are ``logits`` [R, V]."""
         probs = torch.softmax(logits, dim=-1)  # [R, V]; masked tokens get exactly 0
         alive = probs > 0
@@ -901,7 +951,7 @@ class _RowsRecorder:
         out = []
         for i, b in enumerate(rows):
             out.append(StageTrace(names[i], kept_list[i], float(mass[i]), entropy_list[i], float(tv[i]),
-                                  tops[i], removed[i], dict(params[i])))
+                                  tops[i], removed[i], dict(params[i]), dict(states[i]) if states else {}))
             self.prev[b], self.prev_top[b] = (probs, i), tops[i]
         return out
 

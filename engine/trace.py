@@ -39,7 +39,11 @@ class StageTrace:
     probability mass, under the previous stage's distribution, of the tokens this stage removed.
     ``removed``: those of the previous stage's top-N that this stage removed (with their previous
     probability), so a chart can mark them. ``tv_distance``: total variation distance from the
-    previous stage's distribution (how much the stage moved mass, even when it removed nothing)."""
+    previous stage's distribution (how much the stage moved mass, even when it removed nothing).
+    ``state``: what a stateful stage's output depended on besides the knobs, the ids and the
+    logits (mirostat's μ before the step, XTC's draw u), as ``Stage.state()`` reports it; loading it
+    into a fresh stage (``Stage.load_state``) reproduces this step exactly (what-if). Empty for the
+    stateless stages."""
 
     name: str
     kept: int
@@ -49,6 +53,7 @@ class StageTrace:
     top: list[TokenProb]
     removed: list[TokenProb] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
