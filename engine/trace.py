@@ -21,6 +21,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import KNOBS, STAGE_NAMES, ConfigError
+
 STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "no_tokens_left")
 
 
@@ -180,3 +182,121 @@ def from_dict(cls: Any, data: Any) -> Any:
         kwargs = {f.name: from_dict(hints[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data}
         return cls(**kwargs)
     return data
+
+
+# --- traces from outside (an API argument, a pasted file) ---------------------------------------------
+# Bounded by what a run can produce, so a forged trace costs no more than a real one.
+MAX_TRACE_STEPS = int(KNOBS["max_new_tokens"].high)  # steps and generated ids
+MAX_TRACE_TOP = int(KNOBS["top_n"].high)  # top / removed tokens per stage
+MAX_TRACE_STAGES = len(STAGE_NAMES) + 2  # raw, every stage, final
+MAX_PROMPT_IDS = 8_192  # the app's prompt-token limit is lower (playground/shared.py checks it)
+MAX_TRACE_TEXT = 200_000  # characters of the prompt / text fields
+MAX_SHORT_TEXT = 1_000  # a token's text, a name
+MAX_TRACE_JSON_CHARS = 64_000_000
+MAX_DEPTH = 12  # nesting of the free-form fields (config, params, state, summary, extra, beam, rounds)
+MAX_FREE_NODES = 500_000
+
+
+def _fail(field: str, message: str) -> None:
+    raise ConfigError(field, message)
+
+
+def _list(data: dict, key: str, limit: int, where: str) -> list:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        _fail(where, f"expected a list, got {type(value).__name__}")
+    if len(value) > limit:
+        _fail(where, f"{len(value):,} items is over the {limit:,}-item limit of a run")
+    return value
+
+
+def _text(data: dict, key: str, limit: int, where: str) -> None:
+    value = data.get(key)
+    if value is None:
+        return
+    if not isinstance(value, str):
+        _fail(where, f"expected text, got {type(value).__name__}")
+    if len(value) > limit:
+        _fail(where, f"{len(value):,} characters is over the {limit:,}-character limit")
+
+
+def _free(value: Any, where: str, budget: list[int]) -> None:
+    """A free-form JSON value: at most MAX_DEPTH deep, strings of at most MAX_TRACE_TEXT, and its
+    nodes counted against ``budget`` (walked without recursion, so depth cannot overflow the stack)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        budget[0] -= 1
+        if budget[0] < 0:
+            _fail(where, f"over {MAX_FREE_NODES:,} values in the trace's free-form fields")
+        if depth > MAX_DEPTH:
+            _fail(where, f"nested more than {MAX_DEPTH} levels deep")
+        if isinstance(item, str) and len(item) > MAX_TRACE_TEXT:
+            _fail(where, f"a string of {len(item):,} characters is over the {MAX_TRACE_TEXT:,}-character limit")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def _tokens(stage: dict, key: str, where: str) -> None:
+    for k, token in enumerate(_list(stage, key, MAX_TRACE_TOP, f"{where}.{key}")):
+        if not isinstance(token, dict):
+            _fail(f"{where}.{key}[{k}]", f"expected an object, got {type(token).__name__}")
+        _text(token, "token", MAX_SHORT_TEXT, f"{where}.{key}[{k}].token")
+
+
+def check_trace_size(data: Any) -> None:
+    """ConfigError naming the field when a trace JSON object from outside is larger than a run can
+    make: steps and generated ids (max_new_tokens), stages, top/removed tokens (top_n), string
+    lengths and the nesting of its free-form fields."""
+    if not isinstance(data, dict):
+        _fail("trace", f"expected a trace JSON object, got {type(data).__name__}")
+    _list(data, "prompt_token_ids", MAX_PROMPT_IDS, "prompt_token_ids")
+    _list(data, "generated_token_ids", MAX_TRACE_STEPS, "generated_token_ids")
+    for key in ("prompt", "text"):
+        _text(data, key, MAX_TRACE_TEXT, key)
+    for key in ("model", "strategy", "stop_reason", "quantization", "device"):
+        _text(data, key, MAX_SHORT_TEXT, key)
+    budget = [MAX_FREE_NODES]
+    for i, step in enumerate(_list(data, "steps", MAX_TRACE_STEPS, "steps")):
+        if not isinstance(step, dict):
+            _fail(f"steps[{i}]", f"expected an object, got {type(step).__name__}")
+        _text(step, "chosen_token", MAX_SHORT_TEXT, f"steps[{i}].chosen_token")
+        for j, stage in enumerate(_list(step, "stages", MAX_TRACE_STAGES, f"steps[{i}].stages")):
+            where = f"steps[{i}].stages[{j}]"
+            if not isinstance(stage, dict):
+                _fail(where, f"expected an object, got {type(stage).__name__}")
+            _text(stage, "name", MAX_SHORT_TEXT, f"{where}.name")
+            _tokens(stage, "top", where)
+            _tokens(stage, "removed", where)
+            for key in ("params", "state"):
+                _free(stage.get(key), f"{where}.{key}", budget)
+    for key in ("config", "timing", "summary", "extra", "beam", "rounds"):
+        _free(data.get(key), key, budget)
+
+
+def untrusted_trace(value: Any, key: str = "trace") -> Trace:
+    """A trace from outside (JSON text or an already parsed object) as a Trace, size-checked first
+    (``check_trace_size``); ConfigError naming ``key`` and the field otherwise."""
+    if isinstance(value, str):
+        if len(value) > MAX_TRACE_JSON_CHARS:
+            _fail(key, f"{len(value):,} characters is over the {MAX_TRACE_JSON_CHARS:,}-character limit")
+        try:
+            value = json.loads(value, parse_constant=lambda name: _fail(key, f"not a trace: {name} is not valid JSON"))
+        except RecursionError:
+            _fail(key, "not a trace: nested too deeply")
+        except ValueError as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            _fail(key, f"not a trace: not valid JSON ({str(exc)[:80]})")
+    if not isinstance(value, dict):
+        _fail(key, f"not a trace: expected a trace JSON object, got {type(value).__name__}")
+    try:
+        check_trace_size(value)
+    except ConfigError as exc:
+        raise ConfigError(key, str(exc)) from None
+    try:
+        return from_dict(Trace, value)
+    except (TypeError, KeyError, ValueError, AttributeError, RecursionError) as exc:
+        _fail(key, f"not a trace: {type(exc).__name__}: {str(exc)[:120]}")

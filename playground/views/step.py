@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -20,11 +19,11 @@ from typing import Any, Iterator
 import gradio as gr
 
 from engine import lessons as engine_lessons
-from engine.config import DecodingConfig
+from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
 from engine.models import LoadedModel
 from engine import runner
-from engine.trace import Trace, from_dict
+from engine.trace import Trace, untrusted_trace
 from playground.charts import step as charts
 from playground.charts import tokens as token_charts
 
@@ -485,12 +484,9 @@ def branch_trace(shared: Shared, parent: dict | str, step: int, token_id: int, m
 def parent_trace(shared: Shared, lm: LoadedModel, parent: Any) -> Trace:
     """An untrusted trace JSON (object or text) as a Trace whose token ids fit ``lm``."""
     try:
-        data = json.loads(parent) if isinstance(parent, str) else parent
-        if not isinstance(data, dict):
-            raise TypeError(f"expected a trace JSON object, got {type(data).__name__}")
-        trace = from_dict(Trace, data)
-    except (TypeError, KeyError, ValueError, AttributeError) as exc:
-        raise UserError(f"parent: not a trace: {str(exc)[:120]}") from None
+        trace = untrusted_trace(parent, "parent")  # size-capped as a run (engine.trace.check_trace_size)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
     ids = [*trace.prompt_token_ids, *trace.generated_token_ids]
     if not trace.prompt_token_ids or len(trace.prompt_token_ids) > shared.max_prompt_tokens:
         raise UserError(f"parent: prompt_token_ids must hold 1 to {shared.max_prompt_tokens} tokens")
