@@ -93,6 +93,7 @@ def queue_size() -> int:
 def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDDED) -> gr.Blocks:
     registry = registry or ModelRegistry()
     policy = model_policy().with_models(default_model)
+    downloads.use_private_cache()  # Gradio's copies of downloads in this process's private folder, not /tmp/gradio
     with gr.Blocks(title="Decoding Playground", delete_cache=downloads.GRADIO_DELETE_CACHE) as demo:
         gr.Markdown(INTRO)
         with gr.Row():
@@ -113,6 +114,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
         lessons_tab.wire_page(demo, tabs, handles, pages["compare"], pages["quantization"])
     whatif.serve(demo, pages["step"].whatif)
+    downloads.remove_on_close(demo)
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     # The views' example runs (first screens that already show a result), off the launch's path.
     examples.cache_for(registry).start(shared, default_model)

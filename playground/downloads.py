@@ -1,20 +1,26 @@
 """Files the page offers for download (trace JSON, reports, exported presets), all under one
-app-owned directory whose old files are deleted.
+private, app-owned directory per process whose old files are deleted.
+
+The directory (mode 0700, under env ``DP_DOWNLOAD_DIR`` or the system temp folder) holds the
+download files (``downloads/``, files 0600) and Gradio's own file cache (``gradio/``: the app points
+``GRADIO_TEMP_DIR`` there before building its page, see ``use_private_cache``), so users' prompts
+never sit in the world-readable shared ``/tmp/gradio`` and other users of the machine cannot read
+them. It is removed when the server closes (``remove_on_close``) and when the process exits.
 
 Each file gets its own fresh sub-folder (so two users' "balanced.yaml" never collide and the name
 the user sees is the name given). Sub-folders older than ``DOWNLOAD_TTL_S`` are deleted whenever a
-new file is written, and the whole directory when the process exits. Gradio copies served files
-into its own cache; the app's ``delete_cache`` setting (``GRADIO_DELETE_CACHE``) clears those.
+new file is written. Gradio copies served files into its cache; the app's ``delete_cache``
+setting (``GRADIO_DELETE_CACHE``) clears those while it runs.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,15 +30,57 @@ DOWNLOAD_TTL_S = 600.0  # a download link works for this long after its file was
 # Gradio's own copies: checked every hour, deleted when over an hour old (frequency, age in seconds).
 GRADIO_DELETE_CACHE = (3600, 3600)
 
+_lock = threading.Lock()
+_roots: list[Path] = []  # this process's private directory (the last one made); made on first use
 
-@functools.cache  # one directory per process, made on first use so importing creates nothing
+
+def private_root() -> Path:
+    """This process's private directory (mode 0700), made on first use (again after ``remove``)
+    and removed at exit."""
+    with _lock:
+        if _roots and _roots[-1].is_dir():
+            return _roots[-1]
+        base = Path(os.environ.get("DP_DOWNLOAD_DIR") or tempfile.gettempdir())
+        root = Path(tempfile.mkdtemp(prefix="decoding-playground-", dir=base))  # mode 0700
+        for sub in ("downloads", "gradio"):
+            (root / sub).mkdir(mode=0o700)
+        if not _roots:
+            atexit.register(remove)
+        _roots.append(root)
+        return root
+
+
 def download_dir() -> Path:
-    """This process's download directory (under env ``DP_DOWNLOAD_DIR`` or the system temp
-    folder), removed at exit."""
-    base = Path(os.environ.get("DP_DOWNLOAD_DIR") or tempfile.gettempdir())
-    root = Path(tempfile.mkdtemp(prefix="decoding-playground-", dir=base))
-    atexit.register(shutil.rmtree, root, True)
-    return root
+    """Where download files go: ``downloads/`` of the private directory."""
+    return private_root() / "downloads"
+
+
+def use_private_cache() -> Path:
+    """Point Gradio's file cache (env ``GRADIO_TEMP_DIR``, read by every component as it is built)
+    into the private directory; the app calls this before building its Blocks."""
+    cache = private_root() / "gradio"
+    os.environ["GRADIO_TEMP_DIR"] = str(cache)
+    return cache
+
+
+def remove() -> None:
+    """Delete every private directory this process made (at exit and when the server closes)."""
+    with _lock:
+        for root in _roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def remove_on_close(demo: Any) -> None:
+    """Make ``demo.close()`` (the server closing) delete the private directory too."""
+    close = demo.close
+
+    def close_and_remove(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return close(*args, **kwargs)
+        finally:
+            remove()
+
+    demo.close = close_and_remove
 
 
 def prune(max_age_s: float = DOWNLOAD_TTL_S) -> int:
@@ -56,9 +104,11 @@ def write_text(name: str, text: str) -> str:
         raise ValueError(f"name: {name!r} is not a bare file name")
     prune()
     folder = download_dir() / uuid.uuid4().hex
-    folder.mkdir()
+    folder.mkdir(mode=0o700)
     path = folder / name
-    path.write_text(text, encoding="utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # readable by this user only
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
     return str(path)
 
 
