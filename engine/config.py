@@ -339,6 +339,95 @@ def check_drafter(key: str, value: str, allowed: tuple[str, ...]) -> str:
     raise ConfigError(key, f"expected one of {' | '.join(allowed)} | model:<id or dir>, got {value!r}")
 
 
+# --- API arguments ------------------------------------------------------------------------------------
+MAX_ARGUMENT_DEPTH = 32  # nesting of any API argument (a trace is about 8 deep)
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "text", list: "a list",
+            dict: "a JSON object"}
+
+
+def check_flag(key: str, value: Any) -> bool:
+    """``value`` if it is True or False (JSON true / false); otherwise a ConfigError naming ``key``:
+    "no", 0, NaN and the like are not silently read as a truth value."""
+    if value is True or value is False:
+        return value
+    raise ConfigError(key, f"expected true or false, got {_short(value)}")
+
+
+def _accepts(kind: type, value: Any) -> bool:
+    if kind is bool:
+        return value is True or value is False
+    if kind is int:
+        return (isinstance(value, int) and not isinstance(value, bool)) or \
+            (isinstance(value, float) and math.isfinite(value) and value.is_integer())
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def _kinds(annotation: Any) -> tuple[tuple[type, ...], bool] | None:
+    """(the plain JSON types an annotation allows, whether None is allowed), or None when the
+    annotation is not made of them (Any, a dataclass...): that argument is left to its handler."""
+    import types
+    import typing
+
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    kinds, optional = [], False
+    for arg in args:
+        if arg is type(None):
+            optional = True
+            continue
+        plain = typing.get_origin(arg) or arg
+        if plain not in _SCALARS:
+            return None
+        kinds.append(plain)
+    return tuple(kinds), optional
+
+
+def _depth_at_most(value: Any, limit: int) -> bool:
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+    return True
+
+
+def check_arguments(fn: Any, args: tuple, kwargs: dict) -> None:
+    """The boundary of an API function ``fn`` (a function or functools.partial): every argument
+    has the JSON type its annotation names (bool exactly True/False, int/float finite numbers, str,
+    list, dict; None where the annotation allows it) and is at most MAX_ARGUMENT_DEPTH deep. A
+    ConfigError names the first bad argument and its (truncated) value."""
+    import functools
+    import inspect
+    import typing
+
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    try:
+        hints = typing.get_type_hints(target)
+    except (NameError, TypeError):
+        hints = {}
+    parameters = [p for p in inspect.signature(fn).parameters.values() if p.name != "control"]
+    try:
+        bound = inspect.Signature(parameters).bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise ConfigError("arguments", str(exc)[:200]) from None
+    for name, value in bound.arguments.items():
+        if not _depth_at_most(value, MAX_ARGUMENT_DEPTH):
+            raise ConfigError(name, f"nested more than {MAX_ARGUMENT_DEPTH} levels deep")
+        found = _kinds(hints.get(name, Any))
+        if found is None:
+            continue
+        kinds, optional = found
+        if (value is None and optional) or any(_accepts(kind, value) for kind in kinds):
+            continue
+        allowed = " or ".join([_SCALARS[k] for k in kinds] + (["null"] if optional else []))
+        raise ConfigError(name, f"expected {allowed}, got {_short(value)}")
+
+
 @dataclass(frozen=True)
 class DecodingConfig:
     """Everything that decides a decoding run. Construct with ``DecodingConfig.from_dict`` or

@@ -26,7 +26,7 @@ import anyio
 import gradio as gr
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, check_arguments
 from engine.control import RunControl, RunStopped
 from engine.models import ModelLoadError
 from engine.presets import PresetError
@@ -227,6 +227,7 @@ def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
         extra = {"control": control} if uses_model else {}
         call = functools.partial(gpu_fn, *args, **extra, **kwargs)
         try:
+            check_arguments(fn, args, kwargs)  # types and nesting as annotated: "no" and NaN are not booleans
             with sessions.slot(session if uses_model else None):
                 return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         except Exception as exc:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 import gradio as gr
 
 from engine import runner
-from engine.config import ConfigError, DecodingConfig, check_text
+from engine.config import ConfigError, DecodingConfig, check_flag, check_text
 from engine.control import RunControl
 from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec
 from engine.models import model_policy
@@ -101,7 +101,11 @@ class Shared:
         if not prompt.strip():
             raise UserError("prompt: empty; type something for the model to continue")
         try:
-            ids = lm.encode(prompt, bool(chat))
+            check_flag("chat", chat)
+        except ConfigError as exc:
+            raise UserError(str(exc)) from None
+        try:
+            ids = lm.encode(prompt, chat)
         except ModelLoadError as exc:
             raise UserError(str(exc)) from None
         if len(ids) > self.max_prompt_tokens:
@@ -114,7 +118,13 @@ class Shared:
 
     def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
                control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:
-        """Every run of every view and endpoint: engine.runner.stream with this app's registry."""
+        """Every run of every view and endpoint: engine.runner.stream with this app's registry.
+        ``chat`` and ``compare_baseline`` must be True or False (a UserError names them otherwise)."""
+        for key, flag in (("chat", chat), ("compare_baseline", compare_baseline)):
+            try:
+                check_flag(key, flag)
+            except ConfigError as exc:
+                raise UserError(str(exc)) from None
         return runner.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids,
                              registry=CheckedRegistry(self.registry, self.policy),
                              control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm))

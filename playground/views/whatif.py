@@ -516,6 +516,8 @@ def parse_body(body: bytes) -> dict:
         request = json.loads(body.decode("utf-8"), parse_constant=no_constants)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RouteError(f"body: not valid JSON ({str(exc)[:80]})") from None
+    except RecursionError:  # deeper than the JSON parser goes: the page never sends that
+        raise RouteError("body: JSON nested too deeply") from None
     if not isinstance(request, dict):
         raise RouteError(f"body: expected a JSON object, got a JSON {type(request).__name__}")
     return request
