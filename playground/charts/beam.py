@@ -44,6 +44,16 @@ WINNER = "#c4421a"
 TREE_TITLE = "Search tree<br><sup>drag to pan, box-zoom from the toolbar,</sup><br><sup>double-click to reset</sup>"
 ROW_PX = 26  # vertical pixels per leaf row
 COLLAPSED_OFFSET = 0.4  # a collapsed-pruned marker sits this far below its parent's row
+# Long searches (24-64 steps) get wider, not denser: STEP_PX per step, the page scrolls sideways
+# (app.CSS), and a token label is at most LABEL_CHARS characters (the full token is in the hover).
+STEP_PX = 58
+MIN_WIDTH = 760  # px: a short tree still spreads over a desktop column (a phone scrolls)
+MAX_HEIGHT = 1700
+MARGIN = {"l": 10, "r": 10, "t": 100, "b": 120}
+LABEL_CHARS = 6
+CHAR_PX = 0.62 * FONT  # a generous average glyph width of the chart font, for the label boxes
+LABEL_PX = 1.3 * FONT  # a label's line height
+LABEL_LIFT = 7  # px between a node's centre and the bottom of its label ("top center")
 
 
 @dataclass
@@ -168,6 +178,7 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
                 upto: int | None = None) -> go.Figure:
     """The search tree as a plotly figure (pan to move, scroll or box to zoom)."""
     nodes = build_tree(beam, collapse_pruned, highlight, upto)
+    labels = visible_labels(nodes)
     fig = go.Figure()
     for on_path in (False, True):
         xs, ys = [], []
@@ -180,32 +191,97 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
     for status in ("kept", "finished", "dropped", "pruned", "collapsed", "root"):
         group = [n for n in nodes.values() if n.status == status]
         if group:
-            fig.add_trace(_node_trace(status, group))
+            fig.add_trace(_node_trace(status, group, labels))
     path = [n for n in nodes.values() if n.on_path and n.status != "root"]
     if path:
         fig.add_trace(go.Scatter(x=[n.step for n in path], y=[n.y for n in path], mode="markers", name="winning path",
                                  hoverinfo="skip", marker={"size": 17, "color": "rgba(0,0,0,0)",
                                                            "line": {"color": WINNER, "width": 2.5}}))
-    rows = leaf_rows(nodes)
     fig.update_layout(
-        height=int(min(1700, max(460, 190 + ROW_PX * rows))), dragmode="pan", hovermode="closest",
-        margin={"l": 10, "r": 10, "t": 100, "b": 120}, plot_bgcolor="white", font={"size": FONT},
+        dragmode="pan", hovermode="closest", plot_bgcolor="white", font={"size": FONT},
         title={"text": TREE_TITLE, "x": 0.01, "font": {"size": FONT + 2}},
         legend={"orientation": "h", "x": 0, "yref": "container", "y": 0, "yanchor": "bottom", "font": {"size": FONT}},
         xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee", "tickfont": {"size": FONT}},
-        yaxis={"visible": False, "autorange": "reversed"},
+        **_frame(nodes),
     )
     return fig
 
 
-def _node_trace(status: str, group: list[TreeNode]) -> go.Scatter:
+@dataclass(frozen=True)
+class Frame:
+    """Where the tree's steps and rows land in pixels: fixed width and height, fixed axis ranges."""
+
+    width: int
+    height: int
+    x_range: tuple[float, float]
+    y_range: tuple[float, float]  # reversed: the first row on top
+
+    def px(self, step: float, row: float) -> tuple[float, float]:
+        """A node's centre in pixels from the plot area's top-left corner."""
+        plot_w = self.width - MARGIN["l"] - MARGIN["r"]
+        plot_h = self.height - MARGIN["t"] - MARGIN["b"]
+        x = (step - self.x_range[0]) / (self.x_range[1] - self.x_range[0]) * plot_w
+        y = (row - self.y_range[1]) / (self.y_range[0] - self.y_range[1]) * plot_h
+        return x, y
+
+
+def frame(nodes: dict[str, TreeNode]) -> Frame:
+    """The tree's frame: STEP_PX per step (at least MIN_WIDTH), ROW_PX per row (at most MAX_HEIGHT)."""
+    last = max((n.step for n in nodes.values()), default=0)
+    rows = leaf_rows(nodes)
+    x_range = (-1.5, last + 0.5)
+    width = int(max(MIN_WIDTH, (x_range[1] - x_range[0]) * STEP_PX + MARGIN["l"] + MARGIN["r"]))
+    height = int(min(MAX_HEIGHT, max(460, MARGIN["t"] + MARGIN["b"] + ROW_PX * (rows + 1))))
+    return Frame(width, height, x_range, (rows - 0.3, -0.9))  # room above row 0 for its labels
+
+
+def _frame(nodes: dict[str, TreeNode]) -> dict:
+    box = frame(nodes)
+    return {"width": box.width, "height": box.height, "autosize": False, "margin": dict(MARGIN),
+            "xaxis_range": list(box.x_range), "yaxis": {"visible": False, "range": list(box.y_range)}}
+
+
+def short_token(label: str) -> str:
+    """A node's label cut to LABEL_CHARS characters (…)."""
+    return label if len(label) <= LABEL_CHARS else label[: LABEL_CHARS - 1] + "…"
+
+
+def label_box(box: Frame, node: TreeNode, text: str) -> tuple[float, float, float, float]:
+    """The pixels (left, top, right, bottom) a label drawn "top center" over ``node`` covers."""
+    x, y = box.px(node.step, node.y)
+    half = len(text) * CHAR_PX / 2
+    return x - half, y - LABEL_LIFT - LABEL_PX, x + half, y - LABEL_LIFT
+
+
+def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def visible_labels(nodes: dict[str, TreeNode]) -> dict[str, str]:
+    """Node key -> the label drawn: the winning path first, then finished, kept and dropped nodes
+    step by step, each only where its box overlaps no label already placed (the rest: hover)."""
+    box = frame(nodes)
+    order = sorted((n for n in nodes.values() if n.status in ("kept", "finished", "dropped")),
+                   key=lambda n: (not n.on_path, n.dead_end, n.status != "finished", n.step, n.y))
+    placed: list[tuple[float, float, float, float]] = []
+    shown: dict[str, str] = {}
+    for node in order:
+        text = short_token(node.label)
+        rect = label_box(box, node, text)
+        if text.strip() and not any(_overlap(rect, other) for other in placed):
+            placed.append(rect)
+            shown[node.key] = text
+    return shown
+
+
+def _node_trace(status: str, group: list[TreeNode], labels: dict[str, str]) -> go.Scatter:
     small = status in ("pruned", "collapsed")
     labelled = status in ("kept", "finished", "dropped")
     sizes = [min(14, 6 + 2 * n.count) if status == "collapsed" else (7 if small else 11) for n in group]
     opacity = [0.35 if n.dead_end else 1.0 for n in group]
     return go.Scatter(
         x=[n.step for n in group], y=[n.y for n in group], mode="markers+text" if labelled else "markers",
-        name=STATUS_NAMES[status], text=[n.label for n in group] if labelled else None,
+        name=STATUS_NAMES[status], text=[labels.get(n.key, "") for n in group] if labelled else None,
         textposition="top center", textfont={"size": FONT}, hovertext=[n.hover for n in group], hoverinfo="text",
         marker={"size": sizes, "color": STATUS_COLOURS[status], "opacity": opacity,
                 "symbol": "diamond" if status == "finished" else "circle", "line": {"color": "white", "width": 1}},
