@@ -10,7 +10,7 @@ from engine.models import EMBEDDED, ModelRegistry, model_policy
 
 from . import downloads, events, examples, page_js, share_links
 from .events import ModelEvents
-from .shared import PanelView, Shared, model_pickers, user_presets_state
+from .shared import PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state
 from .views import beam, compare, lessons, presets, quantization, search, speculative, step, whatif
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
@@ -52,6 +52,13 @@ footer { display: none !important; }
 #present-temperature .min_value, #present-temperature .max_value, #present-temperature .reset-button { display: none; }
 #present-chart { flex: 1 1 0 !important; min-height: 280px; position: relative; padding: 0 !important; }
 #present-chart [data-testid=plotly], #present-chart .js-plotly-plot { position: absolute !important; inset: 0; width: 100% !important; height: 100% !important; }
+/* A narrow page's presenter chart has a fixed height (a bar's label never crowds the next); the overlay scrolls. */
+@media (max-width: 899px) {
+  #present-chart { flex: 0 0 auto !important; min-height: 0; }
+  #present-chart [data-testid=plotly], #present-chart .js-plotly-plot { position: static !important; height: auto !important; }
+}
+/* A long beam search is wider than the page (STEP_PX a step): it scrolls sideways. */
+#beam-tree [data-testid=plotly] { overflow-x: auto; max-width: 100%; }
 .dp-present-text { font-size: 2rem; line-height: 1.3; overflow-wrap: anywhere; max-height: 30vh; overflow: auto; }
 .dp-present-token { padding: 0 .3em; border-radius: 6px; background: #ffe08a; }
 .dp-present-label { font-size: 1.1rem; color: #555; }
@@ -74,6 +81,15 @@ footer { display: none !important; }
   #present-controls button { font-size: .9rem; padding: 4px 6px; min-height: 0; }
   #present-guess { padding: 4px !important; }
   #present-guess .label-text { font-size: .85rem; }
+  /* Step through on a phone: prompt, Generate/Stop and status, then the output (tokens, chart), then
+     the knobs. The left column dissolves into the row (display: contents) so its parts can be ordered. */
+  .row:has(> .column > .form > #step-prompt) { flex-direction: column !important; align-items: stretch !important; }
+  .column:has(> .form > #step-prompt) { display: contents !important; }
+  .column:has(> .form > #step-prompt) > * { order: 2; }
+  .column:has(> .form > #step-prompt) > .form:has(> #step-prompt),
+  .column:has(> .form > #step-prompt) > .row:has(#step-generate),
+  .column:has(> .form > #step-prompt) > #step-status { order: 0; }
+  .row:has(> .column > .form > #step-prompt) > .column:not(:has(> .form > #step-prompt)) { order: 1; }
 }
 """ + page_js.CSS
 
@@ -94,7 +110,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
     registry = registry or ModelRegistry()
     policy = model_policy().with_models(default_model)
     downloads.use_private_cache()  # Gradio's copies of downloads in this process's private folder, not /tmp/gradio
-    with gr.Blocks(title="Decoding Playground", delete_cache=downloads.GRADIO_DELETE_CACHE) as demo:
+    with PlaygroundBlocks(title="Decoding Playground", delete_cache=downloads.GRADIO_DELETE_CACHE) as demo:
         gr.Markdown(INTRO)
         with gr.Row():
             model, quant = model_pickers(default_model, policy.allowed)

@@ -165,11 +165,12 @@ def _legend_traces() -> list[dict]:
 
 
 @functools.lru_cache(maxsize=64)
-def _grid(rows: int, cols: int, vertical_spacing: float) -> tuple[str, tuple[tuple[float, float], ...]]:
+def _grid(rows: int, cols: int, vertical_spacing: float,
+          horizontal_spacing: float = 0.12) -> tuple[str, tuple[tuple[float, float], ...]]:
     """make_subplots' axes (domains and anchors, as JSON) and subplot-title positions for a grid,
     computed once per shape: the rest of a chart is built as plain dicts and validated once, since
     plotly's figure API re-validates on every update (~110 ms a chart against ~25 ms)."""
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=["·"] * (rows * cols), horizontal_spacing=0.12,
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=["·"] * (rows * cols), horizontal_spacing=horizontal_spacing,
                         vertical_spacing=vertical_spacing)
     layout = fig.to_plotly_json()["layout"]
     axes = {k: v for k, v in layout.items() if k.startswith(("xaxis", "yaxis"))}
@@ -183,14 +184,16 @@ def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
 
 
 def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW,
-                gap_px: int | None = None, meta: dict | None = None) -> go.Figure:
+                gap_px: int | None = None, meta: dict | None = None, panel_px: int = 260,
+                column_gap: float = 0.12) -> go.Figure:
     """Small multiples: the top-N tokens raw, after each stage in order, and final; tokens a stage
     removed are hatched; the chosen token is always drawn (after a gap when outside the top-N);
     the last panel shows where u landed. ``shared_axis``: every stage panel on one probability
     axis, so a stage's effect is bar length (False: each panel zoomed to its own scale).
     ``columns``: panels per row (1 or 2 suits a phone); ``gap_px``: the room between rows (None: a
     share of the height, which leaves tall single-column charts short panels); ``meta``: the
-    layout's meta (what the page reads back)."""
+    layout's meta (what the page reads back); ``panel_px``: a panel's height when ``gap_px`` is
+    given; ``column_gap``: the room between columns, a share of the width (their token labels sit in it)."""
     panels = list(step.stages)
     with_draw = step.draw is not None
     count = len(panels) + (1 if with_draw else 0)
@@ -199,9 +202,9 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     titles = [stage_title(s) for s in panels]
     if with_draw:
         titles.append(f"where the draw<br>landed: u = {step.draw:.3f}<br><sup>sorted cumulative</sup>")
-    height = max(360, (330 if gap_px is None else 260 + gap_px) * rows + 120)
+    height = max(360, (330 if gap_px is None else panel_px + gap_px) * rows + 120)
     spacing = min(0.3, 0.5 / rows) if gap_px is None else gap_px / (height - 180)  # 180: top + bottom margins
-    axes_json, positions = _grid(rows, cols, spacing if rows > 1 else 0.1)
+    axes_json, positions = _grid(rows, cols, spacing if rows > 1 else 0.1, column_gap if cols > 1 else 0.12)
     layout: dict = json.loads(axes_json)
     suffix = ["" if i == 0 else str(i + 1) for i in range(count)]  # panel i's axes: x, y, x2, y2...
     data: list[dict] = []
@@ -241,6 +244,23 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     if meta is not None:
         layout["meta"] = meta
     return go.Figure(dict(data=data, layout=layout))
+
+
+def panel_rows(step: StepTrace) -> list[int]:
+    """How many bars (token rows) each panel of ``stage_chart`` draws, the draw panel last."""
+    counts = [len(s.top) + len(s.removed) + (2 if _chosen_outside(s, step) is not None else 0) for s in step.stages]
+    if step.draw is not None:
+        counts.append(len(step.stages[-1].top) + (0 if any(t.token_id == step.chosen_token_id
+                                                             for t in step.stages[-1].top) else 1))
+    return counts
+
+
+def tick_labels(step: StepTrace) -> list[str]:
+    """Every token label the chart's panels write on their y axes."""
+    labels = []
+    for trace in [t for s in step.stages for t in _stage_traces(s, step)] + (_draw_traces(step) if step.draw is not None else []):
+        labels += [y for y in trace["y"] if y is not None]
+    return labels
 
 
 def panel_columns(panels: int, width: float | None) -> int:
