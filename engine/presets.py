@@ -275,7 +275,9 @@ def load_preset(source: Any, *, allow_paths: bool = False) -> Preset:
         return parse_preset_json(source)
     if allow_paths:
         return _load_preset_file(source, builtins)
-    raise PresetError(f"preset: {short_repr(source)} is not a built-in preset ({', '.join(builtins)}); "
+    names = ", ".join(builtins)
+    names = names if len(names) <= 120 else names[:names.rfind(", ", 0, 120)] + ", ..."  # the message stays one short line
+    raise PresetError(f"preset: {short_repr(source)} is not a built-in preset ({names}); "
                       "give a built-in name or a preset JSON object")
 
 

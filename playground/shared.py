@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import inspect
 import os
 import time
 from dataclasses import dataclass
@@ -38,6 +39,15 @@ SESSION_TTL_S = 3600  # gr.State of an idle session is dropped after this
 
 class UserError(ValueError):
     """Bad input from the page: shown next to the control, nothing else changes."""
+
+
+MAX_MESSAGE_CHARS = 300
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` as one line of at most ``limit`` characters (a huge echoed input is cut)."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ class Shared:
             spec = ModelSpec(source=source, quantization=quantization or "none")
             return self.registry.get(spec, progress)
         except ModelLoadError as exc:
-            raise UserError(str(exc)) from None
+            raise UserError(one_line(str(exc))) from None
 
     def loaded_lm(self, source: Any, quantization: Any) -> LoadedModel | None:
         """The model the pickers name if the policy allows it and it is loaded already, else None
@@ -82,7 +92,7 @@ class Shared:
             source = self.policy.check((source or EMBEDDED).strip() if isinstance(source, str) else source)
             spec = ModelSpec(source=source, quantization=quantization or "none")
         except ModelLoadError as exc:
-            raise UserError(str(exc)) from None
+            raise UserError(one_line(str(exc))) from None
         return self.registry.peek(spec)
 
     def prepare(self, panel: Any, values: Sequence, model: str, quantization: str, prompt: str,
@@ -107,7 +117,7 @@ class Shared:
         try:
             ids = lm.encode(prompt, chat)
         except ModelLoadError as exc:
-            raise UserError(str(exc)) from None
+            raise UserError(one_line(str(exc))) from None
         if len(ids) > self.max_prompt_tokens:
             raise UserError(f"prompt: {len(ids):,} tokens is over the {self.max_prompt_tokens:,}-token limit")
         return ids
@@ -157,6 +167,24 @@ class Shared:
         if config.strategy not in strategies:
             raise ConfigError("strategy", f"this endpoint runs {' | '.join(strategies)}, got {config.strategy!r}")
         return config
+
+
+class PlaygroundBlocks(gr.Blocks):
+    """gr.Blocks whose named API endpoints (``gr.api``) take a raw call with too few arguments as
+    gradio_client does: missing trailing arguments get their defaults, and a missing required one
+    is a one-line error naming it (Gradio's own check answers such a call with ``{"error": null}``)."""
+
+    def validate_inputs(self, block_fn: Any, inputs: list[Any]) -> None:
+        from gradio.components.api_component import Api
+
+        wanted = block_fn.inputs
+        if len(inputs) < len(wanted) and wanted and all(isinstance(b, Api) for b in wanted):
+            params = list(inspect.signature(block_fn.fn).parameters.values())[:len(wanted)]
+            for param in params[len(inputs):]:
+                if param.default is inspect.Parameter.empty:
+                    raise gr.Error(f"{param.name}: missing; this endpoint needs it (see the app's API page)")
+                inputs.append(param.default)
+        super().validate_inputs(block_fn, inputs)
 
 
 @dataclass

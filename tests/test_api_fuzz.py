@@ -21,11 +21,14 @@ CALL_SECONDS = 90
 BIG = "x" * 100_000
 HOSTILE_STRINGS = ["<a href=//evil.example>x</a>", "<img src=x onerror=alert(1)>", "<script>alert(1)</script>",
                    "\ud800", BIG, "/etc/passwd", "~/.ssh", "../../x.json"]
-WRONG_TYPES = {"str": [5, ["x"], {"a": 1}, None], "float": ["hot", [1], None], "int": ["5x", [1], None],
-               "bool": ["yes", [True]], "dict": ["{", [1], 5, "<b>x</b>"], "list": ["x", {"a": 1}, 5]}
+DEEP = {"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}  # 41 deep
+WRONG_TYPES = {"str": [5, ["x"], {"a": 1}, None, DEEP], "float": ["hot", [1], None, {"a": 1}],
+               "int": ["5x", [1], None, {"a": 1}], "bool": ["yes", "no", [True], 0, None, {"a": 1}],
+               "dict": ["{", [1], 5, "<b>x</b>", DEEP], "list": ["x", {"a": 1}, 5, True, [DEEP]]}
 SECRETS = ("root:x:0:0", "BEGIN OPENSSH", "PRIVATE KEY")
 TAG = re.compile(r"<\s*(a|img|script)\b", re.IGNORECASE)
 NAMED = re.compile(r"^[^\n:]{1,80}: \S")
+ONE_LINE = 300
 SMALL_CONFIG = {"max_new_tokens": 2, "seed": 1}
 # Cheap valid values for parameters whose defaults run long (every quantized variant, 32 uncached
 # steps, five seeds): the fuzz is about the boundary, not about running each report in full.
@@ -66,6 +69,8 @@ def _cases(parameters: list[dict]):
 def _check_error(message: str, label: str) -> str | None:
     if "upstream" in message.lower() or not NAMED.match(message):
         return f"{label}: generic error {message[:160]!r}"
+    if "\n" in message or len(message) > ONE_LINE:
+        return f"{label}: not one short line ({len(message)} characters) {message[:160]!r}"
     if any(s in message for s in SECRETS):
         return f"{label}: file content in the message"
     if TAG.search(message):
@@ -115,3 +120,65 @@ def test_every_endpoint_fails_cleanly_or_answers_strictly(live_app):
         problems = [p for found in pool.map(work, range(CLIENTS)) for p in found]
     print(f"{len(cases)} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s")
     assert not problems, f"{len(problems)} of {len(cases)} calls misbehaved:\n" + "\n".join(problems[:80])
+
+
+def _strict_loads(text: str):
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _raw(base: str, api_name: str, body: str) -> tuple[str | None, object]:
+    """A raw HTTP call (as curl or a non-Python client makes it, NaN and missing arguments allowed):
+    the final event's kind and its data, parsed as strict JSON."""
+    import httpx
+
+    res = httpx.post(f"{base}/gradio_api/call{api_name}", content=body,
+                     headers={"Content-Type": "application/json"}, timeout=60)
+    if res.status_code != 200:
+        return "http", res.text[:200]
+    text = httpx.get(f"{base}/gradio_api/call{api_name}/{res.json()['event_id']}", timeout=CALL_SECONDS).text
+    kind, data = None, None
+    for line in text.splitlines():
+        if line.startswith("event: "):
+            kind = line[7:].strip()
+        elif line.startswith("data: ") and kind in ("complete", "error"):
+            data = _strict_loads(line[6:])
+    return kind, data
+
+
+def _named_error(kind, data, label: str, argument: str | None) -> str | None:
+    message = data.get("error") if isinstance(data, dict) else None
+    if kind != "error" or not isinstance(message, str):
+        return f"{label}: expected a named error, got {kind} {str(data)[:120]!r}"
+    if argument is not None and not message.startswith(f"{argument}: "):
+        return f"{label}: the message does not name {argument}: {message[:160]!r}"
+    return _check_error(message, label)
+
+
+def test_every_endpoint_refuses_raw_calls_cleanly(live_app):
+    """Raw HTTP: no arguments at all (a missing required argument is named, defaults are taken as
+    gradio_client takes them), and NaN / a huge string / deep nesting in each argument. Every answer
+    parses as strict JSON (no NaN echoed back)."""
+    from gradio_client import Client
+
+    endpoints = Client(live_app, verbose=False).view_api(print_info=False, return_format="dict")["named_endpoints"]
+    problems = []
+    for api_name, info in sorted(endpoints.items()):
+        params = info.get("parameters", [])
+        required = [p["parameter_name"] for p in params if not p.get("parameter_has_default")]
+        if required:
+            problems.append(_named_error(*_raw(live_app, api_name, '{"data": []}'), f"{api_name} no args", required[0]))
+        base = [json.dumps(_baseline(p)) for p in params]
+        for i, p in enumerate(params):
+            for value in ("NaN", "Infinity", json.dumps("x" * 100_000), "[" * 60 + "]" * 60):
+                args = list(base)
+                args[i] = value
+                label = f"{api_name} {p['parameter_name']}={value[:12]}"
+                kind, data = _raw(live_app, api_name, '{"data": [' + ", ".join(args) + "]}")
+                if kind == "complete":
+                    continue  # an accepted value: its answer parsed as strict JSON above
+                problems.append(_named_error(kind, data, label, None))
+    problems = [p for p in problems if p]
+    assert not problems, f"{len(problems)} raw calls misbehaved:\n" + "\n".join(problems[:60])
