@@ -481,15 +481,16 @@ def branch_trace(shared: Shared, parent: dict | str, step: int, token_id: int, m
     return last.trace.to_dict()
 
 
-def parent_trace(shared: Shared, lm: LoadedModel, parent: Any) -> Trace:
-    """An untrusted trace JSON (object or text) as a Trace whose token ids fit ``lm``."""
+def parent_trace(shared: Shared, lm: LoadedModel, parent: Any, key: str = "parent") -> Trace:
+    """An untrusted trace JSON (object or text) as a Trace whose token ids fit ``lm``; errors name
+    ``key`` (the API argument that carried it)."""
     try:
-        trace = untrusted_trace(parent, "parent")  # size-capped as a run (engine.trace.check_trace_size)
+        trace = untrusted_trace(parent, key)  # size-capped as a run (engine.trace.check_trace_size)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
     ids = [*trace.prompt_token_ids, *trace.generated_token_ids]
     if not trace.prompt_token_ids or len(trace.prompt_token_ids) > shared.max_prompt_tokens:
-        raise UserError(f"parent: prompt_token_ids must hold 1 to {shared.max_prompt_tokens} tokens")
+        raise UserError(f"{key}: prompt_token_ids must hold 1 to {shared.max_prompt_tokens} tokens")
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < lm.vocab_size for i in ids):
-        raise UserError(f"parent: token ids must be integers in [0, {lm.vocab_size})")
+        raise UserError(f"{key}: token ids must be integers in [0, {lm.vocab_size})")
     return trace

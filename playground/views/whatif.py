@@ -323,7 +323,7 @@ def explore_api(shared: Shared, trace: dict | str, step: int, knobs: dict | None
     from .step import parent_trace
 
     lm = shared.lm(model, quantization)
-    parsed = parent_trace(shared, lm, trace)
+    parsed = parent_trace(shared, lm, trace, "trace")
     if isinstance(step, bool) or not isinstance(step, int):
         raise ConfigError("step", f"expected an integer, got {step!r:.40}")
     control.check()
