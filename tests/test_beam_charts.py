@@ -80,7 +80,7 @@ def _label_boxes(fig) -> list[tuple[float, float, float, float]]:
     """The pixel boxes of the figure's visible token labels, computed from the figure alone (its
     fixed width, height, margins and axis ranges; a label is 'top center' above its marker)."""
     lay = fig.layout
-    plot_w = lay.width - lay.margin.l - lay.margin.r
+    plot_w = (lay.width or charts.FIT_WIDTH) - lay.margin.l - lay.margin.r  # autosized: at least FIT_WIDTH
     plot_h = lay.height - lay.margin.t - lay.margin.b
     (x0, x1), (y0, y1) = lay.xaxis.range, lay.yaxis.range
     boxes = []
@@ -117,9 +117,15 @@ def test_long_trees_scroll_wide_and_no_two_labels_overlap():
         assert len(boxes) >= steps * 2  # more than the path: the room is used
 
 
-def test_a_short_tree_is_not_squeezed_and_keeps_all_its_labels():
-    trace = long_search(6)
+def test_a_short_tree_fills_its_box_and_keeps_all_its_labels():
+    """4 steps fit a phone's 370 px: no fixed width (a desktop spreads it wider), every label shown."""
+    trace = long_search(4)
     fig = charts.tree_figure(trace)
     labelled = [n for n in charts.build_tree(trace).values() if n.status in ("kept", "finished")]
     assert len(_label_boxes(fig)) == len(labelled)
-    assert fig.layout.width == charts.MIN_WIDTH
+    assert fig.layout.width is None and fig.layout.autosize is True and fig.layout.legend.orientation == "h"
+
+
+def test_a_wide_trees_legend_is_one_column_at_the_left():
+    fig = charts.tree_figure(long_search(24))
+    assert fig.layout.legend.orientation == "v" and fig.layout.legend.x == 0

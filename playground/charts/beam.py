@@ -47,9 +47,10 @@ COLLAPSED_OFFSET = 0.4  # a collapsed-pruned marker sits this far below its pare
 # Long searches (24-64 steps) get wider, not denser: STEP_PX per step, the page scrolls sideways
 # (app.CSS), and a token label is at most LABEL_CHARS characters (the full token is in the hover).
 STEP_PX = 58
-MIN_WIDTH = 760  # px: a short tree still spreads over a desktop column (a phone scrolls)
+FIT_WIDTH = 370  # px: a tree this narrow fits a phone: it fills its box (labels placed for this width)
 MAX_HEIGHT = 1700
 MARGIN = {"l": 10, "r": 10, "t": 100, "b": 120}
+WIDE_BOTTOM = 190  # px: a wider tree's legend is one column at the left (a phone sees it without scrolling)
 LABEL_CHARS = 6
 CHAR_PX = 0.62 * FONT  # a generous average glyph width of the chart font, for the label boxes
 LABEL_PX = 1.3 * FONT  # a label's line height
@@ -200,7 +201,6 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
     fig.update_layout(
         dragmode="pan", hovermode="closest", plot_bgcolor="white", font={"size": FONT},
         title={"text": TREE_TITLE, "x": 0.01, "font": {"size": FONT + 2}},
-        legend={"orientation": "h", "x": 0, "yref": "container", "y": 0, "yanchor": "bottom", "font": {"size": FONT}},
         xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee", "tickfont": {"size": FONT}},
         **_frame(nodes),
     )
@@ -215,29 +215,37 @@ class Frame:
     height: int
     x_range: tuple[float, float]
     y_range: tuple[float, float]  # reversed: the first row on top
+    bottom: int = MARGIN["b"]  # px under the plot area (axis, legend)
 
     def px(self, step: float, row: float) -> tuple[float, float]:
         """A node's centre in pixels from the plot area's top-left corner."""
         plot_w = self.width - MARGIN["l"] - MARGIN["r"]
-        plot_h = self.height - MARGIN["t"] - MARGIN["b"]
+        plot_h = self.height - MARGIN["t"] - self.bottom
         x = (step - self.x_range[0]) / (self.x_range[1] - self.x_range[0]) * plot_w
         y = (row - self.y_range[1]) / (self.y_range[0] - self.y_range[1]) * plot_h
         return x, y
 
 
 def frame(nodes: dict[str, TreeNode]) -> Frame:
-    """The tree's frame: STEP_PX per step (at least MIN_WIDTH), ROW_PX per row (at most MAX_HEIGHT)."""
+    """The tree's frame: STEP_PX per step (at least FIT_WIDTH), ROW_PX per row (at most MAX_HEIGHT)."""
     last = max((n.step for n in nodes.values()), default=0)
     rows = leaf_rows(nodes)
     x_range = (-1.5, last + 0.5)
-    width = int(max(MIN_WIDTH, (x_range[1] - x_range[0]) * STEP_PX + MARGIN["l"] + MARGIN["r"]))
-    height = int(min(MAX_HEIGHT, max(460, MARGIN["t"] + MARGIN["b"] + ROW_PX * (rows + 1))))
-    return Frame(width, height, x_range, (rows - 0.3, -0.9))  # room above row 0 for its labels
+    width = int(max(FIT_WIDTH, (x_range[1] - x_range[0]) * STEP_PX + MARGIN["l"] + MARGIN["r"]))
+    bottom = MARGIN["b"] if width <= FIT_WIDTH else WIDE_BOTTOM
+    height = int(min(MAX_HEIGHT, max(460, MARGIN["t"] + bottom + ROW_PX * (rows + 1))))
+    return Frame(width, height, x_range, (rows - 0.3, -0.9), bottom)  # room above row 0 for its labels
 
 
 def _frame(nodes: dict[str, TreeNode]) -> dict:
+    """A tree that fits FIT_WIDTH fills its box (wider on a desktop: labels only get more room);
+    a wider one has a fixed width that its box scrolls, and its legend in one column at the left."""
     box = frame(nodes)
-    return {"width": box.width, "height": box.height, "autosize": False, "margin": dict(MARGIN),
+    fixed = box.width > FIT_WIDTH
+    legend = {"orientation": "v" if fixed else "h", "x": 0, "yref": "container", "y": 0, "yanchor": "bottom",
+              "font": {"size": FONT}}
+    return {"width": box.width if fixed else None, "height": box.height, "autosize": not fixed,
+            "margin": dict(MARGIN, b=box.bottom), "legend": legend,
             "xaxis_range": list(box.x_range), "yaxis": {"visible": False, "range": list(box.y_range)}}
 
 

@@ -55,11 +55,11 @@ def short_label(label: str, limit: int = 12) -> str:
     return label if len(label) <= limit else label[: limit - 1] + "…"
 
 
-def _wrap(text: str) -> str:
-    return "<br>".join(textwrap.wrap(text, TITLE_WRAP, break_long_words=False)) or text
+def _wrap(text: str, width: int = TITLE_WRAP) -> str:
+    return "<br>".join(textwrap.wrap(text, width, break_long_words=False)) or text
 
 
-def stage_title(stage: StageTrace) -> str:
+def stage_title(stage: StageTrace, wrap: int = TITLE_WRAP) -> str:
     """The stage and its knobs in words (wrapped to short lines), then what it kept and removed."""
     kept = f"kept {tokens_word(stage.kept)}"
     removed = f"−{stage.mass_removed:.1%}" if stage.mass_removed > 0 else ""
@@ -68,7 +68,7 @@ def stage_title(stage: StageTrace) -> str:
         note = f"<sup>{kept}</sup>" + (f"<br><sup>{removed}</sup>" if removed else "")
     else:
         note = f"<sup>{kept} · {removed}</sup>"
-    return f"{_wrap(html.escape(stage_heading(stage), quote=False))}<br>{note}"
+    return f"{_wrap(html.escape(stage_heading(stage), quote=False), wrap)}<br>{note}"
 
 
 def _hover(stage: StageTrace) -> str:
@@ -199,7 +199,7 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     count = len(panels) + (1 if with_draw else 0)
     cols = max(1, min(columns, count))
     rows = math.ceil(count / cols)
-    titles = [stage_title(s) for s in panels]
+    titles = [stage_title(s, TITLE_WRAP if cols > 1 else 2 * TITLE_WRAP) for s in panels]  # one column: a phone's width
     if with_draw:
         titles.append(f"where the draw<br>landed: u = {step.draw:.3f}<br><sup>sorted cumulative</sup>")
     height = max(360, (330 if gap_px is None else panel_px + gap_px) * rows + 120)
