@@ -17,7 +17,6 @@ from .config import DecodingConfig
 from .core import RunState, assemble, draw_at, step_trace
 from .metrics import common_prefix
 from .models import LoadedModel
-from .processors import Chain
 from .trace import StepTrace, Trace
 
 
@@ -89,7 +88,7 @@ def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict | None, lo
     ValueError when the knobs leave no token to pick."""
     config = explore.explore_config(trace, knobs)
     ids = torch.tensor([explore.step_context(trace, step)], dtype=torch.long, device=lm.device)  # [1, S]
-    chain = Chain.from_config(config, len(trace.prompt_token_ids), lm.tokenizer, lm.eos_token_ids)
+    chain = explore.step_chain(lm, trace, step, config)  # stateful stages as the run had them at this step
     traced = chain.traced(ids, logits.float(), config.top_n, lm.token_text)
     run = trace.steps[step]
     if not sampling.has_tokens(traced.logits):

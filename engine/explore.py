@@ -61,10 +61,18 @@ def explore_step(lm: LoadedModel, trace: Trace, step: int, knobs: Any = None, *,
     if logits is None:
         logits = raw_logits(lm, trace, step, cache)
     ids = torch.tensor([context], dtype=torch.long, device=lm.device)
+    chain = step_chain(lm, trace, step, config)
+    return chain.traced(ids, logits.float(), config.top_n, lm.token_text).stages
+
+
+def step_chain(lm: LoadedModel, trace: Trace, step: int, config: DecodingConfig) -> Chain:
+    """``config``'s stage chain as it stood at step ``step`` of ``trace``: the stateful stages hold
+    the state the run recorded there (mirostat's μ, XTC's draw), so the run's own knobs reproduce
+    the step exactly; a stage the run lacked draws from ``whatif_generator``."""
     chain = Chain.from_config(config, len(trace.prompt_token_ids), lm.tokenizer, lm.eos_token_ids,
                               generator=whatif_generator(config, step, lm.device))
     chain.load_states(trace.steps[step].stages)
-    return chain.traced(ids, logits.float(), config.top_n, lm.token_text).stages
+    return chain
 
 
 def whatif_generator(config: DecodingConfig, step: int, device: Any = "cpu") -> torch.Generator:

@@ -106,3 +106,16 @@ def test_loaded_state_replaces_the_draw():
     stage.load_state({"u": 0.25})
     stage(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[3.0, 2.9, 0.0]]))
     assert stage.params["u"] == 0.25 and stage.params["fired"] and stage.state() == {"u": 0.25}
+
+
+@pytest.mark.parametrize("name", ["mirostat-v1", "mirostat-v2", "xtc"])
+def test_step_through_whatif_reproduces_the_step_and_its_pick(tiny_lm, traces, name):
+    """The page's what-if (engine.decode.whatif_step, from kept raw logits) with the run's own
+    knobs: the run's stages and the run's token at the first, a middle and the last step."""
+    from engine import decode
+
+    trace = traces[name]
+    for step in (0, len(trace.steps) // 2, len(trace.steps) - 1):
+        changed = decode.whatif_step(tiny_lm, trace, step, {}, explore.raw_logits(tiny_lm, trace, step))
+        _same(changed.stages, trace.steps[step].stages)
+        assert changed.chosen_token_id == trace.steps[step].chosen_token_id
