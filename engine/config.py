@@ -7,8 +7,12 @@ A neutral value means "this stage does nothing", so presets can be sparse.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -367,9 +371,6 @@ def _accepts(kind: type, value: Any) -> bool:
 def _kinds(annotation: Any) -> tuple[tuple[type, ...], bool] | None:
     """(the plain JSON types an annotation allows, whether None is allowed), or None when the
     annotation is not made of them (Any, a dataclass...): that argument is left to its handler."""
-    import types
-    import typing
-
     args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
     kinds, optional = [], False
     for arg in args:
@@ -401,10 +402,6 @@ def check_arguments(fn: Any, args: tuple, kwargs: dict) -> None:
     has the JSON type its annotation names (bool exactly True/False, int/float finite numbers, str,
     list, dict; None where the annotation allows it) and is at most MAX_ARGUMENT_DEPTH deep. A
     ConfigError names the first bad argument and its (truncated) value."""
-    import functools
-    import inspect
-    import typing
-
     target = fn.func if isinstance(fn, functools.partial) else fn
     try:
         hints = typing.get_type_hints(target)

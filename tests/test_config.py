@@ -77,3 +77,38 @@ def test_parse_set_value_types():
     assert parse_set_value("adaptive_k", "true") is True
     assert parse_set_value("drafter", "ngram") == "ngram"
     assert parse_set_value("stage_order", "top_p, temperature") == ["top_p", "temperature"]
+
+
+DEEP = [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]  # 34 deep
+
+
+def _endpoint(prompt: str, config: dict | None = None, chat: bool = False, seed: int | None = None,
+              items: list[str] | None = None, control=None) -> None:
+    """A stand-in API function: check_arguments reads its annotations."""
+
+
+@pytest.mark.parametrize("args, key, fragment", [
+    (("Hi", None, float("nan")), "chat", "expected true or false, got nan"),
+    (("Hi", None, "no"), "chat", "expected true or false, got 'no'"),
+    (("Hi", None, 0), "chat", "expected true or false"),
+    ((["Hi"],), "prompt", "expected text"),
+    (("Hi", [1]), "config", "expected a JSON object or null"),
+    (("Hi", None, False, 1.5), "seed", "expected an integer or null"),
+    (("Hi", None, False, None, True), "items", "expected a list or null"),
+    (("Hi", {"a": DEEP}), "config", "nested more than 32"),
+    (("x" * 10_000, None, "x" * 10_000), "chat", "..."),
+])
+def test_check_arguments_names_the_argument(args, key, fragment):
+    from engine.config import check_arguments
+
+    with pytest.raises(ConfigError) as err:
+        check_arguments(_endpoint, args, {})
+    message = str(err.value)
+    assert message.startswith(f"{key}: ") and fragment in message and len(message) < 200
+
+
+def test_check_arguments_accepts_what_the_annotations_allow():
+    from engine.config import check_arguments
+
+    check_arguments(_endpoint, ("Hi", {"a": 1}, True, 3.0, ["x"]), {})
+    check_arguments(_endpoint, ("Hi",), {"chat": False, "seed": None})
