@@ -18,6 +18,25 @@ from playground.views import step as step_view
 pytestmark = pytest.mark.slow
 
 
+def run_coroutine(make: Any) -> Any:
+    """``asyncio.run(make())`` on a thread of its own: a Playwright sync session earlier in the same
+    pytest process leaves an event loop running on the main thread, where ``asyncio.run`` refuses."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(make())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="test-event-loop")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class Page:
     """One browser page of ``demo``: every component's value (its default until an event changed
     it); ``fire`` runs a registered event's function with the page's values as inputs and applies
@@ -52,7 +71,7 @@ class Page:
             return [await result if asyncio.iscoroutine(result) else result]
 
         shown = []
-        for row in asyncio.run(collect()):
+        for row in run_coroutine(collect):
             update = row if isinstance(row, dict) else dict(zip(dep.outputs, row))
             named = {}
             for block, value in update.items():

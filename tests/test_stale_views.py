@@ -6,13 +6,12 @@ previous run's charts. Driven through the app's own registered events (tests/tes
 
 from __future__ import annotations
 
-import asyncio
 
 import gradio as gr
 import pytest
 
 from playground.views import stale
-from test_continue_compare import Page
+from test_continue_compare import Page, run_coroutine
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +148,7 @@ def test_stop_mid_run_leaves_no_chart_of_the_previous_run(demo, view, chart, par
         await agen.aclose()
         return rows
 
-    for row in asyncio.run(stopped()):
+    for row in run_coroutine(stopped):
         for block, value in zip(dep.outputs, row):
             if isinstance(value, dict) and value.get("__type__") == "update":
                 if "value" not in value:
