@@ -20,7 +20,9 @@ step's distribution is compared with the reference's (KL, TV, top-1 agreement). 
 the kind decodes greedily on its own, which gives its speed, its memory over the run and the
 first step where its text leaves the reference.
 
-Every loop here calls ``control.check()`` once per forward (``control`` keyword).
+Every loop here calls ``control.check()`` once per forward (``control`` keyword). A report
+stopped by its control (cancelled, or past its time limit) after its reference run is returned as
+far as it got, with ``stopped`` saying why; stopped before that, ``RunStopped`` is raised.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from . import decode, kv_quant
 from .cache import KVCache
 from .config import DecodingConfig
-from .control import RunControl, check
+from .control import RunControl, RunStopped, check
 from .core import StopCheck, check_prompt, timing
 from .metrics import first_divergence
 from .models import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
@@ -94,6 +96,7 @@ class DriftReport:
     requested: list[str]  # the variants asked for, in QUANTIZATIONS order
     variants: list[VariantDrift] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # variant -> why it could not be measured
+    stopped: str = ""  # why the report ended before every variant was measured ("" when complete)
 
     def pending(self) -> list[str]:
         """Variants not yet measured (nor failed)."""
@@ -165,17 +168,21 @@ def measure_variant(ref_lm: LoadedModel, lm: LoadedModel, prompt_ids: Sequence[i
 
 
 def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
-                 variants: Sequence[str] = QUANTIZATIONS) -> Iterator[DriftReport]:
+                 variants: Sequence[str] = QUANTIZATIONS, *, control: RunControl | None = None
+                 ) -> Iterator[DriftReport]:
     """Yield the report after the reference run, then again as each variant finishes (the same
     object each time, growing).
 
     ``registry``: a ModelRegistry (``get(spec)``, ``loaded()``). A variant that cannot be loaded
-    (e.g. bitsandbytes missing) is recorded in ``errors``; the reference failing raises."""
+    (e.g. bitsandbytes missing) is recorded in ``errors``; the reference failing raises.
+    ``control`` is checked before every forward and every load: once it stops the run, the report
+    is yielded a last time with ``stopped`` set (RunStopped is raised if the reference run was cut)."""
     requested = normalise_variants(variants)
     config = greedy_config(max_new_tokens)
+    check(control)
     ref_lm = registry.get(ModelSpec(source, REFERENCE))
     prompt_ids = ref_lm.encode(prompt, chat)
-    reference = list(decode.stream(ref_lm, prompt_ids, config))
+    reference = list(checked_stream(ref_lm, prompt_ids, config, None, control))
     ref_ids = [s.chosen_token_id for s in reference]
     ref_logits = teacher_forced_logits(ref_lm, prompt_ids, ref_ids)
     report = DriftReport(
@@ -185,25 +192,31 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
         requested=requested,
     )
     yield report
-    for quantization in requested:
-        spec = ModelSpec(source, quantization)
-        was_loaded = spec in registry.loaded()
-        try:
-            lm = registry.get(spec)
-        except ModelLoadError as exc:
-            report.errors[quantization] = str(exc)
+    try:
+        for quantization in requested:
+            check(control)
+            spec = ModelSpec(source, quantization)
+            was_loaded = spec in registry.loaded()
+            try:
+                lm = registry.get(spec)
+            except ModelLoadError as exc:
+                report.errors[quantization] = str(exc)
+                yield report
+                continue
+            own = reference if quantization == REFERENCE else list(checked_stream(lm, prompt_ids, config, None, control))
+            check(control)  # before the variant's teacher-forced forward
+            report.variants.append(measure_variant(ref_lm, lm, prompt_ids, reference, ref_logits, own, was_loaded))
             yield report
-            continue
-        own = reference if quantization == REFERENCE else list(decode.stream(lm, prompt_ids, config))
-        report.variants.append(measure_variant(ref_lm, lm, prompt_ids, reference, ref_logits, own, was_loaded))
+    except RunStopped as exc:
+        report.stopped = str(exc)
         yield report
 
 
 def quantization_report(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
-                        variants: Sequence[str] = QUANTIZATIONS) -> DriftReport:
-    """The whole drift report (see ``stream_drift``)."""
+                        variants: Sequence[str] = QUANTIZATIONS, *, control: RunControl | None = None) -> DriftReport:
+    """The whole drift report (see ``stream_drift``); as far as it got when ``control`` stopped it."""
     report = None
-    for report in stream_drift(registry, source, prompt, chat, max_new_tokens, variants):
+    for report in stream_drift(registry, source, prompt, chat, max_new_tokens, variants, control=control):
         pass
     return report
 
@@ -220,7 +233,7 @@ class KVStep:
     index: int  # generated token number
     position: int  # sequence length the model read to produce it (prompt + tokens before it)
     cached_ms: float  # with the cache (step 0 includes the prefill)
-    uncached_ms: float  # recomputing the whole sequence
+    uncached_ms: float | None  # recomputing the whole sequence; None when the report stopped before this step
 
 
 @dataclass
@@ -250,6 +263,7 @@ class KVReport:
     bytes_per_element: int
     formula: str  # the formula with its numbers, for display
     note: str = ""  # e.g. the cap on the length, when it applied
+    stopped: str = ""  # why the report ended early ("" when complete); speeds then cover the steps both loops ran
 
 
 def kv_geometry(lm: LoadedModel) -> tuple[int, int, int, int]:
@@ -258,24 +272,23 @@ def kv_geometry(lm: LoadedModel) -> tuple[int, int, int, int]:
     return geo.layers, geo.kv_heads, geo.head_dim, geo.bytes_per_element
 
 
-@torch.inference_mode()
-def uncached_greedy(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
-                    control: RunControl | None = None) -> tuple[list[int], list[float]]:
-    """The nanoGPT loop: feed the WHOLE sequence at every step, take the argmax. Returns the
-    generated ids and the milliseconds each step took."""
+def uncached_steps(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+                   control: RunControl | None = None) -> Iterator[tuple[int, float]]:
+    """The nanoGPT loop: feed the WHOLE sequence at every step, take the argmax. Yields each
+    generated id and the milliseconds its step took; ``control`` is checked before every forward."""
     stopper = StopCheck(lm, config)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)  # [1, S]
     generated: list[int] = []
-    times: list[float] = []
     while True:
         check(control)
         start = time.perf_counter()
-        logits = lm.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1, :]  # [1, V]
+        with torch.inference_mode():
+            logits = lm.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1, :]  # [1, V]
         token = int(logits.argmax(-1))
-        times.append((time.perf_counter() - start) * 1000)
         generated.append(token)
+        yield token, (time.perf_counter() - start) * 1000
         if stopper.reason(generated) is not None:
-            return generated, times
+            return
         ids = torch.cat([ids, torch.tensor([[token]], device=lm.device)], dim=1)  # [1, S + 1]
 
 
@@ -297,35 +310,50 @@ def capped(max_new_tokens: int, cap: int, why: str) -> tuple[int, str]:
 
 def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32, *,
                     control: RunControl | None = None) -> KVReport:
-    """Greedy with the KV cache (``decode.stream``, trace capture included) vs without it."""
+    """Greedy with the KV cache (``decode.stream``, trace capture included) vs without it.
+    ``control`` is checked before every forward of both loops; stopped during the uncached loop, the
+    report covers the steps both loops ran and says so in ``stopped`` (earlier, RunStopped is raised)."""
     n, note = capped(max_new_tokens, MAX_UNCACHED_TOKENS, "the uncached loop is quadratic in the length")
     config = greedy_config(n)
     prompt_ids = lm.encode(prompt, chat)
     check_prompt(prompt_ids)
+    check(control)
     with torch.inference_mode():  # one throw-away forward, so neither loop pays first-call costs
         lm.model(input_ids=torch.tensor([prompt_ids], device=lm.device), use_cache=False, logits_to_keep=1)
     cache = KVCache(lm.model)
     cached = list(checked_stream(lm, prompt_ids, config, cache, control))
-    uncached_ids, uncached_ms = uncached_greedy(lm, prompt_ids, config, control=control)
+    uncached_ids, uncached_ms, stopped = [], [], ""
+    try:
+        for token, ms in uncached_steps(lm, prompt_ids, config, control=control):
+            uncached_ids.append(token)
+            uncached_ms.append(ms)
+    except RunStopped as exc:
+        stopped = f"{exc} during the uncached loop, after {len(uncached_ids)} of {len(cached)} tokens"
     cached_ms = [b - a for a, b in zip([0.0] + [s.elapsed_ms for s in cached], [s.elapsed_ms for s in cached])]
     layers, kv_heads, head_dim, width = kv_geometry(lm)
     formula = 2 * layers * kv_heads * head_dim * width
-    cached_rate = timing(cached).tokens_per_s
-    uncached_rate = len(uncached_ids) / (sum(uncached_ms) / 1000) if sum(uncached_ms) > 0 else 0.0
+    both = len(uncached_ms)  # steps both loops ran: the speeds compare like with like
+    cached_rate = timing(cached).tokens_per_s if not stopped else _rate(both, cached_ms[:both])
+    uncached_rate = _rate(both, uncached_ms)
     ids = [s.chosen_token_id for s in cached]
     return KVReport(
         model=lm.name, quantization=lm.quantization, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
         prompt=prompt, chat=chat, prompt_tokens=len(prompt_ids), generated_token_ids=ids,
         uncached_token_ids=uncached_ids,
-        tokens_equal=ids == uncached_ids, text=lm.decode(ids), cached_tokens_per_s=cached_rate,
+        tokens_equal=ids[:both] == uncached_ids, text=lm.decode(ids), cached_tokens_per_s=cached_rate,
         uncached_tokens_per_s=uncached_rate, speedup=cached_rate / uncached_rate if uncached_rate else 0.0,
-        steps=[KVStep(i, len(prompt_ids) + i, c, u) for i, (c, u) in enumerate(zip(cached_ms, uncached_ms))],
+        steps=[KVStep(i, len(prompt_ids) + i, c, uncached_ms[i] if i < both else None) for i, c in enumerate(cached_ms)],
         cache_positions=cache.length, cache_bytes=cache.nbytes(),
         bytes_per_token=cache.nbytes() / cache.length if cache.length else 0.0, formula_bytes_per_token=formula,
         layers=layers, kv_heads=kv_heads, head_dim=head_dim, bytes_per_element=width,
         formula=(f"2 × {layers} layers × {kv_heads} kv heads × {head_dim} head dim × {width} bytes "
-                 f"= {formula:,} bytes"), note=note,
+                 f"= {formula:,} bytes"), note=note, stopped=stopped,
     )
+
+
+def _rate(tokens: int, ms: Sequence[float]) -> float:
+    """Tokens per second over steps that took ``ms`` milliseconds in all."""
+    return tokens / (sum(ms) / 1000) if sum(ms) > 0 else 0.0
 
 
 # ------------------------------------------------------------------------------ KV cache kinds' drift
@@ -382,6 +410,7 @@ class KVDriftReport:
     errors: dict[str, str] = field(default_factory=dict)  # kind -> why it could not be measured
     method: str = KV_DRIFT_METHOD
     note: str = ""  # the cap, when it applied
+    stopped: str = ""  # why the report ended before every kind was measured ("" when complete)
 
 
 @torch.inference_mode()
@@ -438,6 +467,7 @@ def stream_kv_drift(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
     check_prompt(prompt_ids)
     reference = list(checked_stream(lm, prompt_ids, greedy_config(n), KVCache(lm.model), control))
     ref_ids = [s.chosen_token_id for s in reference]
+    check(control)
     ref_logits = teacher_forced_logits(lm, prompt_ids, ref_ids)  # one forward, no cache: the yardstick
     report = KVDriftReport(
         model=lm.name, prompt=prompt, chat=chat, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
@@ -446,11 +476,15 @@ def stream_kv_drift(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
         requested=requested, note=note,
     )
     yield report
-    for kind in requested:
-        try:
-            report.kinds.append(measure_kind(lm, prompt_ids, ref_ids, ref_logits, kind, residual_length, control))
-        except (ValueError, ImportError) as exc:
-            report.errors[kind] = str(exc)
+    try:
+        for kind in requested:
+            try:
+                report.kinds.append(measure_kind(lm, prompt_ids, ref_ids, ref_logits, kind, residual_length, control))
+            except (ValueError, ImportError) as exc:
+                report.errors[kind] = str(exc)
+            yield report
+    except RunStopped as exc:
+        report.stopped = str(exc)
         yield report
 
 

@@ -18,6 +18,7 @@ was copied from.
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,19 @@ LECTURE_SLIP = (
 )
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1_000, 1_024, 4_096
 MAX_TOKENS, MAX_BATCH, MAX_PARAMETERS = 10_000_000, 100_000, 10**14
+ECHO_CHARS = 200  # an error message shows at most this much of the value it refuses
+_ECHO = reprlib.Repr()
+_ECHO.maxstring = _ECHO.maxother = _ECHO.maxlong = ECHO_CHARS - 40
+_ECHO.maxlevel, _ECHO.maxlist, _ECHO.maxtuple, _ECHO.maxdict, _ECHO.maxset = 3, 6, 6, 6, 6
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to about ECHO_CHARS characters (a 1 MB string, a
+    deeply nested list) with the length it had when that was cut."""
+    text = _ECHO.repr(value)
+    if isinstance(value, str) and len(value) > ECHO_CHARS - 40:
+        text += f" ({len(value):,} characters)"
+    return text[:ECHO_CHARS]
 
 
 @dataclass(frozen=True)
@@ -63,13 +77,13 @@ class Architecture:
 
 def _check_count(key: str, value: object, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-        raise ValueError(f"{key}: expected an integer in [1, {high:,}], got {value!r}")
+        raise ValueError(f"{key}: expected an integer in [1, {high:,}], got {shown(value)}")
     return value
 
 
 def dtype_bytes(dtype: str, key: str = "dtype") -> float:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"{key}: expected one of {' | '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise ValueError(f"{key}: expected one of {' | '.join(DTYPE_BYTES)}, got {shown(dtype)}")
     return DTYPE_BYTES[dtype]
 
 

@@ -93,7 +93,7 @@ def test_kv_figure_has_cached_and_uncached_lines_over_positions():
 def test_kv_summary_shows_speed_size_and_formula():
     page = charts.kv_summary_html(_kv())
     assert "49.2 tokens/s" in page and "31.9 tokens/s" in page and "1.54×" in page
-    assert "512 bytes per token</b> measured = the formula" in page
+    assert "bytes per token: measured 512 = formula 512</b>" in page
     assert "2 × 2 layers × 2 kv heads × 16 head dim × 4 bytes = 512 bytes" in page
     assert "0.00 MB for 7 positions" in page and "⚠" not in page
     assert "different tokens from step 2 on" in charts.kv_summary_html(_kv(tokens_equal=False))

@@ -2,6 +2,7 @@
 table rows and plotly figures. No gradio here; unit-tested on hand-made data.
 
 - ``kind_rows`` / ``KIND_HEADERS``: the KV-kind table (bytes per token measured vs formula, drift).
+- ``measured_vs_formula``: "measured X vs formula Y (+Z%)" for a kind, with what makes them differ.
 - ``memory_figure``: cache bytes over the run, one line per kind.
 - ``bytes_per_token_figure``: bytes per token measured from the tensors next to the formula.
 - ``kind_drift_figure``: KL per step (teacher-forced) per kind, first divergence marked.
@@ -17,14 +18,16 @@ import plotly.graph_objects as go
 from engine.drift import KVDriftReport, KVKindDrift
 from engine.kv_arith import MemoryEstimate
 
+from .quantization import measured_vs_formula as compare_numbers
+
 KB = 1024
 COLOURS = {"dynamic": "#4c78a8", "quantized-int8": "#f58518", "quantized-int4": "#e45756"}
 SLIDING_COLOUR = "#54a24b"
 ATTENTION_COLOURS = {"mha": "#e45756", "gqa": "#4c78a8", "mqa": "#54a24b"}
 LAYOUT = {"height": 340, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}, "legend": {"orientation": "h", "y": -0.25}}
 
-KIND_HEADERS = ["KV cache", "bytes / token (measured)", "bytes / token (formula)", "cache bytes (measured = formula)",
-                "tokens/s", "mean KL (nats)", "max KL", "top-1 agreement", "first divergence"]
+KIND_HEADERS = ["KV cache", "bytes / token (measured)", "bytes / token (formula, long-term layout)",
+                "measured vs formula", "tokens/s", "mean KL (nats)", "max KL", "top-1 agreement", "first divergence"]
 CALCULATOR_HEADERS = ["model", "attention", "KV heads", "KV bytes / token", "KV cache GB", "weights GB", "total GB"]
 
 
@@ -38,13 +41,40 @@ def _divergence(row: KVKindDrift) -> str:
     return "never" if row.first_divergence is None else f"step {row.first_divergence}"
 
 
+def _held_differently(k: KVKindDrift) -> str:
+    """Why a kind's bytes per position differ from its long-term layout: positions still in the
+    full-precision residual (quantized kinds), positions a sliding window no longer holds."""
+    full = k.stored_positions - k.quantized_positions
+    if k.kind.startswith("quantized-") and full > 0:
+        if full >= k.cache_positions:
+            return f"all {k.cache_positions} positions are still in full precision (the residual outlasts the run)"
+        return f"the last {full} of {k.cache_positions} positions are still in full precision (the residual)"
+    if k.kind.startswith("sliding-") and k.stored_positions < k.cache_positions:
+        return f"the window holds {k.stored_positions} of the {k.cache_positions} positions"
+    return ""
+
+
+def measured_vs_formula(k: KVKindDrift) -> str:
+    """``measured X vs formula Y (+Z%)`` per position, from the kind's own numbers, then what the
+    measurement holds that the long-term formula does not, and the whole cache's bytes against the
+    formula applied to the positions it really holds (packed values, scales and zeros, residual)."""
+    text = compare_numbers(k.bytes_per_token, k.formula_bytes_per_token)
+    why = _held_differently(k)
+    if why and round(k.bytes_per_token) != round(k.formula_bytes_per_token):
+        text += f": {why}"
+    if k.cache_bytes == k.formula_bytes:
+        return text + f"; the cache's {k.cache_bytes:,} bytes = the formula for the positions it holds"
+    change = f" ({(k.cache_bytes - k.formula_bytes) / k.formula_bytes:+.1%})" if k.formula_bytes else ""
+    return (text + f"; the cache's {k.cache_bytes:,} bytes vs {k.formula_bytes:,} by the formula for the positions "
+                   f"it holds{change}")
+
+
 def kind_rows(report: KVDriftReport) -> list[list[str]]:
     """One row of display strings per measured kind (headers: KIND_HEADERS), then one per failure."""
     rows = []
     for k in report.kinds:
-        same = "yes" if k.cache_bytes == k.formula_bytes else f"no: formula {k.formula_bytes:,}"
         rows.append([k.kind, f"{k.bytes_per_token:,.0f}", f"{k.formula_bytes_per_token:,.0f}",
-                     f"{k.cache_bytes:,} ({same})", f"{k.tokens_per_s:.2f}", f"{k.mean_kl:.4g}", f"{k.max_kl:.4g}",
+                     measured_vs_formula(k), f"{k.tokens_per_s:.2f}", f"{k.mean_kl:.4g}", f"{k.max_kl:.4g}",
                      f"{k.top1_agreement:.0%}", _divergence(k)])
     rows += [[kind, "", "", "", "", "", "", "", f"failed: {message}"] for kind, message in report.errors.items()]
     return rows
@@ -69,10 +99,11 @@ def bytes_per_token_figure(report: KVDriftReport) -> go.Figure:
     residual included) next to the formula for the kind's long-term layout."""
     kinds = [k.kind for k in report.kinds]
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=kinds, y=[k.bytes_per_token for k in report.kinds], name="measured (cache tensors)",
+    fig.add_trace(go.Bar(x=kinds, y=[k.bytes_per_token for k in report.kinds],
+                         name="measured (cache tensors, full-precision residual included)",
                          marker={"color": [colour(k) for k in kinds]},
                          hovertemplate="%{x}: %{y:,.0f} bytes per position<extra>measured</extra>"))
-    fig.add_trace(go.Bar(x=kinds, y=[k.formula_bytes_per_token for k in report.kinds], name="formula",
+    fig.add_trace(go.Bar(x=kinds, y=[k.formula_bytes_per_token for k in report.kinds], name="formula (long-term layout)",
                          marker={"color": "rgba(0,0,0,0)", "line": {"color": "#222", "width": 2}},
                          customdata=[k.formula for k in report.kinds],
                          hovertemplate="%{customdata}<extra>formula</extra>"))

@@ -117,6 +117,9 @@ def drift_status(report: DriftReport) -> str:
     """A one-line progress message while the report streams."""
     pending = report.pending()
     done = len(report.variants) + len(report.errors)
+    if report.stopped:
+        return (f"{report.stopped} · partial report: {done} of {len(report.requested)} variant(s) measured "
+                f"({', '.join(pending)} not measured)")
     if not pending:
         return f"done: {done} variant(s) over {len(report.reference_token_ids)} reference tokens"
     return (f"fp32 reference: {len(report.reference_token_ids)} tokens · measuring {pending[0]} "
@@ -147,10 +150,20 @@ def _first_mismatch(report: KVReport) -> int:
     return next((i for i, (a, b) in enumerate(pairs) if a != b), shorter)
 
 
+def measured_vs_formula(measured: float, formula: float) -> str:
+    """``measured X = formula Y`` when they agree to the byte, else ``measured X vs formula Y (+Z%)``."""
+    if round(measured) == round(formula):
+        return f"measured {measured:,.0f} = formula {formula:,.0f}"
+    change = f" ({(measured - formula) / formula:+.1%})" if formula else ""
+    return f"measured {measured:,.0f} vs formula {formula:,.0f}{change}"
+
+
 def kv_summary_html(report: KVReport) -> str:
     """Speed (cached vs uncached), the cache's size, and bytes per token measured vs the formula."""
-    same = report.bytes_per_token == report.formula_bytes_per_token
-    check = "= the formula" if same else f"≠ the formula ({report.formula_bytes_per_token:,})"
+    check = measured_vs_formula(report.bytes_per_token, report.formula_bytes_per_token)
+    stopped = "" if not report.stopped else (
+        f'<p class="q-kv-stopped"><b>Partial report:</b> {html.escape(report.stopped)}. The speeds compare the '
+        f"{len(report.uncached_token_ids)} tokens both loops ran.</p>")
     warn = "" if report.tokens_equal else (
         '<p style="color:#b00020">⚠ the two loops picked different tokens from step '
         f"{_first_mismatch(report)} on: int8 quantizes activations per forward, so one new position and the whole "
@@ -162,7 +175,8 @@ def kv_summary_html(report: KVReport) -> str:
         f"over {len(report.generated_token_ids)} tokens after a {report.prompt_tokens}-token prompt "
         f"({html.escape(report.model)}, {html.escape(report.quantization)}, {html.escape(report.device)}).</p>"
         f"<p><b>Cache size:</b> {report.cache_bytes / MB:.2f} MB for {report.cache_positions} positions · "
-        f"<b>{report.bytes_per_token:,.0f} bytes per token</b> measured {check}: "
-        f"{html.escape(report.formula)} (keys and values, {html.escape(report.dtype)}).</p>"
-        f"{warn}</div>"
+        f"<b>bytes per token: {check}</b>, the formula being "
+        f"{html.escape(report.formula)} (keys and values, {html.escape(report.dtype)}); measured = the cache's "
+        f"key and value tensors divided by the positions they hold.</p>"
+        f"{stopped}{warn}</div>"
     )

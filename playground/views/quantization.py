@@ -35,6 +35,8 @@ DEFAULT_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
 SLIDING = "sliding-<N>"  # the checkbox; N comes from the window input
 DEFAULT_RESIDUAL = 8  # small, so a short run already shows the quantized part (the engine's default is 32)
 CUSTOM = "custom"
+KINDS_INTRO = ("### KV cache kinds\n\nThe header's model decodes the prompt with each kind of KV cache. "
+               + drift.KV_DRIFT_METHOD)
 
 
 @dataclass
@@ -54,7 +56,8 @@ class KVOutputs(OutputSet):
 
 
 def render_drift(out: DriftOutputs, report: drift.DriftReport, final: bool) -> dict:
-    """Updates for a (possibly partial) report; the download only once it is complete."""
+    """Updates for a (possibly partial) report; the download once it is complete or stopped (then
+    its JSON says so in ``stopped``)."""
     updates = {out.status: status_html(charts.drift_status(report)), out.table: charts.drift_rows(report),
                out.kl: charts.kl_figure(report), out.texts: charts.texts_html(report)}
     if final:
@@ -70,10 +73,11 @@ def drift_updates(out: DriftOutputs, shared: Shared, prompt: str, chat: bool, ma
     shared.encode_prompt(reference, prompt, chat)
     tokens = int(max_new_tokens or DRIFT_TOKENS[2])
     drift.greedy_config(tokens)  # validates the token budget
-    yield {out.status: status_html("fp32 reference: greedy run…")}
-    for report in drift.stream_drift(shared.registry, reference.source, prompt, chat, tokens, chosen):
-        control.check()  # between variants: the engine's drift loop has no control of its own yet
-        yield render_drift(out, report, final=not report.pending())
+    # the previous report goes at once: its table and charts must not pass for this run's
+    yield {out.status: status_html("fp32 reference: greedy run…"), out.table: [], out.kl: None, out.texts: "",
+           out.download: None}
+    for report in drift.stream_drift(shared.registry, reference.source, prompt, chat, tokens, chosen, control=control):
+        yield render_drift(out, report, final=not report.pending() or bool(report.stopped))
 
 
 def kv_tokens(value: Any) -> int:
@@ -90,10 +94,11 @@ def kv_updates(out: KVOutputs, shared: Shared, prompt: str, chat: bool, max_new_
     lm = shared.lm(model, quantization)
     shared.encode_prompt(lm, prompt, chat)
     tokens = kv_tokens(max_new_tokens)
-    yield {out.status: status_html(f"greedy with and without the cache, {tokens} tokens each…")}
-    report = drift.kv_cache_report(lm, prompt, chat, tokens)
-    control.check()
-    yield {out.status: status_html("done"), out.summary: charts.kv_summary_html(report), out.chart: charts.kv_figure(report)}
+    yield {out.status: status_html(f"greedy with and without the cache, {tokens} tokens each…"), out.summary: "",
+           out.chart: None}
+    report = drift.kv_cache_report(lm, prompt, chat, tokens, control=control)
+    done = f"{report.stopped} · partial report" if report.stopped else "done"
+    yield {out.status: status_html(done), out.summary: charts.kv_summary_html(report), out.chart: charts.kv_figure(report)}
 
 
 @dataclass
@@ -204,8 +209,8 @@ def quantization_report(shared: Shared, prompt: str, chat: bool = False, max_new
     chosen = drift.normalise_variants(list(QUANTIZATIONS) if variants is None else variants)
     reference = shared.lm(model, "none")
     shared.encode_prompt(reference, prompt, chat)
-    report = drift.quantization_report(shared.registry, reference.source, prompt, chat, max_new_tokens, chosen)
-    control.check()
+    report = drift.quantization_report(shared.registry, reference.source, prompt, chat, max_new_tokens, chosen,
+                                       control=control)
     return to_dict(report)
 
 
@@ -215,8 +220,7 @@ def kv_cache_report(shared: Shared, prompt: str, chat: bool = False, max_new_tok
     measured against 2 × layers × kv_heads × head_dim × bytes per element."""
     lm = shared.lm(model, quantization)
     shared.encode_prompt(lm, prompt, chat)
-    report = drift.kv_cache_report(lm, prompt, chat, kv_tokens(max_new_tokens))
-    control.check()
+    report = drift.kv_cache_report(lm, prompt, chat, kv_tokens(max_new_tokens), control=control)
     return to_dict(report)
 
 
@@ -266,8 +270,12 @@ def residual(value: Any) -> int:
 
 def render_kinds(out: KindOutputs, report: drift.KVDriftReport, final: bool) -> dict:
     done = len(report.kinds) + len(report.errors)
-    message = (f"done: {done} kinds, {report.max_new_tokens} greedy tokens" + (f" ({report.note})" if report.note else "")
-               if final else f"measured {done} of {len(report.requested)} kinds…")
+    if report.stopped:
+        message = f"{report.stopped} · partial report: {done} of {len(report.requested)} kinds measured"
+    elif final:
+        message = f"done: {done} kinds, {report.max_new_tokens} greedy tokens" + (f" ({report.note})" if report.note else "")
+    else:
+        message = f"measured {done} of {len(report.requested)} kinds…"
     updates = {out.status: status_html(message), out.table: memory_charts.kind_rows(report)}
     if report.kinds:
         updates |= {out.memory: memory_charts.memory_figure(report), out.per_token: memory_charts.bytes_per_token_figure(report),
@@ -283,15 +291,15 @@ def kinds_updates(out: KindOutputs, shared: Shared, prompt: str, chat: bool, max
     kinds, tokens, res = kind_names(picked, window), kind_tokens(max_new_tokens), residual(residual_length)
     lm = shared.lm(model, quantization)
     shared.encode_prompt(lm, prompt, chat)
-    yield {out.status: status_html("full-precision reference: greedy run…")}
-    reports = drift.stream_kv_drift(lm, prompt, chat, tokens, kinds, res, control=control)
-    for n, report in enumerate(reports):
-        yield render_kinds(out, report, final=n == len(kinds))
+    yield {out.status: status_html("full-precision reference: greedy run…"), out.table: [], out.memory: None,
+           out.per_token: None, out.drift: None, out.download: None}
+    for report in drift.stream_kv_drift(lm, prompt, chat, tokens, kinds, res, control=control):
+        measured = len(report.kinds) + len(report.errors)
+        yield render_kinds(out, report, final=measured == len(report.requested) or bool(report.stopped))
 
 
 def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox, stop: gr.Button) -> None:
-    gr.Markdown("### KV cache kinds\\nThe header's model decodes the prompt with each kind of KV cache. "
-                + drift.KV_DRIFT_METHOD)
+    gr.Markdown(KINDS_INTRO, elem_id="kinds-intro")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             kinds = gr.CheckboxGroup([*DEFAULT_KINDS, SLIDING], value=list(DEFAULT_KINDS), label="KV cache kinds",
@@ -341,26 +349,32 @@ def kv_cache_kinds_report(shared: Shared, prompt: str, chat: bool = False, max_n
 
 
 # --- the calculator: KV cache and weights of real models ------------------------------------------
-def _count(key: str, value: Any) -> int:
+def _count(key: str, value: Any, high: int) -> int:
+    """A whole number in [1, high] (a float with no fraction counts); ValueError naming ``key``."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key}: expected a whole number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ValueError(f"{key}: expected a whole number in [1, {high:,}], got {kv_arith.shown(value)}")
     return value
 
 
 def architecture(name: str, layers: Any = None, heads: Any = None, kv_heads: Any = None, head_dim: Any = None,
                  parameters_b: Any = None) -> kv_arith.Architecture:
-    """A well-known architecture by name, or ``custom`` from the typed numbers (parameters in billions)."""
+    """A well-known architecture by name, or ``custom`` from the typed numbers (parameters in billions).
+    Errors name the calculator's API arguments (``architecture_name``, ``layers``, ...)."""
+    known = kv_arith.load_architectures()
+    if not isinstance(name, str) or name not in [*known, CUSTOM]:
+        raise ValueError(f"architecture_name: expected one of {' | '.join([*known, CUSTOM])}, "
+                         f"got {kv_arith.shown(name)}")
     if name != CUSTOM:
-        known = kv_arith.load_architectures()
-        if name not in known:
-            raise ValueError(f"architecture: expected one of {' | '.join([*known, CUSTOM])}, got {name!r}")
         return known[name]
-    if isinstance(parameters_b, bool) or not isinstance(parameters_b, (int, float)) or not 0 < parameters_b <= 1e5:
-        raise ValueError(f"parameters_b: expected billions of parameters in (0, 100000], got {parameters_b!r}")
-    return kv_arith.Architecture("custom", _count("layers", layers), _count("heads", heads), _count("kv_heads", kv_heads),
-                                 _count("head_dim", head_dim), round(parameters_b * 1e9))
+    if isinstance(parameters_b, bool) or not isinstance(parameters_b, (int, float)) or not 1e-9 <= parameters_b <= 1e5:
+        raise ValueError(f"parameters_b: expected billions of parameters in [1e-09, 100000], "
+                         f"got {kv_arith.shown(parameters_b)}")
+    return kv_arith.Architecture("custom", _count("layers", layers, kv_arith.MAX_LAYERS),
+                                 _count("heads", heads, kv_arith.MAX_HEADS),
+                                 _count("kv_heads", kv_heads, kv_arith.MAX_HEADS),
+                                 _count("head_dim", head_dim, kv_arith.MAX_HEAD_DIM), round(parameters_b * 1e9))
 
 
 def kv_calculator(architecture_name: str = "Llama-2-7B", context: int = 4096, batch: int = 1, kv_dtype: str = "fp16",
@@ -373,7 +387,7 @@ def kv_calculator(architecture_name: str = "Llama-2-7B", context: int = 4096, ba
     arch = architecture(architecture_name, layers, heads, kv_heads, head_dim, parameters_b)
     kv_arith.dtype_bytes(kv_dtype, "kv_dtype")
     kv_arith.dtype_bytes(weights_dtype, "weights_dtype")
-    tokens, batch = _count("context", context), _count("batch", batch)
+    tokens, batch = _count("context", context, kv_arith.MAX_TOKENS), _count("batch", batch, kv_arith.MAX_BATCH)
     mine = kv_arith.estimate(arch, tokens, batch, kv_dtype, weights_dtype)
     return {"architecture": to_dict(arch), "context": tokens, "batch": batch, "kv_dtype": kv_dtype,
             "weights_dtype": weights_dtype, "estimate": to_dict(mine),
