@@ -233,3 +233,26 @@ def test_a_new_report_clears_the_previous_one_at_its_first_update(demo, name):
         value = page.shown(elem_id)
         empty = stale.empty_value(block)
         assert value == empty or (empty is None and not getattr(value, "data", value)), (elem_id, value)
+
+
+@pytest.mark.slow
+def test_stop_says_stopped_in_each_running_section_and_cancels_every_run(demo):
+    """The tab's one Stop button: the KV section, which was running, says "stopped" (it kept its
+    "in progress" line before); the drift section's finished report keeps its "done"; Stop cancels
+    the drift, KV cache and KV kinds runs."""
+    from playground.shared import status_html
+    from test_continue_compare import Page
+
+    page = Page(demo)
+    page.set("quant-status", status_html("done: 1 variant(s) over 3 reference tokens"))
+    page.set("kv-status", status_html("greedy with and without the cache, 48 tokens each…"))
+    page.set("kinds-status", "")
+    page.fire("stopped_statuses", "quant-status")
+    assert page.shown("kv-status") == status_html("stopped")
+    assert page.shown("quant-status") == status_html("done: 1 variant(s) over 3 reference tokens")
+    assert page.shown("kinds-status") == ""
+    stop = page.event("stopped_statuses", "quant-status")
+    runs = {page.event(name, first)._id for name, first in
+            (("on_measure", "quant-status"), ("on_kv", "kv-status"), ("on_run", "kinds-status"))}
+    cancel = next(f for f in demo.fns.values() if f.is_cancel_function and f.targets == stop.targets)
+    assert runs <= set(cancel.cancels)

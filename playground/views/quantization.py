@@ -23,7 +23,7 @@ from playground.charts import memory as memory_charts
 from playground.charts import quantization as charts
 
 from .. import downloads
-from ..events import data_api, stop_button
+from ..events import data_api
 from ..shared import OutputSet, Shared, UserError, error_html, status_html
 from .stale import cleared
 
@@ -35,6 +35,7 @@ DEFAULT_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
 SLIDING = "sliding-<N>"  # the checkbox; N comes from the window input
 DEFAULT_RESIDUAL = 8  # small, so a short run already shows the quantized part (the engine's default is 32)
 CUSTOM = "custom"
+RUNNING = "…"  # ends every in-progress status of this tab, and no finished one
 KINDS_INTRO = ("### KV cache kinds\n\nThe header's model decodes the prompt with each kind of KV cache. "
                + drift.KV_DRIFT_METHOD)
 
@@ -150,8 +151,9 @@ def build_tab(shared: Shared) -> QuantPage:
             download = gr.DownloadButton("Download report JSON", elem_id="quant-download")
     out = DriftOutputs(status, table, kl, texts, download)
     kv = _kv_section()
-    _wire(shared, QuantInputs(prompt, chat, tokens, variants), measure, stop, out, kv)
-    _kinds_section(shared, prompt, chat, stop)
+    runs = _wire(shared, QuantInputs(prompt, chat, tokens, variants), measure, out, kv)
+    runs.append(_kinds_section(shared, prompt, chat))
+    _stop_button(stop, runs)
     _calculator_section()
     return QuantPage(prompt, chat, tokens, kv["tokens"])
 
@@ -179,8 +181,9 @@ def _kv_section() -> dict[str, Any]:
     return {"tokens": tokens, "run": run, "out": KVOutputs(status, summary, chart)}
 
 
-def _wire(shared: Shared, inp: QuantInputs, measure: gr.Button, stop: gr.Button, out: DriftOutputs,
-          kv: dict[str, Any]) -> None:
+def _wire(shared: Shared, inp: QuantInputs, measure: gr.Button, out: DriftOutputs,
+          kv: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """Register the drift and KV cache runs and their API endpoints; returns (event, status) of each run."""
     kv_out: KVOutputs = kv["out"]
 
     def on_measure(prompt: str, chat: bool, max_new: Any, picked: list[str] | None, model: str, *,
@@ -196,9 +199,25 @@ def _wire(shared: Shared, inp: QuantInputs, measure: gr.Button, stop: gr.Button,
     kv_event = shared.events.on([kv["run"].click], on_kv, [inp.prompt, inp.chat, kv["tokens"], shared.model,
                                                            shared.quantization], kv_out.all(),
                                 on_error=cleared(kv_out.status, kv_out.all()), what="measurement")
-    stop_button(stop, out.status, [drift_event, kv_event], status_html("stopped"))
     shared.events.api(functools.partial(quantization_report, shared), "quantization_report", what="measurement")
     shared.events.api(functools.partial(kv_cache_report, shared), "kv_cache_report", what="measurement")
+    return [(drift_event, out.status), (kv_event, kv_out.status)]
+
+
+def stopped_statuses(*shown: Any) -> list:
+    """Stop's update of each section's status: "stopped" where a run was in progress (every
+    in-progress status of this tab ends its sentence with RUNNING), the others left as they are (a
+    finished report keeps its "done", an error its message)."""
+    return [status_html("stopped") if isinstance(s, str) and RUNNING in s and "dp-error" not in s else gr.skip()
+            for s in shown]
+
+
+def _stop_button(button: gr.Button, runs: list[tuple[Any, Any]]) -> None:
+    """The tab's one Stop: cancels every run of the tab (drift, KV cache, KV kinds; each stops within
+    one forward) and says "stopped" in the status of each section that was running."""
+    statuses = [status for _, status in runs]
+    button.click(stopped_statuses, statuses, statuses, cancels=[event for event, _ in runs], queue=False,
+                 api_visibility="private")
 
 
 def quantization_report(shared: Shared, prompt: str, chat: bool = False, max_new_tokens: int = 16,
@@ -298,7 +317,8 @@ def kinds_updates(out: KindOutputs, shared: Shared, prompt: str, chat: bool, max
         yield render_kinds(out, report, final=measured == len(report.requested) or bool(report.stopped))
 
 
-def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox, stop: gr.Button) -> None:
+def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox) -> tuple[Any, Any]:
+    """The KV cache kinds section and its API endpoint; returns its run's (event, status)."""
     gr.Markdown(KINDS_INTRO, elem_id="kinds-intro")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
@@ -330,8 +350,8 @@ def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox, stop: 
     event = shared.events.on([run.click], on_run, [prompt, chat, tokens, kinds, window, res, shared.model,
                                                    shared.quantization], out.all(),
                              on_error=cleared(out.status, out.all()), what="measurement")
-    stop_button(stop, out.status, [event], status_html("stopped"))
     shared.events.api(functools.partial(kv_cache_kinds_report, shared), "kv_cache_kinds_report", what="measurement")
+    return event, out.status
 
 
 def kv_cache_kinds_report(shared: Shared, prompt: str, chat: bool = False, max_new_tokens: int = 32,
