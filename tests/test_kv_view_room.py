@@ -23,7 +23,7 @@ from playground.views import quantization as view
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 COMPARED = re.compile(r"^measured ([\d,]+) (=|vs) formula ([\d,]+)(?: \(([+-][\d.]+)%\))?")
-CACHE = re.compile(r"the cache's ([\d,]+) bytes (=|vs) (?:([\d,]+) by )?the formula for the positions it holds"
+CACHE = re.compile(r"whole cache ([\d,]+) bytes (=|vs) formula (?:([\d,]+) )?for the positions held"
                    r"(?: \(([+-][\d.]+)%\))?")
 
 
@@ -66,8 +66,8 @@ def test_kinds_table_says_measured_vs_formula_from_its_own_numbers(tiny_lm, kind
         full = k.stored_positions - k.quantized_positions
         if k.kind.startswith("quantized-") and full:
             assert round(k.bytes_per_token) != round(k.formula_bytes_per_token)
-            assert f"{full} of {k.cache_positions} positions are still in full precision" in row[3] or (
-                f"all {k.cache_positions} positions are still in full precision" in row[3])
+            assert f"the last {full} of {k.cache_positions} positions are in the full-precision residual" in row[3] or (
+                f"all {k.cache_positions} positions are in the full-precision residual" in row[3])
         if k.kind.startswith("sliding-") and k.stored_positions < k.cache_positions:
             assert f"the window holds {k.stored_positions} of the {k.cache_positions} positions" in row[3]
 
@@ -82,8 +82,8 @@ def test_the_int8_numbers_of_the_issue_read_as_measured_vs_formula():
         cache_bytes=91 * 14_400 + 9 * 46_080, formula_bytes=91 * 14_400 + 9 * 46_080, bytes_per_token=17_251.2,
         formula_bytes_per_token=14_400.0, formula="…")
     cell = memory.measured_vs_formula(k)
-    assert cell.startswith("measured 17,251 vs formula 14,400 (+19.8%): the last 9 of 100 positions are still in "
-                           "full precision (the residual)")
+    assert cell.startswith("measured 17,251 vs formula 14,400 (+19.8%): the last 9 of 100 positions are in the "
+                           "full-precision residual; whole cache 1,725,120 bytes = formula for the positions held")
     check_words_agree_with_numbers(cell, k.bytes_per_token, k.formula_bytes_per_token, k.cache_bytes, k.formula_bytes)
 
 

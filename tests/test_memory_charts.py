@@ -37,11 +37,11 @@ def report() -> KVDriftReport:
 def test_kind_rows_show_measured_against_formula_and_failures():
     rows = memory.kind_rows(report())
     assert len(rows[0]) == len(memory.KIND_HEADERS)
-    assert rows[0] == ["dynamic", "512", "512", "measured 512 = formula 512; the cache's 1,000 bytes = the formula for "
-                       "the positions it holds", "4.00", "0", "0", "100%", "reference"]
+    assert rows[0] == ["dynamic", "512", "512", "measured 512 = formula 512; whole cache 1,000 bytes = formula for the "
+                       "positions held", "4.00", "0", "0", "100%", "reference"]
     assert rows[1][:3] == ["quantized-int8", "260", "192"]  # 260.5 shows as 260 (round half to even)
-    assert rows[1][3] == ("measured 260 vs formula 192 (+35.7%): the last 2 of 7 positions are still in full precision "
-                          "(the residual); the cache's 1,824 bytes = the formula for the positions it holds")
+    assert rows[1][3] == ("measured 260 vs formula 192 (+35.7%): the last 2 of 7 positions are in the full-precision "
+                          "residual; whole cache 1,824 bytes = formula for the positions held")
     assert rows[1][5] == "0.02" and rows[1][8] == "never"
     assert rows[2][0] == "quantized-int4" and rows[2][-1].startswith("failed: kv_cache:")
 
@@ -49,8 +49,7 @@ def test_kind_rows_show_measured_against_formula_and_failures():
 def test_a_mismatch_with_the_formula_is_shown():
     r = report()
     r.kinds[1].formula_bytes = 1800
-    assert memory.kind_rows(r)[1][3].endswith("the cache's 1,824 bytes vs 1,800 by the formula for the positions it "
-                                              "holds (+1.3%)")
+    assert memory.kind_rows(r)[1][3].endswith("whole cache 1,824 bytes vs formula 1,800 for the positions held (+1.3%)")
 
 
 def test_memory_figure_has_one_line_per_kind_in_kb():

@@ -86,7 +86,7 @@ def test_kinds_handler_streams_rows_and_the_dynamic_cache_matches_its_formula(sh
     last = updates[-1]
     rows = last["table"]
     assert [r[0] for r in rows] == ["dynamic", "quantized-int8", "sliding-4"]
-    assert "bytes = the formula for the positions it holds" in rows[0][3]  # measured cache bytes equal the formula's
+    assert "bytes = formula for the positions held" in rows[0][3]  # measured cache bytes equal the formula's
     assert rows[0][8] == "reference" and "done: 3 kinds" in last["status"]
     assert last["memory"].data and last["per_token"].data and last["drift"].data
     assert last["download"].endswith(".json")

@@ -21,12 +21,13 @@ from engine.kv_arith import MemoryEstimate
 from .quantization import measured_vs_formula as compare_numbers
 
 KB = 1024
+KIND_COLUMN_WIDTHS = ["15%", "10%", "10%", "24%", "7%", "9%", "9%", "7%", "9%"]  # the comparison gets the room
 COLOURS = {"dynamic": "#4c78a8", "quantized-int8": "#f58518", "quantized-int4": "#e45756"}
 SLIDING_COLOUR = "#54a24b"
 ATTENTION_COLOURS = {"mha": "#e45756", "gqa": "#4c78a8", "mqa": "#54a24b"}
 LAYOUT = {"height": 340, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}, "legend": {"orientation": "h", "y": -0.25}}
 
-KIND_HEADERS = ["KV cache", "bytes / token (measured)", "bytes / token (formula, long-term layout)",
+KIND_HEADERS = ["KV cache", "bytes / token, measured", "bytes / token, formula (long-term)",
                 "measured vs formula", "tokens/s", "mean KL (nats)", "max KL", "top-1 agreement", "first divergence"]
 CALCULATOR_HEADERS = ["model", "attention", "KV heads", "KV bytes / token", "KV cache GB", "weights GB", "total GB"]
 
@@ -47,8 +48,8 @@ def _held_differently(k: KVKindDrift) -> str:
     full = k.stored_positions - k.quantized_positions
     if k.kind.startswith("quantized-") and full > 0:
         if full >= k.cache_positions:
-            return f"all {k.cache_positions} positions are still in full precision (the residual outlasts the run)"
-        return f"the last {full} of {k.cache_positions} positions are still in full precision (the residual)"
+            return f"all {k.cache_positions} positions are in the full-precision residual (it outlasts the run)"
+        return f"the last {full} of {k.cache_positions} positions are in the full-precision residual"
     if k.kind.startswith("sliding-") and k.stored_positions < k.cache_positions:
         return f"the window holds {k.stored_positions} of the {k.cache_positions} positions"
     return ""
@@ -63,10 +64,9 @@ def measured_vs_formula(k: KVKindDrift) -> str:
     if why and round(k.bytes_per_token) != round(k.formula_bytes_per_token):
         text += f": {why}"
     if k.cache_bytes == k.formula_bytes:
-        return text + f"; the cache's {k.cache_bytes:,} bytes = the formula for the positions it holds"
+        return text + f"; whole cache {k.cache_bytes:,} bytes = formula for the positions held"
     change = f" ({(k.cache_bytes - k.formula_bytes) / k.formula_bytes:+.1%})" if k.formula_bytes else ""
-    return (text + f"; the cache's {k.cache_bytes:,} bytes vs {k.formula_bytes:,} by the formula for the positions "
-                   f"it holds{change}")
+    return text + f"; whole cache {k.cache_bytes:,} bytes vs formula {k.formula_bytes:,} for the positions held{change}"
 
 
 def kind_rows(report: KVDriftReport) -> list[list[str]]:

@@ -335,6 +335,7 @@ def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox) -> tup
             status = gr.HTML("", elem_id="kinds-status")
         with gr.Column(scale=2, min_width=480):
             table = gr.Dataframe(headers=memory_charts.KIND_HEADERS, value=[], interactive=False, wrap=True,
+                                 column_widths=memory_charts.KIND_COLUMN_WIDTHS,
                                  label="Per kind: bytes (teacher-forced pass), tokens/s (free-running), drift vs dynamic",
                                  elem_id="kinds-table")
             memory = gr.Plot(label="Cache memory over the run (free-running)", elem_id="kinds-memory")
