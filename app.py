@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     apply_deployment_defaults(os.environ, torch.cuda.is_available(), embedded_installed())
+    from engine.settings import SettingsError, check_environment
+
+    try:  # every DP_* number is read once here: a bad one refuses to start, in one line
+        check_environment()
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args = parse_args(argv)
     from engine.models import ModelRegistry
     from playground.app import build_app, launch_kwargs

@@ -7,22 +7,18 @@ raises ``RunStopped`` naming the reason, so a cancelled run frees its slot withi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
+
+from .settings import env_seconds
 
 DEFAULT_REQUEST_SECONDS = 120.0
 
 
 def request_seconds() -> float:
     """The per-request time limit in seconds (env ``DP_REQUEST_SECONDS``, default 120; 0 = none)."""
-    text = os.environ.get("DP_REQUEST_SECONDS", "")
-    try:
-        value = float(text) if text else DEFAULT_REQUEST_SECONDS
-    except ValueError:
-        value = DEFAULT_REQUEST_SECONDS
-    return max(0.0, value)
+    return env_seconds("DP_REQUEST_SECONDS", DEFAULT_REQUEST_SECONDS)
 
 
 class RunStopped(RuntimeError):

@@ -55,6 +55,7 @@ from .config import DecodingConfig
 from .control import RunControl, RunStopped
 from .core import RunState, advance_rows, check_prompt
 from .models import LoadedModel
+from .settings import env_int
 from .trace import StepTrace
 
 DEFAULT_MAX_BATCH_CPU = 16
@@ -90,18 +91,9 @@ class SchedulerFull(RuntimeError):
 
 
 def env_limit(name: str, default: int, minimum: int) -> int:
-    """An integer limit from the environment (unset or empty: ``default``); bad values raise
-    ValueError naming the variable and the value."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {text[:40]!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
-    return value
+    """An integer limit from the environment (engine.settings.env_int: unset or empty means
+    ``default``; a bad value raises SettingsError, a ValueError, naming the variable and value)."""
+    return env_int(name, default, minimum)
 
 
 def default_max_batch(device: torch.device) -> int:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import gradio as gr
 
 from engine.models import EMBEDDED, ModelRegistry, model_policy
+from engine.settings import env_int
 
 from . import downloads, events, examples, page_js, share_links
 from .events import ModelEvents
@@ -102,8 +101,7 @@ INTRO = (
 
 def queue_size() -> int:
     """Requests that may wait in the queue (env ``DP_QUEUE_SIZE``, default 64)."""
-    text = os.environ.get("DP_QUEUE_SIZE", "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_QUEUE_SIZE
+    return env_int("DP_QUEUE_SIZE", DEFAULT_QUEUE_SIZE)
 
 
 def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDDED) -> gr.Blocks:

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import logging
 import os
 import threading
 import typing
@@ -30,25 +31,21 @@ from engine.config import ConfigError, check_arguments
 from engine.control import RunControl, RunStopped
 from engine.models import ModelLoadError
 from engine.presets import PresetError
+from engine.scheduler import default_max_batch
+from engine.settings import env_int
 from engine.sharelink import ShareLinkError
 
 MODEL_CONCURRENCY_ID = "model"
-DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_GPU = 16, 32
 # Bad input and stopped runs: their message is shown as is. Anything else is a failure of ours.
 DEFAULT_RUNS_PER_SESSION = 3
 USER_ERRORS = (ValueError, ConfigError, ModelLoadError, PresetError, ShareLinkError, RunStopped)
 _DONE = object()
-
-
-def _positive_env(name: str) -> int | None:
-    text = os.environ.get(name, "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
+log = logging.getLogger(__name__)
 
 
 def max_batch() -> int:
     """The batched scheduler's batch size: env ``DP_MAX_BATCH``, default 16 on CPU, 32 on GPU."""
-    default = DEFAULT_MAX_BATCH_GPU if torch.cuda.is_available() else DEFAULT_MAX_BATCH_CPU
-    return _positive_env("DP_MAX_BATCH") or default
+    return default_max_batch(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 DEFAULT_SESSIONS = 500
@@ -59,13 +56,13 @@ def session_capacity() -> int:
     the least recently used is dropped beyond it. Gradio keeps a copy of the page's configuration
     per session (about 1.5 MB for this app, measured by ``bench.sessions``), and its own default
     (10,000 sessions) would let a public deployment grow to ~15 GB."""
-    return _positive_env("DP_SESSIONS") or DEFAULT_SESSIONS
+    return env_int("DP_SESSIONS", DEFAULT_SESSIONS)
 
 
 def default_concurrency() -> int:
     """How many model events run at once: env ``DP_CONCURRENCY``, default the scheduler's batch
     size (greedy/sampling runs share batched forwards, so more than one per core pays off)."""
-    return _positive_env("DP_CONCURRENCY") or max_batch()
+    return env_int("DP_CONCURRENCY", 0) or max_batch()
 
 
 def zero_gpu_active() -> bool:
@@ -85,14 +82,29 @@ def zero_gpu(fn: Callable) -> Callable:
         import spaces  # type: ignore[import-not-found]
     except ImportError:
         return fn
-    return spaces.GPU(duration=_positive_env("DP_GPU_SECONDS") or 120)(fn)
+    return spaces.GPU(duration=env_int("DP_GPU_SECONDS", 120))(fn)
+
+
+MESSAGE_CHARS = 280  # an error message is one line of at most this many characters
+
+
+def one_line(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """``text`` on one line (newlines and runs of spaces become one space), cut to ``limit``
+    characters with an ellipsis: a message never echoes a whole 1 MB input back."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 def error_message(exc: Exception, what: str) -> str:
-    """The one-line message a failed handler shows: the user's own error as is, else what failed."""
+    """The one-line message a failed handler shows: the user's own error as is, else what failed.
+    User errors are logged as that one line; a failure of ours is logged with its traceback."""
     if isinstance(exc, USER_ERRORS):
-        return str(exc)
-    return f"{what} failed: {type(exc).__name__}: {exc}"
+        message = one_line(str(exc))
+        log.info("%s refused: %s", what, message)
+        return message
+    message = one_line(f"{what} failed: {type(exc).__name__}: {exc}")
+    log.error("%s", message, exc_info=exc)
+    return message
 
 
 class SessionBusy(ValueError):
@@ -104,7 +116,7 @@ class SessionRuns:
     (env ``DP_RUNS_PER_SESSION``, default 3), so one page cannot take every row of the batch."""
 
     def __init__(self, limit: int | None = None):
-        self.limit = limit or _positive_env("DP_RUNS_PER_SESSION") or DEFAULT_RUNS_PER_SESSION
+        self.limit = limit or env_int("DP_RUNS_PER_SESSION", DEFAULT_RUNS_PER_SESSION)
         self._lock = threading.Lock()
         self._running: dict[str, int] = {}
 
@@ -231,7 +243,7 @@ def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
             with sessions.slot(session if uses_model else None):
                 return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         except Exception as exc:
-            raise gr.Error(toast_text(error_message(exc, what))) from None
+            raise gr.Error(toast_text(error_message(exc, what)), print_exception=False) from None
         finally:
             control.cancel()
 

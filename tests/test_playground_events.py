@@ -106,8 +106,13 @@ def test_concurrency_defaults_to_the_scheduler_batch(monkeypatch):
     assert events.default_concurrency() == 12
     monkeypatch.setenv("DP_CONCURRENCY", "3")
     assert events.default_concurrency() == 3
-    monkeypatch.setenv("DP_CONCURRENCY", "zero")
-    assert events.default_concurrency() == 12
+    monkeypatch.setenv("DP_CONCURRENCY", "zero")  # a bad value is refused, naming it (it used to mean the default)
+    with pytest.raises(ValueError, match="DP_CONCURRENCY: expected an integer >= 1, got 'zero'"):
+        events.default_concurrency()
+    monkeypatch.setenv("DP_CONCURRENCY", "")
+    monkeypatch.setenv("DP_MAX_BATCH", "0")  # one parser: events and the scheduler refuse it alike
+    with pytest.raises(ValueError, match="DP_MAX_BATCH: expected an integer >= 1, got 0"):
+        events.default_concurrency()
 
 
 # --- downloads ----------------------------------------------------------------------------------
@@ -260,5 +265,45 @@ def test_sessions_kept_are_bounded(monkeypatch):
     assert launch_kwargs()["state_session_capacity"] == events.DEFAULT_SESSIONS == 500
     monkeypatch.setenv("DP_SESSIONS", "60")
     assert launch_kwargs()["state_session_capacity"] == 60
-    monkeypatch.setenv("DP_SESSIONS", "-3")  # not a positive integer: the default
-    assert launch_kwargs()["state_session_capacity"] == 500
+    monkeypatch.setenv("DP_SESSIONS", "-3")  # not a positive integer: refused, named
+    with pytest.raises(ValueError, match="DP_SESSIONS: expected an integer >= 1, got -3"):
+        launch_kwargs()
+
+
+def test_errors_are_one_short_line_and_user_errors_log_no_traceback(caplog):
+    """A 1 MB input echoed by a handler's message comes back (and is logged) as one line of at most
+    MESSAGE_CHARS; a user error is logged without a traceback, a failure of ours with one."""
+    import logging
+
+    def refuses(shared: object, prompt: str, *, control: RunControl) -> dict:
+        raise ValueError(f"prompt: not allowed:\n{prompt!r}")
+
+    def breaks(shared: object, prompt: str, *, control: RunControl) -> dict:
+        raise KeyError(prompt)
+
+    huge = "x" * 1_000_000
+    caplog.set_level(logging.INFO, logger="playground.events")
+    with pytest.raises(gr.Error) as refused:
+        run_async(events.api_endpoint(functools.partial(refuses, None), "run")(huge))
+    assert refused.value.message.startswith("prompt: not allowed: 'xxx") and refused.value.print_exception is False
+    assert len(refused.value.message) <= events.MESSAGE_CHARS and "\n" not in refused.value.message
+    [record] = caplog.records
+    assert record.exc_info is None and len(record.getMessage()) < 400 and "\n" not in record.getMessage()
+    caplog.clear()
+    with pytest.raises(gr.Error) as failed:
+        run_async(events.api_endpoint(functools.partial(breaks, None), "run")(huge))
+    assert failed.value.message.startswith("run failed: KeyError: 'xxx") and len(failed.value.message) <= events.MESSAGE_CHARS
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR and record.exc_info is not None  # ours: the traceback is kept
+
+    def handler(prompt: str, *, control: RunControl):
+        yield {"out": "first"}
+        raise ValueError(f"prompt: refused {prompt}")
+
+    rows = run_async(_collect(events.streamed(handler, lambda message: {"status": message}, "generation"), huge))
+    assert rows[0] == {"out": "first"} and rows[-1]["status"].startswith("prompt: refused xxx")
+    assert len(rows[-1]["status"]) <= events.MESSAGE_CHARS
+
+
+async def _collect(run, *args):
+    return [update async for update in run(*args)]
