@@ -22,6 +22,11 @@ the root is ever recomputed. A simulation costs max(1, rollout) forwards.
 
 ``stream`` yields an Event per committed token (steps: its StepTrace; record: the ``MctsPosition``
 with the whole search tree); the last event holds the Trace, trees under ``extra["mcts"]``.
+
+Stopped (cancelled, or past the request's time limit, checked once per simulation), ``stream`` still
+ends with a Trace: the tokens committed so far and their trees, ``summary["stopped"]`` = the reason
+("cancelled" | "time_limit") with its message in ``summary["stopped_message"]``, and the search that
+was under way, with nothing committed, under ``extra["mcts_interrupted"]``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch
 from . import core, sampling
 from .cache import KVCache
 from .config import DecodingConfig
-from .control import RunControl, check
+from .control import RunControl, RunStopped, check
 from .metrics import MIN_PROB
 from .models import LoadedModel
 from .processors import Chain
@@ -82,9 +87,34 @@ class MctsPosition:
     nodes: list[MctsNode]
 
 
+NOT_COMMITTED = -1  # chosen_token_id of a search stopped before it committed a token
+
+
+def _position(p: MctsPosition | dict) -> MctsPosition:
+    return p if isinstance(p, MctsPosition) else from_dict(MctsPosition, p)
+
+
 def positions_of(trace: Trace) -> list[MctsPosition]:
     """The trace's search trees as MctsPosition records (a trace read back from JSON holds dicts)."""
-    return [p if isinstance(p, MctsPosition) else from_dict(MctsPosition, p) for p in trace.extra.get("mcts", [])]
+    return [_position(p) for p in trace.extra.get("mcts", [])]
+
+
+def interrupted_of(trace: Trace) -> MctsPosition | None:
+    """The search a stopped run was in when it stopped (its simulations so far, nothing committed:
+    ``chosen_token_id`` is NOT_COMMITTED), or None."""
+    record = trace.extra.get("mcts_interrupted")
+    return None if record is None else _position(record)
+
+
+class SearchStopped(RunStopped):
+    """RunStopped raised inside a search; ``position`` holds that search's tree so far."""
+
+    def __init__(self, stop: RunStopped, position: MctsPosition):
+        super().__init__(stop.reason, str(stop))
+        self.position = position
+
+    def __reduce__(self):
+        return RunStopped, (self.reason, str(self))
 
 
 # --- the search -------------------------------------------------------------------------------
@@ -189,7 +219,8 @@ def raw_logprob(lm: LoadedModel, prompt_ids: Sequence[int], tokens: Sequence[int
 def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
               control: RunControl | None = None) -> Iterator[tuple[StepTrace, MctsPosition]]:
     """Search, commit, repeat: yield (the committed token's StepTrace, its search tree) until EOS,
-    a stop string or max_new_tokens. ``control`` is checked once per simulation."""
+    a stop string or max_new_tokens. ``control`` is checked once per simulation: stopped, it raises
+    SearchStopped (a RunStopped) holding the tree of the search under way."""
     core.check_prompt(prompt_ids)
     start = time.perf_counter()
     cache = KVCache(lm.model)
@@ -202,8 +233,12 @@ def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
     while True:
         t0 = time.perf_counter()
         search = _Search(lm, cache, chain, config, sequence, logits, config.max_new_tokens - len(generated))
-        for _ in range(config.mcts_simulations):
-            check(control)
+        for done in range(config.mcts_simulations):
+            try:
+                check(control)
+            except RunStopped as stop:
+                raise SearchStopped(stop, MctsPosition(len(generated), NOT_COMMITTED, "", done, search.forwards,
+                                                       (time.perf_counter() - t0) * 1000, search.nodes)) from None
             search.simulate()
         chosen = search.best_child()
         chosen.committed = True
@@ -233,19 +268,29 @@ def _step_trace(lm: LoadedModel, chain: Chain, config: DecodingConfig, sequence:
 def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
            control: RunControl | None = None) -> Iterator[Event]:
     """One Event per committed token (steps: [its StepTrace]; record: its MctsPosition); the last
-    Event holds the Trace with the trees under ``extra["mcts"]`` and search totals in ``summary``."""
+    Event holds the Trace with the trees under ``extra["mcts"]`` and search totals in ``summary``.
+    A stopped run ends with its partial Trace (see the module docstring), never an exception."""
     steps, records = [], []
-    for step, record in positions(lm, prompt_ids, config, control):
-        steps.append(step)
-        records.append(record)
-        yield Event(steps=[step], record=record)
+    stopped: RunStopped | None = None
+    try:
+        for step, record in positions(lm, prompt_ids, config, control):
+            steps.append(step)
+            records.append(record)
+            yield Event(steps=[step], record=record)
+    except RunStopped as stop:
+        stopped = stop
     trace = core.assemble(lm, prompt, prompt_ids, config, steps, chat)
     trace.extra["mcts"] = records
+    searched = [*records, stopped.position] if isinstance(stopped, SearchStopped) else records
     trace.summary |= {
-        "simulations": sum(r.simulations for r in records),
-        "search_forwards": sum(r.forwards for r in records),
+        "simulations": sum(r.simulations for r in searched),
+        "search_forwards": sum(r.forwards for r in searched),
         "total_raw_logprob": sum(math.log(max(s.raw_prob, MIN_PROB)) for s in steps),
     }
+    if stopped is not None:
+        trace.summary |= {"stopped": stopped.reason, "stopped_message": str(stopped)}
+        if isinstance(stopped, SearchStopped):
+            trace.extra["mcts_interrupted"] = stopped.position
     yield Event(trace=trace)
 
 

@@ -152,11 +152,54 @@ def test_the_cache_is_reused_not_rebuilt(bigram, monkeypatch):
     assert len(fed) == 1 + searched + 1  # prefill, the searches, one step after the first commit
 
 
-def test_control_stops_inside_the_search(bigram):
+class StopAfter(RunControl):
+    """A control that stops at its ``checks``-th check (one check per simulation): cancelled, or
+    past its time limit (the start moved back, so the real deadline check fires)."""
+
+    def __init__(self, checks: int, reason: str = "cancelled"):
+        super().__init__(deadline_s=60.0)
+        self.left, self.reason = checks, reason
+
+    def check(self) -> None:
+        self.left -= 1
+        if self.left < 0 and self.reason == "cancelled":
+            self.cancel()
+        elif self.left < 0:
+            self.started -= 3600
+        super().check()
+
+
+def test_a_stop_before_the_first_simulation_gives_an_empty_partial_trace(bigram):
     control = RunControl()
     control.cancel()
-    with pytest.raises(RunStopped):
-        mcts.run(bigram, "", [0], CONFIG, control=control)
+    trace = mcts.run(bigram, "", [0], CONFIG, control=control)
+    assert trace.generated_token_ids == [] and trace.summary["stopped"] == "cancelled"
+    assert mcts.interrupted_of(trace).simulations == 0 and trace.stop_reason == ""
+
+
+def test_positions_raises_a_search_stopped_holding_the_tree_so_far(bigram):
+    with pytest.raises(RunStopped) as stop:
+        list(mcts.positions(bigram, [0], CONFIG, StopAfter(5)))
+    assert isinstance(stop.value, mcts.SearchStopped) and stop.value.reason == "cancelled"
+    assert stop.value.position.simulations == 5 and stop.value.position.nodes[0].visits == 5
+
+
+@pytest.mark.parametrize("tokens, sims", [(0, 3), (2, 0), (3, 23)])  # the first, a middle, the last position
+@pytest.mark.parametrize("reason", ["cancelled", "time_limit"])
+def test_a_stopped_run_returns_the_tokens_and_trees_so_far(bigram, tokens, sims, reason):
+    full = mcts.run(bigram, "", [0], CONFIG)
+    trace = mcts.run(bigram, "", [0], CONFIG, control=StopAfter(tokens * CONFIG.mcts_simulations + sims, reason))
+    assert trace.summary["stopped"] == reason
+    assert ("time limit" in trace.summary["stopped_message"]) == (reason == "time_limit")
+    assert trace.generated_token_ids == full.generated_token_ids[:tokens] and len(trace.steps) == tokens
+    assert [p.nodes for p in mcts.positions_of(trace)] == [p.nodes for p in mcts.positions_of(full)][:tokens]
+    interrupted = mcts.interrupted_of(trace)
+    assert interrupted.index == tokens and interrupted.simulations == sims
+    assert interrupted.chosen_token_id == mcts.NOT_COMMITTED and not any(n.committed for n in interrupted.nodes)
+    assert interrupted.nodes[0].visits == sims
+    assert trace.summary["simulations"] == tokens * CONFIG.mcts_simulations + sims
+    back = Trace.from_json(trace.to_json())  # the partial trace is strict JSON and reads back
+    assert mcts.interrupted_of(back).nodes[0].visits == sims and back.summary["stopped"] == reason
 
 
 def test_knobs_are_validated():

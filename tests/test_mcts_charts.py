@@ -1,6 +1,6 @@
 """MCTS chart builders are pure functions of a hand-made search tree."""
 
-from engine.mcts import MctsNode, MctsPosition
+from engine.mcts import NOT_COMMITTED, MctsNode, MctsPosition
 from playground.charts import mcts as charts
 
 
@@ -50,3 +50,17 @@ def test_visit_table_and_quality_figure():
     assert list(bar.y) == [-12.0, -9.5, -8.0]
     assert list(bar.marker.color) == ["#4c78a8", "#4c78a8", charts.ACCENT]  # the best run highlighted
     assert "mean -1.000" in bar.hovertext[2]
+
+
+def test_an_interrupted_search_is_drawn_without_a_committed_path():
+    """A stopped run's unfinished search: the same tree, nothing committed, the title says so."""
+    position = hand_tree()
+    for node in position.nodes:
+        node.committed = False
+    position.chosen_token_id, position.chosen_token, position.simulations = NOT_COMMITTED, "", 8
+    fig = charts.tree_figure(position)
+    assert not any((t.name or "").startswith("committed") for t in fig.data)
+    assert fig.layout.title.text == "Token 0: 8 simulations, 9 forwards, stopped before committing"
+    visited = next(t for t in fig.data if t.name == "visited (size: visits)")
+    assert list(visited.marker.line.width) == [1, 1, 1, 1]
+    assert charts.tree_figure(hand_tree()).layout.title.text.endswith("→ ␣A")

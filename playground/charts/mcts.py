@@ -16,7 +16,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.mcts import MctsNode, MctsPosition
+from engine.mcts import NOT_COMMITTED, MctsNode, MctsPosition
 
 from .step import ACCENT, readable
 
@@ -89,6 +89,18 @@ def _edges(laid: dict[int, LaidNode], committed_only: bool) -> tuple[list, list]
     return xs, ys
 
 
+def interrupted(position: MctsPosition) -> bool:
+    """A search a stopped run left unfinished: nothing committed."""
+    return position.chosen_token_id == NOT_COMMITTED
+
+
+def _title(position: MctsPosition) -> str:
+    head = f"Token {position.index}: {position.simulations} simulations, {position.forwards} forwards"
+    if interrupted(position):
+        return f"{head}, stopped before committing"
+    return f"{head} → {html.escape(readable(position.chosen_token))}"
+
+
 def tree_figure(position: MctsPosition, show_unvisited: bool = True) -> go.Figure:
     """The search tree of one position (see the module docstring)."""
     laid = {p.node.id: p for p in layout(position, show_unvisited)}
@@ -98,8 +110,9 @@ def tree_figure(position: MctsPosition, show_unvisited: bool = True) -> go.Figur
     xs, ys = _edges(laid, committed_only=False)
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color=EDGE, width=1), hoverinfo="skip", name="search edge"))
     xs, ys = _edges(laid, committed_only=True)
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color=ACCENT, width=4), hoverinfo="skip",
-                             name=f"committed: {readable(position.chosen_token)}"))
+    if not interrupted(position):
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color=ACCENT, width=4), hoverinfo="skip",
+                                 name=f"committed: {readable(position.chosen_token)}"))
     unvisited = [p for p in laid.values() if p.node.visits == 0]
     if unvisited:
         fig.add_trace(go.Scatter(
@@ -121,8 +134,7 @@ def tree_figure(position: MctsPosition, show_unvisited: bool = True) -> go.Figur
                              textposition="middle left", hovertext=[_hover(root.node)], hoverinfo="text"))
     rows = max((p.y for p in laid.values()), default=0) + 1
     fig.update_layout(
-        title=f"Token {position.index}: {position.simulations} simulations, {position.forwards} forwards → "
-              f"{html.escape(readable(position.chosen_token))}",
+        title=_title(position),
         height=max(320, int(26 * rows) + 140), margin=dict(l=40, r=40, t=60, b=40), plot_bgcolor="white",
         legend=dict(orientation="h", y=-0.08), hoverlabel=dict(align="left"))
     # "depth" goes into the tick labels: an axis title sits where the legend below wraps on a phone.

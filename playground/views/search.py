@@ -24,7 +24,7 @@ import gradio as gr
 
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.mcts import MctsPosition, positions_of, raw_logprob
+from engine.mcts import NOT_COMMITTED, MctsPosition, interrupted_of, positions_of, raw_logprob
 from engine.medusa import MedusaRound, rounds_of
 from engine.models import LoadedModel
 from engine.trace import Trace
@@ -72,8 +72,9 @@ class MctsOutputs(OutputSet):
 
 
 def position_choices(positions: list[MctsPosition]) -> list[tuple[str, int]]:
-    """Picker entries: 'token i → text' per committed position."""
-    return [(f"{p.index}: {mcts_charts.readable(p.chosen_token)}", p.index) for p in positions]
+    """Picker entries: 'i: token' per committed position; a search a stop interrupted says so."""
+    return [(f"{p.index}: (stopped after {p.simulations} simulations)" if p.chosen_token_id == NOT_COMMITTED
+             else f"{p.index}: {mcts_charts.readable(p.chosen_token)}", p.index) for p in positions]
 
 
 def visit_rows(position: MctsPosition) -> list[list[Any]]:
@@ -123,8 +124,31 @@ class RunRequest:
     chat: bool
 
 
+def progress_updates(out: MctsOutputs, lm: LoadedModel, session: MctsSession, max_new_tokens: int) -> dict:
+    """While searching: the text so far, the picker and the last tree (what Stop leaves on the page)."""
+    last = session.positions[-1].index
+    return tree_updates(out, session, None) | {
+        out.text: lm.decode([p.chosen_token_id for p in session.positions]),
+        out.position: gr.update(choices=position_choices(session.positions), value=last),
+        out.status: status_html(f"searching… token {len(session.positions)} / {max_new_tokens}")}
+
+
+def stopped_status(trace: Trace, max_new_tokens: int, control: RunControl) -> str:
+    """A stopped run's status: why, after how many of the tokens asked for, and what is shown."""
+    done = f"after {len(trace.generated_token_ids)} of {max_new_tokens} tokens"
+    interrupted = interrupted_of(trace)
+    searching = (f"; token {interrupted.index}'s search had run {interrupted.simulations} simulations"
+                 if interrupted is not None and interrupted.simulations else "")
+    if trace.summary.get("stopped") == "time_limit":
+        limit = f" (the {control.deadline_s:g} s limit, DP_REQUEST_SECONDS)" if control.deadline_s else ""
+        return (f"time limit reached {done}{limit}{searching}. Showing the partial trace: the tokens chosen so far "
+                "and their search trees; ask for fewer tokens or simulations.")
+    return f"stopped {done}{searching}. Showing the partial trace: the tokens chosen so far and their search trees."
+
+
 def stream_mcts(out: MctsOutputs, shared: Shared, req: RunRequest, control: RunControl) -> Iterator[dict]:
-    """Search token by token (throttled tree redraws), then greedy and beam for the side-by-side."""
+    """Search token by token (throttled redraws of the text and tree), then greedy and beam for the
+    side-by-side. A stopped run shows its partial trace and skips the side-by-side."""
     session = MctsSession()
     events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control)
     for event, redraw in throttle(events, STREAM_EVERY_S):
@@ -133,10 +157,13 @@ def stream_mcts(out: MctsOutputs, shared: Shared, req: RunRequest, control: RunC
         elif isinstance(event.record, MctsPosition):
             session.positions.append(event.record)
         if redraw and event.trace is None and session.positions:
-            done = len(session.positions)
-            yield tree_updates(out, session, None) | {
-                out.status: status_html(f"searching… token {done} / {req.config.max_new_tokens}")}
+            yield progress_updates(out, req.lm, session, req.config.max_new_tokens)
     session.positions = positions_of(session.trace)
+    if session.trace.summary.get("stopped"):
+        interrupted = interrupted_of(session.trace)
+        session.positions += [interrupted] if interrupted is not None else []
+        yield mcts_render(out, session, status_html(stopped_status(session.trace, req.config.max_new_tokens, control)))
+        return
     yield mcts_render(out, session, status_html("search finished; greedy and beam on the same prompt for comparison…"))
     traces = {"mcts": session.trace}
     for name, config in (("greedy", req.config.replace(strategy="greedy")),
@@ -161,7 +188,7 @@ def wire_run(shared: Shared, panel: KnobPanel, prompt: gr.Textbox, chat: gr.Chec
     event = shared.events.on([run.click, prompt.submit], on_run,
                              [prompt, chat, shared.model, shared.quantization, *panel.inputs], out.all(),
                              on_error=cleared(out.status, out.all()), what=what)
-    stop_button(stop, out.status, [event], status_html("stopped"))
+    stop_button(stop, out.status, [event], status_html("stopped: the output shows what was generated before Stop"))
 
 
 def _prompt_column(prefix: str, prompt_text: str, chat_on: bool) -> tuple[gr.Textbox, gr.Button, gr.Button, gr.HTML, gr.Checkbox]:
@@ -205,7 +232,9 @@ def mcts_trace(shared: Shared, prompt: str, config: dict | None = None, preset: 
                model: str = "embedded", quantization: str = "none", *, control: RunControl) -> dict:
     """Run MCTS decoding and return the trace JSON: steps[] as greedy traces have them, the search
     tree of each committed token under extra.mcts[] (nodes[]: token, prior, visits, q, values,
-    children, committed), summary.simulations / search_forwards / total_raw_logprob.
+    children, committed), summary.simulations / search_forwards / total_raw_logprob. A run stopped by
+    the time limit returns its partial trace: summary.stopped = "time_limit" (and stopped_message),
+    the search under way under extra.mcts_interrupted.
     ``preset``: a built-in preset; ``config``: knobs overriding it."""
     cfg = shared.api_config(preset, config, default_strategy="mcts", strategies=("mcts",))
     lm = shared.lm(model, quantization)
