@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import explore, metrics, runner
 from .config import check_text
+from .kv_arith import shown
 from .models import LoadedModel, ModelRegistry
 from .presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from .trace import Trace
@@ -73,6 +74,7 @@ class Outcome:
     ok: bool
     summary: str
     figures: dict[str, float]
+    report: Any = field(default=None, compare=False)  # a check's own measurement (KV / drift report), for its chart
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -137,12 +139,74 @@ def parse_lesson(data: Any) -> Lesson:
     chat = data.get("chat", True)
     if not isinstance(chat, bool):
         raise LessonError(f"chat: expected true or false, got {chat!r:.40}")
-    check = data.get("check")
-    if check is not None and (not isinstance(check, dict) or check.get("kind") not in CHECKS):
-        raise LessonError(f"check: expected an object whose kind is one of {' | '.join(CHECKS)}")
-    return Lesson(id=lesson_id, title=_text(data, "title", 120), view=view, prompt=_text(data, "prompt", MAX_PROMPT_CHARS),
-                  chat=chat, runs=_runs(data, view), steps=_steps(data.get("steps")),
-                  select_step=_select_step(data.get("select_step", "max_entropy")), check=check)
+    title, prompt = _text(data, "title", 120), _text(data, "prompt", MAX_PROMPT_CHARS)
+    runs = _runs(data, view)
+    return Lesson(id=lesson_id, title=title, view=view, prompt=prompt, chat=chat, runs=runs,
+                  steps=_steps(data.get("steps")), select_step=_select_step(data.get("select_step", "max_entropy")),
+                  check=_check(data.get("check"), runs))
+
+
+# Each check's optional fields: (default, lowest, highest), whole numbers. ``lanes`` (truncation_shapes)
+# names the run indexes of the top-k and top-p lanes.
+CHECK_FIELDS: dict[str, dict[str, tuple[int, int, int]]] = {
+    "sampling_varies": {}, "entropy_rises": {}, "beam_beats_greedy": {}, "speculative_exact": {},
+    "truncation_shapes": {},
+    "less_repetition": {"n": (4, 1, 16), "min_tokens": (0, 0, 1024)},
+    "kv_cache_same": {"max_new_tokens": (24, 1, 256)},
+    "quantization_order": {"max_new_tokens": (12, 1, 64)},
+}
+# What a check reads from the lesson's runs: how many it compares, or which strategy run 0 must be.
+CHECK_RUNS = {"sampling_varies": 2, "entropy_rises": 2, "truncation_shapes": 2, "less_repetition": 2}
+CHECK_STRATEGY = {"beam_beats_greedy": "beam", "speculative_exact": "speculative"}
+
+
+def _whole(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise LessonError(f"{key}: expected a whole number from {low} to {high}, got {shown(value)}")
+    return value
+
+
+def _check(check: Any, runs: Sequence[Preset]) -> dict[str, Any] | None:
+    """A lesson's ``check`` validated against its kind and its runs: every message names the field
+    (``check.<key>``) and echoes at most ~200 characters of what it refuses."""
+    if check is None:
+        return None
+    if not isinstance(check, dict):
+        raise LessonError(f"check: expected an object with a kind, got {shown(check)}")
+    kind = check.get("kind")
+    if not isinstance(kind, str) or kind not in CHECKS:
+        raise LessonError(f"check.kind: expected one of {' | '.join(CHECKS)}, got {shown(kind)}")
+    allowed = ("kind", *CHECK_FIELDS[kind], *(("lanes",) if kind == "truncation_shapes" else ()))
+    unknown = [k for k in check if k not in allowed]
+    if unknown:
+        raise LessonError(f"check.{str(unknown[0])[:40]}: unknown key for {kind}; allowed keys: {', '.join(allowed)}")
+    for key, (_, low, high) in CHECK_FIELDS[kind].items():
+        if key in check:
+            _whole(f"check.{key}", check[key], low, high)
+    if len(runs) < CHECK_RUNS.get(kind, 1):
+        raise LessonError(f"check.kind: {kind} compares {CHECK_RUNS[kind]} or more runs; this lesson has {len(runs)}")
+    strategy = CHECK_STRATEGY.get(kind)
+    if strategy is not None and runs[0].config.strategy != strategy:
+        raise LessonError(f"check.kind: {kind} needs a {strategy} run; this lesson runs {runs[0].config.strategy}")
+    if kind == "truncation_shapes":
+        _lanes(check.get("lanes", {}), len(runs))
+    return dict(check)
+
+
+def _lanes(lanes: Any, count: int) -> None:
+    if not isinstance(lanes, dict):
+        raise LessonError(f"check.lanes: expected an object {{\"top_k\": run, \"top_p\": run}}, got {shown(lanes)}")
+    unknown = [k for k in lanes if k not in ("top_k", "top_p")]
+    if unknown:
+        raise LessonError(f"check.lanes.{str(unknown[0])[:40]}: unknown key; allowed keys: top_k, top_p")
+    for key in ("top_k", "top_p"):
+        if key in lanes:
+            _whole(f"check.lanes.{key}", lanes[key], 0, count - 1)
+
+
+def check_field(check: dict[str, Any], key: str) -> int:
+    """A validated check's field, or its default."""
+    return check.get(key, CHECK_FIELDS[check["kind"]][key][0])
 
 
 def parse_lesson_json(text: str | bytes) -> Lesson:
@@ -222,7 +286,7 @@ def _truncation_shapes(lm, lesson, traces, registry) -> Outcome:
         knobs = p.config.to_dict(sparse=True)
         for name, step in (("peaked", peaked), ("flat", flat)):
             kept[f"{name}_{i}"] = float(explore.explore_step(lm, trace, step, knobs)[-1].kept)
-    by = lesson.check.get("lanes", {})
+    by = lesson.check.get("lanes", {})  # run indexes, validated by _lanes
     k, p_ = by.get("top_k", 0), by.get("top_p", 1)
     ok = kept[f"peaked_{p_}"] < kept[f"peaked_{k}"] and kept[f"flat_{p_}"] > kept[f"peaked_{p_}"] \
         and kept[f"flat_{k}"] == kept[f"peaked_{k}"]
@@ -232,11 +296,15 @@ def _truncation_shapes(lm, lesson, traces, registry) -> Outcome:
 
 def _less_repetition(lm, lesson, traces, registry) -> Outcome:
     """Lane 0 repeats itself (share of repeated 4-grams); every other lane repeats less."""
-    n = int(lesson.check.get("n", 4))
+    n, least = check_field(lesson.check, "n"), check_field(lesson.check, "min_tokens")
     rep = [metrics.rep_n(t.generated_token_ids, n) for t in traces]
-    ok = rep[0] > 0 and all(r < rep[0] for r in rep[1:])
-    text = ", ".join(f"{_label(p)} {r:.0%}" for p, r in zip(lesson.runs, rep))
-    return Outcome(ok, f"Repeated {n}-grams: {text}.", {f"rep_{i}": r for i, r in enumerate(rep)})
+    lengths = [len(t.generated_token_ids) for t in traces]
+    # A run that stopped early (EOS after a few tokens) has no room to repeat: it proves nothing.
+    ok = rep[0] > 0 and all(r < rep[0] for r in rep[1:]) and min(lengths) >= least
+    text = ", ".join(f"{_label(p)} {r:.0%} of {k} tokens" for p, r, k in zip(lesson.runs, rep, lengths))
+    short = f" (the check needs {least} tokens from every run)" if min(lengths) < least else ""
+    return Outcome(ok, f"Repeated {n}-grams: {text}{short}.",
+                   {f"rep_{i}": r for i, r in enumerate(rep)} | {f"tokens_{i}": float(k) for i, k in enumerate(lengths)})
 
 
 def _sequence_score(trace: Trace, alpha: float) -> float:
@@ -274,14 +342,14 @@ def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
     recomputing feeds the whole sequence (O(n) vs O(n²) tokens through the model)."""
     from .drift import kv_cache_report
 
-    n = int(lesson.check.get("max_new_tokens", 24))
+    n = check_field(lesson.check, "max_new_tokens")
     report = kv_cache_report(lm, lesson.prompt, lesson.chat, n)
     prompt = report.prompt_tokens
     uncached_tokens = sum(prompt + i for i in range(len(report.generated_token_ids)))
     cached_tokens = prompt + len(report.generated_token_ids) - 1
     return Outcome(report.tokens_equal, f"Same {len(report.generated_token_ids)} tokens either way; the model read "
                                         f"{cached_tokens} tokens with the cache and {uncached_tokens} without.",
-                   {"cached_tokens": float(cached_tokens), "uncached_tokens": float(uncached_tokens)})
+                   {"cached_tokens": float(cached_tokens), "uncached_tokens": float(uncached_tokens)}, report)
 
 
 def _quantization_order(lm, lesson, traces, registry) -> Outcome:
@@ -289,11 +357,11 @@ def _quantization_order(lm, lesson, traces, registry) -> Outcome:
     from .drift import quantization_report
 
     report = quantization_report(registry, lm.source, lesson.prompt, lesson.chat,
-                                 int(lesson.check.get("max_new_tokens", 12)), ("int8", "nf4"))
+                                 check_field(lesson.check, "max_new_tokens"), ("int8", "nf4"))
     kl = {v.quantization: v.mean_kl for v in report.variants}
     ok = "int8" in kl and "nf4" in kl and kl["int8"] < kl["nf4"]
     return Outcome(ok, f"Mean KL from full precision: int8 {kl.get('int8', math.nan):.3f}, nf4 {kl.get('nf4', math.nan):.3f} nats.",
-                   {f"kl_{k}": v for k, v in kl.items()})
+                   {f"kl_{k}": v for k, v in kl.items()}, report)
 
 
 CHECKS: dict[str, Callable[..., Outcome]] = {

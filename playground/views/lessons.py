@@ -21,14 +21,23 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import gradio as gr
 
+import plotly.graph_objects as go
+
+from engine import contrastive
 from engine import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl
+from engine.drift import DriftReport, KVReport
 from engine.lessons import Lesson, LessonError, Outcome, parse_lesson_json
+from engine.speculative import rounds_of
 from engine.trace import Trace
+from playground.charts import beam as beam_charts
+from playground.charts import quantization as quant_charts
+from playground.charts import speculative as spec_charts
 from playground.charts import step as charts
+from playground.charts.tokens import render as readable
 
-from ..events import data_api
+from ..events import data_api, stop_button
 from ..page_js import OPEN_RUN_JS, RUN_BUTTONS
 from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, status_html
 from ..user_presets import CUSTOM, matching_choice
@@ -76,11 +85,14 @@ def lesson_from_token(token: Any) -> Lesson:
     return parse_lesson_json(raw)
 
 
-def steps_markdown(lesson: Lesson) -> str:
-    steps = "\n".join(f"{i}. {html.escape(s)}" for i, s in enumerate(lesson.steps, start=1))
+def steps_html(lesson: Lesson) -> str:
+    """The lesson's title, steps, prompt and runs as plain text in HTML: a lesson (pasted, or from a
+    link) is data, so Markdown images and links, and HTML tags, show as the characters they are."""
+    steps = "".join(f"<li>{html.escape(s)}</li>" for s in lesson.steps)
     runs = ", ".join(html.escape(p.name) for p in lesson.runs)
-    return (f"### {html.escape(lesson.title)}\n\n{steps}\n\n<small>Opens the **{lesson.view}** view · "
-            f"prompt: {html.escape(repr(lesson.prompt))} · runs: {runs}</small>")
+    return (f'<div class="dp-lesson-steps"><h3>{html.escape(lesson.title)}</h3><ol>{steps}</ol>'
+            f"<small>Opens the <b>{html.escape(lesson.view)}</b> view · prompt: {html.escape(repr(lesson.prompt))}"
+            f" · runs: {runs}</small></div>")
 
 
 # --- running ----------------------------------------------------------------------------------
@@ -97,12 +109,21 @@ class LessonSession(Registered):
     def __post_init__(self) -> None:
         self.whatif_key = register(self)
 
+    shown: int = 0  # the run whose chart teaches the lesson's stage (shown_run)
+
     def first(self) -> Trace | None:
         return self.traces[0] if self.traces else None
 
+    def shown_trace(self) -> Trace | None:
+        """The run the chart and the presenter show (shown_run), if it has stage panels to step through."""
+        if not 0 <= self.shown < len(self.traces):
+            return None
+        trace = self.traces[self.shown]
+        return trace if trace.steps and trace.steps[0].stages else None
+
     def whatif_trace(self) -> Trace | None:
-        """The trace the presenter's what-if redraws: the first run."""
-        return self.first()
+        """The trace the presenter's what-if redraws: the shown run."""
+        return self.shown_trace()
 
 
 def outcome_html(outcome: Outcome) -> str:
@@ -110,9 +131,85 @@ def outcome_html(outcome: Outcome) -> str:
     return f'<div class="{cls}" id="lesson-outcome-text">{mark} {html.escape(outcome.summary)}</div>'
 
 
-def runs_markdown(lesson: Lesson, traces: Sequence[Trace]) -> str:
-    return "\n\n".join(f"**{html.escape(p.name)}**: {html.escape(''.join(s.chosen_token for s in t.steps))}"
-                       for p, t in zip(lesson.runs, traces))
+def runs_html(lesson: Lesson, traces: Sequence[Trace]) -> str:
+    """Each run's name and generated text, as plain text (model output is not Markdown either)."""
+    return "".join(f'<p class="dp-lesson-run"><b>{html.escape(p.name)}</b>: '
+                   f"{html.escape(''.join(s.chosen_token for s in t.steps))}</p>" for p, t in zip(lesson.runs, traces))
+
+
+NEUTRAL_PANELS = ("raw", "final")
+
+
+def shown_run(traces: Sequence[Trace], select: str | int) -> int:
+    """The run whose chart shows the stage the lesson teaches: a contrastive run (its scores are the
+    lesson), else the one with the most stages at its selected step that not every run has
+    (temperature in a temperature lesson, the penalty in a penalties lesson, top-k in a truncation
+    lesson), else the first with a draw (sampling), else the first. A stage every run shares
+    (min_new_tokens on both lanes) teaches nothing."""
+    def names(trace: Trace) -> set[str]:
+        if not trace.steps:
+            return set()
+        step = trace.steps[engine_lessons.selected_step(trace, select)]
+        return {s.name for s in step.stages} - set(NEUTRAL_PANELS)
+
+    sets = [names(t) for t in traces]
+    common = set.intersection(*sets) if sets else set()
+    draws = [bool(t.steps) and t.steps[engine_lessons.selected_step(t, select)].draw is not None for t in traces]
+    keys = [(t.strategy in contrastive.STRATEGIES, len(n - common), d) for t, n, d in zip(traces, sets, draws)]
+    return keys.index(max(keys)) if keys else 0
+
+
+def contrastive_figure(trace: Trace, at: int) -> go.Figure | None:
+    """Contrastive search at step ``at``: each top-k candidate's probability, degeneration penalty
+    (its largest cosine similarity with the context) and score; the chosen token is outlined."""
+    records = contrastive.records(trace)
+    if not 0 <= at < len(records) or not hasattr(records[at], "candidates"):
+        return None
+    record = records[at]
+    cands = record.candidates
+    labels = [f"{readable(c.token)} #{i}" if [readable(d.token) for d in cands].count(readable(c.token)) > 1
+              else readable(c.token) for i, c in enumerate(cands)]
+    outline = dict(color=["#111" if c.token_id == record.chosen_token_id else "rgba(0,0,0,0)" for c in cands], width=2.5)
+    fig = go.Figure()
+    for name, values, colour in (("p", [c.prob for c in cands], "#4c78a8"),
+                                 ("degeneration penalty", [c.penalty for c in cands], "#e45756"),
+                                 ("score", [c.score for c in cands], "#54a24b")):
+        fig.add_trace(go.Bar(y=labels, x=values, name=name, orientation="h", marker_color=colour, marker_line=outline))
+    title = (f"contrastive search, step {at}: score = (1 − α)·p − α·penalty, α = {record.alpha:g}"
+             f"<br><sup>the chosen token is outlined</sup>")
+    fig.update_layout(title=dict(text=title, x=0.01), barmode="group", template="plotly_white",
+                      height=max(300, 140 + 60 * len(cands)), margin=dict(l=10, r=10, t=80, b=40),
+                      legend=dict(orientation="h", x=0, y=-0.1, yanchor="top"))
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    return fig
+
+
+def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
+    """The chart of what the lesson teaches, from its shown run: the beam tree, the speculative
+    rounds, contrastive search's scores, or the step's stage panels. None: nothing to draw yet (a
+    Quantization & KV cache lesson draws its check's report, ``report_chart``)."""
+    if trace.beam is not None:
+        return beam_charts.tree_figure(trace.beam)
+    if trace.rounds:
+        return spec_charts.accepted_length_figure(rounds_of(trace))
+    if trace.strategy == "contrastive_search":
+        return contrastive_figure(trace, at)
+    if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
+        return None
+    return charts.stage_chart(trace.steps[at])
+
+
+def report_chart(outcome: Outcome) -> go.Figure | None:
+    """The check's own measurement, where it made one: drift (KL per step) or the KV cache report."""
+    if isinstance(outcome.report, DriftReport):
+        return quant_charts.kl_figure(outcome.report)
+    if isinstance(outcome.report, KVReport):
+        return quant_charts.kv_figure(outcome.report)
+    return None
+
+
+NO_PRESENTER_STEPS = ('<p class="dp-status">This lesson\'s chart is not a token\'s stage chart (see it beside the '
+                      "lesson's steps); the presenter view steps through token charts.</p>")
 
 
 def list_lessons() -> list[dict]:
@@ -126,12 +223,12 @@ class LessonsTab:
 
     shared: Shared
     pick: gr.Dropdown
-    steps: gr.Markdown
+    steps: gr.HTML
     open_btn: gr.Button
     run_btn: gr.Button
     status: gr.HTML
     outcome: gr.HTML
-    texts: gr.Markdown
+    texts: gr.HTML
     chart: gr.Plot
     custom: gr.Textbox
     load_btn: gr.Button
@@ -141,6 +238,7 @@ class LessonsTab:
     presenter: PresenterPanel
     session: gr.State = None
     open_run: gr.Textbox = None  # hidden: the run button "Open in its view" presses ("" none)
+    stop_btn: gr.Button = None
 
     def current(self, session: LessonSession | None, choice: str) -> Lesson:
         if session is not None and (choice == session.lesson.id or choice is None):
@@ -150,23 +248,31 @@ class LessonsTab:
     def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, *,
                control: RunControl) -> Iterator[dict]:
         lesson = self.current(session, choice)
+        # The previous lesson's chart and texts go at once: a Stop or an error must not leave them as this run's.
+        yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: "", self.texts: "",
+               self.chart: None, self.presenter.chart: None, self.presenter.text: ""}
         lm = self.shared.lm(model, quant)
         ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
-        yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: ""}
         traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=ids, control=control)
                   for p in lesson.runs]
-        session = LessonSession(lesson, traces)
-        first = traces[0]
-        at = engine_lessons.selected_step(first, lesson.select_step)
-        updates = {self.texts: runs_markdown(lesson, traces), self.session: session,
-                   self.presenter.key: session.whatif_key,
-                   self.chart: charts.stage_chart(first.steps[at]) if first.steps else None,
-                   self.status: status_html(f"step {at} of the first run selected; checking the claim…")}
-        updates |= self.presenter.show(first, at, False)
+        shown = shown_run(traces, lesson.select_step)
+        session = LessonSession(lesson, traces, shown=shown)
+        trace = traces[shown]
+        at = engine_lessons.selected_step(trace, lesson.select_step)
+        which = f"the run {lesson.runs[shown].name!r}" if len(traces) > 1 else "the run"
+        updates = {self.texts: runs_html(lesson, traces), self.session: session,
+                   self.presenter.key: session.whatif_key, self.chart: run_chart(lesson, trace, at),
+                   self.status: status_html(f"step {at} of {which} selected; checking the claim…")}
+        if session.shown_trace() is not None:
+            updates |= self.presenter.show(trace, at, False)
+        else:
+            updates |= {self.presenter.text: NO_PRESENTER_STEPS, self.presenter.chart: None, self.presenter.index: 0}
         yield updates
         registry = CheckedRegistry(self.shared.registry, self.shared.policy)
         session.outcome = engine_lessons.evaluate(lm, lesson, traces, registry)
-        yield {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
+        done = {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
+        report = report_chart(session.outcome)
+        yield done | ({self.chart: report} if report is not None else {})
 
     # --- wiring -----------------------------------------------------------------------------------
     def on_pick(self, choice: str, session: LessonSession | None) -> dict:
@@ -174,7 +280,7 @@ class LessonsTab:
             lesson = self.current(session, choice)
         except LessonError as exc:
             return {self.status: error_html(str(exc))}
-        return {self.steps: steps_markdown(lesson), self.status: "", self.outcome: ""}
+        return {self.steps: steps_html(lesson), self.status: "", self.outcome: ""}
 
     def on_load_custom(self, text: str, session: LessonSession | None) -> dict:
         """A pasted lesson JSON: validated (the error names the key), then shown and offered."""
@@ -183,7 +289,7 @@ class LessonsTab:
         except LessonError as exc:
             return {self.status: error_html(str(exc))}
         choices = [(l.title, l.id) for l in engine_lessons.builtin_lessons().values() if l.id != lesson.id]
-        return {self.session: LessonSession(lesson), self.steps: steps_markdown(lesson), self.outcome: "",
+        return {self.session: LessonSession(lesson), self.steps: steps_html(lesson), self.outcome: "",
                 self.pick: gr.update(choices=[*choices, (f"{lesson.title} (yours)", lesson.id)], value=lesson.id),
                 self.status: status_html("lesson loaded: press Run and check")}
 
@@ -210,10 +316,12 @@ class LessonsTab:
         self.present.change(lambda on: gr.update(visible=bool(on)), [self.present], [self.presenter.column], **local)
         outputs = [self.status, self.outcome, self.texts, self.chart, self.session, self.presenter.text,
                    self.presenter.chart, self.presenter.index, self.presenter.temperature, self.presenter.key]
-        self.shared.events.on([self.run_btn.click], self.on_run,
-                               [self.pick, self.session, self.shared.model, self.shared.quantization], outputs,
-                               on_error=cleared(self.status, outputs), what="lesson")
-        self.presenter.wire(lambda s: s.first() if isinstance(s, LessonSession) else None, self.session,
+        run = self.shared.events.on([self.run_btn.click], self.on_run,
+                                     [self.pick, self.session, self.shared.model, self.shared.quantization], outputs,
+                                     on_error=cleared(self.status, outputs), what="lesson")
+        if self.stop_btn is not None:
+            stop_button(self.stop_btn, self.status, [run], status_html("stopped"))
+        self.presenter.wire(lambda s: s.shown_trace() if isinstance(s, LessonSession) else None, self.session,
                             self.shared.model, self.shared.quantization)
         data_api(list_lessons, "lessons")
 
@@ -282,7 +390,7 @@ class LessonsTab:
         choices = [(l.title, l.id) for l in engine_lessons.builtin_lessons().values()]
         if lesson.id not in dict((v, k) for k, v in choices):
             choices.append((f"{lesson.title} (shared)", lesson.id))
-        return updates | {self.session: LessonSession(lesson), self.steps: steps_markdown(lesson),
+        return updates | {self.session: LessonSession(lesson), self.steps: steps_html(lesson),
                           self.pick: gr.update(choices=choices, value=lesson.id)}
 
 
@@ -327,12 +435,14 @@ def build_tab(shared: Shared) -> LessonsTab:
         with gr.Column(scale=1, min_width=300):
             pick = gr.Dropdown([(l.title, l.id) for l in lessons.values()], value=first.id, label="Lesson",
                                elem_id="lessons-pick")
-            steps = gr.Markdown(steps_markdown(first), elem_id="lessons-steps")
+            # The buttons sit above the steps, so Run and check is on the first screen whatever the lesson's length.
             with gr.Row():
                 run_btn = gr.Button("Run and check", variant="primary", elem_id="lessons-run", min_width=120)
+                stop_btn = gr.Button("Stop", elem_id="lessons-stop", min_width=70, scale=0)
                 open_btn = gr.Button("Open in its view", elem_id="lessons-open", min_width=120)
-            present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id="lessons-present")
             status = gr.HTML("", elem_id="lessons-status")
+            steps = gr.HTML(steps_html(first), elem_id="lessons-steps")
+            present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id="lessons-present")
             with gr.Accordion("Your own lesson (JSON) and its link", open=False, elem_id="lessons-custom-box"):
                 custom = gr.Textbox(lines=6, label="Lesson JSON (format: presets/lessons/*.json)", elem_id="lessons-json")
                 load_btn = gr.Button("Load lesson", elem_id="lessons-load")
@@ -342,9 +452,9 @@ def build_tab(shared: Shared) -> LessonsTab:
         with gr.Column(scale=2, min_width=300):
             presenter = PresenterPanel.build()
             outcome = gr.HTML("", elem_id="lessons-outcome")
-            texts = gr.Markdown(elem_id="lessons-texts")
-            chart = gr.Plot(label="The lesson's selected step", elem_id="lessons-chart")
+            texts = gr.HTML(elem_id="lessons-texts")
+            chart = gr.Plot(label="What the lesson shows", elem_id="lessons-chart")
     tab = LessonsTab(shared, pick, steps, open_btn, run_btn, status, outcome, texts, chart, custom, load_btn, link,
-                     present, base_url, presenter, gr.State(None), open_run)
+                     present, base_url, presenter, gr.State(None), open_run, stop_btn)
     tab.wire()
     return tab
