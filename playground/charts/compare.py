@@ -94,15 +94,32 @@ def metrics_glossary() -> str:
     return glossary.glossary_line(["log-prob", "perplexity", "distinct-1", "distinct-2", "rep-4"])
 
 
+def picks_greedily(trace: Trace) -> bool:
+    """Whether the lane's pick is greedy (the greedy strategy, or temperature 0): no draw, the
+    argmax (the best score) is taken."""
+    return DecodingConfig.from_dict({"strategy": trace.strategy, **trace.config}).is_greedy
+
+
+def lane_entropies(steps: Sequence[StepTrace], raw: bool = False, greedy: bool = False) -> list[float]:
+    """A lane's per-step entropy in nats: the raw model's, or that of the distribution its token was
+    picked from. A greedy pick takes the argmax, so it picks from a one-hot distribution: 0 nats at
+    every step, whatever the final distribution's entropy (which a draw would have picked from)."""
+    if greedy and not raw:
+        return [0.0] * len(steps)
+    return list(entropy_series(steps, raw))
+
+
 def entropy_chart(names: Sequence[str], lanes: Sequence[Sequence[StepTrace]], divergence: int | None = None,
-                  raw: bool = False) -> go.Figure:
+                  raw: bool = False, greedy: Sequence[bool] = ()) -> go.Figure:
     """Per-step entropy (nats) of each lane, overlaid; a vertical line where the lanes diverge.
     ``raw``: the unprocessed model's entropy along each lane's own text, else the entropy of the
-    distribution each token was picked from."""
+    distribution each token was picked from; ``greedy[i]``: lane i picks greedily (its picked-from
+    distribution is one-hot: 0 nats)."""
     fig = go.Figure()
     for i, (name, steps) in enumerate(zip(names, lanes)):
         fig.add_trace(go.Scatter(
-            x=[s.index for s in steps], y=list(entropy_series(steps, raw)), mode="lines+markers",
+            x=[s.index for s in steps], y=lane_entropies(steps, raw, i < len(greedy) and greedy[i]),
+            mode="lines+markers",
             name=name, line=dict(color=lane_colour(i)), customdata=[[readable(s.chosen_token)] for s in steps],
             hovertemplate=f"{html.escape(name)} · step %{{x}}: %{{customdata[0]}}<br>"
                           "H = %{y:.2f} nats<br>" + html.escape(glossary.hover("entropy")) + "<extra></extra>",

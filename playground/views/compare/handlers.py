@@ -75,7 +75,8 @@ def render_results(page: Page, session: CompareSession, count: int, raw: bool, r
     done = session.done()
     finished = [t for _, t in done]
     rows = charts.metrics_rows([lane_metrics(t, n) for n, t in done], [t.strategy for t in finished])
-    figure = charts.entropy_chart([n for n, _ in done], [t.steps for t in finished], at, raw) if done else None
+    figure = charts.entropy_chart([n for n, _ in done], [t.steps for t in finished], at, raw,
+                                  [charts.picks_greedily(t) for t in finished]) if done else None
     names = [n for n, _ in done]
     same = charts.same_text_note(names, finished) if done else ""
     return out | {page.divergence: charts.divergence_markdown(names, finished, at) + (f"\n\n{same}" if same else ""),

@@ -1,0 +1,106 @@
+"""Issue #27, Compare: driven as a person drives the page, through the app's own registered events
+(tests/test_continue_compare.Page carries each component's value from one event to the next).
+
+- a greedy lane (T = 0) picks the argmax, so its picked-from distribution is one-hot: 0 nats;
+- every lane's stage panels show its distributions (raw, each stage, final) at the first, a
+  middle and the last step, also at T = 5 where the chosen token is far outside the stored top-N;
+- a run that errors (a bad knob) or is stopped mid-run leaves no output of the previous run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.trace import StageTrace, StepTrace, Timing, Trace
+from playground.charts import compare as charts
+from test_continue_compare import Page
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Write one sentence about the moon."
+# The temperature lesson's lanes (presets/lessons/02-temperature.json): T = 0, 1 and 5.
+LESSON_LANES = ({"strategy": "sample", "temperature": 0.0}, {"strategy": "sample", "temperature": 1.0, "seed": 7},
+                {"strategy": "sample", "temperature": 5.0, "seed": 7})
+
+
+@pytest.fixture(scope="module")
+def demo(registry, embedded):
+    from playground.app import build_app
+
+    return build_app(registry)
+
+
+def set_lanes(page: Page, lanes, tokens: int) -> None:
+    """Type each lane's settings into its controls (and show that many lanes)."""
+    page.values[page.event("on_run", "cmp-status").inputs[4]._id] = len(lanes)  # page.count, the lanes shown
+    for i, lane in enumerate(lanes):
+        page.set(f"cmp-lane-{i}-strategy", lane["strategy"])
+        page.set(f"cmp-lane-{i}-more", "")
+        for name, value in {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0,
+                            "max_new_tokens": tokens, **{k: v for k, v in lane.items() if k != "strategy"}}.items():
+            page.set(f"cmp-lane-{i}-knob-{name}", value)
+
+
+def run_compare(page: Page, prompt: str = PROMPT, chat: bool = False) -> list[dict]:
+    page.set("cmp-prompt", prompt)
+    page.set("cmp-chat", chat)
+    return page.fire("on_run", "cmp-status")
+
+
+def session(page: Page):
+    dep = page.event("on_run", "cmp-status")
+    return page.get(dep.outputs[-1])
+
+
+# --- 2. the greedy lane's picked-from entropy -----------------------------------------------------
+
+def hand_trace(config: dict, entropies: list[float]) -> Trace:
+    """Steps whose final distribution has the given entropy, the raw model's twice that."""
+    steps = []
+    for i, h in enumerate(entropies):
+        stage = StageTrace("raw", 2, 0.0, 2 * h, 0.0, [])
+        steps.append(StepTrace(i, 10 + i, f" t{i}", 0.5, 0.5, None, None, None, h, 2 * h, [stage, stage]))
+    return Trace("m", config["strategy"], config, "p", [1], "", [10 + i for i in range(len(entropies))],
+                 "max_new_tokens", steps, Timing(1.0, 1.0, 1.0))
+
+
+def test_a_greedy_lane_picks_from_a_one_hot_distribution_of_zero_nats():
+    greedy = hand_trace({"strategy": "sample", "temperature": 0.0}, [math.log(4), math.log(2)])
+    also_greedy = hand_trace({"strategy": "greedy"}, [math.log(3)])
+    hot = hand_trace({"strategy": "sample", "temperature": 5.0, "seed": 7}, [math.log(4), math.log(2)])
+    lanes = [greedy, also_greedy, hot]
+    flags = [charts.picks_greedily(t) for t in lanes]
+    assert flags == [True, True, False]
+    fig = charts.entropy_chart(["Lane 1", "Lane 2", "Lane 3"], [t.steps for t in lanes], None, False, flags)
+    assert list(fig.data[0].y) == [0.0, 0.0] and list(fig.data[1].y) == [0.0]  # argmax: one-hot, 0 nats
+    assert list(fig.data[2].y) == pytest.approx([math.log(4), math.log(2)])  # a draw from the final distribution
+    raw = charts.entropy_chart(["Lane 1", "Lane 3"], [greedy.steps, hot.steps], None, True, [True, False])
+    assert list(raw.data[0].y) == pytest.approx([2 * math.log(4), 2 * math.log(2)])  # the raw model's, any pick
+
+
+def test_the_greedy_lanes_entropy_is_zero_and_a_sampling_lanes_is_its_final_distributions(demo, embedded):
+    page = Page(demo)
+    set_lanes(page, LESSON_LANES, 4)
+    run_compare(page, chat=True)
+    assert "done: 3 of 3 lanes ran" in page.shown("cmp-status"), page.shown("cmp-status")
+    figure = page.shown("cmp-entropy")
+    greedy, hot = figure.data[0], figure.data[2]
+    traces = session(page).traces
+    assert traces[0].steps[0].entropy > 0.5  # what the chart showed before: the final (= raw) distribution's
+    assert list(greedy.y) == [0.0] * len(traces[0].steps)
+    # Lane 3's first token was drawn from softmax(logits / 5) of the prompt: its entropy by hand.
+    ids = torch.tensor([embedded.encode(PROMPT, True)])
+    with torch.no_grad():
+        logits = embedded.model(ids).logits[0, -1].float()
+    p = torch.softmax(logits / 5.0, dim=-1)
+    by_hand = float(-(p * torch.log(p.clamp_min(1e-45))).sum())
+    assert hot.y[0] == pytest.approx(by_hand, rel=1e-3)
+    page.set("cmp-entropy-kind", "raw model")
+    dep = next(f for f in demo.fns.values() if f.outputs and page.block("cmp-entropy") in f.outputs
+               and page.block("cmp-entropy-kind") in f.inputs and "on_run" not in getattr(f.fn, "__name__", ""))
+    out = dep.fn(*[page.get(b) for b in dep.inputs])
+    raw = next(v for k, v in out.items() if getattr(k, "elem_id", None) == "cmp-entropy")
+    assert list(raw.data[0].y) == pytest.approx([s.raw_entropy for s in traces[0].steps])
