@@ -101,6 +101,29 @@ def test_a_finished_run_still_compares_three_strategies(tiny_lm, shared):
     assert [row[0] for row in last[out.quality_table]] == ["mcts", "greedy", f"beam ({search.COMPARE_BEAMS})"]
 
 
+def greedy_checks(shared: Shared, lm) -> int:
+    """How many times the side-by-side's greedy run checks its control."""
+    control = StopAfter(10**9)
+    shared.run(lm, PROMPT, CONFIG.replace(strategy="greedy"), chat=False, prompt_ids=lm.encode(PROMPT, False),
+               control=control)
+    return 10**9 - control.left
+
+
+@pytest.mark.parametrize("during", ["greedy", "beam"])
+def test_a_limit_during_the_side_by_side_keeps_the_finished_mcts_run(tiny_lm, shared, full_tokens, during):
+    out = mcts_out()
+    extra_checks = 0 if during == "greedy" else greedy_checks(shared, tiny_lm)
+    control = StopAfter(CONFIG.max_new_tokens * CONFIG.mcts_simulations + extra_checks, "time_limit")
+    last = list(search.stream_mcts(out, shared, request(tiny_lm), control))[-1]
+    session: search.MctsSession = last[out.session]
+    assert session.trace.generated_token_ids == full_tokens and "stopped" not in session.trace.summary
+    assert last[out.text] == tiny_lm.decode(full_tokens)
+    assert "MCTS done (4 tokens, 20 simulations); time limit reached during the greedy and beam runs" in last[out.status]
+    rows = [row[0] for row in last[out.quality_table]]
+    assert rows[0] == "mcts" and f"beam ({search.COMPARE_BEAMS})" not in rows  # only the runs that finished
+    assert rows == (["mcts"] if during == "greedy" else ["mcts", "greedy"])
+
+
 def test_the_api_returns_the_partial_trace_at_the_time_limit(tiny_lm, shared, monkeypatch):
     monkeypatch.setattr(shared, "lm", lambda model, quantization: tiny_lm)
     data = search.mcts_trace(shared, PROMPT, {"max_new_tokens": 4, "mcts_simulations": 5},

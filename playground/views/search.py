@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from engine.config import DecodingConfig
-from engine.control import RunControl
+from engine.control import RunControl, RunStopped
 from engine.mcts import NOT_COMMITTED, MctsPosition, interrupted_of, positions_of, raw_logprob
 from engine.medusa import MedusaRound, rounds_of
 from engine.models import LoadedModel
@@ -165,14 +165,31 @@ def stream_mcts(out: MctsOutputs, shared: Shared, req: RunRequest, control: RunC
         yield mcts_render(out, session, status_html(stopped_status(session.trace, req.config.max_new_tokens, control)))
         return
     yield mcts_render(out, session, status_html("search finished; greedy and beam on the same prompt for comparison…"))
-    traces = {"mcts": session.trace}
+    traces, stopped = side_by_side(shared, req, session.trace, control)
+    session.quality = quality_rows(req.lm, req.prompt_ids, traces)
+    done = f"{len(session.positions)} tokens, {session.trace.summary.get('simulations', 0)} simulations"
+    if stopped is not None:
+        why = "time limit reached" if stopped.reason == "time_limit" else "stopped"
+        yield mcts_render(out, session, status_html(
+            f"MCTS done ({done}); {why} during the greedy and beam runs it is compared with, so the comparison "
+            "shows only the runs that finished. Pick a position to see its search tree."))
+        return
+    yield mcts_render(out, session, status_html(f"done: {done}. Pick a position to see its search tree."))
+
+
+def side_by_side(shared: Shared, req: RunRequest, trace: Trace,
+                 control: RunControl) -> tuple[dict[str, Trace], RunStopped | None]:
+    """The MCTS trace, then greedy and beam on the same prompt and knobs, as far as ``control``
+    lets them run: the traces that finished and the stop that cut the rest (None when none did)."""
+    traces = {"mcts": trace}
     for name, config in (("greedy", req.config.replace(strategy="greedy")),
                          (f"beam ({COMPARE_BEAMS})", req.config.replace(strategy="beam", num_beams=COMPARE_BEAMS))):
-        traces[name] = shared.run(req.lm, req.prompt, config, chat=req.chat, prompt_ids=req.prompt_ids, control=control)
-    session.quality = quality_rows(req.lm, req.prompt_ids, traces)
-    sims = session.trace.summary.get("simulations", 0)
-    yield mcts_render(out, session, status_html(
-        f"done: {len(session.positions)} tokens, {sims} simulations. Pick a position to see its search tree."))
+        try:
+            traces[name] = shared.run(req.lm, req.prompt, config, chat=req.chat, prompt_ids=req.prompt_ids,
+                                      control=control)
+        except RunStopped as stop:
+            return traces, stop
+    return traces, None
 
 
 def wire_run(shared: Shared, panel: KnobPanel, prompt: gr.Textbox, chat: gr.Checkbox, run: gr.Button,
