@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -104,3 +105,83 @@ def test_the_greedy_lanes_entropy_is_zero_and_a_sampling_lanes_is_its_final_dist
     out = dep.fn(*[page.get(b) for b in dep.inputs])
     raw = next(v for k, v in out.items() if getattr(k, "elem_id", None) == "cmp-entropy")
     assert list(raw.data[0].y) == pytest.approx([s.raw_entropy for s in traces[0].steps])
+
+
+# --- 4. an error or a Stop leaves no output of the previous run ------------------------------------
+
+FIRST_RUN = "cmp-divergence", "cmp-metrics", "cmp-entropy", "cmp-inspect-explain", "cmp-inspect-chart"
+
+
+def inspect_step(page: Page, lane: str, step: int) -> None:
+    """Pick a lane and release the step slider on ``step`` (the inspector's registered event)."""
+    slider = page.block("cmp-inspect-step")
+    dep = next(f for f in page.demo.fns.values() if (slider._id, "release") in
+               [(getattr(t[0], "_id", t[0]), t[1]) for t in f.targets])
+    page.set("cmp-inspect-lane", lane)
+    page.set("cmp-inspect-step", step)
+    for block, value in dep.fn(*[page.get(b) for b in dep.inputs]).items():
+        page.values[block._id] = value["value"] if isinstance(value, dict) and "__type__" in value else value
+
+
+def good_run(page: Page) -> dict:
+    """Two lanes of 3 tokens, run to the end, and their second step opened in the inspector:
+    every output of the run, by elem_id."""
+    set_lanes(page, [{"strategy": "greedy"}, {"strategy": "sample", "temperature": 0.8, "seed": 1}], 3)
+    run_compare(page, "The sky is")
+    assert "done: 2 of 2" in page.shown("cmp-status"), page.shown("cmp-status")
+    inspect_step(page, "Lane 2", 1)
+    shown = {e: page.shown(e) for e in (*FIRST_RUN, "cmp-lane-0-text", "cmp-lane-1-text", "cmp-lane-0-status")}
+    assert all(v not in (None, "", []) for v in shown.values()), shown
+    return shown
+
+
+def left_over(page: Page, first: dict) -> list[str]:
+    """The outputs still showing what the first run showed."""
+    return [e for e, v in first.items() if page.shown(e) is v or (not hasattr(v, "data") and page.shown(e) == v)]
+
+
+def test_a_bad_knob_after_a_run_leaves_none_of_its_output(demo):
+    page = Page(demo)
+    first = good_run(page)
+    page.set("cmp-lane-1-knob-temperature", 9)  # out of range: the run fails before any work
+    run_compare(page, "The sky is")
+    assert "Lane 2: temperature: 9" in page.shown("cmp-status")
+    assert not left_over(page, first), left_over(page, first)
+    assert all(page.shown(e) in (None, "", []) for e in FIRST_RUN)
+
+
+def test_a_run_stopped_mid_run_leaves_none_of_the_previous_runs_output(demo):
+    from test_continue_compare import run_coroutine
+
+    page = Page(demo)
+    first = good_run(page)
+    page.set("cmp-prompt", "Once upon a time")
+    dep = page.event("on_run", "cmp-status")
+    args = [page.get(b) for b in dep.inputs]
+
+    async def stopped() -> list:
+        """The run's first two updates, then Stop (Gradio cancels the task: the generator closes)."""
+        rows, agen = [], dep.fn(*args)
+        async for row in agen:
+            rows.append(row)
+            if len(rows) == 2:
+                break
+        await agen.aclose()
+        return rows
+
+    rows = run_coroutine(stopped)
+    assert len(rows) == 2
+    for row in rows:
+        for block, value in zip(dep.outputs, row):
+            if isinstance(value, dict) and value.get("__type__") == "update":
+                if "value" not in value:
+                    continue
+                value = value["value"]
+            page.values[block._id] = value
+    stop = next(f for f in demo.fns.values() if (page.block("cmp-stop")._id, "click") in
+                [(getattr(t[0], "_id", t[0]), t[1]) for t in f.targets])
+    wants = len(inspect.signature(stop.fn).parameters)  # a gr.Request where it takes one (none here)
+    page.values[stop.outputs[0]._id] = stop.fn(*[None] * wants)
+    assert "stopped" in page.shown("cmp-status")
+    assert not left_over(page, first), left_over(page, first)
+    assert all(page.shown(e) in (None, "", []) for e in FIRST_RUN)

@@ -188,7 +188,9 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
                              [c.max_new_tokens for c in configs])
     raw = kind == RAW_ENTROPY
     note = status_html(f"running {count} lanes at once…")
-    yield {page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
+    # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).
+    yield ({page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
+           | previous_run_cleared(page))
     for i in run_lanes(shared, lm, prompt, prompt_ids, configs, chat, session, control):
         yield {page.status: status_html(f"running: {names[i]} of {count} updated…")} | render_results(
             page, session, count, raw, i)
@@ -196,6 +198,12 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
     done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
     yield {page.status: status_html(done + ". Click any token to open its step.")} | render_results(
         page, session, count, raw)
+
+
+def previous_run_cleared(page: Page) -> dict:
+    """The results only a finished run draws, and the inspected step, emptied."""
+    inspect = page.inspect
+    return {page.divergence: "", page.metrics: None, page.entropy: None, inspect.explain: "", inspect.chart: None}
 
 
 def wire_run(shared: Shared, page: Page) -> Any:
@@ -207,8 +215,8 @@ def wire_run(shared: Shared, page: Page) -> Any:
     inputs = [page.prompt, page.chat, shared.model, shared.quantization, page.count, page.entropy_kind,
               *page.lane_values]
     event = shared.events.on([page.run.click, page.prompt.submit], on_run, inputs,
-                             [page.status, *page.result_outputs, page.session],
-                             on_error=cleared(page.status, page.result_outputs))
+                             [page.status, *page.run_outputs, page.session],
+                             on_error=cleared(page.status, page.run_outputs))
     page.entropy_kind.change(
         lambda session, count, kind: render_results(page, session or CompareSession(), count, kind == RAW_ENTROPY),
         [page.session, page.count, page.entropy_kind], page.result_outputs, api_visibility="private", queue=False)

@@ -95,6 +95,12 @@ class Page:
         lanes = [c for lane in self.lanes for c in (lane.status, lane.text)]
         return lanes + [self.divergence, self.metrics, self.entropy, self.inspect.lane, self.sweep.lane]
 
+    @property
+    def run_outputs(self) -> list:
+        """What a run updates: the results, and the inspector's explanation and chart (a new run
+        empties them: they showed a step of the previous run)."""
+        return self.result_outputs + [self.inspect.explain, self.inspect.chart]
+
 
 def _lane_column(i: int, spec: LaneSpec | None) -> LaneWidgets:
     spec = spec or default_spec([])
