@@ -107,6 +107,77 @@ def test_the_greedy_lanes_entropy_is_zero_and_a_sampling_lanes_is_its_final_dist
     assert list(raw.data[0].y) == pytest.approx([s.raw_entropy for s in traces[0].steps])
 
 
+# --- 1. every lane's panels show its distributions ---------------------------------------------------
+
+def inspect_step_chart(page: Page, lane: str, step: int):
+    inspect_step(page, lane, step)
+    return page.shown("cmp-inspect-chart")
+
+
+def panel_bars(fig) -> dict[str, list]:
+    """Each panel's bar values, by its x axis ("x", "x2"...), legend-only swatches left out."""
+    panels: dict[str, list] = {}
+    for bar in fig.data:
+        if bar.type == "bar" and bar.showlegend is not True:
+            panels.setdefault(bar.xaxis or "x", []).extend(bar.x)
+    return panels
+
+
+def test_every_lane_shows_each_stages_distribution_at_the_first_middle_and_last_step(demo):
+    """The temperature lesson's lanes, T = 0, 1 and 5: at T = 5 the chosen token is far outside the
+    stored top-10 of the flattened distribution and its bars are ~0.1% high."""
+    page = Page(demo)
+    set_lanes(page, LESSON_LANES, 24)
+    run_compare(page, chat=True)
+    assert "done: 3 of 3 lanes ran" in page.shown("cmp-status"), page.shown("cmp-status")
+    for i, trace in enumerate(session(page).traces):
+        last = len(trace.steps) - 1
+        for at in (0, last // 2, last):
+            step = trace.steps[at]
+            fig = inspect_step_chart(page, f"Lane {i + 1}", at)
+            where = f"Lane {i + 1} step {at}"
+            assert fig is not None and f"step {at}: chose" in fig.layout.title.text, where
+            texts = [t for bar in fig.data if bar.type == "bar" for t in (bar.text or ())]
+            assert charts.NOT_RECORDED not in texts, where
+            panels = panel_bars(fig)
+            assert len(panels) >= len(step.stages), where  # raw, each stage, final (and the draw)
+            for k, stage in enumerate(step.stages):
+                axis = "x" if k == 0 else f"x{k + 1}"
+                shown = [x for x in panels[axis] if x is not None]
+                assert [t.prob for t in stage.top] == shown[:len(stage.top)], (where, stage.name)
+                if all(t.token_id != step.chosen_token_id for t in stage.top):  # drawn after the top-N
+                    assert shown[len(stage.top)] > 0, (where, stage.name)
+                span = fig.layout[axis.replace("x", "xaxis")].range
+                tallest = max(shown)
+                assert span is None or tallest >= charts.SLIVER * span[1], (where, stage.name, tallest, span)
+                ticks = fig.layout[axis.replace("x", "xaxis")].tickformat  # d3's "%" formats as Python's
+                assert float(format(tallest, ticks).rstrip("%")) > 0, (where, stage.name, ticks)  # not "0%, 0%"
+            if i == 2:  # T = 5: the temperature stage is the final distribution, chosen token at its p
+                temperature = panels["x2"]
+                assert temperature[-1] == pytest.approx(step.chosen_prob) and step.chosen_prob < 0.01, where
+
+
+def test_a_middle_stage_the_trace_cannot_know_stays_unrecorded_and_the_others_read_it():
+    """[raw, top-k, temperature, final]: the chosen token's p after top-k is not stored (top-k
+    changed it and temperature changed it again); after temperature it is final's; raw's is raw_prob."""
+    def stage(name, tv, top):
+        return StageTrace(name, 100, 0.0, 1.0, tv, top)
+
+    from engine.trace import TokenProb
+
+    top = [TokenProb(1, "a", 0.5), TokenProb(2, "b", 0.3)]
+    stages = [stage("raw", 0.0, top), stage("top_k", 0.2, top), stage("temperature", 0.1, top), stage("final", 0.1, top)]
+    step = StepTrace(0, 9, " z", 0.002, 0.0001, 0.9, 0.89, 0.892, 1.0, 1.0, stages)
+    assert [charts.chosen_prob_at(step, i) for i in range(4)] == [0.0001, None, 0.002, 0.002]
+    quiet = [stage("raw", 0.0, top), stage("repetition_penalty", 0.0, top), stage("top_k", 0.2, top),
+             stage("final", 0.0, top)]
+    assert [charts.chosen_prob_at(StepTrace(0, 9, " z", 0.002, 0.0001, None, None, None, 1.0, 1.0, quiet), i)
+            for i in range(4)] == [0.0001, 0.0001, 0.002, 0.002]
+    fig = charts.inspect_chart(step)
+    texts = [t for bar in fig.data if bar.type == "bar" for t in (bar.text or ())]
+    assert texts.count(charts.NOT_RECORDED) == 1  # top-k's panel only: the engine stores its top-N alone
+
+
 # --- 4. an error or a Stop leaves no output of the previous run ------------------------------------
 
 FIRST_RUN = "cmp-divergence", "cmp-metrics", "cmp-entropy", "cmp-inspect-explain", "cmp-inspect-chart"
@@ -181,7 +252,10 @@ def test_a_run_stopped_mid_run_leaves_none_of_the_previous_runs_output(demo):
     stop = next(f for f in demo.fns.values() if (page.block("cmp-stop")._id, "click") in
                 [(getattr(t[0], "_id", t[0]), t[1]) for t in f.targets])
     wants = len(inspect.signature(stop.fn).parameters)  # a gr.Request where it takes one (none here)
-    page.values[stop.outputs[0]._id] = stop.fn(*[None] * wants)
+    said = stop.fn(*[None] * wants)
+    if inspect.iscoroutine(said):
+        said = run_coroutine(lambda: said)
+    page.values[stop.outputs[0]._id] = said
     assert "stopped" in page.shown("cmp-status")
     assert not left_over(page, first), left_over(page, first)
     assert all(page.shown(e) in (None, "", []) for e in FIRST_RUN)

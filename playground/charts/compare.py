@@ -15,7 +15,7 @@ from engine.metrics import LaneMetrics, SweepSpread, entropy_series
 from engine.trace import StepTrace, Trace
 
 from . import glossary
-from .step import FONT, readable, stop_text, token_highlights
+from .step import FONT, readable, stage_chart, stop_text, token_highlights
 
 LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c")  # each >= 4.5:1 on white
 METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
@@ -198,6 +198,63 @@ def sweep_markdown(lane: str, seeds: Sequence[int], spread: SweepSpread) -> str:
 
 def sweep_rows(seeds: Sequence[int], traces: Sequence[Trace], mean_logprobs: Sequence[float]) -> list[list]:
     return [[seed, len(t.steps), _num(lp, 3), t.text] for seed, t, lp in zip(seeds, traces, mean_logprobs)]
+
+
+# A stage panel whose tallest bar is under this share of the one axis all panels would share gets
+# its own scale (T = 5 flattens a 76% token to 0.1%: on a 0-82% axis its panels look empty).
+SLIVER = 0.1
+SAME = 1e-9  # total variation below which a stage left the distribution as it was
+NOT_RECORDED = "p not recorded"
+
+
+def chosen_prob_at(step: StepTrace, i: int) -> float | None:
+    """The chosen token's probability after stage ``i`` (0: raw, the last: final) as the trace
+    records it: raw_prob where no stage up to i moved any mass, chosen_prob where no stage after i
+    did (final is the last stage's distribution); None where only the stage's top-N is stored."""
+    stages, last = step.stages, len(step.stages) - 1
+    if i == last or all(s.tv_distance <= SAME and s.mass_removed <= 0 for s in stages[i + 1:last]):
+        return step.chosen_prob
+    if all(s.tv_distance <= SAME and s.mass_removed <= 0 for s in stages[1:i + 1]):
+        return step.raw_prob
+    return None
+
+
+def _panel_peaks(step: StepTrace) -> list[float]:
+    """The tallest bar of each stage panel (its top-N, removed tokens and the chosen token)."""
+    peaks = []
+    for i, stage in enumerate(step.stages):
+        chosen = chosen_prob_at(step, i)
+        peaks.append(max([t.prob for t in [*stage.top, *stage.removed]] + ([chosen] if chosen is not None else []),
+                         default=0.0))
+    return peaks
+
+
+def one_axis_readable(step: StepTrace) -> bool:
+    """Whether every stage panel's bars stay readable on one probability axis shared by all."""
+    peaks = _panel_peaks(step)
+    return min(peaks, default=1.0) >= SLIVER * max(peaks, default=1.0)
+
+
+def inspect_chart(step: StepTrace) -> go.Figure:
+    """The stage chart of one lane's step for the inspector: every panel on one probability axis
+    unless that draws some panel as slivers (then each on its own scale), and the chosen token's p
+    written in every stage where the trace records it (``chosen_prob_at``) though the stage's
+    top-N misses it: a stage equal to the final distribution (a lone temperature, T = 5) or to the raw one."""
+    shared = one_axis_readable(step)
+    fig = stage_chart(step, shared_axis=shared)
+    if not shared:  # a 0.1% panel's ticks read "0%, 0%, 0%" in whole percent
+        for i, peak in enumerate(_panel_peaks(step)):
+            digits = max(0, math.ceil(-math.log10(peak)) - 1) if 0 < peak < 1 else 0
+            fig.layout[f"xaxis{i + 1 if i else ''}"].tickformat = f".{min(digits, 4)}%"
+    for bar in fig.data:
+        if bar.type != "bar" or not bar.text or bar.text[-1] != NOT_RECORDED:
+            continue
+        axis = bar.xaxis[1:]  # "x" is panel 0, "x2" panel 1...
+        prob = chosen_prob_at(step, int(axis) - 1 if axis else 0)
+        if prob is not None:
+            bar.x = (*bar.x[:-1], prob)
+            bar.text = (*bar.text[:-1], "")
+    return fig
 
 
 DIVERGE_MARK = "⟶ lanes differ from here:"

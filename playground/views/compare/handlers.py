@@ -95,7 +95,7 @@ def render_inspect(page: Page, session: CompareSession | None, lane: str | None,
     index = max(0, min(int(step or 0), last))
     chosen = trace.steps[index]
     if chosen.stages:
-        explain, figure = step_charts.explain_step(chosen), step_charts.stage_chart(chosen)
+        explain, figure = step_charts.explain_step(chosen), charts.inspect_chart(chosen)
     else:
         explain, figure = f"{trace.strategy} keeps no per-stage record of its tokens; see its own tab.", None
     records = contrastive.records(trace) if trace.strategy in contrastive.STRATEGIES else []
