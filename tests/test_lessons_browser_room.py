@@ -1,0 +1,163 @@
+"""Issue #27, the Lessons points in a real browser at 1280x720 (embedded model): Run and check is on
+the first screen whatever the lesson; a lesson's text, prompt and run names are plain text (a
+Markdown image, an <img> tag and a link fetch nothing and show as typed); every built-in lesson's
+Run and check draws the chart of the stage it teaches, with no error; Stop clears the previous
+lesson's chart."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import browser_page, free_port
+from engine.lessons import builtin_lessons
+from playground.views.lessons import lesson_token
+from test_lessons_room import TAUGHT
+
+pytestmark = pytest.mark.browser
+
+# Everything the lesson's chart says: titles, panel titles, trace names, axis titles.
+CHART_TEXT = """() => {
+    const plot = document.querySelector('#lessons-chart .js-plotly-plot');
+    if (!plot || !plot.layout) return '';
+    const l = plot.layout, parts = [(l.title && l.title.text) || ''];
+    (l.annotations || []).forEach(a => parts.push(a.text || ''));
+    (plot.data || []).forEach(t => parts.push(t.name || ''));
+    Object.keys(l).filter(k => /^[xy]axis/.test(k)).forEach(k => parts.push((l[k].title && l[k].title.text) || ''));
+    return parts.join(' ');
+}"""
+ERRORS = "#lessons-status .dp-error, .toast-body.error, .toast-wrap .error"
+
+
+@pytest.fixture
+def room_page(browser):
+    yield from browser_page(browser, 1280, 720)
+
+
+def open_lesson(page, live_app, token: str, title: str) -> None:
+    page.goto(f"{live_app}/?lesson={token}")
+    page.locator("#lessons-steps h3", has_text=title[:30]).wait_for()
+
+
+def in_first_screen(page, selector: str) -> dict:
+    box = page.locator(selector).bounding_box()
+    assert box is not None, selector
+    assert box["y"] >= 0 and box["y"] + box["height"] <= 720 and box["x"] + box["width"] <= 1280, box
+    return box
+
+
+# --- 3. Run and check on the first screen -----------------------------------------------------------
+def test_run_and_check_is_on_the_first_screen_for_every_lesson(room_page, live_app):
+    room_page.goto(live_app)
+    room_page.wait_for_selector("#lessons-run")
+    in_first_screen(room_page, "#lessons-run")  # a fresh visit: the first lesson
+    for lesson_id, lesson in builtin_lessons().items():
+        open_lesson(room_page, live_app, lesson_id, lesson.title)
+        assert room_page.evaluate("() => window.scrollY") == 0
+        in_first_screen(room_page, "#lessons-run")
+        in_first_screen(room_page, "#lessons-stop")
+
+
+# --- 5. plain text: nothing fetched, shown as typed ------------------------------------------------
+class Counter(BaseHTTPRequestHandler):
+    hits: list = []
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        Counter.hits.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Type", "image/gif")
+        self.end_headers()
+        self.wfile.write(b"GIF89a\x01\x00\x01\x00\x00\x00\x00;")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def counting_server():
+    Counter.hits = []
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Counter)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", Counter.hits
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def hostile_lesson(base: str) -> dict:
+    image, tag, link = f"![x]({base}/pixel)", f'<img src="{base}/img">', f"[click]({base}/link)"
+    return {"version": 1, "id": "hostile", "title": f"Plain {image[:60]}", "view": "step", "chat": False,
+            "prompt": f"The sea is {image} {tag}",
+            "preset": {"version": 1, "name": f"Greedy {tag}", "strategy": "greedy", "max_new_tokens": 2},
+            "steps": [f"Look {image} here", f"and {tag} {link} <b>bold</b> **not bold**"]}
+
+
+def test_pasted_or_linked_lesson_text_fetches_nothing_and_shows_as_typed(room_page, live_app, counting_server):
+    base, hits = counting_server
+    data = hostile_lesson(base)
+    page = room_page
+    # By link.
+    page.goto(f"{live_app}/?lesson={lesson_token(json.dumps(data))}")
+    steps = page.locator("#lessons-steps")
+    steps.get_by_text("Look ![x]", exact=False).wait_for()
+    text = steps.inner_text()
+    assert f"![x]({base}/pixel)" in text and f'<img src="{base}/img">' in text and f"[click]({base}/link)" in text
+    assert "<b>bold</b>" in text and "**not bold**" in text
+    assert steps.locator("img, a").count() == 0
+    # Pasted, on a fresh page.
+    page.goto(live_app)
+    page.click("#lessons-custom-box")
+    page.locator("#lessons-json textarea").fill(json.dumps(data | {"id": "hostile-pasted"}))
+    page.click("#lessons-load")
+    page.wait_for_selector("#lessons-status:has-text('lesson loaded')")
+    text = page.locator("#lessons-steps").inner_text()
+    assert f"![x]({base}/pixel)" in text and f'<img src="{base}/img">' in text
+    assert "runs: Greedy img src" in text  # a preset's name is cleaned of markup when it is parsed
+    # Run it: the run names and texts are plain text too.
+    page.click("#lessons-run")
+    page.wait_for_selector("#lessons-status:has-text('done')", timeout=300_000)
+    assert "Greedy img src" in page.locator("#lessons-texts").inner_text()
+    page.wait_for_timeout(500)
+    assert page.locator("#lessons-steps img, #lessons-texts img, #lessons-steps a").count() == 0
+    assert hits == [], hits
+
+
+# --- 8. every built-in lesson: Run and check draws the stage it teaches -------------------------------
+@pytest.mark.slow
+def test_every_lessons_run_and_check_draws_the_stage_it_teaches(room_page, live_app, artifacts):
+    page = room_page
+    for lesson_id, lesson in builtin_lessons().items():
+        open_lesson(page, live_app, lesson_id, lesson.title)
+        page.click("#lessons-run")
+        page.wait_for_selector("#lessons-status:has-text('done'), #lessons-status .dp-error", timeout=600_000)
+        assert page.locator(ERRORS).count() == 0, (lesson_id, page.locator("#lessons-status").inner_text())
+        assert page.locator("#lesson-outcome-text").count() == 1
+        page.wait_for_function(f"() => ({CHART_TEXT})().toLowerCase().includes({json.dumps(TAUGHT[lesson_id].lower())})",
+                               timeout=30_000)
+        page.screenshot(path=str(artifacts / f"lesson-room-{lesson_id}.png"))
+
+
+# --- 7. Stop clears the previous lesson's chart ----------------------------------------------------
+@pytest.mark.slow
+def test_stop_during_a_lesson_run_clears_the_previous_lessons_chart(room_page, live_app):
+    page = room_page
+    open_lesson(page, live_app, "truncation", builtin_lessons()["truncation"].title)
+    page.click("#lessons-run")
+    page.wait_for_selector("#lessons-status:has-text('done')", timeout=300_000)
+    page.wait_for_function(f"() => ({CHART_TEXT})().includes('top-k')")
+    # Another lesson (picked in the page, so the session keeps the first run), then Stop while it runs.
+    page.click("#lessons-pick input")
+    page.get_by_role("option", name=builtin_lessons()["penalties"].title).click()
+    page.locator("#lessons-steps h3", has_text="Repetition").wait_for()
+    page.click("#lessons-run")
+    page.wait_for_selector("#lessons-status:has-text('running')")
+    page.click("#lessons-stop")
+    page.wait_for_selector("#lessons-status:has-text('stopped')")
+    page.wait_for_function("() => !document.querySelector('#lessons-chart .js-plotly-plot')")
+    assert page.locator("#lessons-texts").inner_text().strip() == ""
+    assert page.locator("#lessons-outcome").inner_text().strip() == ""
