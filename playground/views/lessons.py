@@ -133,7 +133,7 @@ def outcome_html(outcome: Outcome) -> str:
 
 def runs_html(lesson: Lesson, traces: Sequence[Trace]) -> str:
     """Each run's name and generated text, as plain text (model output is not Markdown either)."""
-    return "".join(f'<p class="dp-lesson-run"><b>{html.escape(p.name)}</b>: '
+    return "".join(f'<p class="dp-lesson-run" style="white-space: pre-wrap"><b>{html.escape(p.name)}</b>: '
                    f"{html.escape(''.join(s.chosen_token for s in t.steps))}</p>" for p, t in zip(lesson.runs, traces))
 
 
