@@ -187,7 +187,7 @@ def test_add_lane_set_a_knob_run_and_read_both_texts(page, live_app, artifacts):
     assert all(t.strip() for t in texts[:2])
     assert page.locator("#cmp-metrics [role=row]").count() == 4  # the header and one row per lane
     table = page.locator("#cmp-metrics").inner_text()
-    assert all(name in table for name in ("Lane 1", "Lane 2", "Lane 3", "greedy", "contrastive_search"))
+    assert all(name in table for name in ("Lane 1", "Lane 2", "Lane 3", "greedy", "contrastive search"))
     page.locator("#cmp-lane-1-text .token").first.click()
     page.wait_for_selector("#cmp-inspect-chart .js-plotly-plot")
     page.screenshot(path=str(artifacts / "compare.png"), full_page=True)

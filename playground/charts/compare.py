@@ -20,6 +20,9 @@ from .step import FONT, readable, stage_chart, stop_text, token_highlights
 LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c")  # each >= 4.5:1 on white
 METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
                   "rep-4", "first token (ms)", "tokens/s", "stop"]
+# Shares of the table's width: each column holds its longest word (header or cell: "perplexity",
+# "contrastive", "max_new_tokens") whole at 1280 px, so headers wrap at spaces only, never mid-word.
+METRIC_COLUMN_WIDTHS = ["7%", "12%", "7%", "11%", "9%", "9%", "9%", "6%", "8%", "8%", "14%"]
 SWEEP_HEADERS = ["seed", "tokens", "mean log-prob (raw)", "text"]
 
 
@@ -82,8 +85,9 @@ def _num(value: float, digits: int) -> float | str:
 
 
 def metrics_rows(metrics: Sequence[LaneMetrics], strategies: Sequence[str]) -> list[list]:
-    """One row per lane, in ``METRIC_HEADERS`` order."""
-    return [[m.name, strategy, m.tokens, _num(m.mean_raw_logprob, 3), _num(m.perplexity, 2), _num(m.distinct_1, 3),
+    """One row per lane, in ``METRIC_HEADERS`` order (the strategy in words: "contrastive search"
+    wraps at its space in a narrow column)."""
+    return [[m.name, strategy.replace("_", " "), m.tokens, _num(m.mean_raw_logprob, 3), _num(m.perplexity, 2), _num(m.distinct_1, 3),
              _num(m.distinct_2, 3), _num(m.rep_4, 3), _num(m.ttft_ms, 0), _num(m.tokens_per_s, 1),
              m.stop_reason or "–"]
             for m, strategy in zip(metrics, strategies)]

@@ -182,6 +182,7 @@ def build_page() -> Page:
         lanes = [_lane_column(i, starts[i] if i < len(starts) else None) for i in range(MAX_LANES)]
     divergence = gr.Markdown(elem_id="cmp-divergence")
     metrics = gr.Dataframe(headers=charts.METRIC_HEADERS, value=[], interactive=False, wrap=True, elem_id="cmp-metrics",
+                           column_widths=charts.METRIC_COLUMN_WIDTHS,
                            label="Per-lane metrics (log-prob and perplexity under the unprocessed model)")
     gr.Markdown(f"<small>{charts.metrics_glossary()}</small>", elem_id="cmp-metrics-glossary")
     entropy_kind = gr.Radio(["picked-from distribution", "raw model"], value="picked-from distribution",
