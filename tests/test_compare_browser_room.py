@@ -19,7 +19,10 @@ BROKEN_WORDS_JS = """root => {
   for (const cell of cells) {
     const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
     let word = '', tops = new Set();
-    const flush = () => { if (word && tops.size > 1) broken.push([cell.innerText.trim(), word]); word = ''; tops = new Set(); };
+    const flush = () => {
+      if (word && tops.size > 1) broken.push([cell.innerText.trim(), word]);
+      word = ''; tops = new Set();
+    };
     for (let node = walker.nextNode(); node; node = walker.nextNode()) {
       for (let i = 0; i < node.length; i++) {
         const ch = node.data[i];

@@ -15,11 +15,9 @@ import math
 import pytest
 import torch
 
-from engine.trace import StageTrace, StepTrace, Timing, Trace
+from engine.trace import StageTrace, StepTrace, Timing, TokenProb, Trace
 from playground.charts import compare as charts
-from test_continue_compare import Page
-
-pytestmark = pytest.mark.slow
+from test_continue_compare import Page, run_coroutine
 
 PROMPT = "Write one sentence about the moon."
 # The temperature lesson's lanes (presets/lessons/02-temperature.json): T = 0, 1 and 5.
@@ -82,6 +80,7 @@ def test_a_greedy_lane_picks_from_a_one_hot_distribution_of_zero_nats():
     assert list(raw.data[0].y) == pytest.approx([2 * math.log(4), 2 * math.log(2)])  # the raw model's, any pick
 
 
+@pytest.mark.slow
 def test_the_greedy_lanes_entropy_is_zero_and_a_sampling_lanes_is_its_final_distributions(demo, embedded):
     page = Page(demo)
     set_lanes(page, LESSON_LANES, 4)
@@ -123,6 +122,7 @@ def panel_bars(fig) -> dict[str, list]:
     return panels
 
 
+@pytest.mark.slow
 def test_every_lane_shows_each_stages_distribution_at_the_first_middle_and_last_step(demo):
     """The temperature lesson's lanes, T = 0, 1 and 5: at T = 5 the chosen token is far outside the
     stored top-10 of the flattened distribution and its bars are ~0.1% high."""
@@ -163,10 +163,9 @@ def test_a_middle_stage_the_trace_cannot_know_stays_unrecorded_and_the_others_re
     def stage(name, tv, top):
         return StageTrace(name, 100, 0.0, 1.0, tv, top)
 
-    from engine.trace import TokenProb
-
     top = [TokenProb(1, "a", 0.5), TokenProb(2, "b", 0.3)]
-    stages = [stage("raw", 0.0, top), stage("top_k", 0.2, top), stage("temperature", 0.1, top), stage("final", 0.1, top)]
+    stages = [stage("raw", 0.0, top), stage("top_k", 0.2, top), stage("temperature", 0.1, top),
+              stage("final", 0.1, top)]
     step = StepTrace(0, 9, " z", 0.002, 0.0001, 0.9, 0.89, 0.892, 1.0, 1.0, stages)
     assert [charts.chosen_prob_at(step, i) for i in range(4)] == [0.0001, None, 0.002, 0.002]
     quiet = [stage("raw", 0.0, top), stage("repetition_penalty", 0.0, top), stage("top_k", 0.2, top),
@@ -211,6 +210,7 @@ def left_over(page: Page, first: dict) -> list[str]:
     return [e for e, v in first.items() if page.shown(e) is v or (not hasattr(v, "data") and page.shown(e) == v)]
 
 
+@pytest.mark.slow
 def test_a_bad_knob_after_a_run_leaves_none_of_its_output(demo):
     page = Page(demo)
     first = good_run(page)
@@ -221,9 +221,8 @@ def test_a_bad_knob_after_a_run_leaves_none_of_its_output(demo):
     assert all(page.shown(e) in (None, "", []) for e in FIRST_RUN)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_mid_run_leaves_none_of_the_previous_runs_output(demo):
-    from test_continue_compare import run_coroutine
-
     page = Page(demo)
     first = good_run(page)
     page.set("cmp-prompt", "Once upon a time")

@@ -87,8 +87,8 @@ def _num(value: float, digits: int) -> float | str:
 def metrics_rows(metrics: Sequence[LaneMetrics], strategies: Sequence[str]) -> list[list]:
     """One row per lane, in ``METRIC_HEADERS`` order (the strategy in words: "contrastive search"
     wraps at its space in a narrow column)."""
-    return [[m.name, strategy.replace("_", " "), m.tokens, _num(m.mean_raw_logprob, 3), _num(m.perplexity, 2), _num(m.distinct_1, 3),
-             _num(m.distinct_2, 3), _num(m.rep_4, 3), _num(m.ttft_ms, 0), _num(m.tokens_per_s, 1),
+    return [[m.name, strategy.replace("_", " "), m.tokens, _num(m.mean_raw_logprob, 3), _num(m.perplexity, 2),
+             _num(m.distinct_1, 3), _num(m.distinct_2, 3), _num(m.rep_4, 3), _num(m.ttft_ms, 0), _num(m.tokens_per_s, 1),
              m.stop_reason or "–"]
             for m, strategy in zip(metrics, strategies)]
 
