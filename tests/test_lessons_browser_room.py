@@ -161,3 +161,14 @@ def test_stop_during_a_lesson_run_clears_the_previous_lessons_chart(room_page, l
     page.wait_for_function("() => !document.querySelector('#lessons-chart .js-plotly-plot')")
     assert page.locator("#lessons-texts").inner_text().strip() == ""
     assert page.locator("#lessons-outcome").inner_text().strip() == ""
+
+
+def test_lessons_buttons_fit_a_phone(browser, live_app):
+    """At 390x844 the row of Run and check, Stop and Open wraps within the page: no sideways scroll."""
+    for page in browser_page(browser, 390, 844):
+        page.goto(f"{live_app}/?lesson=temperature")
+        page.locator("#lessons-steps h3", has_text="Temperature").wait_for()
+        for selector in ("#lessons-run", "#lessons-stop", "#lessons-open"):
+            box = page.locator(selector).bounding_box()
+            assert box["x"] >= 0 and box["x"] + box["width"] <= 390 + 1, (selector, box)
+        assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth + 1")
