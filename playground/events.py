@@ -13,10 +13,12 @@ reach the client as one-line ``gr.Error`` messages.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import importlib.util
 import inspect
+import itertools
 import logging
 import os
 import threading
@@ -40,6 +42,7 @@ MODEL_CONCURRENCY_ID = "model"
 DEFAULT_RUNS_PER_SESSION = 3
 USER_ERRORS = (ValueError, ConfigError, ModelLoadError, PresetError, ShareLinkError, RunStopped)
 _DONE = object()
+SKIP = gr.skip()
 log = logging.getLogger(__name__)
 
 
@@ -113,23 +116,29 @@ class SessionBusy(ValueError):
 
 class SessionRuns:
     """Model requests in flight per session (a browser tab or an API client): at most ``limit``
-    (env ``DP_RUNS_PER_SESSION``, default 3), so one page cannot take every row of the batch."""
+    (env ``DP_RUNS_PER_SESSION``, default 3), so one page cannot take every row of the batch.
+    It also keeps each run's RunControl under its event group, so a Stop button cancels that
+    session's runs directly (``cancel``), within one step of the press."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit or env_int("DP_RUNS_PER_SESSION", DEFAULT_RUNS_PER_SESSION)
         self._lock = threading.Lock()
         self._running: dict[str, int] = {}
+        self._controls: dict[tuple[str, str], list[RunControl]] = {}
 
     @contextlib.contextmanager
-    def slot(self, session: str | None) -> Iterator[None]:
+    def slot(self, session: str | None, control: RunControl | None = None, group: str | None = None) -> Iterator[None]:
         if not session:
             yield
             return
+        key = (session, group or "")
         with self._lock:
             if self._running.get(session, 0) >= self.limit:
                 raise SessionBusy(f"runs: this page already has {self.limit} runs in progress (DP_RUNS_PER_SESSION); "
                                   "wait for one to finish or press Stop")
             self._running[session] = self._running.get(session, 0) + 1
+            if control is not None:
+                self._controls.setdefault(key, []).append(control)
         try:
             yield
         finally:
@@ -137,10 +146,69 @@ class SessionRuns:
                 self._running[session] -= 1
                 if not self._running[session]:
                     del self._running[session]
+                if control is not None:
+                    self._controls[key].remove(control)
+                    if not self._controls[key]:
+                        del self._controls[key]
 
     def running(self, session: str) -> int:
         with self._lock:
             return self._running.get(session, 0)
+
+    def cancel(self, session: str | None, group: str) -> int:
+        """Cancel the runs of ``session`` in event ``group``; returns how many were running."""
+        with self._lock:
+            controls = list(self._controls.get((session or "", group), ()))
+        for control in controls:
+            control.cancel()
+        return len(controls)
+
+
+WATCH_S = 0.5  # how often a run checks that its client is still there
+
+
+def _active_event(queue: Any, event_id: str) -> Any:
+    for jobs in getattr(queue, "active_jobs", ()):
+        for event in jobs or ():
+            if getattr(event, "_id", None) == event_id:
+                return event
+    return None
+
+
+async def watch_client(control: RunControl) -> None:
+    """Cancel ``control`` once the request's client has gone (a closed tab, a dropped
+    ``/gradio_api/call/...`` result stream). Gradio notices a closed stream only when it next writes
+    to it, and then just marks the job not alive (a running function goes on); so while the run
+    lasts this sends the client a heartbeat every WATCH_S (clients skip them) and cancels the run
+    once Gradio has marked it dead."""
+    from gradio.context import LocalContext
+    from gradio.server_messages import HeartbeatMessage
+
+    queue = getattr(LocalContext.blocks.get(None), "_queue", None)
+    event_id = LocalContext.event_id.get(None)
+    if queue is None or not event_id:
+        return
+    while not control.cancelled:
+        await asyncio.sleep(WATCH_S)
+        event = _active_event(queue, event_id)
+        if event is None:
+            continue
+        if not event.alive:
+            control.cancel()
+            return
+        messages = queue.pending_messages_per_session.get(event.session_hash)
+        if messages is not None:
+            messages.put_nowait(HeartbeatMessage())
+
+
+@contextlib.asynccontextmanager
+async def watched(control: RunControl):
+    """``watch_client`` for the duration of the block."""
+    watcher = asyncio.ensure_future(watch_client(control))
+    try:
+        yield
+    finally:
+        watcher.cancel()
 
 
 def _session() -> str | None:
@@ -183,6 +251,16 @@ def _next(updates: Iterator) -> Any:
     return next(updates, _DONE)
 
 
+def merged(earlier: Any, later: Any) -> Any:
+    """Two updates as one, ``later`` winning: dicts by component, rows (lists) by position where
+    ``later`` is not ``gr.skip()``."""
+    if earlier is None:
+        return later
+    if isinstance(later, dict):
+        return {**earlier, **later}
+    return [old if new == SKIP else new for old, new in zip(earlier, later)]
+
+
 def as_rows(handler: Callable[..., Iterator[dict]], outputs: list) -> Callable[..., Iterator[list]]:
     """``handler`` with each ``{component: value}`` update turned into a list of plain values in
     ``outputs`` order (``gr.skip()`` for the untouched ones). Components cannot be pickled, and on
@@ -196,11 +274,12 @@ def as_rows(handler: Callable[..., Iterator[dict]], outputs: list) -> Callable[.
 
 
 def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], dict], what: str,
-             outputs: list | None = None, sessions: SessionRuns | None = None) -> Callable:
+             outputs: list | None = None, sessions: SessionRuns | None = None, group: str | None = None) -> Callable:
     """An async generator for Gradio that drives ``handler`` in a worker thread. Cancelling the
     task (or closing the generator) cancels the run's control at once, so the thread stops at its
     next step even though Gradio never resumes it. With ``outputs``, updates are yielded as lists
-    in that order (see ``as_rows``), errors too."""
+    in that order (see ``as_rows``), errors too. The run's control is kept in ``sessions`` under
+    ``group``, for ``stop_button``."""
     gpu_handler = zero_gpu(as_rows(handler, outputs) if outputs is not None else handler)
 
     def error(message: str) -> Any:
@@ -211,15 +290,22 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
 
     async def run(*args: Any, **kwargs: Any):
         control = RunControl.with_request_limit()
+        held = None  # after Stop: the run's updates merged, sent as its last word (no "generating…" after "stopped")
         try:
-            with sessions.slot(_session()):
-                updates = gpu_handler(*args, control=control, **kwargs)
-                while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
-                    yield update
+            async with watched(control):
+                with sessions.slot(_session(), control, group):
+                    updates = gpu_handler(*args, control=control, **kwargs)
+                    while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
+                        if control.cancelled:
+                            held = merged(held, update)
+                            continue
+                        yield update
         except Exception as exc:  # the page shows the message; it never crashes
-            yield error(error_message(exc, what))
+            held = merged(held, error(error_message(exc, what)))
         finally:
             control.cancel()
+        if held is not None:
+            yield held
 
     return _without_control(handler, run)
 
@@ -240,8 +326,9 @@ def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
         call = functools.partial(gpu_fn, *args, **extra, **kwargs)
         try:
             check_arguments(fn, args, kwargs)  # types and nesting as annotated: "no" and NaN are not booleans
-            with sessions.slot(session if uses_model else None):
-                return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+            async with watched(control):
+                with sessions.slot(session if uses_model else None):
+                    return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         except Exception as exc:
             raise gr.Error(toast_text(error_message(exc, what)), print_exception=False) from None
         finally:
@@ -256,6 +343,7 @@ class ModelEvents:
     def __init__(self, concurrency_limit: int | None = None, sessions: SessionRuns | None = None):
         self.concurrency_limit = concurrency_limit or default_concurrency()
         self.sessions = sessions or SessionRuns()
+        self._groups = itertools.count()
 
     @property
     def _queue(self) -> dict[str, Any]:
@@ -265,9 +353,12 @@ class ModelEvents:
            on_error: Callable[[str], dict], what: str = "generation") -> Any:
         """Register ``handler`` (a generator of ``{component: value}`` updates taking ``control``)
         for every trigger (e.g. ``[button.click, prompt.submit]``); UI-only, not an API endpoint.
-        Returns the dependency, for a Stop button's ``cancels=``."""
-        return gr.on(triggers, streamed(handler, on_error, what, outputs, self.sessions), inputs, outputs, api_visibility="private",
-                     **self._queue)
+        Returns the dependency, for ``stop_button``."""
+        group = f"event-{next(self._groups)}"
+        dependency = gr.on(triggers, streamed(handler, on_error, what, outputs, self.sessions, group), inputs, outputs,
+                           api_visibility="private", **self._queue)
+        dependency.dp_stop = (self.sessions, group)
+        return dependency
 
     def api(self, fn: Callable[..., Any], api_name: str, what: str = "generation") -> Any:
         """A named API endpoint returning JSON (``fn`` takes typed arguments and ``control``)."""
@@ -280,6 +371,22 @@ def data_api(fn: Callable[..., Any], api_name: str, what: str = "request") -> An
     return gr.api(api_endpoint(fn, what, uses_model=False), api_name=api_name)
 
 
+def stop_runs(events: list, session: str | None) -> int:
+    """Cancel ``session``'s runs of ``events`` (dependencies from ``ModelEvents.on``) at once."""
+    stopped = 0
+    for event in events:
+        runs, group = getattr(event, "dp_stop", (None, None))
+        stopped += runs.cancel(session, group) if runs is not None else 0
+    return stopped
+
+
 def stop_button(button: gr.Button, status: Any, events: list, message: str = "stopped") -> None:
-    """Stop cancels ``events`` (their runs stop within one step); it is not an API endpoint."""
-    button.click(lambda: message, None, [status], cancels=events, queue=False, api_visibility="private")
+    """Stop: cancels this page's runs of ``events`` directly (each stops within one step and ends
+    on its own "stopped" update, after any update already on its way) and Gradio's ``cancels``
+    takes the ones still waiting in the queue off it. Not an API endpoint."""
+
+    async def stop(request: gr.Request) -> str:  # on the event loop: no wait for a worker thread
+        stop_runs(events, getattr(request, "session_hash", None))
+        return message
+
+    button.click(stop, None, [status], cancels=events, queue=False, api_visibility="private")

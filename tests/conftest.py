@@ -80,6 +80,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_idle(forwards: list, seconds: float = 1.5, timeout: float = 300) -> None:
+    """Wait until a forward counter stops moving for ``seconds`` (the live app's page examples run
+    once at start and would count as the test's run's forwards)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        before = forwards[0]
+        time.sleep(seconds)
+        if forwards[0] == before:
+            return
+    raise AssertionError("the model never went idle")
+
+
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 

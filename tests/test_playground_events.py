@@ -307,3 +307,52 @@ def test_errors_are_one_short_line_and_user_errors_log_no_traceback(caplog):
 
 async def _collect(run, *args):
     return [update async for update in run(*args)]
+
+
+def test_stop_cancels_only_that_pages_runs_and_the_run_ends_on_its_own_last_word(monkeypatch):
+    """Stop reaches the run's control directly (session + event group): page A's Stop stops A's
+    run within a step, page B's run and A's run of another event go on. After the press the page
+    gets no more "generating…" updates, only the run's final one (merged with those held back)."""
+    sessions = events.SessionRuns(limit=5)
+    gate = {"A": __import__("threading").Event()}
+    session_of = {}
+    monkeypatch.setattr(events, "_session", lambda: session_of["now"])
+
+    def handler(name: str, *, control: RunControl):
+        for i in range(200):
+            try:
+                control.check()
+            except RunStopped as stopped:
+                yield {"status": f"{stopped} after {i}", "tokens": i}
+                return
+            yield {"status": f"generating… {i}", "tokens": i}
+            if i == 3:
+                gate[name].set() if name in gate else None
+            time.sleep(0.01)
+        yield {"status": "done"}
+
+    step = events.streamed(handler, lambda m: {"status": m}, "generation", sessions=sessions, group="step")
+    other = events.streamed(handler, lambda m: {"status": m}, "generation", sessions=sessions, group="beam")
+
+    async def both():
+        async def drive(run, session, name, stop_at=None):
+            session_of["now"] = session
+            rows = []
+            async for row in run(name):
+                rows.append(row)
+                if stop_at is not None and row.get("tokens") == stop_at:
+                    assert events.stop_runs([_Dep(sessions, "step")], "page-A") == 1
+            return rows
+        return await asyncio.gather(drive(step, "page-A", "A", stop_at=5), drive(step, "page-B", "B"),
+                                    drive(other, "page-A", "C"))
+
+    a, b, c = run_async(both())
+    assert a[-1]["status"].startswith("stopped: the run was cancelled after") and a[-1]["tokens"] <= 7
+    assert all(not row["status"].startswith("generating") for row in a[a.index(next(r for r in a if r.get("tokens") == 5)) + 1:])
+    assert b[-1] == {"status": "done"} and c[-1] == {"status": "done"}  # another page, another event: untouched
+    assert sessions.cancel("page-A", "step") == 0  # nothing left registered
+
+
+class _Dep:
+    def __init__(self, runs, group):
+        self.dp_stop = (runs, group)

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.conftest import wait_until_idle
+
 pytestmark = pytest.mark.slow
 
 # Memory budget for 100 sessions (each a /step_trace and a /branch): the server may grow by at most
@@ -31,6 +33,7 @@ def forwards(embedded):
 def test_cancelled_job_stops_its_run_within_a_step(live_app, forwards):
     from gradio_client import Client
 
+    wait_until_idle(forwards)  # the page's examples, run once at start, are not this run
     client = Client(live_app, verbose=False)
     # greedy on a story opening: no early EOS, so only the cancel can end the run before 200 tokens
     job = client.submit("Once upon a time, in a small village by the sea,", {"max_new_tokens": 200}, "greedy", False,

@@ -233,19 +233,22 @@ def test_open_of_a_quantization_tab_lesson_fills_its_section_and_runs_it(lesson_
     assert other not in opened  # the other section's budget is left as the user set it
 
 
-def test_open_of_a_pasted_quantization_lesson_clamps_and_ignores_a_bad_budget():
-    from engine.lessons import parse_lesson
+def test_a_pasted_quantization_lessons_budget_is_checked_at_parse_and_opens_in_range():
+    """A pasted lesson's check budget out of range or not a number is refused when the lesson is
+    parsed (one line naming check.max_new_tokens; it used to be clamped or ignored at Open); one in
+    range opens the drift section with it."""
+    from engine.lessons import LessonError, parse_lesson
     from playground.views import lessons
     from playground.views.quantization import DRIFT_TOKENS, QuantPage
 
     page = QuantPage("prompt", "chat", "tokens", "kv_tokens")
     data = builtin_lessons()["quantization"].to_file_dict()
-    huge = parse_lesson(data | {"id": "q1", "check": {"kind": "quantization_order", "max_new_tokens": 10 ** 9}})
-    updates, button = lessons.quant_updates(huge, page)
-    assert updates["tokens"] == DRIFT_TOKENS[1] and button == "quant-measure"
-    bad = parse_lesson(data | {"id": "q2", "check": {"kind": "quantization_order", "max_new_tokens": "lots"}})
-    updates, _ = lessons.quant_updates(bad, page)
-    assert updates["tokens"] == bad.runs[0].config.max_new_tokens
+    for bad in (10 ** 9, "lots", 0, True, 1.5):
+        with pytest.raises(LessonError, match=r"^check.max_new_tokens: expected a whole number from 1 to 64, got "):
+            parse_lesson(data | {"id": "q1", "check": {"kind": "quantization_order", "max_new_tokens": bad}})
+    fits = parse_lesson(data | {"id": "q2", "check": {"kind": "quantization_order", "max_new_tokens": 64}})
+    updates, button = lessons.quant_updates(fits, page)
+    assert updates["tokens"] == 64 <= DRIFT_TOKENS[1] and button == "quant-measure"
 
 
 # --- the endpoints over gradio_client ---------------------------------------------------------

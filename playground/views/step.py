@@ -20,7 +20,7 @@ import gradio as gr
 
 from engine import lessons as engine_lessons
 from engine.config import ConfigError, DecodingConfig
-from engine.control import RunControl
+from engine.control import RunControl, RunStopped
 from engine.models import LoadedModel
 from engine import runner
 from engine.trace import Trace, untrusted_trace
@@ -248,15 +248,26 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
     yield render(out, session, None, req.colour_by, status_html("generating…"), full=False) | {
         out.compare: "", out.download: None}
     index, steps = session.current, []
-    for event, redraw in throttle(events, STREAM_EVERY_S):
-        steps += event.steps
-        if event.trace is not None:
-            session.runs[index] = event.trace
-        elif redraw:
-            session.runs[index] = runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, steps, req.chat,
-                                                       branch_of=at)
-            note = f"generating… {len(steps) - (at or 0)} / {req.config.max_new_tokens} tokens"
-            yield render(out, session, None, req.colour_by, status_html(note), full=False)
+    try:
+        for event, redraw in throttle(events, STREAM_EVERY_S):
+            steps += event.steps
+            if event.trace is not None:
+                session.runs[index] = event.trace
+            elif redraw:
+                session.runs[index] = runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, steps,
+                                                           req.chat, branch_of=at)
+                note = f"generating… {len(steps) - (at or 0)} / {req.config.max_new_tokens} tokens"
+                yield render(out, session, None, req.colour_by, status_html(note), full=False)
+    except RunStopped as stopped:  # Stop or the time limit: the tokens so far stay, as a partial run
+        session.runs[index] = runner.partial_trace(req.lm, req.prompt, req.prompt_ids, req.config, steps, req.chat,
+                                                   branch_of=at)
+        made = len(steps) - (at or 0)
+        shown = None if not steps else at if at is not None else most_uncertain(steps)
+        note = f"{stopped} after {made} of {req.config.max_new_tokens} tokens."
+        if steps:
+            note += " Click any token to inspect it."
+        yield render(out, session, shown, req.colour_by, status_html(note), width=width)
+        return
     final = session.runs[index]
     if at is not None:
         shown, what = at, f"step {at}, where it branched"
