@@ -100,15 +100,18 @@ def test_a_bad_knob_clears_the_step_view_and_keeps_its_runs(demo):
     page.fire("on_run", "step-text")
     session = page.session()
     assert page.shown("step-chart") is not None and page.shown("step-explain")
+    assert page.shown("step-whatif-key") == session.whatif_key != ""
     page.set("step-knob-top_k", -3)
     page.fire("on_run", "step-text")
+    # no what-if key: a knob moved now draws no what-if of the previous run into the cleared chart
+    assert page.shown("step-whatif-key") == ""
     assert "top_k" in page.shown("step-status") and stale.CLEARED_NOTE in page.shown("step-status")
     assert page.shown("step-chart") is None and page.shown("step-explain") == "" and page.shown("step-text") == []
     assert page.shown("step-over-run") is None and page.shown("step-download") is None
     assert page.session() is session  # the runs are kept: picking one draws it again
     page.set("step-runs", 0)
     page.fire("on_pick_run", "step-text")
-    assert page.shown("step-chart") is not None
+    assert page.shown("step-chart") is not None and page.shown("step-whatif-key") == session.whatif_key
 
 
 def test_a_bad_branch_token_leaves_the_run_in_view(demo):
