@@ -80,18 +80,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_idle(forwards: list, seconds: float = 1.5, timeout: float = 300) -> None:
-    """Wait until a forward counter stops moving for ``seconds`` (the live app's page examples run
-    once at start and would count as the test's run's forwards)."""
+@pytest.fixture
+def live_forwards(live_app, registry, embedded):
+    """Counts forwards of the embedded model (the live app's model) while the test runs, once the
+    app's startup examples (their own runs on the same model) are done."""
+    from playground.examples import cache_for
+
+    assert cache_for(registry).wait(300), "the startup examples did not finish"
+    count = [0]
+    handle = embedded.model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    yield count
+    handle.remove()
+
+
+def forwards_after_stop(forwards: list, stop, started_at: int = 4, settle_s: float = 1.5) -> tuple[int, int, int]:
+    """Wait until ``forwards`` reached ``started_at`` (the run started), call ``stop()`` (cancel the
+    job, drop the stream), then count: (at the stop, ``settle_s`` later, ``2 * settle_s`` later)."""
     import time
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        before = forwards[0]
-        time.sleep(seconds)
-        if forwards[0] == before:
-            return
-    raise AssertionError("the model never went idle")
+    deadline = time.time() + 120
+    while forwards[0] < started_at and time.time() < deadline:
+        time.sleep(0.02)
+    assert forwards[0] >= started_at, "the run never started"
+    stop()
+    at_stop = forwards[0]
+    time.sleep(settle_s)
+    after = forwards[0]
+    time.sleep(settle_s)
+    return at_stop, after, forwards[0]
 
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",

@@ -7,24 +7,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 from urllib.parse import urlparse
 
 import pytest
 
-from tests.conftest import wait_until_idle
+from tests.conftest import forwards_after_stop
 
 pytestmark = pytest.mark.slow
 
 STORY = "Once upon a time, in a small village by the sea,"
-
-
-@pytest.fixture
-def forwards(embedded):
-    count = [0]
-    handle = embedded.model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-    yield count
-    handle.remove()
 
 
 def _post(url: str, api: str, data: list) -> str:
@@ -44,32 +35,22 @@ def _open_stream(url: str, api: str, event_id: str) -> http.client.HTTPConnectio
     return conn
 
 
-def _wait_for(forwards, n: int) -> None:
-    deadline = time.time() + 120
-    while forwards[0] < n and time.time() < deadline:
-        time.sleep(0.02)
-    assert forwards[0] >= n, "the run never started"
-
-
 @pytest.mark.parametrize("api,data", [
     ("step_trace", [STORY, {"max_new_tokens": 300}, "greedy", False, "embedded", "none"]),
     ("compare", None),
 ])
-def test_closing_the_result_stream_stops_the_run(live_app, forwards, api, data):
+def test_closing_the_result_stream_stops_the_run(live_app, live_forwards, api, data):
     if data is None:  # two greedy lanes of 300 tokens
         lanes = [{"preset": "greedy"}, {"preset": "greedy", "config": {"repetition_penalty": 1.3}}]
         data = [STORY, lanes, 0, 300, False, "embedded", "none"]
-    wait_until_idle(forwards)
-    start = forwards[0]
     conn = _open_stream(live_app, api, _post(live_app, api, data))
-    _wait_for(forwards, start + 4)
-    conn.sock.shutdown(2)
-    conn.close()  # the client goes away mid-run
-    at_drop = forwards[0]
-    time.sleep(3)
-    after = forwards[0]
-    time.sleep(2)
-    assert forwards[0] == after, "the run went on after its client had gone"
+
+    def drop() -> None:  # the client goes away mid-run
+        conn.sock.shutdown(2)
+        conn.close()
+
+    at_drop, after, last = forwards_after_stop(live_forwards, drop, settle_s=2.5)
+    assert last == after, "the run went on after its client had gone"
     assert after - at_drop < 60, (at_drop, after)  # a couple of seconds' worth at most, never the 300 tokens
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import wait_until_idle
+from tests.conftest import forwards_after_stop
 
 pytestmark = pytest.mark.slow
 
@@ -21,34 +21,16 @@ NAMED_ENDPOINTS = {"/step_trace", "/branch", "/compare", "/compare_sweep", "/bea
                    "/explore_step", "/lessons", "/mcts_trace", "/medusa_trace", "/kv_cache_kinds_report", "/kv_calculator"}
 
 
-@pytest.fixture
-def forwards(embedded):
-    """Counts forwards of the embedded model (the live app's model) while the test runs."""
-    count = [0]
-    handle = embedded.model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-    yield count
-    handle.remove()
-
-
-def test_cancelled_job_stops_its_run_within_a_step(live_app, forwards):
+def test_cancelled_job_stops_its_run_within_a_step(live_app, live_forwards):
     from gradio_client import Client
 
-    wait_until_idle(forwards)  # the page's examples, run once at start, are not this run
     client = Client(live_app, verbose=False)
     # greedy on a story opening: no early EOS, so only the cancel can end the run before 200 tokens
     job = client.submit("Once upon a time, in a small village by the sea,", {"max_new_tokens": 200}, "greedy", False,
                         "embedded", "none", api_name="/step_trace")
-    deadline = time.time() + 120
-    while forwards[0] < 4 and time.time() < deadline:
-        time.sleep(0.02)
-    assert forwards[0] >= 4, "the run never started"
-    job.cancel()
-    at_cancel = forwards[0]
-    time.sleep(1.5)
-    after = forwards[0]
-    time.sleep(1.5)
+    at_cancel, after, last = forwards_after_stop(live_forwards, job.cancel)
     assert after - at_cancel <= 2  # the forward in flight (and at most one more) finishes; no more follow
-    assert forwards[0] == after  # and nothing runs on in the background
+    assert last == after  # and nothing runs on in the background
 
 
 def test_only_named_endpoints_are_public(live_app):

@@ -8,7 +8,6 @@ real server (gradio_client), cancelled after their first forwards: no forward fo
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from engine.models import ModelRegistry
 from playground.shared import Shared
 from playground.views import quantization as view
 from test_drift import OneModelRegistry
+from tests.conftest import forwards_after_stop
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -159,37 +159,16 @@ def test_kinds_view_handler_clears_first_and_marks_a_stopped_report(tiny_lm, sha
 
 
 # --- a real server: a cancelled API job stops its report ------------------------------------------
-@pytest.fixture
-def forwards(live_app, registry, embedded):
-    """Counts forwards of the embedded model (the live app's model) while the test runs, once the
-    app's startup examples (their own runs on the same model) are done."""
-    from playground.examples import cache_for
-
-    assert cache_for(registry).wait(300), "the startup examples did not finish"
-    count = [0]
-    handle = embedded.model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-    yield count
-    handle.remove()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("api_name, args", [
     ("/kv_cache_report", [PROMPT, False, 256, "embedded", "none"]),
     ("/quantization_report", [PROMPT, False, 128, ["none"], "embedded"]),
 ])
-def test_a_cancelled_report_job_stops_its_forwards(live_app, forwards, api_name, args):
+def test_a_cancelled_report_job_stops_its_forwards(live_app, live_forwards, api_name, args):
     from gradio_client import Client
 
     client = Client(live_app, verbose=False)
     job = client.submit(*args, api_name=api_name)
-    deadline = time.time() + 120
-    while forwards[0] < 4 and time.time() < deadline:
-        time.sleep(0.02)
-    assert forwards[0] >= 4, "the report never started"
-    job.cancel()
-    at_cancel = forwards[0]
-    time.sleep(1.5)
-    after = forwards[0]
-    time.sleep(2.0)
+    at_cancel, after, last = forwards_after_stop(live_forwards, job.cancel, settle_s=1.75)
     assert after - at_cancel <= 2, f"{api_name}: {after - at_cancel} forwards after the cancel"
-    assert forwards[0] == after, f"{api_name} ran on in the background"
+    assert last == after, f"{api_name} ran on in the background"
