@@ -239,13 +239,15 @@ def one_axis_readable(step: StepTrace) -> bool:
     return min(peaks, default=1.0) >= SLIVER * max(peaks, default=1.0)
 
 
-def inspect_chart(step: StepTrace) -> go.Figure:
-    """The stage chart of one lane's step for the inspector: every panel on one probability axis
-    unless that draws some panel as slivers (then each on its own scale), and the chosen token's p
-    written in every stage where the trace records it (``chosen_prob_at``) though the stage's
-    top-N misses it: a stage equal to the final distribution (a lone temperature, T = 5) or to the raw one."""
+def legible_stage_chart(step: StepTrace, **layout: Any) -> go.Figure:
+    """``stage_chart`` of a step (``layout``: its layout arguments, e.g. ``columns``) with every
+    panel on one probability axis unless that draws some panel as slivers (then each on its own
+    scale), and the chosen token's p written in every stage where the trace records it
+    (``chosen_prob_at``) though the stage's top-N misses it: a stage equal to the final
+    distribution (a lone temperature, T = 5) or to the raw one. Compare's inspector and the
+    Lessons view's chart draw steps with it."""
     shared = one_axis_readable(step)
-    fig = stage_chart(step, shared_axis=shared)
+    fig = stage_chart(step, shared_axis=shared, **layout)
     if not shared:  # a 0.1% panel's ticks read "0%, 0%, 0%" in whole percent
         for i, peak in enumerate(_panel_peaks(step)):
             digits = max(0, math.ceil(-math.log10(peak)) - 1) if 0 < peak < 1 else 0
@@ -259,6 +261,9 @@ def inspect_chart(step: StepTrace) -> go.Figure:
             bar.x = (*bar.x[:-1], prob)
             bar.text = (*bar.text[:-1], "")
     return fig
+
+
+inspect_chart = legible_stage_chart  # the stage chart of one lane's step in Compare's inspector
 
 
 DIVERGE_MARK = "⟶ lanes differ from here:"

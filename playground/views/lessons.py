@@ -32,9 +32,9 @@ from engine.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.speculative import rounds_of
 from engine.trace import Trace
 from playground.charts import beam as beam_charts
+from playground.charts import compare as compare_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
-from playground.charts import step as charts
 from playground.charts.tokens import render as readable
 
 from ..events import data_api, stop_button
@@ -186,8 +186,10 @@ def contrastive_figure(trace: Trace, at: int) -> go.Figure | None:
 
 def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
     """The chart of what the lesson teaches, from its shown run: the beam tree, the speculative
-    rounds, contrastive search's scores, or the step's stage panels. None: nothing to draw yet (a
-    Quantization & KV cache lesson draws its check's report, ``report_chart``)."""
+    rounds, contrastive search's scores, or the step's stage panels, legible as in Compare's
+    inspector (``legible_stage_chart``: T = 5's flat temperature panel on its own scale, the chosen
+    token's p written where the trace records it). None: nothing to draw yet (a Quantization & KV
+    cache lesson draws its check's report, ``report_chart``)."""
     if trace.beam is not None:
         return beam_charts.tree_figure(trace.beam)
     if trace.rounds:
@@ -196,7 +198,7 @@ def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
         return contrastive_figure(trace, at)
     if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
         return None
-    return charts.stage_chart(trace.steps[at])
+    return compare_charts.legible_stage_chart(trace.steps[at])
 
 
 def report_chart(outcome: Outcome) -> go.Figure | None:
