@@ -242,12 +242,7 @@ def test_a_run_stopped_mid_run_leaves_none_of_the_previous_runs_output(demo):
     rows = run_coroutine(stopped)
     assert len(rows) == 2
     for row in rows:
-        for block, value in zip(dep.outputs, row):
-            if isinstance(value, dict) and value.get("__type__") == "update":
-                if "value" not in value:
-                    continue
-                value = value["value"]
-            page.values[block._id] = value
+        page.apply(dep, row)
     stop = next(f for f in demo.fns.values() if (page.block("cmp-stop")._id, "click") in
                 [(getattr(t[0], "_id", t[0]), t[1]) for t in f.targets])
     wants = len(inspect.signature(stop.fn).parameters)  # a gr.Request where it takes one (none here)

@@ -70,19 +70,21 @@ class Page:
                 return [row async for row in result]
             return [await result if asyncio.iscoroutine(result) else result]
 
-        shown = []
-        for row in run_coroutine(collect):
-            update = row if isinstance(row, dict) else dict(zip(dep.outputs, row))
-            named = {}
-            for block, value in update.items():
-                if isinstance(value, dict) and value.get("__type__") == "update":
-                    if "value" not in value:
-                        continue  # gr.skip() or a property-only update
-                    value = value["value"]
-                self.values[block._id] = value
-                named[getattr(block, "elem_id", None) or block] = value
-            shown.append(named)
-        return shown
+        return [self.apply(dep, row) for row in run_coroutine(collect)]
+
+    def apply(self, dep: Any, row: Any) -> dict:
+        """Show one update of ``dep`` (a dict or a row in its outputs' order) as the page would;
+        returns what changed, by elem_id."""
+        update = row if isinstance(row, dict) else dict(zip(dep.outputs, row))
+        named = {}
+        for block, value in update.items():
+            if isinstance(value, dict) and value.get("__type__") == "update":
+                if "value" not in value:
+                    continue  # gr.skip() or a property-only update
+                value = value["value"]
+            self.values[block._id] = value
+            named[getattr(block, "elem_id", None) or block] = value
+        return named
 
     def shown(self, elem_id: str) -> Any:
         return self.get(self.block(elem_id))

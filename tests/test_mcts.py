@@ -156,8 +156,8 @@ class StopAfter(RunControl):
     """A control that stops at its ``checks``-th check (one check per simulation): cancelled, or
     past its time limit (the start moved back, so the real deadline check fires)."""
 
-    def __init__(self, checks: int, reason: str = "cancelled"):
-        super().__init__(deadline_s=60.0)
+    def __init__(self, checks: int, reason: str = "cancelled", deadline_s: float = 120.0):
+        super().__init__(deadline_s=deadline_s)
         self.left, self.reason = checks, reason
 
     def check(self) -> None:

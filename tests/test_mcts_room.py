@@ -17,37 +17,12 @@ from engine.models import ModelRegistry
 from engine.presets import builtin_presets
 from playground.shared import Shared
 from playground.views import search
+from tests.test_mcts import StopAfter
+from tests.test_search_view import mcts_out, shared  # noqa: F401 (shared is a fixture)
 
 PROMPT = "The capital of France is"
 CONFIG = DecodingConfig(strategy="mcts", temperature=0.0, max_new_tokens=4, mcts_simulations=5, mcts_expand_k=3,
                         mcts_rollout_tokens=2)
-
-
-class StopAfter(RunControl):
-    """Stops at its ``checks``-th check: cancelled, or past its time limit (its start moved back,
-    so RunControl's own deadline check fires with its own message)."""
-
-    def __init__(self, checks: int, reason: str = "cancelled", deadline_s: float = 120.0):
-        super().__init__(deadline_s=deadline_s)
-        self.left, self.reason = checks, reason
-
-    def check(self) -> None:
-        self.left -= 1
-        if self.left < 0 and self.reason == "cancelled":
-            self.cancel()
-        elif self.left < 0:
-            self.started -= 3600
-        super().check()
-
-
-@pytest.fixture
-def shared() -> Shared:
-    return Shared(registry=ModelRegistry(), model=None, quantization=None, user_presets=None)
-
-
-def mcts_out() -> search.MctsOutputs:
-    return search.MctsOutputs(*[f"mcts.{n}" for n in ("status", "text", "position", "tree", "visits", "quality",
-                                                      "quality_table", "download", "session")])
 
 
 def request(lm, config: DecodingConfig = CONFIG) -> search.RunRequest:

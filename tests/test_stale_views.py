@@ -152,12 +152,7 @@ def test_stop_mid_run_leaves_no_chart_of_the_previous_run(demo, view, chart, par
         return rows
 
     for row in run_coroutine(stopped):
-        for block, value in zip(dep.outputs, row):
-            if isinstance(value, dict) and value.get("__type__") == "update":
-                if "value" not in value:
-                    continue
-                value = value["value"]
-            page.values[block._id] = value
+        page.apply(dep, row)
     assert is_cleared(page.block(chart), page.shown(chart)), f"{view}: {chart} still shows the previous run"
 
 
