@@ -85,3 +85,18 @@ def test_no_panel_of_the_lessons_chart_says_p_not_recorded_where_the_trace_knows
         drawn = [x for t in panel_bars(data, i) for x in t["x"] if x is not None]
         assert any(x == pytest.approx(prob) for x in drawn), (step.stages[i].name, prob)  # the chosen token's bar
     assert known == len(step.stages)  # raw, temperature and final all record the chosen token's p
+
+
+@pytest.mark.parametrize("width", [None, 1280, 390])
+def test_the_presenters_chart_of_that_step_is_legible_too(temperature_run, width):
+    """The presenter draws the same step at projector size (and narrow): its temperature panel too
+    has its own scale with visible bars, and no panel says "p not recorded" where p is known."""
+    from playground.views import presenter
+
+    _, step, _ = temperature_run
+    data = presenter.step_chart(step, width).to_plotly_json()
+    i = [s.name for s in step.stages].index("temperature")
+    tallest = max(x for t in panel_bars(data, i) for x in t["x"] if x is not None)
+    assert tallest >= VISIBLE * axis_span(data, i, tallest)
+    titles = " ".join(str(a.get("text", "")) for a in data["layout"].get("annotations", []))
+    assert NOT_RECORDED not in titles

@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 from engine.trace import StepTrace, Trace
 from playground import qr
 from playground.charts import step as charts
+from playground.charts.compare import legible_stage_chart  # a T=5 step's panels on their own scale, p filled in
 from playground.charts.step import NARROW_PX, PHONE_PX, panel_columns  # shared with the Step view's chart
 
 from .step import revised
@@ -84,9 +85,9 @@ def step_chart(step: StepTrace, width: float | None = None) -> go.Figure:
     if narrow:
         label_px = max((len(t) for t in charts.tick_labels(step)), default=4) * CHAR_EM * tick_font + 12
         gap = min(0.45, label_px / max(1.0, width - 40 - label_px)) if columns > 1 else 0.12
-        fig = charts.stage_chart(step, columns=columns, gap_px=130, panel_px=int(bars * BAR_PX), column_gap=gap)
+        fig = legible_stage_chart(step, columns=columns, gap_px=130, panel_px=int(bars * BAR_PX), column_gap=gap)
     else:
-        fig = charts.stage_chart(step, columns=columns)
+        fig = legible_stage_chart(step, columns=columns)
     fig.update_layout(font=dict(size=font), title_font_size=font + 4, legend_font_size=font - 2,
                       meta={"narrow": narrow, "phone": phone, "columns": columns},
                       margin=dict(l=10, r=20, t=110 + 40 * min(rows, 2), b=70))
