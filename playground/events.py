@@ -281,26 +281,39 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
     ``group``, for ``stop_button``."""
     gpu_handler = zero_gpu(as_rows(handler, outputs) if outputs is not None else handler)
 
-    def error(message: str) -> Any:
-        update = on_error(message)
+    def error(exc: Exception, touched: set[int]) -> Any:
+        status = getattr(on_error, "status", None)
+        if isinstance(exc, RunStopped) and status is not None:  # a stopped run keeps what it showed
+            update = on_error(error_message(exc, what), stopped=True)
+            update = {c: v for c, v in update.items() if c is status or id(c) not in touched}
+        else:
+            update = on_error(error_message(exc, what))
         return update if outputs is None else [update.get(component, gr.skip()) for component in outputs]
+
+    def shown(update: Any) -> set[int]:
+        """The outputs an update sets (ids of their components)."""
+        if isinstance(update, dict):
+            return {id(c) for c in update}
+        return {id(c) for c, value in zip(outputs or (), update) if value != SKIP}
 
     sessions = sessions or SessionRuns()
 
     async def run(*args: Any, **kwargs: Any):
         control = RunControl.with_request_limit()
         held = None  # after Stop: the run's updates merged, sent as its last word (no "generating…" after "stopped")
+        touched: set[int] = set()  # outputs this run has set: a stopped run's on_error leaves them as they are
         try:
             async with watched(control):
                 with sessions.slot(_session(), control, group):
                     updates = gpu_handler(*args, control=control, **kwargs)
                     while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
+                        touched |= shown(update)
                         if control.cancelled:
                             held = merged(held, update)
                             continue
                         yield update
         except Exception as exc:  # the page shows the message; it never crashes
-            held = merged(held, error(error_message(exc, what)))
+            held = merged(held, error(exc, touched))
         finally:
             control.cancel()
         if held is not None:

@@ -181,3 +181,42 @@ def test_a_model_failure_mid_run_clears_the_previous_run(demo, view, monkeypatch
     assert "RuntimeError: the model failed" in page.get(status) and stale.CLEARED_NOTE in page.get(status)
     left = [b.elem_id for b in outputs if b is not status and not is_cleared(b, page.get(b))]
     assert not left, f"{view}: still showing the previous run in {left}"
+
+
+@pytest.mark.parametrize("view, stop, partial, status", [
+    ("beam", "beam-stop", "beam-tree", "beam-status"), ("speculative", "spec-stop", "spec-rounds", "spec-status")])
+def test_stop_pressed_mid_run_keeps_this_runs_output_and_says_stopped(demo, view, stop, partial, status, monkeypatch):
+    """Stop pressed mid-run (the Stop button's own function, for this page's session): the run ends
+    at its next step with its own last update; what it drew so far stays (it is not cleared as a
+    failed run's is) and the status says it stopped, not 'generating' and not an error."""
+    from types import SimpleNamespace
+
+    from playground import events
+
+    name, first, good = VIEWS[view]
+    page = Page(demo)
+    set_known(page, {**good, f"{'beam' if view == 'beam' else 'spec'}-knob-max_new_tokens": 48})
+    dep = page.event(name, first)
+    args = [page.get(b) for b in dep.inputs]
+    press = next(f for f in demo.fns.values() if (page.block(stop)._id, "click") in
+                 [(getattr(t[0], "_id", t[0]), t[1]) for t in f.targets])
+    monkeypatch.setattr(events, "_session", lambda: "page-1")
+    at = [b.elem_id for b in dep.outputs].index(partial)
+
+    async def pressed_mid_run() -> list:
+        rows, drawn = [], 0
+        async for row in dep.fn(*args):
+            rows.append(row)
+            drawn += not (isinstance(row[at], dict) and row[at].get("__type__") == "update" and "value" not in row[at])
+            if drawn == 2:
+                await press.fn(SimpleNamespace(session_hash="page-1"))
+        return rows
+
+    rows = run_coroutine(pressed_mid_run)
+    for row in rows:
+        page.apply(dep, row)
+    said = page.shown(status)
+    assert said.count("stopped: the run was cancelled") == 1 and stale.STOPPED_NOTE in said, said
+    assert "dp-error" not in said and stale.CLEARED_NOTE not in said
+    assert not is_cleared(page.block(partial), page.shown(partial)), f"{view}: Stop cleared this run's {partial}"
+    assert len(rows) < 48  # it ended early, at the step after the press

@@ -1,7 +1,8 @@
 """After a failed run (bad input, a stopped or timed-out run, a model failure) a view must not leave
 the previous run's charts and text under the error message, where they read as this run's result.
 ``cleared`` is the ``on_error`` of a run event: the message in the status, and every chart, text
-and download among the event's outputs emptied. Inputs and state (prompts, knobs, sliders,
+and download among the event's outputs emptied (a stopped or timed-out run keeps what it has shown
+itself: ``events.streamed``). Inputs and state (prompts, knobs, sliders,
 dropdowns, gr.State, hidden keys) are left alone, so the page can run again as it was.
 """
 
@@ -14,6 +15,7 @@ import gradio as gr
 from ..shared import error_html, status_html
 
 CLEARED_NOTE = "The charts and text of the previous run were cleared, so they are not taken for the result of this one."
+STOPPED_NOTE = "the output shows what this run made before it stopped."
 _LEAVE = object()
 
 
@@ -37,7 +39,10 @@ def cleared(status: Any, outputs: Iterable[Any], keep: Iterable[Any] = ()) -> Ca
     kept = {id(c) for c in keep} | {id(status)}
     empties = {c: v for c in outputs if id(c) not in kept and (v := empty_value(c)) is not _LEAVE}
 
-    def on_error(message: str) -> dict:
+    def on_error(message: str, stopped: bool = False) -> dict:
+        if stopped:  # Stop or the time limit: not an error, and this run's own output stays (events.streamed)
+            return empties | {status: status_html(f"{message}; {STOPPED_NOTE}")}
         return empties | {status: error_html(message) + status_html(CLEARED_NOTE)}
 
+    on_error.status = status  # events.streamed: a stopped run keeps the outputs it has set itself
     return on_error
