@@ -392,13 +392,20 @@ def stop_runs(events: list, session: str | None) -> int:
     return stopped
 
 
+STOP_GRACE_MS = 2000  # after Stop, a running run's own last update comes first; then Gradio's cancel
+
+
 def stop_button(button: gr.Button, status: Any, events: list, message: str = "stopped") -> None:
     """Stop: cancels this page's runs of ``events`` directly (each stops within one step and ends
-    on its own "stopped" update, after any update already on its way) and Gradio's ``cancels``
-    takes the ones still waiting in the queue off it. Not an API endpoint."""
+    on its own "stopped" update, after any update already on its way); STOP_GRACE_MS later Gradio's
+    ``cancels`` takes any run still waiting in the queue off it (cancelling a running one at once
+    would cut off its last update). Not an API endpoint."""
 
     async def stop(request: gr.Request) -> str:  # on the event loop: no wait for a worker thread
         stop_runs(events, getattr(request, "session_hash", None))
         return message
 
-    button.click(stop, None, [status], cancels=events, queue=False, api_visibility="private")
+    private = {"queue": False, "api_visibility": "private"}
+    button.click(stop, None, [status], **private).then(
+        None, None, None, js=f"() => new Promise(done => setTimeout(done, {STOP_GRACE_MS}))", **private).then(
+        None, None, None, cancels=events, **private)
