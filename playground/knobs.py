@@ -21,6 +21,7 @@ from engine.config import (DEFAULT_STAGE_ORDER, KNOBS, SAMPLING_ONLY_STAGES, STA
                            Knob, check_knob)
 from engine.presets import Preset, builtin_presets
 
+from .assets import static_text
 from .user_presets import CUSTOM, find_preset, preset_choices
 from .shared import Shared, UserError, config_or_error
 
@@ -51,19 +52,10 @@ IGNORED_BY_GREEDY = "Ignored by greedy (it always takes the most likely token)."
 # KnobPanel._preset_note(choice, True), written in the page when a knob is edited: no round trip, and
 # the events after it on the same knob (Gradio runs one trigger's events one after another; the
 # what-if is one) do not wait for a server note.
-MODIFIED_JS = """(choice) => {
-  if (!choice || choice === %s) return '<small>Custom settings</small>';
-  const escape = {'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#x27;'};
-  const name = String(choice).replace(/[&<>"']/g, c => escape[c]);
-  return `<small>Preset <b>${name}</b> · <i>modified</i></small>`;
-}""" % json.dumps(CUSTOM)
+MODIFIED_JS = static_text("knobs_modified.js", CUSTOM=json.dumps(CUSTOM))
 # The stage order's box changes when the page's sortable list writes it (a person's edit: the list
 # sets window.dpStageEdit) and when a preset or link fills it (not an edit): only the first marks.
-STAGE_MODIFIED_JS = """(choice, note) => {
-  if (!window.dpStageEdit) return note;
-  window.dpStageEdit = false;
-  return (%s)(choice);
-}""" % MODIFIED_JS
+STAGE_MODIFIED_JS = static_text("knobs_stage_modified.js", MODIFIED=MODIFIED_JS)
 
 
 def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive: bool = True) -> gr.components.Component:

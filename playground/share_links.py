@@ -8,6 +8,7 @@ handles it built to ``wire_share_links`` once every view exists.
 from __future__ import annotations
 
 import html
+import json
 from typing import Any, Mapping, Sequence
 
 import gradio as gr
@@ -16,6 +17,7 @@ from engine.config import DecodingConfig
 from engine.presets import Preset, PresetError
 from engine.sharelink import SHARE_PARAM, ShareLinkError, ShareState, decode, encode
 
+from .assets import static_text
 from .shared import PanelView, UserError
 from .user_presets import find_preset, matching_choice
 
@@ -49,28 +51,7 @@ def share_token(view: str, prompt: str, config: DecodingConfig, choice: str, sto
 # Runs in the browser after the token is made: builds the full URL from the page's own address (so
 # it works behind any host or proxy), copies it, and shows it. The clipboard API needs a secure
 # context (https or localhost); elsewhere a hidden textarea and execCommand do the copy.
-COPY_LINK_JS = f"""
-(token) => {{
-  if (!token) return "";
-  const url = new URL(window.location.href);
-  url.hash = "";
-  url.searchParams.set("{SHARE_PARAM}", token);
-  const link = url.toString();
-  const fallback = () => {{
-    const area = document.createElement("textarea");
-    area.value = link; area.style.position = "fixed"; area.style.opacity = "0";
-    document.body.appendChild(area); area.select();
-    try {{ document.execCommand("copy"); }} catch (e) {{}}
-    area.remove();
-  }};
-  if (navigator.clipboard && window.isSecureContext) {{
-    navigator.clipboard.writeText(link).catch(fallback);
-  }} else {{
-    fallback();
-  }}
-  return link;
-}}
-"""
+COPY_LINK_JS = static_text("share_copy_link.js", SHARE_PARAM=json.dumps(SHARE_PARAM))
 
 
 def _share_inputs(view: PanelView) -> list:

@@ -38,6 +38,7 @@ from playground.charts import speculative as spec_charts
 from playground.charts.tokens import render as readable
 
 from ..events import data_api, stop_button
+from ..assets import static_text
 from ..page_js import OPEN_RUN_JS, RUN_BUTTONS
 from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, status_html
 from ..user_presets import CUSTOM, matching_choice
@@ -52,6 +53,8 @@ LESSON_PARAM = "lesson"
 TOKEN_PREFIX = "l1."
 MAX_TOKEN_CHARS = 6_000
 MAX_LESSON_BYTES = 32_768
+# The page's address without its query (the base of a lesson's link), read on page load.
+BASE_URL_JS = static_text("lessons_base_url.js")
 
 
 # --- lessons in links -------------------------------------------------------------------------
@@ -333,8 +336,7 @@ class LessonsTab:
         lesson's view (prompt, chat, the first run's preset; every lane on ``compare_page``, the
         Compare view's handles; prompt, chat and budget on ``quant_page``, Quantization & KV cache's),
         switches to its tab and runs it there."""
-        demo.load(None, None, [self.base_url], js="() => window.location.origin + window.location.pathname",
-                  api_visibility="private")
+        demo.load(None, None, [self.base_url], js=BASE_URL_JS, api_visibility="private")
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
         link_io = ([self.pick, self.session, self.custom, self.base_url], [self.link, self.presenter.qr, self.status])
         # The link and QR code follow the lesson the page opened with (a shared one has no pasted text).

@@ -24,6 +24,7 @@ from playground.charts import step as charts
 from playground.charts.compare import legible_stage_chart  # a T=5 step's panels on their own scale, p filled in
 from playground.charts.step import NARROW_PX, PHONE_PX, panel_columns  # shared with the Step view's chart
 
+from ..assets import static_text
 from .step import revised
 from .whatif import PRESENTER_JS, PRESENTER_PREPARE_JS
 
@@ -38,27 +39,11 @@ CHAR_EM = 0.62  # a generous average glyph width of the chart font, in em (the r
 # Left/right arrows press Previous/Next and Esc presses Exit while the presenter view is shown and
 # no text field has focus (page load; the page's other keys live in playground/page_js.py). Esc on
 # the enlarged QR code only shrinks it back (a second Esc exits).
-ARROW_KEYS_JS = """
-() => {
-  if (window.dpPresenterKeys) return;
-  window.dpPresenterKeys = true;
-  document.addEventListener("keydown", (e) => {
-    const view = document.querySelector("#presenter");
-    if (!view || !view.getClientRects().length) return;  // offsetParent is null for a fixed overlay
-    const tag = (document.activeElement && document.activeElement.tagName) || "";
-    if (["INPUT", "TEXTAREA", "SELECT"].includes(tag)) return;
-    const code = document.querySelector("#present-qr.dp-qr-big");
-    if (e.key === "Escape" && code) { e.preventDefault(); code.classList.remove("dp-qr-big"); return; }
-    const keys = {ArrowRight: "#present-next", ArrowLeft: "#present-prev", Escape: "#present-exit"};
-    const id = keys[e.key];
-    if (id) { e.preventDefault(); document.querySelector(id)?.click(); }
-  });
-}
-"""
+ARROW_KEYS_JS = static_text("presenter_keys.js")
 # Exit unticks the Lessons tab's presenter toggle (its change event hides this view); Run presses
 # the tab's own Run and check, which the overlay covers.
-EXIT_JS = "() => { document.querySelector('#lessons-present input')?.click(); }"
-RUN_JS = "() => { document.querySelector('#lessons-run')?.click(); }"
+EXIT_JS = static_text("presenter_exit.js")
+RUN_JS = static_text("presenter_run.js")
 
 
 def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.Figure:

@@ -23,6 +23,7 @@ from engine.trace import Trace
 from playground.charts import speculative as charts
 
 from .. import downloads, examples
+from ..assets import static_text
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
@@ -38,17 +39,7 @@ EMPTY_EXPLAIN = ("Press **Generate** (or Ctrl/Cmd+Enter in the prompt) to run it
 DEFAULT_PROMPT = ("Rewrite this with correct spelling: The quick brown fox jumpd over the lazy dog. "
                   "It was a sunny day in the forrest, and all the animals were playing near the river.")
 # A click on a chip sends its (round, position) to Python; delegated so it survives re-renders.
-CHIP_JS = """
-const pick = (chip) => trigger('click', {round: Number(chip.dataset.round), pos: Number(chip.dataset.pos)});
-element.addEventListener('click', (event) => {
-  const chip = event.target.closest('[data-chip]');
-  if (chip) pick(chip);
-});
-element.addEventListener('keydown', (event) => {
-  const chip = event.target.closest('[data-chip]');
-  if (chip && (event.key === 'Enter' || event.key === ' ')) { event.preventDefault(); pick(chip); }
-});
-"""
+CHIP_JS = static_text("speculative_chips.js")
 
 
 @dataclass

@@ -48,6 +48,7 @@ from engine.settings import env_flag
 from engine.trace import Event, StageTrace, StepTrace, Trace, to_dict
 from playground.charts import step as charts
 
+from ..assets import static_text
 from ..events import zero_gpu, zero_gpu_active
 from ..shared import Shared, UserError, error_html
 
@@ -61,86 +62,28 @@ ROUTE_WAIT_S = 10.0  # a request waits this long for a slot, then the page is to
 # Draws a what-if figure (an object) into a chart, set up as Gradio's Plot sets up its own
 # (responsive, autosize, a titled chart's top margin at least 100 px); only while its step is still
 # the one shown (``step()``: the step now selected there).
-_DRAW_INTO = """(plotSelector, step) => (fig) => {
-  const plot = document.querySelector(plotSelector);
-  if (!fig || !plot || !window.Plotly) return;
-  const shown = fig.layout.meta ? fig.layout.meta.step : undefined;
-  const now = step();
-  if (now !== undefined && shown !== undefined && now !== shown) return;  // another step was selected meanwhile
-  fig.layout.autosize = true;
-  fig.layout.margin = fig.layout.margin || {};
-  if (fig.layout.title) fig.layout.margin.t = Math.max(100, fig.layout.margin.t || 0);
-  fig.layout.margin.autoexpand = true;
-  window.Plotly.react(plot, fig.data, fig.layout, Object.assign({}, fig.config || {}, {responsive: true}));
-}"""
-_DRAW = """(%s)('#step-chart .js-plotly-plot', () => {
-  const box = document.querySelector('#step-index input[type=number]');
-  return box ? Number(box.value) : undefined;
-})""" % _DRAW_INTO
+_DRAW_INTO = static_text("whatif_draw_into.js")
+_DRAW = static_text("whatif_draw_step.js", DRAW_INTO=_DRAW_INTO)
 # POSTs ``body`` (an object) as JSON to the route, under the app's root (a Space serves it there).
-_POST = """(body) => fetch(((window.gradio_config && window.gradio_config.root) || location.origin)
-  .replace(/\\/+$/, '') + %s, {method: 'POST', headers: {'Content-Type': 'application/json'}, body: JSON.stringify(body)})
-""" % json.dumps(ROUTE)
+_POST = static_text("whatif_post.js", ROUTE=json.dumps(ROUTE))
 # The fallback path's figure arrives as JSON text in a hidden box.
-DRAW_JS = "(figure) => { if (figure) (%s)(JSON.parse(figure)); }" % _DRAW
+DRAW_JS = static_text("whatif_draw_figure.js", DRAW_STEP=_DRAW)
 # A knob's input event, in the page: post the values to the route, draw the figure, return the note
 # and the explanation under the chart (the outputs; unchanged when there is nothing new). Nothing
 # to draw without a key (no run yet). ``seq``: only the latest answer counts when changes overlap.
 # ``fallback``: the route cannot answer; the hidden button runs on_knob.
-WHATIF_JS = """async (key, note, explain, step, model, quantization, width, ...values) => {
-  if (!key) return [note, explain];
-  const seq = window.dpWhatIfSeq = (window.dpWhatIfSeq || 0) + 1;
-  let reply;
-  try {
-    const res = await (%s)({key, step, model, quantization, width, values});
-    reply = await res.json();
-  } catch (err) {
-    reply = {fallback: true};
-  }
-  if (seq !== window.dpWhatIfSeq) return [note, explain];
-  if (reply.fallback) {
-    const button = document.querySelector('#step-whatif-fallback');
-    if (button) button.click();
-    return [note, explain];
-  }
-  if (reply.figure) (%s)(reply.figure);
-  return [reply.note || note, reply.figure && reply.explain ? reply.explain : explain];
-}""" % (_POST, _DRAW)
+WHATIF_JS = static_text("whatif_knob.js", POST=_POST, DRAW_STEP=_DRAW)
 
 # The presenter's temperature slider: the shown step (the context's data-step) redrawn at that
 # temperature, projector-sized, through the route; nothing while the guess hides the token.
-PRESENTER_JS = """async (key, model, quantization, width, temperature) => {
-  const label = document.querySelector('#present-text .dp-present-label');
-  if (!key || !label || label.dataset.hidden === '1') return;
-  const step = Number(label.dataset.step);
-  const seq = window.dpPresentSeq = (window.dpPresentSeq || 0) + 1;
-  let reply;
-  try {
-    const res = await (%s)({view: 'presenter', key, step, model, quantization, width, knobs: {temperature}});
-    reply = await res.json();
-  } catch (err) {
-    return;
-  }
-  if (seq !== window.dpPresentSeq || !reply.figure) return;
-  (%s)('#present-chart .js-plotly-plot', () => {
-    const now = document.querySelector('#present-text .dp-present-label');
-    return now && now.dataset.hidden !== '1' ? Number(now.dataset.step) : -1;
-  })(reply.figure);
-}""" % (_POST, _DRAW_INTO)
+PRESENTER_JS = static_text("whatif_presenter.js", POST=_POST, DRAW_INTO=_DRAW_INTO)
 
 # A step's chart was drawn (a run ended, a token or a run was picked): ask the route to keep that
 # step's raw logits, so the first knob change needs no forward. Fire and forget.
-PREPARE_JS = """(key, step, model, quantization) => {
-  if (!key) return;
-  (%s)({prepare: true, key, step, model, quantization}).catch(() => {});
-}""" % _POST
+PREPARE_JS = static_text("whatif_prepare.js", POST=_POST)
 
 # The presenter's chart was drawn: keep the shown step's raw logits for its temperature slider.
-PRESENTER_PREPARE_JS = """(key, model, quantization) => {
-  const label = document.querySelector('#present-text .dp-present-label');
-  if (!key || !label) return;
-  (%s)({prepare: true, key, step: Number(label.dataset.step), model, quantization}).catch(() => {});
-}""" % _POST
+PRESENTER_PREPARE_JS = static_text("whatif_presenter_prepare.js", POST=_POST)
 
 # What-if key -> StepSession or LessonSession (weakly: the session's gr.State owns it; an expired session's key stops
 # working with it). A key is a secret only its own page gets, like the page's owner token.

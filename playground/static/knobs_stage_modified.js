@@ -1,0 +1,5 @@
+(choice, note) => {
+  if (!window.dpStageEdit) return note;
+  window.dpStageEdit = false;
+  return (__MODIFIED__)(choice);
+}

@@ -1,0 +1,1 @@
+() => window.location.origin + window.location.pathname

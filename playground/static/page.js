@@ -1,0 +1,130 @@
+(() => {
+  const PROMPTS = __PROMPTS__;
+  const visible = el => el && el.offsetParent !== null;
+  document.addEventListener('keydown', e => {
+    const t = e.target;
+    if ((e.ctrlKey || e.metaKey) && e.key === 'Enter' && t.tagName === 'TEXTAREA') {
+      const box = t.closest('[id]');
+      const button = box && PROMPTS[box.id] && document.getElementById(PROMPTS[box.id]);
+      if (button) { e.preventDefault(); e.stopPropagation(); button.click(); }
+      return;
+    }
+    if (['ArrowLeft', 'ArrowRight', 'Enter'].includes(e.key) && !['INPUT', 'TEXTAREA', 'SELECT'].includes(t.tagName)) {
+      const text = document.getElementById('step-text');
+      if (!visible(text)) return;
+      const tokens = [...text.querySelectorAll('.token')];
+      if (e.key === 'Enter') {
+        if (t.classList && t.classList.contains('token')) { e.preventDefault(); t.click(); }
+        return;
+      }
+      if (t !== document.body && !text.contains(t)) return;
+      const box = document.querySelector('#step-index input[type=number]');
+      const at = box ? Number(box.value) : 0;
+      const next = Math.max(0, Math.min(tokens.length - 1, at + (e.key === 'ArrowRight' ? 1 : -1)));
+      if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
+    }
+  }, true);
+  // Presenter and Step through: the page width goes into a hidden width box (its change redraws the
+  // chart for that width); a chart laid out for the other width (e.g. the lesson's run draws it wide)
+  // is redrawn once, by the hidden redraw button.
+  const setValue = (box, value) => {
+    const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), 'value').set;
+    setter.call(box, value);
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+  };
+  const fitWidth = (name) => {
+    const box = document.querySelector(`#${name}-width input`);
+    if (!box) return;
+    const want = String(Math.round(window.innerWidth));
+    if (box.value !== want) { setValue(box, want); return; }
+    const plot = document.querySelector(`#${name}-chart .js-plotly-plot`);
+    const meta = plot && plot.layout && plot.layout.meta;
+    const stale = meta && (meta.narrow !== (window.innerWidth < __NARROW__)
+                           || (meta.phone !== undefined && meta.phone !== (window.innerWidth < __PHONE__)));
+    if (stale && plot.dataset.dpAsked !== want) {
+      plot.dataset.dpAsked = want;
+      document.getElementById(`${name}-redraw`)?.click();
+    }
+  };
+  const presentWidth = () => { fitWidth('present'); fitWidth('step'); };
+  window.addEventListener('resize', presentWidth);
+  // Step through's selected step: its token is outlined (the step box holds the selected index).
+  const markSelected = () => {
+    const box = document.querySelector('#step-index input[type=number]');
+    const at = box ? Number(box.value) : -1;
+    document.querySelectorAll('#step-text .token').forEach((el, i) => {
+      const on = i === at;
+      if (el.classList.contains('dp-selected') !== on) el.classList.toggle('dp-selected', on);
+      if (on && el.getAttribute('aria-current') !== 'true') el.setAttribute('aria-current', 'true');
+      if (!on && el.hasAttribute('aria-current')) el.removeAttribute('aria-current');
+    });
+  };
+  // The QR code in the presenter view: a click enlarges it for the room, another shrinks it back.
+  document.addEventListener('click', e => {
+    const code = e.target.closest && e.target.closest('#present-qr');
+    if (code) code.classList.toggle('dp-qr-big');
+  });
+  // Tokens take the keyboard focus (Tab, then Enter opens a token's step).
+  new MutationObserver(() => {
+    document.querySelectorAll('#step-text .token:not([tabindex])').forEach(el => el.setAttribute('tabindex', '0'));
+    presentWidth();
+    markSelected();
+  }).observe(document.documentElement, {childList: true, subtree: true});
+  // The step box's value is set as a property (no DOM mutation when only it changes): look again.
+  setInterval(markSelected, 250);
+
+  // The sortable stage list writes its order into the hidden textbox named by data-target.
+  const commit = ol => {
+    const box = document.querySelector('#' + ol.dataset.target + ' textarea, #' + ol.dataset.target + ' input');
+    if (!box) return;
+    const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), 'value').set;
+    setter.call(box, [...ol.children].map(li => li.dataset.stage).join(', '));
+    window.dpStageEdit = true;  // a person's edit: the preset note says modified (knobs.STAGE_MODIFIED_JS)
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+  };
+  let dragged = null;
+  document.addEventListener('dragstart', e => {
+    const li = e.target.closest && e.target.closest('.dp-stages li');
+    if (li) { dragged = li; e.dataTransfer.effectAllowed = 'move'; e.dataTransfer.setData('text/plain', li.dataset.stage); }
+  });
+  document.addEventListener('dragover', e => {
+    if (dragged && e.target.closest && e.target.closest('.dp-stages')) e.preventDefault();
+  });
+  document.addEventListener('drop', e => {
+    const li = e.target.closest && e.target.closest('.dp-stages li');
+    if (!dragged || !li || li === dragged || li.parentNode !== dragged.parentNode) { dragged = null; return; }
+    e.preventDefault();
+    const r = li.getBoundingClientRect();
+    li.parentNode.insertBefore(dragged, e.clientY > r.top + r.height / 2 ? li.nextSibling : li);
+    commit(li.parentNode);
+    dragged = null;
+  });
+  document.addEventListener('click', e => {
+    const b = e.target.closest && e.target.closest('.dp-stages button');
+    if (!b) return;
+    const li = b.closest('li'), ol = li.parentNode;
+    if (b.classList.contains('dp-up') && li.previousElementSibling) ol.insertBefore(li, li.previousElementSibling);
+    else if (b.classList.contains('dp-down') && li.nextElementSibling) ol.insertBefore(li.nextElementSibling, li);
+    else return;
+    commit(ol);
+  });
+
+  // A slider's number box: an out-of-range value is refused with the typed value named, and the box
+  // goes back to its last in-range value before Gradio sees the change (Gradio would clamp it: T 999
+  // would run as 5 without a word). The last value is noted when the box takes the focus.
+  const knobBox = t => t && t.tagName === 'INPUT' && t.type === 'number' && t.closest('.dp-knob-slider');
+  document.addEventListener('focusin', e => { if (knobBox(e.target)) e.target.dataset.dpLast = e.target.value; }, true);
+  document.addEventListener('change', e => {
+    const t = e.target;
+    if (!knobBox(t)) return;
+    const v = Number(t.value), lo = Number(t.min), hi = Number(t.max);
+    const holder = t.closest('.dp-knob-slider');
+    let note = holder.querySelector('.dp-refused');
+    if (t.value !== '' && (v < lo || v > hi)) {
+      if (!note) { note = document.createElement('div'); note.className = 'dp-refused dp-error'; note.setAttribute('role', 'alert'); holder.appendChild(note); }
+      const name = (holder.id || '').replace(/^.*knob-/, '');
+      note.textContent = `⚠ ${name}: ${t.value} is out of range [${t.min}, ${t.max}]; not applied, the value stays ${t.dataset.dpLast ?? 'as it was'}`;
+      if (t.dataset.dpLast !== undefined && t.dataset.dpLast !== '') setValue(t, t.dataset.dpLast);
+    } else if (note) { note.remove(); }
+  }, true);
+})();

@@ -1,0 +1,1 @@
+() => { document.querySelector('#lessons-present input')?.click(); }

@@ -1,0 +1,1 @@
+(figure) => { if (figure) (__DRAW_STEP__)(JSON.parse(figure)); }

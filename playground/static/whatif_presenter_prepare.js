@@ -1,0 +1,5 @@
+(key, model, quantization) => {
+  const label = document.querySelector('#present-text .dp-present-label');
+  if (!key || !label) return;
+  (__POST__)({prepare: true, key, step: Number(label.dataset.step), model, quantization}).catch(() => {});
+}

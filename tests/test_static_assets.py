@@ -1,0 +1,153 @@
+"""The page's JavaScript and CSS as files (playground/static/, issue #28): each file is some constant's
+text, its placeholders filled with the Python values named here; nothing is left unfilled; every
+file parses in chromium (the ``js=`` snippets are functions, the page script runs on a blank page,
+each CSS rule is kept); the Space folder ships them."""
+
+import json
+import re
+
+import pytest
+
+from engine.sharelink import SHARE_PARAM
+from playground import app, assets, knobs, page_js, share_links
+from playground.assets import STATIC, AssetError, static_text
+from playground.user_presets import CUSTOM
+from playground.views import lessons, presenter, speculative, whatif
+
+# (the constant Gradio gets, its file, the placeholders' values); a constant may hold another one.
+JS_FUNCTIONS = [  # js= snippets: a function expression each
+    (page_js.OPEN_RUN_JS, "open_run.js", {}),
+    (whatif._DRAW_INTO, "whatif_draw_into.js", {}),
+    (whatif._DRAW, "whatif_draw_step.js", {"DRAW_INTO": whatif._DRAW_INTO}),
+    (whatif._POST, "whatif_post.js", {"ROUTE": json.dumps(whatif.ROUTE)}),
+    (whatif.DRAW_JS, "whatif_draw_figure.js", {"DRAW_STEP": whatif._DRAW}),
+    (whatif.WHATIF_JS, "whatif_knob.js", {"POST": whatif._POST, "DRAW_STEP": whatif._DRAW}),
+    (whatif.PRESENTER_JS, "whatif_presenter.js", {"POST": whatif._POST, "DRAW_INTO": whatif._DRAW_INTO}),
+    (whatif.PREPARE_JS, "whatif_prepare.js", {"POST": whatif._POST}),
+    (whatif.PRESENTER_PREPARE_JS, "whatif_presenter_prepare.js", {"POST": whatif._POST}),
+    (presenter.ARROW_KEYS_JS, "presenter_keys.js", {}),
+    (presenter.EXIT_JS, "presenter_exit.js", {}),
+    (presenter.RUN_JS, "presenter_run.js", {}),
+    (knobs.MODIFIED_JS, "knobs_modified.js", {"CUSTOM": json.dumps(CUSTOM)}),
+    (knobs.STAGE_MODIFIED_JS, "knobs_stage_modified.js", {"MODIFIED": knobs.MODIFIED_JS}),
+    (share_links.COPY_LINK_JS, "share_copy_link.js", {"SHARE_PARAM": json.dumps(SHARE_PARAM)}),
+    (lessons.BASE_URL_JS, "lessons_base_url.js", {}),
+]
+PAGE_SCRIPT = page_js.HEAD.removeprefix("<script>").removesuffix("</script>")
+JS_BODIES = [  # a script (launch's head) and a js_on_load body (element, trigger, props given)
+    (PAGE_SCRIPT, "page.js", {"PROMPTS": json.dumps(page_js.PROMPT_BUTTONS),
+                              "NARROW": str(page_js.PRESENT_NARROW_PX), "PHONE": str(page_js.PHONE_PX)}),
+    (speculative.CHIP_JS, "speculative_chips.js", {}),
+]
+CSS = [(page_js.CSS, "page.css", {}), (app.CSS.removesuffix("\n" + page_js.CSS), "app.css", {})]
+ALL = JS_FUNCTIONS + JS_BODIES + CSS
+LEFTOVER = re.compile(r"__[A-Z][A-Z0-9_]*__")
+
+
+def filled(name: str, values: dict) -> str:
+    """The file's text with each ``__KEY__`` replaced by hand (not through static_text)."""
+    text = (STATIC / name).read_text(encoding="utf-8").removesuffix("\n")
+    for key, value in values.items():
+        assert f"__{key}__" in text, f"{name} lacks __{key}__"
+        text = text.replace(f"__{key}__", value)
+    return text
+
+
+def test_every_static_file_is_some_constants_and_not_empty():
+    named = sorted(name for _, name, _ in ALL)
+    assert len(set(named)) == len(named)
+    assert sorted(p.name for p in STATIC.iterdir() if p.is_file()) == named
+    for _, name, _ in ALL:
+        assert (STATIC / name).read_text(encoding="utf-8").strip(), name
+
+
+@pytest.mark.parametrize("constant, name, values", ALL, ids=[name for _, name, _ in ALL])
+def test_constant_is_its_file_with_the_values_filled_in(constant, name, values):
+    assert constant == filled(name, values)
+    assert not LEFTOVER.search(constant), f"{name}: a placeholder left in {LEFTOVER.search(constant).group()}"
+
+
+def test_the_page_gets_the_constants():
+    kwargs = app.launch_kwargs()
+    assert kwargs["head"] == page_js.HEAD and kwargs["css"] == app.CSS
+    assert app.CSS.endswith("\n" + page_js.CSS)
+
+
+def test_a_missing_file_or_unfilled_placeholder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(assets, "STATIC", tmp_path)
+    with pytest.raises(AssetError, match="gone.js is missing"):
+        static_text("gone.js")
+    (tmp_path / "x.js").write_text("(a) => a + __ONE__ + __TWO__\n", encoding="utf-8")
+    with pytest.raises(AssetError, match=r"holds placeholders \['ONE', 'TWO'\], values given for \['ONE'\]"):
+        static_text("x.js", ONE="1")
+    with pytest.raises(AssetError, match="values given for"):
+        static_text("x.js", ONE="1", TWO="2", THREE="3")
+    # one pass: a value's own text is not filled in again
+    assert static_text("x.js", ONE="__TWO__", TWO="2") == "(a) => a + __TWO__ + 2"
+
+
+def test_the_space_folder_ships_the_static_files(tmp_path):
+    from deploy.make_space import build_space
+
+    out = build_space(tmp_path / "space")
+    for _, name, _ in ALL:
+        assert (out / "playground" / "static" / name).read_bytes() == (STATIC / name).read_bytes(), name
+
+
+@pytest.fixture
+def blank(browser):
+    """A blank page and the uncaught errors it reports."""
+    context = browser.new_context()
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    yield page, errors
+    context.close()
+
+
+@pytest.mark.browser
+def test_each_js_file_parses_and_the_js_snippets_are_functions(blank):
+    page, _ = blank
+    files = [[name + " (file)", (STATIC / name).read_text(encoding="utf-8"), False]
+             for _, name, _ in JS_FUNCTIONS + JS_BODIES]  # placeholders stand as names: parses as it is
+    items = ([[name, constant, True] for constant, name, _ in JS_FUNCTIONS]
+             + [[name, constant, False] for constant, name, _ in JS_BODIES] + files)
+    kinds = page.evaluate("""(items) => items.map(([name, text, isFunction]) => {
+      try {
+        new Function(text);  // parses, runs nothing
+        return isFunction ? typeof (0, eval)('(' + text + ')') : 'parsed';
+      } catch (e) { return name + ': ' + e; }
+    })""", items)
+    assert kinds == ["function"] * len(JS_FUNCTIONS) + ["parsed"] * (len(JS_BODIES) + len(files))
+
+
+@pytest.mark.browser
+def test_the_page_script_runs_on_a_blank_page(blank):
+    page, errors = blank
+    page.set_content(f"<html><head>{page_js.HEAD}</head><body><p>text</p></body></html>")
+    page.click("p")
+    page.wait_for_timeout(300)  # its interval and observer have run
+    assert errors == []
+
+
+def top_level_rules(css: str) -> int:
+    """Blocks at brace depth 0 (a rule or an @media), comments dropped."""
+    depth = rules = 0
+    for ch in re.sub(r"/\*.*?\*/", "", css, flags=re.S):
+        if ch == "{":
+            rules += depth == 0
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+    assert depth == 0
+    return rules
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("css, name", [(c, n) for c, n, _ in CSS], ids=[n for _, n, _ in CSS])
+def test_each_css_file_parses_rule_by_rule(blank, css, name):
+    page, _ = blank
+    page.add_style_tag(content=css)
+    kept = page.evaluate("() => document.styleSheets[document.styleSheets.length - 1].cssRules.length")
+    assert top_level_rules(css) > 0
+    assert kept == top_level_rules(css), name  # chromium drops a rule it cannot parse
