@@ -27,3 +27,32 @@ OPEN_RUN_JS = static_text("open_run.js")
 HEAD = "<script>" + static_text("page.js", PROMPTS=json.dumps(PROMPT_BUTTONS), NARROW=str(PRESENT_NARROW_PX),
                                 PHONE=str(PHONE_PX)) + "</script>"
 CSS = static_text("page.css")
+
+
+# --- the what-if (playground/views/whatif.py: its route, ROUTE, answers these) -------------------
+ROUTE = "/dp/whatif"
+# Draws a what-if figure (an object) into a chart, set up as Gradio's Plot sets up its own
+# (responsive, autosize, a titled chart's top margin at least 100 px); only while its step is still
+# the one shown (``step()``: the step now selected there).
+_DRAW_INTO = static_text("whatif_draw_into.js")
+_DRAW = static_text("whatif_draw_step.js", DRAW_INTO=_DRAW_INTO)
+# POSTs ``body`` (an object) as JSON to the route, under the app's root (a Space serves it there).
+_POST = static_text("whatif_post.js", ROUTE=json.dumps(ROUTE))
+# The fallback path's figure arrives as JSON text in a hidden box.
+DRAW_JS = static_text("whatif_draw_figure.js", DRAW_STEP=_DRAW)
+# A knob's input event, in the page: post the values to the route, draw the figure, return the note
+# and the explanation under the chart (the outputs; unchanged when there is nothing new). Nothing
+# to draw without a key (no run yet). ``seq``: only the latest answer counts when changes overlap.
+# ``fallback``: the route cannot answer; the hidden button runs on_knob.
+WHATIF_JS = static_text("whatif_knob.js", POST=_POST, DRAW_STEP=_DRAW)
+
+# The presenter's temperature slider: the shown step (the context's data-step) redrawn at that
+# temperature, projector-sized, through the route; nothing while the guess hides the token.
+PRESENTER_JS = static_text("whatif_presenter.js", POST=_POST, DRAW_INTO=_DRAW_INTO)
+
+# A step's chart was drawn (a run ended, a token or a run was picked): ask the route to keep that
+# step's raw logits, so the first knob change needs no forward. Fire and forget.
+PREPARE_JS = static_text("whatif_prepare.js", POST=_POST)
+
+# The presenter's chart was drawn: keep the shown step's raw logits for its temperature slider.
+PRESENTER_PREPARE_JS = static_text("whatif_presenter_prepare.js", POST=_POST)

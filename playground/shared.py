@@ -26,7 +26,7 @@ from engine.models import model_policy
 from engine.presets import load_preset
 from engine.scheduler import Scheduler, scheduler_for
 from engine.settings import env_text
-from engine.trace import Event, Trace
+from engine.trace import Event, Trace, untrusted_trace
 
 from .events import ModelEvents
 
@@ -244,3 +244,23 @@ def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBED
 
 def user_presets_state() -> gr.BrowserState:
     return gr.BrowserState([], storage_key=USER_PRESETS_KEY, secret=BROWSER_SECRET)
+
+
+def page_width(value: Any) -> float | None:
+    """The page width the page's script wrote (px), or None when it is not known (yet)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def parent_trace(shared: Shared, lm: LoadedModel, parent: Any, key: str = "parent") -> Trace:
+    """An untrusted trace JSON (object or text) as a Trace whose token ids fit ``lm``; errors name
+    ``key`` (the API argument that carried it)."""
+    try:
+        trace = untrusted_trace(parent, key)  # size-capped as a run (engine.trace.check_trace_size)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    ids = [*trace.prompt_token_ids, *trace.generated_token_ids]
+    if not trace.prompt_token_ids or len(trace.prompt_token_ids) > shared.max_prompt_tokens:
+        raise UserError(f"{key}: prompt_token_ids must hold 1 to {shared.max_prompt_tokens} tokens")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < lm.vocab_size for i in ids):
+        raise UserError(f"{key}: token ids must be integers in [0, {lm.vocab_size})")
+    return trace

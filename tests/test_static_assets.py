@@ -12,19 +12,19 @@ from engine.sharelink import SHARE_PARAM
 from playground import app, assets, knobs, page_js, share_links
 from playground.assets import STATIC, AssetError, static_text
 from playground.user_presets import CUSTOM
-from playground.views import lessons, presenter, speculative, whatif
+from playground.views import lessons, presenter, speculative
 
 # (the constant Gradio gets, its file, the placeholders' values); a constant may hold another one.
 JS_FUNCTIONS = [  # js= snippets: a function expression each
     (page_js.OPEN_RUN_JS, "open_run.js", {}),
-    (whatif._DRAW_INTO, "whatif_draw_into.js", {}),
-    (whatif._DRAW, "whatif_draw_step.js", {"DRAW_INTO": whatif._DRAW_INTO}),
-    (whatif._POST, "whatif_post.js", {"ROUTE": json.dumps(whatif.ROUTE)}),
-    (whatif.DRAW_JS, "whatif_draw_figure.js", {"DRAW_STEP": whatif._DRAW}),
-    (whatif.WHATIF_JS, "whatif_knob.js", {"POST": whatif._POST, "DRAW_STEP": whatif._DRAW}),
-    (whatif.PRESENTER_JS, "whatif_presenter.js", {"POST": whatif._POST, "DRAW_INTO": whatif._DRAW_INTO}),
-    (whatif.PREPARE_JS, "whatif_prepare.js", {"POST": whatif._POST}),
-    (whatif.PRESENTER_PREPARE_JS, "whatif_presenter_prepare.js", {"POST": whatif._POST}),
+    (page_js._DRAW_INTO, "whatif_draw_into.js", {}),
+    (page_js._DRAW, "whatif_draw_step.js", {"DRAW_INTO": page_js._DRAW_INTO}),
+    (page_js._POST, "whatif_post.js", {"ROUTE": json.dumps(page_js.ROUTE)}),
+    (page_js.DRAW_JS, "whatif_draw_figure.js", {"DRAW_STEP": page_js._DRAW}),
+    (page_js.WHATIF_JS, "whatif_knob.js", {"POST": page_js._POST, "DRAW_STEP": page_js._DRAW}),
+    (page_js.PRESENTER_JS, "whatif_presenter.js", {"POST": page_js._POST, "DRAW_INTO": page_js._DRAW_INTO}),
+    (page_js.PREPARE_JS, "whatif_prepare.js", {"POST": page_js._POST}),
+    (page_js.PRESENTER_PREPARE_JS, "whatif_presenter_prepare.js", {"POST": page_js._POST}),
     (presenter.ARROW_KEYS_JS, "presenter_keys.js", {}),
     (presenter.EXIT_JS, "presenter_exit.js", {}),
     (presenter.RUN_JS, "presenter_run.js", {}),

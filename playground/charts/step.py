@@ -7,12 +7,14 @@ is unit-tested on hand-made traces.
 
 from __future__ import annotations
 
+import itertools
+
 import functools
 import html
 import json
 import math
 import textwrap
-from typing import Sequence
+from typing import Any, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -428,3 +430,13 @@ def plot_config(scroll_zoom: bool = True) -> dict:
     (the beam tree's "scroll to zoom"), the mode bar shows, no logo, no network for images."""
     return {"scrollZoom": scroll_zoom, "displaylogo": False, "responsive": True,
             "toImageButtonOptions": {"format": "png", "scale": 2}}
+
+
+_REVISION = itertools.count(1)
+
+
+def revised(fig: Any) -> Any:
+    """``fig`` with a new ``layout.meta["rev"]``: the what-if draws into the step chart behind its
+    ``gr.Plot`` (whatif.DRAW_JS), so the Plot must redraw even a figure equal to the last one it got."""
+    fig.layout.meta = {**(fig.layout.meta or {}), "rev": next(_REVISION)}
+    return fig

@@ -22,11 +22,10 @@ from engine.trace import StepTrace, Trace
 from playground import qr
 from playground.charts import step as charts
 from playground.charts.compare import legible_stage_chart  # a T=5 step's panels on their own scale, p filled in
-from playground.charts.step import NARROW_PX, PHONE_PX, panel_columns  # shared with the Step view's chart
+from playground.charts.step import NARROW_PX, PHONE_PX, panel_columns, revised  # shared with the Step view's chart
 
 from ..assets import static_text
-from .step import revised
-from .whatif import PRESENTER_JS, PRESENTER_PREPARE_JS
+from ..page_js import PRESENTER_JS, PRESENTER_PREPARE_JS
 
 PRESENT_PARAM = "present"
 TEMPERATURE_RANGE = (0.05, 3.0)  # the what-if slider
@@ -127,7 +126,7 @@ class PresenterPanel:
     exit: gr.Button
     run: gr.Button
     redraw: gr.Button
-    temperature: gr.Slider  # the what-if: this step at another temperature (whatif.PRESENTER_JS)
+    temperature: gr.Slider  # the what-if: this step at another temperature (page_js.PRESENTER_JS)
     key: gr.Textbox  # hidden: the lesson session's what-if key
 
     @classmethod

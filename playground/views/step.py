@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -19,12 +18,13 @@ from typing import Any, Iterator
 import gradio as gr
 
 from engine import lessons as engine_lessons
-from engine.config import ConfigError, DecodingConfig
+from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.models import LoadedModel
 from engine import runner
-from engine.trace import Trace, untrusted_trace
+from engine.trace import Trace
 from playground.charts import step as charts
+from playground.charts.step import revised
 from playground.charts import tokens as token_charts
 
 from .. import downloads, examples
@@ -33,6 +33,7 @@ from ..knobs import STAGE_KNOBS, KnobPanel
 from . import stale
 from .whatif import KeptLogits, Registered, WhatIfPanel, register
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
+from ..shared import page_width, parent_trace
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 MAX_RUNS = 8  # runs kept per session: the original and the latest branches
@@ -158,14 +159,6 @@ def token_legend(colour_by: str) -> str:
     return charts.colour_legend(colour_by) + token_charts.legend_html()
 
 
-_REVISION = itertools.count(1)
-
-
-def revised(fig: Any) -> Any:
-    """``fig`` with a new ``layout.meta["rev"]``: the what-if draws into the step chart behind its
-    ``gr.Plot`` (whatif.DRAW_JS), so the Plot must redraw even a figure equal to the last one it got."""
-    fig.layout.meta = {**(fig.layout.meta or {}), "rev": next(_REVISION)}
-    return fig
 
 
 def render(out: Outputs, session: StepSession, selected: int | None, colour_by: str, status: str = "",
@@ -279,11 +272,6 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
     done = (f"done: {len(steps)} tokens, stopped by {final.stop_reason}. Showing {what}; click any token "
             f"(or use ←/→) to inspect another.")
     yield render(out, session, shown, req.colour_by, status_html(done), width=width)
-
-
-def page_width(value: Any) -> float | None:
-    """The page width the page's script wrote (px), or None when it is not known (yet)."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 def lesson_select(value: Any) -> str | int | None:
@@ -498,16 +486,3 @@ def branch_trace(shared: Shared, parent: dict | str, step: int, token_id: int, m
     return last.trace.to_dict()
 
 
-def parent_trace(shared: Shared, lm: LoadedModel, parent: Any, key: str = "parent") -> Trace:
-    """An untrusted trace JSON (object or text) as a Trace whose token ids fit ``lm``; errors name
-    ``key`` (the API argument that carried it)."""
-    try:
-        trace = untrusted_trace(parent, key)  # size-capped as a run (engine.trace.check_trace_size)
-    except ConfigError as exc:
-        raise UserError(str(exc)) from None
-    ids = [*trace.prompt_token_ids, *trace.generated_token_ids]
-    if not trace.prompt_token_ids or len(trace.prompt_token_ids) > shared.max_prompt_tokens:
-        raise UserError(f"{key}: prompt_token_ids must hold 1 to {shared.max_prompt_tokens} tokens")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < lm.vocab_size for i in ids):
-        raise UserError(f"{key}: token ids must be integers in [0, {lm.vocab_size})")
-    return trace

@@ -14,7 +14,7 @@ kept logits and the chart, ~20 ms on a CPU) and draws the figure into the step c
 ``Plotly.Plots.resize`` (a 100 ms timer and a second layout). When the route cannot answer (a model
 not loaded yet, a ZeroGPU Space, where only Gradio's events hold the GPU) the page presses a hidden
 button and the same what-if runs as a Gradio event (``on_knob``: the figure's JSON through a hidden
-box, drawn by DRAW_JS). The view stamps every chart it sends the Plot (``step.revised``), so the Plot
+box, drawn by DRAW_JS). The view stamps every chart it sends the Plot (``charts.step.revised``), so the Plot
 redraws the run's own step after a what-if even when that figure equals the last one it drew.
 API: ``/explore_step`` (trace JSON, step, knobs -> that step's ``stages`` in trace-JSON format).
 """
@@ -48,43 +48,17 @@ from engine.settings import env_flag
 from engine.trace import Event, StageTrace, StepTrace, Trace, to_dict
 from playground.charts import step as charts
 
-from ..assets import static_text
+from ..page_js import DRAW_JS, PREPARE_JS, ROUTE, WHATIF_JS
 from ..events import zero_gpu, zero_gpu_active
-from ..shared import Shared, UserError, error_html
+from ..shared import Shared, UserError, error_html, page_width, parent_trace
+from .presenter import step_chart
 
 LOG = logging.getLogger(__name__)
 WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}
-ROUTE = "/dp/whatif"
 MAX_BODY_BYTES = 64 * 1024  # the knob values of one panel are ~2 KB
 ROUTE_SLOTS = 4  # what-ifs computed at once by the route (a recompute forward is the costly case)
 PRESENTER_KNOBS = ("temperature",)  # what the presenter view's what-if may change
 ROUTE_WAIT_S = 10.0  # a request waits this long for a slot, then the page is told to try again
-# Draws a what-if figure (an object) into a chart, set up as Gradio's Plot sets up its own
-# (responsive, autosize, a titled chart's top margin at least 100 px); only while its step is still
-# the one shown (``step()``: the step now selected there).
-_DRAW_INTO = static_text("whatif_draw_into.js")
-_DRAW = static_text("whatif_draw_step.js", DRAW_INTO=_DRAW_INTO)
-# POSTs ``body`` (an object) as JSON to the route, under the app's root (a Space serves it there).
-_POST = static_text("whatif_post.js", ROUTE=json.dumps(ROUTE))
-# The fallback path's figure arrives as JSON text in a hidden box.
-DRAW_JS = static_text("whatif_draw_figure.js", DRAW_STEP=_DRAW)
-# A knob's input event, in the page: post the values to the route, draw the figure, return the note
-# and the explanation under the chart (the outputs; unchanged when there is nothing new). Nothing
-# to draw without a key (no run yet). ``seq``: only the latest answer counts when changes overlap.
-# ``fallback``: the route cannot answer; the hidden button runs on_knob.
-WHATIF_JS = static_text("whatif_knob.js", POST=_POST, DRAW_STEP=_DRAW)
-
-# The presenter's temperature slider: the shown step (the context's data-step) redrawn at that
-# temperature, projector-sized, through the route; nothing while the guess hides the token.
-PRESENTER_JS = static_text("whatif_presenter.js", POST=_POST, DRAW_INTO=_DRAW_INTO)
-
-# A step's chart was drawn (a run ended, a token or a run was picked): ask the route to keep that
-# step's raw logits, so the first knob change needs no forward. Fire and forget.
-PREPARE_JS = static_text("whatif_prepare.js", POST=_POST)
-
-# The presenter's chart was drawn: keep the shown step's raw logits for its temperature slider.
-PRESENTER_PREPARE_JS = static_text("whatif_presenter_prepare.js", POST=_POST)
-
 # What-if key -> StepSession or LessonSession (weakly: the session's gr.State owns it; an expired session's key stops
 # working with it). A key is a secret only its own page gets, like the page's owner token.
 _SESSIONS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
@@ -263,7 +237,6 @@ def explore_api(shared: Shared, trace: dict | str, step: int, knobs: dict | None
     """Step ``step`` of ``trace`` (a greedy or sampling trace JSON, e.g. from /step_trace)
     re-processed under ``knobs`` (knob values over the trace's own config); returns that step's
     ``stages`` list in trace-JSON format. With no knobs it reproduces the trace's own stages."""
-    from .step import parent_trace
 
     lm = shared.lm(model, quantization)
     parsed = parent_trace(shared, lm, trace, "trace")
@@ -350,7 +323,6 @@ class WhatIfRoute:
             changed = self.redraw(session, lm, trace, at, knobs, key, "slider")
         except (UserError, ConfigError, ValueError) as exc:
             return {"figure": None, "note": error_html(str(exc))}
-        from .presenter import step_chart  # presenter imports this module
 
         return changed if isinstance(changed, dict) else figure_answer(step_chart, changed, request, at, trace, knobs)
 
@@ -414,7 +386,6 @@ class WhatIfRoute:
 def figure_answer(chart: Any, changed: StepTrace, request: dict, at: int, trace: Trace, knobs: dict) -> dict:
     """The route's answer: ``chart(changed, width)`` titled with the what-if's pick (stamped with
     its step: the page draws it only while that step is shown), the what-if note and explanation."""
-    from .step import page_width  # step imports this module
 
     original = trace.steps[at]
     fig = whatif_figure(chart, trace, at, changed, knobs, page_width(request.get("width")))
@@ -544,8 +515,7 @@ class WhatIfPanel:
         # The stage order's hidden box is written by the page's sortable list, which Gradio does not
         # see as the box's input event: its change (any new value) is the trigger there.
         triggers = [c.change if c is panel.stage_order else c.input for c in panel.inputs]
-        from .step import page_width  # step imports this module
-
+    
         self.route = WhatIfRoute(shared, panel)
         gr.on(triggers, None, [self.key, self.note, out.explain, out.step, shared.model, shared.quantization, view.width,
                                *panel.inputs], [self.note, out.explain], js=WHATIF_JS, api_visibility="private",
