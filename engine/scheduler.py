@@ -447,7 +447,6 @@ class Scheduler:
             self._batch.keep([i for i in range(len(self._batch.runs)) if i not in gone])
 
 
-_SCHEDULERS_LOCK = threading.Lock()
 _ALL: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
 
 
@@ -457,12 +456,39 @@ def _close_all() -> None:
         scheduler.close()
 
 
+class Schedulers:
+    """One Scheduler per loaded model, owned by whoever serves requests: the app's ``Shared`` holds
+    its own; ``scheduler_for`` uses a process-wide one (the CLI, benchmarks, tests). Nothing is
+    written onto the model; a model the registry drops is forgotten here when it is collected (its
+    scheduler holds it only weakly, and its worker ends once the model is gone)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._of: dict[int, Scheduler] = {}
+
+    def get(self, lm: LoadedModel) -> Scheduler:
+        """The scheduler of ``lm``, created on first use (thread-safe)."""
+        with self._lock:
+            scheduler = self._of.get(id(lm))
+            if scheduler is None or scheduler._model() is not lm:
+                scheduler = Scheduler(lm)
+                self._of[id(lm)] = scheduler
+                weakref.finalize(lm, self._forget, id(lm), scheduler)
+            return scheduler
+
+    def _forget(self, key: int, scheduler: Scheduler) -> None:
+        with self._lock:
+            if self._of.get(key) is scheduler:
+                del self._of[key]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._of)
+
+
+_PROCESS_SCHEDULERS = Schedulers()
+
+
 def scheduler_for(lm: LoadedModel) -> Scheduler:
-    """The scheduler of this loaded model, created on first use (thread-safe). It lives on the
-    LoadedModel object, so it goes when the registry drops the model."""
-    with _SCHEDULERS_LOCK:
-        scheduler = getattr(lm, "_scheduler", None)
-        if scheduler is None:
-            scheduler = Scheduler(lm)
-            lm._scheduler = scheduler
-        return scheduler
+    """The process-wide scheduler of this loaded model (``Schedulers``); the app uses its own."""
+    return _PROCESS_SCHEDULERS.get(lm)

@@ -24,7 +24,7 @@ from engine.control import RunControl
 from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec
 from engine.models import model_policy
 from engine.presets import load_preset
-from engine.scheduler import Scheduler, scheduler_for
+from engine.scheduler import Scheduler, Schedulers
 from engine.settings import env_text
 from engine.trace import Event, Trace, untrusted_trace
 
@@ -75,6 +75,7 @@ class Shared:
     events: ModelEvents = dataclasses.field(default_factory=ModelEvents)
     policy: ModelPolicy = dataclasses.field(default_factory=model_policy)
     max_prompt_tokens: int = 2048
+    schedulers: Schedulers = dataclasses.field(default_factory=Schedulers)  # the app's own, one per model
 
     def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
         """The loaded model if the policy allows ``source``, else a UserError naming what is wrong."""
@@ -124,7 +125,7 @@ class Shared:
 
     def scheduler_for(self, lm: LoadedModel) -> Scheduler:
         """The batched scheduler of ``lm``: every user's greedy/sampling runs share its forwards."""
-        return scheduler_for(lm)
+        return self.schedulers.get(lm)
 
     def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
                control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:

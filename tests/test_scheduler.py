@@ -466,3 +466,22 @@ def test_runs_sent_together_to_an_idle_scheduler_share_the_first_prefill(tiny_lm
     assert set(shapes[1:]) == {(4, 1)}
     for i, ((ids, config), steps) in enumerate(zip(jobs, batched)):
         assert_same_steps(steps, list(decode.stream(tiny_lm, ids, config)), f"run {i}")
+
+
+def test_the_app_owns_its_schedulers_and_nothing_is_written_onto_the_model(tiny_lm):
+    """#28: schedulers live in a Schedulers the app's Shared owns (no ``lm._scheduler``): two apps
+    in one process get their own, a collected model is forgotten."""
+    from engine.scheduler import Schedulers
+    from playground.shared import Shared
+
+    lm = dataclasses.replace(tiny_lm)
+    one, two = (Shared(registry=None, model=None, quantization=None, user_presets=None) for _ in range(2))
+    assert one.scheduler_for(lm) is one.scheduler_for(lm) is not two.scheduler_for(lm)
+    assert one.scheduler_for(lm) is not scheduler_for(lm)  # nor the process-wide one of the CLI and benchmarks
+    assert not hasattr(lm, "_scheduler") and "_scheduler" not in vars(lm)
+    own = Schedulers()
+    own.get(lm)
+    assert len(own) == 1
+    del lm
+    gc.collect()
+    assert len(own) == 0
