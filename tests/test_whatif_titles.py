@@ -187,3 +187,23 @@ def test_what_if_pick_edges():
     pick = draw_at(probs, 0.5)
     assert (pick.token_id, pick.low, pick.high, pick.draw) == (3, 0.375, 0.75, 0.5)
     assert draw_at(probs, 1.0).token_id == 4  # u at the total by rounding: the last token with mass
+
+
+def test_fallback_event_writes_the_kept_logits_under_the_sessions_lock(demo, monkeypatch):
+    """#28: on_knob (the Gradio-event what-if) reads and writes ``state.kept`` holding the same lock
+    as the route and its prepare (it wrote it without: a prepare and a knob change could race)."""
+    page = Page(demo)
+    session = generate(page, "Name a colour of the sea.", tokens=3)
+    held = []
+    real = whatif.whatif_step
+
+    def watched(lm, trace, at, knobs, kept, key):
+        held.append(whatif.kept_lock(session).locked())
+        return real(lm, trace, at, knobs, kept, key)
+
+    monkeypatch.setattr(whatif, "whatif_step", watched)
+    page.set("step-index", 1)
+    page.set("step-knob-temperature", 1.7)
+    page.fire("on_knob", "step-whatif-figure")
+    assert held == [True] and session.kept is not None
+    assert json.loads(page.shown("step-whatif-figure"))["layout"]["meta"]["step"] == 1

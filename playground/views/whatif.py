@@ -397,10 +397,15 @@ def figure_answer(chart: Any, changed: StepTrace, request: dict, at: int, trace:
 _KEPT_LOCKS = tuple(threading.Lock() for _ in range(16))
 
 
+def kept_lock(session: Any) -> threading.Lock:
+    """The lock every reader and writer of ``session.kept`` holds (the route, prepare, the fallback)."""
+    return _KEPT_LOCKS[hash(session.whatif_key) % len(_KEPT_LOCKS)]
+
+
 def kept_for(session: Any, lm: LoadedModel, trace: Trace, step: int, key: str) -> KeptLogits:
     """The session's kept logits for ``key`` (step ``step`` of ``trace``), computed with one forward
     if it holds other ones; a concurrent request for the same session waits for that forward."""
-    with _KEPT_LOCKS[hash(session.whatif_key) % len(_KEPT_LOCKS)]:
+    with kept_lock(session):
         kept = session.kept
         if kept is None or kept.key != key:
             with torch.inference_mode():
@@ -532,7 +537,9 @@ class WhatIfPanel:
             try:
                 knobs = panel.values(*values)
                 lm = shared.lm(model, quant)
-                changed, state.kept = whatif_step(lm, trace, at, knobs, state.kept, context_key(model, quant, trace, at))
+                with kept_lock(state):  # the route may be computing this session's kept logits
+                    changed, state.kept = whatif_step(lm, trace, at, knobs, state.kept,
+                                                      context_key(model, quant, trace, at))
             except (UserError, ConfigError, ValueError) as exc:
                 return {self.note: error_html(str(exc)), self.figure: ""}
             original = trace.steps[at]
