@@ -395,17 +395,20 @@ def stop_runs(events: list, session: str | None) -> int:
 STOP_GRACE_MS = 2000  # after Stop, a running run's own last update comes first; then Gradio's cancel
 
 
-def stop_button(button: gr.Button, status: Any, events: list, message: str = "stopped") -> None:
+def stop_button(button: gr.Button, status: Any, events: list, message: Any = "stopped") -> None:
     """Stop: cancels this page's runs of ``events`` directly (each stops within one step and ends
     on its own "stopped" update, after any update already on its way); STOP_GRACE_MS later Gradio's
     ``cancels`` takes any run still waiting in the queue off it (cancelling a running one at once
-    would cut off its last update). Not an API endpoint."""
+    would cut off its last update). ``status``: one output or a list; ``message``: what they show
+    at once, or a function of their shown values returning that. Not an API endpoint."""
+    outputs = status if isinstance(status, list) else [status]
 
-    async def stop(request: gr.Request) -> str:  # on the event loop: no wait for a worker thread
-        stop_runs(events, getattr(request, "session_hash", None))
-        return message
+    async def stop(*shown: Any) -> Any:  # on the event loop: no wait for a worker thread
+        stop_runs(events, _session())
+        return message(*shown) if callable(message) else message
 
+    stop.__name__ = getattr(message, "__name__", "stop") if callable(message) else "stop"
     private = {"queue": False, "api_visibility": "private"}
-    button.click(stop, None, [status], **private).then(
+    button.click(stop, outputs if callable(message) else None, outputs, **private).then(
         None, None, None, js=f"() => new Promise(done => setTimeout(done, {STOP_GRACE_MS}))", **private).then(
         None, None, None, cancels=events, **private)

@@ -251,8 +251,8 @@ def test_stop_says_stopped_in_each_running_section_and_cancels_every_run(demo):
     assert page.shown("kv-status") == status_html("stopped")
     assert page.shown("quant-status") == status_html("done: 1 variant(s) over 3 reference tokens")
     assert page.shown("kinds-status") == ""
-    stop = page.event("stopped_statuses", "quant-status")
     runs = {page.event(name, first)._id for name, first in
             (("on_measure", "quant-status"), ("on_kv", "kv-status"), ("on_run", "kinds-status"))}
-    cancel = next(f for f in demo.fns.values() if f.is_cancel_function and f.targets == stop.targets)
-    assert runs <= set(cancel.cancels)
+    # the press cancels the tab's runs itself (events.stop_runs); Gradio's cancel of queued ones follows
+    cancel = next(f for f in demo.fns.values() if f.is_cancel_function and runs <= set(f.cancels))
+    assert cancel.fn is None

@@ -189,8 +189,6 @@ def test_stop_pressed_mid_run_keeps_this_runs_output_and_says_stopped(demo, view
     """Stop pressed mid-run (the Stop button's own function, for this page's session): the run ends
     at its next step with its own last update; what it drew so far stays (it is not cleared as a
     failed run's is) and the status says it stopped, not 'generating' and not an error."""
-    from types import SimpleNamespace
-
     from playground import events
 
     name, first, good = VIEWS[view]
@@ -209,7 +207,7 @@ def test_stop_pressed_mid_run_keeps_this_runs_output_and_says_stopped(demo, view
             rows.append(row)
             drawn += not (isinstance(row[at], dict) and row[at].get("__type__") == "update" and "value" not in row[at])
             if drawn == 2:
-                await press.fn(SimpleNamespace(session_hash="page-1"))
+                await press.fn()  # this page's session (events._session, patched above)
         return rows
 
     rows = run_coroutine(pressed_mid_run)

@@ -23,7 +23,7 @@ from playground.charts import memory as memory_charts
 from playground.charts import quantization as charts
 
 from .. import downloads
-from ..events import data_api
+from ..events import data_api, stop_button
 from ..shared import OutputSet, Shared, UserError, error_html, status_html
 from .stale import cleared
 
@@ -214,10 +214,9 @@ def stopped_statuses(*shown: Any) -> list:
 
 def _stop_button(button: gr.Button, runs: list[tuple[Any, Any]]) -> None:
     """The tab's one Stop: cancels every run of the tab (drift, KV cache, KV kinds; each stops within
-    one forward) and says "stopped" in the status of each section that was running."""
-    statuses = [status for _, status in runs]
-    button.click(stopped_statuses, statuses, statuses, cancels=[event for event, _ in runs], queue=False,
-                 api_visibility="private")
+    one forward and shows what it measured, marked partial) and says "stopped" at once in the status
+    of each section that was running."""
+    stop_button(button, [status for _, status in runs], [event for event, _ in runs], stopped_statuses)
 
 
 def quantization_report(shared: Shared, prompt: str, chat: bool = False, max_new_tokens: int = 16,
