@@ -250,6 +250,12 @@ def _next(updates: Iterator) -> Any:
     return next(updates, _DONE)
 
 
+def is_skip(value: Any) -> bool:
+    """Whether a row's value is ``gr.skip()`` (compared only as a dict: a DataFrame or an array
+    would answer ``==`` element by element)."""
+    return type(value) is dict and value == SKIP
+
+
 def merged(earlier: Any, later: Any) -> Any:
     """Two updates as one, ``later`` winning: dicts by component, rows (lists) by position where
     ``later`` is not ``gr.skip()``."""
@@ -257,7 +263,7 @@ def merged(earlier: Any, later: Any) -> Any:
         return later
     if isinstance(later, dict):
         return {**earlier, **later}
-    return [old if new == SKIP else new for old, new in zip(earlier, later)]
+    return [old if is_skip(new) else new for old, new in zip(earlier, later)]
 
 
 def as_rows(handler: Callable[..., Iterator[dict]], outputs: list) -> Callable[..., Iterator[list]]:
@@ -294,7 +300,7 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
         """The outputs an update sets (ids of their components)."""
         if isinstance(update, dict):
             return {id(c) for c in update}
-        return {id(c) for c, value in zip(outputs or (), update) if value != SKIP}
+        return {id(c) for c, value in zip(outputs or (), update) if not is_skip(value)}
 
     sessions = sessions or SessionRuns()
 

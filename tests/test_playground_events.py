@@ -356,3 +356,16 @@ def test_stop_cancels_only_that_pages_runs_and_the_run_ends_on_its_own_last_word
 class _Dep:
     def __init__(self, runs, group):
         self.dp_stop = (runs, group)
+
+
+def test_held_rows_merge_arrays_and_frames_without_comparing_them():
+    """Rows after Stop are merged by position (gr.skip() keeps the earlier value); values such as a
+    DataFrame or an array are never compared with ``==`` (ambiguous truth value)."""
+    import numpy as np
+    import pandas as pd
+
+    frame, array = pd.DataFrame({"a": [1, 2]}), np.arange(3)
+    assert events.is_skip(gr.skip()) and not events.is_skip(frame) and not events.is_skip(array)
+    assert not events.is_skip(gr.update(visible=False))
+    row = events.merged([frame, "x", gr.skip()], [gr.skip(), array, "z"])
+    assert row[0] is frame and row[1] is array and row[2] == "z"
