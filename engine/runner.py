@@ -12,7 +12,8 @@ inside long steps too, so a cancelled or timed-out run stops within one step.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from . import beam, contrastive, core, decode, mcts, medusa, speculative
 from .cache import KVCache
@@ -21,6 +22,45 @@ from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
 from .sampling import NO_TOKENS_LEFT, NoTokensLeft
 from .trace import Event, StepTrace, Trace
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Everything a strategy's ``stream`` gets: the model, the prompt (text and encoded ids), the
+    knobs, where drafters/amateurs load from, the run's control, whether to time a target-only
+    baseline, and the batched scheduler greedy/sampling runs may join."""
+
+    lm: LoadedModel
+    prompt: str
+    ids: list[int]
+    config: DecodingConfig
+    chat: bool = False
+    registry: ModelRegistry | None = None
+    control: RunControl | None = None
+    compare_baseline: bool = False
+    scheduler: Any = None
+
+
+class Strategy(Protocol):
+    """A decoding strategy as the runner knows it: ``stream(ctx)`` yields Events, the last one
+    holding the assembled Trace."""
+
+    def __call__(self, ctx: RunContext) -> Iterator[Event]: ...
+
+
+# Strategy name (DecodingConfig.strategy) -> its stream; ``register`` adds one.
+STRATEGY_STREAMS: dict[str, Strategy] = {}
+
+
+def register(*names: str) -> Callable[[Strategy], Strategy]:
+    """Decorator: ``fn(ctx) -> Iterator[Event]`` runs the strategies ``names``."""
+
+    def add(fn: Strategy) -> Strategy:
+        for name in names:
+            STRATEGY_STREAMS[name] = fn
+        return fn
+
+    return add
 
 
 def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
@@ -35,22 +75,12 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
     ``compare_baseline``: speculative and Medusa, also time a target-only run (summary ``speedup``).
     ``scheduler``: greedy/sampling runs go through this batched scheduler (shared forwards with
     other users' runs) instead of a forward of their own."""
-    ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
-    registry = registry or ModelRegistry()
-    if config.strategy in ("greedy", "sample"):
-        yield from _stepwise(lm, prompt, ids, config, chat, control, scheduler)
-    elif config.strategy == "beam":
-        yield from _beam(lm, prompt, ids, config, chat, control)
-    elif config.strategy == "speculative":
-        yield from _speculative(lm, prompt, ids, config, chat, registry, control, compare_baseline)
-    elif config.strategy in ("contrastive_search", "contrastive_decoding"):
-        yield from _contrastive(lm, prompt, ids, config, chat, registry, control)
-    elif config.strategy == "mcts":
-        yield from mcts.stream(lm, prompt, ids, config, chat=chat, control=control)
-    elif config.strategy == "medusa":
-        yield from medusa.stream(lm, prompt, ids, config, chat=chat, control=control, compare_baseline=compare_baseline)
-    else:  # DecodingConfig validates the name, so this is a strategy without a runner yet
+    strategy = STRATEGY_STREAMS.get(config.strategy)
+    if strategy is None:  # DecodingConfig validates the name, so this is a strategy without a runner yet
         raise ValueError(f"strategy: {config.strategy!r} has no runner")
+    ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
+    yield from strategy(RunContext(lm, prompt, ids, config, chat, registry or ModelRegistry(), control,
+                                   compare_baseline, scheduler))
 
 
 def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
@@ -132,8 +162,10 @@ def batched(config: DecodingConfig, scheduler: Any) -> Any:
     return scheduler if scheduler is not None and config.kv_cache == "dynamic" else None
 
 
-def _stepwise(lm, prompt, ids, config, chat, control, scheduler) -> Iterator[Event]:
-    scheduler = batched(config, scheduler)
+@register("greedy", "sample")
+def _stepwise(ctx: RunContext) -> Iterator[Event]:
+    lm, prompt, ids, config, chat, control = ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat, ctx.control
+    scheduler = batched(config, ctx.scheduler)
     source = (scheduler.stream(ids, config, control=control) if scheduler is not None
               else decode.stream(lm, ids, config))
     steps, ended = [], []
@@ -143,7 +175,9 @@ def _stepwise(lm, prompt, ids, config, chat, control, scheduler) -> Iterator[Eve
     yield Event(trace=_end(core.assemble(lm, prompt, ids, config, steps, chat), ended))
 
 
-def _beam(lm, prompt, ids, config, chat, control) -> Iterator[Event]:
+@register("beam")
+def _beam(ctx: RunContext) -> Iterator[Event]:
+    lm, prompt, ids, config, chat, control = ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat, ctx.control
     for record in _checked(beam.stream(lm, ids, config), control):
         if isinstance(record, beam.BeamTrace):
             yield Event(trace=beam.assemble(lm, prompt, ids, config, record, chat))
@@ -151,7 +185,10 @@ def _beam(lm, prompt, ids, config, chat, control) -> Iterator[Event]:
             yield Event(record=record)
 
 
-def _speculative(lm, prompt, ids, config, chat, registry, control, compare_baseline) -> Iterator[Event]:
+@register("speculative")
+def _speculative(ctx: RunContext) -> Iterator[Event]:
+    lm, prompt, ids, config, chat, control = ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat, ctx.control
+    registry, compare_baseline = ctx.registry, ctx.compare_baseline
     drafter = speculative.make_drafter(lm, config, registry)
     rounds, ended = [], []
     for spec_round in _checked(speculative.stream(lm, ids, config, drafter), control, ended):
@@ -163,7 +200,10 @@ def _speculative(lm, prompt, ids, config, chat, registry, control, compare_basel
     yield Event(trace=trace)
 
 
-def _contrastive(lm, prompt, ids, config, chat, registry, control) -> Iterator[Event]:
+@register("contrastive_search", "contrastive_decoding")
+def _contrastive(ctx: RunContext) -> Iterator[Event]:
+    lm, prompt, ids, config, chat, control, registry = (ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat,
+                                                        ctx.control, ctx.registry)
     pairs, ended = [], []
     for step, record in _checked(contrastive.stream(lm, ids, config, registry=registry), control, ended):
         pairs.append((step, record))
@@ -173,3 +213,14 @@ def _contrastive(lm, prompt, ids, config, chat, registry, control) -> Iterator[E
     if config.strategy == "contrastive_decoding":
         trace.extra["amateur"] = config.amateur
     yield Event(trace=trace)
+
+
+@register("mcts")
+def _mcts(ctx: RunContext) -> Iterator[Event]:
+    yield from mcts.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, control=ctx.control)
+
+
+@register("medusa")
+def _medusa(ctx: RunContext) -> Iterator[Event]:
+    yield from medusa.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, control=ctx.control,
+                             compare_baseline=ctx.compare_baseline)

@@ -1,0 +1,42 @@
+"""#28, one point: one entry point for every strategy. ``runner.stream`` looks the strategy up in
+``runner.STRATEGY_STREAMS`` (each strategy registers ``fn(ctx: RunContext) -> Iterator[Event]``)
+instead of an if/elif over the modules."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+from engine import runner
+from engine.config import STRATEGIES, DecodingConfig
+
+
+def test_every_strategy_has_one_registered_stream():
+    assert set(runner.STRATEGY_STREAMS) == set(STRATEGIES)
+
+
+def test_stream_dispatches_through_the_registry_not_an_if_chain():
+    body = ast.parse(inspect.getsource(runner.stream)).body[0]
+    tests = [node for node in ast.walk(body) if isinstance(node, ast.Compare)
+             and any(isinstance(side, ast.Attribute) and side.attr == "strategy" for side in [node.left, *node.comparators])]
+    assert tests == []
+
+
+def test_a_registered_stream_is_what_runs(tiny_lm, monkeypatch):
+    """Replacing a strategy's entry (as adding one would) changes what runner.run runs; the context
+    carries the prompt, the encoded ids, the knobs and the control."""
+    seen = []
+    real = runner.STRATEGY_STREAMS["greedy"]
+
+    def spy(ctx: runner.RunContext):
+        seen.append(ctx)
+        yield from real(ctx)
+
+    monkeypatch.setitem(runner.STRATEGY_STREAMS, "greedy", spy)
+    config = DecodingConfig(strategy="greedy", max_new_tokens=3)
+    trace = runner.run(tiny_lm, "hello there", config)
+    [ctx] = seen
+    assert ctx.prompt == "hello there" and ctx.ids == tiny_lm.encode("hello there", False) and ctx.config is config
+    assert len(trace.generated_token_ids) == 3
+    monkeypatch.setitem(runner.STRATEGY_STREAMS, "greedy", real)
+    assert runner.run(tiny_lm, "hello there", config).generated_token_ids == trace.generated_token_ids
