@@ -94,18 +94,23 @@ def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = Fa
     raise RuntimeError("stream ended without a trace")
 
 
-def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, control: RunControl | None = None,
-           cache: KVCache | None = None, scheduler: Any = None) -> Iterator[Event]:
-    """Continue ``parent`` (a greedy or sampling trace) from step ``at_step`` with ``token_id``.
-    The first event replays the parent's steps before ``at_step`` unchanged; the new steps follow;
-    the last event holds the branch's Trace (``branch_of`` = ``at_step``)."""
+def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *, config: DecodingConfig | None = None,
+           control: RunControl | None = None, cache: KVCache | None = None, scheduler: Any = None) -> Iterator[Event]:
+    """Continue ``parent`` (a greedy or sampling trace) from step ``at_step``: with ``token_id``
+    forced there (a branch), or with ``token_id`` None, drawn under ``config`` (default the parent's
+    knobs: "continue from here with these knobs"). The first event replays the parent's steps
+    before ``at_step`` unchanged; the new steps follow; the last event holds the new Trace
+    (``branch_of`` = ``at_step``, its ``config`` the one it ran under)."""
     if parent.strategy not in ("greedy", "sample"):
         raise ValueError(f"branch: only greedy and sampling runs can be branched, this one is {parent.strategy!r}")
     if not isinstance(at_step, int) or isinstance(at_step, bool) or not 0 <= at_step < len(parent.steps):
         raise ValueError(f"at_step: {at_step!r} is out of range; the run has {len(parent.steps)} steps")
-    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < lm.vocab_size:
+    if token_id is not None and (not isinstance(token_id, int) or isinstance(token_id, bool)
+                                 or not 0 <= token_id < lm.vocab_size):
         raise ValueError(f"token_id: {token_id!r} is out of range; the vocabulary has {lm.vocab_size} tokens")
-    config = DecodingConfig.from_dict(parent.config)
+    config = config if config is not None else DecodingConfig.from_dict(parent.config)
+    if config.strategy not in ("greedy", "sample"):
+        raise ValueError(f"strategy: only greedy and sampling continue from a step, got {config.strategy!r}")
     kept = list(parent.steps[:at_step])
     steps = list(kept)
     if kept:

@@ -278,3 +278,21 @@ def test_lessons_endpoint_lists_the_builtin_lessons(live_app):
 
     items = Client(live_app, verbose=False).predict(api_name="/lessons")
     assert [i["id"] for i in items] == list(builtin_lessons())
+
+
+def test_continue_goes_through_the_runner_and_its_guards(tiny_lm, trace, monkeypatch):
+    """#28: "continue from here" is runner.branch with no forced token (the UI no longer writes its
+    own continuation): the runner's argument checks apply, and a stop rule ends it as a run's would."""
+    calls = []
+    real = runner.branch
+
+    def spy(*args, **kwargs):
+        calls.append((args[2:4], kwargs.get("config")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "branch", spy)
+    greedy = CFG.replace(strategy="greedy")
+    last = list(whatif.continue_events(StubShared(tiny_lm), tiny_lm, trace, 2, greedy, RunControl()))[-1].trace
+    assert calls == [((2, None), greedy)] and last.branch_of == 2 and last.stop_reason
+    with pytest.raises(ValueError, match="^at_step: 99 is out of range"):
+        list(whatif.continue_events(StubShared(tiny_lm), tiny_lm, trace, 99, greedy, RunControl()))

@@ -213,23 +213,13 @@ def whatif_note(original: StepTrace, changed: StepTrace, knobs: dict, config: di
 
 def continue_events(shared: Shared, lm: LoadedModel, parent: Trace, at: int, config: DecodingConfig,
                     control: RunControl) -> Iterator[Event]:
-    """``parent``'s steps before ``at`` unchanged, then steps ``at``... generated under ``config``
-    (batched scheduler, ``prefix`` = the parent's tokens before ``at``); the last event holds the
-    Trace (``branch_of`` = ``at``, ``config`` = the new one)."""
+    """``parent``'s steps before ``at`` unchanged, then steps ``at``... generated under ``config``:
+    the runner's own continuation (``runner.branch`` with no forced token, the app's batched
+    scheduler), with its guards and stop rules; the last event holds the Trace (``branch_of`` =
+    ``at``, ``config`` = the new one)."""
     if config.strategy not in ("greedy", "sample"):
         raise UserError(f"strategy: only greedy and sampling continue from a step, got {config.strategy!r}")
-    kept = list(parent.steps[:at])
-    steps = list(kept)
-    if kept:
-        yield Event(steps=kept)
-    source = shared.scheduler_for(lm).stream(parent.prompt_token_ids, config, prefix=parent.generated_token_ids[:at],
-                                             force=None, control=control)
-    for step in source:
-        control.check()
-        steps.append(step)
-        yield Event(steps=[step])
-    yield Event(trace=runner.partial_trace(lm, parent.prompt, parent.prompt_token_ids, config, steps, parent.chat,
-                                           branch_of=at))
+    return runner.branch(lm, parent, at, None, config=config, control=control, scheduler=shared.scheduler_for(lm))
 
 
 def explore_api(shared: Shared, trace: dict | str, step: int, knobs: dict | None = None, model: str = "embedded",
