@@ -80,6 +80,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shared_over(lm):
+    """A real Shared (inside an open gr.Blocks) whose registry always gives ``lm``: the model
+    pickers and user presets are real components."""
+    from playground.shared import Shared, model_pickers, user_presets_state
+
+    class OneModel(ModelRegistry):
+        def get(self, spec, progress=None, *, key="model"):
+            return lm
+
+    model, quant = model_pickers()
+    return Shared(registry=OneModel(), model=model, quantization=quant, user_presets=user_presets_state())
+
+
 @pytest.fixture
 def live_forwards(live_app, registry, embedded):
     """Counts forwards of the embedded model (the live app's model) while the test runs, once the

@@ -75,18 +75,13 @@ def step_view(tiny_lm):
     field names stand in for the output components (handlers return ``{component: value}``)."""
     import gradio as gr
 
-    from engine.models import ModelRegistry
     from playground.knobs import STAGE_KNOBS, KnobPanel
-    from playground.shared import Shared, model_pickers, user_presets_state
     from playground.views import step
 
-    class TinyRegistry(ModelRegistry):
-        def get(self, spec, progress=None, *, key="model"):
-            return tiny_lm
+    from tests.conftest import shared_over
 
     with gr.Blocks():
-        model, quant = model_pickers()
-        shared = Shared(registry=TinyRegistry(), model=model, quantization=quant, user_presets=user_presets_state())
+        shared = shared_over(tiny_lm)
         panel = KnobPanel(shared, step.RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset=step.DEFAULT_PRESET)
         view = step.StepView("step", gr.Textbox(step.DEFAULT_PROMPT), panel, gr.Checkbox(True),
                              select_once=gr.State(None), width=gr.Number(None))

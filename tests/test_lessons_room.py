@@ -45,18 +45,13 @@ def tab(tiny_lm):
     other outputs are their field names (handlers return ``{component: value}``)."""
     import gradio as gr
 
-    from engine.models import ModelRegistry
-    from playground.shared import Shared, model_pickers, user_presets_state
     from playground.views import lessons
     from playground.views.presenter import PresenterPanel
 
-    class TinyRegistry(ModelRegistry):
-        def get(self, spec, progress=None, *, key="model"):
-            return tiny_lm
+    from tests.conftest import shared_over
 
     with gr.Blocks():
-        model, quant = model_pickers()
-        shared = Shared(registry=TinyRegistry(), model=model, quantization=quant, user_presets=user_presets_state())
+        shared = shared_over(tiny_lm)
         presenter = PresenterPanel.build()
     fields = {name: name for name in lessons.LessonsTab.__dataclass_fields__}
     return lessons.LessonsTab(**(fields | {"shared": shared, "presenter": presenter}))
