@@ -33,11 +33,13 @@ def empty_value(component: Any) -> Any:
     return _LEAVE
 
 
-def cleared(status: Any, outputs: Iterable[Any], keep: Iterable[Any] = ()) -> Callable[[str], dict]:
+def cleared(status: Any, outputs: Iterable[Any], keep: Iterable[Any] = (),
+            also: dict | None = None) -> Callable[[str], dict]:
     """An ``on_error`` for a run event with ``outputs``: ``{status: the message}`` plus every
-    chart, text and download output (but ``keep``) emptied, with a line saying why."""
+    chart, text and download output (but ``keep``) emptied, with a line saying why; ``also``:
+    more values to set (e.g. a hidden key the page's script reads, emptied)."""
     kept = {id(c) for c in keep} | {id(status)}
-    empties = {c: v for c in outputs if id(c) not in kept and (v := empty_value(c)) is not _LEAVE}
+    empties = {c: v for c in outputs if id(c) not in kept and (v := empty_value(c)) is not _LEAVE} | (also or {})
 
     def on_error(message: str, stopped: bool = False) -> dict:
         if stopped:  # Stop or the time limit: not an error, and this run's own output stays (events.streamed)

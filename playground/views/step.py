@@ -342,12 +342,6 @@ class Handlers:
     example: examples.ExampleRequest | None = None
     redraw: gr.Button | None = None  # hidden; the page's script presses it when the chart's layout misses the width
 
-    def failed(self, message: str) -> dict:
-        """A failed Generate: the message, the view's charts and text cleared (stale.cleared), and
-        the what-if key emptied, so moving a knob draws no what-if of the previous run into the
-        cleared chart (the page's what-if script does nothing without a key)."""
-        return stale.cleared(self.out.status, self.out.all())(message) | {self.out.whatif_key: ""}
-
     def error(self, message: str) -> dict:
         """A branch's error: the run on screen is still the one in view (a failure after the branch
         started has already cleared it: stream_run)."""
@@ -392,7 +386,10 @@ class Handlers:
         gen_inputs = [self.view.select_once, self.view.width, self.view.prompt, self.view.chat, shared.model,
                       shared.quantization, self.colour_by, out.session, out.owner, *self.view.panel.inputs]
         gen_event = events.on([generate.click, self.view.prompt.submit], self.on_run, gen_inputs,
-                              [*out.all(), self.view.select_once], on_error=self.failed)
+                              [*out.all(), self.view.select_once],
+                              # a failed Generate also empties the what-if key: a knob moved then draws
+                              # no what-if of the previous run into the cleared chart
+                              on_error=stale.cleared(out.status, out.all(), also={out.whatif_key: ""}))
         branch_event = events.on([branch.click], self.on_branch, [shared.model, shared.quantization, self.colour_by,
                                                                   out.session, out.owner, out.step, out.alternatives,
                                                                   self.view.width],
