@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import pytest
 
 from tests.conftest import forwards_after_stop
+from tests.test_validation_api import post_job
 
 pytestmark = pytest.mark.slow
 
@@ -19,13 +20,7 @@ STORY = "Once upon a time, in a small village by the sea,"
 
 
 def _post(url: str, api: str, data: list) -> str:
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.request("POST", f"/gradio_api/call/{api}", json.dumps({"data": data}), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    body = json.loads(response.read())
-    conn.close()
-    return body["event_id"]
+    return post_job(url, f"/{api}", json.dumps({"data": data})).json()["event_id"]
 
 
 def _open_stream(url: str, api: str, event_id: str) -> http.client.HTTPConnection:

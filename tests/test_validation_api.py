@@ -44,11 +44,16 @@ def _baseline(p: dict):
     return {"prompt": "Hi", "preset_json": "{}", "view": "step", "parent": "{}", "trace": "{}"}.get(name, "Hi")
 
 
+def post_job(base: str, api_name: str, body: str) -> httpx.Response:
+    """``POST /gradio_api/call/<api>`` with a raw JSON body; its answer holds the job's event_id."""
+    return httpx.post(f"{base}/gradio_api/call{api_name}", content=body, headers={"Content-Type": "application/json"},
+                      timeout=60)
+
+
 def raw_call(base: str, api_name: str, body: str) -> tuple[str, object]:
     """POST a raw JSON body (NaN allowed, as some clients write it) and read the event stream:
     ("complete", data) or ("error", message)."""
-    res = httpx.post(f"{base}/gradio_api/call{api_name}", content=body, headers={"Content-Type": "application/json"},
-                     timeout=60)
+    res = post_job(base, api_name, body)
     if res.status_code != 200:
         return "http", f"{res.status_code} {res.text[:200]}"
     event_id = res.json()["event_id"]
