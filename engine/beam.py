@@ -44,7 +44,8 @@ from .cache import KVCache
 from .config import SAMPLING_ONLY_STAGES, DecodingConfig
 from .core import StopCheck, check_prompt
 from .models import LoadedModel, ModelRegistry
-from .processors import Chain, build_stage
+from .chain import Chain
+from .processors import build_stage
 from .trace import StepTrace, Timing, Trace, from_dict
 
 STATUSES = ("kept", "pruned", "finished", "dropped")

@@ -39,7 +39,8 @@ from .cache import KVCache
 from .config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig
 from .core import StopCheck, assemble, check_prompt, make_generator
 from .models import LoadedModel, ModelLoadError, ModelRegistry, check_same_tokenizer, resolve_variant
-from .processors import Chain, Traced, build_stage
+from .chain import Chain, Traced
+from .processors import build_stage
 from .trace import StageTrace, StepTrace, TokenProb, Trace, from_dict
 
 # Contrastive search feeds top_k candidates as one batch: bound it so a large top_k cannot blow up

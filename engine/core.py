@@ -19,7 +19,7 @@ from . import sampling
 from .config import DecodingConfig
 from .metrics import mean_logprob, perplexity
 from .models import LoadedModel
-from .processors import Chain, Traced, traced_rows
+from .chain import Chain, Traced, traced_rows
 from .trace import StepTrace, Timing, Trace
 
 
@@ -187,7 +187,7 @@ def advance_rows(states: Sequence[RunState], logits: torch.Tensor) -> list[StepT
     """``RunState.advance`` for many runs at once: row b of ``logits`` [B, V] is ``states[b]``'s.
     Each run gets the StepTrace its own ``advance`` would give (same tokens, draws from its own
     generator, floats to rounding), or the exception its step raised. The stage statistics, the
-    argmax and the draws' intervals are computed on [R, V] (``processors.traced_rows``,
+    argmax and the draws' intervals are computed on [R, V] (``chain.traced_rows``,
     ``pick_rows``) instead of row by row."""
     if any(s.needs_replay for s in states):
         raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")

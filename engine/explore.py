@@ -22,7 +22,7 @@ import torch
 from .cache import KVCache
 from .config import ConfigError, DecodingConfig
 from .models import LoadedModel
-from .processors import Chain
+from .chain import Chain
 from .trace import StageTrace, Trace
 
 

@@ -44,7 +44,7 @@ from .config import DecodingConfig
 from .control import RunControl, RunStopped, check
 from .metrics import MIN_PROB
 from .models import LoadedModel
-from .processors import Chain
+from .chain import Chain
 from .trace import Event, StepTrace, Trace, from_dict
 
 MIN_LOGPROB = -100.0  # log-probs are clamped here so a zero probability stays finite in JSON

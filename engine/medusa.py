@@ -47,7 +47,7 @@ from .config import ConfigError, DecodingConfig
 from .control import RunControl, check
 from .core import check_prompt
 from .models import LoadedModel
-from .processors import Traced
+from .chain import Traced
 from .speculative import DraftToken, ExtraToken, SpecRound
 from .trace import Event, TokenProb, Trace, from_dict
 

@@ -38,7 +38,7 @@ from .control import RunControl, check
 from .kv_quant import SELF_KV_DRAFTERS
 from .metrics import common_prefix
 from .models import LoadedModel, ModelRegistry, resolve_variant
-from .processors import Chain, Traced
+from .chain import Chain, Traced
 from .trace import StepTrace, TokenProb, Trace, from_dict
 
 

@@ -1,4 +1,4 @@
-"""The batched capture (``core.advance_rows``: ``processors.traced_rows`` + ``core.pick_rows``) against
+"""The batched capture (``core.advance_rows``: ``chain.traced_rows`` + ``core.pick_rows``) against
 its oracle, ``RunState.advance`` row by row (``Chain.traced`` at B = 1): for runs with mixed knobs
 and seeds fed the same next-token logits, every StepTrace is the same (tokens, picks, draws, kept
 counts, top lists, removed lists, params) with floats within 1e-6, and every generator ends in the

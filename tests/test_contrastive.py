@@ -13,7 +13,8 @@ from transformers.generation import logits_process as tlp
 from engine import contrastive, decode
 from engine.config import ConfigError, DecodingConfig
 from engine.models import LoadedModel, ModelRegistry
-from engine.processors import Chain, word_token_variants
+from engine.chain import Chain
+from engine.processors import word_token_variants
 from engine.trace import Trace
 from tests.conftest import make_tiny_llama
 

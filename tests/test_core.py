@@ -15,7 +15,7 @@ import torch
 from engine import core, decode, sampling
 from engine.config import ConfigError, DecodingConfig
 from engine.models import EMBEDDED, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec, resolve_variant, variant_spec
-from engine.processors import Chain
+from engine.chain import Chain
 from engine.scheduler import Scheduler
 from engine.trace import StepTrace
 

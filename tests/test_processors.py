@@ -6,7 +6,8 @@ import torch
 from transformers.generation import logits_process as tlp
 
 from engine.config import ConfigError, DecodingConfig
-from engine.processors import (Chain, Constraints, Epsilon, FrequencyPenalty, MinP, NoRepeatNGram, PresencePenalty,
+from engine.chain import Chain
+from engine.processors import (Constraints, Epsilon, FrequencyPenalty, MinP, NoRepeatNGram, PresencePenalty,
                                RepetitionPenalty, Temperature, TopK, TopP, TypicalP)
 
 V = 50

@@ -16,7 +16,8 @@ from transformers.generation import logits_process as tlp
 
 from engine import decode
 from engine.config import DEFAULT_STAGE_ORDER, ConfigError, DecodingConfig
-from engine.processors import (Chain, Dry, DynamicTemperature, Eta, LogitBias, MinNewTokens, Mirostat, Smoothing, TopA,
+from engine.chain import Chain
+from engine.processors import (Dry, DynamicTemperature, Eta, LogitBias, MinNewTokens, Mirostat, Smoothing, TopA,
                                TopH, TopNSigma, Xtc, word_token_variants)
 
 NEG = float("-inf")

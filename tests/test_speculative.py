@@ -17,7 +17,7 @@ from engine import decode, runner
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.models import LoadedModel, ModelRegistry
-from engine.processors import Chain
+from engine.chain import Chain
 from engine.speculative import (
     DrafterError, ModelDrafter, NgramDrafter, acceptance_probability, assemble, next_k,
     prompt_lookup, residual_distribution, rounds_of, stream,

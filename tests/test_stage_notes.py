@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import DecodingConfig
-from engine.processors import Chain
+from engine.chain import Chain
 from engine.trace import StageTrace, StepTrace, TokenProb
 from playground.charts import stage_notes
 from playground.charts import step as step_charts

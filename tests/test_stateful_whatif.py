@@ -12,7 +12,8 @@ import torch
 
 from engine import explore, runner
 from engine.config import DecodingConfig
-from engine.processors import Chain, Xtc
+from engine.chain import Chain
+from engine.processors import Xtc
 from engine.trace import Trace
 
 PROMPT = "one two three one two three one two three one two"

@@ -14,7 +14,7 @@ import torch
 
 from engine import explore, runner
 from engine.config import DecodingConfig
-from engine.processors import Chain
+from engine.chain import Chain
 from playground.charts import step as charts
 from playground.views import step as step_view
 from playground.views import whatif

@@ -1,0 +1,258 @@
+"""The chain: the user's stages in the user's order, applied to next-token logits and recorded
+(raw, after every stage, final) for one row (``Chain.traced``) or many rows at once
+(``traced_rows``, the batched scheduler's path). The stages themselves live in ``processors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config import DecodingConfig
+from .processors import Stage, build_stage, share_key
+from .trace import StageTrace, TokenProb
+
+
+@dataclass
+class Chain:
+    """An ordered list of stages; the order is data the user chose."""
+
+    stages: list[Stage] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config: DecodingConfig, prompt_length: int = 0, tokenizer: Any = None,
+                    eos_token_ids: Sequence[int] = (), *, generator: torch.Generator | None = None) -> "Chain":
+        """The config's active stages in its order. ``generator``: the run's seeded generator, handed
+        to the stages that draw (XTC with 0 < xtc_probability < 1 needs it)."""
+        return cls([build_stage(n, config, prompt_length, tokenizer, eos_token_ids, generator)
+                    for n in config.active_stages()])
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    @property
+    def stateful(self) -> bool:
+        """True when a stage keeps state across steps or draws: the run must call ``observe`` after
+        every pick, and resuming mid-run must replay the chain over the earlier steps."""
+        return any(s.stateful for s in self.stages)
+
+    def observe(self, input_ids: torch.LongTensor, token_id: int) -> None:
+        """Tell every stage which token was picked after ``input_ids`` [1, S]."""
+        for stage in self.stages:
+            stage.observe(input_ids, token_id)
+
+    def load_states(self, recorded: Sequence[StageTrace]) -> None:
+        """Load into each stage the state its namesake recorded at a step (``recorded``: that
+        step's stage records), so the chain re-processes the step as the run did."""
+        states = {r.name: r.state for r in recorded if r.state}
+        for stage in self.stages:
+            if stage.name in states:
+                stage.load_state(states[stage.name])
+
+    def annotate(self, traces: list[StageTrace]) -> None:
+        """After ``observe``: copy what stateful stages learnt from the pick (mirostat's μ after) into
+        the records ``traced`` made (``traces``: raw, one per stage, final)."""
+        for stage, trace in zip(self.stages, traces[1:]):
+            if stage.stateful:
+                trace.params = dict(stage.params)
+
+    def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            logits = stage(input_ids, logits)
+        return logits
+
+    def traced(self, input_ids: torch.LongTensor, logits: torch.Tensor, top_n: int,
+               token_text: Callable[[int], str]) -> "Traced":
+        """Apply the chain to one row (B = 1) and record raw, every stage, and final.
+        Cost: one softmax and one top-k per stage, no Python loop over the vocabulary."""
+        logits = logits.float()
+        recorder = _Recorder(top_n, token_text)
+        traces = [recorder.record("raw", logits, {})]
+        raw_probs = recorder.prev_probs
+        for stage in self.stages:
+            logits = stage(input_ids, logits)
+            traces.append(recorder.record(stage.name, logits, stage.params, stage.state()))
+        traces.append(recorder.copy_as("final", traces[-1]))
+        return Traced(logits, traces, raw_probs, recorder.prev_probs)
+
+
+@dataclass
+class Traced:
+    """What ``Chain.traced`` returns: the final logits [1, V], the stage records, and the raw and
+    final probabilities [V] (so the caller needs no further softmax)."""
+
+    logits: torch.Tensor
+    stages: list[StageTrace]
+    raw_probs: torch.Tensor
+    final_probs: torch.Tensor
+
+    def __iter__(self):
+        """Unpacks as ``final_logits, stages``."""
+        return iter((self.logits, self.stages))
+
+
+class _Recorder:
+    """Statistics of consecutive distributions; keeps the previous softmax so each stage costs one."""
+
+    def __init__(self, top_n: int, token_text: Callable[[int], str]):
+        self.top_n = top_n
+        self.token_text = token_text
+        self.prev_probs: torch.Tensor | None = None
+        self.prev_top: list[TokenProb] = []
+
+    def _tokens(self, ids: torch.Tensor, probs: torch.Tensor) -> list[TokenProb]:
+        return [TokenProb(int(i), self.token_text(int(i)), float(p)) for i, p in zip(ids.tolist(), probs.tolist())]
+
+    def record(self, name: str, logits: torch.Tensor, params: dict, state: dict | None = None) -> StageTrace:
+        probs = torch.softmax(logits[0], dim=-1)  # [V]; masked tokens get exactly 0
+        alive = probs > 0
+        kept = int(alive.sum())
+        entropy = float(torch.special.entr(probs).sum())
+        top_p, top_i = torch.topk(probs, min(self.top_n, kept, probs.shape[0]))  # removed tokens are not "top"
+        top = self._tokens(top_i, top_p)
+        mass_removed, tv, removed = 0.0, 0.0, []
+        if self.prev_probs is not None:
+            mass_removed = float(self.prev_probs.masked_fill(alive, 0.0).sum())
+            tv = float(0.5 * (probs - self.prev_probs).abs().sum())
+            removed = [t for t in self.prev_top if not bool(alive[t.token_id])]
+        self.prev_probs, self.prev_top = probs, top
+        return StageTrace(name, kept, mass_removed, entropy, tv, top, removed, dict(params), dict(state or {}))
+
+    @staticmethod
+    def copy_as(name: str, last: StageTrace) -> StageTrace:
+        return StageTrace(name, last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {})
+
+
+def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], logits: torch.Tensor,
+                top_n: Sequence[int], token_text: Callable[[int], str]) -> list["Traced | Exception"]:
+    """``Chain.traced`` for B rows at once: row b is ``chains[b].traced(input_ids[b], logits[b:b+1],
+    top_n[b], token_text)`` (input_ids[b]: [1, S_b]; logits [B, V]), with the same tokens and
+    floats. The statistics of each stage position are computed on [R, V] for every row that has a
+    stage there, with one ``.tolist()`` per statistic; stages shareable across rows run once per
+    group of equal params. A row whose stage raises gets that exception and drops out."""
+    logits = logits.float()
+    every = list(range(len(chains)))
+    rows: list[torch.Tensor] = [logits[b:b + 1] for b in every]  # [1, V] each: row b's logits so far
+    recorder = _RowsRecorder(list(top_n), token_text)
+    traces = [[t] for t in recorder.record(every, logits, ["raw"] * len(every), [{}] * len(every))]
+    raw_probs = recorder.probs_of(every)
+    errors: dict[int, Exception] = {}
+    for j in range(max((len(c.stages) for c in chains), default=0)):
+        active = [b for b, c in enumerate(chains) if j < len(c.stages) and b not in errors]
+        errors.update(_apply_position(j, active, chains, input_ids, rows))
+        active = [b for b in active if b not in errors]
+        if active:
+            stages = [chains[b].stages[j] for b in active]
+            stacked = torch.cat([rows[b] for b in active])  # [R, V]
+            records = recorder.record(active, stacked, [s.name for s in stages], [s.params for s in stages],
+                                      [s.state() for s in stages])
+            for b, trace in zip(active, records):
+                traces[b].append(trace)
+    out: list[Traced | Exception] = []
+    for b in range(len(chains)):
+        if b in errors:
+            out.append(errors[b])
+            continue
+        traces[b].append(_Recorder.copy_as("final", traces[b][-1]))
+        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0]))
+    return out
+
+
+def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
+                    rows: list) -> dict[int, Exception]:
+    """Apply stage ``j`` of each active row's chain to ``rows[b]`` (in place in the list): shareable
+    stages with equal params once on the stacked rows, the others row by row. Returns the rows
+    whose stage raised."""
+    groups: dict[tuple, list[int]] = {}
+    alone: list[int] = []
+    for b in active:
+        key = share_key(chains[b].stages[j])
+        (groups.setdefault(key, []) if key is not None else alone).append(b)
+    for key, members in groups.items():
+        if len(members) == 1:
+            alone.extend(members)
+            continue
+        try:
+            out = chains[members[0]].stages[j](input_ids[members[0]], torch.cat([rows[b] for b in members]))
+        except Exception:  # noqa: BLE001 (stateless: retried row by row below, so the error lands on its row)
+            alone.extend(members)
+            continue
+        for i, b in enumerate(members):
+            rows[b] = out[i:i + 1]
+    errors: dict[int, Exception] = {}
+    for b in alone:
+        try:
+            rows[b] = chains[b].stages[j](input_ids[b], rows[b])
+        except Exception as exc:  # noqa: BLE001 (one row's failure ends that row only)
+            errors[b] = exc
+    return errors
+
+
+class _RowsRecorder:
+    """``_Recorder`` over many rows: keeps each row's previous probabilities and top list; one
+    softmax, entropy, top-k and ``.tolist()`` per statistic for all the rows of a stage position."""
+
+    def __init__(self, top_n: list[int], token_text: Callable[[int], str]):
+        self.top_n, self.token_text = top_n, token_text
+        self.prev: list[tuple[torch.Tensor, int] | None] = [None] * len(top_n)  # (probs [R, V], row) per row
+        self.prev_top: list[list[TokenProb]] = [[] for _ in top_n]
+
+    def probs_of(self, rows: list[int]) -> list[torch.Tensor]:
+        """The latest probabilities [V] of each of ``rows``."""
+        return [self.prev[b][0][self.prev[b][1]] for b in rows]
+
+    def _prev_stacked(self, rows: list[int]) -> torch.Tensor:
+        """The previous probabilities of ``rows`` as [R, V] (no copy when they are one record's rows)."""
+        first = self.prev[rows[0]][0]
+        if all(self.prev[b][0] is first for b in rows) and [self.prev[b][1] for b in rows] == list(range(first.shape[0])):
+            return first
+        return torch.stack(self.probs_of(rows))
+
+    def record(self, rows: list[int], logits: torch.Tensor, names: list[str], params: list[dict],
+               states: list[dict] | None = None) -> list[StageTrace]:
+        """The StageTraces of ``rows`` (indices into the batch) whose logits are ``logits`` [R, V]."""
+        probs = torch.softmax(logits, dim=-1)  # [R, V]; masked tokens get exactly 0
+        alive = probs > 0
+        kept = alive.sum(dim=-1)  # [R]
+        entropy = torch.special.entr(probs).sum(dim=-1)  # [R]
+        first = self.prev[rows[0]] is None
+        if first:
+            mass, tv = [0.0] * len(rows), [0.0] * len(rows)
+        else:
+            prev = self._prev_stacked(rows)
+            mass = prev.masked_fill(alive, 0.0).sum(dim=-1).tolist()
+            tv = (0.5 * (probs - prev).abs().sum(dim=-1)).tolist()
+        kept_list, entropy_list = kept.tolist(), entropy.tolist()
+        tops = self._tops(rows, probs, kept_list)
+        removed = [[] for _ in rows] if first else self._removed(rows, alive)
+        out = []
+        for i, b in enumerate(rows):
+            out.append(StageTrace(names[i], kept_list[i], float(mass[i]), entropy_list[i], float(tv[i]),
+                                  tops[i], removed[i], dict(params[i]), dict(states[i]) if states else {}))
+            self.prev[b], self.prev_top[b] = (probs, i), tops[i]
+        return out
+
+    def _tops(self, rows: list[int], probs: torch.Tensor, kept: list[int]) -> list[list[TokenProb]]:
+        """Each row's top min(top_n, kept, V) tokens; one top-k per distinct k (as ``_Recorder`` asks)."""
+        ks = [min(self.top_n[b], kept[i], probs.shape[1]) for i, b in enumerate(rows)]
+        tops: list[list[TokenProb]] = [[] for _ in rows]
+        for k in set(ks):
+            members = [i for i, ki in enumerate(ks) if ki == k]
+            index = torch.tensor(members, dtype=torch.long, device=probs.device)
+            values, ids = torch.topk(probs.index_select(0, index) if len(members) < len(rows) else probs, k)
+            for i, id_row, p_row in zip(members, ids.tolist(), values.tolist()):
+                tops[i] = [TokenProb(t, self.token_text(t), p) for t, p in zip(id_row, p_row)]
+        return tops
+
+    def _removed(self, rows: list[int], alive: torch.Tensor) -> list[list[TokenProb]]:
+        """Of each row's previous top list, the tokens this stage removed."""
+        width = max(len(self.prev_top[b]) for b in rows)
+        if width == 0:
+            return [[] for _ in rows]
+        ids = torch.tensor([[t.token_id for t in self.prev_top[b]] + [0] * (width - len(self.prev_top[b])) for b in rows],
+                           dtype=torch.long, device=alive.device)  # [R, width], padded with token 0
+        still = alive.gather(1, ids).tolist()
+        return [[t for t, s in zip(self.prev_top[b], still[i]) if not s] for i, b in enumerate(rows)]
