@@ -196,3 +196,23 @@ def test_hovers_explain_terms_from_the_glossary():
     topk = [t for t in fig.data if t.type == "bar" and t.name == "top_k"][0]
     assert glossary.hover("kept") in topk.hovertemplate and glossary.hover("top-k") in topk.hovertemplate
     assert charts.plot_config()["scrollZoom"] is True
+
+
+def test_draw_panel_shows_the_share_of_tokens_outside_the_top_n():
+    """At T = 5 the top-N hold a sliver of the mass: the draw panel draws the rest of the
+    vocabulary as one grey bar from the top-N's sum to 1, so a u past the top-N lands on a bar
+    (before, the panel was an empty [0, 1] axis with slivers at 0)."""
+    flat = [tp(i, f" t{i}", 0.002) for i in range(1, 4)]
+    final = StageTrace("final", 49_000, 0.0, 10.7, 0.0, flat)
+    raw = StageTrace("raw", 49_152, 0.0, 4.0, 0.0, [tp(1, " t1", 0.4), tp(2, " t2", 0.2), tp(3, " t3", 0.1)])
+    temperature = StageTrace("temperature", 49_000, 0.0, 10.7, 0.5, flat, params={"temperature": 5.0})
+    step = StepTrace(index=3, chosen_token_id=77, chosen_token=" far", chosen_prob=0.00002, raw_prob=1e-7, draw=0.61,
+                     draw_low=0.60999, draw_high=0.61001, entropy=10.7, raw_entropy=4.0,
+                     stages=[raw, temperature, final])
+    fig = charts.stage_chart(step)
+    draw = [t for t in fig.data if t.type == "bar" and t.x != (None,)][-1]
+    assert draw.y[-1] == "other 48,997 tokens" and draw.marker.color[-1] == charts.REST
+    assert draw.base[-1] == pytest.approx(0.006) and draw.x[-1] == pytest.approx(0.994)
+    assert draw.base[-1] <= step.draw <= draw.base[-1] + draw.x[-1]  # u lands on it
+    assert list(fig.layout.xaxis4.range) == [0, 1]
+    # a step whose top-N hold (nearly) all the mass draws no such bar (test_stage_chart_bars_marks_and_draw)

@@ -33,6 +33,8 @@ ACCENT = "#c4421a"  # the chosen token (5.1:1 on white)
 BAR = "#4c78a8"  # other tokens (4.6:1)
 REMOVED = "#767676"  # outline of tokens a stage removed (4.5:1)
 DRAW = "#222222"  # the u line
+REST = "#c8c8c8"  # the draw panel's share of the tokens outside the top-N (a fill, no text on it)
+REST_SHOWN = 0.005  # the draw panel draws that share when it is at least this wide
 MARKER = "#6a1b9a"  # the selected step on the run chart (not a data line's colour)
 ENTROPY, SURPRISAL = "#4c78a8", "#a35d00"
 PANELS_PER_ROW = 3
@@ -137,6 +139,13 @@ def _draw_traces(step: StepTrace) -> list[dict]:
         bases.append(step.draw_low)
         entries.append(TokenProb(step.chosen_token_id, step.chosen_token, step.chosen_prob))
     colors = [ACCENT if t.token_id == step.chosen_token_id else BAR for t in entries]
+    rest = 1.0 - acc
+    if rest > REST_SHOWN and final.kept > len(final.top):  # a flat distribution: u can land past the top-N
+        others = final.kept - len(final.top)
+        labels.append(f"other {tokens_word(others)}")
+        bases.append(acc)
+        entries.append(TokenProb(-1, "", rest))
+        colors.append(REST)
     return [dict(
         type="bar", x=[t.prob for t in entries], base=bases, y=labels, orientation="h", marker=dict(color=colors),
         showlegend=False,
