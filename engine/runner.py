@@ -1,6 +1,7 @@
 """The one way to run any strategy: ``stream`` yields typed ``Event``s as the run goes, the last one
 carrying the assembled ``Trace``; ``run`` returns that Trace; ``branch`` continues a finished run
-from any step with another token.
+from any step (another token, or other knobs) through that same ``stream``, with ``prefix=`` (the
+tokens kept) and ``force=`` (the token taken at the next step).
 
 Every event has the same shape whatever the strategy (mlx-lm's ``stream_generate`` is the model):
 the tokens it adds to the output (a StepTrace each), the strategy's own record (a beam step, a
@@ -13,10 +14,9 @@ inside long steps too, so a cancelled or timed-out run stops within one step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from . import beam, contrastive, core, decode, mcts, medusa, speculative
-from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
@@ -39,6 +39,8 @@ class RunContext:
     control: RunControl | None = None
     compare_baseline: bool = False
     scheduler: Any = None
+    prefix: tuple[int, ...] = ()  # tokens already generated: the run continues after them
+    force: int | None = None  # the token taken at the first new step instead of a pick
 
 
 class Strategy(Protocol):
@@ -50,14 +52,19 @@ class Strategy(Protocol):
 
 # Strategy name (DecodingConfig.strategy) -> its stream; ``register`` adds one.
 STRATEGY_STREAMS: dict[str, Strategy] = {}
+# The strategies whose stream honours RunContext.prefix / .force (the others refuse them).
+CONTINUABLE: set[str] = set()
 
 
-def register(*names: str) -> Callable[[Strategy], Strategy]:
-    """Decorator: ``fn(ctx) -> Iterator[Event]`` runs the strategies ``names``."""
+def register(*names: str, continues: bool = False) -> Callable[[Strategy], Strategy]:
+    """Decorator: ``fn(ctx) -> Iterator[Event]`` runs the strategies ``names``; ``continues``: it
+    can start after a ``prefix`` and take a forced token (see ``stream``)."""
 
     def add(fn: Strategy) -> Strategy:
         for name in names:
             STRATEGY_STREAMS[name] = fn
+            if continues:
+                CONTINUABLE.add(name)
         return fn
 
     return add
@@ -66,7 +73,7 @@ def register(*names: str) -> Callable[[Strategy], Strategy]:
 def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
            prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
            control: RunControl | None = None, compare_baseline: bool = False,
-           scheduler: Any = None) -> Iterator[Event]:
+           scheduler: Any = None, prefix: Sequence[int] = (), force: int | None = None) -> Iterator[Event]:
     """Run ``config.strategy`` on ``prompt`` and yield Events; the last one holds the Trace.
 
     ``prompt_ids``: the prompt already encoded (with ``chat`` applied), else it is encoded here.
@@ -74,34 +81,57 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
     ``control``: checked once per step; raises ``RunStopped`` when cancelled or past its limit.
     ``compare_baseline``: speculative and Medusa, also time a target-only run (summary ``speedup``).
     ``scheduler``: greedy/sampling runs go through this batched scheduler (shared forwards with
-    other users' runs) instead of a forward of their own."""
+    other users' runs) instead of a forward of their own.
+    ``prefix``: tokens already generated; the run continues after them (its steps and trace hold
+    only the new tokens, indexed from ``len(prefix)``). ``force``: the token taken at the first new
+    step instead of a pick. Greedy and sampling only (``CONTINUABLE``); ValueError otherwise."""
     strategy = STRATEGY_STREAMS.get(config.strategy)
     if strategy is None:  # DecodingConfig validates the name, so this is a strategy without a runner yet
         raise ValueError(f"strategy: {config.strategy!r} has no runner")
+    prefix = tuple(prefix)
+    _check_continuation(lm, config.strategy, prefix, force)
     ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
     yield from strategy(RunContext(lm, prompt, ids, config, chat, registry or ModelRegistry(), control,
-                                   compare_baseline, scheduler))
+                                   compare_baseline, scheduler, prefix, force))
+
+
+def _check_continuation(lm: LoadedModel, strategy: str, prefix: tuple[int, ...], force: int | None) -> None:
+    """ValueError naming the argument when ``prefix`` / ``force`` are given to a strategy that
+    cannot continue, or hold a token outside the vocabulary."""
+    for name, given in (("prefix", bool(prefix)), ("force", force is not None)):
+        if given and strategy not in CONTINUABLE:
+            raise ValueError(f"{name}: only {' and '.join(sorted(CONTINUABLE))} runs continue from a step, "
+                             f"not {strategy!r}")
+    for name, token in [*(("prefix", t) for t in prefix), *([("force", force)] if force is not None else [])]:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < lm.vocab_size:
+            raise ValueError(f"{name}: token {token!r} is out of range; the vocabulary has {lm.vocab_size} tokens")
+
+
+def collect(events: Iterable[Event]) -> Trace:
+    """The Trace of a stream of Events (its last event's)."""
+    for event in events:
+        if event.trace is not None:
+            return event.trace
+    raise RuntimeError("stream ended without a trace")
 
 
 def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
         prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
         control: RunControl | None = None, compare_baseline: bool = False, scheduler: Any = None) -> Trace:
     """The whole run: ``stream`` collected, returning its Trace."""
-    for event in stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=registry, control=control,
-                        compare_baseline=compare_baseline, scheduler=scheduler):
-        if event.trace is not None:
-            return event.trace
-    raise RuntimeError("stream ended without a trace")
+    return collect(stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=registry, control=control,
+                          compare_baseline=compare_baseline, scheduler=scheduler))
 
 
 def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *, config: DecodingConfig | None = None,
-           control: RunControl | None = None, cache: KVCache | None = None, scheduler: Any = None) -> Iterator[Event]:
+           control: RunControl | None = None, scheduler: Any = None) -> Iterator[Event]:
     """Continue ``parent`` (a greedy or sampling trace) from step ``at_step``: with ``token_id``
     forced there (a branch), or with ``token_id`` None, drawn under ``config`` (default the parent's
     knobs: "continue from here with these knobs"). The first event replays the parent's steps
-    before ``at_step`` unchanged; the new steps follow; the last event holds the new Trace
-    (``branch_of`` = ``at_step``, its ``config`` the one it ran under)."""
-    if parent.strategy not in ("greedy", "sample"):
+    before ``at_step`` unchanged; the new steps follow (``stream`` with ``prefix`` = the kept
+    tokens, ``force`` = ``token_id``); the last event holds the new Trace (``branch_of`` =
+    ``at_step``, its ``config`` the one it ran under)."""
+    if parent.strategy not in CONTINUABLE:
         raise ValueError(f"branch: only greedy and sampling runs can be branched, this one is {parent.strategy!r}")
     if not isinstance(at_step, int) or isinstance(at_step, bool) or not 0 <= at_step < len(parent.steps):
         raise ValueError(f"at_step: {at_step!r} is out of range; the run has {len(parent.steps)} steps")
@@ -109,24 +139,20 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
                                  or not 0 <= token_id < lm.vocab_size):
         raise ValueError(f"token_id: {token_id!r} is out of range; the vocabulary has {lm.vocab_size} tokens")
     config = config if config is not None else DecodingConfig.from_dict(parent.config)
-    if config.strategy not in ("greedy", "sample"):
+    if config.strategy not in CONTINUABLE:
         raise ValueError(f"strategy: only greedy and sampling continue from a step, got {config.strategy!r}")
     kept = list(parent.steps[:at_step])
-    steps = list(kept)
     if kept:
         yield Event(steps=kept)
-    prefix = parent.generated_token_ids[:at_step]
-    scheduler = batched(config, scheduler)
-    if scheduler is not None:
-        source = scheduler.stream(parent.prompt_token_ids, config, prefix=prefix, force=token_id, control=control)
-    else:
-        source = decode.stream(lm, parent.prompt_token_ids, config, prefix=prefix, force=token_id, cache=cache)
-    ended: list = []
-    for step in _checked(source, control, ended):
-        steps.append(step)
-        yield Event(steps=[step])
-    yield Event(trace=_end(core.assemble(lm, parent.prompt, parent.prompt_token_ids, config, steps, parent.chat,
-                                           branch_of=at_step), ended))
+    for event in stream(lm, parent.prompt, config, chat=parent.chat, prompt_ids=parent.prompt_token_ids,
+                        control=control, scheduler=scheduler, prefix=parent.generated_token_ids[:at_step],
+                        force=token_id):
+        if event.trace is None:
+            yield event
+        else:  # the continuation's trace, with the kept steps before it
+            ended = [event.trace.stop_reason] if event.trace.stop_reason == NO_TOKENS_LEFT else []
+            yield Event(trace=_end(core.assemble(lm, parent.prompt, parent.prompt_token_ids, config,
+                                                 kept + event.trace.steps, parent.chat, branch_of=at_step), ended))
 
 
 def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
@@ -167,12 +193,12 @@ def batched(config: DecodingConfig, scheduler: Any) -> Any:
     return scheduler if scheduler is not None and config.kv_cache == "dynamic" else None
 
 
-@register("greedy", "sample")
+@register("greedy", "sample", continues=True)
 def _stepwise(ctx: RunContext) -> Iterator[Event]:
     lm, prompt, ids, config, chat, control = ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat, ctx.control
     scheduler = batched(config, ctx.scheduler)
-    source = (scheduler.stream(ids, config, control=control) if scheduler is not None
-              else decode.stream(lm, ids, config))
+    source = (scheduler.stream(ids, config, prefix=ctx.prefix, force=ctx.force, control=control)
+              if scheduler is not None else decode.stream(lm, ids, config, prefix=ctx.prefix, force=ctx.force))
     steps, ended = [], []
     for step in _checked(source, control, ended):
         steps.append(step)

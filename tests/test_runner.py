@@ -1,0 +1,60 @@
+"""#28: branching and "continue from here" are ``runner.stream(..., prefix=, force=)``: one path with
+the runner's guards. ``runner.branch`` only validates, replays the kept steps and streams the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import decode, runner
+from engine.config import STRATEGIES, DecodingConfig
+
+SAMPLE = DecodingConfig(strategy="sample", temperature=0.9, top_k=20, seed=5, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("config", [SAMPLE.replace(strategy="greedy"), SAMPLE], ids=["greedy", "sample"])
+def test_stream_with_prefix_and_force_equals_decode(tiny_lm, config):
+    ids = tiny_lm.encode("Once upon", False)
+    parent = runner.run(tiny_lm, "Once upon", config)
+    prefix, forced = parent.generated_token_ids[:3], 7
+    events = list(runner.stream(tiny_lm, "Once upon", config, prefix=prefix, force=forced))
+    steps = [s for e in events for s in e.steps]
+    expected = list(decode.stream(tiny_lm, ids, config, prefix=prefix, force=forced))
+    assert [s.chosen_token_id for s in steps] == [s.chosen_token_id for s in expected]
+    assert steps[0].index == 3 and steps[0].forced and steps[0].chosen_token_id == forced
+    assert events[-1].trace.steps == steps  # the continuation's own trace: only the new tokens
+
+
+def test_branch_is_the_kept_steps_then_the_stream(tiny_lm):
+    parent = runner.run(tiny_lm, "Once upon", SAMPLE)
+    events = list(runner.branch(tiny_lm, parent, 3, 7))
+    assert events[0].steps == parent.steps[:3]
+    new = [s for e in events[1:] for s in e.steps]
+    streamed = list(runner.stream(tiny_lm, parent.prompt, SAMPLE, prompt_ids=parent.prompt_token_ids,
+                                  prefix=parent.generated_token_ids[:3], force=7))
+    assert [s.chosen_token_id for s in new] == streamed[-1].trace.generated_token_ids
+    trace = events[-1].trace
+    assert trace.branch_of == 3 and trace.generated_token_ids[:4] == parent.generated_token_ids[:3] + [7]
+    assert [s.index for s in trace.steps] == list(range(len(trace.steps)))
+
+
+def test_branch_with_the_runs_own_token_repeats_the_run(tiny_lm):
+    parent = runner.run(tiny_lm, "Once upon", SAMPLE)
+    again = runner.collect(runner.branch(tiny_lm, parent, 2, parent.generated_token_ids[2]))
+    assert again.generated_token_ids == parent.generated_token_ids and again.stop_reason == parent.stop_reason
+
+
+@pytest.mark.parametrize("strategy", sorted(set(STRATEGIES) - runner.CONTINUABLE))
+@pytest.mark.parametrize("argument", ["prefix", "force"])
+def test_strategies_that_cannot_continue_refuse_prefix_and_force(tiny_lm, strategy, argument):
+    kwargs = {"prefix": [1, 2]} if argument == "prefix" else {"force": 1}
+    with pytest.raises(ValueError, match=rf"^{argument}: only greedy and sample runs continue from a step, "
+                                         rf"not '{strategy}'$"):
+        next(runner.stream(tiny_lm, "hi", DecodingConfig(strategy=strategy, top_k=4), **kwargs))
+
+
+@pytest.mark.parametrize("kwargs, message", [({"force": -1}, "force: token -1"),
+                                             ({"prefix": [1, 10**6]}, "prefix: token 1000000"),
+                                             ({"force": True}, "force: token True")])
+def test_stream_refuses_tokens_outside_the_vocabulary(tiny_lm, kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message} is out of range"):
+        next(runner.stream(tiny_lm, "hi", SAMPLE, **kwargs))
