@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import beam
+from engine import beam, runner
 from engine.config import DecodingConfig
 from engine.models import LoadedModel, ModelRegistry, ModelSpec
 
@@ -45,9 +45,7 @@ def timed(fn, *args) -> Timed:
 
 def run_ours(lm: LoadedModel, prompt_ids: list[int], config: DecodingConfig) -> int:
     """One traced search (every candidate recorded); returns the best hypothesis' length."""
-    trace = list(beam.stream(lm, prompt_ids, config))[-1]
-    assert isinstance(trace, beam.BeamTrace)
-    return trace.hypotheses[0].length
+    return runner.collect(beam.stream(lm, "", prompt_ids, config)).beam.hypotheses[0].length
 
 
 def run_generate(lm: LoadedModel, prompt_ids: list[int], config: DecodingConfig) -> int:

@@ -43,10 +43,10 @@ from . import sampling
 from .cache import KVCache
 from .config import SAMPLING_ONLY_STAGES, DecodingConfig
 from .core import StopCheck, check_prompt
-from .models import LoadedModel, ModelRegistry
+from .models import LoadedModel
 from .chain import Chain
 from .processors import build_stage
-from .trace import StepTrace, Timing, Trace, from_dict
+from .trace import Event, StepTrace, Timing, Trace, from_dict
 
 STATUSES = ("kept", "pruned", "finished", "dropped")
 NEG = -1.0e9  # transformers' "impossible" score
@@ -281,8 +281,10 @@ def _row_entropy(raw: torch.Tensor) -> list[float]:
     return (-(raw.exp() * raw).nan_to_num().sum(dim=-1)).tolist()
 
 
-def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -> Iterator[BeamStep | BeamTrace]:
-    """Yield a BeamStep per search step as it is decided, then the complete BeamTrace."""
+def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
+           chat: bool = False) -> Iterator[Event]:
+    """An Event per search step as it is decided (record: its BeamStep; no steps: the output is
+    only known at the end), then one holding the Trace (its ``beam``: the whole BeamTrace)."""
     check_prompt(prompt_ids)
     if config.num_return_sequences > config.num_beams:
         raise ValueError(f"num_return_sequences: {config.num_return_sequences} exceeds num_beams={config.num_beams}")
@@ -291,10 +293,10 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -
     size = config.num_beams // config.num_beam_groups
     groups = [_Group.start(g * size, size) for g in range(config.num_beam_groups)]
     chain = _chain(lm, config, len(prompt_ids))
-    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    prompt_row = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, S]
     cache = KVCache(lm.model)
-    logits = cache.forward(prompt).logits[:, -1, :].float().expand(config.num_beams, -1)  # [B, V]
-    ids = prompt.expand(config.num_beams, -1)  # [B, S]: what each cache row holds
+    logits = cache.forward(prompt_row).logits[:, -1, :].float().expand(config.num_beams, -1)  # [B, V]
+    ids = prompt_row.expand(config.num_beams, -1)  # [B, S]: what each cache row holds
     trace = BeamTrace(config.num_beams, config.num_beam_groups, config.length_penalty, config.early_stopping,
                       rules.keep)
     no_tokens_left = False
@@ -306,7 +308,7 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -
             break
         record.elapsed_ms = (time.perf_counter() - start) * 1000
         trace.steps.append(record)
-        yield record
+        yield Event(record=record)
         if all(g.done for g in groups):
             break
         cache.reorder(index if step > 0 else torch.zeros_like(index))  # step 0: the cache has one row
@@ -315,7 +317,7 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -
     _finish(trace, groups, config, lm)
     if no_tokens_left:
         trace.ended_by = sampling.NO_TOKENS_LEFT
-    yield trace
+    yield Event(trace=assemble(lm, prompt, prompt_ids, config, trace, chat))
 
 
 def _search_step(groups: list[_Group], logits: torch.Tensor, chain: Chain, ids: torch.Tensor, step: int,
@@ -426,14 +428,3 @@ def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: De
         stop_reason=_stop_reason(beam, winner), steps=steps, timing=timing, chat=chat,
         quantization=lm.quantization, device=str(lm.device), beam=beam, summary=summary,
     )
-
-
-def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
-        registry: ModelRegistry | None = None) -> Trace:
-    """Beam search to completion. ``registry`` is unused (one model); kept for the runner's signature."""
-    prompt_ids = lm.encode(prompt, chat)
-    beam = None
-    for record in stream(lm, prompt_ids, config):
-        if isinstance(record, BeamTrace):
-            beam = record
-    return assemble(lm, prompt, prompt_ids, config, beam, chat)

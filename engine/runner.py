@@ -208,12 +208,7 @@ def _stepwise(ctx: RunContext) -> Iterator[Event]:
 
 @register("beam")
 def _beam(ctx: RunContext) -> Iterator[Event]:
-    lm, prompt, ids, config, chat, control = ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat, ctx.control
-    for record in _checked(beam.stream(lm, ids, config), control):
-        if isinstance(record, beam.BeamTrace):
-            yield Event(trace=beam.assemble(lm, prompt, ids, config, record, chat))
-        else:
-            yield Event(record=record)
+    yield from _checked(beam.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat), ctx.control)
 
 
 @register("speculative")

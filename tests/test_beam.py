@@ -22,10 +22,10 @@ def beam_config(**knobs) -> DecodingConfig:
 
 
 def search(lm: LoadedModel, prompt_ids: list[int], config: DecodingConfig) -> beam.BeamTrace:
-    records = list(beam.stream(lm, prompt_ids, config))
-    assert all(isinstance(r, beam.BeamStep) for r in records[:-1])
-    assert isinstance(records[-1], beam.BeamTrace)
-    return records[-1]
+    events = list(beam.stream(lm, "", prompt_ids, config))
+    assert all(isinstance(e.record, beam.BeamStep) and not e.steps for e in events[:-1])
+    assert isinstance(events[-1].trace.beam, beam.BeamTrace)
+    return events[-1].trace.beam
 
 
 def generate_beams(lm: LoadedModel, prompt_ids: list[int], config: DecodingConfig):
@@ -234,6 +234,6 @@ def test_trace_json_round_trip(tiny_lm):
 
 def test_bad_requests_name_the_problem(tiny_lm):
     with pytest.raises(ValueError, match="prompt"):
-        list(beam.stream(tiny_lm, [], beam_config(num_beams=2)))
+        list(beam.stream(tiny_lm, "", [], beam_config(num_beams=2)))
     with pytest.raises(ValueError, match="num_return_sequences"):
         beam_config(num_beams=2, num_return_sequences=3)
