@@ -20,9 +20,9 @@ treated as logits: the sampling stages (temperature, top-k, top-p, ...) run on t
 a seeded draw from their softmax. The amateur is a quantized copy of the expert (``self-int8`` /
 ``self-nf4``) or ``model:<dir>`` with the same tokenizer.
 
-Both strategies yield ``(StepTrace, record)`` pairs as they go (``stream``); ``stream_steps``
-yields only the StepTraces (for the UI), and ``run`` collects a Trace whose ``extra`` holds the
-per-step records (``SearchStep`` / ``ContrastStep``).
+Both strategies yield an ``Event`` per token as they go (``stream``: its StepTrace and its record,
+a ``SearchStep`` / ``ContrastStep``); the last Event holds the Trace, whose ``extra[strategy]``
+holds those records.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .core import StopCheck, assemble, check_prompt, make_generator
 from .models import LoadedModel, ModelLoadError, ModelRegistry, check_same_tokenizer, resolve_variant
 from .chain import Chain, Traced
 from .processors import build_stage
-from .trace import StageTrace, StepTrace, TokenProb, Trace, from_dict
+from .trace import Event, StageTrace, TokenProb, Trace, from_dict
 
 # Contrastive search feeds top_k candidates as one batch: bound it so a large top_k cannot blow up
 # memory (the paper and transformers' examples use k = 4..10).
@@ -142,9 +142,8 @@ def _keep_row(cache: KVCache, row: int, token_id: int) -> None:
     cache.tokens.append(token_id)
 
 
-def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
-                  ) -> Iterator[tuple[StepTrace, SearchStep]]:
-    """Contrastive search, one (StepTrace, SearchStep) per generated token."""
+def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -> Iterator[Event]:
+    """Contrastive search, one Event (steps: [its StepTrace], record: its SearchStep) per token."""
     check_prompt(prompt_ids)
     k = _check_search(config, lm.vocab_size)
     start = time.perf_counter()
@@ -169,9 +168,9 @@ def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingCo
         pick = sampling.Pick(token, float(top_probs[row]))
         step = core.step_trace(lm, traced, pick, len(generated) - 1, (time.perf_counter() - start) * 1000,
                                finish_reason=reason)
-        yield step, SearchStep(step.index, config.penalty_alpha, token, [
+        yield Event(steps=[step], record=SearchStep(step.index, config.penalty_alpha, token, [
             SearchCandidate(int(i), lm.token_text(int(i)), float(p), float(d), float(s) if math.isfinite(s) else None)
-            for i, p, d, s in zip(top_ids.tolist(), top_probs.tolist(), penalty.tolist(), score.tolist())])
+            for i, p, d, s in zip(top_ids.tolist(), top_probs.tolist(), penalty.tolist(), score.tolist())]))
         if reason is not None:
             return
         context = torch.cat([context, cand_hidden[row:row + 1]], dim=0)
@@ -237,9 +236,9 @@ def contrast_record(index: int, chosen: int, scores: torch.Tensor, plausible: to
 
 
 def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
-                    amateur_name: str | None = None) -> Iterator[tuple[StepTrace, ContrastStep]]:
-    """Contrastive decoding, one (StepTrace, ContrastStep) per generated token. Both models keep
-    their own KV cache and take one forward per token."""
+                    amateur_name: str | None = None) -> Iterator[Event]:
+    """Contrastive decoding, one Event (steps: [its StepTrace], record: its ContrastStep) per token.
+    Both models keep their own KV cache and take one forward per token."""
     check_prompt(prompt_ids)
     start, label = time.perf_counter(), amateur_name or amateur.name
     expert_cache, amateur_cache = KVCache(expert.model), KVCache(amateur.model)
@@ -260,8 +259,8 @@ def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Seque
         reason = stopper.reason(generated)
         step = core.step_trace(expert, traced, pick, len(generated) - 1, (time.perf_counter() - start) * 1000,
                                finish_reason=reason)
-        yield step, contrast_record(step.index, pick.token_id, scores, plausible, expert_lp, amateur_lp,
-                                    config.cd_alpha, config.top_n, expert)
+        yield Event(steps=[step], record=contrast_record(step.index, pick.token_id, scores, plausible, expert_lp,
+                                                         amateur_lp, config.cd_alpha, config.top_n, expert))
         if reason is not None:
             return
         ids = torch.cat([ids, torch.tensor([[pick.token_id]], device=expert.device)], dim=1)
@@ -271,42 +270,38 @@ def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Seque
 # --- entry points --------------------------------------------------------------------------------
 
 
-def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
-           registry: ModelRegistry | None = None, amateur: LoadedModel | None = None,
-           ) -> Iterator[tuple[StepTrace, SearchStep | ContrastStep]]:
-    """(StepTrace, record) pairs for either strategy. Contrastive decoding loads its amateur through
-    ``registry`` unless ``amateur`` is given."""
+def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
+           registry: ModelRegistry | None = None, amateur: LoadedModel | None = None) -> Iterator[Event]:
+    """An Event per token for either strategy; the last holds the Trace (``extra[config.strategy]``:
+    the per-step records; contrastive decoding, ``extra["amateur"]``: the amateur's name). The
+    amateur loads through ``registry`` unless ``amateur`` is given. A step with nothing left to
+    pick ends the run (stop_reason "no_tokens_left")."""
     if config.strategy == "contrastive_search":
-        yield from stream_search(lm, prompt_ids, config)
+        source, label = stream_search(lm, prompt_ids, config), None
     elif config.strategy == "contrastive_decoding":
         if amateur is None:
-            amateur = resolve_amateur(lm, config, registry or ModelRegistry())
-            label = config.amateur
+            amateur, label = resolve_amateur(lm, config, registry or ModelRegistry()), config.amateur
         else:
             check_same_tokenizer(lm, amateur, "amateur")
             label = amateur.name
-        yield from stream_contrast(lm, amateur, prompt_ids, config, label)
+        source = stream_contrast(lm, amateur, prompt_ids, config, label)
     else:
         raise ConfigError("strategy", f"engine.contrastive runs {' | '.join(STRATEGIES)}, got {config.strategy!r}")
-
-
-def stream_steps(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
-                 registry: ModelRegistry | None = None, amateur: LoadedModel | None = None) -> Iterator[StepTrace]:
-    """Only the StepTraces of ``stream`` (what the step chart and the compare lanes draw)."""
-    for step, _record in stream(lm, prompt_ids, config, registry=registry, amateur=amateur):
-        yield step
-
-
-def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
-        registry: ModelRegistry | None = None, amateur: LoadedModel | None = None) -> Trace:
-    """A whole run; ``trace.extra[config.strategy]`` holds the per-step records."""
-    prompt_ids = lm.encode(prompt, chat)
-    pairs = list(stream(lm, prompt_ids, config, registry=registry, amateur=amateur))
-    trace = assemble(lm, prompt, prompt_ids, config, [step for step, _ in pairs], chat)
-    trace.extra[config.strategy] = [record for _, record in pairs]
-    if config.strategy == "contrastive_decoding":
-        trace.extra["amateur"] = config.amateur if amateur is None else amateur.name
-    return trace
+    steps, collected, ended = [], [], False
+    try:
+        for event in source:
+            steps += event.steps
+            collected.append(event.record)
+            yield event
+    except sampling.NoTokensLeft:
+        ended = True
+    trace = assemble(lm, prompt, prompt_ids, config, steps, chat)
+    if ended:
+        trace.end_with_no_tokens_left()
+    trace.extra[config.strategy] = collected
+    if label is not None:
+        trace.extra["amateur"] = label
+    yield Event(trace=trace)
 
 
 def records(trace: Trace) -> list[SearchStep] | list[ContrastStep]:

@@ -181,9 +181,7 @@ def _checked(source: Iterator, control: RunControl | None, ended: list | None = 
 def _end(trace: Trace, ended: list) -> Trace:
     """The trace, its stop_reason set to "no_tokens_left" (also on its last step) if ``ended`` says so."""
     if ended:
-        trace.stop_reason = NO_TOKENS_LEFT
-        if trace.steps:
-            trace.steps[-1].finish_reason = NO_TOKENS_LEFT
+        trace.end_with_no_tokens_left()
     return trace
 
 
@@ -228,17 +226,8 @@ def _speculative(ctx: RunContext) -> Iterator[Event]:
 
 @register("contrastive_search", "contrastive_decoding")
 def _contrastive(ctx: RunContext) -> Iterator[Event]:
-    lm, prompt, ids, config, chat, control, registry = (ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat,
-                                                        ctx.control, ctx.registry)
-    pairs, ended = [], []
-    for step, record in _checked(contrastive.stream(lm, ids, config, registry=registry), control, ended):
-        pairs.append((step, record))
-        yield Event(steps=[step], record=record)
-    trace = _end(core.assemble(lm, prompt, ids, config, [s for s, _ in pairs], chat), ended)
-    trace.extra[config.strategy] = [r for _, r in pairs]
-    if config.strategy == "contrastive_decoding":
-        trace.extra["amateur"] = config.amateur
-    yield Event(trace=trace)
+    yield from _checked(contrastive.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat,
+                                           registry=ctx.registry), ctx.control)
 
 
 @register("mcts")

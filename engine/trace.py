@@ -113,6 +113,13 @@ class Trace:
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
 
+    def end_with_no_tokens_left(self) -> None:
+        """Mark the run as ended by a step with nothing left to pick (``NoTokensLeft``): its
+        stop_reason, and its last step's finish_reason, become "no_tokens_left"."""
+        self.stop_reason = "no_tokens_left"
+        if self.steps:
+            self.steps[-1].finish_reason = "no_tokens_left"
+
     def to_json(self, indent: int | None = None) -> str:
         return dumps_strict(self.to_dict(), indent=indent)
 

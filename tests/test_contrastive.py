@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.generation import logits_process as tlp
 
-from engine import contrastive, decode
+from engine import contrastive, decode, runner
 from engine.config import ConfigError, DecodingConfig
 from engine.models import LoadedModel, ModelRegistry
 from engine.chain import Chain
@@ -19,6 +19,13 @@ from engine.trace import Trace
 from tests.conftest import make_tiny_llama
 
 PROMPT = "The best way to learn a new language is"
+
+
+def token_events(events) -> list:
+    """(StepTrace, record) of each token's Event of a contrastive stream (the last, the Trace, left out)."""
+    events = list(events)
+    assert events[-1].trace is not None and all(len(e.steps) == 1 for e in events[:-1])
+    return [(e.steps[0], e.record) for e in events[:-1]]
 
 
 # --- references ----------------------------------------------------------------------------------
@@ -109,7 +116,7 @@ def test_search_matches_uncached_reference_on_tiny_model_with_penalty(tiny_lm):
                          temperature=0.7, max_new_tokens=12)  # temperature: a sampling stage, ignored here
     prompt_ids = tiny_lm.encode(PROMPT)
     with FeedLog(tiny_lm.model) as feeds:
-        pairs = list(contrastive.stream(tiny_lm, prompt_ids, cfg))
+        pairs = token_events(contrastive.stream(tiny_lm, PROMPT, prompt_ids, cfg))
     # prefill once, then one forward per token: the 5 candidates as a batch of one-token continuations
     assert feeds.shapes == [(1, len(prompt_ids))] + [(5, 1)] * len(pairs)
     ref_ids, ref_scores = reference_contrastive_search(tiny_lm.model, prompt_ids, 5, 0.4, 12, (2,), penalty=1.3)
@@ -126,19 +133,19 @@ def test_search_matches_uncached_reference_on_tiny_model_with_penalty(tiny_lm):
 def test_search_with_alpha_zero_is_greedy(tiny_lm):
     cfg = DecodingConfig(strategy="contrastive_search", top_k=4, penalty_alpha=0.0, max_new_tokens=10)
     greedy = decode.run(tiny_lm, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=10))
-    assert contrastive.run(tiny_lm, PROMPT, cfg).generated_token_ids == greedy.generated_token_ids
+    assert runner.run(tiny_lm, PROMPT, cfg).generated_token_ids == greedy.generated_token_ids
 
 
 def test_search_refuses_too_many_candidates(tiny_lm):
     cfg = DecodingConfig(strategy="contrastive_search", top_k=contrastive.MAX_SEARCH_CANDIDATES + 1)
     with pytest.raises(ConfigError, match=r"top_k: .*allowed \[2, 64\], got 65"):
-        contrastive.run(tiny_lm, PROMPT, cfg)
+        runner.run(tiny_lm, PROMPT, cfg)
 
 
 @pytest.mark.slow
 def test_search_matches_uncached_reference_on_embedded_model(embedded):
     cfg = DecodingConfig(strategy="contrastive_search", top_k=4, penalty_alpha=0.6, max_new_tokens=16)
-    trace = contrastive.run(embedded, PROMPT, cfg)
+    trace = runner.run(embedded, PROMPT, cfg)
     ref_ids, ref_scores = reference_contrastive_search(embedded.model, trace.prompt_token_ids, 4, 0.6, 16,
                                                        embedded.eos_token_ids)
     assert trace.generated_token_ids == ref_ids
@@ -164,7 +171,7 @@ def test_decoding_matches_reference_on_two_tiny_models(tiny_lm, tiny_amateur):
     cfg = DecodingConfig(strategy="contrastive_decoding", temperature=0.0, cd_alpha=0.1, max_new_tokens=12)
     prompt_ids = tiny_lm.encode(PROMPT)
     with FeedLog(tiny_lm.model) as expert_feeds, FeedLog(tiny_amateur.model) as amateur_feeds:
-        pairs = list(contrastive.stream(tiny_lm, prompt_ids, cfg, amateur=tiny_amateur))
+        pairs = token_events(contrastive.stream(tiny_lm, PROMPT, prompt_ids, cfg, amateur=tiny_amateur))
     feeds = [(1, len(prompt_ids))] + [(1, 1)] * (len(pairs) - 1)  # each model: prefill, then one token per step
     assert expert_feeds.shapes == feeds and amateur_feeds.shapes == feeds
     ref_ids, ref_scores = reference_contrastive_decoding(tiny_lm.model, tiny_amateur.model, prompt_ids, 0.1, 12)
@@ -182,8 +189,10 @@ def test_decoding_matches_reference_on_two_tiny_models(tiny_lm, tiny_amateur):
 def test_decoding_samples_from_softmax_of_scores(tiny_lm, tiny_amateur):
     cfg = DecodingConfig(strategy="contrastive_decoding", temperature=1.0, top_p=0.95, cd_alpha=0.1,
                          max_new_tokens=10, seed=3)
-    first = contrastive.run(tiny_lm, PROMPT, cfg, amateur=tiny_amateur)
-    assert contrastive.run(tiny_lm, PROMPT, cfg, amateur=tiny_amateur).generated_token_ids == first.generated_token_ids
+    prompt_ids = tiny_lm.encode(PROMPT)
+    first = runner.collect(contrastive.stream(tiny_lm, PROMPT, prompt_ids, cfg, amateur=tiny_amateur))
+    again = runner.collect(contrastive.stream(tiny_lm, PROMPT, prompt_ids, cfg, amateur=tiny_amateur))
+    assert again.generated_token_ids == first.generated_token_ids and first.extra["amateur"] == tiny_amateur.name
     assert [st.name for st in first.steps[0].stages] == ["raw", "contrast", "top_p", "final"]
     for step, record in zip(first.steps, contrastive.records(first)):
         assert step.draw is not None
@@ -206,7 +215,7 @@ def test_decoding_refuses_an_amateur_with_another_tokenizer(tiny_lm, tmp_path):
                           dtype=torch.float32, quantization="none", source="x", eos_token_ids=(2,), memory_bytes=0)
     cfg = DecodingConfig(strategy="contrastive_decoding", temperature=0.0)
     with pytest.raises(ConfigError, match="amateur: .*other-vocab.* different tokenizer"):
-        list(contrastive.stream(tiny_lm, [1, 2, 3], cfg, amateur=amateur))
+        list(contrastive.stream(tiny_lm, "", [1, 2, 3], cfg, amateur=amateur))
     with pytest.raises(ConfigError, match="amateur: could not load"):
         contrastive.resolve_amateur(tiny_lm, cfg.replace(amateur=f"model:{tmp_path}"), ModelRegistry())
 
@@ -214,7 +223,7 @@ def test_decoding_refuses_an_amateur_with_another_tokenizer(tiny_lm, tmp_path):
 @pytest.mark.slow
 def test_decoding_with_self_nf4_amateur_on_embedded_model(embedded, registry):
     cfg = DecodingConfig(strategy="contrastive_decoding", amateur="self-nf4", temperature=0.0, max_new_tokens=8)
-    trace = contrastive.run(embedded, PROMPT, cfg, registry=registry)
+    trace = runner.run(embedded, PROMPT, cfg, registry=registry)
     assert 1 <= len(trace.steps) <= 8 and trace.stop_reason in ("eos", "max_new_tokens")
     assert trace.extra["amateur"] == "self-nf4" and trace.text.strip()
     for step, record in zip(trace.steps, contrastive.records(trace)):
@@ -225,7 +234,7 @@ def test_decoding_with_self_nf4_amateur_on_embedded_model(embedded, registry):
 
 def test_run_rejects_other_strategies(tiny_lm):
     with pytest.raises(ConfigError, match="strategy: engine.contrastive runs"):
-        contrastive.run(tiny_lm, PROMPT, DecodingConfig(strategy="greedy"))
+        list(contrastive.stream(tiny_lm, PROMPT, [1, 2, 3], DecodingConfig(strategy="greedy")))
 
 
 # --- the constraints stage -----------------------------------------------------------------------
