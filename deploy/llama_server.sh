@@ -1,0 +1,51 @@
+#!/bin/sh
+# Build llama.cpp's `llama-server` once per machine and print its path (issue #29's remote backend).
+#
+# The source is the llama.cpp bundled in llama-cpp-python's PyPI sdist (PyPI is the only registry the
+# project's machines reach). Only the server target is built. The binary is cached outside the repo,
+# so a second call prints the cached path at once; a lock lets `make test` (background build) and
+# `make remote` run together without building twice.
+#
+#   sh deploy/llama_server.sh PYTHON     -> prints .../llama-server-<version>/llama-server on stdout
+#
+# GGML_NATIVE=ON: the binary is built on, cached on and run on the same machine, so -march=native gives
+# ggml its AVX2/AVX-512 quantized kernels; a portable build (OFF) compiles only the baseline x86-64 paths
+# and runs Q4_1 several times slower. A binary copied to another CPU may fail with "illegal instruction":
+# delete the cache folder and build again there.
+set -eu
+
+PY=${1:-python3}
+VERSION=0.3.36                       # llama-cpp-python release whose vendor/llama.cpp is built
+CACHE=${DECODING_PLAYGROUND_CACHE:-$HOME/.cache/decoding-playground}
+DEST=$CACHE/llama-server-$VERSION
+BIN=$DEST/llama-server
+JOBS=${LLAMA_BUILD_JOBS:-2}
+
+if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/llama-server-$VERSION.lock"
+flock 9                               # a concurrent build holds it; we then find its binary
+if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
+
+WORK=$CACHE/llama-server-$VERSION.build
+rm -rf "$WORK"
+mkdir -p "$WORK"
+echo "llama-server: downloading the llama-cpp-python $VERSION sdist" >&2
+"$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK" >&2
+tar -xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK" "llama_cpp_python-$VERSION/vendor/llama.cpp"
+SRC=$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp
+
+# Static, server only, nothing fetched at build time (no prebuilt web UI, no HTTPS client).
+echo "llama-server: building with $JOBS jobs (about 15 min on 2 cores)" >&2
+cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
+cmake --build "$WORK/build" --target llama-server -j "$JOBS" >&2
+
+mkdir -p "$DEST"
+cp "$WORK/build/bin/llama-server" "$BIN.tmp"
+mv "$BIN.tmp" "$BIN"                  # atomic: a waiting reader never sees half a binary
+rm -rf "$WORK"
+echo "$BIN"
