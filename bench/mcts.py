@@ -58,7 +58,7 @@ def default_preset(lm, args) -> None:
           f"template, as the view opens), {args.repeats} interleaved repeats\n")
     mcts_s, greedy_s, tokens, forwards = [], [], 0, 0
     for _ in range(args.repeats):
-        seconds, trace = timed(lambda: mcts.run(lm, MCTS_PROMPT, ids, config))
+        seconds, trace = timed(lambda: runner.run(lm, MCTS_PROMPT, config, prompt_ids=ids))
         tokens, forwards = len(trace.generated_token_ids), 1 + trace.summary["search_forwards"] + len(trace.steps) - 1
         mcts_s.append(seconds)
         # greedy of exactly as many tokens (min_new_tokens keeps it from stopping earlier)

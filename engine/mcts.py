@@ -217,9 +217,9 @@ def raw_logprob(lm: LoadedModel, prompt_ids: Sequence[int], tokens: Sequence[int
 
 # --- the loop ---------------------------------------------------------------------------------
 def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
-              control: RunControl | None = None) -> Iterator[tuple[StepTrace, MctsPosition]]:
-    """Search, commit, repeat: yield (the committed token's StepTrace, its search tree) until EOS,
-    a stop string or max_new_tokens. ``control`` is checked once per simulation: stopped, it raises
+              control: RunControl | None = None) -> Iterator[Event]:
+    """Search, commit, repeat: yield an Event per committed token (steps: [its StepTrace], record:
+    its MctsPosition, the search tree) until EOS, a stop string or max_new_tokens. ``control`` is checked once per simulation: stopped, it raises
     SearchStopped (a RunStopped) holding the tree of the search under way."""
     core.check_prompt(prompt_ids)
     start = time.perf_counter()
@@ -249,7 +249,7 @@ def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
         step.finish_reason = stopper.reason(generated)
         record = MctsPosition(step.index, chosen.token_id, chosen.token, config.mcts_simulations,
                               search.forwards, (time.perf_counter() - t0) * 1000, search.nodes)
-        yield step, record
+        yield Event(steps=[step], record=record)
         if step.finish_reason is not None:
             return
         sequence.append(chosen.token_id)
@@ -273,10 +273,10 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
     steps, records = [], []
     stopped: RunStopped | None = None
     try:
-        for step, record in positions(lm, prompt_ids, config, control):
-            steps.append(step)
-            records.append(record)
-            yield Event(steps=[step], record=record)
+        for event in positions(lm, prompt_ids, config, control):
+            steps += event.steps
+            records.append(event.record)
+            yield event
     except RunStopped as stop:
         stopped = stop
     trace = core.assemble(lm, prompt, prompt_ids, config, steps, chat)
@@ -292,13 +292,3 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
         if isinstance(stopped, SearchStopped):
             trace.extra["mcts_interrupted"] = stopped.position
     yield Event(trace=trace)
-
-
-def run(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int] | None, config: DecodingConfig, *,
-        chat: bool = False, control: RunControl | None = None) -> Trace:
-    """``stream`` collected: the whole Trace."""
-    ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
-    for event in stream(lm, prompt, ids, config, chat=chat, control=control):
-        if event.trace is not None:
-            return event.trace
-    raise RuntimeError("mcts: the stream ended without a trace")
