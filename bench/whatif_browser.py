@@ -74,12 +74,12 @@ def main() -> None:
 
     from engine.models import ModelRegistry
     from playground.app import build_app, launch_kwargs
-    from playground.views import whatif
+    from playground import whatif_service
 
     demo = build_app(ModelRegistry())
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
                 **launch_kwargs())
-    route = whatif._ROUTES[demo]
+    route = whatif_service.service_of(demo)
     values = [f"{0.35 + 0.1 * i:.2f}" for i in range(args.changes)]  # never the preset's own 0.8
     results: dict[str, list[float]] = {"route (/dp/whatif)": [], "Gradio event (fallback)": []}
     try:

@@ -7,11 +7,12 @@ import gradio as gr
 from engine.models import EMBEDDED, ModelRegistry, model_policy
 from engine.settings import env_int
 
-from . import downloads, events, examples, page_js, share_links
+from . import downloads, events, examples, page_js, share_links, whatif_service
 from .assets import static_text
 from .events import ModelEvents
 from .shared import PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state
-from .views import beam, compare, lessons, presets, quantization, search, speculative, step, whatif
+from .views import beam, compare, lessons, presets, quantization, search, speculative, step
+from .whatif_service import WhatIfService
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
 # is "tab-<name>", which is what a share link selects.
@@ -50,6 +51,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
             model, quant = model_pickers(default_model, policy.allowed)
         shared = Shared(registry=registry, model=model, quantization=quant, user_presets=user_presets_state(),
                         events=ModelEvents(), policy=policy)
+        whatif = WhatIfService(shared)  # the app's one what-if: Step through's knobs and the presenter's slider
         handles: list[PanelView] = []
         pages: dict = {}  # every view's handle by name (Compare's page is not a PanelView)
         with gr.Tabs(elem_id="dp-tabs") as tabs:
@@ -57,13 +59,13 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
                 lessons_tab = lessons.build_tab(shared)
             for title, module, name in VIEWS:
                 with gr.Tab(title, id=f"tab-{name}", elem_id=f"tab-{name}"):
-                    handle = module.build_tab(shared)
+                    handle = module.build_tab(shared, whatif) if module is step else module.build_tab(shared)
                     pages[name] = handle
                 if isinstance(handle, PanelView):
                     handles.append(handle)
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
         lessons_tab.wire_page(demo, tabs, handles, pages["compare"], pages["quantization"])
-    whatif.serve(demo, pages["step"].whatif)
+    whatif_service.serve(demo, whatif)
     downloads.remove_on_close(demo)
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     # The views' example runs (first screens that already show a result), off the launch's path.
@@ -73,4 +75,4 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
 
 def launch_kwargs() -> dict:
     return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD,
-            "state_session_capacity": events.session_capacity(), "app_kwargs": {"routes": whatif.routes()}}
+            "state_session_capacity": events.session_capacity(), "app_kwargs": {"routes": whatif_service.routes()}}

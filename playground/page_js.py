@@ -29,7 +29,7 @@ HEAD = "<script>" + static_text("page.js", PROMPTS=json.dumps(PROMPT_BUTTONS), N
 CSS = static_text("page.css")
 
 
-# --- the what-if (playground/views/whatif.py: its route, ROUTE, answers these) -------------------
+# --- the what-if (playground/whatif_service.py: its route, ROUTE, answers these) ----------------
 ROUTE = "/dp/whatif"
 # Draws a what-if figure (an object) into a chart, set up as Gradio's Plot sets up its own
 # (responsive, autosize, a titled chart's top margin at least 100 px); only while its step is still
@@ -43,7 +43,8 @@ DRAW_JS = static_text("whatif_draw_figure.js", DRAW_STEP=_DRAW)
 # A knob's input event, in the page: post the values to the route, draw the figure, return the note
 # and the explanation under the chart (the outputs; unchanged when there is nothing new). Nothing
 # to draw without a key (no run yet). ``seq``: only the latest answer counts when changes overlap.
-# ``fallback``: the route cannot answer; the hidden button runs on_knob.
+# ``fallback``: the route cannot answer; the hidden button runs the same service call as a Gradio
+# event (views/step.py's Handlers.on_knob), whose figure DRAW_JS draws.
 WHATIF_JS = static_text("whatif_knob.js", POST=_POST, DRAW_STEP=_DRAW)
 
 # The presenter's temperature slider: the shown step (the context's data-step) redrawn at that

@@ -15,7 +15,7 @@ from engine import control, models, scheduler, settings
 from engine.settings import INTEGER_SETTINGS, SettingsError, check_environment, env_int, env_seconds
 from playground import app as playground_app
 from playground import events, examples
-from playground.views import whatif
+from playground import whatif_service
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def old_default_off(value):  # app.is_public / engine.models._env_flag (DP_PUBLI
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def old_default_on(value):  # examples.enabled / whatif.direct_enabled (DP_EXAMPLES, DP_WHATIF_ROUTE)
+def old_default_on(value):  # examples.enabled / whatif_service.direct_enabled (DP_EXAMPLES, DP_WHATIF_ROUTE)
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -121,7 +121,7 @@ FLAG_READS = {  # the call sites, each reading its flag the way the app does
     "DP_PUBLIC": (lambda: app.is_public(dict(os.environ)), old_default_off),
     "DP_ALLOW_LOCAL_MODELS": (lambda: models.model_policy().allow_local, old_default_off),
     "DP_EXAMPLES": (examples.enabled, old_default_on),
-    "DP_WHATIF_ROUTE": (whatif.direct_enabled, old_default_on),
+    "DP_WHATIF_ROUTE": (whatif_service.direct_enabled, old_default_on),
 }
 
 

@@ -145,10 +145,10 @@ def test_forged_long_trace_is_refused_at_once(live_app):
 
 
 def test_whatif_route_answers_400_to_deep_json(live_app):
-    from playground.views import whatif
+    from playground import whatif_service
 
     for body in ("[" * 30_000, '{"a":' * 10_000):
-        res = httpx.post(live_app + whatif.ROUTE, content=body, timeout=60)
+        res = httpx.post(live_app + whatif_service.ROUTE, content=body, timeout=60)
         assert res.status_code == 400, res.text[:200]
         error = strict(res.text)["error"]
         assert error.startswith("body: ") and "\n" not in error and len(error) < ONE_LINE

@@ -14,7 +14,7 @@ from engine import explore, runner
 from engine.config import DecodingConfig
 from playground.charts import step as charts
 from playground.views import step as step_view
-from playground.views import whatif
+from playground import whatif_service as whatif
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +23,11 @@ CFG = DecodingConfig(strategy="sample", seed=3, max_new_tokens=6, temperature=0.
 
 @pytest.fixture(scope="module")
 def route(registry, embedded):
-    """The WhatIfRoute of a freshly built app (its own knob panel) over the test registry."""
+    """The WhatIfService of a freshly built app (its own knob panel) over the test registry."""
     from playground.app import build_app
 
     demo = build_app(registry)
-    yield whatif._ROUTES[demo]
+    yield whatif.service_of(demo)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_route_over_http_is_strict_json_with_clear_statuses(live_app, embedded, 
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
 
     session = step_view.StepSession(runs=[trace], owner="o" * 32)  # the server runs in this process
-    route = next(iter(whatif._ROUTES.values()))
+    route = whatif.services()[0]
     body = {"key": session.whatif_key, "step": 2, "model": "embedded", "quantization": "none", "width": None,
             "values": values(route, temperature=1.3)}
     with httpx.Client(base_url=live_app, timeout=60) as client:
@@ -182,7 +182,7 @@ def test_a_failure_inside_the_route_is_a_note_not_a_500(live_app, monkeypatch):
     def broken(self, body):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(whatif.WhatIfRoute, "answer", broken)
+    monkeypatch.setattr(whatif.WhatIfService, "answer", broken)
     res = httpx.post(live_app + whatif.ROUTE, json={"key": "k"}, timeout=60)
     assert res.status_code == 200
     reply = res.json()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.whatif_browser import open_step
-from playground.views import whatif
+from playground import whatif_service
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -33,7 +33,7 @@ def test_knob_change_retitles_the_chart_and_rewrites_the_explanation(page, live_
     assert "would" in explain and own_explain not in explain
     page.screenshot(path=str(artifacts / "step-whatif-title.png"), full_page=True)
     # The fallback path (the route cannot answer): the same title and explanation through on_knob.
-    routes = list(whatif._ROUTES.values())
+    routes = whatif_service.services()
     try:
         for route in routes:
             route.direct = False

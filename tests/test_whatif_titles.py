@@ -17,7 +17,7 @@ from engine.config import DecodingConfig
 from engine.chain import Chain
 from playground.charts import step as charts
 from playground.views import step as step_view
-from playground.views import whatif
+from playground import whatif_service as whatif
 from test_continue_compare import Page, generate
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def demo(registry, embedded):
 
 @pytest.fixture(scope="module")
 def route(demo):
-    return whatif._ROUTES[demo]
+    return whatif.service_of(demo)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_what_if_pick_edges():
     assert draw_at(probs, 1.0).token_id == 4  # u at the total by rounding: the last token with mass
 
 
-def test_fallback_event_writes_the_kept_logits_under_the_sessions_lock(demo, monkeypatch):
+def test_fallback_event_writes_the_kept_logits_under_the_sessions_lock(demo, route, monkeypatch):
     """#28: on_knob (the Gradio-event what-if) reads and writes ``state.kept`` holding the same lock
     as the route and its prepare (it wrote it without: a prepare and a knob change could race)."""
     page = Page(demo)
@@ -198,7 +198,7 @@ def test_fallback_event_writes_the_kept_logits_under_the_sessions_lock(demo, mon
     real = whatif.whatif_step
 
     def watched(lm, trace, at, knobs, kept, key):
-        held.append(whatif.kept_lock(session).locked())
+        held.append(route.kept_lock(session).locked())
         return real(lm, trace, at, knobs, kept, key)
 
     monkeypatch.setattr(whatif, "whatif_step", watched)

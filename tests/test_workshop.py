@@ -15,6 +15,7 @@ from engine.control import RunControl
 from engine.lessons import builtin_lessons, parse_lesson
 from engine.scheduler import scheduler_for
 from engine.trace import StageTrace, from_dict
+from playground import whatif_service
 from playground.views import whatif
 
 CFG = DecodingConfig(strategy="sample", seed=5, max_new_tokens=10, temperature=0.9, top_k=30, top_p=0.95)
@@ -47,8 +48,8 @@ def _step(trace, where):
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_whatif_with_own_knobs_redraws_the_runs_step(tiny_lm, trace, where):
     at = _step(trace, where)
-    key = whatif.context_key("m", "none", trace, at)
-    changed, kept = whatif.whatif_step(tiny_lm, trace, at, {}, None, key)
+    key = whatif_service.context_key("m", "none", trace, at)
+    changed, kept = whatif_service.whatif_step(tiny_lm, trace, at, {}, None, key)
     assert explore.stages_match(changed.stages, trace.steps[at].stages)
     assert changed.chosen_token_id == trace.steps[at].chosen_token_id and changed.draw == trace.steps[at].draw
     assert kept.logits.shape == (1, tiny_lm.vocab_size)
@@ -57,18 +58,18 @@ def test_whatif_with_own_knobs_redraws_the_runs_step(tiny_lm, trace, where):
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_whatif_knob_change_reuses_the_kept_logits(tiny_lm, trace, where, monkeypatch):
     at = _step(trace, where)
-    key = whatif.context_key("m", "none", trace, at)
-    _, kept = whatif.whatif_step(tiny_lm, trace, at, {}, None, key)
+    key = whatif_service.context_key("m", "none", trace, at)
+    _, kept = whatif_service.whatif_step(tiny_lm, trace, at, {}, None, key)
     monkeypatch.setattr(explore, "raw_logits", lambda *a, **k: pytest.fail("recomputed the kept logits"))
-    hot, _ = whatif.whatif_step(tiny_lm, trace, at, {"temperature": 2.0, "top_k": 0, "top_p": 1.0}, kept, key)
-    cold, _ = whatif.whatif_step(tiny_lm, trace, at, {"temperature": 0.3}, kept, key)
+    hot, _ = whatif_service.whatif_step(tiny_lm, trace, at, {"temperature": 2.0, "top_k": 0, "top_p": 1.0}, kept, key)
+    cold, _ = whatif_service.whatif_step(tiny_lm, trace, at, {"temperature": 0.3}, kept, key)
     # A flatter distribution keeps more tokens and has more entropy than a sharper one.
     assert hot.stages[-1].entropy > trace.steps[at].stages[-1].entropy > cold.stages[-1].entropy
     assert hot.stages[-1].kept > trace.steps[at].stages[-1].kept
 
 
 def test_whatif_key_changes_with_the_step_and_the_model(trace):
-    keys = {whatif.context_key(m, q, trace, s) for m, q, s in [("a", "none", 1), ("a", "none", 2), ("b", "none", 1),
+    keys = {whatif_service.context_key(m, q, trace, s) for m, q, s in [("a", "none", 1), ("a", "none", 2), ("b", "none", 1),
                                                                 ("a", "int8", 1)]}
     assert len(keys) == 4
 
@@ -78,10 +79,10 @@ def test_two_sessions_at_once_keep_their_own_logits(tiny_lm, trace):
     results: dict = {}
 
     def session(name, tr, at):
-        key = whatif.context_key("m", "none", tr, at)
+        key = whatif_service.context_key("m", "none", tr, at)
         kept = None
         for t in (0.5, 1.0, 1.5):
-            changed, kept = whatif.whatif_step(tiny_lm, tr, at, {"temperature": t}, kept, key)
+            changed, kept = whatif_service.whatif_step(tiny_lm, tr, at, {"temperature": t}, kept, key)
         results[name] = (changed, kept, explore.explore_step(tiny_lm, tr, at, {"temperature": 1.5}))
 
     threads = [threading.Thread(target=session, args=("a", trace, 3)), threading.Thread(target=session, args=("b", other, 2))]
@@ -99,7 +100,7 @@ def test_two_sessions_at_once_keep_their_own_logits(tiny_lm, trace):
                                         ({"no_such_knob": 1}, "no_such_knob"), ({"stage_order": ["rm -rf"]}, "stage_order")])
 def test_hostile_knobs_give_an_error_naming_the_knob(tiny_lm, trace, knobs, key):
     with pytest.raises(ConfigError) as err:
-        whatif.whatif_step(tiny_lm, trace, 1, knobs, None, whatif.context_key("m", "none", trace, 1))
+        whatif_service.whatif_step(tiny_lm, trace, 1, knobs, None, whatif_service.context_key("m", "none", trace, 1))
     assert str(err.value).startswith(f"{key}:")
 
 
@@ -127,8 +128,8 @@ def test_explore_api_returns_trace_json_stages(tiny_lm, trace):
 
 
 def test_whatif_note_names_the_changed_knob(tiny_lm, trace):
-    changed, _ = whatif.whatif_step(tiny_lm, trace, 1, {"temperature": 2.0}, None, "k")
-    note = whatif.whatif_note(trace.steps[1], changed, {"temperature": 2.0, "seed": 5}, trace.config)
+    changed, _ = whatif_service.whatif_step(tiny_lm, trace, 1, {"temperature": 2.0}, None, "k")
+    note = whatif_service.whatif_note(trace.steps[1], changed, {"temperature": 2.0, "seed": 5}, trace.config)
     assert "temperature = 2.0" in note and "seed" not in note
 
 

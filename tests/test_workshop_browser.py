@@ -9,7 +9,7 @@ import pytest
 
 from bench.whatif_browser import WATCH_JS, change, open_step
 from playground.knobs import KnobPanel
-from playground.views import whatif
+from playground import whatif_service
 from playground.views.step import DEFAULT_PRESET
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -66,7 +66,7 @@ def test_whatif_knob_redraws_the_selected_step(page, live_app, artifacts):
     assert "stage_order" in page.locator("#step-whatif-note").inner_text()
     # Where the route cannot answer (DP_WHATIF_ROUTE=0, a model not loaded, ZeroGPU) the same what-if
     # runs as a Gradio event: the page presses the hidden fallback button.
-    routes = list(whatif._ROUTES.values())
+    routes = whatif_service.services()
     try:
         for route in routes:
             route.direct = False

@@ -47,7 +47,7 @@ from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
 from .quantization import QuantPage
 from .stale import cleared
 from .step import StepView
-from .whatif import KeptLogits, Registered, register
+from ..whatif_service import KeptLogits, Registered, register
 
 LESSON_PARAM = "lesson"
 TOKEN_PREFIX = "l1."

@@ -4,36 +4,31 @@ labels >= 18 px), Next / Previous token (buttons and the left/right arrow keys),
 token" (the chosen token hidden until Reveal), and a QR code of the share link (click to enlarge).
 
 Shown by the toggle on the Lessons tab or the URL flag ``?present=1``; Exit (or Esc) leaves it.
-Pure helpers (``presenter_chart``, ``context_html``; ``panel_columns`` is charts.step's, shared
-with the Step view) take a trace; the panel only wires them.
+Pure helpers (``presenter_chart``, ``context_html``; ``step_chart`` is charts.presenter's, which
+the what-if service draws the temperature slider's answer with) take a trace; the panel only wires
+them. The slider posts to the app's what-if route (playground/whatif_service.py).
 """
 
 from __future__ import annotations
 
 import html
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 import plotly.graph_objects as go
 
-from engine.trace import StepTrace, Trace
+from engine.trace import Trace
 from playground import qr
 from playground.charts import step as charts
-from playground.charts.compare import legible_stage_chart  # a T=5 step's panels on their own scale, p filled in
-from playground.charts.step import NARROW_PX, PHONE_PX, panel_columns, revised  # shared with the Step view's chart
+from playground.charts.presenter import step_chart  # the what-if service draws the slider's chart with it too
+from playground.charts.step import revised
 
 from ..assets import static_text
 from ..page_js import PRESENTER_JS, PRESENTER_PREPARE_JS
 
 PRESENT_PARAM = "present"
 TEMPERATURE_RANGE = (0.05, 3.0)  # the what-if slider
-BIG_FONT = 22  # px: token labels at projector distance (the issue asks >= 18 px at 1280x720)
-PHONE_FONT = 16  # px: a phone is read at arm's length, and 22 px labels do not fit 2 panels in 390 px
-WIDE_TICK_FONT = 18  # px: token labels when a panel has more than 7 bars (10 fit 720 px at 18, not at 22)
-BAR_PX = 24  # px a bar on a narrow page (16 px labels with room between them)
-CHAR_EM = 0.62  # a generous average glyph width of the chart font, in em (the room token labels need)
 
 # Left/right arrows press Previous/Next and Esc presses Exit while the presenter view is shown and
 # no text field has focus (page load; the page's other keys live in playground/page_js.py). Esc on
@@ -48,42 +43,6 @@ RUN_JS = static_text("presenter_run.js")
 def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.Figure:
     """Step ``index``'s stage chart at projector size (``step_chart``)."""
     return step_chart(trace.steps[index], width)
-
-
-def step_chart(step: StepTrace, width: float | None = None) -> go.Figure:
-    """A step's stage chart at projector size, laid out for a page ``width`` px wide. Every bar
-    keeps its token label (plotly would drop every other one where they crowd). Wide: no fixed
-    height, the figure fills its box, which the page's CSS sizes to the free viewport. Narrow
-    (< NARROW_PX): a fixed height of BAR_PX a bar that the overlay scrolls, two panels a row with
-    the gap between them as wide as the token labels (else they lie over the left panel's bars),
-    one a row on a phone (< PHONE_PX). ``layout.meta`` says which layout it is, so the page can ask
-    for the other one on a resize."""
-    panels = len(step.stages) + (1 if step.draw is not None else 0)
-    narrow = width is not None and width < NARROW_PX
-    phone = width is not None and width < PHONE_PX
-    columns = 1 if phone else panel_columns(panels, width)
-    rows = math.ceil(panels / columns)
-    bars = max(charts.panel_rows(step), default=1)
-    font = PHONE_FONT if narrow else BIG_FONT
-    tick_font = font if narrow or (rows == 1 and bars <= 7) else WIDE_TICK_FONT  # 10 bars fit 720 px at 18 px
-    if narrow:
-        label_px = max((len(t) for t in charts.tick_labels(step)), default=4) * CHAR_EM * tick_font + 12
-        gap = min(0.45, label_px / max(1.0, width - 40 - label_px)) if columns > 1 else 0.12
-        fig = legible_stage_chart(step, columns=columns, gap_px=130, panel_px=int(bars * BAR_PX), column_gap=gap)
-    else:
-        fig = legible_stage_chart(step, columns=columns)
-    fig.update_layout(font=dict(size=font), title_font_size=font + 4, legend_font_size=font - 2,
-                      meta={"narrow": narrow, "phone": phone, "columns": columns},
-                      margin=dict(l=10, r=20, t=110 + 40 * min(rows, 2), b=70))
-    if narrow:  # a phone's height goes to the bars: no legend (the Step through view has it), less margin
-        fig.update_layout(showlegend=False, margin=dict(l=4, r=8, t=100, b=10), autosize=True)
-    else:
-        fig.update_layout(height=None, autosize=True)
-    fig.update_layout(title=dict(y=1, yanchor="top", pad=dict(t=24)))  # a smaller pad clips the first line
-    fig.update_yaxes(tickfont=dict(size=tick_font), tickmode="linear", dtick=1)  # every category labelled
-    fig.update_xaxes(tickfont=dict(size=font - 4))
-    fig.update_annotations(font_size=font)
-    return fig
 
 
 def context_html(trace: Trace, index: int, hidden: bool) -> str:

@@ -5,6 +5,11 @@ Per-user state is one ``StepSession`` in gr.State: at most ``MAX_RUNS`` traces (
 its branches) and nothing else; no KV cache is kept, so a branch costs one prefill through the
 runner. API: ``/step_trace`` (run greedy/sampling) and ``/branch`` (continue a trace from a step
 with another token) return trace JSON.
+
+What if (views/whatif.py's row under the step chart): a knob change re-draws the selected step under
+the new knobs through the app's ``WhatIfService`` (the route, or when it cannot answer the same
+service call as the hidden fallback button's event, ``Handlers.on_knob``); Continue streams the
+branch under the new knobs into this view (``Handlers.on_continue``).
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from playground.charts.step import revised
 from playground.charts import tokens as token_charts
 
 from .. import downloads, examples
-from ..events import stop_button
+from ..events import stop_button, zero_gpu
 from ..knobs import STAGE_KNOBS, KnobPanel
+from ..page_js import DRAW_JS
+from ..whatif_service import STAGE_STRATEGIES, KeptLogits, Registered, WhatIfService, register
 from . import stale
-from .whatif import KeptLogits, Registered, WhatIfPanel, register
+from .whatif import WHATIF_CONCURRENCY, WhatIfPanel, continue_events, explore_api
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 from ..shared import page_width, parent_trace
 
@@ -54,8 +61,8 @@ class StepSession(Registered):
     runs: list[Trace] = field(default_factory=list)
     current: int = 0
     owner: str = ""
-    kept: KeptLogits | None = None  # the what-if's raw logits of one step (whatif.KeptLogits)
-    whatif_key: str = ""  # the page's key for the what-if route (whatif.register)
+    kept: KeptLogits | None = None  # the what-if's raw logits of one step (only WhatIfService touches it)
+    whatif_key: str = ""  # the page's key for the what-if route (whatif_service.register)
     # runs[i]'s parent: the run it was branched or continued from (None: an original). The trace
     # itself, not an index: the list drops old branches, and the comparison must still be with it.
     parents: list[Trace | None] = field(default_factory=list)
@@ -105,7 +112,6 @@ class StepView(PanelView):
 
     select_once: Any = None
     width: Any = None
-    whatif: Any = None  # the what-if route's handler (whatif.WhatIfRoute), served by the app
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ class Outputs(OutputSet):
     download: Any
     session: Any
     owner: Any  # gr.BrowserState: this page's secret, see StepSession
-    whatif_key: Any  # hidden box: the session's what-if key (whatif.WHATIF_JS)
+    whatif_key: Any  # hidden box: the session's what-if key (page_js.WHATIF_JS)
 
 
 def own(state: StepSession | None, owner: Any) -> StepSession | None:
@@ -286,7 +292,8 @@ def most_uncertain(steps: list) -> int:
     return max(range(len(steps)), key=lambda i: (steps[i].entropy, -i)) if steps else 0
 
 
-def build_tab(shared: Shared) -> StepView:
+def build_tab(shared: Shared, whatif: WhatIfService) -> StepView:
+    """The Step-through tab; its knob panel's what-ifs go to ``whatif`` (the app's service)."""
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="step-prompt")
@@ -325,9 +332,10 @@ def build_tab(shared: Shared) -> StepView:
     view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width)
     example = examples.ExampleRequest("step", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel), chat=True)
     examples.cache_for(shared.registry).want(example)
-    Handlers(shared, view, out, colour_by, example, redraw).wire(generate, branch_btn, stop)
-    what_if.wire(shared, view, out, colour_by, stream_run, own, StepRequest)
-    view.whatif = what_if.route
+    whatif.use_panel(panel)
+    handlers = Handlers(shared, view, out, colour_by, example, redraw, whatif, what_if)
+    handlers.wire(generate, branch_btn, stop)
+    handlers.wire_whatif()
     return view
 
 
@@ -341,6 +349,8 @@ class Handlers:
     colour_by: gr.Radio
     example: examples.ExampleRequest | None = None
     redraw: gr.Button | None = None  # hidden; the page's script presses it when the chart's layout misses the width
+    whatif: WhatIfService | None = None  # the app's what-if (wire_whatif)
+    what_if: WhatIfPanel | None = None  # the what-if row under the chart
 
     def error(self, message: str) -> dict:
         """A branch's error: the run on screen is still the one in view (a failure after the branch
@@ -399,6 +409,51 @@ class Handlers:
         self.wire_example()
         events.api(functools.partial(step_trace, shared), "step_trace")
         events.api(functools.partial(branch_trace, shared), "branch", what="branch")
+
+    def on_knob(self, state: StepSession | None, owner: str, step: Any, model: str, quant: str, width: Any,
+                *values: Any) -> dict:
+        """The what-if as a Gradio event (the route cannot answer: the model is not loaded, a ZeroGPU
+        Space, ``DP_WHATIF_ROUTE=0``): the service's own answer, its figure through the hidden box."""
+        panel = self.what_if
+        state = own(state, owner)
+        trace = state.trace() if state is not None else None
+        if trace is None or not trace.steps or trace.strategy not in STAGE_STRATEGIES:
+            return {panel.note: gr.skip(), panel.figure: ""}  # nothing to draw
+        at = max(0, min(int(step or 0), len(trace.steps) - 1))
+        answer = self.whatif.step_answer(state, trace, at, model, quant, width, list(values), load=True)
+        if answer["figure"] is None:
+            return {panel.note: answer["note"], panel.figure: ""}
+        return {panel.figure: str(answer["figure"]), panel.note: answer["note"], self.out.explain: answer["explain"]}
+
+    def on_continue(self, model: str, quant: str, colour: str, state: StepSession | None, owner: str, step: Any,
+                    width: Any, *values: Any, control: RunControl) -> Iterator[dict]:
+        """Continue from the selected step with the panel's knobs: a branch streamed into the view."""
+        state = own(state, owner)
+        if state is None or state.trace() is None or not state.trace().steps:
+            raise UserError("continue: generate a run first")
+        parent = state.trace()
+        at = max(0, min(int(step or 0), len(parent.steps) - 1))
+        config = self.view.panel.config(*values)
+        lm = self.shared.lm(model, quant)
+        req = StepRequest(lm, parent.prompt, parent.prompt_token_ids, config, parent.chat, colour)
+        events = continue_events(self.shared, lm, parent, at, config, control)
+        yield from stream_run(self.out, self.shared, state, req, control, branch=(parent, at, None), events=events,
+                              width=page_width(width))
+
+    def wire_whatif(self) -> None:
+        """The what-if row: knob changes in the page (the route), the fallback event, Continue, and
+        the ``/explore_step`` API."""
+        out, shared, panel, what_if = self.out, self.shared, self.view.panel, self.what_if
+        what_if.wire_page(shared, panel, out.step, out.chart, out.explain, self.view.width)
+        inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, self.view.width, *panel.inputs]
+        gr.on([what_if.fallback.click], zero_gpu(self.on_knob), inputs, [what_if.figure, what_if.note, out.explain],
+              api_visibility="private", trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY).success(
+            None, [what_if.figure], None, js=DRAW_JS, queue=False, show_progress="hidden", api_visibility="private")
+        shared.events.on([what_if.continue_btn.click], self.on_continue,
+                         [shared.model, shared.quantization, self.colour_by, out.session, out.owner, out.step,
+                          self.view.width, *panel.inputs],
+                         out.all(), on_error=lambda message: {out.status: error_html(message)}, what="continue")
+        shared.events.api(functools.partial(explore_api, shared), "explore_step", what="what-if")
 
     def on_example(self, timer: gr.Timer, model: str, quant: str, colour: str, state: StepSession | None,
                    owner: str, prompt: str, chat: bool, *values: Any) -> dict:
