@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.speculative import PROMPT as SPELLING  # noqa: E402
-from engine import decode, medusa, speculative  # noqa: E402
+from engine import decode, medusa, runner, speculative  # noqa: E402
 from engine.config import ConfigError, DecodingConfig  # noqa: E402
 from engine.models import ModelRegistry, ModelSpec  # noqa: E402
 
@@ -94,8 +94,8 @@ def bench_prompt(lm, registry, name: str, prompt: str, method: str, config: Deco
 
     def fast(cfg):
         if shape is not None:
-            return medusa.run(lm, prompt, ids, cfg, chat=True, heads=heads, shape=shape)
-        return speculative.run(lm, prompt, cfg, chat=True, registry=registry)
+            return runner.collect(medusa.stream(lm, prompt, ids, cfg, chat=True, heads=heads, shape=shape))
+        return runner.run(lm, prompt, cfg, chat=True, prompt_ids=ids, registry=registry)
 
     def base(cfg):
         return decode.assemble(lm, prompt, ids, cfg, list(decode.stream(lm, ids, cfg)), True)

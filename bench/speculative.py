@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import decode, speculative  # noqa: E402
+from engine import decode, runner, speculative  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
 from engine.models import LoadedModel, ModelRegistry, ModelSpec  # noqa: E402
 
@@ -71,7 +71,7 @@ def bench_drafter(lm: LoadedModel, registry: ModelRegistry, drafter: str, k: int
                             num_draft_tokens=k)
     base_config = speculative.baseline_config(config)
     warm = {"max_new_tokens": 8}  # warm-up: loads the drafter, first-call kernel setup
-    speculative.run(lm, PROMPT, config.replace(**warm), chat=True, registry=registry)
+    runner.run(lm, PROMPT, config.replace(**warm), chat=True, registry=registry)
     decode.run(lm, PROMPT, base_config.replace(**warm), chat=True)
     spec_ms, base_ms, trace, base = [], [], None, None
     for i in range(repeats):
@@ -79,7 +79,7 @@ def bench_drafter(lm: LoadedModel, registry: ModelRegistry, drafter: str, k: int
         for which in order:
             start = time.perf_counter()
             if which == "spec":
-                trace = speculative.run(lm, PROMPT, config, chat=True, registry=registry)
+                trace = runner.run(lm, PROMPT, config, chat=True, registry=registry)
                 spec_ms.append((time.perf_counter() - start) * 1000)
             else:
                 base = decode.run(lm, PROMPT, base_config, chat=True)

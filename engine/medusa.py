@@ -531,15 +531,3 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
     if compare_baseline:
         trace.summary |= speculative.compare_with_baseline(lm, prompt, config, trace, chat, control=control)
     yield Event(trace=trace)
-
-
-def run(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int] | None, config: DecodingConfig, *, chat: bool = False,
-        control: RunControl | None = None, heads: MedusaHeads | None = None, compare_baseline: bool = False,
-        shape: TreeShape | None = None) -> Trace:
-    """``stream`` collected: the whole Trace."""
-    ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
-    for event in stream(lm, prompt, ids, config, chat=chat, control=control, heads=heads,
-                        compare_baseline=compare_baseline, shape=shape):
-        if event.trace is not None:
-            return event.trace
-    raise RuntimeError("medusa: the stream ended without a trace")

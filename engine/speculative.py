@@ -17,8 +17,9 @@ Caches: the target's cache holds the sequence minus its last token; each round f
 plus the K drafts (K + 1 positions of logits), then both caches are rewound past what was rejected
 (``KVCache.rewind`` = ``DynamicCache.crop``), never rebuilt.
 
-``stream`` yields one ``SpecRound`` per round (the live UI); ``run`` returns the whole ``Trace``
-(rounds in ``Trace.rounds``, one ``StepTrace`` per generated token in ``Trace.steps``).
+``stream`` yields one ``SpecRound`` per round (the live UI); ``assemble`` makes the whole ``Trace``
+of them (rounds in ``Trace.rounds``, one ``StepTrace`` per generated token in ``Trace.steps``);
+``engine.runner`` runs both.
 """
 
 from __future__ import annotations
@@ -455,19 +456,6 @@ def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: De
 def baseline_config(config: DecodingConfig) -> DecodingConfig:
     """The same knobs decoded by the target alone."""
     return config.replace(strategy="greedy" if config.is_greedy else "sample")
-
-
-def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
-        registry: ModelRegistry | None = None, compare_baseline: bool = False) -> Trace:
-    """Speculative decoding to completion. ``compare_baseline`` also times a target-only run of the
-    same config in this process and adds ``baseline_ms`` and ``speedup`` to the summary."""
-    drafter = make_drafter(lm, config, registry or ModelRegistry())
-    prompt_ids = lm.encode(prompt, chat)
-    rounds = list(stream(lm, prompt_ids, config, drafter))
-    trace = assemble(lm, prompt, prompt_ids, config, rounds, drafter, chat)
-    if compare_baseline:
-        trace.summary |= compare_with_baseline(lm, prompt, config, trace, chat)
-    return trace
 
 
 def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, trace: Trace, chat: bool,

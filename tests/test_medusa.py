@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from engine import decode, medusa
+from engine import decode, medusa, runner
 from engine.config import ConfigError, DecodingConfig
 from engine.medusa import (CHAIN, TREE, HeadProposal, MedusaHeads, TreeShape, build_tree, head_logits, load_heads,
-                           rounds_of, run, save_heads)
+                           rounds_of, save_heads)
 from engine.trace import TokenProb, Trace
 from test_speculative import chi_square_p, exact_two_token_joint, wrap
 
@@ -77,7 +77,7 @@ def test_readout_equals_the_lm_head(tiny_lm):
 def test_greedy_medusa_equals_target_greedy(tiny_lm, knobs, scale, shape):
     config = GREEDY.replace(**knobs)
     ids = tiny_lm.encode("The cat sat on the mat. The cat sat on the")
-    trace = medusa.run(tiny_lm, "", ids, config, heads=random_heads(64, 3, scale), shape=shape)
+    trace = runner.collect(medusa.stream(tiny_lm, "", ids, config, heads=random_heads(64, 3, scale), shape=shape))
     assert trace.generated_token_ids == target_only(tiny_lm, ids, config)
     assert trace.summary["rounds"] == len(trace.rounds)
     assert trace.summary["tokens_per_target_forward"] == len(trace.steps) / len(trace.rounds)
@@ -162,7 +162,7 @@ def test_an_oracle_proposer_is_accepted_where_the_tree_holds_it(tiny_lm, monkeyp
     config = GREEDY.replace(max_new_tokens=13)
     reference = target_only(tiny_lm, ids, config)
     monkeypatch.setattr(medusa._MedusaVerifier, "propose", oracle_proposer(reference, decoys))
-    trace = medusa.run(tiny_lm, "", ids, config, heads=MedusaHeads(64, 3), shape=shape)
+    trace = runner.collect(medusa.stream(tiny_lm, "", ids, config, heads=MedusaHeads(64, 3), shape=shape))
     assert trace.generated_token_ids == reference
     assert [len(r.emitted_token_ids) for r in trace.rounds] == emitted
     assert trace.summary["tokens_per_target_forward"] == 13 / len(emitted)
@@ -199,7 +199,7 @@ def test_the_cache_after_each_round_equals_an_uncached_recompute(tiny_lm, monkey
     ids = tiny_lm.encode("a b a b a b")
     reference = target_only(tiny_lm, ids, GREEDY)
     monkeypatch.setattr(medusa._MedusaVerifier, "propose", oracle_proposer(reference, 1 if shape != CHAIN else 0))
-    medusa.run(tiny_lm, "", ids, GREEDY, heads=MedusaHeads(64, 3), shape=shape)
+    runner.collect(medusa.stream(tiny_lm, "", ids, GREEDY, heads=MedusaHeads(64, 3), shape=shape))
     assert len(checked) > 3 and max(checked) >= 2  # paths of several nodes were accepted (in the tree: second ranks)
 
 
@@ -233,13 +233,14 @@ def test_seeded_sampling_repeats(tiny_lm):
     config = DecodingConfig(strategy="medusa", temperature=0.8, seed=5, max_new_tokens=12)
     ids = tiny_lm.encode("Hello")
     heads = random_heads(64, 3, 3.0)
-    runs = [medusa.run(tiny_lm, "", ids, config, heads=heads).generated_token_ids for _ in range(2)]
+    runs = [runner.collect(medusa.stream(tiny_lm, "", ids, config, heads=heads)).generated_token_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
 
 
 # --- trace and heads file ---------------------------------------------------------------------------
 def test_trace_json_round_trips_with_proposals(tiny_lm):
-    trace = medusa.run(tiny_lm, "hi", None, GREEDY.replace(max_new_tokens=8), heads=random_heads(64, 3, 3.0))
+    trace = runner.collect(medusa.stream(tiny_lm, "hi", tiny_lm.encode("hi", False), GREEDY.replace(max_new_tokens=8),
+                                           heads=random_heads(64, 3, 3.0)))
     text = trace.to_json()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
     back = medusa.rounds_of(Trace.from_json(text))
@@ -288,7 +289,7 @@ def test_the_tree_knobs_choose_the_verified_tree(tiny_lm):
     ids = tiny_lm.encode("a b c", chat=False)
     for width, nodes in ((1, 3), (2, 5)):
         config = GREEDY.replace(max_new_tokens=6, medusa_tree_width=width, medusa_tree_nodes=nodes)
-        trace = run(tiny_lm, "a b c", ids, config, heads=heads)
+        trace = runner.collect(medusa.stream(tiny_lm, "a b c", ids, config, heads=heads))
         assert trace.summary["tree_width"] == width and trace.summary["tree_nodes"] == nodes
         assert all(len(r.tree) <= nodes for r in rounds_of(trace))
         assert trace.generated_token_ids == target_only(tiny_lm, ids, config)
@@ -305,7 +306,7 @@ def test_the_dynamic_tree_knob_reaches_the_verifier_and_keeps_greedy_exact(tiny_
                             medusa_tree_min_score=min_score)
     assert shape_of(config) == TreeShape(4, 24, min_score)
     ids = tiny_lm.encode("The cat sat on the mat. The cat sat on the", chat=False)
-    trace = run(tiny_lm, "", ids, config, heads=random_heads(64, 3, 3.0))
+    trace = runner.collect(medusa.stream(tiny_lm, "", ids, config, heads=random_heads(64, 3, 3.0)))
     rounds = rounds_of(trace)
     assert all(n.score >= min_score for r in rounds for n in r.tree)
     assert trace.summary["tree_min_score"] == min_score
@@ -326,7 +327,7 @@ def test_trained_heads_greedy_equals_target_and_accept_drafts(embedded):
     per_forward, nodes = {}, {}
     big, dynamic = TreeShape(6, 32), TreeShape(8, 48, min_score=0.02)
     for shape in (CHAIN, TREE, big, dynamic):
-        trace = medusa.run(embedded, "", ids, config, shape=shape)
+        trace = runner.collect(medusa.stream(embedded, "", ids, config, shape=shape))
         assert trace.generated_token_ids == reference
         per_forward[shape] = trace.summary["tokens_per_target_forward"]
         nodes[shape] = trace.summary["mean_tree_nodes"]
@@ -370,7 +371,8 @@ def test_medusa_summary_explains_a_difference(tiny_lm):
     from playground.views.search import medusa_summary
 
     ids = tiny_lm.encode("Hello", chat=False)
-    run_trace = run(tiny_lm, "", ids, GREEDY.replace(max_new_tokens=3), heads=random_heads(64, 3, 1.0))
+    run_trace = runner.collect(medusa.stream(tiny_lm, "", ids, GREEDY.replace(max_new_tokens=3),
+                                             heads=random_heads(64, 3, 1.0)))
     base = {"tokens_per_target_forward": 1.5, "speedup": 1.3, "baseline_tokens_per_s": 20.0, "head_acceptance": [0.4]}
     for extra, fragment in [
         ({"baseline_same_tokens": True, "baseline_first_difference": None}, "Same tokens as target-only: yes"),
@@ -401,7 +403,8 @@ def test_bfloat16_medusa_equals_target_greedy_up_to_rounding_ties(tiny_lm, monke
         config = GREEDY.replace(max_new_tokens=24)
         reference = target_only(lm, ids, config)
         monkeypatch.setattr(medusa._MedusaVerifier, "propose", oracle_proposer(reference, decoys))
-        trace = medusa.run(lm, "", ids, config, heads=MedusaHeads(64, 3).to(torch.bfloat16), shape=shape)
+        heads = MedusaHeads(64, 3).to(torch.bfloat16)
+        trace = runner.collect(medusa.stream(lm, "", ids, config, heads=heads, shape=shape))
         diff = first_difference(lm, ids, trace.generated_token_ids, reference)
         assert diff["baseline_first_difference"] is None or diff["baseline_rounding_tie"], (prompt, diff)
         assert max(len(r.emitted_token_ids) for r in trace.rounds) == 4  # whole paths accepted
@@ -412,6 +415,6 @@ def test_medusa_summary_names_the_dynamic_tree(tiny_lm):
 
     ids = tiny_lm.encode("Hello", chat=False)
     config = GREEDY.replace(max_new_tokens=4, medusa_tree_width=4, medusa_tree_nodes=24, medusa_tree_min_score=0.05)
-    text = medusa_summary(run(tiny_lm, "", ids, config, heads=random_heads(64, 3, 3.0)))
+    text = medusa_summary(runner.collect(medusa.stream(tiny_lm, "", ids, config, heads=random_heads(64, 3, 3.0))))
     assert "Verified tree: each head's top 4, at most 24 nodes, only paths with probability ≥ 0.05: " in text
     assert "nodes per forward on average" in text
