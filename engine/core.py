@@ -2,9 +2,10 @@
 pick policy, the StepTrace builder, trace assembly and one greedy/sampling run's per-step state.
 
 The strategies (decode, the batched scheduler, beam, speculative, contrastive, MCTS, Medusa) import
-these so each of them reads like its algorithm. ``RunState.advance`` is THE greedy/sampling loop
-body: ``decode.stream`` and the scheduler's per-row step both call it, so a batched run equals a
-solo run by construction (stage chain, pick, stateful stages, stop rules).
+these so each of them reads like its algorithm. ``advance_rows`` is THE greedy/sampling loop body:
+the scheduler steps its rows with it and ``decode.stream`` with ``RunState.advance``, its one-row
+case, so a batched run equals a solo run by construction (stage chain, pick, stateful stages, stop
+rules). Likewise ``pick`` is the one-row case of ``pick_rows``.
 """
 
 from __future__ import annotations
@@ -66,25 +67,51 @@ class StopCheck:
 # --- the pick policy ---------------------------------------------------------------------------------
 def pick(final: Traced | torch.Tensor, generator: torch.Generator | None, force: int | None = None, *,
          step: int | None = None) -> sampling.Pick:
-    """The token of one step from the final distribution (a ``Traced``, or final logits [1, V]).
+    """The token of one step from the final distribution (a ``Traced``, or final logits [1, V]):
+    the one-row case of ``pick_rows``, whose NoTokensLeft(step) it raises."""
+    chosen = pick_rows([final], [generator], [force], [step])[0]
+    if isinstance(chosen, Exception):
+        raise chosen
+    return chosen
 
-    - ``force``: that token (a branch); a sampling run's generator still skips one step's draws, so
-      the steps after it draw what an unforced run would;
-    - no token left (every logit masked, NaN): NoTokensLeft(step);
-    - no generator (greedy): ``sampling.greedy``, the argmax (ties: the lowest id);
-    - else a seeded draw from the final probabilities (``sampling.sample_probs``)."""
-    logits, probs = (final.logits, final.final_probs) if isinstance(final, Traced) else (final, None)
-    if probs is None:
-        probs = torch.softmax(logits[0].float(), dim=-1)  # [V], as Chain.traced and generate() compute it
-    if force is not None:
-        if generator is not None:
-            sampling.skip_draws(generator, 1, probs.shape[0], probs.device)
-        return sampling.Pick(force, float(probs[force]))
-    if not sampling.has_tokens(logits):
-        raise sampling.NoTokensLeft(step)
-    if generator is None:
-        return sampling.greedy(logits)
-    return sampling.sample_probs(probs, generator)
+
+def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torch.Generator | None],
+              forces: Sequence[int | None], steps: Sequence[int | None]) -> list[sampling.Pick | Exception]:
+    """The pick policy for R rows (row i: ``finals[i]``, a ``Traced`` or final logits [1, V], with
+    ``generators[i]``), the no-token check, argmax and draws computed on [R, V]:
+
+    - ``forces[i]``: that token (a branch); a sampling run's generator still skips one step's draws,
+      so the steps after it draw what an unforced run would;
+    - no token left (every logit masked, NaN): NoTokensLeft(steps[i]), returned as that row's result;
+    - no generator (greedy): the argmax (ties: the lowest id, as ``sampling.greedy``);
+    - else a seeded draw from the final probabilities (``sampling.sample_rows``, which equals
+      ``sampling.sample_probs`` row by row)."""
+    logits = [f.logits if isinstance(f, Traced) else f for f in finals]  # [1, V] each
+    # [V] each, the softmax of the final logits as Chain.traced and generate() compute it
+    probs = [f.final_probs if isinstance(f, Traced) else torch.softmax(f[0].float(), dim=-1) for f in finals]
+    out: list[sampling.Pick | Exception | None] = [None] * len(finals)
+    for i, token in enumerate(forces):
+        if token is not None:
+            if generators[i] is not None:
+                sampling.skip_draws(generators[i], 1, probs[i].shape[0], probs[i].device)
+            out[i] = sampling.Pick(token, float(probs[i][token]))
+    free = [i for i, token in enumerate(forces) if token is None]
+    if not free:
+        return out  # type: ignore[return-value]
+    has = sampling.rows_with_tokens(torch.cat([logits[i] for i in free]))
+    for i in (i for i, h in zip(free, has) if not h):
+        out[i] = sampling.NoTokensLeft(steps[i])
+    greedy = [i for i, h in zip(free, has) if h and generators[i] is None]
+    drawn = [i for i, h in zip(free, has) if h and generators[i] is not None]
+    if greedy:
+        tokens = torch.argmax(torch.cat([logits[i] for i in greedy]), dim=-1).tolist()
+        for i, token in zip(greedy, tokens):
+            out[i] = sampling.Pick(token, float(probs[i][token]))
+    if drawn:
+        picks = sampling.sample_rows(torch.stack([probs[i] for i in drawn]), [generators[i] for i in drawn])
+        for i, chosen in zip(drawn, picks):
+            out[i] = chosen
+    return out  # type: ignore[return-value]
 
 
 def draw_at(probs: torch.Tensor, u: float) -> sampling.Pick:
@@ -159,15 +186,16 @@ class RunState:
 
     def advance(self, logits: torch.Tensor) -> StepTrace:
         """One step: logits [1, V] after the last token -> the chain, the pick, the stateful stages'
-        update, the stop rules -> the StepTrace of the token picked (``finish_reason`` set on the last)."""
-        if self.needs_replay:
-            raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
-        traced = self.chain.traced(self.ids, logits, self.config.top_n, self.lm.token_text)
-        return self.finish(traced, pick(traced, self.generator, self.force, step=len(self.generated)))
+        update, the stop rules -> the StepTrace of the token picked (``finish_reason`` set on the last).
+        The one-row case of ``advance_rows``, whose exception for the row it raises."""
+        step = advance_rows([self], logits)[0]
+        if isinstance(step, Exception):
+            raise step
+        return step
 
     def finish(self, traced: Traced, chosen: sampling.Pick) -> StepTrace:
-        """The rest of ``advance`` once the step's token is picked: the stateful stages' update, the
-        stop rules, the token row -> the StepTrace."""
+        """The rest of a step (``advance_rows``) once its token is picked: the stateful stages'
+        update, the stop rules, the token row -> the StepTrace."""
         self.chain.observe(self.ids, chosen.token_id)
         self.chain.annotate(traced.stages)
         self.generated.append(chosen.token_id)
@@ -184,11 +212,11 @@ class RunState:
 
 
 def advance_rows(states: Sequence[RunState], logits: torch.Tensor) -> list[StepTrace | Exception]:
-    """``RunState.advance`` for many runs at once: row b of ``logits`` [B, V] is ``states[b]``'s.
-    Each run gets the StepTrace its own ``advance`` would give (same tokens, draws from its own
-    generator, floats to rounding), or the exception its step raised. The stage statistics, the
-    argmax and the draws' intervals are computed on [R, V] (``chain.traced_rows``,
-    ``pick_rows``) instead of row by row."""
+    """The greedy/sampling step of many runs at once (``RunState.advance`` is its one-row case): row b
+    of ``logits`` [B, V] is ``states[b]``'s. Each run gets the StepTrace it would get stepped alone
+    (same tokens, draws from its own generator, floats to rounding), or the exception its step
+    raised. The stage statistics, the argmax and the draws' intervals are computed on [R, V]
+    (``chain.traced_rows``, ``pick_rows``) instead of row by row."""
     if any(s.needs_replay for s in states):
         raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
     traced = traced_rows([s.chain for s in states], [s.ids for s in states], logits,
@@ -203,32 +231,6 @@ def advance_rows(states: Sequence[RunState], logits: torch.Tensor) -> list[StepT
         except Exception as exc:  # noqa: BLE001 (one run's failure ends that run only)
             out[b] = exc
     return out
-
-
-def pick_rows(finals: Sequence[Traced], generators: Sequence[torch.Generator | None],
-              forces: Sequence[int | None], steps: Sequence[int]) -> list[sampling.Pick | Exception]:
-    """``pick`` for many rows (the same tokens and draws): forced rows one by one; for the others
-    the no-token check, the greedy argmax and the seeded draws' race on [R, V]."""
-    out: list[sampling.Pick | Exception | None] = [None] * len(finals)
-    free = [i for i, f in enumerate(forces) if f is None]
-    for i in (i for i, f in enumerate(forces) if f is not None):
-        out[i] = pick(finals[i], generators[i], forces[i], step=steps[i])
-    if free:
-        has = sampling.rows_with_tokens(torch.cat([finals[i].logits for i in free]))
-        for i in (i for i, h in zip(free, has) if not h):
-            out[i] = sampling.NoTokensLeft(steps[i])
-        greedy = [i for i, h in zip(free, has) if h and generators[i] is None]
-        drawn = [i for i, h in zip(free, has) if h and generators[i] is not None]
-        if greedy:  # argmax ties: the lowest id, as sampling.greedy
-            tokens = torch.argmax(torch.cat([finals[i].logits for i in greedy]), dim=-1).tolist()
-            for i, token in zip(greedy, tokens):
-                out[i] = sampling.Pick(token, float(finals[i].final_probs[token]))
-        if drawn:
-            picks = sampling.sample_rows(torch.stack([finals[i].final_probs for i in drawn]),
-                                         [generators[i] for i in drawn])
-            for i, chosen in zip(drawn, picks):
-                out[i] = chosen
-    return out  # type: ignore[return-value]
 
 
 # --- trace assembly ----------------------------------------------------------------------------------

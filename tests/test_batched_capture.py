@@ -1,8 +1,9 @@
 """The batched capture (``core.advance_rows``: ``chain.traced_rows`` + ``core.pick_rows``) against
-its oracle, ``RunState.advance`` row by row (``Chain.traced`` at B = 1): for runs with mixed knobs
-and seeds fed the same next-token logits, every StepTrace is the same (tokens, picks, draws, kept
-counts, top lists, removed lists, params) with floats within 1e-6, and every generator ends in the
-same state. The logits come from an uncached forward of the tiny random Llama over each run's ids."""
+each row stepped alone, ``RunState.advance`` (its one-row case; test_core and test_decode check
+that against an uncached loop and generate()): for runs with mixed knobs and seeds fed the same
+next-token logits, every StepTrace is the same (tokens, picks, draws, kept counts, top lists,
+removed lists, params) with floats within 1e-6, and every generator ends in the same state. The
+logits come from an uncached forward of the tiny random Llama over each run's ids."""
 
 from __future__ import annotations
 

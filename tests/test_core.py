@@ -61,6 +61,36 @@ def test_nothing_to_pick_raises_no_tokens_left(logits):
             core.pick(four_token_traced(logits), generator, step=5)
 
 
+def test_pick_rows_equals_pick_row_by_row():
+    """Greedy, seeded, forced and NaN rows in one call: each row's result is the one-row ``pick``'s,
+    float for float, and every generator ends where its one-row twin does."""
+    finals = [four_token_traced(PROBS.log()[None]), PROBS.log()[None], four_token_traced(PROBS.flip(0).log()[None]),
+              torch.tensor([[0.0, float("nan"), 0.0, 0.0]])]
+    forces, steps = [None, None, 2, None], [0, 1, 2, 3]
+    gens = lambda: [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(6), None]  # noqa: E731
+    rows, alone = gens(), gens()
+    got = core.pick_rows(finals, rows, forces, steps)
+    for i in range(3):
+        assert got[i] == core.pick(finals[i], alone[i], forces[i], step=steps[i]), i
+    assert isinstance(got[3], sampling.NoTokensLeft) and got[3].step == 3
+    assert got[1].draw is not None and got[2] == sampling.Pick(2, pytest.approx(0.4))
+    for a, b in zip(rows[1:3], alone[1:3]):
+        assert torch.equal(a.get_state(), b.get_state())
+
+
+def test_one_implementation_of_the_pick_and_the_step(tiny_lm, monkeypatch):
+    """``pick`` and ``RunState.advance`` are the one-row cases of ``pick_rows`` and ``advance_rows``
+    (no second copy of the policy or the loop body to drift apart)."""
+    calls = []
+    for name in ("pick_rows", "advance_rows"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    core.pick(PROBS.log()[None], None)
+    state = core.RunState(tiny_lm, [1, 2, 3], DecodingConfig(strategy="sample", seed=0, max_new_tokens=2))
+    state.advance(torch.zeros(1, tiny_lm.vocab_size))
+    assert calls == ["pick_rows", "advance_rows", "pick_rows"]
+
+
 def test_empty_prompt_is_refused():
     with pytest.raises(ValueError, match="^prompt: empty after tokenisation"):
         core.check_prompt([])
