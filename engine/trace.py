@@ -2,7 +2,10 @@
 
 Everything the UI shows is a pure function of these. ``to_json`` / ``from_json`` round-trip them;
 ``from_dict`` rebuilds nested dataclasses from their type hints, so strategy modules (beam,
-speculative, ...) can add their own typed records without touching this file's serialiser.
+speculative, ...) add their own typed records without touching this file's serialiser. A Trace
+read back (``Trace.from_json``, ``Trace.from_dict``, ``untrusted_trace``) holds its strategy's
+records typed again (``record_fields``): a BeamTrace in ``beam``, SpecRounds / MedusaRounds in
+``rounds``, SearchSteps / ContrastSteps / MctsPositions in ``extra``.
 
 Strict JSON: ``to_json`` never writes NaN or Infinity (``allow_nan=False``). Non-finite values are
 prevented at the source (a step whose final distribution is all masked or NaN ends the run with
@@ -124,8 +127,19 @@ class Trace:
         return dumps_strict(self.to_dict(), indent=indent)
 
     @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Trace":
+        """The Trace of JSON ``data``, its strategy's records typed (``record_fields``)."""
+        trace = from_dict(cls, data)
+        for name, cls_ in record_fields(trace.strategy).items():
+            if name in ("beam", "rounds"):
+                setattr(trace, name, from_dict(cls_, getattr(trace, name)))
+            elif name in trace.extra:
+                trace.extra[name] = from_dict(cls_, trace.extra[name])
+        return trace
+
+    @classmethod
     def from_json(cls, text: str) -> "Trace":
-        return from_dict(cls, json.loads(text))
+        return cls.from_dict(json.loads(text))
 
 
 @dataclass
@@ -173,8 +187,29 @@ def to_dict(record: Any) -> Any:
     return record
 
 
+def record_fields(strategy: str) -> dict[str, Any]:
+    """Where a ``strategy``'s trace keeps its typed records: ``beam`` / ``rounds`` (the Trace
+    fields) or a key of ``extra``, mapped to the record type (a dataclass or list[...] of one)."""
+    # the strategy modules import this one: their record types are looked up when a trace is read
+    from .beam import BeamTrace
+    from .contrastive import ContrastStep, SearchStep
+    from .mcts import MctsPosition
+    from .medusa import MedusaRound
+    from .speculative import SpecRound
+
+    return {
+        "beam": {"beam": BeamTrace},
+        "speculative": {"rounds": list[SpecRound]},
+        "medusa": {"rounds": list[MedusaRound]},
+        "contrastive_search": {"contrastive_search": list[SearchStep]},
+        "contrastive_decoding": {"contrastive_decoding": list[ContrastStep]},
+        "mcts": {"mcts": list[MctsPosition], "mcts_interrupted": MctsPosition},
+    }.get(strategy, {})
+
+
 def from_dict(cls: Any, data: Any) -> Any:
-    """Rebuild ``cls`` (a dataclass, list[...], X | None, or a plain type) from JSON data."""
+    """Rebuild ``cls`` (a dataclass, list[...], X | None, or a plain type) from JSON data; a
+    dataclass that is already a ``cls`` is returned as it is."""
     if data is None:
         return None
     origin = typing.get_origin(cls)
@@ -185,6 +220,8 @@ def from_dict(cls: Any, data: Any) -> Any:
         (item,) = typing.get_args(cls)[:1] or (Any,)
         return [from_dict(item, x) for x in data]
     if dataclasses.is_dataclass(cls):
+        if isinstance(data, cls):
+            return data
         hints = typing.get_type_hints(cls)
         kwargs = {f.name: from_dict(hints[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data}
         return cls(**kwargs)
@@ -304,6 +341,6 @@ def untrusted_trace(value: Any, key: str = "trace") -> Trace:
     except ConfigError as exc:
         raise ConfigError(key, str(exc)) from None
     try:
-        return from_dict(Trace, value)
+        return Trace.from_dict(value)
     except (TypeError, KeyError, ValueError, AttributeError, RecursionError) as exc:
         _fail(key, f"not a trace: {type(exc).__name__}: {str(exc)[:120]}")
