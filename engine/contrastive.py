@@ -307,4 +307,4 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
 def records(trace: Trace) -> list[SearchStep] | list[ContrastStep]:
     """The per-step records of a contrastive trace, rebuilt as dataclasses after a JSON round trip."""
     cls = SearchStep if trace.strategy == "contrastive_search" else ContrastStep
-    return [r if isinstance(r, cls) else from_dict(cls, r) for r in trace.extra.get(trace.strategy, [])]
+    return from_dict(list[cls], trace.extra.get(trace.strategy, []))

@@ -90,20 +90,15 @@ class MctsPosition:
 NOT_COMMITTED = -1  # chosen_token_id of a search stopped before it committed a token
 
 
-def _position(p: MctsPosition | dict) -> MctsPosition:
-    return p if isinstance(p, MctsPosition) else from_dict(MctsPosition, p)
-
-
 def positions_of(trace: Trace) -> list[MctsPosition]:
-    """The trace's search trees as MctsPosition records (a trace read back from JSON holds dicts)."""
-    return [_position(p) for p in trace.extra.get("mcts", [])]
+    """The trace's search trees as MctsPosition records (a trace rebuilt by hand may hold dicts)."""
+    return from_dict(list[MctsPosition], trace.extra.get("mcts", []))
 
 
 def interrupted_of(trace: Trace) -> MctsPosition | None:
     """The search a stopped run was in when it stopped (its simulations so far, nothing committed:
     ``chosen_token_id`` is NOT_COMMITTED), or None."""
-    record = trace.extra.get("mcts_interrupted")
-    return None if record is None else _position(record)
+    return from_dict(MctsPosition, trace.extra.get("mcts_interrupted"))
 
 
 class SearchStopped(RunStopped):

@@ -253,7 +253,7 @@ class MedusaRound(SpecRound):
 
 def rounds_of(trace: Trace) -> list[MedusaRound]:
     """The trace's rounds as MedusaRound records (a trace read back from JSON holds dicts)."""
-    return [r if isinstance(r, MedusaRound) else from_dict(MedusaRound, r) for r in trace.rounds or []]
+    return from_dict(list[MedusaRound], trace.rounds or [])
 
 
 # --- the tree ---------------------------------------------------------------------------------------

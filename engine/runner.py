@@ -149,10 +149,13 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
                         force=token_id):
         if event.trace is None:
             yield event
-        else:  # the continuation's trace, with the kept steps before it
-            ended = [event.trace.stop_reason] if event.trace.stop_reason == NO_TOKENS_LEFT else []
-            yield Event(trace=_end(core.assemble(lm, parent.prompt, parent.prompt_token_ids, config,
-                                                 kept + event.trace.steps, parent.chat, branch_of=at_step), ended))
+            continue
+        # the continuation's trace, with the kept steps before it
+        trace = core.assemble(lm, parent.prompt, parent.prompt_token_ids, config, kept + event.trace.steps,
+                              parent.chat, branch_of=at_step)
+        if event.trace.stop_reason == NO_TOKENS_LEFT:
+            trace.end_with_no_tokens_left()
+        yield Event(trace=trace)
 
 
 def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,

@@ -109,8 +109,7 @@ class SpecRound:
 
 def rounds_of(trace: Trace) -> list[SpecRound]:
     """The trace's rounds as SpecRound records (a trace read back from JSON holds dicts)."""
-    rounds = trace.rounds or []
-    return [r if isinstance(r, SpecRound) else from_dict(SpecRound, r) for r in rounds]
+    return from_dict(list[SpecRound], trace.rounds or [])
 
 
 # --- the rules (pure; the exactness test drives these same functions) -------------------------
