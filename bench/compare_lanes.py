@@ -44,7 +44,7 @@ def forward_seconds(lm, prompt_ids, rows: int, reps: int = 5) -> float:
     import torch
     from transformers import DynamicCache
 
-    from engine.scheduler import step_threads
+    from engine.threads import step_threads
 
     with torch.inference_mode(), step_threads(lm.device, rows):  # the threads the scheduler's step uses
         cache = DynamicCache(config=lm.model.config)
@@ -60,11 +60,13 @@ def forward_seconds(lm, prompt_ids, rows: int, reps: int = 5) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.threads import default_threads, set_threads
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lanes", type=int, default=4)
-    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads")
+    p.add_argument("--threads", type=int, default=default_threads(), help="torch threads")
     p.add_argument("--plain-head", action="store_true", help="also time the unsliced LM head, interleaved")
     args = p.parse_args(argv)
 
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models import ModelRegistry, ModelSpec
     from playground.shared import Shared
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     registry = ModelRegistry()
     lm = registry.get(ModelSpec())
     shared = Shared(registry=registry, model=None, quantization=None, user_presets=None)

@@ -28,6 +28,7 @@ from engine import decode, mcts, runner  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
 from engine.control import DEFAULT_REQUEST_SECONDS  # noqa: E402
 from engine.models import ModelRegistry, ModelSpec  # noqa: E402
+from engine.threads import set_threads  # noqa: E402
 from engine.presets import builtin_presets  # noqa: E402
 
 MCTS_PRESET = "mcts"
@@ -123,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expand", type=int, default=None, help="default: the preset's (--quality: 4)")
     p.add_argument("--beams", type=int, default=4, help="--quality only")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     lm = ModelRegistry().get(ModelSpec())
     print(f"{lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}")
     (quality if args.quality else default_preset)(lm, args)

@@ -40,6 +40,7 @@ from bench.speculative import PROMPT as SPELLING  # noqa: E402
 from engine import decode, medusa, runner, speculative  # noqa: E402
 from engine.config import ConfigError, DecodingConfig  # noqa: E402
 from engine.models import ModelRegistry, ModelSpec  # noqa: E402
+from engine.threads import set_threads  # noqa: E402
 
 TARGET_PER_FORWARD = 1.8
 TARGET_SPEEDUP = 1.2
@@ -146,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the model's dtype for both Medusa and target-only (bfloat16: see the module doc)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     registry = ModelRegistry(capacity=2)
     lm = registry.get(ModelSpec(dtype=args.dtype))
     print(f"{lm.name} on {lm.device} ({lm.dtype}), torch threads {torch.get_num_threads()}, {args.tokens} tokens, "

@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parallel", type=int, default=4)
     args = parser.parse_args(argv)
 
-    import torch
     from gradio_client import Client
 
     from engine.models import ModelRegistry
+    from engine.threads import set_threads
     from playground.app import build_app, launch_kwargs
 
-    torch.set_num_threads(1)
+    set_threads(1)
     demo = build_app(ModelRegistry(), default_model="embedded")
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
                 **launch_kwargs())

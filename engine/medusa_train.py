@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from .medusa import ASSETS, MedusaHeads, head_logits, heads_path, save_heads, shortlist_logits
 from .models import LoadedModel, ModelSpec, load_model
+from .threads import set_threads
 
 PROMPTS = ASSETS / "medusa_prompts.txt"
 HEAD_DECAY = 0.8  # head k's loss weight is 0.8^k (the Medusa paper's): later heads are harder
@@ -303,7 +304,7 @@ def parse(argv: list[str] | None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse(argv)
-    torch.set_num_threads(settings.threads)
+    set_threads(settings.threads)
     torch.manual_seed(settings.seed)
     t0 = time.perf_counter()
     lm = load_model(ModelSpec(settings.model, device="cpu" if not torch.cuda.is_available() else "auto", dtype="float32"))

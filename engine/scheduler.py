@@ -44,7 +44,6 @@ import queue
 import threading
 import time
 import weakref
-from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
@@ -56,6 +55,7 @@ from .control import RunControl, RunStopped
 from .core import RunState, advance_rows, check_prompt
 from .models import LoadedModel
 from .settings import env_int
+from .threads import step_threads
 from .trace import StepTrace
 
 DEFAULT_MAX_BATCH_CPU = 16
@@ -65,25 +65,6 @@ PAD_SLACK = 2.0  # joiners prefilled together may hold at most this many times t
 # An idle scheduler's worker waits this long before its first prefill, so runs sent together (a
 # Compare's lanes start in threads a few ms apart) share one prefill instead of the first going alone.
 GATHER_S = 0.02
-# On CPU a step of a few rows runs faster on one thread than on two (2-core dev machine, 32 tokens:
-# one lane 2.7 s vs 3.2 s, four Compare lanes 4.8 s vs 5.9 s), while 16 rows run 1.4x faster on two
-# (forward 122 ms vs 174 ms). Steps of at most this many rows use one thread; prefills use them all.
-FEW_ROWS = 8
-
-
-@contextmanager
-def step_threads(device: torch.device, rows: int) -> Iterator[None]:
-    """One CPU thread for a step of at most ``FEW_ROWS`` rows (the worker's own setting, restored
-    after); GPUs and bigger batches keep the process's thread count."""
-    before = torch.get_num_threads()
-    if device.type != "cpu" or rows > FEW_ROWS or before <= 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class SchedulerFull(RuntimeError):
