@@ -28,7 +28,8 @@ from .trace import Event, StepTrace, Trace
 class RunContext:
     """Everything a strategy's ``stream`` gets: the model, the prompt (text and encoded ids), the
     knobs, where drafters/amateurs load from, the run's control, whether to time a target-only
-    baseline, and the batched scheduler greedy/sampling runs may join."""
+    baseline, the batched scheduler greedy/sampling runs may join, and for a continuation
+    (``CONTINUABLE`` strategies only) the tokens it continues after and the token it is forced to."""
 
     lm: LoadedModel
     prompt: str
