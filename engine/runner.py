@@ -215,17 +215,9 @@ def _beam(ctx: RunContext) -> Iterator[Event]:
 
 @register("speculative")
 def _speculative(ctx: RunContext) -> Iterator[Event]:
-    lm, prompt, ids, config, chat, control = ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat, ctx.control
-    registry, compare_baseline = ctx.registry, ctx.compare_baseline
-    drafter = speculative.make_drafter(lm, config, registry)
-    rounds, ended = [], []
-    for spec_round in _checked(speculative.stream(lm, ids, config, drafter), control, ended):
-        rounds.append(spec_round)
-        yield Event(steps=list(spec_round.steps), record=spec_round)
-    trace = _end(speculative.assemble(lm, prompt, ids, config, rounds, drafter, chat), ended)
-    if compare_baseline:
-        trace.summary |= speculative.compare_with_baseline(lm, prompt, config, trace, chat, control=control)
-    yield Event(trace=trace)
+    yield from _checked(speculative.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat,
+                                           registry=ctx.registry, control=ctx.control,
+                                           compare_baseline=ctx.compare_baseline), ctx.control)
 
 
 @register("contrastive_search", "contrastive_decoding")

@@ -17,9 +17,9 @@ Caches: the target's cache holds the sequence minus its last token; each round f
 plus the K drafts (K + 1 positions of logits), then both caches are rewound past what was rejected
 (``KVCache.rewind`` = ``DynamicCache.crop``), never rebuilt.
 
-``stream`` yields one ``SpecRound`` per round (the live UI); ``assemble`` makes the whole ``Trace``
-of them (rounds in ``Trace.rounds``, one ``StepTrace`` per generated token in ``Trace.steps``);
-``engine.runner`` runs both.
+``rounds`` yields one ``SpecRound`` per round; ``stream`` wraps each in an ``Event`` (the live UI)
+and ends with the whole ``Trace`` (``assemble``: rounds in ``Trace.rounds``, one ``StepTrace`` per
+generated token in ``Trace.steps``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .kv_quant import SELF_KV_DRAFTERS
 from .metrics import common_prefix
 from .models import LoadedModel, ModelRegistry, resolve_variant
 from .chain import Chain, Traced
-from .trace import StepTrace, TokenProb, Trace, from_dict
+from .trace import Event, StepTrace, TokenProb, Trace, from_dict
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def next_k(k: int, num_drafted: int, num_accepted: int) -> int:
     return k
 
 
-def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter, *,
+def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter, *,
            cache: KVCache | None = None) -> Iterator[SpecRound]:
     """Yield one SpecRound per draft-then-verify round until EOS, a stop string or max_new_tokens."""
     core.check_prompt(prompt_ids)
@@ -411,6 +411,30 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, d
         if config.adaptive_k:
             k = next_k(k, len(spec_round.drafted), spec_round.num_accepted)
         index += 1
+
+
+def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
+           registry: ModelRegistry | None = None, drafter: Drafter | None = None, control: RunControl | None = None,
+           compare_baseline: bool = False) -> Iterator[Event]:
+    """One Event per round (steps: its tokens; record: the SpecRound); the last holds the Trace
+    (``assemble``). ``drafter``: default the one ``config.drafter`` names, loaded through
+    ``registry``. A step with nothing left to pick ends the run (stop_reason "no_tokens_left").
+    ``compare_baseline`` also times a target-only run of the same knobs in this process (summary
+    ``baseline_ms``, ``speedup``), checking ``control`` per step."""
+    drafter = drafter if drafter is not None else make_drafter(lm, config, registry or ModelRegistry())
+    collected, ended = [], False
+    try:
+        for spec_round in rounds(lm, prompt_ids, config, drafter):
+            collected.append(spec_round)
+            yield Event(steps=list(spec_round.steps), record=spec_round)
+    except sampling.NoTokensLeft:
+        ended = True
+    trace = assemble(lm, prompt, prompt_ids, config, collected, drafter, chat)
+    if ended:
+        trace.end_with_no_tokens_left()
+    if compare_baseline:
+        trace.summary |= compare_with_baseline(lm, prompt, config, trace, chat, control=control)
+    yield Event(trace=trace)
 
 
 def summarize(rounds: Sequence[SpecRound], steps: Sequence[StepTrace], drafter: Drafter, prefill_forwards: int) -> dict:

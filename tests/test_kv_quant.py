@@ -248,7 +248,7 @@ def test_self_kv4_speculative_sampling_keeps_the_target_distribution(tiny_lm):
     # tokens over 1,000 seeded runs against the target's exact joint (test_speculative's helpers).
     import dataclasses
 
-    from engine.speculative import ModelDrafter, stream
+    from engine.speculative import ModelDrafter, rounds
     from tests.conftest import make_tiny_llama
     from tests.test_speculative import chi_square_p, exact_two_token_joint, wrap
 
@@ -258,7 +258,7 @@ def test_self_kv4_speculative_sampling_keeps_the_target_distribution(tiny_lm):
     firsts, seconds = [], []
     for seed in range(1000):
         drafter = ModelDrafter(target, "self-kv4", KVCache(target.model, "quantized-int4", 1))
-        tokens = [t for r in stream(target, [3], dataclasses.replace(config, seed=seed), drafter)
+        tokens = [t for r in rounds(target, [3], dataclasses.replace(config, seed=seed), drafter)
                   for t in r.emitted_token_ids]
         firsts.append(tokens[0])
         seconds.append(tokens[1])

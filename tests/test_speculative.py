@@ -20,7 +20,7 @@ from engine.models import LoadedModel, ModelRegistry
 from engine.chain import Chain
 from engine.speculative import (
     DrafterError, ModelDrafter, NgramDrafter, acceptance_probability, assemble, next_k,
-    prompt_lookup, residual_distribution, rounds_of, stream,
+    prompt_lookup, residual_distribution, rounds, rounds_of,
 )
 from engine.trace import Trace
 
@@ -57,7 +57,7 @@ def target_only(lm: LoadedModel, prompt: str, config: DecodingConfig, chat: bool
 def run_with(lm: LoadedModel, draft: LoadedModel | None, config: DecodingConfig, prompt: str = PROMPT) -> Trace:
     drafter = ModelDrafter(draft) if draft is not None else NgramDrafter(config.ngram_size)
     ids = lm.encode(prompt)
-    return assemble(lm, prompt, ids, config, list(stream(lm, ids, config, drafter)), drafter, False)
+    return assemble(lm, prompt, ids, config, list(rounds(lm, ids, config, drafter)), drafter, False)
 
 
 # --- the rules by hand ------------------------------------------------------------------------
@@ -194,11 +194,11 @@ def test_engine_loop_samples_the_target_distribution(tiny8):
     firsts, seconds, rejected = [], [], 0
     for seed in range(E2E_RUNS):
         cfg = dataclasses.replace(config, seed=seed)
-        rounds = list(stream(target, prompt_ids, cfg, ModelDrafter(draft)))
-        tokens = [t for r in rounds for t in r.emitted_token_ids]
+        collected = list(rounds(target, prompt_ids, cfg, ModelDrafter(draft)))
+        tokens = [t for r in collected for t in r.emitted_token_ids]
         firsts.append(tokens[0])
         seconds.append(tokens[1])
-        rejected += any(d.resampled is not None for r in rounds for d in r.drafted)
+        rejected += any(d.resampled is not None for r in collected for d in r.drafted)
     assert 0.1 * E2E_RUNS < rejected < 0.9 * E2E_RUNS  # both the accept and the residual paths were taken often
     assert chi_square_p(torch.tensor(firsts), torch.tensor(seconds), joint) > 1e-3
 
@@ -210,10 +210,10 @@ def test_greedy_model_drafter_from_a_directory_equals_target_only(tiny_lm, tmp_p
     config = GREEDY.replace(drafter=f"model:{draft_dir}", **knobs)
     trace = runner.run(tiny_lm, PROMPT, config, registry=ModelRegistry(capacity=1))
     assert trace.generated_token_ids == target_only(tiny_lm, PROMPT, config)
-    rounds = rounds_of(trace)
-    drafted = [d for r in rounds for d in r.drafted]
+    recorded = rounds_of(trace)
+    drafted = [d for r in recorded for d in r.drafted]
     assert any(d.accepted for d in drafted) and any(not d.accepted for d in drafted)
-    assert [t for r in rounds for t in r.emitted_token_ids] == trace.generated_token_ids
+    assert [t for r in recorded for t in r.emitted_token_ids] == trace.generated_token_ids
     assert trace.summary["accepted"] == sum(d.accepted for d in drafted)
 
 
@@ -277,7 +277,7 @@ def test_rewound_caches_equal_a_fresh_prefill(tiny_lm):
     drafter, cache = ModelDrafter(draft_lm), KVCache(tiny_lm.model)
     prompt_ids = tiny_lm.encode(PROMPT)
     sequence, checked = list(prompt_ids), 0
-    for spec_round in stream(tiny_lm, prompt_ids, SAMPLING, drafter, cache=cache):
+    for spec_round in rounds(tiny_lm, prompt_ids, SAMPLING, drafter, cache=cache):
         sequence += spec_round.emitted_token_ids
         assert cache.tokens == sequence[:-1]  # target: everything but the newest token
         assert sequence[: len(drafter.cache.tokens)] == drafter.cache.tokens  # draft: no rejected token left
