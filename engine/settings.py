@@ -77,6 +77,8 @@ SETTINGS = (
                   f"installed, `{HUB_DEFAULT}`, plus the GPU list on a GPU"),
     Setting("DP_ALLOW_LOCAL_MODELS", "flag", False, "the page and API may load any directory or Hub id "
             "(ignored in public mode)"),
+    Setting("DP_REMOTE_MODELS", "list", "", "remote models the operator allows, `backend:url` each "
+            "(`llamacpp:http://127.0.0.1:8080`, `openai:http://host:8000/v1`); never typed by a page user"),
     Setting("DP_QUANTIZATION", "choice", "none", "the default model's quantization at start; "
             "also `app.py --quantization`", choices=("none", "int8", "nf4")),
     Setting("DP_DTYPE", "choice", "auto", "the models' dtype; `auto`: float32 on CPU, bfloat16/float16 on a GPU",
@@ -104,7 +106,7 @@ SETTINGS = (
     Setting("DP_DOWNLOAD_DIR", "text", "", "where the private download folder is made", shown="the system temp folder"),
     Setting("DP_BROWSER_SECRET", "text", "decoding-playground-presets-v1", "the key the browser encrypts stored "
             "presets and the page's owner secret with"),
-    Setting("DECODING_PLAYGROUND_CACHE", "text", "", "where the embedded model's safetensors conversion is kept",
+    Setting("DECODING_PLAYGROUND_CACHE", "text", "", "where the embedded model's safetensors conversion and the llama-server build are kept",
             shown="`~/.cache/decoding-playground`"),
     # Set by Hugging Face.
     Setting("SPACE_ID", "platform", None, "a Hugging Face Space: public mode, listen on 0.0.0.0", shown="unset"),
