@@ -1,0 +1,89 @@
+"""Tokens/s of a llama.cpp server through engine.remote (step mode, fast mode) vs the local engine,
+in one process, interleaved (bench.common), greedy, on the embedded model: the server serves the
+Q4_1 GGUF, the local engine its float32 conversion.
+
+Step mode pays one HTTP request per token (the server re-reads only the new token: cache_prompt);
+fast mode is one request for the whole text; the local engine is our own loop over transformers.
+
+    python -m bench.remote [--tokens 32] [--repeats 3] [--url http://127.0.0.1:8080]
+
+Without --url it starts the cached llama-server (deploy/llama_server.sh builds it the first time,
+about 15 min on 2 cores) on a free 127.0.0.1 port and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import interleaved, report  # noqa: E402
+from engine import decode, remote  # noqa: E402
+from engine.config import DecodingConfig  # noqa: E402
+from engine.models import ModelSpec, gguf_path, load_model  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@contextmanager
+def started_server(threads: int) -> Iterator[str]:
+    """The cached llama-server over the embedded GGUF on a free loopback port; yields its URL."""
+    binary = subprocess.run(["sh", os.path.join(ROOT, "deploy", "llama_server.sh"), sys.executable],
+                            check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([binary, "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(port),
+                               "-c", "2048", "-t", str(threads), "-np", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    raise SystemExit(f"llama-server did not come up on {url}") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="llama-server threads (-t)")
+    parser.add_argument("--url", default="", help="an already running llama-server")
+    args = parser.parse_args()
+    config = DecodingConfig(strategy="greedy", max_new_tokens=args.tokens)
+    lm = load_model(ModelSpec())
+    with (nullcontext(args.url) if args.url else started_server(args.threads)) as url:
+        server = remote.connect(url, timeout_s=120)
+        runs = {
+            "llama.cpp step mode (1 request/token)": lambda: len(remote.run_step(server, PROMPT, config).steps),
+            "llama.cpp fast mode (1 request)": lambda: len(remote.run_fast(server, PROMPT, config, raw=False).steps),
+            "local engine (float32, transformers)": lambda: len(decode.run(lm, PROMPT, config).steps),
+        }
+        rates = interleaved(runs, repeats=args.repeats)
+    local = "local engine (float32, transformers)"
+    for name in (n for n in rates if n != local):
+        report(f"greedy, {args.tokens} tokens: {name} vs the local engine", {name: rates[name], local: rates[local]},
+               baseline=local)
+
+
+if __name__ == "__main__":
+    main()
