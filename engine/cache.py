@@ -1,8 +1,15 @@
-"""A thin wrapper over transformers' caches: prefill, step, rewind(n), sync, bytes used.
+"""A thin wrapper over transformers' caches: prefill, step, rewind(n), sync, bytes used, and rows
+of different lengths left-padded together (the batched scheduler's rows).
 
 The wrapper remembers which token ids (batch of one) the cache holds, so ``sync`` can move the
 cache to any sequence by rewinding to the common prefix and feeding only the missing tokens, in
 one forward. Nothing is ever recomputed from scratch unless nothing is shared.
+
+A solo run and the scheduler's batch are the same object and the same forward: rows of different
+lengths are left-padded, with a mask [B, L] (1 = real token, 0 = padding) that the cache keeps
+while any row is padded and feeds as the attention mask, with per-row positions (each row counts
+from 0 at its first real token). ``append_rows`` stacks another cache's rows under these,
+``keep_rows`` selects rows and trims the padding they all share.
 
 ``kind`` picks the cache (engine/kv_quant.py): ``dynamic`` (default), ``quantized-int8`` /
 ``quantized-int4`` or ``sliding-<N>``. Those crop exactly only while the positions to drop are
@@ -29,22 +36,39 @@ class KVCache:
         self.tokens: list[int] = []  # ids held, for batch size 1
         self.forwards = 0  # model calls made through this cache
         self._saved: tuple[list[int], list] | None = None  # (tokens, state) at the last sync
+        self.mask: torch.Tensor | None = None  # [B, L] while any row is left-padded (1 = real, 0 = pad)
 
     @property
     def length(self) -> int:
         return self.cache.get_seq_length()
 
+    @property
+    def rows(self) -> int:
+        """Rows (batch size) the cache holds; 0 while empty."""
+        layers = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+        return layers[0].keys.shape[0] if layers else 0
+
     @torch.inference_mode()
-    def forward(self, input_ids: torch.LongTensor, *, all_logits: bool = False,
+    def forward(self, input_ids: torch.LongTensor, *, mask: torch.Tensor | None = None, all_logits: bool = False,
                 output_hidden_states: bool = False) -> Any:
-        """Feed input_ids [B, T] after what the cache holds. Returns the model output; its logits
+        """Feed input_ids [B, T] after what the cache holds. ``mask`` [B, T]: which fed positions are
+        real (1) and which left padding (0); None: all real. Returns the model output; its logits
         are [B, T, V] with ``all_logits`` else [B, 1, V] (the last position only)."""
+        input_ids = input_ids.to(self.device)
+        padding: dict[str, torch.Tensor] = {}
+        if self.mask is not None or (mask is not None and not bool(mask.all())):
+            held = self.mask if self.mask is not None else input_ids.new_ones(input_ids.shape[0], self.length)
+            fed = mask.to(self.device) if mask is not None else torch.ones_like(input_ids)
+            self.mask = torch.cat([held, fed], dim=1)  # [B, L + T]
+            positions = (self.mask.cumsum(dim=1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # [B, T]
+            padding = {"attention_mask": self.mask, "position_ids": positions}
         out = self.model(
-            input_ids=input_ids.to(self.device),
+            input_ids=input_ids,
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
             output_hidden_states=output_hidden_states,
+            **padding,
         )
         self.forwards += 1
         if input_ids.shape[0] == 1:
@@ -64,6 +88,8 @@ class KVCache:
             return
         if kv_quant.crop(self.cache, n):
             del self.tokens[-n:]
+            if self.mask is not None:
+                self.mask = self.mask[:, :-n]
             return
         keep = self.tokens[:-n]
         saved_tokens, state = self._saved or ([], None)
@@ -88,10 +114,60 @@ class KVCache:
         return logits
 
     def reorder(self, index: torch.LongTensor) -> None:
-        """Beam search: select / reorder batch rows."""
-        self.cache.reorder_cache(index.to(self.device))
+        """Select / reorder batch rows (beam search; a row may be repeated)."""
+        index = index.to(self.device)
+        self.cache.reorder_cache(index)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, index)
+        self.tokens, self._saved = [], None
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (indices, in order; repeats copy a row) and trim the left padding
+        they all share (the cache forgets the mask once no row is padded)."""
+        if list(rows) == list(range(self.rows)):
+            return
+        self.reorder(torch.tensor(list(rows), dtype=torch.long))
+        if self.mask is None:
+            return
+        leading = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())  # pad columns every row has
+        if leading:
+            self.mask = self.mask[:, leading:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, leading:], layer.values[:, :, leading:]
+        if bool(self.mask.all()):
+            self.mask = None
+
+    def append_rows(self, other: "KVCache") -> None:
+        """Stack ``other``'s rows under these (full-attention dynamic caches only), left-padding
+        whichever side is shorter; ``other`` is consumed."""
+        width, length = self.length, other.length
+        mine = self.mask if self.mask is not None else torch.ones(self.rows, width, dtype=torch.long, device=self.device)
+        theirs = other.mask if other.mask is not None else torch.ones(other.rows, length, dtype=torch.long,
+                                                                      device=self.device)
+        _pad_left(self.cache, length - width)
+        _pad_left(other.cache, width - length)
+        self.mask = torch.cat([_pad_mask(mine, length - width), _pad_mask(theirs, width - length)], dim=0)
+        for layer, added in zip(self.cache.layers, other.cache.layers):
+            layer.keys = torch.cat([layer.keys, added.keys], dim=0)
+            layer.values = torch.cat([layer.values, added.values], dim=0)
+        if bool(self.mask.all()):
+            self.mask = None
         self.tokens, self._saved = [], None
 
     def nbytes(self) -> int:
         """Bytes the cache's tensors hold (packed integers, scales and zeros included)."""
         return kv_quant.cache_bytes(self.cache).total
+
+
+def _pad_left(cache: Any, n: int) -> None:
+    """Prepend n zero positions to every layer (masked out, so their values never matter)."""
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys.new_zeros(*layer.keys.shape[:2], n, layer.keys.shape[3]), layer.keys], dim=2)
+        layer.values = torch.cat([layer.values.new_zeros(*layer.values.shape[:2], n, layer.values.shape[3]),
+                                  layer.values], dim=2)
+
+
+def _pad_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([mask.new_zeros(mask.shape[0], n), mask], dim=1) if n > 0 else mask

@@ -50,6 +50,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .cache import KVCache
 from .config import DecodingConfig
 from .control import RunControl, RunStopped
 from .core import RunState, advance_rows, check_prompt
@@ -121,57 +122,34 @@ class _Run:
 
 # --- the batched KV cache ------------------------------------------------------------------------------
 class _Batch:
-    """The active rows: one DynamicCache whose keys/values are [B, H, L, D], rows left-padded, a mask
-    [B, L] (1 = real token, 0 = padding) and the runs in row order."""
+    """The active rows: one ``KVCache`` whose rows are left-padded (its mask says where) and the
+    runs in row order."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.kv: KVCache | None = None
         self.runs: list[_Run] = []
 
-    def forward(self, model) -> torch.Tensor:
+    def forward(self) -> torch.Tensor:
         """Feed every row's last token; returns the next-token logits [B, V] in float32."""
         ids = torch.tensor([[run.last_token] for run in self.runs], dtype=torch.long, device=self.device)  # [B, 1]
-        positions = self.mask.sum(dim=1, keepdim=True)  # [B, 1]: each row's own length, pads not counted
-        self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
-        padded = bool((self.mask == 0).any())
-        out = model(input_ids=ids, attention_mask=self.mask if padded else None, position_ids=positions,
-                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float()
+        return self.kv.forward(ids).logits[:, -1, :].float()
 
-    def add(self, runs: list[_Run], cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Append prefilled runs (``cache`` holds their rows, ``mask`` [J, T] their padding) as the
-        last rows, left-padding whichever side is shorter."""
+    def add(self, runs: list[_Run], kv: KVCache) -> None:
+        """Append prefilled runs (``kv`` holds their rows) as the last rows."""
         if not self.runs:
-            self.cache, self.runs, self.mask = cache, list(runs), mask
+            self.kv, self.runs = kv, list(runs)
             return
-        width, length = self.mask.shape[1], mask.shape[1]
-        _pad_left(self.cache, length - width)
-        _pad_left(cache, width - length)
-        self.mask = torch.cat([_pad_mask(self.mask, length - width), _pad_mask(mask, width - length)], dim=0)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
-            mine.values = torch.cat([mine.values, theirs.values], dim=0)
+        self.kv.append_rows(kv)
         self.runs.extend(runs)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (indices, in order) and trim the left padding they all share."""
-        if len(rows) == len(self.runs):
-            return
         if not rows:
-            self.cache, self.runs = None, []
-            self.mask = self.mask[:0, :0]
+            self.kv, self.runs = None, []
             return
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.cache.batch_select_indices(index)
-        self.mask = self.mask.index_select(0, index)
+        self.kv.keep_rows(rows)
         self.runs = [self.runs[i] for i in rows]
-        leading = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())  # pad columns every row has
-        if leading:
-            self.mask = self.mask[:, leading:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, leading:], layer.values[:, :, leading:]
 
 
 def length_groups(runs: list[_Run], slack: float = PAD_SLACK) -> list[list[_Run]]:
@@ -204,21 +182,6 @@ def distinct_sequences(runs: list[_Run]) -> tuple[list[_Run], list[int]]:
             fed.append(run)
         rows.append(index[key])
     return fed, rows
-
-
-def _pad_left(cache: DynamicCache, n: int) -> None:
-    """Prepend n zero positions to every layer (masked out, so their values never matter)."""
-    if n <= 0:
-        return
-    for layer in cache.layers:
-        pad = layer.keys.new_zeros(*layer.keys.shape[:2], n, layer.keys.shape[3])
-        layer.keys = torch.cat([pad, layer.keys], dim=2)
-        layer.values = torch.cat([layer.values.new_zeros(*layer.values.shape[:2], n, layer.values.shape[3]),
-                                  layer.values], dim=2)
-
-
-def _pad_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.cat([mask.new_zeros(mask.shape[0], n), mask], dim=1) if n > 0 else mask
 
 
 # --- the scheduler ---------------------------------------------------------------------------------------
@@ -335,7 +298,7 @@ class Scheduler:
         if self._batch.runs:
             running = list(self._batch.runs)
             with step_threads(self._batch.device, len(running)):
-                logits = self._batch.forward(running[0].lm.model)  # [B, V]
+                logits = self._batch.forward()  # [B, V]
             with self._lock:
                 self._ticks += 1
                 self._rows_stepped += len(running)
@@ -395,24 +358,20 @@ class Scheduler:
         ids = torch.tensor([[run.sequence[0]] * (width - n) + run.sequence for run, n in zip(fed, lengths)],
                            dtype=torch.long, device=self.device)  # [U, T]
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [U, T]: each row counts from 0 at its first token
-        cache = DynamicCache(config=runs[0].lm.model.config)
+        kv = KVCache(runs[0].lm.model)
         try:
-            out = runs[0].lm.model(input_ids=ids, attention_mask=mask if min(lengths) < width else None,
-                                   position_ids=positions, past_key_values=cache, use_cache=True,
-                                   logits_to_keep=len(runs[0].state.generated) + 1 if replay else 1)
-            if replay:
-                runs[0].state.replay(out.logits[0, :-1].float())  # [len(prefix), V]
+            out = kv.forward(ids, mask=mask, all_logits=replay)
+            if replay:  # the logits that picked each prefix token: [len(prefix), V]
+                runs[0].state.replay(out.logits[0, -len(runs[0].state.generated) - 1:-1].float())
         except Exception as exc:  # noqa: BLE001 (the joiners fail; the running rows go on)
             for run in runs:
                 run.out.put(exc)
             return [], None
         logits = out.logits[:, -1, :].float()  # [U, V]
         if len(fed) < len(runs):  # each run gets its own copy of its sequence's KV rows: [U, ...] -> [J, ...]
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            cache.batch_select_indices(index)
-            mask, logits = mask.index_select(0, index), logits.index_select(0, index)
-        self._batch.add(runs, cache, mask)
+            kv.keep_rows(rows)
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        self._batch.add(runs, kv)
         return runs, logits  # [J, V]
 
     @staticmethod
