@@ -17,35 +17,64 @@ from typing import Any, Sequence
 
 import gradio as gr
 
-from engine.config import (DEFAULT_STAGE_ORDER, KNOBS, SAMPLING_ONLY_STAGES, STAGE_NAMES, ConfigError, DecodingConfig,
-                           Knob, check_knob)
+from engine import config as engine_config
+from engine.config import KNOBS, ConfigError, DecodingConfig, Knob, check_knob
 from engine.presets import Preset, builtin_presets
+from engine.stages import declared
 
 from .assets import static_text
 from .user_presets import CUSTOM, find_preset, preset_choices
 from .shared import Shared, UserError, config_or_error
 
-# Sliders read better with a practical top end; the engine's bound still validates (Number inputs
-# are used for knobs whose full range makes a slider useless).
-NUMBER_INPUT_KNOBS = {"seed", "top_k", "dry_penalty_last_n"}
-# str_list knobs whose items may hold commas or newlines: edited as a JSON list, not comma-separated.
-JSON_LIST_KNOBS = {"dry_sequence_breakers"}
+# Sliders read better with a practical top end; the engine's bound still validates (a knob whose full
+# range makes a slider useless says Knob.widget "number": a Number input). A str_list knob whose items
+# may hold commas or newlines says widget "json": edited as a JSON list, not comma-separated.
 
-# Sampler knobs by what they do (title, knobs, open at first); a view shows the groups it has knobs of.
-KNOB_GROUPS = (
-    ("Temperature shaping", ("temperature", "dynatemp_range", "dynatemp_exponent", "smoothing_factor",
-                             "smoothing_curve"), True),
-    ("Truncation", ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_a", "top_h",
-                    "top_n_sigma"), True),
-    ("Penalties", ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens"),
-     False),
-    ("Repetition (DRY, no-repeat n-gram)", ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                                            "dry_sequence_breakers", "no_repeat_ngram_size"), False),
-    ("Adaptive (mirostat, XTC)", ("mirostat", "mirostat_tau", "mirostat_eta", "xtc_threshold", "xtc_probability"),
-     False),
-)
-STAGE_KNOBS = tuple(name for _, names, _ in KNOB_GROUPS for name in names)
-SAMPLING_KNOBS = tuple(n for n in STAGE_KNOBS if KNOBS[n].stage in SAMPLING_ONLY_STAGES)
+# The sampler groups by what they do: (title, open at first) per group key; each stage's spec names
+# its group (StageSpec.group). A view shows the groups it has knobs of.
+GROUP_TITLES = {
+    "temperature": ("Temperature shaping", True),
+    "truncation": ("Truncation", True),
+    "penalties": ("Penalties", False),
+    "repetition": ("Repetition (DRY, no-repeat n-gram)", False),
+    "adaptive": ("Adaptive (mirostat, XTC)", False),
+}
+
+
+def knob_groups() -> tuple[tuple[str, tuple[str, ...], bool], ...]:
+    """(title, knobs, open at first) per sampler group, from the stage specs (in the order they are
+    declared, each stage's knobs in its spec's order); a group key without a title is titled by itself."""
+    members: dict[str, list[str]] = {key: [] for key in GROUP_TITLES}
+    for spec in declared():
+        if spec.group is not None:
+            members.setdefault(spec.group, []).extend(k.name for k in spec.knobs)
+    out = []
+    for key, names in members.items():
+        if names:
+            title, is_open = GROUP_TITLES.get(key, (key.replace("_", " ").capitalize(), False))
+            out.append((title, tuple(names), is_open))
+    return tuple(out)
+
+
+def stage_knobs() -> tuple[str, ...]:
+    """Every knob of a sampler group, group by group."""
+    return tuple(name for _, names, _ in knob_groups() for name in names)
+
+
+def sampling_knobs() -> tuple[str, ...]:
+    """The grouped knobs of the sampling-only stages (greedy greys them)."""
+    return tuple(n for n in stage_knobs() if KNOBS[n].stage in engine_config.SAMPLING_ONLY_STAGES)
+
+
+def __getattr__(name: str) -> Any:
+    """``KNOB_GROUPS``, ``STAGE_KNOBS``, ``SAMPLING_KNOBS``: the functions above, read when imported
+    (so a stage registered before the import is in them)."""
+    tables = {"KNOB_GROUPS": knob_groups, "STAGE_KNOBS": stage_knobs, "SAMPLING_KNOBS": sampling_knobs}
+    if name in tables:
+        return tables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # The penalties beam search applies (it ignores the sampling-only stages).
 PENALTY_KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size")
 IGNORED_BY_GREEDY = "Ignored by greedy (it always takes the most likely token)."
@@ -54,7 +83,7 @@ IGNORED_BY_GREEDY = "Ignored by greedy (it always takes the most likely token)."
 # what-if is one) do not wait for a server note.
 MODIFIED_JS = static_text("knobs_modified.js", CUSTOM=json.dumps(CUSTOM))
 # The stage order's box changes when the page's sortable list writes it (a person's edit: the list
-# sets window.dpStageEdit) and when a preset or link fills it (not an edit): only the first marks.
+# sets window.dp.stageEdit) and when a preset or link fills it (not an edit): only the first marks.
 STAGE_MODIFIED_JS = static_text("knobs_stage_modified.js", MODIFIED=MODIFIED_JS)
 
 
@@ -65,7 +94,7 @@ def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive:
     info = knob.doc
     elem_id = f"{prefix}knob-{knob.name}"
     common = {"label": label, "elem_id": elem_id, "interactive": interactive}
-    if knob.kind in ("float", "int") and knob.name in NUMBER_INPUT_KNOBS:
+    if knob.kind in ("float", "int") and knob.widget == "number":
         # No minimum/maximum here: the engine's validation names the knob and its range in the message.
         return gr.Number(value=value, info=f"{info} Range {knob.range_text()}.", precision=0, **common)
     if knob.kind in ("float", "int"):
@@ -78,7 +107,7 @@ def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive:
     if knob.kind == "bias_map":
         return gr.Textbox(value=display_value(knob, value), info=f'{info} A JSON object, e.g. {{"sea": -5, "13": 2}}.',
                           **common)
-    if knob.kind == "str_list" and knob.name in JSON_LIST_KNOBS:
+    if knob.kind == "str_list" and knob.widget == "json":
         return gr.Textbox(value=display_value(knob, value), info=f"{info} A JSON list of strings.", **common)
     if knob.kind == "str_list":
         return gr.Textbox(value=", ".join(value), info=f"{info} Comma-separated.", **common)
@@ -114,7 +143,7 @@ def component_value(knob: Knob, value: Any) -> Any:
         return value
     if knob.kind == "bias_map":
         return _strict_json(knob, value, dict)
-    if knob.kind == "str_list" and knob.name in JSON_LIST_KNOBS:
+    if knob.kind == "str_list" and knob.widget == "json":
         return _strict_json(knob, value, list)
     if knob.kind == "str_list":
         return [s.strip() for s in (value or "").split(",") if s.strip()]
@@ -128,7 +157,7 @@ def display_value(knob: Knob, value: Any) -> Any:
         return _choice_label(value)
     if knob.kind == "bias_map":
         return json.dumps(dict(value), ensure_ascii=False) if value else "{}"
-    if knob.kind == "str_list" and knob.name in JSON_LIST_KNOBS:
+    if knob.kind == "str_list" and knob.widget == "json":
         return json.dumps(list(value), ensure_ascii=False)
     if knob.kind == "str_list":
         return ", ".join(value)
@@ -167,7 +196,7 @@ def stage_order_text(order: Sequence[str]) -> str:
 
 
 def parse_stage_order(text: Any) -> list[str]:
-    return [s.strip() for s in str(text or "").split(",") if s.strip()] or list(DEFAULT_STAGE_ORDER)
+    return [s.strip() for s in str(text or "").split(",") if s.strip()] or list(engine_config.DEFAULT_STAGE_ORDER)
 
 
 class KnobPanel:
@@ -199,14 +228,16 @@ class KnobPanel:
                                           elem_classes=["dp-hidden"])
 
     def _build_controls(self, cfg: DecodingConfig, greedy: bool) -> None:
-        grouped = {n for _, names, _ in KNOB_GROUPS for n in names}
+        groups = knob_groups()
+        grouped = {n for _, names, _ in groups for n in names}
+        sampling = set(sampling_knobs())
         run = [n for n in self.names if n not in grouped]
         if run:
             with gr.Accordion("Run", open=True):
                 with gr.Row():
                     for name in run:
                         self.components[name] = knob_component(KNOBS[name], getattr(cfg, name), self.prefix)
-        for title, names, is_open in KNOB_GROUPS:
+        for title, names, is_open in groups:
             shown = [n for n in names if n in self.names]
             if not shown:
                 continue
@@ -214,7 +245,7 @@ class KnobPanel:
                 for name in shown:
                     control = knob_component(KNOBS[name], getattr(cfg, name), self.prefix)
                     self.components[name] = control
-                    if greedy and name in SAMPLING_KNOBS:
+                    if greedy and name in sampling:
                         control.interactive = False
                         control.info = f"{IGNORED_BY_GREEDY} {control.info or ''}"
 
@@ -239,10 +270,10 @@ class KnobPanel:
 
     def greying(self, strategy: str) -> dict[Any, Any]:
         """``{control: update}`` greying the sampling-only knobs when ``strategy`` is greedy."""
-        greedy = strategy == "greedy"
+        greedy, sampling = strategy == "greedy", set(sampling_knobs())
         return {c: gr.update(interactive=not greedy,
                              info=(f"{IGNORED_BY_GREEDY} " if greedy else "") + f"{KNOBS[n].doc} " + _range_note(KNOBS[n]))
-                for n, c in self.components.items() if n in SAMPLING_KNOBS}
+                for n, c in self.components.items() if n in sampling}
 
     def fill(self, cfg: DecodingConfig) -> dict[Any, Any]:
         """``{control: value}`` showing a config."""
@@ -278,7 +309,8 @@ class KnobPanel:
             self.stage_order.change(lambda text: stage_list_html(parse_stage_order(text), target), [self.stage_order],
                                     [self.stage_list], **local)
             self.stage_order.change(None, [self.preset, self.modified], [self.modified], js=STAGE_MODIFIED_JS, **local)
-        self.strategy.change(self.greying, [self.strategy], [c for n, c in self.components.items() if n in SAMPLING_KNOBS],
+        sampling = set(sampling_knobs())
+        self.strategy.change(self.greying, [self.strategy], [c for n, c in self.components.items() if n in sampling],
                              **local)
         self.shared.user_presets.change(lambda presets, choice: gr.update(choices=preset_choices(presets), value=choice),
                                         [self.shared.user_presets, self.preset], [self.preset], **local)
@@ -299,7 +331,7 @@ IGNORED_BY_GREEDY_SHORT = "ignored by greedy"
 def compact_knob_state(name: str, strategy: str) -> dict[str, Any]:
     """``interactive``/``info`` of a compact control under ``strategy``: the Step view's rule (greedy
     greys the sampling-only knobs), in a few words."""
-    ignored = strategy == "greedy" and name in SAMPLING_KNOBS
+    ignored = strategy == "greedy" and name in sampling_knobs()
     # "" and not None: an update with info=None leaves the old note in place.
     return {"interactive": not ignored, "info": IGNORED_BY_GREEDY_SHORT if ignored else ""}
 

@@ -8,14 +8,15 @@ view" presses (``OPEN_RUN_JS``). The code is in playground/static/ (page.js, ope
 
 import json
 
+from . import ids
 from .assets import static_text
 
 # prompt box id -> the button it runs
-PROMPT_BUTTONS = {"step-prompt": "step-generate", "cmp-prompt": "cmp-run", "beam-prompt": "beam-run",
-                  "spec-prompt": "spec-generate", "quant-prompt": "quant-measure"}
+PROMPT_BUTTONS = {ids.STEP_PROMPT: ids.STEP_GENERATE, ids.CMP_PROMPT: ids.CMP_RUN, ids.BEAM_PROMPT: ids.BEAM_RUN,
+                  ids.SPEC_PROMPT: ids.SPEC_GENERATE, ids.QUANT_PROMPT: ids.QUANT_MEASURE}
 # view name (a lesson's "view") -> the button that runs it
-RUN_BUTTONS = {"step": "step-generate", "compare": "cmp-run", "beam": "beam-run", "speculative": "spec-generate",
-               "quantization": "quant-measure"}
+RUN_BUTTONS = {"step": ids.STEP_GENERATE, "compare": ids.CMP_RUN, "beam": ids.BEAM_RUN,
+               "speculative": ids.SPEC_GENERATE, "quantization": ids.QUANT_MEASURE}
 PRESENT_NARROW_PX = 900  # the presenter's and Step through's charts go two panels a row on pages narrower than this
 PHONE_PX = 600  # Step through's chart goes one panel a row below this (app.CSS stacks the columns there too)
 

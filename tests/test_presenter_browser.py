@@ -9,7 +9,7 @@ import json
 import pytest
 
 from playground.views.lessons import lesson_token
-from playground.views.presenter import NARROW_PX, panel_columns
+from playground.charts.step import NARROW_PX, panel_columns
 from tests.conftest import open_tab
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from engine.sharelink import SHARE_PARAM
-from playground import app, assets, knobs, page_js, share_links
+from playground import app, assets, ids, knobs, page_js, share_links
 from playground.assets import STATIC, AssetError, static_text
 from playground.user_presets import CUSTOM
 from playground.views import lessons, presenter, speculative
@@ -44,13 +44,16 @@ ALL = JS_FUNCTIONS + JS_BODIES + CSS
 LEFTOVER = re.compile(r"__[A-Z][A-Z0-9_]*__")
 
 
+ID_PLACEHOLDER = re.compile(r"__ID_([A-Z][A-Z0-9_]*)__")
+
+
 def filled(name: str, values: dict) -> str:
-    """The file's text with each ``__KEY__`` replaced by hand (not through static_text)."""
+    """The file's text with each ``__KEY__`` and ``__ID_NAME__`` replaced by hand (not through static_text)."""
     text = (STATIC / name).read_text(encoding="utf-8").removesuffix("\n")
     for key, value in values.items():
         assert f"__{key}__" in text, f"{name} lacks __{key}__"
         text = text.replace(f"__{key}__", value)
-    return text
+    return ID_PLACEHOLDER.sub(lambda m: json.dumps(getattr(ids, m.group(1))), text)
 
 
 def test_every_static_file_is_some_constants_and_not_empty():
@@ -84,6 +87,46 @@ def test_a_missing_file_or_unfilled_placeholder_is_refused(tmp_path, monkeypatch
         static_text("x.js", ONE="1", TWO="2", THREE="3")
     # one pass: a value's own text is not filled in again
     assert static_text("x.js", ONE="__TWO__", TWO="2") == "(a) => a + __TWO__ + 2"
+    (tmp_path / "id.js").write_text("() => [__ID_STEP_CHART__, __ID_NO_SUCH__]\n", encoding="utf-8")
+    with pytest.raises(AssetError, match=r"names element ids \['ID_NO_SUCH'\] that playground/ids.py lacks"):
+        static_text("id.js")
+    (tmp_path / "id.js").write_text("() => __ID_STEP_CHART__\n", encoding="utf-8")
+    assert static_text("id.js") == '() => "step-chart"'
+    with pytest.raises(AssetError, match="values given for"):
+        static_text("id.js", ID_STEP_CHART='"x"')  # an id is filled from the table only
+
+
+def built_page_ids(monkeypatch) -> set[str]:
+    """Every elem_id of the whole app, built with no model loaded (no startup examples)."""
+    from engine.models import ModelRegistry
+
+    monkeypatch.setenv("DP_EXAMPLES", "0")
+    demo = app.build_app(ModelRegistry())
+    return {b.elem_id for b in demo.blocks.values() if getattr(b, "elem_id", None)}
+
+
+def test_every_id_the_scripts_name_is_in_the_built_page(monkeypatch):
+    """#28: the scripts name element ids only through playground/ids.py, each one is in the page."""
+    named = {m for _, name, _ in JS_FUNCTIONS + JS_BODIES
+             for m in ID_PLACEHOLDER.findall((STATIC / name).read_text(encoding="utf-8"))}
+    assert named and named <= set(ids.IDS), sorted(named - set(ids.IDS))
+    page = built_page_ids(monkeypatch)
+    missing = {name: value for name, value in ids.IDS.items() if value not in page}
+    assert not missing, f"ids.py names ids the built page lacks: {missing}"
+    buttons = {*page_js.PROMPT_BUTTONS, *page_js.PROMPT_BUTTONS.values(), *page_js.RUN_BUTTONS.values()}
+    assert buttons <= set(ids.IDS.values()) and buttons <= page
+
+
+def test_no_script_names_an_id_or_a_global_of_its_own():
+    """#28: no literal element id in a script ('#step-chart', getElementById('x')), and one global,
+    ``window.dp``, instead of one per script (window.dpWhatIfSeq, window.dpStageEdit...)."""
+    literal_id = re.compile(r"""(getElementById\(\s*['"`])|(['"`]#[A-Za-z])""")
+    for _, name, _ in JS_FUNCTIONS + JS_BODIES:
+        text = (STATIC / name).read_text(encoding="utf-8")
+        assert not literal_id.search(text), f"{name}: {literal_id.search(text).group()}"
+        globals_named = set(re.findall(r"window\.(dp\w*)", text))
+        assert globals_named <= {"dp"}, f"{name}: {globals_named}"
+    assert "window.dp = window.dp || {};" in PAGE_SCRIPT  # the page script makes the namespace first
 
 
 def test_the_space_folder_ships_the_static_files(tmp_path):

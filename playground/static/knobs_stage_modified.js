@@ -1,5 +1,5 @@
 (choice, note) => {
-  if (!window.dpStageEdit) return note;
-  window.dpStageEdit = false;
+  if (!window.dp?.stageEdit) return note;
+  window.dp.stageEdit = false;
   return (__MODIFIED__)(choice);
 }

@@ -1,5 +1,9 @@
 (() => {
   const PROMPTS = __PROMPTS__;
+  // The page's one global, shared with the js= snippets (playground/static/*.js): window.dp.
+  window.dp = window.dp || {};
+  // The element ``selector`` names inside element ``id`` (an id from playground/ids.py).
+  const inside = (id, selector) => document.querySelector('#' + id + ' ' + selector);
   const visible = el => el && el.offsetParent !== null;
   document.addEventListener('keydown', e => {
     const t = e.target;
@@ -10,7 +14,7 @@
       return;
     }
     if (['ArrowLeft', 'ArrowRight', 'Enter'].includes(e.key) && !['INPUT', 'TEXTAREA', 'SELECT'].includes(t.tagName)) {
-      const text = document.getElementById('step-text');
+      const text = document.getElementById(__ID_STEP_TEXT__);
       if (!visible(text)) return;
       const tokens = [...text.querySelectorAll('.token')];
       if (e.key === 'Enter') {
@@ -18,7 +22,7 @@
         return;
       }
       if (t !== document.body && !text.contains(t)) return;
-      const box = document.querySelector('#step-index input[type=number]');
+      const box = inside(__ID_STEP_INDEX__, 'input[type=number]');
       const at = box ? Number(box.value) : 0;
       const next = Math.max(0, Math.min(tokens.length - 1, at + (e.key === 'ArrowRight' ? 1 : -1)));
       if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
@@ -32,27 +36,30 @@
     setter.call(box, value);
     box.dispatchEvent(new Event('input', {bubbles: true}));
   };
-  const fitWidth = (name) => {
-    const box = document.querySelector(`#${name}-width input`);
+  const fitWidth = (widthId, chartId, redrawId) => {
+    const box = inside(widthId, 'input');
     if (!box) return;
     const want = String(Math.round(window.innerWidth));
     if (box.value !== want) { setValue(box, want); return; }
-    const plot = document.querySelector(`#${name}-chart .js-plotly-plot`);
+    const plot = inside(chartId, '.js-plotly-plot');
     const meta = plot && plot.layout && plot.layout.meta;
     const stale = meta && (meta.narrow !== (window.innerWidth < __NARROW__)
                            || (meta.phone !== undefined && meta.phone !== (window.innerWidth < __PHONE__)));
     if (stale && plot.dataset.dpAsked !== want) {
       plot.dataset.dpAsked = want;
-      document.getElementById(`${name}-redraw`)?.click();
+      document.getElementById(redrawId)?.click();
     }
   };
-  const presentWidth = () => { fitWidth('present'); fitWidth('step'); };
+  const presentWidth = () => {
+    fitWidth(__ID_PRESENT_WIDTH__, __ID_PRESENT_CHART__, __ID_PRESENT_REDRAW__);
+    fitWidth(__ID_STEP_WIDTH__, __ID_STEP_CHART__, __ID_STEP_REDRAW__);
+  };
   window.addEventListener('resize', presentWidth);
   // Step through's selected step: its token is outlined (the step box holds the selected index).
   const markSelected = () => {
-    const box = document.querySelector('#step-index input[type=number]');
+    const box = inside(__ID_STEP_INDEX__, 'input[type=number]');
     const at = box ? Number(box.value) : -1;
-    document.querySelectorAll('#step-text .token').forEach((el, i) => {
+    document.querySelectorAll('#' + __ID_STEP_TEXT__ + ' .token').forEach((el, i) => {
       const on = i === at;
       if (el.classList.contains('dp-selected') !== on) el.classList.toggle('dp-selected', on);
       if (on && el.getAttribute('aria-current') !== 'true') el.setAttribute('aria-current', 'true');
@@ -61,12 +68,12 @@
   };
   // The QR code in the presenter view: a click enlarges it for the room, another shrinks it back.
   document.addEventListener('click', e => {
-    const code = e.target.closest && e.target.closest('#present-qr');
+    const code = e.target.closest && e.target.closest('#' + __ID_PRESENT_QR__);
     if (code) code.classList.toggle('dp-qr-big');
   });
   // Tokens take the keyboard focus (Tab, then Enter opens a token's step).
   new MutationObserver(() => {
-    document.querySelectorAll('#step-text .token:not([tabindex])').forEach(el => el.setAttribute('tabindex', '0'));
+    document.querySelectorAll('#' + __ID_STEP_TEXT__ + ' .token:not([tabindex])').forEach(el => el.setAttribute('tabindex', '0'));
     presentWidth();
     markSelected();
   }).observe(document.documentElement, {childList: true, subtree: true});
@@ -79,7 +86,7 @@
     if (!box) return;
     const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), 'value').set;
     setter.call(box, [...ol.children].map(li => li.dataset.stage).join(', '));
-    window.dpStageEdit = true;  // a person's edit: the preset note says modified (knobs.STAGE_MODIFIED_JS)
+    window.dp.stageEdit = true;  // a person's edit: the preset note says modified (knobs.STAGE_MODIFIED_JS)
     box.dispatchEvent(new Event('input', {bubbles: true}));
   };
   let dragged = null;

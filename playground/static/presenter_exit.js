@@ -1,1 +1,1 @@
-() => { document.querySelector('#lessons-present input')?.click(); }
+() => { document.querySelector('#' + __ID_LESSONS_PRESENT__ + ' input')?.click(); }

@@ -1,1 +1,1 @@
-() => { document.querySelector('#lessons-run')?.click(); }
+() => { document.getElementById(__ID_LESSONS_RUN__)?.click(); }

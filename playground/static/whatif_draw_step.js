@@ -1,4 +1,4 @@
-(__DRAW_INTO__)('#step-chart .js-plotly-plot', () => {
-  const box = document.querySelector('#step-index input[type=number]');
+(__DRAW_INTO__)('#' + __ID_STEP_CHART__ + ' .js-plotly-plot', () => {
+  const box = document.querySelector('#' + __ID_STEP_INDEX__ + ' input[type=number]');
   return box ? Number(box.value) : undefined;
 })

@@ -1,6 +1,6 @@
 async (key, note, explain, step, model, quantization, width, ...values) => {
   if (!key) return [note, explain];
-  const seq = window.dpWhatIfSeq = (window.dpWhatIfSeq || 0) + 1;
+  const seq = window.dp.whatIfSeq = (window.dp.whatIfSeq || 0) + 1;
   let reply;
   try {
     const res = await (__POST__)({key, step, model, quantization, width, values});
@@ -8,9 +8,9 @@ async (key, note, explain, step, model, quantization, width, ...values) => {
   } catch (err) {
     reply = {fallback: true};
   }
-  if (seq !== window.dpWhatIfSeq) return [note, explain];
+  if (seq !== window.dp.whatIfSeq) return [note, explain];
   if (reply.fallback) {
-    const button = document.querySelector('#step-whatif-fallback');
+    const button = document.getElementById(__ID_STEP_WHATIF_FALLBACK__);
     if (button) button.click();
     return [note, explain];
   }

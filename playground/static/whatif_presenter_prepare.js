@@ -1,5 +1,5 @@
 (key, model, quantization) => {
-  const label = document.querySelector('#present-text .dp-present-label');
+  const label = document.querySelector('#' + __ID_PRESENT_TEXT__ + ' .dp-present-label');
   if (!key || !label) return;
   (__POST__)({prepare: true, key, step: Number(label.dataset.step), model, quantization}).catch(() => {});
 }

@@ -19,7 +19,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from engine.trace import Trace
-from playground import qr
+from playground import ids, qr
 from playground.charts import step as charts
 from playground.charts.presenter import step_chart  # the what-if service draws the slider's chart with it too
 from playground.charts.step import revised
@@ -90,22 +90,22 @@ class PresenterPanel:
 
     @classmethod
     def build(cls) -> "PresenterPanel":
-        with gr.Column(visible=False, elem_id="presenter", elem_classes=["dp-presenter"]) as column:
+        with gr.Column(visible=False, elem_id=ids.PRESENTER, elem_classes=["dp-presenter"]) as column:
             with gr.Row(elem_id="present-top"):
-                text = gr.HTML(elem_id="present-text")
-                code = gr.HTML(elem_id="present-qr")
+                text = gr.HTML(elem_id=ids.PRESENT_TEXT)
+                code = gr.HTML(elem_id=ids.PRESENT_QR)
             with gr.Row(elem_id="present-controls"):
-                exit_btn = gr.Button("✕ Exit", elem_id="present-exit", min_width=80, size="sm")
+                exit_btn = gr.Button("✕ Exit", elem_id=ids.PRESENT_EXIT, min_width=80, size="sm")
                 run = gr.Button("Run the lesson", elem_id="present-run", min_width=110, size="sm")
-                prev = gr.Button("◀ Previous token", elem_id="present-prev", min_width=120)
-                nxt = gr.Button("Next token ▶", variant="primary", elem_id="present-next", min_width=120)
+                prev = gr.Button("◀ Previous token", elem_id=ids.PRESENT_PREV, min_width=120)
+                nxt = gr.Button("Next token ▶", variant="primary", elem_id=ids.PRESENT_NEXT, min_width=120)
                 guess = gr.Checkbox(False, label="Guess the next token (hide it)", elem_id="present-guess", min_width=160)
                 reveal = gr.Button("Reveal", elem_id="present-reveal", min_width=100)
                 temperature = gr.Slider(TEMPERATURE_RANGE[0], TEMPERATURE_RANGE[1], value=1.0, step=0.05,
                                         label="What if: temperature", elem_id="present-temperature", min_width=200)
-            chart = gr.Plot(show_label=False, elem_id="present-chart")
-            width = gr.Number(None, show_label=False, elem_id="present-width", elem_classes=["dp-hidden"])
-            redraw = gr.Button("redraw", elem_id="present-redraw", elem_classes=["dp-hidden"])
+            chart = gr.Plot(show_label=False, elem_id=ids.PRESENT_CHART)
+            width = gr.Number(None, show_label=False, elem_id=ids.PRESENT_WIDTH, elem_classes=["dp-hidden"])
+            redraw = gr.Button("redraw", elem_id=ids.PRESENT_REDRAW, elem_classes=["dp-hidden"])
             key = gr.Textbox("", show_label=False, container=False, elem_id="present-key", elem_classes=["dp-hidden"])
         return cls(column, text, chart, prev, nxt, guess, reveal, code, gr.State(0), width, exit_btn, run, redraw,
                    temperature, key)

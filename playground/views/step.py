@@ -32,7 +32,7 @@ from playground.charts import step as charts
 from playground.charts.step import revised
 from playground.charts import tokens as token_charts
 
-from .. import downloads, examples
+from .. import downloads, examples, ids
 from ..events import stop_button, zero_gpu
 from ..knobs import STAGE_KNOBS, KnobPanel
 from ..page_js import DRAW_JS
@@ -296,10 +296,10 @@ def build_tab(shared: Shared, whatif: WhatIfService) -> StepView:
     """The Step-through tab; its knob panel's what-ifs go to ``whatif`` (the app's service)."""
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="step-prompt")
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id=ids.STEP_PROMPT)
             # The primary action right under the prompt: visible without scrolling at 1280x720.
             with gr.Row():
-                generate = gr.Button("Generate", variant="primary", elem_id="step-generate")
+                generate = gr.Button("Generate", variant="primary", elem_id=ids.STEP_GENERATE)
                 stop = gr.Button("Stop", variant="stop", elem_id="step-stop")
             status = gr.HTML("", elem_id="step-status")
             chat = gr.Checkbox(True, label="Chat template", info="Wrap the prompt in the model's chat template (instruct models).",
@@ -308,14 +308,14 @@ def build_tab(shared: Shared, whatif: WhatIfService) -> StepView:
         with gr.Column(scale=2, min_width=480):
             colour_by = gr.Radio(["probability", "surprisal"], value="probability", label="Colour tokens by", elem_id="step-colour")
             text = gr.HighlightedText(label="Generated text: click a token to inspect its step", combine_adjacent=False,
-                                      show_legend=False, show_inline_category=False, interactive=False, elem_id="step-text")
+                                      show_legend=False, show_inline_category=False, interactive=False, elem_id=ids.STEP_TEXT)
             legend = gr.HTML(token_legend("probability"), elem_id="step-legend")
             colour_by.change(token_legend, colour_by, legend, queue=False, api_visibility="private")
-            step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-index")
+            step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id=ids.STEP_INDEX)
             explain = gr.Markdown(EMPTY_EXPLAIN, elem_id="step-explain")
-            chart = gr.Plot(label="Distribution after each stage", elem_id="step-chart")
-            width = gr.Number(None, show_label=False, elem_id="step-width", elem_classes=["dp-hidden"])
-            redraw = gr.Button("redraw", elem_id="step-redraw", elem_classes=["dp-hidden"])
+            chart = gr.Plot(label="Distribution after each stage", elem_id=ids.STEP_CHART)
+            width = gr.Number(None, show_label=False, elem_id=ids.STEP_WIDTH, elem_classes=["dp-hidden"])
+            redraw = gr.Button("redraw", elem_id=ids.STEP_REDRAW, elem_classes=["dp-hidden"])
             what_if = WhatIfPanel.build()
             with gr.Row():
                 alternatives = gr.Dropdown([], label="Branch: pick another token at this step", scale=3, elem_id="step-alt")

@@ -30,6 +30,7 @@ from engine.control import RunControl
 from engine.models import LoadedModel
 from engine.trace import Event, StageTrace, Trace, to_dict
 
+from .. import ids
 from ..page_js import PREPARE_JS, WHATIF_JS
 from ..shared import Shared, UserError, parent_trace
 
@@ -84,7 +85,7 @@ class WhatIfPanel:
         hidden = {"show_label": False, "container": False, "elem_classes": ["dp-hidden"]}
         figure = gr.Textbox("", elem_id="step-whatif-figure", **hidden)
         key = gr.Textbox("", elem_id="step-whatif-key", **hidden)
-        fallback = gr.Button("what if", elem_id="step-whatif-fallback", elem_classes=["dp-hidden"])
+        fallback = gr.Button("what if", elem_id=ids.STEP_WHATIF_FALLBACK, elem_classes=["dp-hidden"])
         return cls(note, button, figure, key, fallback)
 
     def wire_page(self, shared: Shared, panel: Any, step: gr.Slider, chart: gr.Plot, explain: gr.Markdown,
