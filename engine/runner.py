@@ -103,7 +103,8 @@ def _check_continuation(lm: LoadedModel, strategy: str, prefix: tuple[int, ...],
         if given and strategy not in CONTINUABLE:
             raise ValueError(f"{name}: only {' and '.join(sorted(CONTINUABLE))} runs continue from a step, "
                              f"not {strategy!r}")
-    for name, token in [*(("prefix", t) for t in prefix), *([("force", force)] if force is not None else [])]:
+    tokens = [("prefix", t) for t in prefix] + ([("force", force)] if force is not None else [])
+    for name, token in tokens:
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < lm.vocab_size:
             raise ValueError(f"{name}: token {token!r} is out of range; the vocabulary has {lm.vocab_size} tokens")
 
