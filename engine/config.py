@@ -1,12 +1,15 @@
 """DecodingConfig: the strategy, every knob, and the stage order, validated in ONE place.
 
-Every knob is declared once in ``KNOBS`` with its type, bounds and neutral value. The CLI, the preset
-schema and the UI sliders all read their ranges from here; nothing else hard-codes a bound.
-A neutral value means "this stage does nothing", so presets can be sparse.
+Every knob is declared once with its type, bounds and neutral value: the run and strategy knobs
+here, each stage's knobs in its spec (engine/processors.py, one ``StageSpec`` per stage), and all of
+them collected in ``KNOBS``. The CLI, the preset schema and the UI sliders all read their ranges from
+``KNOBS``; nothing else hard-codes a bound. A neutral value means "this stage does nothing", so
+presets can be sparse. The stage order, names and sampling-only set are derived from the specs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -15,6 +18,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import processors  # noqa: F401  (declares every stage; it imports no config)
+from .stages import (MAX_BIAS_ENTRIES, MAX_STRING_LEN, STAGES, ConfigError, Knob, StageSpec, declared,  # noqa: F401
+                     on_change)
 
 STRATEGIES = (
     "greedy",
@@ -27,43 +34,20 @@ STRATEGIES = (
     "medusa",
 )
 
-# Stage names, in transformers' own order (generation/utils.py `_get_logits_processor`): processors
-# first (repetition penalty, no-repeat-n-gram), then the sampling warpers. Frequency and presence
-# penalties (OpenAI's rule) have no transformers counterpart; they sit beside the repetition penalty.
-# `constraints` (allowed/banned words) masks before everything so later stages renormalise over it.
-# The samplers added for parity with llama.cpp / text-generation-webui slot in where llama.cpp puts
-# them (its chain: logit bias, penalties, DRY, top-nσ, top-k, typical, top-p, min-p, XTC,
-# temperature; mirostat ends a chain), without moving the stages above relative to each other.
-DEFAULT_STAGE_ORDER = (
-    "constraints",
-    "logit_bias",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "dry",
-    "no_repeat_ngram",
-    "min_new_tokens",
-    "temperature",
-    "dynamic_temperature",
-    "smoothing",
-    "top_n_sigma",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "epsilon",
-    "eta",
-    "top_h",
-    "top_a",
-    "xtc",
-    "mirostat",
-)
-STAGE_NAMES = DEFAULT_STAGE_ORDER
+# The stages are declared in engine/processors.py, one StageSpec each (engine/stages.py); the tables
+# below are derived from them (``_derive``). The default order is transformers' own
+# (generation/utils.py `_get_logits_processor`): processors first (repetition penalty,
+# no-repeat-n-gram), then the sampling warpers. Frequency and presence penalties (OpenAI's rule)
+# have no transformers counterpart; they sit beside the repetition penalty. `constraints`
+# (allowed/banned words) masks before everything so later stages renormalise over it. The samplers
+# added for parity with llama.cpp / text-generation-webui slot in where llama.cpp puts them (its
+# chain: logit bias, penalties, DRY, top-nσ, top-k, typical, top-p, min-p, XTC, temperature;
+# mirostat ends a chain), without moving the stages above relative to each other.
+DEFAULT_STAGE_ORDER: tuple[str, ...] = ()  # every stage, by its spec's ``order``
+STAGE_NAMES: tuple[str, ...] = ()  # the same names
 # Stages that only shape a *sampling* distribution. Greedy decoding ignores them, exactly as
 # transformers' generate(do_sample=False) does.
-SAMPLING_ONLY_STAGES = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon",
-                                  "dynamic_temperature", "smoothing", "top_n_sigma", "eta", "top_h", "top_a",
-                                  "xtc", "mirostat"})
+SAMPLING_ONLY_STAGES: frozenset[str] = frozenset()
 
 DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4")  # plus "model:<id or dir>"
 # KV cache kinds (engine/kv_quant.py builds them), plus "sliding-<N>": a window of the last N positions.
@@ -72,95 +56,17 @@ SLIDING_WINDOW_RANGE = (2, 65_536)  # transformers keeps N - 1 cached positions,
 EARLY_STOPPING_CHOICES = (True, False, "never")
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key, the value and what is allowed."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"{key}: {message}")
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One configuration key: its type, bounds, neutral value and a one-line doc for the UI."""
-
-    name: str
-    kind: str  # "float" | "int" | "bool" | "str" | "str_list" | "choice"
-    neutral: Any
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # True: low itself is not allowed
-    # Smallest allowed non-zero magnitude ("0 or >= floor"): keeps 1/T and logit/penalty away from
-    # float underflow, which turns a whole distribution into NaN.
-    floor: float | None = None
-    choices: tuple = ()
-    doc: str = ""
-    stage: str | None = None  # the stage this knob drives, if any
-    step: float | None = None  # UI slider step
-
-    def range_text(self) -> str:
-        if self.kind == "int":
-            return f"[{int(self.low)}, {int(self.high)}]"
-        if self.kind == "float":
-            left = "(" if self.low_open else "["
-            if self.floor is not None:
-                return f"{self.low:g} or [{self.floor:g}, {self.high:g}]"
-            return f"{left}{self.low:g}, {self.high:g}]"
-        if self.kind == "choice":
-            return " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in self.choices)
-        if self.kind == "str_list":
-            return f"a list of at most {int(self.high)} strings of at most {MAX_STRING_LEN} characters"
-        if self.kind == "bias_map":
-            return (f"an object of at most {MAX_BIAS_ENTRIES} entries {{token id or word: bias in "
-                    f"[{self.low:g}, {self.high:g}]}}")
-        if self.kind == "str":
-            return f"a string of at most {MAX_STRING_LEN} characters"
-        return "true | false"
-
-
-MAX_STRING_LEN = 200
-MAX_BIAS_ENTRIES = 64
 MAX_SEED = 2**32 - 1
 
-_KNOB_LIST = [
-    Knob("seed", "int", 0, 0, MAX_SEED, doc="Seed of the per-run random generator; same seed, same output.", step=1),
+# Run and strategy knobs; each stage's knobs are in its spec (engine/processors.py).
+_RUN_KNOBS = [
+    Knob("seed", "int", 0, 0, MAX_SEED, doc="Seed of the per-run random generator; same seed, same output.", step=1,
+         widget="number"),
     Knob("max_new_tokens", "int", 64, 1, 1024, doc="Stop after this many generated tokens.", step=1),
     Knob("stop", "str_list", [], 0, 8, doc="Stop when the generated text contains any of these strings."),
     Knob("top_n", "int", 10, 1, 100, doc="How many tokens per stage the trace stores (statistics use the whole vocabulary).", step=1),
-    # --- stages (neutral value = stage disabled)
-    Knob("temperature", "float", 1.0, 0.0, 5.0, floor=0.01, doc="Divide logits by T. 1 = neutral, 0 = greedy.", stage="temperature", step=0.05),
-    Knob("top_k", "int", 0, 0, 100_000, doc="Keep the k most probable tokens. 0 = disabled.", stage="top_k", step=1),
-    Knob("top_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Keep the smallest set whose mass reaches p. 1 = disabled.", stage="top_p", step=0.01),
-    Knob("min_p", "float", 0.0, 0.0, 1.0, doc="Drop tokens below min_p x the top probability. 0 = disabled.", stage="min_p", step=0.01),
-    Knob("typical_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Locally typical sampling mass. 1 = disabled.", stage="typical_p", step=0.01),
-    Knob("epsilon_cutoff", "float", 0.0, 0.0, 0.999, doc="Drop tokens with probability below epsilon. 0 = disabled.", stage="epsilon", step=0.0001),
-    Knob("repetition_penalty", "float", 1.0, 0.01, 10.0, doc="CTRL rule: divide positive / multiply negative logits of seen tokens. 1 = neutral.", stage="repetition_penalty", step=0.05),
-    Knob("frequency_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty x count of each generated token. 0 = neutral.", stage="frequency_penalty", step=0.05),
-    Knob("presence_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty once from every generated token. 0 = neutral.", stage="presence_penalty", step=0.05),
-    Knob("no_repeat_ngram_size", "int", 0, 0, 10, doc="Ban any n-gram of this size from occurring twice. 0 = disabled.", stage="no_repeat_ngram", step=1),
-    Knob("allowed_words", "str_list", [], 0, 64, doc="Only tokens of these words (and EOS) may be generated. Empty = no constraint.", stage="constraints"),
-    Knob("banned_words", "str_list", [], 0, 64, doc="Tokens of these words can never be generated. Empty = none banned.", stage="constraints"),
-    # --- samplers at parity (llama.cpp / text-generation-webui)
-    Knob("dry_multiplier", "float", 0.0, 0.0, 10.0, doc="DRY: penalty multiplier for tokens that extend a repeated phrase. 0 = disabled.", stage="dry", step=0.05),
-    Knob("dry_base", "float", 1.75, 1.0, 4.0, doc="DRY: the penalty grows as base^(length - allowed_length).", stage="dry", step=0.05),
-    Knob("dry_allowed_length", "int", 2, 1, 20, doc="DRY: repeats up to this length are not penalised.", stage="dry", step=1),
-    Knob("dry_penalty_last_n", "int", -1, -1, 131_072, doc="DRY: tokens of context scanned for repeats. -1 = all, 0 = disabled.", stage="dry", step=1),
-    Knob("dry_sequence_breakers", "str_list", ["\n", ":", "\"", "*"], 0, 16, doc="DRY: strings whose tokens stop a repeat match.", stage="dry"),
-    Knob("xtc_threshold", "float", 0.1, 0.0, 1.0, doc="XTC: tokens at or above this probability are top choices. Above 0.5 = disabled.", stage="xtc", step=0.01),
-    Knob("xtc_probability", "float", 0.0, 0.0, 1.0, doc="XTC: chance per step of removing every top choice but the least likely. 0 = disabled.", stage="xtc", step=0.01),
-    Knob("top_n_sigma", "float", 0.0, 0.0, 10.0, doc="Keep logits within n standard deviations of the top logit. 0 = disabled.", stage="top_n_sigma", step=0.05),
-    Knob("dynatemp_range", "float", 0.0, 0.0, 5.0, doc="Dynamic temperature: T spans temperature ± range, scaled by the normalised entropy. 0 = disabled.", stage="dynamic_temperature", step=0.05),
-    Knob("dynatemp_exponent", "float", 1.0, 0.0, 10.0, low_open=True, doc="Dynamic temperature: exponent on the normalised entropy. 1 = linear.", stage="dynamic_temperature", step=0.05),
-    Knob("smoothing_factor", "float", 0.0, 0.0, 10.0, doc="Quadratic sampling: logit = max - factor x (max - logit)^2. 0 = disabled.", stage="smoothing", step=0.01),
-    Knob("smoothing_curve", "float", 1.0, 1.0, 10.0, doc="Quadratic sampling: cubic term; 1 = pure quadratic.", stage="smoothing", step=0.05),
-    Knob("mirostat", "int", 0, 0, 2, doc="Mirostat version: adaptive truncation aiming at a target surprise. 0 = disabled.", stage="mirostat", step=1),
-    Knob("mirostat_tau", "float", 5.0, 0.0, 20.0, doc="Mirostat: target surprise in bits.", stage="mirostat", step=0.1),
-    Knob("mirostat_eta", "float", 0.1, 0.0, 1.0, doc="Mirostat: learning rate of mu.", stage="mirostat", step=0.01),
-    Knob("eta_cutoff", "float", 0.0, 0.0, 0.999, doc="Eta sampling: drop p < min(eta, sqrt(eta) x exp(-entropy)). 0 = disabled.", stage="eta", step=0.0001),
-    Knob("top_a", "float", 0.0, 0.0, 1.0, doc="Top-a: drop p < a x p_max^2. 0 = disabled.", stage="top_a", step=0.01),
-    Knob("top_h", "float", 0.0, 0.0, 1.0, doc="Top-H: keep top tokens until their entropy exceeds top_h x the entropy. 0 = disabled.", stage="top_h", step=0.01),
-    Knob("logit_bias", "bias_map", {}, -100.0, 100.0, doc="Add a bias to tokens: {token id or word: bias}. Words are biased with and without a leading space.", stage="logit_bias"),
-    Knob("min_new_tokens", "int", 0, 0, 1024, doc="EOS is masked until this many tokens were generated. 0 = disabled.", stage="min_new_tokens", step=1),
+]
+_STRATEGY_KNOBS = [
     # --- beam search
     Knob("num_beams", "int", 1, 1, 8, doc="Beams kept per step.", step=1),
     Knob("length_penalty", "float", 1.0, -5.0, 5.0, doc="Score = sum logprob / length^alpha. 1 = neutral.", step=0.1),
@@ -190,8 +96,22 @@ _KNOB_LIST = [
     Knob("kv_cache", "str", "dynamic", doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
     Knob("kv_residual_length", "int", 32, 1, 1024, doc="Quantized KV cache: the most recent positions kept unquantized (flushed when full).", step=1),
 ]
-KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
-CONFIG_KEYS = ("strategy", *KNOBS, "stage_order")
+KNOBS: dict[str, Knob] = {}  # run knobs, every stage's knobs (in the order the stages are declared), strategy knobs
+CONFIG_KEYS: tuple[str, ...] = ()
+
+
+def _derive() -> None:
+    """The stage tables from the registered specs (again after a stage is registered or removed,
+    which tests do; ``KNOBS`` is updated in place, so ``from config import KNOBS`` stays current)."""
+    global DEFAULT_STAGE_ORDER, STAGE_NAMES, SAMPLING_ONLY_STAGES, CONFIG_KEYS
+    DEFAULT_STAGE_ORDER = STAGE_NAMES = tuple(STAGES)
+    SAMPLING_ONLY_STAGES = frozenset(name for name, spec in STAGES.items() if spec.sampling_only)
+    KNOBS.clear()
+    KNOBS.update((k.name, k) for k in [*_RUN_KNOBS, *(k for s in declared() for k in s.knobs), *_STRATEGY_KNOBS])
+    CONFIG_KEYS = ("strategy", *KNOBS, "stage_order")
+
+
+on_change(_derive)
 
 
 def _check_number(knob: Knob, value: Any) -> float | int:
@@ -425,48 +345,21 @@ def check_arguments(fn: Any, args: tuple, kwargs: dict) -> None:
         raise ConfigError(name, f"expected {allowed}, got {_short(value)}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class DecodingConfig:
     """Everything that decides a decoding run. Construct with ``DecodingConfig.from_dict`` or
-    directly; both validate. Field names follow transformers' GenerationConfig where one exists."""
+    directly (``DecodingConfig(strategy="sample", temperature=0.7)``); both validate. Field names
+    follow transformers' GenerationConfig where one exists.
+
+    The run and strategy knobs are fields. Each stage's knobs are declared by its spec
+    (engine/processors.py), not here: their values live in ``stage_knobs`` and read as attributes
+    (``config.temperature``), so adding a stage adds its knobs without touching this class."""
 
     strategy: str = "sample"
     seed: int = 0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     top_n: int = 10
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    epsilon_cutoff: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    no_repeat_ngram_size: int = 0
-    allowed_words: tuple[str, ...] = ()
-    banned_words: tuple[str, ...] = ()
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
-    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
-    xtc_threshold: float = 0.1
-    xtc_probability: float = 0.0
-    top_n_sigma: float = 0.0
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    smoothing_factor: float = 0.0
-    smoothing_curve: float = 1.0
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    eta_cutoff: float = 0.0
-    top_a: float = 0.0
-    top_h: float = 0.0
-    logit_bias: dict = field(default_factory=dict)
-    min_new_tokens: int = 0
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -490,17 +383,51 @@ class DecodingConfig:
     medusa_tree_min_score: float = 0.0
     kv_cache: str = "dynamic"
     kv_residual_length: int = 32
-    stage_order: tuple[str, ...] = field(default=DEFAULT_STAGE_ORDER)
+    stage_order: tuple[str, ...] = ()  # () or left out: the default order
+    stage_knobs: dict[str, Any] = field(default_factory=dict)  # every stage knob's value, by knob name
 
-    def __post_init__(self) -> None:
+    def __init__(self, strategy: str = "sample", **values: Any):
+        """Keyword arguments: any config key (an unknown one is a TypeError, as for a dataclass);
+        ``stage_knobs``: stage knob values to start from (``dataclasses.replace`` passes it)."""
+        stage = {name: knob.neutral for name, knob in KNOBS.items() if knob.stage is not None}
+        stage.update((k, v) for k, v in (values.pop("stage_knobs", None) or {}).items() if k in stage)
+        object.__setattr__(self, "strategy", strategy)
+        for name, default in _FIELD_DEFAULTS.items():
+            object.__setattr__(self, name, values.pop(name, default))
+        for name in values:
+            if name not in stage:
+                raise TypeError(f"DecodingConfig.__init__() got an unexpected keyword argument {name!r}")
+        stage.update(values)
+        object.__setattr__(self, "stage_knobs", stage)
+        self._validate()
+
+    def __getattr__(self, name: str) -> Any:
+        """A stage knob's value (only called when ``name`` is not a field)."""
+        stage = self.__dict__.get("stage_knobs")
+        if stage is not None:
+            if name in stage:
+                return stage[name]
+            knob = KNOBS.get(name)
+            if knob is not None and knob.stage is not None:  # a stage registered after this config was made
+                return knob.neutral
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        values = [f"strategy={self.strategy!r}"] + [f"{name}={getattr(self, name)!r}" for name in KNOBS]
+        return f"DecodingConfig({', '.join(values)}, stage_order={self.stage_order!r})"
+
+    def _validate(self) -> None:
         if not isinstance(self.strategy, str) or self.strategy not in STRATEGIES:
             raise ConfigError("strategy", f"expected one of {' | '.join(STRATEGIES)}, got {_short(self.strategy)}")
-        for name in KNOBS:  # direct construction is checked exactly like from_dict (no list() coercion)
+        for name, knob in KNOBS.items():  # direct construction is checked exactly like from_dict (no list() coercion)
             value = check_knob(name, getattr(self, name))
-            if KNOBS[name].kind == "str_list":
+            if knob.kind == "str_list":
                 value = tuple(value)
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "stage_order", check_stage_order(self.stage_order))
+            if knob.stage is None:
+                object.__setattr__(self, name, value)
+            else:
+                self.stage_knobs[name] = value
+        object.__setattr__(self, "stage_order", check_stage_order(self.stage_order or DEFAULT_STAGE_ORDER))
         check_drafter("drafter", self.drafter, DRAFTER_CHOICES)
         check_drafter("amateur", self.amateur, ("self-int8", "self-nf4"))
         check_kv_cache("kv_cache", self.kv_cache)
@@ -557,43 +484,19 @@ class DecodingConfig:
 
     def active_stages(self) -> tuple[str, ...]:
         """The stage names that will actually change the distribution, in the user's order."""
-        active = []
-        for name in self.stage_order:
-            if self.is_greedy and name in SAMPLING_ONLY_STAGES:
-                continue
-            if _stage_is_active(self, name):
-                active.append(name)
-        return tuple(active)
+        return tuple(name for name in self.stage_order if _stage_is_active(self, name))
+
+
+# The fields other than strategy and stage_knobs, with their defaults (DecodingConfig.__init__).
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodingConfig)
+                   if f.name not in ("strategy", "stage_knobs")}
 
 
 def _stage_is_active(cfg: DecodingConfig, stage: str) -> bool:
-    if stage == "constraints":
-        return bool(cfg.allowed_words or cfg.banned_words)
-    if stage in _PARITY_STAGE_ACTIVE:
-        return _PARITY_STAGE_ACTIVE[stage](cfg)
-    if stage == "epsilon":
-        return cfg.epsilon_cutoff != KNOBS["epsilon_cutoff"].neutral
-    if stage == "no_repeat_ngram":
-        return cfg.no_repeat_ngram_size != 0
-    return getattr(cfg, stage) != KNOBS[stage].neutral
-
-
-# When each new stage changes the distribution. Dynamic temperature *replaces* plain temperature
-# (llama.cpp's temp-ext: T spans temperature ± range), so the temperature stage steps aside then.
-_PARITY_STAGE_ACTIVE = {
-    "temperature": lambda c: c.temperature != 1.0 and c.dynatemp_range == 0.0,
-    "dry": lambda c: c.dry_multiplier > 0 and c.dry_penalty_last_n != 0,
-    "xtc": lambda c: c.xtc_probability > 0 and c.xtc_threshold <= 0.5,
-    "top_n_sigma": lambda c: c.top_n_sigma > 0,
-    "dynamic_temperature": lambda c: c.dynatemp_range > 0,
-    "smoothing": lambda c: c.smoothing_factor > 0,
-    "mirostat": lambda c: c.mirostat != 0,
-    "eta": lambda c: c.eta_cutoff > 0,
-    "top_a": lambda c: c.top_a > 0,
-    "top_h": lambda c: c.top_h > 0,
-    "logit_bias": lambda c: bool(c.logit_bias),
-    "min_new_tokens": lambda c: c.min_new_tokens > 0,
-}
+    """The stage changes this config's distribution: registered, not dropped by greedy decoding
+    (sampling-only), and active by its spec."""
+    spec = STAGES.get(stage)
+    return spec is not None and not (cfg.is_greedy and spec.sampling_only) and spec.is_active(cfg)
 
 
 def parse_set_value(key: str, text: str) -> Any:

@@ -7,16 +7,22 @@ drops the sampling-only stages exactly as the engine does.
 
 The YAML is written by hand: numbers, booleans and a fixed list of sampler names only, so no user
 text ever lands in a value.
+
+What each stage is called there, which of its knobs carry over, and why the others do not, is in
+the stage's spec (``StageSpec.interop``, engine/processors.py); this module holds the tools' own
+rules (strategies, run knobs, their sampler lists) and writes the files.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass
 
-from .config import KNOBS, SAMPLING_ONLY_STAGES, DecodingConfig
+from .config import KNOBS, DecodingConfig
 from .presets import Preset
+from .stages import STAGES, Export, ExportView, StageSpec, number
+
+__all__ = ["InteropExport", "Note", "effective_knobs", "number", "to_llama_cpp", "to_textgen_webui"]
 
 # Knobs that only matter under one strategy.
 STRATEGY_KNOBS = {
@@ -26,18 +32,6 @@ STRATEGY_KNOBS = {
     "contrastive_search": ("penalty_alpha",),
     "contrastive_decoding": ("cd_alpha", "amateur"),
 }
-STAGE_KNOB = {
-    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
-    "epsilon": "epsilon_cutoff", "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "no_repeat_ngram": "no_repeat_ngram_size",
-    "dry": "dry_multiplier", "xtc": "xtc_probability", "top_n_sigma": "top_n_sigma", "dynamic_temperature": "dynatemp_range",
-    "smoothing": "smoothing_factor", "mirostat": "mirostat", "eta": "eta_cutoff", "top_a": "top_a", "top_h": "top_h",
-    "logit_bias": "logit_bias", "min_new_tokens": "min_new_tokens",
-}
-# Stages added for parity with llama.cpp / text-generation-webui: every knob of such a stage is exported
-# while the stage is on, neutral or not (xtc_threshold 0.1 is part of what XTC does).
-PARITY_STAGES = ("dry", "xtc", "top_n_sigma", "dynamic_temperature", "smoothing", "mirostat", "eta", "top_a",
-                 "top_h", "logit_bias", "min_new_tokens")
 # Settings a strategy runs on even at their neutral value.
 STRATEGY_IN_USE = {
     "beam": ("num_beams",),
@@ -45,7 +39,6 @@ STRATEGY_IN_USE = {
     "contrastive_search": ("penalty_alpha",),
     "contrastive_decoding": ("cd_alpha", "amateur"),
 }
-PENALTY_STAGES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 TRACE_ONLY = "a playground trace setting; it does not change the text"
 
 
@@ -66,21 +59,27 @@ class InteropExport:
     caveats: tuple[Note, ...]
 
 
+def _spec_of_knob(name: str) -> StageSpec | None:
+    stage = KNOBS[name].stage
+    return STAGES.get(stage) if stage is not None else None
+
+
 def effective_knobs(config: DecodingConfig) -> list[str]:
     """Knobs that change this run, in KNOBS order: non-neutral ones, minus those of other
     strategies (and sampling-only ones under greedy), plus the settings the strategy itself runs on
-    even at their neutral value (e.g. penalty_alpha 0.6 for contrastive search)."""
+    even at their neutral value (e.g. penalty_alpha 0.6 for contrastive search). A stage whose spec
+    says ``export_all_knobs`` brings every knob while it is active and none while it is not."""
     inert = {k for strategy, keys in STRATEGY_KNOBS.items() if strategy != config.strategy for k in keys}
-    if config.is_greedy:
-        inert |= {k.name for k in KNOBS.values() if k.stage in SAMPLING_ONLY_STAGES}
-    active = set(config.active_stages())
-    inert |= {k.name for k in KNOBS.values() if k.stage in PARITY_STAGES and k.stage not in active}
-    if config.strategy == "speculative" and config.drafter != "ngram":
-        inert.add("ngram_size")
     in_use = set(STRATEGY_IN_USE.get(config.strategy, ()))
-    in_use |= {k.name for k in KNOBS.values() if k.stage in PARITY_STAGES and k.stage in active}
-    if config.strategy == "speculative" and config.drafter == "ngram":
-        in_use.add("ngram_size")
+    active = set(config.active_stages())
+    for name, spec in STAGES.items():
+        knobs = {k.name for k in spec.knobs}
+        if config.is_greedy and spec.sampling_only:
+            inert |= knobs
+        if spec.interop.export_all_knobs:
+            (in_use if name in active else inert).update(knobs)
+    if config.strategy == "speculative":
+        (in_use if config.drafter == "ngram" else inert).add("ngram_size")
     out = []
     for name, knob in KNOBS.items():
         value = getattr(config, name)
@@ -88,19 +87,6 @@ def effective_knobs(config: DecodingConfig) -> list[str]:
         if name not in inert and (value != knob.neutral or name in in_use):
             out.append(name)
     return out
-
-
-def number(value: float | int | bool) -> str:
-    """A number as YAML 1.1 and C's strtof both read it (``1.0e-05``, not ``1e-05``)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    text = repr(float(value))
-    if "e" in text and "." not in text:
-        mantissa, exponent = text.split("e")
-        text = f"{mantissa}.0e{exponent}"
-    return text
 
 
 def active_order(config: DecodingConfig) -> list[str]:
@@ -113,13 +99,50 @@ def _greedy_like(config: DecodingConfig) -> bool:
     return config.is_greedy or config.strategy in ("beam", "contrastive_search", "contrastive_decoding")
 
 
-def _common_unmapped(config: DecodingConfig, keys: list[str], tool: str) -> list[Note]:
+def _view(config: DecodingConfig, keys: list[str]) -> ExportView:
+    return ExportView(tuple(keys), _greedy_like(config), tuple(active_order(config)))
+
+
+def _in_use(spec: StageSpec, keys: list[str]) -> list[str]:
+    """The stage's knobs among the exported ones."""
+    return [k.name for k in spec.knobs if k.name in keys]
+
+
+def _stage_unmapped(config: DecodingConfig, keys: list[str], tool: str) -> list[Note]:
+    """What the stages in use cannot carry to ``tool`` ("webui" | "llama"), from their specs, in
+    KNOBS order."""
+    view, out = _view(config, keys), []
+    for spec in STAGES.values():
+        export: Export = getattr(spec.interop, tool)
+        used = _in_use(spec, keys)
+        if used and callable(export.unmapped):
+            out += [Note(k, reason) for k, reason in export.unmapped(config, view)]
+        elif used and export.unmapped:
+            out += [Note(k, export.unmapped) for k in used]
+    position = {k: i for i, k in enumerate(KNOBS)}
+    return sorted(out, key=lambda n: position.get(n.key, len(position)))
+
+
+def _stage_caveats(config: DecodingConfig, keys: list[str], tool: str) -> list[Note]:
+    """The stages' caveats for ``tool``: each text once, under the first knob in use that has it."""
+    view, out, seen = _view(config, keys), [], set()
+    for spec in STAGES.values():
+        export: Export = getattr(spec.interop, tool)
+        used = _in_use(spec, keys)
+        if not used or not export.caveat:
+            continue
+        reason = export.caveat(config, view) if callable(export.caveat) else export.caveat
+        if reason and reason not in seen:
+            seen.add(reason)
+            out.append(Note(used[0], reason))
+    return out
+
+
+def _common_unmapped(config: DecodingConfig, keys: list[str], tool: str, key: str) -> list[Note]:
     out = []
     if "top_n" in keys:
         out.append(Note("top_n", TRACE_ONLY))
-    for key in ("allowed_words", "banned_words"):
-        if key in keys:
-            out.append(Note(key, f"{tool} bans tokens by id, not by word; there is no word list to carry over"))
+    out += _stage_unmapped(config, keys, key)
     if config.strategy == "contrastive_decoding":
         out.append(Note("strategy", f"contrastive decoding (expert vs amateur) has no {tool} equivalent; "
                                     "exported as greedy"))
@@ -128,39 +151,20 @@ def _common_unmapped(config: DecodingConfig, keys: list[str], tool: str) -> list
         out.append(Note("strategy", f"{tool} has no beam search setting here; exported as greedy decoding"))
         out += [Note(k, "a beam-search setting") for k in STRATEGY_KNOBS["beam"] if k in keys]
     if _greedy_like(config) and not config.is_greedy:
-        dropped = [k for k in keys if KNOBS[k].stage in SAMPLING_ONLY_STAGES and k != "top_k"]
+        dropped = [k for k in keys if (spec := _spec_of_knob(k)) is not None and spec.sampling_only and k != "top_k"]
         out += [Note(k, "dropped: exported as greedy decoding") for k in dropped]
     return out
 
 
 # --- text-generation-webui -------------------------------------------------------------------------
-# Its sampler_priority names; ours map onto the first ten. The rest are kept, in its default order,
-# so the list stays complete.
+# Its sampler_priority names, in its default order (each stage's spec names its own). Names we have
+# no stage for are kept, so the list stays complete.
 TGW_PRIORITY = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "dry", "temperature", "dynamic_temperature",
     "quadratic_sampling", "top_n_sigma", "top_k", "top_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "tfs",
     "top_a", "min_p", "mirostat", "xtc", "encoder_repetition_penalty", "no_repeat_ngram",
 )
-TGW_STAGE = {
-    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "no_repeat_ngram": "no_repeat_ngram", "temperature": "temperature",
-    "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p", "epsilon": "epsilon_cutoff",
-    "dry": "dry", "dynamic_temperature": "dynamic_temperature", "smoothing": "quadratic_sampling",
-    "top_n_sigma": "top_n_sigma", "eta": "eta_cutoff", "top_a": "top_a", "mirostat": "mirostat", "xtc": "xtc",
-}
-TGW_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "repetition_penalty",
-             "frequency_penalty", "presence_penalty", "no_repeat_ngram_size", "penalty_alpha",
-             "dry_multiplier", "dry_base", "dry_allowed_length", "xtc_threshold", "xtc_probability", "top_n_sigma",
-             "smoothing_factor", "smoothing_curve", "eta_cutoff", "top_a")
-TGW_RENAMED = {"mirostat": "mirostat_mode", "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta"}
-TGW_UNMAPPED = {
-    "top_h": "text-generation-webui has no top-H sampler",
-    "logit_bias": "not part of a text-generation-webui preset; send it in the API request's logit_bias field (token ids)",
-    "min_new_tokens": "not part of a text-generation-webui preset",
-    "dry_penalty_last_n": "text-generation-webui scans repetition_penalty_range tokens for DRY (shared with the "
-                          "repetition penalty); it has no DRY-only range",
-}
-TGW_DRY_BREAKERS = ["\n", ":", "\"", "*"]  # its default, the same as ours
+TGW_STRATEGY_KNOBS = ("penalty_alpha",)  # written under the same name (each stage's are in its spec)
 TGW_NOT_IN_PRESET = {
     "seed": "not part of a text-generation-webui preset; set 'Seed' in the Parameters tab",
     "max_new_tokens": "not part of a text-generation-webui preset; set 'max_new_tokens' in the Parameters tab",
@@ -172,65 +176,43 @@ def to_textgen_webui(preset: Preset) -> InteropExport:
     """A text-generation-webui preset (``user_data/presets/<name>.yaml``)."""
     config = preset.config
     keys = effective_knobs(config)
+    view = _view(config, keys)
     lines = [f"# {_comment(preset.name)}: exported from Decoding Playground", f"# {_comment(preset.description)}"]
-    if _greedy_like(config) and config.strategy != "contrastive_search":
+    greedy_export = _greedy_like(config) and config.strategy != "contrastive_search"
+    if greedy_export:
         lines += ["do_sample: false", "top_k: 1"]
     if config.strategy == "contrastive_search":
         lines.append("do_sample: false")
-    for key in TGW_KNOBS:
-        if key in keys and not (key == "top_k" and _greedy_like(config) and config.strategy != "contrastive_search"):
-            scaled = key in ("epsilon_cutoff", "eta_cutoff")  # its unit: 1e-4
-            value = getattr(config, key) * 10_000 if scaled else getattr(config, key)
-            lines.append(f"{key}: {number(value)}")
-    lines += _tgw_parity_lines(config, keys)
-    if "repetition_penalty" in keys:
-        lines.append("repetition_penalty_range: 0")  # 0 = the whole context, as transformers does
-    ours = [TGW_STAGE[s] for s in active_order(config) if s in TGW_STAGE]
+    for key in keys:
+        spec = _spec_of_knob(key)
+        if key == "top_k" and greedy_export:
+            continue
+        if spec is not None and key in spec.interop.webui.knobs:
+            scale = spec.interop.webui.scale  # e.g. its epsilon_cutoff is in units of 1e-4
+            lines.append(f"{key}: {number(getattr(config, key) * scale if scale != 1 else getattr(config, key))}")
+        elif key in TGW_STRATEGY_KNOBS:
+            lines.append(f"{key}: {number(getattr(config, key))}")
+    for spec in STAGES.values():
+        if spec.interop.webui.lines is not None and _in_use(spec, keys):
+            lines += spec.interop.webui.lines(config, view)
+    ours = [STAGES[s].interop.webui.sampler for s in view.order if STAGES[s].interop.webui.sampler]
     reorder = ours != sorted(ours, key=TGW_PRIORITY.index)
     if reorder:
         lines.append("sampler_priority: |-")
         lines += [f"  {name}" for name in ours + [n for n in TGW_PRIORITY if n not in ours]]
-    unmapped = _common_unmapped(config, keys, "text-generation-webui")
+    unmapped = _common_unmapped(config, keys, "text-generation-webui", "webui")
     unmapped += [Note(k, reason) for k, reason in TGW_NOT_IN_PRESET.items() if k in keys]
-    unmapped += [Note(k, reason) for k, reason in TGW_UNMAPPED.items() if k in keys
-                 and not (k == "dry_penalty_last_n" and config.dry_penalty_last_n == -1)]
     if config.strategy == "speculative":
         unmapped += [Note(k, "speculative decoding is set up when loading the model in text-generation-webui (a draft "
                              "model, or prompt_lookup_num_tokens); the preset keeps the sampling settings, which give "
                              "the same distribution") for k in STRATEGY_KNOBS["speculative"] if k in keys]
-    caveats = _tgw_caveats(config, keys, reorder)
-    return InteropExport("text-generation-webui", "\n".join(lines) + "\n", tuple(unmapped), tuple(caveats))
-
-
-def _tgw_parity_lines(config: DecodingConfig, keys: list[str]) -> list[str]:
-    """DRY breakers, dynamic temperature and mirostat, whose names or shapes differ there."""
-    lines = []
-    if "dry_sequence_breakers" in keys and list(config.dry_sequence_breakers) != TGW_DRY_BREAKERS:
-        # user text: JSON (ASCII, escaped) inside a single-quoted YAML scalar, so it stays one value
-        text = json.dumps(list(config.dry_sequence_breakers), ensure_ascii=True).replace("'", "''")
-        lines.append(f"dry_sequence_breakers: '{text}'")
-    if "dynatemp_range" in keys:
-        low, high = max(0.0, config.temperature - config.dynatemp_range), config.temperature + config.dynatemp_range
-        lines += ["dynamic_temperature: true", f"dynatemp_low: {number(low)}", f"dynatemp_high: {number(high)}",
-                  f"dynatemp_exponent: {number(config.dynatemp_exponent)}"]
-    lines += [f"{TGW_RENAMED[k]}: {number(getattr(config, k))}" for k in TGW_RENAMED if k in keys]
-    return lines
-
-
-def _tgw_caveats(config: DecodingConfig, keys: list[str], reorder: bool) -> list[Note]:
-    out = []
-    if config.mirostat == 1 and "mirostat" in keys:
-        out.append(Note("mirostat", "text-generation-webui's Transformers loader runs mirostat 2 only; "
-                                    "mode 1 needs its llama.cpp loader"))
+    caveats = _stage_caveats(config, keys, "webui")
     if config.strategy == "contrastive_search":
-        out.append(Note("penalty_alpha", "contrastive search works with the Transformers loader only"))
-    if {"frequency_penalty", "presence_penalty"} & set(keys):
-        out.append(Note("frequency_penalty" if "frequency_penalty" in keys else "presence_penalty",
-                        "text-generation-webui counts prompt tokens too; the playground counts generated tokens only"))
+        caveats.append(Note("penalty_alpha", "contrastive search works with the Transformers loader only"))
     if reorder:
-        out.append(Note("stage_order", "sampler_priority sets the order for loaders that honour it; "
-                                       "others use their own"))
-    return out
+        caveats.append(Note("stage_order", "sampler_priority sets the order for loaders that honour it; "
+                                           "others use their own"))
+    return InteropExport("text-generation-webui", "\n".join(lines) + "\n", tuple(unmapped), tuple(caveats))
 
 
 def _comment(text: str) -> str:
@@ -239,24 +221,15 @@ def _comment(text: str) -> str:
 
 
 # --- llama.cpp -------------------------------------------------------------------------------------
-# Our stage -> (llama.cpp sampler name, flag). The three penalties are one llama.cpp sampler.
-LLAMA_SAMPLER = {"temperature": ("temperature", "--temp"), "top_k": ("top_k", "--top-k"), "top_p": ("top_p", "--top-p"),
-                 "min_p": ("min_p", "--min-p"), "typical_p": ("typ_p", "--typical")}
-LLAMA_PENALTY_FLAGS = {"repetition_penalty": "--repeat-penalty", "frequency_penalty": "--frequency-penalty",
-                       "presence_penalty": "--presence-penalty"}
-LLAMA_UNMAPPED = {
-    "no_repeat_ngram_size": "llama.cpp has no n-gram ban (its DRY sampler penalises repeats instead of banning them)",
-    "epsilon_cutoff": "llama.cpp has no absolute probability cutoff; --min-p is the nearest (relative) one",
-    "eta_cutoff": "llama.cpp has no eta sampler",
-    "top_a": "llama.cpp has no top-a sampler",
-    "top_h": "llama.cpp has no top-H sampler",
-    "smoothing_factor": "llama.cpp has no quadratic (smoothing) sampler",
-    "smoothing_curve": "llama.cpp has no quadratic (smoothing) sampler",
-    "min_new_tokens": "llama.cpp has no minimum-length setting",
-}
-LLAMA_SAMPLER.update({"dry": ("dry", None), "top_n_sigma": ("top_n_sigma", "--top-nsigma"), "xtc": ("xtc", None),
-                      "dynamic_temperature": ("temperature", None)})
-LLAMA_DRY_BREAKERS = ["\n", ":", "\"", "*"]  # its default, the same as ours
+# Each stage's llama.cpp sampler, flag and reasons are in its spec (``StageSpec.interop.llama``).
+# Views of them for other modules (engine/remote.py): our stage -> (llama.cpp sampler name, flag for
+# its main knob); the knobs llama.cpp has no sampler for -> why; the stages that are its one
+# "penalties" sampler.
+LLAMA_SAMPLER = {name: (s.interop.llama.sampler, s.interop.llama.flag) for name, s in STAGES.items()
+                 if s.interop.llama.sampler}
+LLAMA_UNMAPPED = {k.name: s.interop.llama.unmapped for s in STAGES.values() if s.name != "constraints"
+                  and isinstance(s.interop.llama.unmapped, str) and s.interop.llama.unmapped for k in s.knobs}
+PENALTY_STAGES = tuple(name for name, s in STAGES.items() if s.interop.llama.sampler == "penalties")
 
 
 def to_llama_cpp(preset: Preset) -> InteropExport:
@@ -265,16 +238,13 @@ def to_llama_cpp(preset: Preset) -> InteropExport:
     config = preset.config
     keys = effective_knobs(config)
     greedy = _greedy_like(config)
-    chain, flags = _llama_chain(config, greedy)
+    chain, flags = _llama_chain(config, _view(config, keys))
     flags = [f'--samplers "{";".join(chain)}"'] + flags
     if not greedy:
         flags.append(f"--seed {config.seed}")
     flags.append(f"--n-predict {config.max_new_tokens}")
     flags += [f"--reverse-prompt {shlex.quote(s)}" for s in config.stop]
-    unmapped = _common_unmapped(config, keys, "llama.cpp")
-    unmapped += [Note(k, reason) for k, reason in LLAMA_UNMAPPED.items() if k in keys]
-    if any(not k.isdigit() for k in config.logit_bias) and "logit_bias" in keys:
-        unmapped.append(Note("logit_bias", "llama.cpp biases token ids only; the words were left out"))
+    unmapped = _common_unmapped(config, keys, "llama.cpp", "llama")
     if config.strategy == "contrastive_search":
         unmapped.append(Note("strategy", "llama.cpp has no contrastive search; exported as greedy decoding"))
         unmapped += [Note(k, "a contrastive-search setting") for k in ("penalty_alpha", "top_k") if k in keys]
@@ -285,27 +255,28 @@ def to_llama_cpp(preset: Preset) -> InteropExport:
     return InteropExport("llama.cpp", " ".join(flags), tuple(unmapped), tuple(_llama_caveats(config, keys, greedy)))
 
 
-def _llama_chain(config: DecodingConfig, greedy: bool) -> tuple[list[str], list[str]]:
-    """Sampler names in order and their value flags. Greedy: the non-sampling stages, then top-k 1."""
+def _llama_order(view: ExportView) -> list[str]:
+    """The active stages llama.cpp runs, in the user's order (greedy: no sampling-only ones)."""
+    return [s for s in view.order if not (view.greedy and STAGES[s].sampling_only)]
+
+
+def _llama_chain(config: DecodingConfig, view: ExportView) -> tuple[list[str], list[str]]:
+    """Sampler names in order and their value flags. Greedy: the non-sampling stages, then top-k 1.
+    Stages that are one llama.cpp sampler (the three penalties) give it at the first one's place,
+    with the flags of all of them; a stage with no sampler (logit bias, mirostat) gives its flags."""
     chain: list[str] = []
     flags: list[str] = []
-    for stage in active_order(config):
-        if stage in PENALTY_STAGES and "penalties" not in chain:
-            chain.append("penalties")
-            flags += [f"{flag} {number(getattr(config, knob))}" for knob, flag in LLAMA_PENALTY_FLAGS.items()
-                      if getattr(config, knob) != KNOBS[knob].neutral]
-            flags.append("--repeat-last-n -1")  # -1 = the whole context, as transformers' repetition penalty
-        elif stage in LLAMA_SAMPLER and not (greedy and stage in SAMPLING_ONLY_STAGES):
-            name, flag = LLAMA_SAMPLER[stage]
-            chain.append(name)
-            flags += [f"{flag} {number(getattr(config, STAGE_KNOB[stage]))}"] if flag else _llama_stage_flags(config, stage)
-        elif stage == "logit_bias":
-            flags += [f"--logit-bias {k}{'+' if b >= 0 else '-'}{number(abs(b))}" for k, b in config.logit_bias.items()
-                      if k.isdigit()]
-    if config.mirostat and not greedy:  # llama.cpp's mirostat replaces the chain, keeping temperature only
-        flags += [f"--mirostat {config.mirostat}", f"--mirostat-lr {number(config.mirostat_eta)}",
-                  f"--mirostat-ent {number(config.mirostat_tau)}"]
-    if greedy:
+    order = _llama_order(view)
+    for stage in order:
+        sampler = STAGES[stage].interop.llama.sampler
+        if sampler is not None and sampler in chain:
+            continue  # its flags came with the first stage of its sampler
+        if sampler is not None:
+            chain.append(sampler)
+        members = [s for s in STAGES if s in order and STAGES[s].interop.llama.sampler == sampler] \
+            if sampler is not None else [stage]
+        flags += _llama_flags(config, members, view)
+    if view.greedy:
         chain.append("top_k")
         flags.append("--top-k 1")
     elif not chain:
@@ -314,20 +285,14 @@ def _llama_chain(config: DecodingConfig, greedy: bool) -> tuple[list[str], list[
     return chain, flags
 
 
-def _llama_stage_flags(config: DecodingConfig, stage: str) -> list[str]:
-    if stage == "dry":
-        flags = [f"--dry-multiplier {number(config.dry_multiplier)}", f"--dry-base {number(config.dry_base)}",
-                 f"--dry-allowed-length {config.dry_allowed_length}",
-                 f"--dry-penalty-last-n {config.dry_penalty_last_n}"]
-        breakers = list(config.dry_sequence_breakers)
-        if breakers != LLAMA_DRY_BREAKERS:
-            flags += [f"--dry-sequence-breaker {shlex.quote(b)}" for b in breakers] or ["--dry-sequence-breaker none"]
-        return flags
-    if stage == "xtc":
-        return [f"--xtc-probability {number(config.xtc_probability)}", f"--xtc-threshold {number(config.xtc_threshold)}"]
-    # dynamic temperature: llama.cpp's temperature sampler with a range (temp-ext)
-    return [f"--temp {number(config.temperature)}", f"--dynatemp-range {number(config.dynatemp_range)}",
-            f"--dynatemp-exp {number(config.dynatemp_exponent)}"]
+def _llama_flags(config: DecodingConfig, stages: list[str], view: ExportView) -> list[str]:
+    """The flags of ``stages`` (one llama.cpp sampler, or one stage): each main knob's flag, then
+    their further flags, each once."""
+    exports = [(STAGES[s], STAGES[s].interop.llama) for s in stages]
+    flags = [f"{e.flag} {number(getattr(config, spec.main_knob.name))}" for spec, e in exports if e.flag]
+    for _, e in exports:
+        flags += [f for f in (e.lines(config, view) if e.lines else []) if f not in flags]
+    return flags
 
 
 def _llama_speculative(config: DecodingConfig) -> tuple[list[str], list[Note]]:
@@ -349,19 +314,16 @@ def _llama_caveats(config: DecodingConfig, keys: list[str], greedy: bool) -> lis
     out = []
     if not greedy:
         out.append(Note("seed", "llama.cpp has its own random generator: the same seed gives a different text"))
-    if {"frequency_penalty", "presence_penalty"} & set(keys):
-        out.append(Note("frequency_penalty" if "frequency_penalty" in keys else "presence_penalty",
-                        "llama.cpp counts prompt tokens too (--repeat-last-n -1: the whole context); "
-                        "the playground counts generated tokens only"))
-    order = active_order(config)
-    penalties = [i for i, s in enumerate(order) if s in PENALTY_STAGES]
-    if penalties and penalties[-1] - penalties[0] + 1 != len(penalties):
-        out.append(Note("stage_order", "llama.cpp applies the three penalties together, at the first one's place"))
+    out += _stage_caveats(config, keys, "llama")
+    order = _llama_order(_view(config, keys))
+    for sampler in dict.fromkeys(STAGES[s].interop.llama.sampler for s in order):
+        places = [i for i, s in enumerate(order) if sampler is not None and STAGES[s].interop.llama.sampler == sampler]
+        if places and places[-1] - places[0] + 1 != len(places):
+            out.append(Note("stage_order", f"llama.cpp applies {', '.join(order[i] for i in places)} together "
+                                           f"(its one {sampler} sampler), at the first one's place"))
     if config.stop:
         out.append(Note("stop", "--reverse-prompt is llama-cli/llama-completion's flag; for llama-server, "
                                 "send the strings in the request's \"stop\" field"))
     if config.strategy == "speculative":
         out.append(Note("strategy", "the speculative-decoding flags are llama-server's"))
-    if config.mirostat and not greedy and len(order) > 1:
-        out.append(Note("mirostat", "with --mirostat, llama.cpp ignores --samplers and keeps only temperature"))
     return out

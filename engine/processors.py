@@ -1,4 +1,11 @@
-"""The stages: small named pure objects ``(input_ids, logits) -> logits``.
+"""The stages: small named pure objects ``(input_ids, logits) -> logits``, each with its spec.
+
+A stage lives in this one file: its ``Stage`` class, and right under it ``register(StageSpec(...))``
+(``engine/stages.py``): its knobs, its place in the default order, sampling-only or not, when it
+is active, how the config builds it, whether rows may share one call, the words of its note in the
+step chart, and its names in transformers / text-generation-webui / llama.cpp. Everything else
+(``config``'s knobs and stage order, ``build_stage``, ``interop``, the stage notes, the knob panel)
+reads ``stages.STAGES``. The README's "Add a stage" walks through one.
 
 Where transformers has the processor, a stage wraps it (exact by construction; the oracle tests
 guard the wrapping; top-p skips the processor's full sort where the answer is certain without it,
@@ -14,17 +21,27 @@ and builds the chain with the run's generator; ``Chain.stateful`` says whether i
 stage's ``state()`` after a call is what that call depended on beyond its knobs, ids and logits
 (JSON-ready; recorded in the step's StageTrace.state); ``load_state`` puts it into a fresh stage,
 so re-processing a step (what-if) gives exactly the run's output at that step without replaying.
+
+This module imports no ``config`` (``config`` imports it, to read the stages): the config type
+below is an annotation only.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Callable, Sequence
+import shlex
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from transformers.generation import logits_process as tlp
 
-from .config import ConfigError, DecodingConfig
+from .stages import (STAGES, BuildContext, ConfigError, Export, Interop, Knob, StageSpec, number, param, quoted,
+                     register, title_number, token_names, truncation_note)
+
+if TYPE_CHECKING:
+    from .config import DecodingConfig
+    from .trace import StageTrace
 
 
 class Stage:
@@ -80,12 +97,45 @@ class Temperature(_Wrapped):
         super().__init__(tlp.TemperatureLogitsWarper(temperature), temperature=temperature)
 
 
+def _temperature_note(stage: StageTrace) -> str:
+    t = stage.params.get("temperature", 1.0)
+    effect = "sharper" if t < 1 else "flatter" if t > 1 else "unchanged"
+    return f"temperature {t:g}: logits ÷ {t:g}, {effect} (entropy {stage.entropy:.2f} nats)"
+
+
+register(StageSpec(
+    "temperature", order=90, sampling_only=True, shareable=True, group="temperature",
+    knobs=(Knob("temperature", "float", 1.0, 0.0, 5.0, floor=0.01, doc="Divide logits by T. 1 = neutral, 0 = greedy.",
+                step=0.05),),
+    # dynamic temperature *replaces* plain temperature (llama.cpp's temp-ext), which steps aside then
+    active=lambda c: c.temperature != 1.0 and c.dynatemp_range == 0.0,
+    build=lambda c, ctx: Temperature(c.temperature),
+    note=_temperature_note,
+    heading=lambda s: f"temperature: logits ÷ {param(s, 'temperature')}",
+    interop=Interop("TemperatureLogitsWarper", webui=Export("temperature", knobs=("temperature",)),
+                    llama=Export("temperature", flag="--temp")),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+))
+
+
 class TopK(_Wrapped):
     name = "top_k"
 
     def __init__(self, top_k: int):
         _require(isinstance(top_k, int) and top_k > 0, "top_k", top_k, "integers >= 1")
         super().__init__(tlp.TopKLogitsWarper(top_k=top_k), top_k=top_k)
+
+
+register(StageSpec(
+    "top_k", order=130, sampling_only=True, shareable=True, group="truncation", label="top-k",
+    knobs=(Knob("top_k", "int", 0, 0, 100_000, doc="Keep the k most probable tokens. 0 = disabled.", step=1,
+                widget="number"),),
+    build=lambda c, ctx: TopK(c.top_k),
+    note=truncation_note,
+    heading=lambda s: f"top-k: keep the top {param(s, 'top_k')}",
+    interop=Interop("TopKLogitsWarper", webui=Export("top_k", knobs=("top_k",)), llama=Export("top_k", flag="--top-k")),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+))
 
 
 class TopP(_Wrapped):
@@ -100,6 +150,19 @@ class TopP(_Wrapped):
 
     def __call__(self, input_ids, logits):
         return top_p_fast(input_ids, logits, self.params["top_p"], self._processor)
+
+
+register(StageSpec(
+    "top_p", order=140, sampling_only=True, shareable=True, group="truncation", label="top-p",
+    knobs=(Knob("top_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Keep the smallest set whose mass reaches p. "
+                "1 = disabled.", step=0.01),),
+    build=lambda c, ctx: TopP(c.top_p),
+    note=truncation_note,
+    heading=lambda s: f"top-p: keep the top {param(s, 'top_p')} of the mass",
+    interop=Interop("TopPLogitsWarper", webui=Export("top_p", knobs=("top_p",)), llama=Export("top_p", flag="--top-p")),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor "
+           "tests/test_processors.py::test_top_p_fast_path_equals_transformers_bit_for_bit",
+))
 
 
 TOP_P_FLOOR = 1e-6  # the fast path sorts only the tokens at least this likely
@@ -163,6 +226,18 @@ class MinP(_Wrapped):
         super().__init__(tlp.MinPLogitsWarper(min_p=min_p), min_p=min_p)
 
 
+register(StageSpec(
+    "min_p", order=150, sampling_only=True, shareable=True, group="truncation", label="min-p",
+    knobs=(Knob("min_p", "float", 0.0, 0.0, 1.0, doc="Drop tokens below min_p x the top probability. 0 = disabled.",
+                step=0.01),),
+    build=lambda c, ctx: MinP(c.min_p),
+    note=truncation_note,
+    heading=lambda s: f"min-p: drop p below {param(s, 'min_p')} × the top p",
+    interop=Interop("MinPLogitsWarper", webui=Export("min_p", knobs=("min_p",)), llama=Export("min_p", flag="--min-p")),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+))
+
+
 class TypicalP(_Wrapped):
     name = "typical_p"
 
@@ -171,12 +246,39 @@ class TypicalP(_Wrapped):
         super().__init__(tlp.TypicalLogitsWarper(mass=typical_p), typical_p=typical_p)
 
 
+register(StageSpec(
+    "typical_p", order=160, sampling_only=True, shareable=True, group="truncation", label="typical-p",
+    knobs=(Knob("typical_p", "float", 1.0, 0.0, 1.0, low_open=True, doc="Locally typical sampling mass. 1 = disabled.",
+                step=0.01),),
+    build=lambda c, ctx: TypicalP(c.typical_p),
+    note=truncation_note,
+    heading=lambda s: f"typical-p: keep {param(s, 'typical_p')} of the mass nearest typical",
+    interop=Interop("TypicalLogitsWarper", webui=Export("typical_p", knobs=("typical_p",)),
+                    llama=Export("typ_p", flag="--typical")),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+))
+
+
 class Epsilon(_Wrapped):
     name = "epsilon"
 
     def __init__(self, epsilon_cutoff: float):
         _require(0 < epsilon_cutoff < 1, "epsilon_cutoff", epsilon_cutoff, "(0, 1)")
         super().__init__(tlp.EpsilonLogitsWarper(epsilon=epsilon_cutoff), epsilon_cutoff=epsilon_cutoff)
+
+
+register(StageSpec(
+    "epsilon", order=170, sampling_only=True, shareable=True, group="truncation", label="ε cutoff",
+    knobs=(Knob("epsilon_cutoff", "float", 0.0, 0.0, 0.999, doc="Drop tokens with probability below epsilon. "
+                "0 = disabled.", step=0.0001),),
+    build=lambda c, ctx: Epsilon(c.epsilon_cutoff),
+    note=truncation_note,
+    heading=lambda s: f"ε-cutoff: drop p below {param(s, 'epsilon_cutoff')}",
+    interop=Interop("EpsilonLogitsWarper", webui=Export("epsilon_cutoff", knobs=("epsilon_cutoff",), scale=10_000),
+                    llama=Export(unmapped="llama.cpp has no absolute probability cutoff; --min-p is the nearest "
+                                          "(relative) one")),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+))
 
 
 class RepetitionPenalty(_Wrapped):
@@ -190,12 +292,29 @@ class RepetitionPenalty(_Wrapped):
         super().__init__(tlp.RepetitionPenaltyLogitsProcessor(penalty=repetition_penalty), repetition_penalty=repetition_penalty)
 
 
-class NoRepeatNGram(_Wrapped):
-    name = "no_repeat_ngram"
+# llama.cpp's one "penalties" sampler runs the three penalties, over the last --repeat-last-n tokens
 
-    def __init__(self, no_repeat_ngram_size: int):
-        _require(isinstance(no_repeat_ngram_size, int) and no_repeat_ngram_size > 0, "no_repeat_ngram_size", no_repeat_ngram_size, "integers >= 1")
-        super().__init__(tlp.NoRepeatNGramLogitsProcessor(no_repeat_ngram_size), no_repeat_ngram_size=no_repeat_ngram_size)
+
+def _llama_whole_context(config: DecodingConfig, view: Any) -> list[str]:
+    return ["--repeat-last-n -1"]  # -1 = the whole context, as transformers' repetition penalty
+
+
+_WEBUI_COUNTS_PROMPT = "text-generation-webui counts prompt tokens too; the playground counts generated tokens only"
+_LLAMA_COUNTS_PROMPT = ("llama.cpp counts prompt tokens too (--repeat-last-n -1: the whole context); "
+                        "the playground counts generated tokens only")
+
+register(StageSpec(
+    "repetition_penalty", order=30, group="penalties",
+    knobs=(Knob("repetition_penalty", "float", 1.0, 0.01, 10.0, doc="CTRL rule: divide positive / multiply negative "
+                "logits of seen tokens. 1 = neutral.", step=0.05),),
+    build=lambda c, ctx: RepetitionPenalty(c.repetition_penalty),
+    heading=lambda s: f"repetition penalty: seen tokens ÷ {param(s, 'repetition_penalty')}",
+    interop=Interop("RepetitionPenaltyLogitsProcessor",
+                    webui=Export("repetition_penalty", knobs=("repetition_penalty",),
+                                 lines=lambda c, x: ["repetition_penalty_range: 0"]),  # 0 = the whole context
+                    llama=Export("penalties", flag="--repeat-penalty", lines=_llama_whole_context)),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+))
 
 
 def _generated_counts(input_ids: torch.LongTensor, prompt_length: int, vocab_size: int) -> torch.Tensor:
@@ -222,6 +341,19 @@ class FrequencyPenalty(Stage):
         return logits - self.params["frequency_penalty"] * counts.to(logits.dtype)
 
 
+register(StageSpec(
+    "frequency_penalty", order=40, group="penalties",
+    knobs=(Knob("frequency_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty x count of each "
+                "generated token. 0 = neutral.", step=0.05),),
+    build=lambda c, ctx: FrequencyPenalty(c.frequency_penalty, ctx.prompt_length),
+    heading=lambda s: f"frequency penalty: −{param(s, 'frequency_penalty')} per repeat",
+    interop=Interop(webui=Export("frequency_penalty", knobs=("frequency_penalty",), caveat=_WEBUI_COUNTS_PROMPT),
+                    llama=Export("penalties", flag="--frequency-penalty", lines=_llama_whole_context,
+                                 caveat=_LLAMA_COUNTS_PROMPT)),
+    oracle="tests/test_processors.py::test_frequency_and_presence_penalties_by_hand",
+))
+
+
 class PresencePenalty(Stage):
     """OpenAI's rule: logit -= penalty once for every token present among the generated tokens."""
 
@@ -235,6 +367,42 @@ class PresencePenalty(Stage):
     def __call__(self, input_ids, logits):
         present = _generated_counts(input_ids, self.prompt_length, logits.shape[-1]) > 0
         return logits - self.params["presence_penalty"] * present.to(logits.dtype)
+
+
+register(StageSpec(
+    "presence_penalty", order=50, group="penalties",
+    knobs=(Knob("presence_penalty", "float", 0.0, -2.0, 2.0, doc="OpenAI rule: subtract penalty once from every "
+                "generated token. 0 = neutral.", step=0.05),),
+    build=lambda c, ctx: PresencePenalty(c.presence_penalty, ctx.prompt_length),
+    heading=lambda s: f"presence penalty: −{param(s, 'presence_penalty')} once seen",
+    interop=Interop(webui=Export("presence_penalty", knobs=("presence_penalty",), caveat=_WEBUI_COUNTS_PROMPT),
+                    llama=Export("penalties", flag="--presence-penalty", lines=_llama_whole_context,
+                                 caveat=_LLAMA_COUNTS_PROMPT)),
+    oracle="tests/test_processors.py::test_frequency_and_presence_penalties_by_hand",
+))
+
+
+class NoRepeatNGram(_Wrapped):
+    name = "no_repeat_ngram"
+
+    def __init__(self, no_repeat_ngram_size: int):
+        _require(isinstance(no_repeat_ngram_size, int) and no_repeat_ngram_size > 0, "no_repeat_ngram_size", no_repeat_ngram_size, "integers >= 1")
+        super().__init__(tlp.NoRepeatNGramLogitsProcessor(no_repeat_ngram_size), no_repeat_ngram_size=no_repeat_ngram_size)
+
+
+register(StageSpec(
+    "no_repeat_ngram", order=70, group="repetition", label="no-repeat-n-gram",
+    knobs=(Knob("no_repeat_ngram_size", "int", 0, 0, 10, doc="Ban any n-gram of this size from occurring twice. "
+                "0 = disabled.", step=1),),
+    build=lambda c, ctx: NoRepeatNGram(c.no_repeat_ngram_size),
+    note=truncation_note,
+    heading=lambda s: f"no repeated {param(s, 'no_repeat_ngram_size')}-grams",
+    interop=Interop("NoRepeatNGramLogitsProcessor",
+                    webui=Export("no_repeat_ngram", knobs=("no_repeat_ngram_size",)),
+                    llama=Export(unmapped="llama.cpp has no n-gram ban (its DRY sampler penalises repeats instead of "
+                                          "banning them)")),
+    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+))
 
 
 class Constraints(Stage):
@@ -290,6 +458,37 @@ def build_constraints(config: DecodingConfig, tokenizer: Any, eos_token_ids: Seq
         allowed.update(eos_token_ids)
     banned = [ids for word in config.banned_words for ids in word_token_variants(tokenizer, word)]
     return Constraints(sorted(allowed), banned, config.allowed_words, config.banned_words)
+
+
+def _constraints_heading(stage: StageTrace) -> str:
+    allowed, banned = stage.params.get("allowed_words") or [], stage.params.get("banned_words") or []
+    parts = ([f"only {len(allowed)} word" + ("" if len(allowed) == 1 else "s")] if allowed else []) + \
+            ([f"ban {len(banned)} word" + ("" if len(banned) == 1 else "s")] if banned else [])
+    return "constraints: " + (", ".join(parts) or "none")
+
+
+def _build_constraints(config: DecodingConfig, ctx: BuildContext) -> Constraints:
+    if ctx.tokenizer is None:
+        raise ConfigError("allowed_words", "word constraints need a tokenizer")
+    return build_constraints(config, ctx.tokenizer, ctx.eos_token_ids)
+
+
+register(StageSpec(
+    "constraints", order=10, label="word constraints",
+    knobs=(Knob("allowed_words", "str_list", [], 0, 64, doc="Only tokens of these words (and EOS) may be generated. "
+                "Empty = no constraint."),
+           Knob("banned_words", "str_list", [], 0, 64, doc="Tokens of these words can never be generated. "
+                "Empty = none banned.")),
+    active=lambda c: bool(c.allowed_words or c.banned_words),
+    build=_build_constraints,
+    note=truncation_note,
+    heading=_constraints_heading,
+    interop=Interop(webui=Export(unmapped="text-generation-webui bans tokens by id, not by word; there is no word "
+                                          "list to carry over"),
+                    llama=Export(unmapped="llama.cpp bans tokens by id, not by word; there is no word list to "
+                                          "carry over")),
+    oracle="tests/test_processors.py::test_constraints_mask_allowed_and_banned_sequences",
+))
 
 
 # --- samplers at parity (llama.cpp / text-generation-webui) ------------------------------------------
@@ -362,6 +561,73 @@ class Dry(Stage):
                 "phrase": "".join(text(t) for t in phrase)}
 
 
+def _dry_note(stage: StageTrace) -> str:
+    hits = stage.params.get("penalized") or []
+    if not hits:
+        return "DRY: no token would extend a repeated phrase"
+    top = hits[0]
+    more = f" (+{len(hits) - 1} more)" if len(hits) > 1 else ""
+    return (f"DRY: {quoted(top['token'])} would extend the repeated phrase {quoted(top['phrase'])} "
+            f"(length {top['length']}): −{top['penalty']:.2g} logits{more}")
+
+
+DRY_DEFAULT_BREAKERS = ["\n", ":", "\"", "*"]  # also text-generation-webui's and llama.cpp's default
+
+
+def _build_dry(c: DecodingConfig, ctx: BuildContext) -> Dry:
+    text = (lambda i: ctx.tokenizer.decode([i])) if ctx.tokenizer is not None else None
+    return Dry(c.dry_multiplier, c.dry_base, c.dry_allowed_length, c.dry_penalty_last_n,
+               breaker_token_ids(ctx.tokenizer, c.dry_sequence_breakers), text)
+
+
+def _dry_webui_lines(c: DecodingConfig, view: Any) -> list[str]:
+    if list(c.dry_sequence_breakers) == DRY_DEFAULT_BREAKERS:
+        return []
+    # user text: JSON (ASCII, escaped) inside a single-quoted YAML scalar, so it stays one value
+    text = json.dumps(list(c.dry_sequence_breakers), ensure_ascii=True).replace("'", "''")
+    return [f"dry_sequence_breakers: '{text}'"]
+
+
+def _dry_llama_flags(c: DecodingConfig, view: Any) -> list[str]:
+    flags = [f"--dry-multiplier {number(c.dry_multiplier)}", f"--dry-base {number(c.dry_base)}",
+             f"--dry-allowed-length {c.dry_allowed_length}", f"--dry-penalty-last-n {c.dry_penalty_last_n}"]
+    breakers = list(c.dry_sequence_breakers)
+    if breakers != DRY_DEFAULT_BREAKERS:
+        flags += [f"--dry-sequence-breaker {shlex.quote(b)}" for b in breakers] or ["--dry-sequence-breaker none"]
+    return flags
+
+
+def _dry_webui_unmapped(c: DecodingConfig, view: Any) -> list[tuple[str, str]]:
+    if c.dry_penalty_last_n == -1:
+        return []
+    return [("dry_penalty_last_n", "text-generation-webui scans repetition_penalty_range tokens for DRY (shared with "
+                                   "the repetition penalty); it has no DRY-only range")]
+
+
+register(StageSpec(
+    "dry", order=60, group="repetition", label="DRY",
+    knobs=(Knob("dry_multiplier", "float", 0.0, 0.0, 10.0, doc="DRY: penalty multiplier for tokens that extend a "
+                "repeated phrase. 0 = disabled.", step=0.05),
+           Knob("dry_base", "float", 1.75, 1.0, 4.0, doc="DRY: the penalty grows as base^(length - allowed_length).",
+                step=0.05),
+           Knob("dry_allowed_length", "int", 2, 1, 20, doc="DRY: repeats up to this length are not penalised.", step=1),
+           Knob("dry_penalty_last_n", "int", -1, -1, 131_072, doc="DRY: tokens of context scanned for repeats. "
+                "-1 = all, 0 = disabled.", step=1, widget="number"),
+           Knob("dry_sequence_breakers", "str_list", list(DRY_DEFAULT_BREAKERS), 0, 16,
+                doc="DRY: strings whose tokens stop a repeat match.", widget="json")),
+    active=lambda c: c.dry_multiplier > 0 and c.dry_penalty_last_n != 0,
+    build=_build_dry,
+    note=_dry_note,
+    heading=lambda s: (f"DRY: repeats over {param(s, 'dry_allowed_length')} tokens cost "
+                       f"{param(s, 'dry_multiplier')}·{param(s, 'dry_base')}^n"),
+    interop=Interop(webui=Export("dry", knobs=("dry_multiplier", "dry_base", "dry_allowed_length"),
+                                 lines=_dry_webui_lines, unmapped=_dry_webui_unmapped),
+                    llama=Export("dry", lines=_dry_llama_flags), export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_dry_by_hand "
+           "tests/test_samplers.py::test_dry_equals_brute_force_on_random_contexts",
+))
+
+
 class Xtc(Stage):
     """XTC, "exclude top choices" (llama.cpp's xtc): with probability ``xtc_probability``, every
     token with p >= threshold is removed except the least likely of them (nothing happens when
@@ -423,6 +689,40 @@ class Xtc(Stage):
         return out
 
 
+def _xtc_note(stage: StageTrace) -> str:
+    p, u = stage.params.get("xtc_probability"), stage.params.get("u")
+    coin = f"u={u:.2f} < {p:g}" if u is not None else f"probability {p:g}"
+    if not stage.params.get("fired"):
+        return f"XTC did not fire (u={u:.2f} ≥ {p:g})" if u is not None else "XTC did not fire"
+    if stage.params.get("kept_id") is None:
+        threshold = stage.params.get("xtc_threshold")
+        return f"XTC fired ({coin}) but fewer than two tokens reach {threshold:g}: nothing removed"
+    kept = next((t.token for t in stage.top if t.token_id == stage.params["kept_id"]), None)
+    kept_text = f"; kept {quoted(kept)}" if kept is not None else ""
+    removed = token_names(stage.removed) or f"{stage.mass_removed:.1%} of the mass"
+    return f"XTC fired ({coin}): removed {removed}{kept_text}"
+
+
+register(StageSpec(
+    "xtc", order=210, sampling_only=True, group="adaptive", label="XTC", label_value=False,
+    knobs=(Knob("xtc_threshold", "float", 0.1, 0.0, 1.0, doc="XTC: tokens at or above this probability are top "
+                "choices. Above 0.5 = disabled.", step=0.01),
+           Knob("xtc_probability", "float", 0.0, 0.0, 1.0, doc="XTC: chance per step of removing every top choice "
+                "but the least likely. 0 = disabled.", step=0.01)),
+    active=lambda c: c.xtc_probability > 0 and c.xtc_threshold <= 0.5,
+    build=lambda c, ctx: Xtc(c.xtc_threshold, c.xtc_probability, ctx.generator),
+    note=_xtc_note,
+    heading=lambda s: (f"XTC: drop top tokens above p={param(s, 'xtc_threshold', '.2f')} "
+                       f"with probability {param(s, 'xtc_probability', '.1f')}"),
+    interop=Interop(webui=Export("xtc", knobs=("xtc_threshold", "xtc_probability")),
+                    llama=Export("xtc", lines=lambda c, x: [f"--xtc-probability {number(c.xtc_probability)}",
+                                                            f"--xtc-threshold {number(c.xtc_threshold)}"]),
+                    export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_xtc_removes_top_choices_but_the_least_likely "
+           "tests/test_samplers.py::test_xtc_fires_with_its_probability",
+))
+
+
 class TopNSigma(Stage):
     """Top-nσ (llama.cpp's top-n-sigma): keep logits >= max - n·σ, σ the population standard
     deviation of the finite logits. Scaling logits by 1/T scales max and σ alike, so the kept set
@@ -445,6 +745,25 @@ class TopNSigma(Stage):
         cut = top - self.knobs["top_n_sigma"] * sigma
         self.params = {**self.knobs, "sigma": float(sigma[0]), "cutoff": float(cut[0])}
         return logits.masked_fill(logits < cut, float("-inf"))
+
+
+def _top_n_sigma_note(stage: StageTrace) -> str:
+    sigma, cut = stage.params.get("sigma"), stage.params.get("cutoff")
+    where = f" (σ = {sigma:.2f}, logits below {cut:.2f} go)" if sigma is not None and cut is not None else ""
+    return truncation_note(stage) + where
+
+
+register(StageSpec(
+    "top_n_sigma", order=120, sampling_only=True, group="truncation", label="top-nσ",
+    knobs=(Knob("top_n_sigma", "float", 0.0, 0.0, 10.0, doc="Keep logits within n standard deviations of the top "
+                "logit. 0 = disabled.", step=0.05),),
+    build=lambda c, ctx: TopNSigma(c.top_n_sigma),
+    note=_top_n_sigma_note,
+    heading=lambda s: f"top-nσ: keep logits within {param(s, 'top_n_sigma')}σ of the top",
+    interop=Interop(webui=Export("top_n_sigma", knobs=("top_n_sigma",)),
+                    llama=Export("top_n_sigma", flag="--top-nsigma"), export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_top_n_sigma_by_hand",
+))
 
 
 class DynamicTemperature(Stage):
@@ -478,6 +797,47 @@ class DynamicTemperature(Stage):
         return out
 
 
+def _dynamic_temperature_note(stage: StageTrace) -> str:
+    t, h = stage.params.get("T"), stage.params.get("normalized_entropy")
+    if t is None:
+        return "dynamic temperature"
+    return f"dynamic temperature: T = {t:.2f} from normalised entropy {h:.2f} (entropy now {stage.entropy:.2f} nats)"
+
+
+def _dynamic_temperature_heading(stage: StageTrace) -> str:
+    t, r = stage.params.get("temperature"), stage.params.get("dynatemp_range")
+    used = stage.params.get("T")
+    return f"dynamic temperature {title_number(t)} ± {title_number(r)}" + \
+        (f": T={title_number(used, '.2f')}" if isinstance(used, float) else "")
+
+
+def _dynamic_temperature_webui(c: DecodingConfig, view: Any) -> list[str]:
+    low, high = max(0.0, c.temperature - c.dynatemp_range), c.temperature + c.dynatemp_range
+    return ["dynamic_temperature: true", f"dynatemp_low: {number(low)}", f"dynatemp_high: {number(high)}",
+            f"dynatemp_exponent: {number(c.dynatemp_exponent)}"]
+
+
+register(StageSpec(
+    "dynamic_temperature", order=100, sampling_only=True, group="temperature", label="dynamic temperature",
+    label_value=False,
+    knobs=(Knob("dynatemp_range", "float", 0.0, 0.0, 5.0, doc="Dynamic temperature: T spans temperature ± range, "
+                "scaled by the normalised entropy. 0 = disabled.", step=0.05),
+           Knob("dynatemp_exponent", "float", 1.0, 0.0, 10.0, low_open=True, doc="Dynamic temperature: exponent on "
+                "the normalised entropy. 1 = linear.", step=0.05)),
+    active=lambda c: c.dynatemp_range > 0,
+    build=lambda c, ctx: DynamicTemperature(c.temperature, c.dynatemp_range, c.dynatemp_exponent),
+    note=_dynamic_temperature_note,
+    heading=_dynamic_temperature_heading,
+    # llama.cpp: its temperature sampler with a range (temp-ext)
+    interop=Interop(webui=Export("dynamic_temperature", lines=_dynamic_temperature_webui),
+                    llama=Export("temperature", lines=lambda c, x: [
+                        f"--temp {number(c.temperature)}", f"--dynatemp-range {number(c.dynatemp_range)}",
+                        f"--dynatemp-exp {number(c.dynatemp_exponent)}"]),
+                    export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_dynamic_temperature_by_hand",
+))
+
+
 class Smoothing(Stage):
     """Quadratic ("smoothing") sampling, text-generation-webui's QuadraticSamplingLogitsWarper:
     with d = logit - max, k = (3 - curve)/2, s = (curve - 1)/2, every finite logit becomes
@@ -497,6 +857,21 @@ class Smoothing(Stage):
         d = logits - top
         k, s = (3 - curve) / 2, (curve - 1) / 2
         return torch.where(torch.isfinite(logits), -(k * f * d ** 2) + s * f * d ** 3 + top, logits)
+
+
+register(StageSpec(
+    "smoothing", order=110, sampling_only=True, shareable=True, group="temperature",
+    knobs=(Knob("smoothing_factor", "float", 0.0, 0.0, 10.0, doc="Quadratic sampling: logit = max - factor x "
+                "(max - logit)^2. 0 = disabled.", step=0.01),
+           Knob("smoothing_curve", "float", 1.0, 1.0, 10.0, doc="Quadratic sampling: cubic term; 1 = pure quadratic.",
+                step=0.05)),
+    active=lambda c: c.smoothing_factor > 0,
+    build=lambda c, ctx: Smoothing(c.smoothing_factor, c.smoothing_curve),
+    heading=lambda s: f"smoothing: factor {param(s, 'smoothing_factor')}, curve {param(s, 'smoothing_curve')}",
+    interop=Interop(webui=Export("quadratic_sampling", knobs=("smoothing_factor", "smoothing_curve")),
+                    llama=Export(unmapped="llama.cpp has no quadratic (smoothing) sampler"), export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_smoothing_by_hand",
+))
 
 
 class Mirostat(Stage):
@@ -571,6 +946,79 @@ class Mirostat(Stage):
         self._probs = None
 
 
+def _mirostat_note(stage: StageTrace) -> str:
+    mu, kept = stage.params.get("mu"), stage.params.get("kept", stage.kept)
+    if mu is None:
+        return "mirostat"
+    after = stage.params.get("mu_after")
+    then = f"; after the pick μ = {after:.2f}" if after is not None else ""
+    return f"mirostat: μ = {mu:.1f} → kept {kept} tokens{then}"
+
+
+def _mirostat_heading(stage: StageTrace) -> str:
+    version, mu = stage.params.get("mirostat"), stage.params.get("mu")
+    name = f"Mirostat v{version}" if version in (1, 2) else "Mirostat"
+    return (f"{name}: target surprise {param(stage, 'mirostat_tau', '.1f')}"
+            + (f", mu {title_number(mu, '.1f')}" if mu is not None else ""))
+
+
+def _mirostat_webui_caveat(c: DecodingConfig, view: Any) -> str | None:
+    if c.mirostat != 1:
+        return None
+    return "text-generation-webui's Transformers loader runs mirostat 2 only; mode 1 needs its llama.cpp loader"
+
+
+def _mirostat_llama_caveat(c: DecodingConfig, view: Any) -> str | None:
+    if view.greedy or len(view.order) < 2:
+        return None
+    return "with --mirostat, llama.cpp ignores --samplers and keeps only temperature"
+
+
+register(StageSpec(
+    "mirostat", order=220, sampling_only=True, group="adaptive", label="Mirostat", label_value=False,
+    knobs=(Knob("mirostat", "int", 0, 0, 2, doc="Mirostat version: adaptive truncation aiming at a target surprise. "
+                "0 = disabled.", step=1),
+           Knob("mirostat_tau", "float", 5.0, 0.0, 20.0, doc="Mirostat: target surprise in bits.", step=0.1),
+           Knob("mirostat_eta", "float", 0.1, 0.0, 1.0, doc="Mirostat: learning rate of mu.", step=0.01)),
+    build=lambda c, ctx: Mirostat(c.mirostat, c.mirostat_tau, c.mirostat_eta),
+    note=_mirostat_note,
+    heading=_mirostat_heading,
+    # llama.cpp's mirostat is no --samplers entry: it replaces the chain, keeping temperature only
+    interop=Interop(webui=Export("mirostat", caveat=_mirostat_webui_caveat, lines=lambda c, x: [
+                        f"mirostat_mode: {number(c.mirostat)}", f"mirostat_tau: {number(c.mirostat_tau)}",
+                        f"mirostat_eta: {number(c.mirostat_eta)}"]),
+                    llama=Export(caveat=_mirostat_llama_caveat, lines=lambda c, x: [
+                        f"--mirostat {c.mirostat}", f"--mirostat-lr {number(c.mirostat_eta)}",
+                        f"--mirostat-ent {number(c.mirostat_tau)}"]),
+                    export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_mirostat_v2_truncates_by_surprise_and_updates_mu "
+           "tests/test_samplers.py::test_mirostat_v1_keeps_k_from_the_zipf_estimate",
+))
+
+
+class Eta(_Wrapped):
+    """Eta sampling: transformers' EtaLogitsWarper, eta = min(ε, sqrt(ε)·exp(-H))."""
+
+    name = "eta"
+
+    def __init__(self, eta_cutoff: float):
+        _require(0 < eta_cutoff < 1, "eta_cutoff", eta_cutoff, "(0, 1)")
+        super().__init__(tlp.EtaLogitsWarper(epsilon=eta_cutoff), eta_cutoff=eta_cutoff)
+
+
+register(StageSpec(
+    "eta", order=180, sampling_only=True, shareable=True, group="truncation", label="η cutoff",
+    knobs=(Knob("eta_cutoff", "float", 0.0, 0.0, 0.999, doc="Eta sampling: drop p < min(eta, sqrt(eta) x "
+                "exp(-entropy)). 0 = disabled.", step=0.0001),),
+    build=lambda c, ctx: Eta(c.eta_cutoff),
+    note=truncation_note,
+    heading=lambda s: f"η-cutoff: drop p below {param(s, 'eta_cutoff')} (entropy-scaled)",
+    interop=Interop("EtaLogitsWarper", webui=Export("eta_cutoff", knobs=("eta_cutoff",), scale=10_000),
+                    llama=Export(unmapped="llama.cpp has no eta sampler"), export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers",
+))
+
+
 class TopA(Stage):
     """Top-a (text-generation-webui's TopALogitsWarper): drop tokens with p < a · p_max²."""
 
@@ -586,14 +1034,16 @@ class TopA(Stage):
         return logits.masked_fill(probs < p_max * p_max * self.params["top_a"], float("-inf"))
 
 
-class Eta(_Wrapped):
-    """Eta sampling: transformers' EtaLogitsWarper, eta = min(ε, sqrt(ε)·exp(-H))."""
-
-    name = "eta"
-
-    def __init__(self, eta_cutoff: float):
-        _require(0 < eta_cutoff < 1, "eta_cutoff", eta_cutoff, "(0, 1)")
-        super().__init__(tlp.EtaLogitsWarper(epsilon=eta_cutoff), eta_cutoff=eta_cutoff)
+register(StageSpec(
+    "top_a", order=200, sampling_only=True, shareable=True, group="truncation", label="top-a",
+    knobs=(Knob("top_a", "float", 0.0, 0.0, 1.0, doc="Top-a: drop p < a x p_max^2. 0 = disabled.", step=0.01),),
+    build=lambda c, ctx: TopA(c.top_a),
+    note=truncation_note,
+    heading=lambda s: f"top-a: drop p below {param(s, 'top_a')} × top p²",
+    interop=Interop(webui=Export("top_a", knobs=("top_a",)), llama=Export(unmapped="llama.cpp has no top-a sampler"),
+                    export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_top_a_by_hand",
+))
 
 
 class TopH(_Wrapped):
@@ -607,16 +1057,17 @@ class TopH(_Wrapped):
         super().__init__(tlp.TopHLogitsWarper(top_h=top_h), top_h=top_h)
 
 
-class MinNewTokens(_Wrapped):
-    """EOS masked until ``min_new_tokens`` tokens were generated: transformers'
-    MinNewTokensLengthLogitsProcessor."""
-
-    name = "min_new_tokens"
-
-    def __init__(self, min_new_tokens: int, prompt_length: int = 0, eos_token_ids: Sequence[int] = ()):
-        _require(isinstance(min_new_tokens, int) and min_new_tokens > 0, "min_new_tokens", min_new_tokens, "[1, 1024]")
-        processor = tlp.MinNewTokensLengthLogitsProcessor(prompt_length, min_new_tokens, list(eos_token_ids))
-        super().__init__(processor, min_new_tokens=min_new_tokens)
+register(StageSpec(
+    "top_h", order=190, sampling_only=True, group="truncation", label="top-H",
+    knobs=(Knob("top_h", "float", 0.0, 0.0, 1.0, doc="Top-H: keep top tokens until their entropy exceeds top_h x "
+                "the entropy. 0 = disabled.", step=0.01),),
+    build=lambda c, ctx: TopH(c.top_h),
+    note=truncation_note,
+    heading=lambda s: f"top-H: keep entropy within {param(s, 'top_h')} of the whole",
+    interop=Interop("TopHLogitsWarper", webui=Export(unmapped="text-generation-webui has no top-H sampler"),
+                    llama=Export(unmapped="llama.cpp has no top-H sampler"), export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers",
+))
 
 
 class LogitBias(_Wrapped):
@@ -655,6 +1106,69 @@ def build_logit_bias(config: DecodingConfig, tokenizer: Any) -> LogitBias:
     return LogitBias(sequences, config.logit_bias)
 
 
+def _logit_bias_heading(stage: StageTrace) -> str:
+    n = len(stage.params.get("logit_bias") or {})
+    return f"logit bias on {n} word" + ("" if n == 1 else "s")
+
+
+def _logit_bias_llama_words(c: DecodingConfig, view: Any) -> list[tuple[str, str]]:
+    if all(k.isdigit() for k in c.logit_bias):
+        return []
+    return [("logit_bias", "llama.cpp biases token ids only; the words were left out")]
+
+
+register(StageSpec(
+    "logit_bias", order=20, group="penalties", label="logit bias",
+    knobs=(Knob("logit_bias", "bias_map", {}, -100.0, 100.0, doc="Add a bias to tokens: {token id or word: bias}. "
+                "Words are biased with and without a leading space."),),
+    build=lambda c, ctx: build_logit_bias(c, ctx.tokenizer),
+    heading=_logit_bias_heading,
+    interop=Interop("SequenceBiasLogitsProcessor",
+                    webui=Export(unmapped="not part of a text-generation-webui preset; send it in the API request's "
+                                          "logit_bias field (token ids)"),
+                    llama=Export(unmapped=_logit_bias_llama_words, lines=lambda c, x: [
+                        f"--logit-bias {k}{'+' if b >= 0 else '-'}{number(abs(b))}"
+                        for k, b in c.logit_bias.items() if k.isdigit()]),
+                    export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers "
+           "tests/test_samplers.py::test_logit_bias_ids_and_words",
+))
+
+
+class MinNewTokens(_Wrapped):
+    """EOS masked until ``min_new_tokens`` tokens were generated: transformers'
+    MinNewTokensLengthLogitsProcessor."""
+
+    name = "min_new_tokens"
+
+    def __init__(self, min_new_tokens: int, prompt_length: int = 0, eos_token_ids: Sequence[int] = ()):
+        _require(isinstance(min_new_tokens, int) and min_new_tokens > 0, "min_new_tokens", min_new_tokens, "[1, 1024]")
+        processor = tlp.MinNewTokensLengthLogitsProcessor(prompt_length, min_new_tokens, list(eos_token_ids))
+        super().__init__(processor, min_new_tokens=min_new_tokens)
+
+
+def _min_new_tokens_note(stage: StageTrace) -> str:
+    n = stage.params.get("min_new_tokens")
+    if stage.mass_removed > 0:
+        return f"min new tokens {n}: EOS masked ({stage.mass_removed:.1%} of the mass)"
+    return f"min new tokens {n}: nothing masked"
+
+
+register(StageSpec(
+    "min_new_tokens", order=80, group="penalties", label="min new tokens",
+    knobs=(Knob("min_new_tokens", "int", 0, 0, 1024, doc="EOS is masked until this many tokens were generated. "
+                "0 = disabled.", step=1),),
+    build=lambda c, ctx: MinNewTokens(c.min_new_tokens, ctx.prompt_length, ctx.eos_token_ids),
+    note=_min_new_tokens_note,
+    heading=lambda s: f"min new tokens: no end before {param(s, 'min_new_tokens')}",
+    interop=Interop("MinNewTokensLengthLogitsProcessor",
+                    webui=Export(unmapped="not part of a text-generation-webui preset"),
+                    llama=Export(unmapped="llama.cpp has no minimum-length setting"), export_all_knobs=True),
+    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers "
+           "tests/test_samplers.py::test_min_new_tokens_by_hand",
+))
+
+
 def breaker_token_ids(tokenizer: Any, breakers: Sequence[str]) -> list[int]:
     """DRY's sequence breakers as token ids, as text-generation-webui: the last token of
     ``"a" + breaker`` (the prefix makes the breaker tokenise as it does mid-text)."""
@@ -663,72 +1177,23 @@ def breaker_token_ids(tokenizer: Any, breakers: Sequence[str]) -> list[int]:
     return sorted({tokenizer.encode("a" + s, add_special_tokens=False)[-1] for s in breakers})
 
 
-def _build_parity_stage(name: str, config: DecodingConfig, prompt_length: int, tokenizer: Any,
-                        eos_token_ids: Sequence[int], generator: torch.Generator | None) -> Stage | None:
-    c = config
-    if name == "dry":
-        text = (lambda i: tokenizer.decode([i])) if tokenizer is not None else None
-        return Dry(c.dry_multiplier, c.dry_base, c.dry_allowed_length, c.dry_penalty_last_n,
-                   breaker_token_ids(tokenizer, c.dry_sequence_breakers), text)
-    if name == "xtc":
-        return Xtc(c.xtc_threshold, c.xtc_probability, generator)
-    if name == "dynamic_temperature":
-        return DynamicTemperature(c.temperature, c.dynatemp_range, c.dynatemp_exponent)
-    if name == "mirostat":
-        return Mirostat(c.mirostat, c.mirostat_tau, c.mirostat_eta)
-    if name == "smoothing":
-        return Smoothing(c.smoothing_factor, c.smoothing_curve)
-    if name == "min_new_tokens":
-        return MinNewTokens(c.min_new_tokens, prompt_length, eos_token_ids)
-    if name == "logit_bias":
-        return build_logit_bias(c, tokenizer)
-    simple = {"top_n_sigma": TopNSigma, "eta": Eta, "top_a": TopA, "top_h": TopH}
-    knob = {"eta": "eta_cutoff"}.get(name, name)
-    return simple[name](getattr(c, knob)) if name in simple else None
-
-
 def build_stage(name: str, config: DecodingConfig, prompt_length: int = 0, tokenizer: Any = None,
                 eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> Stage:
-    """One stage from the config's knob(s). ``generator``: the run's, for stages that draw (XTC)."""
-    stage = _build_parity_stage(name, config, prompt_length, tokenizer, eos_token_ids, generator)
-    if stage is not None:
-        return stage
-    if name == "temperature":
-        return Temperature(config.temperature)
-    if name == "top_k":
-        return TopK(config.top_k)
-    if name == "top_p":
-        return TopP(config.top_p)
-    if name == "min_p":
-        return MinP(config.min_p)
-    if name == "typical_p":
-        return TypicalP(config.typical_p)
-    if name == "epsilon":
-        return Epsilon(config.epsilon_cutoff)
-    if name == "repetition_penalty":
-        return RepetitionPenalty(config.repetition_penalty)
-    if name == "frequency_penalty":
-        return FrequencyPenalty(config.frequency_penalty, prompt_length)
-    if name == "presence_penalty":
-        return PresencePenalty(config.presence_penalty, prompt_length)
-    if name == "no_repeat_ngram":
-        return NoRepeatNGram(config.no_repeat_ngram_size)
-    if name == "constraints":
-        if tokenizer is None:
-            raise ConfigError("allowed_words", "word constraints need a tokenizer")
-        return build_constraints(config, tokenizer, eos_token_ids)
-    raise ConfigError("stage_order", f"unknown stage {name!r}")
+    """One stage from the config's knob(s), by its spec. ``generator``: the run's, for stages that
+    draw (XTC)."""
+    spec = STAGES.get(name)
+    if spec is None:
+        raise ConfigError("stage_order", f"unknown stage {name!r}")
+    return spec.build(config, BuildContext(prompt_length, tokenizer, eos_token_ids, generator))
 
 
 # --- many rows at once (the batched scheduler) ---------------------------------------------------------
-# Stages whose output row depends only on that row's logits and on params fixed at construction (no
-# input_ids, no state, no draws, params not rewritten per call): rows whose stage has equal params
-# share one call on [G, V]. Every other stage runs per row (its own object, ids and state).
-SHAREABLE = (Temperature, TopK, TopP, MinP, TypicalP, Epsilon, Eta, Smoothing, TopA)
-
-
 def share_key(stage: Stage) -> tuple | None:
-    """The key under which rows may share one call of ``stage`` (None: it runs per row)."""
-    if type(stage) not in SHAREABLE:
+    """The key under which rows may share one call of ``stage`` (None: it runs per row): its spec
+    says ``shareable`` (the output row depends only on that row's logits and on params fixed at
+    construction: no input_ids, no state, no draws, params not rewritten per call), and rows whose
+    stage has equal params share one call on [G, V]."""
+    spec = STAGES.get(stage.name)
+    if spec is None or not spec.shareable:
         return None
     return type(stage), tuple(sorted(stage.params.items()))
