@@ -446,9 +446,10 @@ class Handlers:
         out, shared, panel, what_if = self.out, self.shared, self.view.panel, self.what_if
         what_if.wire_page(shared, panel, out.step, out.chart, out.explain, self.view.width)
         inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, self.view.width, *panel.inputs]
-        gr.on([what_if.fallback.click], zero_gpu(self.on_knob), inputs, [what_if.figure, what_if.note, out.explain],
-              api_visibility="private", trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY).success(
-            None, [what_if.figure], None, js=DRAW_JS, queue=False, show_progress="hidden", api_visibility="private")
+        knob = gr.on([what_if.fallback.click], zero_gpu(self.on_knob), inputs, [what_if.figure, what_if.note, out.explain],
+                     api_visibility="private", trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY)
+        knob.success(None, [what_if.figure], None, js=DRAW_JS, queue=False, show_progress="hidden",
+                     api_visibility="private")
         shared.events.on([what_if.continue_btn.click], self.on_continue,
                          [shared.model, shared.quantization, self.colour_by, out.session, out.owner, out.step,
                           self.view.width, *panel.inputs],
