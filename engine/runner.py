@@ -167,27 +167,15 @@ def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], confi
 
 
 # --- one adapter per strategy family ----------------------------------------------------------------
-def _checked(source: Iterator, control: RunControl | None, ended: list | None = None) -> Iterator:
-    """Items of ``source``, checking ``control`` before each one is computed. A step with nothing
-    left to pick (``NoTokensLeft``) ends the items; it is noted in ``ended`` for ``_end``."""
+def _checked(source: Iterator, control: RunControl | None) -> Iterator:
+    """Items of ``source``, checking ``control`` before each one is computed."""
     while True:
         check(control)
         try:
             item = next(source)
         except StopIteration:
             return
-        except NoTokensLeft:
-            if ended is not None:
-                ended.append(NO_TOKENS_LEFT)
-            return
         yield item
-
-
-def _end(trace: Trace, ended: list) -> Trace:
-    """The trace, its stop_reason set to "no_tokens_left" (also on its last step) if ``ended`` says so."""
-    if ended:
-        trace.end_with_no_tokens_left()
-    return trace
 
 
 def batched(config: DecodingConfig, scheduler: Any) -> Any:
@@ -202,11 +190,17 @@ def _stepwise(ctx: RunContext) -> Iterator[Event]:
     scheduler = batched(config, ctx.scheduler)
     source = (scheduler.stream(ids, config, prefix=ctx.prefix, force=ctx.force, control=control)
               if scheduler is not None else decode.stream(lm, ids, config, prefix=ctx.prefix, force=ctx.force))
-    steps, ended = [], []
-    for step in _checked(source, control, ended):
-        steps.append(step)
-        yield Event(steps=[step])
-    yield Event(trace=_end(core.assemble(lm, prompt, ids, config, steps, chat), ended))
+    steps, ended = [], False
+    try:
+        for step in _checked(source, control):
+            steps.append(step)
+            yield Event(steps=[step])
+    except NoTokensLeft:  # a step with nothing left to pick ends the run, saying why
+        ended = True
+    trace = core.assemble(lm, prompt, ids, config, steps, chat)
+    if ended:
+        trace.end_with_no_tokens_left()
+    yield Event(trace=trace)
 
 
 @register("beam")

@@ -58,3 +58,15 @@ def test_strategies_that_cannot_continue_refuse_prefix_and_force(tiny_lm, strate
 def test_stream_refuses_tokens_outside_the_vocabulary(tiny_lm, kwargs, message):
     with pytest.raises(ValueError, match=f"^{message} is out of range"):
         next(runner.stream(tiny_lm, "hi", SAMPLE, **kwargs))
+
+
+def test_a_branch_that_runs_out_of_tokens_says_so(tiny_lm):
+    """Only the tokens of "cat", none repeated, EOS masked: the run, and a branch of it, end with
+    nothing left to pick ("no_tokens_left" on the trace and its last step)."""
+    config = DecodingConfig(strategy="greedy", allowed_words=("cat",), no_repeat_ngram_size=1, min_new_tokens=50,
+                            max_new_tokens=50)
+    parent = runner.run(tiny_lm, "Once upon", config)
+    assert parent.stop_reason == "no_tokens_left" and len(parent.steps) >= 2
+    trace = runner.collect(runner.branch(tiny_lm, parent, 1, parent.generated_token_ids[1]))
+    assert trace.generated_token_ids == parent.generated_token_ids and trace.branch_of == 1
+    assert trace.stop_reason == "no_tokens_left" and trace.steps[-1].finish_reason == "no_tokens_left"
