@@ -520,14 +520,20 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
     """One Event per round (steps: its tokens; record: the MedusaRound); the last holds the Trace.
     ``heads``: default the trained heads of ``lm`` (engine/assets); ``shape``: the verified tree
     (``CHAIN`` for each head's top-1; default: the config's ``medusa_tree_*`` knobs). ``compare_baseline`` also times target-only decoding of the
-    same knobs in this process (summary ``speedup``)."""
+    same knobs in this process (summary ``speedup``). A step with nothing left to pick ends the run
+    (stop_reason "no_tokens_left")."""
     heads = heads if heads is not None else load_heads(lm)
     shape = shape if shape is not None else shape_of(config)
-    collected = []
-    for medusa_round in rounds(lm, prompt_ids, config, heads, control, shape):
-        collected.append(medusa_round)
-        yield Event(steps=list(medusa_round.steps), record=medusa_round)
+    collected, ended = [], False
+    try:
+        for medusa_round in rounds(lm, prompt_ids, config, heads, control, shape):
+            collected.append(medusa_round)
+            yield Event(steps=list(medusa_round.steps), record=medusa_round)
+    except sampling.NoTokensLeft:  # as speculative's stream: the run ends, saying why
+        ended = True
     trace = assemble(lm, prompt, prompt_ids, config, collected, chat, shape)
+    if ended:
+        trace.end_with_no_tokens_left()
     if compare_baseline:
         trace.summary |= speculative.compare_with_baseline(lm, prompt, config, trace, chat, control=control)
     yield Event(trace=trace)

@@ -418,3 +418,20 @@ def test_medusa_summary_names_the_dynamic_tree(tiny_lm):
     text = medusa_summary(runner.collect(medusa.stream(tiny_lm, "", ids, config, heads=random_heads(64, 3, 3.0))))
     assert "Verified tree: each head's top 4, at most 24 nodes, only paths with probability ≥ 0.05: " in text
     assert "nodes per forward on average" in text
+
+
+@pytest.mark.parametrize("strategy", ["speculative", "medusa"])
+def test_nothing_left_to_pick_ends_the_run_saying_why(tiny_lm, strategy):
+    """Every token masked (allowed and banned the same word, EOS held back): speculative and Medusa
+    both end with stop_reason "no_tokens_left" and strict JSON, as greedy and sampling do (Medusa
+    raised NoTokensLeft out of its stream before)."""
+    config = DecodingConfig.from_dict({"strategy": strategy, "max_new_tokens": 5, "allowed_words": ["cat"],
+                                       "banned_words": ["cat"], "min_new_tokens": 5,
+                                       **({"drafter": "ngram"} if strategy == "speculative" else {"medusa_heads": 3})})
+    ids = tiny_lm.encode("hi", False)
+    if strategy == "medusa":
+        trace = runner.collect(medusa.stream(tiny_lm, "hi", ids, config, heads=MedusaHeads(64, 3)))
+    else:
+        trace = runner.run(tiny_lm, "hi", config, prompt_ids=ids)
+    assert trace.stop_reason == "no_tokens_left" and trace.generated_token_ids == []
+    assert json.loads(trace.to_json())["stop_reason"] == "no_tokens_left"
