@@ -45,8 +45,8 @@ class KVCache:
     @property
     def rows(self) -> int:
         """Rows (batch size) the cache holds; 0 while empty."""
-        layers = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
-        return layers[0].keys.shape[0] if layers else 0
+        keys = getattr(self.cache.layers[0], "keys", None) if self.cache.layers else None
+        return keys.shape[0] if keys is not None and keys.numel() else 0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.LongTensor, *, mask: torch.Tensor | None = None, all_logits: bool = False,
@@ -137,13 +137,17 @@ class KVCache:
         if bool(self.mask.all()):
             self.mask = None
 
+    def _mask_or_ones(self) -> torch.Tensor:
+        """The rows' mask [B, L], all ones when no row is padded."""
+        if self.mask is not None:
+            return self.mask
+        return torch.ones(self.rows, self.length, dtype=torch.long, device=self.device)
+
     def append_rows(self, other: "KVCache") -> None:
         """Stack ``other``'s rows under these (full-attention dynamic caches only), left-padding
         whichever side is shorter; ``other`` is consumed."""
         width, length = self.length, other.length
-        mine = self.mask if self.mask is not None else torch.ones(self.rows, width, dtype=torch.long, device=self.device)
-        theirs = other.mask if other.mask is not None else torch.ones(other.rows, length, dtype=torch.long,
-                                                                      device=self.device)
+        mine, theirs = self._mask_or_ones(), other._mask_or_ones().to(self.device)
         _pad_left(self.cache, length - width)
         _pad_left(other.cache, width - length)
         self.mask = torch.cat([_pad_mask(mine, length - width), _pad_mask(theirs, width - length)], dim=0)

@@ -17,8 +17,9 @@ from typing import Sequence
 import torch
 
 from . import sampling
+from .cache import KVCache
 from .config import DecodingConfig
-from .metrics import mean_logprob, perplexity
+from .metrics import common_prefix, mean_logprob, perplexity
 from .models import LoadedModel
 from .chain import Chain, Traced, traced_rows
 from .trace import StepTrace, Timing, Trace
@@ -147,10 +148,10 @@ class RunState:
     """One greedy or sampling run's per-step state: its stage chain (built with its generator, so
     XTC draws from it), stop rules, token row [1, T] and generated tokens (``prefix`` included).
 
-    The caller owns the model forwards: it feeds ``sequence`` (the prefill), then after every step
-    the step's token, and hands the next-token logits to ``advance``. With a ``prefix`` (a branch),
-    a stateless chain only skips the generator's draws; a stateful one (mirostat's μ, XTC's coin)
-    must see the prefix positions' logits first: ``needs_replay``, then ``replay(rows)``."""
+    The caller owns the model forwards: it feeds ``sequence`` (the prefill, ``prefill``), then after
+    every step the step's token, and hands the next-token logits to ``advance``. With a ``prefix`` (a
+    branch), a stateless chain only skips the generator's draws; a stateful one (mirostat's μ, XTC's
+    coin) must see the prefix positions' logits first: ``needs_replay``, then ``replay(rows)``."""
 
     def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
                  prefix: Sequence[int] = (), force: int | None = None):
@@ -167,6 +168,22 @@ class RunState:
         self.needs_replay = bool(prefix) and self.chain.stateful
         if self.generator is not None and prefix and not self.needs_replay:
             sampling.skip_draws(self.generator, len(prefix), lm.vocab_size, lm.device)
+
+    def prefill(self, cache: KVCache) -> torch.Tensor:
+        """Bring ``cache`` (one row) to ``sequence`` and return the next-token logits [1, V]: one
+        forward over what the cache lacks (``KVCache.sync``: a cache left by an earlier run of the
+        same prompt is rewound to the shared prefix, not rebuilt). A branch whose chain is stateful
+        also needs its prefix positions' logits: the cache is rewound to the shared part of the
+        prompt minus its last token, the forward returns every position after it, ``replay`` walks them."""
+        if not self.needs_replay:
+            return cache.sync(self.sequence)
+        start = self.prompt_length - 1  # the position whose logits picked prefix[0]
+        common = common_prefix(cache.tokens, self.sequence[:start])
+        cache.rewind(cache.length - common)
+        feed = torch.tensor([self.sequence[common:]], dtype=torch.long)
+        rows = cache.forward(feed, all_logits=True).logits[0, start - common:].float()  # [len(prefix) + 1, V]
+        self.replay(rows[:-1])
+        return rows[-1:]
 
     def replay(self, rows: torch.Tensor) -> None:
         """Bring the chain and the generator to where the run stood after its prefix: ``rows``

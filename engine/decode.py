@@ -15,7 +15,6 @@ from . import explore, sampling
 from .cache import KVCache
 from .config import DecodingConfig
 from .core import RunState, assemble, draw_at, step_trace
-from .metrics import common_prefix
 from .models import LoadedModel
 from .trace import StepTrace, Trace
 
@@ -30,31 +29,13 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
     of the same prompt: it is rewound to the shared prefix, not rebuilt."""
     state = RunState(lm, prompt_ids, config, prefix=prefix, force=force)
     cache = cache or KVCache(lm.model, config.kv_cache, config.kv_residual_length)
-    if state.needs_replay:  # mirostat's μ and XTC's draws: replay the steps before
-        logits = replay(cache, state)
-    else:
-        logits = cache.sync(state.sequence)  # prefill: one forward over what the cache lacks
+    logits = state.prefill(cache)  # one forward over what the cache lacks (a stateful branch: replayed)
     while True:
         step = state.advance(logits)
         yield step
         if step.finish_reason is not None:
             return
         logits = cache.step([step.chosen_token_id])
-
-
-def replay(cache: KVCache, state: RunState) -> torch.Tensor:
-    """Bring a stateful chain and the generator to where a branched run stood after its prefix.
-
-    One forward returns the logits of every prefix position (the cache is rewound to the shared
-    part of the prompt minus its last token first); ``state.replay`` walks them. Returns the logits
-    after the last prefix token [1, V]."""
-    start = state.prompt_length - 1  # the position whose logits picked prefix[0]
-    common = common_prefix(cache.tokens, state.sequence[:start])
-    cache.rewind(cache.length - common)
-    feed = torch.tensor([state.sequence[common:]], dtype=torch.long)
-    rows = cache.forward(feed, all_logits=True).logits[0, start - common:].float()  # [len(prefix) + 1, V]
-    state.replay(rows[:-1])
-    return rows[-1:]
 
 
 def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,

@@ -347,8 +347,8 @@ class Scheduler:
         """Prefill the joiners together (one forward, left-padded, each distinct sequence once:
         ``distinct_sequences``) and add them as the last rows. Returns the runs added and their
         next-token logits [J, V] (no runs: the forward failed and they got its exception).
-        ``replay`` (one run, a branch whose chain is stateful): the forward also keeps its prefix
-        positions' logits, which ``RunState.replay`` walks as ``decode.replay`` does."""
+        ``replay`` (one run, a branch whose chain is stateful): ``RunState.prefill``, as
+        ``decode.stream`` prefills it (the forward keeps its prefix positions' logits, replayed)."""
         if not runs:
             return [], None
         fed, rows = distinct_sequences(runs)
@@ -359,15 +359,12 @@ class Scheduler:
                            dtype=torch.long, device=self.device)  # [U, T]
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device)
         kv = KVCache(runs[0].lm.model)
-        try:
-            out = kv.forward(ids, mask=mask, all_logits=replay)
-            if replay:  # the logits that picked each prefix token: [len(prefix), V]
-                runs[0].state.replay(out.logits[0, -len(runs[0].state.generated) - 1:-1].float())
+        try:  # logits [U, V]
+            logits = runs[0].state.prefill(kv) if replay else kv.forward(ids, mask=mask).logits[:, -1, :].float()
         except Exception as exc:  # noqa: BLE001 (the joiners fail; the running rows go on)
             for run in runs:
                 run.out.put(exc)
             return [], None
-        logits = out.logits[:, -1, :].float()  # [U, V]
         if len(fed) < len(runs):  # each run gets its own copy of its sequence's KV rows: [U, ...] -> [J, ...]
             kv.keep_rows(rows)
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))

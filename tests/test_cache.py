@@ -35,7 +35,8 @@ def test_left_padded_rows_step_as_each_row_alone(tiny_lm):
     steps = [cache.forward(torch.tensor([[20 + i], [30 + i]])).logits[:, -1].float() for i in range(2)]
     short, long = solo(model, SHORT, [20, 21]), solo(model, LONG, [30, 31])
     for i in range(2):
-        assert torch.allclose(steps[i][0], short[i + 1], atol=TOL) and torch.allclose(steps[i][1], long[i + 1], atol=TOL)
+        assert torch.allclose(steps[i][0], short[i + 1], atol=TOL)
+        assert torch.allclose(steps[i][1], long[i + 1], atol=TOL)
     assert cache.mask.shape == (2, 8)
 
 
