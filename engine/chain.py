@@ -17,9 +17,13 @@ from .trace import StageTrace, TokenProb
 
 @dataclass
 class Chain:
-    """An ordered list of stages; the order is data the user chose."""
+    """An ordered list of stages; the order is data the user chose. Each stage's record is its
+    knobs plus the diagnostics its ``run`` returned; the stateful stages' state goes through their
+    own API (``accept`` after each pick via ``observe``, ``reset``, ``clone``, ``state`` /
+    ``load_state``)."""
 
     stages: list[Stage] = field(default_factory=list)
+    _accepted: list[dict] = field(default_factory=list, repr=False)  # what each stage learnt from the last pick
 
     @classmethod
     def from_config(cls, config: DecodingConfig, prompt_length: int = 0, tokenizer: Any = None,
@@ -40,9 +44,19 @@ class Chain:
         return any(s.stateful for s in self.stages)
 
     def observe(self, input_ids: torch.LongTensor, token_id: int) -> None:
-        """Tell every stage which token was picked after ``input_ids`` [1, S]."""
+        """Tell every stage which token was picked after ``input_ids`` [1, S] (``Stage.accept``)."""
+        self._accepted = [stage.accept(input_ids, token_id) for stage in self.stages]
+
+    def reset(self) -> None:
+        """Every stage back to its state when built (mirostat's μ at 2τ, no loaded XTC draw)."""
         for stage in self.stages:
-            stage.observe(input_ids, token_id)
+            stage.reset()
+        self._accepted = []
+
+    def clone(self) -> "Chain":
+        """An independent chain in the same state (a branch can go on from it; stages that draw
+        share the run's generator)."""
+        return Chain([stage.clone() for stage in self.stages])
 
     def load_states(self, recorded: Sequence[StageTrace]) -> None:
         """Load into each stage the state its namesake recorded at a step (``recorded``: that
@@ -53,11 +67,11 @@ class Chain:
                 stage.load_state(states[stage.name])
 
     def annotate(self, traces: list[StageTrace]) -> None:
-        """After ``observe``: copy what stateful stages learnt from the pick (mirostat's μ after) into
-        the records ``traced`` made (``traces``: raw, one per stage, final)."""
-        for stage, trace in zip(self.stages, traces[1:]):
-            if stage.stateful:
-                trace.params = dict(stage.params)
+        """After ``observe``: add what the stages learnt from the pick (mirostat's μ after) to the
+        records ``traced`` made (``traces``: raw, one per stage, final)."""
+        for learnt, trace in zip(self._accepted, traces[1:]):
+            if learnt:
+                trace.params = {**trace.params, **learnt}
 
     def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
@@ -73,8 +87,8 @@ class Chain:
         traces = [recorder.record("raw", logits, {})]
         raw_probs = recorder.prev_probs
         for stage in self.stages:
-            logits = stage(input_ids, logits)
-            traces.append(recorder.record(stage.name, logits, stage.params, stage.state()))
+            logits, found = stage.run(input_ids, logits)
+            traces.append(recorder.record(stage.name, logits, {**stage.knobs, **found}, stage.state()))
         traces.append(recorder.copy_as("final", traces[-1]))
         return Traced(logits, traces, raw_probs, recorder.prev_probs)
 
@@ -142,12 +156,14 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
     errors: dict[int, Exception] = {}
     for j in range(max((len(c.stages) for c in chains), default=0)):
         active = [b for b, c in enumerate(chains) if j < len(c.stages) and b not in errors]
-        errors.update(_apply_position(j, active, chains, input_ids, rows))
+        found: dict[int, dict] = {}
+        errors.update(_apply_position(j, active, chains, input_ids, rows, found))
         active = [b for b in active if b not in errors]
         if active:
             stages = [chains[b].stages[j] for b in active]
             stacked = torch.cat([rows[b] for b in active])  # [R, V]
-            records = recorder.record(active, stacked, [s.name for s in stages], [s.params for s in stages],
+            records = recorder.record(active, stacked, [s.name for s in stages],
+                                      [{**s.knobs, **found[b]} for b, s in zip(active, stages)],
                                       [s.state() for s in stages])
             for b, trace in zip(active, records):
                 traces[b].append(trace)
@@ -162,10 +178,10 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
 
 
 def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
-                    rows: list) -> dict[int, Exception]:
-    """Apply stage ``j`` of each active row's chain to ``rows[b]`` (in place in the list): shareable
-    stages with equal params once on the stacked rows, the others row by row. Returns the rows
-    whose stage raised."""
+                    rows: list, found: dict[int, dict]) -> dict[int, Exception]:
+    """Apply stage ``j`` of each active row's chain to ``rows[b]`` (in place in the list; its
+    diagnostics into ``found[b]``): shareable stages with equal knobs once on the stacked rows
+    (they have no diagnostics), the others row by row. Returns the rows whose stage raised."""
     groups: dict[tuple, list[int]] = {}
     alone: list[int] = []
     for b in active:
@@ -176,16 +192,16 @@ def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_id
             alone.extend(members)
             continue
         try:
-            out = chains[members[0]].stages[j](input_ids[members[0]], torch.cat([rows[b] for b in members]))
+            out, shared = chains[members[0]].stages[j].run(input_ids[members[0]], torch.cat([rows[b] for b in members]))
         except Exception:  # noqa: BLE001 (stateless: retried row by row below, so the error lands on its row)
             alone.extend(members)
             continue
         for i, b in enumerate(members):
-            rows[b] = out[i:i + 1]
+            rows[b], found[b] = out[i:i + 1], shared
     errors: dict[int, Exception] = {}
     for b in alone:
         try:
-            rows[b] = chains[b].stages[j](input_ids[b], rows[b])
+            rows[b], found[b] = chains[b].stages[j].run(input_ids[b], rows[b])
         except Exception as exc:  # noqa: BLE001 (one row's failure ends that row only)
             errors[b] = exc
     return errors

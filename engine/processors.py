@@ -15,12 +15,15 @@ XTC, top-nσ, dynamic temperature, smoothing, mirostat, top-a), each following i
 definition. Every stage returns a new tensor and never modifies its inputs. Shapes: input_ids
 [B, S], logits [B, V].
 
-Two stages carry state across steps: mirostat (μ, updated by ``observe`` after each pick) and XTC
-(it draws from the run's generator). A run that uses them calls ``chain.Chain.observe`` after every pick
-and builds the chain with the run's generator; ``Chain.stateful`` says whether it must. Each
-stage's ``state()`` after a call is what that call depended on beyond its knobs, ids and logits
-(JSON-ready; recorded in the step's StageTrace.state); ``load_state`` puts it into a fresh stage,
-so re-processing a step (what-if) gives exactly the run's output at that step without replaying.
+A stage's ``apply`` returns the new logits and the call's diagnostics as values (the chain records
+``knobs | diagnostics``); no stage rewrites its knobs. Two stages carry state across steps:
+mirostat (μ, updated by ``accept`` after each pick) and XTC (it draws from the run's generator).
+Their state follows llama.cpp's sampler API: ``accept`` / ``reset`` / ``clone``, plus ``state()``
+after a call (what that call depended on beyond its knobs, ids and logits: JSON-ready, recorded in
+the step's StageTrace.state) and ``load_state``, which puts it into a fresh stage so re-processing a
+step (what-if) gives exactly the run's output at that step without replaying. A run that uses them
+calls ``chain.Chain.observe`` after every pick and builds the chain with the run's generator;
+``Chain.stateful`` says whether it must.
 
 This module imports no ``config`` (``config`` imports it, to read the stages): the config type
 below is an annotation only.
@@ -28,6 +31,7 @@ below is an annotation only.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shlex
@@ -45,19 +49,59 @@ if TYPE_CHECKING:
 
 
 class Stage:
-    """A named transformation of next-token logits."""
+    """A named transformation of next-token logits.
+
+    ``apply(input_ids, logits)`` is the stage: it returns the new logits and what the call found
+    out (its diagnostics, for row 0: DRY's penalised tokens, XTC's draw, mirostat's μ and kept
+    count, ...; {} for most stages), as values: the chain records ``knobs | diagnostics``. A stage
+    implements ``apply``; ``run`` is ``apply`` remembering the diagnostics, and calling the stage
+    returns the logits alone. ``knobs`` are what it was built with; ``params`` (read-only) is
+    ``knobs`` plus the last call's diagnostics, for a caller that holds the stage.
+
+    Stateful stages (``stateful``: state across steps, or draws) follow llama.cpp's sampler API:
+    ``accept(input_ids, token_id)`` after every pick (what it learnt, as values), ``reset()`` back to
+    a fresh stage, ``clone()`` an independent copy in the same state, and ``state()`` /
+    ``load_state(state)``: what the last call depended on besides its knobs, ids and logits, and
+    putting it into a stage so its next call behaves as that one (what-if, without replaying)."""
 
     name: str = "stage"
     stateful: bool = False  # True: keeps state across steps or draws random numbers
 
-    def __init__(self, **params: Any):
-        self.params = params
+    def __init__(self, **knobs: Any):
+        self.knobs = knobs
+        self._last: dict[str, Any] = {}  # the last call's (and pick's) diagnostics, for ``params``
 
-    def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The new logits [B, V] and this call's diagnostics (JSON-ready)."""
         raise NotImplementedError
 
-    def observe(self, input_ids: torch.LongTensor, token_id: int) -> None:
-        """Called after every pick with the ids before it [1, S] and the token picked."""
+    def run(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``apply``, remembering the diagnostics for ``params`` (the chain calls this)."""
+        out, self._last = self.apply(input_ids, logits)
+        return out, self._last
+
+    def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+        return self.run(input_ids, logits)[0]
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The knobs and the last call's diagnostics (a new dict: writing to it changes nothing)."""
+        return {**self.knobs, **self._last}
+
+    def accept(self, input_ids: torch.LongTensor, token_id: int) -> dict[str, Any]:
+        """Called after every pick with the ids before it [1, S] and the token picked; returns what
+        the stage learnt from it (mirostat: μ after, the surprise), {} for most."""
+        return {}
+
+    def reset(self) -> None:
+        """Back to the state of a freshly built stage."""
+        self._last = {}
+
+    def clone(self) -> "Stage":
+        """An independent copy in the same state (the run's generator, if any, is shared)."""
+        twin = copy.copy(self)
+        twin._last = dict(self._last)
+        return twin
 
     def state(self) -> dict[str, Any]:
         """What the last call depended on besides the knobs, ids and logits (JSON-ready); {} for a
@@ -68,7 +112,7 @@ class Stage:
         """Make the next call behave as the call that reported ``state`` (see ``state``)."""
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        args = ", ".join(f"{k}={v!r}" for k, v in self.knobs.items())
         return f"{type(self).__name__}({args})"
 
 
@@ -80,13 +124,13 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
 class _Wrapped(Stage):
     """A stage that delegates to one of transformers' logits processors."""
 
-    def __init__(self, processor: Callable, **params: Any):
-        super().__init__(**params)
+    def __init__(self, processor: Callable, **knobs: Any):
+        super().__init__(**knobs)
         self._processor = processor
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         # transformers' processors are out-of-place (test_stage_never_modifies_input guards this)
-        return self._processor(input_ids, logits)
+        return self._processor(input_ids, logits), {}
 
 
 class Temperature(_Wrapped):
@@ -148,8 +192,8 @@ class TopP(_Wrapped):
         _require(0 < top_p <= 1, "top_p", top_p, "(0, 1]")
         super().__init__(tlp.TopPLogitsWarper(top_p=top_p), top_p=top_p)
 
-    def __call__(self, input_ids, logits):
-        return top_p_fast(input_ids, logits, self.params["top_p"], self._processor)
+    def apply(self, input_ids, logits):
+        return top_p_fast(input_ids, logits, self.knobs["top_p"], self._processor), {}
 
 
 register(StageSpec(
@@ -336,9 +380,9 @@ class FrequencyPenalty(Stage):
         super().__init__(frequency_penalty=frequency_penalty)
         self.prompt_length = prompt_length
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         counts = _generated_counts(input_ids, self.prompt_length, logits.shape[-1])
-        return logits - self.params["frequency_penalty"] * counts.to(logits.dtype)
+        return logits - self.knobs["frequency_penalty"] * counts.to(logits.dtype), {}
 
 
 register(StageSpec(
@@ -364,9 +408,9 @@ class PresencePenalty(Stage):
         super().__init__(presence_penalty=presence_penalty)
         self.prompt_length = prompt_length
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         present = _generated_counts(input_ids, self.prompt_length, logits.shape[-1]) > 0
-        return logits - self.params["presence_penalty"] * present.to(logits.dtype)
+        return logits - self.knobs["presence_penalty"] * present.to(logits.dtype), {}
 
 
 register(StageSpec(
@@ -420,7 +464,7 @@ class Constraints(Stage):
         self.allowed_ids = sorted(set(int(i) for i in allowed_ids))
         self.banned_sequences = [list(map(int, s)) for s in banned_sequences if len(s) > 0]
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         out = logits.clone()
         if self.allowed_ids:
             mask = torch.ones_like(out, dtype=torch.bool)
@@ -436,7 +480,7 @@ class Constraints(Stage):
                 out[hit, last] = float("-inf")
             else:
                 out[:, last] = float("-inf")
-        return out
+        return out, {}
 
 
 def word_token_variants(tokenizer: Any, word: str) -> list[list[int]]:
@@ -519,7 +563,6 @@ class Dry(Stage):
         _require(dry_penalty_last_n != 0, "dry_penalty_last_n", dry_penalty_last_n, "-1 or >= 1 for a stage")
         super().__init__(dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
                          dry_penalty_last_n=dry_penalty_last_n)
-        self.knobs = dict(self.params)
         self.breakers = frozenset(int(i) for i in breaker_ids)
         self.token_text = token_text
 
@@ -539,9 +582,9 @@ class Dry(Stage):
             lengths[follower] = max(n, lengths.get(follower, 0))
         return lengths
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         out = logits.clone()
-        last_n = self.params["dry_penalty_last_n"]
+        last_n = self.knobs["dry_penalty_last_n"]
         penalties = []
         for row in range(input_ids.shape[0]):
             context = input_ids[row].tolist()
@@ -552,8 +595,7 @@ class Dry(Stage):
                     out[row, token] -= penalty
                     if row == 0:
                         penalties.append((penalty, token, n, context[-n:]))
-        self.params = {**self.knobs, "penalized": [self._describe(*p) for p in sorted(penalties, reverse=True)[:5]]}
-        return out
+        return out, {"penalized": [self._describe(*p) for p in sorted(penalties, reverse=True)[:5]]}
 
     def _describe(self, penalty: float, token: int, n: int, phrase: list[int]) -> dict:
         text = self.token_text or str
@@ -642,9 +684,9 @@ class Xtc(Stage):
         _require(0 <= xtc_threshold <= 0.5, "xtc_threshold", xtc_threshold, "[0, 0.5] for a stage (above 0.5 disables)")
         _require(0 < xtc_probability <= 1, "xtc_probability", xtc_probability, "(0, 1] for a stage")
         super().__init__(xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
-        self.knobs = dict(self.params)
         self.generator = generator
-        self._loaded_u: float | None = None
+        self._loaded_u: float | None = None  # load_state's draw: every call uses it instead of drawing
+        self._u: float | None = None  # the last call's draw
 
     def coin(self) -> float | None:
         """The call's draw u: the loaded one (``load_state``), else one from the run's generator;
@@ -660,7 +702,7 @@ class Xtc(Stage):
         return float(torch.rand((), generator=self.generator, device=self.generator.device))
 
     def state(self) -> dict[str, Any]:
-        return {"u": self.params.get("u")}
+        return {"u": self._u}
 
     def load_state(self, state: dict[str, Any]) -> None:
         u = state.get("u")
@@ -668,8 +710,12 @@ class Xtc(Stage):
             _require(isinstance(u, (int, float)) and not isinstance(u, bool) and 0 <= u < 1, "xtc.u", u, "[0, 1)")
             self._loaded_u = float(u)
 
-    def __call__(self, input_ids, logits):
-        u = self.coin()
+    def reset(self) -> None:
+        super().reset()
+        self._loaded_u = self._u = None
+
+    def apply(self, input_ids, logits):
+        u = self._u = self.coin()
         fired = u is None or u < self.knobs["xtc_probability"]
         out, kept = logits.clone(), None
         if fired:
@@ -685,8 +731,7 @@ class Xtc(Stage):
             remove[torch.arange(out.shape[0]), keep_idx] = False
             out = out.masked_fill(remove, float("-inf"))
             kept = int(keep_idx[0]) if bool(top[0].sum() >= 2) else None
-        self.params = {**self.knobs, "u": u, "fired": fired, "kept_id": kept}
-        return out
+        return out, {"u": u, "fired": fired, "kept_id": kept}
 
 
 def _xtc_note(stage: StageTrace) -> str:
@@ -733,9 +778,8 @@ class TopNSigma(Stage):
     def __init__(self, top_n_sigma: float):
         _require(top_n_sigma > 0, "top_n_sigma", top_n_sigma, "(0, 10] for a stage")
         super().__init__(top_n_sigma=top_n_sigma)
-        self.knobs = dict(self.params)
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         finite = torch.isfinite(logits)
         count = finite.sum(-1, keepdim=True).clamp(min=1)
         values = logits.float().masked_fill(~finite, 0.0)
@@ -743,8 +787,7 @@ class TopNSigma(Stage):
         sigma = (((values - mean) ** 2).masked_fill(~finite, 0.0).sum(-1, keepdim=True) / count).sqrt()  # [B, 1]
         top = logits.float().masked_fill(~finite, float("-inf")).max(-1, keepdim=True).values
         cut = top - self.knobs["top_n_sigma"] * sigma
-        self.params = {**self.knobs, "sigma": float(sigma[0]), "cutoff": float(cut[0])}
-        return logits.masked_fill(logits < cut, float("-inf"))
+        return logits.masked_fill(logits < cut, float("-inf")), {"sigma": float(sigma[0]), "cutoff": float(cut[0])}
 
 
 def _top_n_sigma_note(stage: StageTrace) -> str:
@@ -779,9 +822,8 @@ class DynamicTemperature(Stage):
         _require(dynatemp_range > 0, "dynatemp_range", dynatemp_range, "(0, 5] for a stage")
         _require(dynatemp_exponent > 0, "dynatemp_exponent", dynatemp_exponent, "(0, 10]")
         super().__init__(temperature=temperature, dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exponent)
-        self.knobs = dict(self.params)
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         t, delta, exponent = self.knobs["temperature"], self.knobs["dynatemp_range"], self.knobs["dynatemp_exponent"]
         low, high = max(0.0, t - delta), t + delta
         probs = _softmax(logits)
@@ -793,8 +835,7 @@ class DynamicTemperature(Stage):
         top_only = logits.masked_fill(logits < logits.max(-1, keepdim=True).values, float("-inf"))
         out = torch.where(temp > 0, scaled, top_only)
         out = torch.where(n > 1, out, logits)  # one candidate: nothing to scale (llama.cpp returns early)
-        self.params = {**self.knobs, "T": float(temp[0]), "normalized_entropy": float(normalised[0])}
-        return out
+        return out, {"T": float(temp[0]), "normalized_entropy": float(normalised[0])}
 
 
 def _dynamic_temperature_note(stage: StageTrace) -> str:
@@ -851,12 +892,12 @@ class Smoothing(Stage):
         _require(smoothing_curve >= 1, "smoothing_curve", smoothing_curve, "[1, 10]")
         super().__init__(smoothing_factor=smoothing_factor, smoothing_curve=smoothing_curve)
 
-    def __call__(self, input_ids, logits):
-        f, curve = self.params["smoothing_factor"], self.params["smoothing_curve"]
+    def apply(self, input_ids, logits):
+        f, curve = self.knobs["smoothing_factor"], self.knobs["smoothing_curve"]
         top = logits.max(-1, keepdim=True).values
         d = logits - top
         k, s = (3 - curve) / 2, (curve - 1) / 2
-        return torch.where(torch.isfinite(logits), -(k * f * d ** 2) + s * f * d ** 3 + top, logits)
+        return torch.where(torch.isfinite(logits), -(k * f * d ** 2) + s * f * d ** 3 + top, logits), {}
 
 
 register(StageSpec(
@@ -880,7 +921,7 @@ class Mirostat(Stage):
     v2: drop tokens whose surprise -log2 p exceeds μ (the top token always stays).
     v1: estimate the Zipf exponent ŝ from the top m = 100 tokens, then keep the top
     k = ((ε̂·2^μ) / (1 - N^-ε̂))^(1/ŝ) tokens, ε̂ = ŝ - 1, N the vocabulary size.
-    After the pick, ``observe`` updates μ ← μ - η·(-log2 p(token) - τ), p the token's probability
+    After the pick, ``accept`` updates μ ← μ - η·(-log2 p(token) - τ), p the token's probability
     in the truncated distribution this stage produced (llama.cpp samples right after mirostat;
     here it is the last stage by default). Params record μ before, the tokens kept and μ after."""
 
@@ -893,9 +934,8 @@ class Mirostat(Stage):
         _require(mirostat_tau >= 0, "mirostat_tau", mirostat_tau, "[0, 20]")
         _require(0 <= mirostat_eta <= 1, "mirostat_eta", mirostat_eta, "[0, 1]")
         super().__init__(mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
-        self.knobs = dict(self.params)
         self.mu = 2.0 * mirostat_tau
-        self._mu_used = self.mu  # μ of the last call (observe moves self.mu after it)
+        self._mu_used = self.mu  # μ of the last call (accept moves self.mu after it)
         self._probs: tuple[torch.Tensor, torch.Tensor] | None = None  # (before, after) of row 0, [V]
 
     def _keep_count(self, probs: torch.Tensor, alive: int) -> int:
@@ -913,7 +953,7 @@ class Mirostat(Stage):
             return alive
         return min(max(int(k), 1), alive)
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         probs = _softmax(logits)
         sorted_p, order = torch.sort(probs[0], descending=True)
         keep = self._keep_count(sorted_p, int((sorted_p > 0).sum()))
@@ -921,9 +961,8 @@ class Mirostat(Stage):
         mask[order[:keep]] = False
         out = logits.masked_fill(mask, float("-inf"))  # B = 1: mirostat keeps one μ per run
         self._probs = (probs[0], _softmax(out)[0])
-        self.params = {**self.knobs, "mu": self.mu, "kept": keep, "mu_after": None}
         self._mu_used = self.mu
-        return out
+        return out, {"mu": self.mu, "kept": keep, "mu_after": None}
 
     def state(self) -> dict[str, Any]:
         return {"mu": self._mu_used}
@@ -935,14 +974,21 @@ class Mirostat(Stage):
                      "mirostat.mu", mu, "a finite number")
             self.mu = self._mu_used = float(mu)
 
-    def observe(self, input_ids, token_id: int) -> None:
+    def accept(self, input_ids, token_id: int) -> dict[str, Any]:
         if self._probs is None:
-            return
+            return {}
         before, after = self._probs
         p = float(after[token_id]) if float(after[token_id]) > 0 else float(before[token_id])  # a forced token
         surprise = -math.log2(p) if p > 0 else 64.0  # cap: a token of probability 0 only comes forced
         self.mu = self.mu - self.knobs["mirostat_eta"] * (surprise - self.knobs["mirostat_tau"])
-        self.params = {**self.params, "mu_after": self.mu, "surprise": surprise}
+        self._probs = None
+        learnt = {"mu_after": self.mu, "surprise": surprise}
+        self._last = {**self._last, **learnt}
+        return learnt
+
+    def reset(self) -> None:
+        super().reset()
+        self.mu = self._mu_used = 2.0 * self.knobs["mirostat_tau"]
         self._probs = None
 
 
@@ -1028,10 +1074,10 @@ class TopA(Stage):
         _require(0 < top_a <= 1, "top_a", top_a, "(0, 1] for a stage")
         super().__init__(top_a=top_a)
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         probs = _softmax(logits)
         p_max = probs.max(-1, keepdim=True).values
-        return logits.masked_fill(probs < p_max * p_max * self.params["top_a"], float("-inf"))
+        return logits.masked_fill(probs < p_max * p_max * self.knobs["top_a"], float("-inf")), {}
 
 
 register(StageSpec(
@@ -1083,11 +1129,11 @@ class LogitBias(_Wrapped):
                          logit_bias=dict(logit_bias or {}))
         self.largest_id = max(max(seq) for seq in sequence_bias)
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):
         if self.largest_id >= logits.shape[-1]:
             raise ConfigError("logit_bias", f"token id {self.largest_id} is outside the vocabulary "
                                             f"({logits.shape[-1]} tokens)")
-        return super().__call__(input_ids, logits)
+        return super().apply(input_ids, logits)
 
 
 def build_logit_bias(config: DecodingConfig, tokenizer: Any) -> LogitBias:
@@ -1196,4 +1242,4 @@ def share_key(stage: Stage) -> tuple | None:
     spec = STAGES.get(stage.name)
     if spec is None or not spec.shareable:
         return None
-    return type(stage), tuple(sorted(stage.params.items()))
+    return type(stage), tuple(sorted(stage.knobs.items()))

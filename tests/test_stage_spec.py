@@ -40,13 +40,13 @@ class TailFree(Stage):
         _require(0 < tfs < 1, "tfs", tfs, "(0, 1) for a stage (1 = disabled)")
         super().__init__(tfs=tfs)
 
-    def __call__(self, input_ids, logits):
+    def apply(self, input_ids, logits):  # -> (new logits, diagnostics: none here)
         ordered, order = torch.sort(logits, descending=True)  # [B, V]
         curve = ordered.softmax(-1).diff().diff().abs()  # [B, V - 2]
         running = (curve / curve.sum(-1, keepdim=True)).cumsum(-1)
         edge = torch.zeros_like(running[:, :1], dtype=torch.bool)
-        drop = torch.cat([edge, running > self.params["tfs"], ~edge], dim=-1)  # in sorted order [B, V]
-        return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        drop = torch.cat([edge, running > self.knobs["tfs"], ~edge], dim=-1)  # in sorted order [B, V]
+        return logits.masked_fill(drop.scatter(1, order, drop), float("-inf")), {}
 
 
 TAIL_FREE = StageSpec(
@@ -205,3 +205,60 @@ def test_no_other_module_keeps_a_per_stage_table():
                     continue  # also names outside a stage table (top_k 1 for greedy, GenerationConfig fields...)
                 assert f'"{knob.name}"' not in text, (path, knob.name)
     assert stages.declared()[0].name == "temperature"  # the declaration order: config.KNOBS' order
+
+
+# --- diagnostics as values, state through the stage's own API ----------------------------------------
+def test_a_stage_returns_its_diagnostics_and_keeps_its_knobs():
+    dry = processors.Dry(1.0, 2.0, 1)
+    ids, logits = torch.tensor([[3, 4, 3]]), torch.zeros(1, 6)
+    out, found = dry.apply(ids, logits)
+    assert out[0, 4] == -1.0 and found["penalized"][0]["token_id"] == 4
+    assert dry.knobs == {"dry_multiplier": 1.0, "dry_base": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1}
+    assert dry.params == dry.knobs  # apply alone remembers nothing; run / calling the stage does
+    dry(ids, logits)
+    assert dry.params == {**dry.knobs, **found}
+    dry.params["dry_base"] = 9.0  # params is a copy: the stage is unchanged
+    assert dry.knobs["dry_base"] == 2.0
+
+
+def test_mirostat_accept_reset_and_clone():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    stage = processors.Mirostat(2, 3.0, 0.5)
+    _, found = stage.run(None, logits)
+    assert found == {"mu": 6.0, "kept": found["kept"], "mu_after": None} and stage.state() == {"mu": 6.0}
+    learnt = stage.accept(None, 2)
+    assert learnt["mu_after"] == stage.mu != 6.0 and stage.params["mu_after"] == stage.mu
+    twin = stage.clone()
+    stage.run(None, logits)
+    stage.accept(None, 0)
+    assert twin.mu == learnt["mu_after"] != stage.mu  # the clone went nowhere
+    twin.run(None, logits)
+    assert twin.state() == {"mu": learnt["mu_after"]}
+    stage.reset()
+    assert stage.mu == 6.0 and stage.params == stage.knobs and stage.accept(None, 0) == {}
+
+
+def test_xtc_reset_forgets_a_loaded_draw_and_clone_shares_the_generator():
+    generator = torch.Generator().manual_seed(3)
+    stage = processors.Xtc(0.1, 0.5, generator)
+    stage.load_state({"u": 0.25})
+    assert stage.run(None, torch.tensor([[3.0, 2.9, 0.0]]))[1]["u"] == 0.25
+    twin = stage.clone()
+    assert twin.generator is generator and twin.state() == {"u": 0.25}
+    stage.reset()
+    assert stage.state() == {"u": None}
+    drawn = stage.run(None, torch.tensor([[3.0, 2.9, 0.0]]))[1]["u"]
+    assert drawn == float(torch.rand((), generator=torch.Generator().manual_seed(3)))
+
+
+def test_chain_clone_and_reset_follow_the_stages():
+    cfg = DecodingConfig(strategy="sample", mirostat=2, mirostat_tau=3.0, mirostat_eta=0.5)
+    chain = Chain.from_config(cfg)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    traced = chain.traced(torch.tensor([[0]]), logits, 5, str)
+    chain.observe(torch.tensor([[0]]), 1)
+    chain.annotate(traced.stages)
+    assert traced.stages[1].params["mu_after"] == chain.stages[0].mu  # the pick's lesson lands in the record
+    branch = chain.clone()
+    chain.reset()
+    assert chain.stages[0].mu == 6.0 and branch.stages[0].mu == traced.stages[1].params["mu_after"]
