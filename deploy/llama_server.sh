@@ -23,6 +23,9 @@ JOBS=${LLAMA_BUILD_JOBS:-2}
 
 if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
 
+for tool in cmake c++ flock; do
+  command -v "$tool" >/dev/null || { echo "llama-server: $tool is missing (apt-get install cmake g++ util-linux)" >&2; exit 1; }
+done
 mkdir -p "$CACHE"
 exec 9>"$CACHE/llama-server-$VERSION.lock"
 flock 9                               # a concurrent build holds it; we then find its binary
