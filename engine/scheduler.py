@@ -2,7 +2,8 @@
 
 Small models are dispatch-bound: one forward over 16 sequences costs little more than one over a
 single sequence. So a ``Scheduler`` per loaded model keeps every active run as one row of a batched
-KV cache and, each tick (continuous batching: runs join and leave at any tick):
+KV cache (an ``engine.cache.KVCache`` with left-padded rows, the class a solo run uses) and, each
+tick (continuous batching: runs join and leave at any tick):
 
 1. drops rows whose run was cancelled, timed out or whose consumer went away;
 2. prefills the joiners, shortest prompts first, in groups of similar length (one forward per
@@ -13,8 +14,8 @@ KV cache and, each tick (continuous batching: runs join and leave at any tick):
 3. runs ONE forward of the next token of every row (left padding, attention mask [B, L], per-row
    position ids; a running sequence is never prefilled again);
 4. steps every row with its own stage chain, pick (its own ``torch.Generator``) and stop rules:
-   ``core.advance_rows``, which equals ``core.RunState.advance`` (the loop body ``decode.stream``
-   runs) row by row but computes the stage statistics, argmax and draw intervals on [B, V]; each
+   ``core.advance_rows``, the loop body whose one-row case (``RunState.advance``) ``decode.stream``
+   runs, with the stage statistics, argmax and draw intervals computed on [B, V]; each
    StepTrace goes to its run's stream. Finished rows leave; left padding shared by all is trimmed.
 
 Every run's StepTraces equal ``decode.stream(lm, prompt_ids, config, prefix=, force=)``'s: the same
