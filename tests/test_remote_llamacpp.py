@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import remote
+from engine.chain import Chain
 from engine.config import DecodingConfig
 from engine.settings import SettingsError
 from tests.conftest import ROOT, free_port
@@ -170,3 +171,30 @@ def test_a_seeded_step_mode_run_is_reproducible_and_the_seed_matters(server_mode
     assert label["backend"] == "llamacpp" and label["top_n"] == remote.STEP_TOP_N
     assert len(label["tail_mass"]) == len(first.steps) and all(0 <= t < 1 for t in label["tail_mass"])
     assert [s.name for s in first.steps[0].stages] == ["raw", "temperature", "top_k", "final"]
+
+
+# Knobs whose stages see only what a top-k or a relative cutoff keeps, so the server's top-100 is all
+# they need: our chain over it must give llama.cpp's own post-sampling distribution.
+EXACT_KNOBS = [dict(temperature=0.7, top_k=20), dict(min_p=0.1), dict(typical_p=0.8, top_k=50),
+               dict(temperature=1.5, top_k=10, xtc_probability=1.0, xtc_threshold=0.05),
+               dict(dry_multiplier=0.8, top_k=20)]
+
+
+@server_test
+@pytest.mark.parametrize("knobs", EXACT_KNOBS, ids=lambda k: ",".join(k))
+def test_our_chain_over_the_raw_top_n_gives_llamacpp_s_final_distribution(server_model, knobs):
+    """The knobs mapped to llama.cpp's request run its samplers; our stages over its raw top-100
+    (step mode) give the same final probabilities, so the mapping and the stages agree."""
+    config = DecodingConfig(strategy="sample", seed=1, **knobs)
+    ids = server_model.encode(PROMPT + " Rome. My favourite city is")
+    answer = server_model.client.post("/completion", {
+        **remote.llamacpp_request(config, server_model.context).fields, "prompt": ids, "n_predict": 1,
+        "n_probs": 40, "post_sampling_probs": True})
+    theirs = {t["id"]: t["prob"] for t in answer["completion_probabilities"][0]["top_probs"]}
+    raw, _ = remote.top_logits(server_model, ids, 100)
+    chain = Chain.from_config(config, len(ids), server_model.tokenizer, server_model.eos_token_ids,
+                              generator=torch.Generator().manual_seed(1))
+    final = chain.traced(torch.tensor([ids]), raw, 40, server_model.token_text).stages[-1]
+    ours = {t.token_id: t.prob for t in final.top}
+    assert set(ours) == set(theirs)
+    assert max(abs(ours[t] - theirs[t]) for t in ours) < 1e-4
