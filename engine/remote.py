@@ -164,6 +164,7 @@ class RemoteModel:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     context: int = 4096  # the server's context length (n_ctx)
+    chat_template: bool = True  # the server has one (its /props)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     quantization: str = "server"
 
@@ -173,11 +174,13 @@ class RemoteModel:
 
     @property
     def has_chat_template(self) -> bool:
-        return True
+        return self.chat_template
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """The prompt's ids as the server reads a text prompt (its chat template when ``chat``)."""
         if chat:
+            if not self.chat_template:
+                raise ValueError(f"chat: the model at {self.url} has no chat template; turn the chat template off")
             text = self.client.post("/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
             return self.tokenizer.encode(text, add_special_tokens=True)
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -206,9 +209,11 @@ def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteModel:
         raise RemoteError(f"llama.cpp server {client.url}/v1/models: no model with meta.n_vocab in the answer") \
             from None
     tokenizer = RemoteTokenizer(client)
-    eos_text = client.get("/props").get("eos_token") or ""
+    props = client.get("/props")
+    eos_text = props.get("eos_token") or ""
     eos = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
-    return RemoteModel(f"llamacpp:{client.url}", client, tokenizer, vocab, eos if len(eos) == 1 else (), context)
+    return RemoteModel(f"llamacpp:{client.url}", client, tokenizer, vocab, eos if len(eos) == 1 else (), context,
+                       bool(props.get("chat_template")))
 
 
 # --- our knobs -> its request ----------------------------------------------------------------------

@@ -201,7 +201,8 @@ def llama_server_binary() -> Path:
             done = subprocess.run(["nice", "-n", "19", "sh", str(ROOT / "deploy" / "llama_server.sh"), sys.executable],
                                   stdout=subprocess.PIPE, stderr=log, text=True, timeout=LLAMA_BUILD_WAIT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"llama-server: not built within {LLAMA_BUILD_WAIT_S} s (log: {LLAMA_BUILD_LOG})", pytrace=False)
+            pytest.fail(f"llama-server: not built within {LLAMA_BUILD_WAIT_S} s (log: {LLAMA_BUILD_LOG})",
+                        pytrace=False)
     if done.returncode != 0:
         last = (LLAMA_BUILD_LOG.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
         pytest.fail(f"llama-server: the build failed ({last[:200]}; log: {LLAMA_BUILD_LOG})", pytrace=False)

@@ -119,6 +119,8 @@ def test_a_second_build_call_reuses_the_cached_binary(llama_server_binary):
 def test_greedy_through_the_backend_equals_llamacpp_greedy(server_model, embedded):
     ids = server_model.encode(PROMPT)
     assert ids == embedded.encode(PROMPT)  # the server's tokenizer reads the prompt as ours does
+    assert server_model.encode(PROMPT, chat=True) == embedded.encode(PROMPT, chat=True)  # and its chat template
+    assert server_model.eos_token_ids == embedded.eos_token_ids
     config = DecodingConfig(strategy="greedy", max_new_tokens=16)
     theirs = llamacpp_greedy(server_model, ids, 16)
     step = remote.run_step(server_model, PROMPT, config)
