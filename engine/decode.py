@@ -14,7 +14,7 @@ import torch
 from . import explore, sampling
 from .cache import KVCache
 from .config import DecodingConfig
-from .core import RunState, assemble, draw_at, step_trace
+from .core import RunState, assemble, draw_at, pick, step_trace
 from .models import LoadedModel
 from .trace import StepTrace, Trace
 
@@ -75,10 +75,10 @@ def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict | None, lo
     if not sampling.has_tokens(traced.logits):
         raise ValueError("what if: these knobs leave no token to pick")
     if config.is_greedy:
-        pick = sampling.greedy(traced.logits)
+        chosen = pick(traced, None)  # the argmax, as the run's own pick
     elif run.draw is not None:
-        pick = draw_at(traced.final_probs, run.draw)
+        chosen = draw_at(traced.final_probs, run.draw)
     else:
-        pick = sampling.Pick(run.chosen_token_id, float(traced.final_probs[run.chosen_token_id]))
-    return step_trace(lm, traced, pick, run.index, run.elapsed_ms, forced=run.forced and pick.draw is None
+        chosen = sampling.Pick(run.chosen_token_id, float(traced.final_probs[run.chosen_token_id]))
+    return step_trace(lm, traced, chosen, run.index, run.elapsed_ms, forced=run.forced and chosen.draw is None
                       and not config.is_greedy)
