@@ -29,19 +29,21 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from .config import KNOBS, DecodingConfig
 from .core import RunState, assemble
+from .sampling import NoTokensLeft
 from .interop import LLAMA_SAMPLER, LLAMA_UNMAPPED, PENALTY_STAGES, Note
 from .settings import SettingsError, env_list
-from .trace import StageTrace, StepTrace, TokenProb, Trace
+from .trace import Event, StageTrace, StepTrace, TokenProb, Trace
 
 BACKENDS = ("llamacpp", "openai")
 DEFAULT_TIMEOUT_S = 30.0
+MODES = ("step", "fast")
 STEP_TOP_N = 100  # step mode: tokens per step the server returns (our chain works over these)
 STOP_TYPES = {"eos": "eos", "word": "stop_string", "limit": "max_new_tokens"}  # llama.cpp -> ours
 STRATEGIES = ("greedy", "sample")  # what a remote model runs so far
@@ -167,6 +169,19 @@ class RemoteModel:
     chat_template: bool = True  # the server has one (its /props)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     quantization: str = "server"
+    backend: str = "llamacpp"  # engine.runner looks its strategies up by this
+    mode: str = "step"  # how runner.stream runs greedy/sample on it: "step" (our chain) or "fast" (it samples)
+    top_n: int = STEP_TOP_N  # step mode: tokens per step the server returns
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected {' or '.join(MODES)}, got {self.mode!r}")
+        if not 1 <= self.top_n <= 1000:
+            raise ValueError(f"top_n: expected 1..1000 tokens per step, got {self.top_n!r}")
+
+    def with_mode(self, mode: str, top_n: int | None = None) -> "RemoteModel":
+        """The same server (client and memoised token texts shared) run in ``mode``."""
+        return replace(self, mode=mode, top_n=self.top_n if top_n is None else top_n)
 
     @property
     def url(self) -> str:
@@ -198,8 +213,9 @@ class RemoteModel:
             self.tokenizer._pieces.setdefault(int(entry["id"]), piece)
 
 
-def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteModel:
-    """A RemoteModel over the llama-server at ``url`` (asks it for its vocabulary and EOS)."""
+def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
+    """A RemoteModel over the llama-server at ``url`` (asks it for its vocabulary and EOS), run by
+    ``engine.runner`` in ``mode`` ("step": our chain over its top-N; "fast": it samples)."""
     client = LlamaCppClient(url, timeout_s)
     models = client.get("/v1/models")
     try:
@@ -213,7 +229,7 @@ def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteModel:
     eos_text = props.get("eos_token") or ""
     eos = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
     return RemoteModel(f"llamacpp:{client.url}", client, tokenizer, vocab, eos if len(eos) == 1 else (), context,
-                       bool(props.get("chat_template")))
+                       bool(props.get("chat_template")), mode=mode)
 
 
 # --- our knobs -> its request ----------------------------------------------------------------------
@@ -322,11 +338,17 @@ def top_logits(model: RemoteModel, ids: Sequence[int], top_n: int) -> tuple[torc
 
 
 def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
-                top_n: int = STEP_TOP_N, tails: list[float] | None = None) -> Iterator[StepTrace]:
+                top_n: int = STEP_TOP_N, tails: list[float] | None = None, prefix: Sequence[int] = (),
+                force: int | None = None) -> Iterator[StepTrace]:
     """Step mode: a StepTrace per token, each from one request (``tails`` collects each step's
-    tail mass)."""
+    tail mass). ``prefix`` / ``force`` continue a run as ``decode.stream`` does: the kept tokens
+    are just a longer prompt to the server (a stateful chain first replays their positions, one
+    request each)."""
     check_strategy(config)
-    state = RunState(model, prompt_ids, config)  # type: ignore[arg-type]  (RemoteModel quacks like LoadedModel)
+    state = RunState(model, prompt_ids, config, prefix=prefix, force=force)  # type: ignore[arg-type]
+    if state.needs_replay:
+        start = len(prompt_ids)
+        state.replay(torch.cat([top_logits(model, state.sequence[:start + i], top_n)[0] for i in range(len(prefix))]))
     while True:
         logits, tail = top_logits(model, state.ids[0].tolist(), top_n)
         if tails is not None:
@@ -358,23 +380,50 @@ def step_approximations(config: DecodingConfig, top_n: int) -> list[str]:
         [text for touched, text in STEP_APPROXIMATIONS if stages & touched]
 
 
+def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
+           chat: bool = False, prefix: Sequence[int] = (), force: int | None = None) -> Iterator[Event]:
+    """What ``engine.runner.stream`` runs for a remote model: an Event per token, then one holding
+    the Trace (labelled: ``extra["remote"]``), in the model's ``mode``. Fast mode cannot continue
+    from a step (the server samples the whole text): ``prefix`` / ``force`` raise ValueError."""
+    if model.mode == "fast":
+        if prefix or force is not None:
+            raise ValueError(f"{'prefix' if prefix else 'force'}: a fast-mode run of {model.url} cannot continue "
+                             "from a step (the server samples); use step mode")
+        yield from _stream_fast(model, prompt, prompt_ids, config, chat)
+        return
+    tails: list[float] = []
+    steps: list[StepTrace] = []
+    ended = False
+    try:
+        for step in stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force):
+            steps.append(step)
+            yield Event(steps=[step])
+    except NoTokensLeft:  # a step with nothing left to pick ends the run, saying why
+        ended = True
+    trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
+    if ended:
+        trace.end_with_no_tokens_left()
+    trace.extra["remote"] = _label(model, config, "step", model.top_n, step_approximations(config, model.top_n)) | {
+        "tail_mass": tails}
+    yield Event(trace=trace)
+
+
+def _collect(events: Iterator[Event]) -> Trace:
+    return next(e.trace for e in events if e.trace is not None)
+
+
 def run_step(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
              top_n: int = STEP_TOP_N) -> Trace:
     """A whole step-mode run as a Trace, labelled (``extra["remote"]``)."""
-    prompt_ids = model.encode(prompt, chat)
-    tails: list[float] = []
-    steps = list(stream_step(model, prompt_ids, config, top_n=top_n, tails=tails))
-    trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
-    trace.extra["remote"] = _label(model, config, "step", top_n, step_approximations(config, top_n)) | {
-        "tail_mass": tails}
-    return trace
+    stepper = model.with_mode("step", top_n)
+    return _collect(stream(stepper, prompt, stepper.encode(prompt, chat), config, chat=chat))
 
 
 def _label(model: RemoteModel, config: DecodingConfig, mode: str, top_n: int, approximations: list[str]) -> dict:
     """``extra["remote"]``; in fast mode with the knobs llama.cpp's sampler did not run as ours
     (step mode runs our own chain: nothing unmapped)."""
     notes = llamacpp_request(config, model.context).notes() if mode == "fast" else {"unmapped": [], "caveats": []}
-    return {"backend": "llamacpp", "url": model.url, "mode": mode, "top_n": top_n,
+    return {"backend": model.backend, "url": model.url, "mode": mode, "top_n": top_n,
             "approximations": approximations} | notes
 
 
@@ -403,8 +452,15 @@ def run_fast(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: b
     """Fast mode: the server generates the whole text in one request (its final top-N per token);
     ``raw``: a second request with the same seed adds its raw top-N (dropped, and said so, if it
     sampled another text)."""
+    fast = model.with_mode("fast")
+    return _collect(_stream_fast(fast, prompt, fast.encode(prompt, chat), config, chat, raw=raw))
+
+
+def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, chat: bool,
+                 raw: bool = True) -> Iterator[Event]:
+    """Fast mode's Events: one request for the whole text, then an Event per token it holds and
+    the labelled Trace."""
     check_strategy(config)
-    prompt_ids = model.encode(prompt, chat)
     start = time.perf_counter()
     final = _completion(model, prompt_ids, config, True)
     wall_ms = (time.perf_counter() - start) * 1000
@@ -432,7 +488,9 @@ def run_fast(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: b
                                stages[-1].entropy, stages[0].entropy, stages, elapsed_ms=per_token * (i + 1)))
     if steps:
         steps[-1].finish_reason = STOP_TYPES.get(final.get("stop_type", ""), "max_new_tokens")
+    for step in steps:
+        yield Event(steps=[step])
     trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
     trace.extra["remote"] = _label(model, config, "fast", config.top_n, approximations) | {
         "timings": final.get("timings", {})}
-    return trace
+    yield Event(trace=trace)

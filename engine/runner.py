@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
-from . import beam, contrastive, core, decode, mcts, medusa, speculative
+from . import beam, contrastive, core, decode, mcts, medusa, remote, speculative
 from .config import DecodingConfig
 from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
@@ -51,24 +51,36 @@ class Strategy(Protocol):
     def __call__(self, ctx: RunContext) -> Iterator[Event]: ...
 
 
-# Strategy name (DecodingConfig.strategy) -> its stream; ``register`` adds one.
-STRATEGY_STREAMS: dict[str, Strategy] = {}
-# The strategies whose stream honours RunContext.prefix / .force (the others refuse them).
-CONTINUABLE: set[str] = set()
+LOCAL = "local"  # the backend of a model loaded in this process (a LoadedModel)
+# Backend -> strategy name (DecodingConfig.strategy) -> its stream; ``register`` adds one.
+BACKEND_STREAMS: dict[str, dict[str, Strategy]] = {LOCAL: {}, **{b: {} for b in remote.BACKENDS}}
+# Backend -> the strategies whose stream honours RunContext.prefix / .force (the others refuse them).
+BACKEND_CONTINUABLE: dict[str, set[str]] = {b: set() for b in BACKEND_STREAMS}
+STRATEGY_STREAMS = BACKEND_STREAMS[LOCAL]  # the local model's table
+CONTINUABLE = BACKEND_CONTINUABLE[LOCAL]
 
 
-def register(*names: str, continues: bool = False) -> Callable[[Strategy], Strategy]:
-    """Decorator: ``fn(ctx) -> Iterator[Event]`` runs the strategies ``names``; ``continues``: it
-    can start after a ``prefix`` and take a forced token (see ``stream``)."""
+def register(*names: str, continues: bool = False,
+             backends: Sequence[str] = (LOCAL,)) -> Callable[[Strategy], Strategy]:
+    """Decorator: ``fn(ctx) -> Iterator[Event]`` runs the strategies ``names`` on models of the
+    ``backends`` (a remote model's ``backend``, else local); ``continues``: it can start after a
+    ``prefix`` and take a forced token (see ``stream``)."""
 
     def add(fn: Strategy) -> Strategy:
-        for name in names:
-            STRATEGY_STREAMS[name] = fn
-            if continues:
-                CONTINUABLE.add(name)
+        for backend in backends:
+            for name in names:
+                BACKEND_STREAMS[backend][name] = fn
+                if continues:
+                    BACKEND_CONTINUABLE[backend].add(name)
         return fn
 
     return add
+
+
+def backend_of(lm: Any) -> str:
+    """The backend a model runs on: a remote model says which (``RemoteModel.backend``); a model
+    loaded here has none (local)."""
+    return getattr(lm, "backend", LOCAL)
 
 
 def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
@@ -85,10 +97,17 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
     other users' runs) instead of a forward of their own.
     ``prefix``: tokens already generated; the run continues after them (its steps and trace hold
     only the new tokens, indexed from ``len(prefix)``). ``force``: the token taken at the first new
-    step instead of a pick. Greedy and sampling only (``CONTINUABLE``); ValueError otherwise."""
-    strategy = STRATEGY_STREAMS.get(config.strategy)
+    step instead of a pick. Greedy and sampling only (``CONTINUABLE``); ValueError otherwise.
+
+    The stream is looked up by the model's backend (``backend_of``) and the strategy: a remote
+    model (``engine.remote``) runs its backend's streams, and a strategy its backend lacks is one
+    ValueError naming both."""
+    backend = backend_of(lm)
+    table = BACKEND_STREAMS[backend]
+    strategy = table.get(config.strategy)
     if strategy is None:  # DecodingConfig validates the name, so this is a strategy without a runner yet
-        raise ValueError(f"strategy: {config.strategy!r} has no runner")
+        raise ValueError(f"strategy: {config.strategy!r} does not run on the {backend} backend; "
+                         f"it runs {', '.join(sorted(table))}")
     prefix = tuple(prefix)
     _check_continuation(lm, config.strategy, prefix, force)
     ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
@@ -99,9 +118,10 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
 def _check_continuation(lm: LoadedModel, strategy: str, prefix: tuple[int, ...], force: int | None) -> None:
     """ValueError naming the argument when ``prefix`` / ``force`` are given to a strategy that
     cannot continue, or hold a token outside the vocabulary."""
+    continuable = BACKEND_CONTINUABLE[backend_of(lm)]
     for name, given in (("prefix", bool(prefix)), ("force", force is not None)):
-        if given and strategy not in CONTINUABLE:
-            raise ValueError(f"{name}: only {' and '.join(sorted(CONTINUABLE))} runs continue from a step, "
+        if given and strategy not in continuable:
+            raise ValueError(f"{name}: only {' and '.join(sorted(continuable))} runs continue from a step, "
                              f"not {strategy!r}")
     tokens = [("prefix", t) for t in prefix] + ([("force", force)] if force is not None else [])
     for name, token in tokens:
@@ -133,7 +153,8 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
     before ``at_step`` unchanged; the new steps follow (``stream`` with ``prefix`` = the kept
     tokens, ``force`` = ``token_id``); the last event holds the new Trace (``branch_of`` =
     ``at_step``, its ``config`` the one it ran under)."""
-    if parent.strategy not in CONTINUABLE:
+    continuable = BACKEND_CONTINUABLE[backend_of(lm)]
+    if parent.strategy not in continuable:
         raise ValueError(f"branch: only greedy and sampling runs can be branched, this one is {parent.strategy!r}")
     if not isinstance(at_step, int) or isinstance(at_step, bool) or not 0 <= at_step < len(parent.steps):
         raise ValueError(f"at_step: {at_step!r} is out of range; the run has {len(parent.steps)} steps")
@@ -141,7 +162,7 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
                                  or not 0 <= token_id < lm.vocab_size):
         raise ValueError(f"token_id: {token_id!r} is out of range; the vocabulary has {lm.vocab_size} tokens")
     config = config if config is not None else DecodingConfig.from_dict(parent.config)
-    if config.strategy not in CONTINUABLE:
+    if config.strategy not in continuable:
         raise ValueError(f"strategy: only greedy and sampling continue from a step, got {config.strategy!r}")
     kept = list(parent.steps[:at_step])
     if kept:
@@ -155,6 +176,7 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
         # the continuation's trace, with the kept steps before it
         trace = core.assemble(lm, parent.prompt, parent.prompt_token_ids, config, kept + event.trace.steps,
                               parent.chat, branch_of=at_step)
+        trace.extra = dict(event.trace.extra)  # e.g. a remote run's label (its lists cover the new steps)
         if event.trace.stop_reason == NO_TOKENS_LEFT:
             trace.end_with_no_tokens_left()
         yield Event(trace=trace)
@@ -230,3 +252,9 @@ def _mcts(ctx: RunContext) -> Iterator[Event]:
 def _medusa(ctx: RunContext) -> Iterator[Event]:
     yield from medusa.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, control=ctx.control,
                              compare_baseline=ctx.compare_baseline)
+
+
+@register(*remote.STRATEGIES, continues=True, backends=remote.BACKENDS)
+def _remote(ctx: RunContext) -> Iterator[Event]:
+    yield from _checked(remote.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat,  # type: ignore[arg-type]
+                                      prefix=ctx.prefix, force=ctx.force), ctx.control)
