@@ -1,6 +1,7 @@
 """The chain: the user's stages in the user's order, applied to next-token logits and recorded
-(raw, after every stage, final) for one row (``Chain.traced``) or many rows at once
-(``traced_rows``, the batched scheduler's path). The stages themselves live in ``processors``.
+(raw, after every stage, final) for many rows at once (``traced_rows``, the batched scheduler's
+path) or one row (``Chain.traced``, its one-row case: one implementation of the recording). The
+stages themselves live in ``processors``.
 """
 
 from __future__ import annotations
@@ -80,17 +81,13 @@ class Chain:
 
     def traced(self, input_ids: torch.LongTensor, logits: torch.Tensor, top_n: int,
                token_text: Callable[[int], str]) -> "Traced":
-        """Apply the chain to one row (B = 1) and record raw, every stage, and final.
-        Cost: one softmax and one top-k per stage, no Python loop over the vocabulary."""
-        logits = logits.float()
-        recorder = _Recorder(top_n, token_text)
-        traces = [recorder.record("raw", logits, {})]
-        raw_probs = recorder.prev_probs
-        for stage in self.stages:
-            logits, found = stage.run(input_ids, logits)
-            traces.append(recorder.record(stage.name, logits, {**stage.knobs, **found}, stage.state()))
-        traces.append(recorder.copy_as("final", traces[-1]))
-        return Traced(logits, traces, raw_probs, recorder.prev_probs)
+        """Apply the chain to one row (B = 1) and record raw, every stage, and final: the one-row
+        case of ``traced_rows`` (a stage's exception is raised). Cost: one softmax and one top-k
+        per stage, no Python loop over the vocabulary."""
+        out = traced_rows([self], [input_ids], logits, [top_n], token_text)[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
 
 
 @dataclass
@@ -106,38 +103,6 @@ class Traced:
     def __iter__(self):
         """Unpacks as ``final_logits, stages``."""
         return iter((self.logits, self.stages))
-
-
-class _Recorder:
-    """Statistics of consecutive distributions; keeps the previous softmax so each stage costs one."""
-
-    def __init__(self, top_n: int, token_text: Callable[[int], str]):
-        self.top_n = top_n
-        self.token_text = token_text
-        self.prev_probs: torch.Tensor | None = None
-        self.prev_top: list[TokenProb] = []
-
-    def _tokens(self, ids: torch.Tensor, probs: torch.Tensor) -> list[TokenProb]:
-        return [TokenProb(int(i), self.token_text(int(i)), float(p)) for i, p in zip(ids.tolist(), probs.tolist())]
-
-    def record(self, name: str, logits: torch.Tensor, params: dict, state: dict | None = None) -> StageTrace:
-        probs = torch.softmax(logits[0], dim=-1)  # [V]; masked tokens get exactly 0
-        alive = probs > 0
-        kept = int(alive.sum())
-        entropy = float(torch.special.entr(probs).sum())
-        top_p, top_i = torch.topk(probs, min(self.top_n, kept, probs.shape[0]))  # removed tokens are not "top"
-        top = self._tokens(top_i, top_p)
-        mass_removed, tv, removed = 0.0, 0.0, []
-        if self.prev_probs is not None:
-            mass_removed = float(self.prev_probs.masked_fill(alive, 0.0).sum())
-            tv = float(0.5 * (probs - self.prev_probs).abs().sum())
-            removed = [t for t in self.prev_top if not bool(alive[t.token_id])]
-        self.prev_probs, self.prev_top = probs, top
-        return StageTrace(name, kept, mass_removed, entropy, tv, top, removed, dict(params), dict(state or {}))
-
-    @staticmethod
-    def copy_as(name: str, last: StageTrace) -> StageTrace:
-        return StageTrace(name, last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {})
 
 
 def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], logits: torch.Tensor,
@@ -161,7 +126,7 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
         active = [b for b in active if b not in errors]
         if active:
             stages = [chains[b].stages[j] for b in active]
-            stacked = torch.cat([rows[b] for b in active])  # [R, V]
+            stacked = torch.cat([rows[b] for b in active]) if len(active) > 1 else rows[active[0]]  # [R, V]
             records = recorder.record(active, stacked, [s.name for s in stages],
                                       [{**s.knobs, **found[b]} for b, s in zip(active, stages)],
                                       [s.state() for s in stages])
@@ -172,7 +137,8 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
         if b in errors:
             out.append(errors[b])
             continue
-        traces[b].append(_Recorder.copy_as("final", traces[b][-1]))
+        last = traces[b][-1]
+        traces[b].append(StageTrace("final", last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {}))
         out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0]))
     return out
 
@@ -183,8 +149,8 @@ def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_id
     diagnostics into ``found[b]``): shareable stages with equal knobs once on the stacked rows
     (they have no diagnostics), the others row by row. Returns the rows whose stage raised."""
     groups: dict[tuple, list[int]] = {}
-    alone: list[int] = []
-    for b in active:
+    alone: list[int] = [] if len(active) > 1 else list(active)  # one row shares with nobody
+    for b in active if len(active) > 1 else ():
         key = share_key(chains[b].stages[j])
         (groups.setdefault(key, []) if key is not None else alone).append(b)
     for key, members in groups.items():
@@ -208,8 +174,9 @@ def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_id
 
 
 class _RowsRecorder:
-    """``_Recorder`` over many rows: keeps each row's previous probabilities and top list; one
-    softmax, entropy, top-k and ``.tolist()`` per statistic for all the rows of a stage position."""
+    """Statistics of consecutive distributions, for many rows at once: keeps each row's previous
+    probabilities and top list (so each stage costs one softmax); one softmax, entropy, top-k and
+    ``.tolist()`` per statistic for all the rows of a stage position."""
 
     def __init__(self, top_n: list[int], token_text: Callable[[int], str]):
         self.top_n, self.token_text = top_n, token_text
@@ -252,13 +219,15 @@ class _RowsRecorder:
         return out
 
     def _tops(self, rows: list[int], probs: torch.Tensor, kept: list[int]) -> list[list[TokenProb]]:
-        """Each row's top min(top_n, kept, V) tokens; one top-k per distinct k (as ``_Recorder`` asks)."""
+        """Each row's top min(top_n, kept, V) tokens (removed tokens are not "top"); one top-k per
+        distinct k."""
         ks = [min(self.top_n[b], kept[i], probs.shape[1]) for i, b in enumerate(rows)]
         tops: list[list[TokenProb]] = [[] for _ in rows]
         for k in set(ks):
             members = [i for i, ki in enumerate(ks) if ki == k]
-            index = torch.tensor(members, dtype=torch.long, device=probs.device)
-            values, ids = torch.topk(probs.index_select(0, index) if len(members) < len(rows) else probs, k)
+            some = probs.index_select(0, torch.tensor(members, dtype=torch.long, device=probs.device)) \
+                if len(members) < len(rows) else probs
+            values, ids = torch.topk(some, k)
             for i, id_row, p_row in zip(members, ids.tolist(), values.tolist()):
                 tops[i] = [TokenProb(t, self.token_text(t), p) for t, p in zip(id_row, p_row)]
         return tops
