@@ -34,11 +34,8 @@ class NoTokensLeft(Exception):
 
 def has_tokens(final: torch.Tensor) -> bool:
     """True when ``final`` (logits [..., V], -inf = masked) leaves at least one token to pick in
-    every row: no NaN, no +inf, and some finite entry per row."""
-    final = final.float()
-    if bool(torch.isnan(final).any()) or bool(torch.isposinf(final).any()):
-        return False
-    return bool(torch.isfinite(final).any(dim=-1).all())
+    every row: no NaN, no +inf, and some finite entry per row (``rows_with_tokens`` for all rows)."""
+    return all(rows_with_tokens(final.reshape(-1, final.shape[-1])))
 
 
 def ensure_tokens(final: torch.Tensor, step: int | None = None) -> torch.Tensor:
@@ -75,16 +72,9 @@ def sample(logits: torch.Tensor, generator: torch.Generator) -> Pick:
 
 
 def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> Pick:
-    """Draw from probabilities [V] (the softmax of the final logits, as generate() computes it)."""
-    noise = exponential_noise(torch.Size([1, probs.shape[0]]), generator, probs.device)[0]
-    token = int(torch.argmax(probs / noise))
-    p = probs[token]
-    frac = -math.expm1(-float(noise[token] / p))
-    # F(w-): mass of tokens sorted before w (higher probability; ties broken by lower id).
-    ids = torch.arange(probs.shape[0], device=probs.device)
-    before = (probs > p) | ((probs == p) & (ids < token))
-    low = float(probs.masked_fill(~before, 0.0).double().sum())
-    return Pick(token, float(p), low + float(p) * frac, low, low + float(p))
+    """Draw from probabilities [V] (the softmax of the final logits, as generate() computes it):
+    the one-row case of ``sample_rows``."""
+    return sample_rows(probs[None], [generator])[0]
 
 
 def skip_draws(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
@@ -101,8 +91,10 @@ def rows_with_tokens(final: torch.Tensor) -> list[bool]:
 
 
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[Pick]:
-    """``sample_probs`` for R rows at once: row r of ``probs`` [R, V] draws with ``generators[r]``
-    (V draws each, as alone); the race, the winner and its interval are computed on [R, V]."""
+    """Draw from each row of ``probs`` [R, V] with ``generators[r]`` (V draws each, as alone): the
+    exponential race (token i gets E_i ~ Exp(1); the largest p_i / E_i wins, as torch.multinomial
+    draws), and the winner's interval [low, high) on the sorted CDF (higher probability first, ties
+    by lower id) with u = low + p * (1 - exp(-E_w / p_w)), computed on [R, V]."""
     noise = torch.cat([exponential_noise(torch.Size([1, probs.shape[1]]), g, probs.device) for g in generators])  # [R, V]
     tokens = torch.argmax(probs / noise, dim=-1, keepdim=True)  # [R, 1]
     p = probs.gather(1, tokens)  # [R, 1]

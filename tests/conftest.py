@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from engine.models import LoadedModel, ModelRegistry, ModelSpec, embedded_model_dir  # noqa: E402
+from engine.threads import default_threads, set_threads  # noqa: E402
+
+set_threads(default_threads())  # engine.threads is the one place the thread count is set
 
 ARTIFACTS = ROOT / "test-artifacts"
 
