@@ -1,24 +1,28 @@
-"""A llama.cpp server (``llama-server``, its native ``/completion`` API) as a model (issue #29).
+"""A served model as a model (issue #29): llama.cpp's ``llama-server`` (its native ``/completion``)
+or any OpenAI-compatible server (vLLM, SGLang, llama-server's own ``/v1``).
 
-Two modes, both ending in an ordinary engine ``Trace`` so the existing views can draw them:
+One implementation of the modes, two small API classes for the requests (``LlamaCppApi``,
+``OpenAIApi``: tokenize, detokenize, chat ids, ``next_top`` = the raw top-N after some ids,
+``generate`` = fast mode's answer). Both modes end in an ordinary engine ``Trace``, run through
+``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend``; ``RemoteModel.mode``
+picks the mode):
 
-- **step mode** (``stream_step`` / ``run_step``): one request per token (``n_predict`` 1,
-  ``cache_prompt`` on, so the server re-reads only the new token). The server's *raw* top-N
-  probabilities become logits (log p inside the top-N, -inf outside); our own stage chain and our
-  own seeded draw (``engine.core.RunState``, the local engine's loop body) pick the token. Exact up
-  to the truncation to the top-N, which the trace labels.
-- **fast mode** (``run_fast``): one request for the whole text; the server's sampler picks (its own
-  random generator: the same seed gives a different text than ours). Each step shows the server's
-  final (post-sampling) top-N and, from a second request with the same seed, its raw top-N.
+- **step mode** (``stream_step``, the default): one request per token (one token generated, top-N
+  log-probabilities; the server's prefix cache re-reads only the new token). The raw top-N become
+  logits (log p inside the top-N, -inf outside); our own stage chain and our own seeded draw
+  (``engine.core.RunState``, the local engine's loop body) pick the token. Exact up to the
+  truncation to the top-N, which the trace labels (the tail mass per step).
+- **fast mode**: one request for the whole text; the server's sampler picks (its own random
+  generator: the same seed gives a different text than ours). Each step shows the server's top-N
+  (llama.cpp: final and, from a second request with the same seed, raw; OpenAI: its ``logprobs``).
 
 ``RemoteModel`` quacks like ``engine.models.LoadedModel`` where the decoding loop needs it
-(tokenizer, EOS ids, vocabulary size, token text, decode), over the server's ``/tokenize``,
-``/detokenize``, ``/props`` and ``/v1/models``. Every request has a timeout; a server that is
-down or slow raises ``RemoteError`` with one line naming the URL and the timeout.
+(tokenizer, EOS ids, vocabulary size, token text, decode). Every request has a timeout; a server
+that is down, slow or answers an error raises ``RemoteError`` with one line naming the URL.
 
-Which of our knobs llama.cpp cannot express is listed per run (``LlamaRequest.unmapped``, from
-``UNMAPPED``), with the knobs that map with a difference (``caveats``); the stage order becomes
-its ``samplers`` list.
+Which of our knobs a server's sampler cannot express is listed per fast-mode run (``unmapped``),
+with the knobs that map with a difference (``caveats``); llama.cpp's ``samplers`` list follows our
+stage order.
 """
 
 from __future__ import annotations
@@ -90,11 +94,13 @@ def _no_constant(name: str) -> Any:
 
 
 @dataclass
-class LlamaCppClient:
-    """JSON over HTTP to one llama-server; ``timeout_s`` bounds connecting and every read."""
+class JsonClient:
+    """JSON over HTTP to one server; ``timeout_s`` bounds connecting and every read; ``server``
+    names it in error lines."""
 
     url: str
     timeout_s: float = DEFAULT_TIMEOUT_S
+    server: str = "llama.cpp server"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -112,13 +118,12 @@ class LlamaCppClient:
         return self._call(request, path)
 
     def _call(self, request: urllib.request.Request, path: str) -> Any:
-        where = f"llama.cpp server {self.url}{path}"
+        where = f"{self.server} {self.url}{path}"
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 text = response.read()
         except urllib.error.HTTPError as exc:
-            detail = " ".join(exc.read(300).decode("utf-8", "replace").split())
-            raise RemoteError(f"{where}: HTTP {exc.code}: {detail}") from None
+            raise RemoteError(f"{where}: HTTP {exc.code}: {_error_detail(exc.read(2000))}") from None
         except (TimeoutError, socket.timeout):
             raise RemoteError(f"{where}: no answer within the {self.timeout_s:g} s timeout") from None
         except (urllib.error.URLError, ConnectionError, OSError) as exc:
@@ -132,25 +137,55 @@ class LlamaCppClient:
             raise RemoteError(f"{where}: the answer is not JSON ({exc})") from None
 
 
+def _error_detail(body: bytes) -> str:
+    """An error reply in one line: its ``error.message`` (OpenAI's and vLLM's ErrorResponse,
+    llama-server's) when it has one, else its text, cut to 300 characters."""
+    text = body.decode("utf-8", "replace")
+    try:
+        error = json.loads(text).get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+    except (ValueError, AttributeError):
+        message = None
+    return " ".join(str(message or text).split())[:300]
+
+
 # --- the model -------------------------------------------------------------------------------------
+# A token of a server's top-N: (id, log-probability, its text when the server sent it, else None).
+Entry = tuple[int, float, "str | None"]
+
+
+@dataclass
+class FastAnswer:
+    """A fast-mode generation as a backend returns it: per token, its id, the probability the
+    server picked it with, and the server's top-N (``final``: after its sampler; ``raw``: the
+    model's), either None when the backend cannot give it."""
+
+    tokens: list[int]
+    probs: list[float]
+    final: list[list[Entry]] | None
+    raw: list[list[Entry]] | None
+    finish_reason: str
+    approximations: list[str]
+    notes: dict[str, list[dict[str, str]]]
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class RemoteTokenizer:
     """The server's tokenizer, as the stages call a tokenizer (``encode`` without special tokens,
     ``decode`` of one token for DRY's breakers); answers are memoised."""
 
-    client: LlamaCppClient
+    api: Any  # LlamaCppApi | OpenAIApi
     _pieces: dict[int, str] = field(default_factory=dict, repr=False)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        answer = self.client.post("/tokenize", {"content": text, "add_special": add_special_tokens,
-                                                "parse_special": add_special_tokens})
-        return [int(t) for t in answer["tokens"]]
+        return self.api.tokenize(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
         if len(ids) == 1 and ids[0] in self._pieces:
             return self._pieces[ids[0]]
-        text = self.client.post("/detokenize", {"tokens": ids})["content"] if ids else ""
+        text = self.api.detokenize(ids) if ids else ""
         if len(ids) == 1:
             self._pieces[ids[0]] = text
         return text
@@ -158,10 +193,11 @@ class RemoteTokenizer:
 
 @dataclass
 class RemoteModel:
-    """A llama-server's model, shaped like ``LoadedModel`` where the decoding loop reads it."""
+    """A served model, shaped like ``LoadedModel`` where the decoding loop reads it; ``api`` speaks
+    its backend's requests (LlamaCppApi, OpenAIApi), everything else is shared."""
 
     name: str
-    client: LlamaCppClient
+    api: Any  # LlamaCppApi | OpenAIApi
     tokenizer: RemoteTokenizer
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -169,7 +205,6 @@ class RemoteModel:
     chat_template: bool = True  # the server has one (its /props)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     quantization: str = "server"
-    backend: str = "llamacpp"  # engine.runner looks its strategies up by this
     mode: str = "step"  # how runner.stream runs greedy/sample on it: "step" (our chain) or "fast" (it samples)
     top_n: int = STEP_TOP_N  # step mode: tokens per step the server returns
 
@@ -184,6 +219,15 @@ class RemoteModel:
         return replace(self, mode=mode, top_n=self.top_n if top_n is None else top_n)
 
     @property
+    def backend(self) -> str:
+        """Which API it speaks; engine.runner looks its strategies up by this."""
+        return self.api.backend
+
+    @property
+    def client(self) -> JsonClient:
+        return self.api.client
+
+    @property
     def url(self) -> str:
         return self.client.url
 
@@ -196,8 +240,7 @@ class RemoteModel:
         if chat:
             if not self.chat_template:
                 raise ValueError(f"chat: the model at {self.url} has no chat template; turn the chat template off")
-            text = self.client.post("/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
-            return self.tokenizer.encode(text, add_special_tokens=True)
+            return self.api.chat_ids(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
@@ -206,17 +249,94 @@ class RemoteModel:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def learn_pieces(self, entries: Sequence[dict[str, Any]]) -> None:
-        """Memoise token texts the server sent with its probabilities (``id``, ``bytes``)."""
-        for entry in entries:
-            piece = bytes(entry.get("bytes") or []).decode("utf-8", "replace")
-            self.tokenizer._pieces.setdefault(int(entry["id"]), piece)
+    def learn_pieces(self, entries: Sequence[Entry]) -> None:
+        """Memoise token texts the server sent with its probabilities."""
+        for token, _, piece in entries:
+            if piece is not None:
+                self.tokenizer._pieces.setdefault(token, piece)
+
+
+def _piece(entry: dict[str, Any]) -> str | None:
+    """A llama-server top-N entry's text, from its ``bytes`` (a token may be part of a character)."""
+    raw = entry.get("bytes")
+    return bytes(raw).decode("utf-8", "replace") if raw is not None else entry.get("token")
+
+
+def _llama_entries(top: list[dict[str, Any]], key: str = "logprob") -> list[Entry]:
+    """llama-server's ``[{id, token, bytes, logprob | prob}]`` as Entries (log-probabilities)."""
+    out = []
+    for e in top:
+        value = e.get(key)
+        lp = -math.inf if value is None else float(value) if key == "logprob" else \
+            (math.log(value) if value > 0 else -math.inf)
+        out.append((int(e["id"]), lp, _piece(e)))
+    return out
+
+
+@dataclass
+class LlamaCppApi:
+    """llama-server's native API: /completion (``n_probs``, ``post_sampling_probs``, its sampler
+    chain), /tokenize, /detokenize, /apply-template."""
+
+    client: JsonClient
+    context: int = 4096
+    backend: str = "llamacpp"
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        answer = self.client.post("/tokenize", {"content": text, "add_special": special, "parse_special": special})
+        return [int(t) for t in answer["tokens"]]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.client.post("/detokenize", {"tokens": ids})["content"]
+
+    def chat_ids(self, prompt: str) -> list[int]:
+        text = self.client.post("/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
+        return self.tokenize(text, True)
+
+    def next_top(self, ids: Sequence[int], top_n: int) -> list[Entry]:
+        """The model's raw top-N after ``ids`` (one token generated by top-k 1, not used)."""
+        answer = self.client.post("/completion", {
+            "prompt": list(ids), "n_predict": 1, "n_probs": top_n, "post_sampling_probs": False,
+            "cache_prompt": True, "samplers": ["top_k"], "top_k": 1, "return_tokens": True})
+        try:
+            return _llama_entries(answer["completion_probabilities"][0]["top_logprobs"])
+        except (KeyError, IndexError, TypeError):
+            raise RemoteError(f"llama.cpp server {self.client.url}/completion: no top_logprobs in the answer") \
+                from None
+
+    def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> FastAnswer:
+        """Fast mode: its sampler chain runs ``config`` (``llamacpp_request``); ``raw``: a second
+        request with the same seed adds the raw top-N (dropped, and said so, if it sampled another
+        text)."""
+        request = llamacpp_request(config, self.context)
+        final = self._completion(ids, config, request, True)
+        probs = final.get("completion_probabilities") or []
+        approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
+                          "entropies are over the top-N only"]
+        raw_tops = None
+        if raw:
+            again = self._completion(ids, config, request, False).get("completion_probabilities") or []
+            if [e["id"] for e in again] == [e["id"] for e in probs]:
+                raw_tops = [_llama_entries(e["top_logprobs"]) for e in again]
+            else:
+                approximations.append("the raw request sampled another text: raw probabilities left out")
+        return FastAnswer([int(e["id"]) for e in probs], [float(e["prob"]) for e in probs],
+                          [_llama_entries(e.get("top_probs") or [], "prob") for e in probs], raw_tops,
+                          STOP_TYPES.get(final.get("stop_type", ""), "max_new_tokens"), approximations,
+                          request.notes(), final.get("timings", {}))
+
+    def _completion(self, ids: Sequence[int], config: DecodingConfig, request: "LlamaRequest",
+                    post_sampling: bool) -> dict:
+        return self.client.post("/completion", {
+            **request.fields, "prompt": list(ids), "n_predict": config.max_new_tokens, "n_probs": config.top_n,
+            "post_sampling_probs": post_sampling, "cache_prompt": True, "return_tokens": True,
+            "stop": list(config.stop)})
 
 
 def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
     """A RemoteModel over the llama-server at ``url`` (asks it for its vocabulary and EOS), run by
     ``engine.runner`` in ``mode`` ("step": our chain over its top-N; "fast": it samples)."""
-    client = LlamaCppClient(url, timeout_s)
+    client = JsonClient(url, timeout_s)
     models = client.get("/v1/models")
     try:
         info = models["data"][0]
@@ -224,12 +344,181 @@ def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") 
     except (KeyError, IndexError, TypeError, ValueError):
         raise RemoteError(f"llama.cpp server {client.url}/v1/models: no model with meta.n_vocab in the answer") \
             from None
-    tokenizer = RemoteTokenizer(client)
+    api = LlamaCppApi(client, context)
+    tokenizer = RemoteTokenizer(api)
     props = client.get("/props")
     eos_text = props.get("eos_token") or ""
     eos = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
-    return RemoteModel(f"llamacpp:{client.url}", client, tokenizer, vocab, eos if len(eos) == 1 else (), context,
+    return RemoteModel(f"llamacpp:{client.url}", api, tokenizer, vocab, eos if len(eos) == 1 else (), context,
                        bool(props.get("chat_template")), mode=mode)
+
+
+# --- the OpenAI-compatible API (vLLM, SGLang, llama-server's /v1) ---------------------------------
+VOCAB_BOUND = 262_144  # ids a server that does not report its vocabulary may send (Gemma 3's 262144 the largest)
+# Our knobs (each its stage's name) an OpenAI-compatible completion request expresses (vLLM's sampling
+# parameters) -> the request field; fast mode only.
+OPENAI_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+                 "presence_penalty": "presence_penalty"}
+
+
+def _openai_tokens(choice: dict[str, Any]) -> list[tuple[int, float, list[Entry]]]:
+    """Each generated token of a /v1/completions choice as (id, logprob, its top-N), from either
+    logprobs format: vLLM's (OpenAI's legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs``,
+    with ``return_tokens_as_token_ids``: keys ``token_id:<id>``) or llama-server's (``content``:
+    ``[{id, logprob, bytes, top_logprobs}]``)."""
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:
+        return [(int(e["id"]), float(e["logprob"]), _llama_entries(e.get("top_logprobs") or []))
+                for e in logprobs["content"]]
+    tops = logprobs.get("top_logprobs") or []
+    return [(_token_id(token), float(lp), [(_token_id(k), float(v), None) for k, v in (top or {}).items()])
+            for token, lp, top in zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [], tops)]
+
+
+def _token_id(key: str) -> int:
+    """``token_id:123`` (vLLM's ``return_tokens_as_token_ids``) -> 123."""
+    prefix, _, number = key.partition(":")
+    if prefix != "token_id" or not number.isdigit():
+        raise ValueError(f"expected token_id:<id>, got {key[:40]!r}")
+    return int(number)
+
+
+@dataclass
+class OpenAIApi:
+    """An OpenAI-compatible server: /v1/completions with ``logprobs`` (top-N per token; vLLM adds
+    ``prompt_logprobs``), and /tokenize, /detokenize at the server root (not under /v1), in vLLM's
+    form (``prompt``, ``add_special_tokens`` -> ``tokens``) or llama-server's (``content``)."""
+
+    client: JsonClient  # the /v1 base
+    root: JsonClient  # the server root: /tokenize, /detokenize
+    model_id: str
+    dialect: str = "vllm"  # "vllm" | "llamacpp": how its root tokenises, and whether prompt_logprobs exist
+    backend: str = "openai"
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        body = {"content": text, "add_special": special, "parse_special": special} if self.dialect == "llamacpp" \
+            else {"model": self.model_id, "prompt": text, "add_special_tokens": special}
+        return [int(t) for t in self._root("/tokenize", body)["tokens"]]
+
+    def detokenize(self, ids: list[int]) -> str:
+        answer = self._root("/detokenize", {"model": self.model_id, "tokens": ids})
+        return answer["content" if self.dialect == "llamacpp" else "prompt"]
+
+    def chat_ids(self, prompt: str) -> list[int]:
+        messages = [{"role": "user", "content": prompt}]
+        if self.dialect == "llamacpp":
+            return self.tokenize(self._root("/apply-template", {"messages": messages})["prompt"], True)
+        body = {"model": self.model_id, "messages": messages, "add_generation_prompt": True}
+        return [int(t) for t in self._root("/tokenize", body)["tokens"]]
+
+    def _root(self, path: str, body: dict[str, Any]) -> Any:
+        """A request at the server root; a server without the endpoint is one line saying so."""
+        try:
+            return self.root.post(path, body)
+        except RemoteError as exc:
+            if ": HTTP 404" in str(exc):
+                raise RemoteError(f"OpenAI-compatible server {self.root.url}{path}: missing (HTTP 404); "
+                                  "step mode needs the server's tokenizer (vLLM and llama-server have it)") from None
+            raise
+
+    def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        answer = self.client.post("/completions", {"model": self.model_id, "return_tokens_as_token_ids": True,
+                                                   "return_token_ids": True, **body})
+        try:
+            return answer["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: no choices in the answer") \
+                from None
+
+    def next_top(self, ids: Sequence[int], top_n: int) -> list[Entry]:
+        """The model's top-N after ``ids``: one token at temperature 0 with ``logprobs`` = N (vLLM
+        returns the raw model's under its default ``--logprobs-mode raw_logprobs``)."""
+        choice = self._complete({"prompt": list(ids), "max_tokens": 1, "logprobs": top_n, "temperature": 0})
+        try:
+            return _openai_tokens(choice)[0][2]
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
+            raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: no top logprobs in the "
+                              f"answer ({exc})") from None
+
+    def prompt_logprobs(self, ids: Sequence[int], top_n: int) -> list[dict[int, float] | None]:
+        """vLLM's ``prompt_logprobs``: for each position of ``ids``, the log-probabilities of its
+        token and the top-N there (None for the first). llama-server has none: one line says so."""
+        if self.dialect != "vllm":
+            raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: prompt_logprobs: "
+                              "not supported by llama-server's OpenAI endpoint (vLLM has them)")
+        choice = self._complete({"prompt": list(ids), "max_tokens": 1, "prompt_logprobs": top_n, "temperature": 0})
+        rows = choice.get("prompt_logprobs")
+        if rows is None:
+            raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: prompt_logprobs: "
+                              f"{top_n} asked, none in the answer")
+        return [None if row is None else {int(k): float(v["logprob"]) for k, v in row.items()} for row in rows]
+
+    def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> FastAnswer:
+        """Fast mode: one request; the server samples with the knobs it has (``OPENAI_FIELDS``),
+        its top-N ``logprobs`` per token (raw or processed: the server's ``--logprobs-mode``)."""
+        active = config.active_stages()
+        # every field sent, neutral or not, so no server default (llama-server: top-k 40...) leaks in
+        fields = {name: getattr(config, knob) for knob, name in OPENAI_FIELDS.items()}
+        fields["top_k"] = fields["top_k"] or -1  # 0 is our "off"; -1 is theirs
+        if config.is_greedy:
+            fields["temperature"] = 0.0
+        unmapped = [{"key": k.name, "reason": "the OpenAI-compatible API has no such sampling parameter"}
+                    for k in KNOBS.values() if k.stage in active and k.stage not in OPENAI_FIELDS
+                    and getattr(config, k.name) != k.neutral]
+        caveats = [{"key": "stage_order", "reason": "the server applies its own fixed order, not ours"}]
+        if not config.is_greedy:
+            caveats.append({"key": "seed", "reason": "the server has its own random generator: the same seed "
+                                                     "gives another text (step mode draws with ours)"})
+        choice = self._complete({"prompt": list(ids), "max_tokens": config.max_new_tokens, "logprobs": config.top_n,
+                                 "seed": config.seed, "stop": list(config.stop), **fields})
+        tokens = _openai_tokens(choice)
+        finish = {"stop": "eos", "length": "max_new_tokens"}.get(choice.get("finish_reason") or "", "max_new_tokens")
+        if finish == "eos" and isinstance(choice.get("stop_reason"), str):
+            finish = "stop_string"
+        approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
+                          "the top-N per token are the server's logprobs: the raw model's on llama-server and "
+                          "under vLLM's default --logprobs-mode raw_logprobs, processed under processed_logprobs",
+                          "entropies are over the top-N only"]
+        return FastAnswer([t for t, _, _ in tokens], [math.exp(lp) for _, lp, _ in tokens], None,
+                          [top for _, _, top in tokens], finish, approximations,
+                          {"unmapped": unmapped, "caveats": caveats})
+
+
+def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step", *,
+                   vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> RemoteModel:
+    """A RemoteModel over an OpenAI-compatible server whose API is at ``url`` (``.../v1``). Its
+    first model is used; a llama-server (its /v1/models carries ``meta``) also tells its vocabulary
+    and EOS, a vLLM does not: give ``vocab_size`` and ``eos_token_ids`` (else ids up to
+    VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string)."""
+    client = JsonClient(url, timeout_s, "OpenAI-compatible server")
+    root = JsonClient(url[:-3] if url.rstrip("/").endswith("/v1") else url, timeout_s, "OpenAI-compatible server")
+    try:
+        info = client.get("/models")["data"][0]
+        model_id = str(info["id"])
+    except (KeyError, IndexError, TypeError):
+        raise RemoteError(f"OpenAI-compatible server {client.url}/models: no model in the answer") from None
+    meta = info.get("meta") if isinstance(info.get("meta"), dict) else None
+    api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm")
+    tokenizer = RemoteTokenizer(api)
+    context = int((meta or {}).get("n_ctx") or info.get("max_model_len") or 4096)
+    vocab = vocab_size or int((meta or {}).get("n_vocab") or VOCAB_BOUND)
+    chat = True
+    if meta:
+        props = root.get("/props")
+        eos_text = props.get("eos_token") or ""
+        found = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
+        eos_token_ids = eos_token_ids or (found if len(found) == 1 else ())
+        chat = bool(props.get("chat_template"))
+    return RemoteModel(f"openai:{client.url}", api, tokenizer, vocab, tuple(eos_token_ids), context, chat, mode=mode)
+
+
+CONNECTORS = {"llamacpp": connect, "openai": connect_openai}  # RemoteSpec.backend -> how to connect
+
+
+def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
+    """The RemoteModel an operator's ``backend:url`` names."""
+    return CONNECTORS[spec.backend](spec.url, timeout_s, mode)
 
 
 # --- our knobs -> its request ----------------------------------------------------------------------
@@ -320,21 +609,19 @@ def check_strategy(config: DecodingConfig) -> None:
 
 # --- step mode -------------------------------------------------------------------------------------
 def top_logits(model: RemoteModel, ids: Sequence[int], top_n: int) -> tuple[torch.Tensor, float]:
-    """The server's raw next-token distribution after ``ids``, truncated to its top ``top_n``:
-    logits [1, V] (log p inside the top-N, -inf outside) and the tail mass 1 - sum(top-N)."""
-    answer = model.client.post("/completion", {
-        "prompt": list(ids), "n_predict": 1, "n_probs": top_n, "post_sampling_probs": False,
-        "cache_prompt": True, "samplers": ["top_k"], "top_k": 1, "return_tokens": True})
-    try:
-        top = answer["completion_probabilities"][0]["top_logprobs"]
-    except (KeyError, IndexError, TypeError):
-        raise RemoteError(f"llama.cpp server {model.url}/completion: no top_logprobs in the answer") from None
+    """The server's raw next-token distribution after ``ids``, truncated to its top ``top_n``
+    (``model.api.next_top``: one request): logits [1, V] (log p inside the top-N, -inf outside) and
+    the tail mass 1 - sum(top-N)."""
+    top = model.api.next_top(ids, top_n)
     model.learn_pieces(top)
-    token_ids = torch.tensor([int(t["id"]) for t in top], dtype=torch.long)
-    logprobs = torch.tensor([float(t["logprob"]) if t["logprob"] is not None else -math.inf for t in top])
+    token_ids = torch.tensor([t for t, _, _ in top], dtype=torch.long)
+    logprobs = torch.tensor([lp for _, lp, _ in top], dtype=torch.float32)
+    if len(top) and int(token_ids.max()) >= model.vocab_size:
+        raise RemoteError(f"{model.client.server} {model.url}: token {int(token_ids.max())} is outside the "
+                          f"vocabulary of {model.vocab_size} (vocab_size)")
     logits = torch.full((1, model.vocab_size), -math.inf)
     logits[0, token_ids] = logprobs
-    return logits, max(0.0, 1.0 - float(logprobs.exp().sum()))
+    return logits, max(0.0, 1.0 - float(logprobs.double().exp().sum()))
 
 
 def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
@@ -403,7 +690,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
     trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
     if ended:
         trace.end_with_no_tokens_left()
-    trace.extra["remote"] = _label(model, config, "step", model.top_n, step_approximations(config, model.top_n)) | {
+    trace.extra["remote"] = _label(model, "step", model.top_n, step_approximations(config, model.top_n)) | {
         "tail_mass": tails}
     yield Event(trace=trace)
 
@@ -419,29 +706,20 @@ def run_step(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: b
     return _collect(stream(stepper, prompt, stepper.encode(prompt, chat), config, chat=chat))
 
 
-def _label(model: RemoteModel, config: DecodingConfig, mode: str, top_n: int, approximations: list[str]) -> dict:
-    """``extra["remote"]``; in fast mode with the knobs llama.cpp's sampler did not run as ours
-    (step mode runs our own chain: nothing unmapped)."""
-    notes = llamacpp_request(config, model.context).notes() if mode == "fast" else {"unmapped": [], "caveats": []}
+def _label(model: RemoteModel, mode: str, top_n: int, approximations: list[str],
+           notes: dict[str, list] | None = None) -> dict:
+    """``extra["remote"]``; ``notes``: in fast mode, the knobs the server's sampler did not run as
+    ours (step mode runs our own chain: nothing unmapped)."""
     return {"backend": model.backend, "url": model.url, "mode": mode, "top_n": top_n,
-            "approximations": approximations} | notes
+            "approximations": approximations} | (notes or {"unmapped": [], "caveats": []})
 
 
 # --- fast mode -------------------------------------------------------------------------------------
-def _completion(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, post_sampling: bool) -> dict:
-    return model.client.post("/completion", {
-        **llamacpp_request(config, model.context).fields, "prompt": list(prompt_ids),
-        "n_predict": config.max_new_tokens, "n_probs": config.top_n,
-        "post_sampling_probs": post_sampling, "cache_prompt": True, "return_tokens": True, "stop": list(config.stop)})
-
-
-def _stage(name: str, entries: list[dict], key: str, vocab_size: int) -> StageTrace:
-    """A stage record from the server's top-N (``key``: "logprob" or "prob"); entropy over the
-    top-N only, kept = the whole vocabulary for raw, the non-zero top-N for final."""
-    probs = [math.exp(e[key]) if key == "logprob" else float(e[key]) for e in entries]
-    probs = [p if math.isfinite(p) else 0.0 for p in probs]
-    top = [TokenProb(int(e["id"]), bytes(e.get("bytes") or []).decode("utf-8", "replace"), p)
-           for e, p in zip(entries, probs)]
+def _stage(name: str, entries: list[Entry], vocab_size: int) -> StageTrace:
+    """A stage record from the server's top-N; entropy over the top-N only, kept = the whole
+    vocabulary for raw, the non-zero top-N for final."""
+    probs = [math.exp(lp) if math.isfinite(lp) else 0.0 for _, lp, _ in entries]
+    top = [TokenProb(token, piece or "", p) for (token, _, piece), p in zip(entries, probs)]
     entropy = -sum(p * math.log(p) for p in probs if p > 0)
     kept = vocab_size if name == "raw" else sum(1 for p in probs if p > 0)
     return StageTrace(name, kept, 0.0, entropy, 0.0, top)
@@ -449,48 +727,38 @@ def _stage(name: str, entries: list[dict], key: str, vocab_size: int) -> StageTr
 
 def run_fast(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
              raw: bool = True) -> Trace:
-    """Fast mode: the server generates the whole text in one request (its final top-N per token);
-    ``raw``: a second request with the same seed adds its raw top-N (dropped, and said so, if it
-    sampled another text)."""
+    """Fast mode: the server generates the whole text in one request (its top-N per token, raw
+    and final as the backend gives them; ``raw``: llama.cpp, a second request for the raw top-N)."""
     fast = model.with_mode("fast")
     return _collect(_stream_fast(fast, prompt, fast.encode(prompt, chat), config, chat, raw=raw))
 
 
 def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, chat: bool,
                  raw: bool = True) -> Iterator[Event]:
-    """Fast mode's Events: one request for the whole text, then an Event per token it holds and
-    the labelled Trace."""
+    """Fast mode's Events: the backend generates the whole text (``api.generate``), then an Event
+    per token and the labelled Trace."""
     check_strategy(config)
     start = time.perf_counter()
-    final = _completion(model, prompt_ids, config, True)
-    wall_ms = (time.perf_counter() - start) * 1000
-    probs = final.get("completion_probabilities") or []
-    approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
-                      "entropies are over the top-N only"]
-    raw_probs: list[dict] = []
-    if raw:
-        again = _completion(model, prompt_ids, config, False).get("completion_probabilities") or []
-        if [e["id"] for e in again] == [e["id"] for e in probs]:
-            raw_probs = again
-        else:
-            approximations.append("the raw request sampled another text: raw probabilities left out")
+    answer = model.api.generate(prompt_ids, config, raw)
+    per_token = (time.perf_counter() - start) * 1000 / max(1, len(answer.tokens))
     steps = []
-    per_token = wall_ms / max(1, len(probs))
-    for i, entry in enumerate(probs):
-        model.learn_pieces(entry.get("top_probs") or [])
-        stages = [_stage("final", entry.get("top_probs") or [], "prob", model.vocab_size)]
-        raw_prob = float("nan")
-        if raw_probs:
-            stages.insert(0, _stage("raw", raw_probs[i]["top_logprobs"], "logprob", model.vocab_size))
-            raw_prob = math.exp(raw_probs[i]["logprob"]) if raw_probs[i]["logprob"] is not None else 0.0
-        token = int(entry["id"])
-        steps.append(StepTrace(i, token, model.token_text(token), float(entry["prob"]), raw_prob, None, None, None,
-                               stages[-1].entropy, stages[0].entropy, stages, elapsed_ms=per_token * (i + 1)))
+    for i, (token, prob) in enumerate(zip(answer.tokens, answer.probs)):
+        stages = []
+        if answer.raw is not None:
+            model.learn_pieces(answer.raw[i])
+            stages.append(_stage("raw", answer.raw[i], model.vocab_size))
+        if answer.final is not None:
+            model.learn_pieces(answer.final[i])
+            stages.append(_stage("final", answer.final[i], model.vocab_size))
+        raw_prob = next((math.exp(lp) for t, lp, _ in answer.raw[i] if t == token), 0.0) if answer.raw else math.nan
+        steps.append(StepTrace(i, token, model.token_text(token), prob, raw_prob, None, None, None,
+                               stages[-1].entropy if stages else math.nan, stages[0].entropy if stages else math.nan,
+                               stages, elapsed_ms=per_token * (i + 1)))
     if steps:
-        steps[-1].finish_reason = STOP_TYPES.get(final.get("stop_type", ""), "max_new_tokens")
+        steps[-1].finish_reason = answer.finish_reason
     for step in steps:
         yield Event(steps=[step])
     trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
-    trace.extra["remote"] = _label(model, config, "fast", config.top_n, approximations) | {
-        "timings": final.get("timings", {})}
+    trace.extra["remote"] = _label(model, "fast", config.top_n, answer.approximations, answer.notes) | {
+        "timings": answer.timings}
     yield Event(trace=trace)

@@ -11,11 +11,10 @@ from engine.config import DecodingConfig
 from tests.test_remote_llamacpp import PROMPT, llamacpp_greedy, server_test
 
 
-def offline_model(backend: str = "llamacpp") -> remote.RemoteModel:
+def offline_model() -> remote.RemoteModel:
     """A RemoteModel that never connects (nothing listens on port 1)."""
-    client = remote.LlamaCppClient("http://127.0.0.1:1", 1)
-    return remote.RemoteModel(f"{backend}:http://127.0.0.1:1", client, remote.RemoteTokenizer(client), 100, (0,),
-                              backend=backend)
+    api = remote.LlamaCppApi(remote.JsonClient("http://127.0.0.1:1", 1))
+    return remote.RemoteModel("llamacpp:http://127.0.0.1:1", api, remote.RemoteTokenizer(api), 100, (0,))
 
 
 @pytest.mark.parametrize("strategy", ["beam", "mcts", "speculative"])
