@@ -1,9 +1,13 @@
-"""Tokens/s of a llama.cpp server through engine.remote (step mode, fast mode) vs the local engine,
-in one process, interleaved (bench.common), greedy, on the embedded model: the server serves the
-Q4_1 GGUF, the local engine its float32 conversion.
+"""Tokens/s of a llama.cpp server through engine.remote vs the local engine, in one process,
+interleaved (bench.common), greedy, on the embedded model: the server serves the Q4_1 GGUF, the
+local engine its float32 conversion. Every run goes through engine.runner (one entry point).
 
-Step mode pays one HTTP request per token (the server re-reads only the new token: cache_prompt);
-fast mode is one request for the whole text; the local engine is our own loop over transformers.
+Step mode pays one HTTP request per token (the server re-reads only the new token: cache_prompt),
+through llama.cpp's native /completion and through its OpenAI-compatible /v1/completions (the
+backend vLLM is used with); fast mode is one request for the whole text (two with the raw top-N,
+as runner.run asks); a remote beam search with 2 beams pays 2 requests per step (its rate counts
+search steps: the winner may be short, vLLM's score favours an early EOS); the local engine is our
+own loop over transformers.
 
     python -m bench.remote [--tokens 32] [--repeats 3] [--url http://127.0.0.1:8080]
 
@@ -26,7 +30,7 @@ from typing import Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import interleaved, report  # noqa: E402
-from engine import decode, remote  # noqa: E402
+from engine import remote, runner  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
 from engine.models import ModelSpec, gguf_path, load_model  # noqa: E402
 
@@ -72,11 +76,15 @@ def main() -> None:
     config = DecodingConfig(strategy="greedy", max_new_tokens=args.tokens)
     lm = load_model(ModelSpec())
     with (nullcontext(args.url) if args.url else started_server(args.threads)) as url:
-        server = remote.connect(url, timeout_s=120)
+        native = remote.connect(url, timeout_s=120)
+        openai = remote.connect_openai(url + "/v1", timeout_s=120)
+        fast, beams = native.with_mode("fast"), config.replace(strategy="beam", num_beams=2)
         runs = {
-            "llama.cpp step mode (1 request/token)": lambda: len(remote.run_step(server, PROMPT, config).steps),
-            "llama.cpp fast mode (1 request)": lambda: len(remote.run_fast(server, PROMPT, config, raw=False).steps),
-            "local engine (float32, transformers)": lambda: len(decode.run(lm, PROMPT, config).steps),
+            "llama.cpp step mode (1 request/token)": lambda: len(runner.run(native, PROMPT, config).steps),
+            "OpenAI /v1 step mode (1 request/token)": lambda: len(runner.run(openai, PROMPT, config).steps),
+            "llama.cpp fast mode (final + raw: 2 requests)": lambda: len(runner.run(fast, PROMPT, config).steps),
+            "llama.cpp beam search, 2 beams (steps/s)": lambda: len(runner.run(native, PROMPT, beams).beam.steps),
+            "local engine (float32, transformers)": lambda: len(runner.run(lm, PROMPT, config).steps),
         }
         rates = interleaved(runs, repeats=args.repeats)
     local = "local engine (float32, transformers)"
