@@ -63,20 +63,39 @@ class RemoteError(RuntimeError):
 # --- the operator's list ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RemoteSpec:
-    """``backend:url``, e.g. ``llamacpp:http://127.0.0.1:8080``."""
+    """``backend:url[#vocab=V&eos=A+B]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
+    ``openai:http://gpu1:8000/v1#vocab=128256&eos=128001+128009``: vLLM's API reports neither its
+    vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options)."""
 
     backend: str
     url: str
+    vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, text: str, key: str = "model") -> "RemoteSpec":
-        backend, _, url = text.partition(":")
+        base, _, options = text.partition("#")
+        backend, _, url = base.partition(":")
         if backend not in BACKENDS or not url.startswith(("http://", "https://")):
             raise ValueError(f"{key}: expected {' | '.join(BACKENDS)}:http://host:port, got {text[:80]!r}")
-        return cls(backend, url.rstrip("/"))
+        vocab, eos = None, ()
+        for option in filter(None, options.split("&")):
+            name, _, value = option.partition("=")
+            numbers = value.split("+")
+            if backend != "openai" or name not in ("vocab", "eos") or not all(n.isdigit() for n in numbers) \
+                    or (name == "vocab" and len(numbers) != 1):
+                raise ValueError(f"{key}: option {option[:40]!r} in {text[:80]!r}: expected openai:...#vocab=<n>"
+                                 "&eos=<id>+<id> (llamacpp reports both itself)")
+            if name == "vocab":
+                vocab = int(value)
+            else:
+                eos = tuple(int(n) for n in numbers)
+        return cls(backend, url.rstrip("/"), vocab, eos)
 
     def __str__(self) -> str:
-        return f"{self.backend}:{self.url}"
+        options = ([f"vocab={self.vocab_size}"] if self.vocab_size else []) + \
+            ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else [])
+        return f"{self.backend}:{self.url}" + ("#" + "&".join(options) if options else "")
 
 
 def allowed_remote_models(environ: Any = None) -> tuple[RemoteSpec, ...]:
@@ -513,12 +532,11 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
     return RemoteModel(f"openai:{client.url}", api, tokenizer, vocab, tuple(eos_token_ids), context, chat, mode=mode)
 
 
-CONNECTORS = {"llamacpp": connect, "openai": connect_openai}  # RemoteSpec.backend -> how to connect
-
-
 def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
-    """The RemoteModel an operator's ``backend:url`` names."""
-    return CONNECTORS[spec.backend](spec.url, timeout_s, mode)
+    """The RemoteModel an operator's ``backend:url`` names (with its vocabulary and EOS options)."""
+    if spec.backend == "openai":
+        return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids)
+    return connect(spec.url, timeout_s, mode)
 
 
 # --- our knobs -> its request ----------------------------------------------------------------------

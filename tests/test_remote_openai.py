@@ -184,3 +184,16 @@ def test_greedy_step_mode_through_llama_server_s_openai_endpoint_equals_its_gree
     assert (top - same).nan_to_num().abs().max() < 1e-5  # the same raw top-N through both APIs
     with pytest.raises(remote.RemoteError, match="prompt_logprobs: not supported by llama-server's OpenAI endpoint"):
         model.api.prompt_logprobs(native.encode(PROMPT), 2)
+
+
+def test_the_operator_spec_carries_vllm_s_vocabulary_and_eos(vllm):
+    url, _ = vllm
+    text = f"openai:{url}#vocab=151936&eos={EOS}+151645"
+    spec = remote.RemoteSpec.parse(text)
+    assert (spec.vocab_size, spec.eos_token_ids, str(spec)) == (151936, (EOS, 151645), text)
+    [listed] = remote.allowed_remote_models({"DP_REMOTE_MODELS": text})  # the list's commas stay separators
+    model = remote.connect_spec(listed, timeout_s=5)
+    assert (model.vocab_size, model.eos_token_ids, model.backend) == (151936, (EOS, 151645), "openai")
+    for bad in (f"openai:{url}#vocab=lots", f"openai:{url}#top=5", "llamacpp:http://h:8080#vocab=5"):
+        with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"):
+            remote.RemoteSpec.parse(bad)
