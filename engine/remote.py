@@ -323,6 +323,11 @@ class LlamaCppApi:
             raise RemoteError(f"llama.cpp server {self.client.url}/completion: no top_logprobs in the answer") \
                 from None
 
+    def positions(self, ids: Sequence[int], start: int, top_n: int) -> list[list[Entry]]:
+        """The raw top-N after ``ids[:i]`` for i = start .. len(ids): one request each (the prefix
+        cache re-reads one token); a token outside a top-N has no probability here."""
+        return [self.next_top(ids[:i], top_n) for i in range(start, len(ids) + 1)]
+
     def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> FastAnswer:
         """Fast mode: its sampler chain runs ``config`` (``llamacpp_request``); ``raw``: a second
         request with the same seed adds the raw top-N (dropped, and said so, if it sampled another
@@ -463,15 +468,30 @@ class OpenAIApi:
     def prompt_logprobs(self, ids: Sequence[int], top_n: int) -> list[dict[int, float] | None]:
         """vLLM's ``prompt_logprobs``: for each position of ``ids``, the log-probabilities of its
         token and the top-N there (None for the first). llama-server has none: one line says so."""
+        return self._scored(ids, top_n)[0]
+
+    def _scored(self, ids: Sequence[int], top_n: int) -> tuple[list[dict[int, float] | None], list[Entry]]:
+        """One request: ``prompt_logprobs`` (rows as above) and the top-N after the whole of ``ids``."""
         if self.dialect != "vllm":
             raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: prompt_logprobs: "
                               "not supported by llama-server's OpenAI endpoint (vLLM has them)")
-        choice = self._complete({"prompt": list(ids), "max_tokens": 1, "prompt_logprobs": top_n, "temperature": 0})
+        choice = self._complete({"prompt": list(ids), "max_tokens": 1, "prompt_logprobs": top_n, "logprobs": top_n,
+                                 "temperature": 0})
         rows = choice.get("prompt_logprobs")
         if rows is None:
             raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: prompt_logprobs: "
                               f"{top_n} asked, none in the answer")
-        return [None if row is None else {int(k): float(v["logprob"]) for k, v in row.items()} for row in rows]
+        last = _openai_tokens(choice)[0][2]
+        return [None if row is None else {int(k): float(v["logprob"]) for k, v in row.items()} for row in rows], last
+
+    def positions(self, ids: Sequence[int], start: int, top_n: int) -> list[list[Entry]]:
+        """The top-N after ``ids[:i]`` for i = start .. len(ids), each with the log-probability of
+        the token ``ids`` has next (exact even outside the top-N): one request on vLLM
+        (``prompt_logprobs``), one per position on llama-server's endpoint (no prompt_logprobs)."""
+        if self.dialect != "vllm":
+            return [self.next_top(ids[:i], top_n) for i in range(start, len(ids) + 1)]
+        rows, last = self._scored(ids, top_n)
+        return [[(t, lp, None) for t, lp in (rows[i] or {}).items()] for i in range(start, len(ids))] + [last]
 
     def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> FastAnswer:
         """Fast mode: one request; the server samples with the knobs it has (``OPENAI_FIELDS``),
@@ -630,7 +650,11 @@ def top_logits(model: RemoteModel, ids: Sequence[int], top_n: int) -> tuple[torc
     """The server's raw next-token distribution after ``ids``, truncated to its top ``top_n``
     (``model.api.next_top``: one request): logits [1, V] (log p inside the top-N, -inf outside) and
     the tail mass 1 - sum(top-N)."""
-    top = model.api.next_top(ids, top_n)
+    return entries_logits(model, model.api.next_top(ids, top_n))
+
+
+def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, float]:
+    """A server's top-N as logits [1, V] (log p inside, -inf outside) and the tail mass."""
     model.learn_pieces(top)
     token_ids = torch.tensor([t for t, _, _ in top], dtype=torch.long)
     logprobs = torch.tensor([lp for _, lp, _ in top], dtype=torch.float32)

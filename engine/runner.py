@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
-from . import beam, contrastive, core, decode, mcts, medusa, remote, remote_beam, speculative
+from . import beam, contrastive, core, decode, mcts, medusa, remote, remote_beam, remote_speculative, speculative
 from .config import DecodingConfig
 from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
@@ -264,3 +264,9 @@ def _remote(ctx: RunContext) -> Iterator[Event]:
 def _remote_beam(ctx: RunContext) -> Iterator[Event]:
     search = remote_beam.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat)  # type: ignore[arg-type]
     yield from _checked(search, ctx.control)
+
+
+@register("speculative", backends=remote.BACKENDS)
+def _remote_speculative(ctx: RunContext) -> Iterator[Event]:
+    rounds = remote_speculative.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat)  # type: ignore[arg-type]
+    yield from _checked(rounds, ctx.control)

@@ -17,10 +17,10 @@ def offline_model() -> remote.RemoteModel:
     return remote.RemoteModel("llamacpp:http://127.0.0.1:1", api, remote.RemoteTokenizer(api), 100, (0,))
 
 
-@pytest.mark.parametrize("strategy", ["mcts", "speculative", "contrastive_search"])
+@pytest.mark.parametrize("strategy", ["mcts", "medusa", "contrastive_search"])
 def test_a_strategy_the_backend_lacks_is_one_value_error_naming_both(strategy):
     with pytest.raises(ValueError, match=rf"^strategy: '{strategy}' does not run on the llamacpp backend; "
-                                         r"it runs beam, greedy, sample$"):
+                                         r"it runs beam, greedy, sample, speculative$"):
         next(runner.stream(offline_model(), "hi", DecodingConfig(strategy=strategy, top_k=4)))
 
 

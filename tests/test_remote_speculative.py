@@ -1,0 +1,74 @@
+"""Issue #29: speculative decoding on a remote target (engine.remote_speculative): engine.speculative's
+rounds with the target scored by the server (vLLM: prompt_logprobs, one request per round; llama-server:
+one request per position). Against the real llama-server (marker `remote`), vLLM's schema from
+tests/data/vllm/, and without a server for the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import remote, remote_speculative, runner
+from engine.config import DecodingConfig
+from engine.speculative import SpecRound
+from engine.trace import Trace
+from tests.test_remote_llamacpp import server_test
+from tests.test_remote_openai import step_tops, vllm  # noqa: F401 (the fixture)
+from tests.test_remote_runner import offline_model
+
+PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of France is"
+
+
+@pytest.mark.parametrize("drafter", ["self-int8", "model:llamacpp:http://127.0.0.1:9", "model:HuggingFaceTB/x"])
+def test_a_drafter_a_remote_target_cannot_use_is_one_line(drafter):
+    config = DecodingConfig(strategy="speculative", drafter=drafter)
+    with pytest.raises(ValueError, match=rf"^drafter: '{drafter}' does not run with a remote target; use ngram or "
+                                         r"model:<a remote model the operator lists in DP_REMOTE_MODELS>$"):
+        remote_speculative.drafter(offline_model(), config, {})
+
+
+def test_vllm_scores_every_drafted_position_in_one_request_exactly(vllm):  # noqa: F811
+    url, state = vllm
+    model = remote.connect_openai(url, timeout_s=5, vocab_size=151936)
+    rows = model.api.positions([785, 6722, 315, 9625, 374, 12095], 1, 2)
+    assert len(rows) == 6 and len([p for p, _ in state["requests"] if p == "/v1/completions"]) == 1
+    assert dict((t, lp) for t, lp, _ in rows[0]) == {6722: -7.1253, 374: -1.2040, 525: -2.0794}  # rank 112 kept
+    assert [t for t, _, _ in rows[-1]] == [int(k.split(":")[1]) for k in step_tops()[1]]  # after the last token
+    cache = remote_speculative.RemoteCache(model)  # as speculative feeds it: the rows after each fed token
+    logits = cache.forward(torch.tensor([[785, 6722, 315, 9625, 374, 12095]]), all_logits=True).logits
+    assert logits.shape == (1, 6, 151936) and cache.tokens == [785, 6722, 315, 9625, 374, 12095]
+    assert math.isclose(float(logits[0, 0, 6722]), -7.1253, rel_tol=1e-6)  # the next token's own p, rank 112
+
+
+@pytest.fixture(scope="module")
+def server_model(llama_server) -> remote.RemoteModel:
+    return remote.connect(llama_server, timeout_s=60)
+
+
+@server_test
+def test_greedy_speculative_with_ngram_drafts_is_remote_greedy(server_model):
+    greedy = runner.run(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=16))
+    events = list(runner.stream(server_model, PROMPT, DecodingConfig(strategy="speculative", drafter="ngram",
+                                                                     temperature=0.0, max_new_tokens=16)))
+    trace = events[-1].trace
+    assert all(isinstance(e.record, SpecRound) for e in events[:-1])
+    assert trace.generated_token_ids == greedy.generated_token_ids
+    assert trace.summary["accepted"] > 0  # the prompt repeats itself: n-gram drafts pass
+    assert trace.extra["remote"]["scoring_calls"] == trace.summary["rounds"] + 1  # + the prompt's "prefill"
+    assert Trace.from_json(trace.to_json()).generated_token_ids == trace.generated_token_ids
+
+
+@server_test
+def test_a_listed_remote_drafter_equal_to_the_target_is_always_accepted(server_model, monkeypatch):
+    monkeypatch.setenv("DP_REMOTE_MODELS", f"llamacpp:{server_model.url}")
+    config = DecodingConfig(strategy="speculative", drafter=f"model:llamacpp:{server_model.url}", temperature=0.8,
+                            max_new_tokens=12, seed=3)
+    trace = runner.run(server_model, PROMPT, config)
+    again = runner.run(server_model, PROMPT, config)
+    assert trace.generated_token_ids == again.generated_token_ids  # seeded: reproducible
+    drafted = [d for r in trace.rounds for d in r.drafted]
+    assert drafted and all(d.accepted and d.accept_prob == pytest.approx(1.0) for d in drafted)  # p = q
+    print(f"rounds {trace.summary['rounds']}, drafted {trace.summary['drafted']}, "
+          f"accepted {trace.summary['accepted']}: {trace.text!r}")
