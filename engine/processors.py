@@ -550,7 +550,8 @@ class Dry(Stage):
     if the context ends with a phrase that occurred before, the token that followed it back then
     would extend the repeat; with n the longest such match, it loses multiplier x base^(n - allowed)
     from its logit when n >= allowed_length. A sequence-breaker token stops a match (it is never
-    part of one). Matches are at most 50 tokens long, as in both references."""
+    part of one). Matches are at most 50 tokens long, as in both references. Its diagnostics: the
+    five largest penalties of row 0 (token, phrase, length, penalty)."""
 
     name = "dry"
     MAX_MATCH = 50
@@ -675,7 +676,7 @@ class Xtc(Stage):
     token with p >= threshold is removed except the least likely of them (nothing happens when
     fewer than two reach it). The coin is u ~ U(0, 1) from the run's generator, drawn only when
     0 < probability < 1 (once per call, whatever the logits, so a replay stays aligned); the
-    stage fires when u < probability. Params record u, whether it fired, and the token kept."""
+    stage fires when u < probability. Its diagnostics: u, whether it fired, and the token kept."""
 
     name = "xtc"
     stateful = True  # it draws
@@ -771,7 +772,7 @@ register(StageSpec(
 class TopNSigma(Stage):
     """Top-nσ (llama.cpp's top-n-sigma): keep logits >= max - n·σ, σ the population standard
     deviation of the finite logits. Scaling logits by 1/T scales max and σ alike, so the kept set
-    does not depend on temperature."""
+    does not depend on temperature. Its diagnostics: σ and the cutoff (row 0)."""
 
     name = "top_n_sigma"
 
@@ -814,7 +815,8 @@ class DynamicTemperature(Stage):
     T = T_min + (T_max - T_min) · (H / log n)^exponent with T_min = max(0, T - range),
     T_max = T + range, H the entropy of softmax(logits) and n the number of finite logits.
     It *replaces* the plain temperature stage (the config turns that one off while it is active);
-    T <= 0 keeps only the top token, as llama.cpp. Params record the T used (row 0)."""
+    T <= 0 keeps only the top token, as llama.cpp. Its diagnostics: the T used and the normalised
+    entropy (row 0)."""
 
     name = "dynamic_temperature"
 
@@ -923,7 +925,8 @@ class Mirostat(Stage):
     k = ((ε̂·2^μ) / (1 - N^-ε̂))^(1/ŝ) tokens, ε̂ = ŝ - 1, N the vocabulary size.
     After the pick, ``accept`` updates μ ← μ - η·(-log2 p(token) - τ), p the token's probability
     in the truncated distribution this stage produced (llama.cpp samples right after mirostat;
-    here it is the last stage by default). Params record μ before, the tokens kept and μ after."""
+    here it is the last stage by default). Its diagnostics: μ before and the tokens kept; ``accept``
+    returns μ after and the surprise."""
 
     name = "mirostat"
     stateful = True

@@ -11,7 +11,8 @@ and ``chain``'s row sharing, ``interop``'s exports, the step chart's notes
 
 No torch here and no engine import: ``config`` imports this module, and so does the stage file,
 which imports no ``config`` (``Knob`` and ``ConfigError`` live here for that reason; ``config``
-re-exports them).
+re-exports them). ``STAGES`` fills when ``engine.processors`` is imported, which importing
+``engine.config`` does.
 """
 
 from __future__ import annotations
