@@ -196,7 +196,7 @@ def to_textgen_webui(preset: Preset) -> InteropExport:
         if spec.interop.webui.lines is not None and _in_use(spec, keys):
             lines += spec.interop.webui.lines(config, view)
     ours = [STAGES[s].interop.webui.sampler for s in view.order if STAGES[s].interop.webui.sampler]
-    reorder = ours != sorted(ours, key=TGW_PRIORITY.index)
+    reorder = ours != sorted(ours, key=lambda n: TGW_PRIORITY.index(n) if n in TGW_PRIORITY else len(TGW_PRIORITY))
     if reorder:
         lines.append("sampler_priority: |-")
         lines += [f"  {name}" for name in ours + [n for n in TGW_PRIORITY if n not in ours]]
