@@ -83,6 +83,13 @@ class ModelPolicy:
         except ConfigError as exc:
             raise ModelLoadError(str(exc)) from None
         name = source[len("model:"):] if source.startswith("model:") else source
+        if is_remote_source(name):  # a server: only from the operator's list, and never as a drafter or amateur
+            if name is not source:
+                raise ModelLoadError(f"{key}: a remote model cannot be a drafter or amateur, got {name[:60]!r}")
+            if name in self.allowed:
+                return source
+            hint = "" if self.public else " (the operator lists servers in DP_REMOTE_MODELS)"
+            raise ModelLoadError(f"{key}: {name[:60]!r} is not a remote model offered here{hint}")
         if name in self.allowed or (self.allow_local and not self.public and name.strip()):
             return source
         shown = name if len(name) <= 60 else name[:57] + "..."
@@ -95,11 +102,21 @@ class ModelPolicy:
         return ModelPolicy(self.allowed + extra, self.public, self.allow_local)
 
 
+def is_remote_source(source: str) -> bool:
+    """Whether ``source`` names a served model (``llamacpp:...``, ``openai:...``; engine.remote)."""
+    from .remote import BACKENDS
+
+    return source.startswith(tuple(f"{b}:" for b in BACKENDS))
+
+
 def model_policy() -> ModelPolicy:
     """The policy from the environment: ``DP_PUBLIC=1`` (automatic when ``SPACE_ID`` is set),
     ``DP_MODELS`` (comma-separated allow-list; default: the embedded model, plus
     settings.GPU_HUB_MODELS when a CUDA GPU is present), ``DP_ALLOW_LOCAL_MODELS=1`` (ignored in public
-    mode). ``DP_MODEL``, the operator's default model, is always allowed."""
+    mode), ``DP_REMOTE_MODELS`` (served models, engine.remote.allowed_remote_models). ``DP_MODEL``, the
+    operator's default model, is always allowed."""
+    from .remote import allowed_remote_models
+
     public = public_mode()
     listed = env_list("DP_MODELS")
     if listed:
@@ -108,6 +125,7 @@ def model_policy() -> ModelPolicy:
         allowed = (EMBEDDED, *GPU_HUB_MODELS) if torch.cuda.is_available() else (EMBEDDED,)
     default = env_text("DP_MODEL")
     policy = ModelPolicy(allowed, public=public, allow_local=env_flag("DP_ALLOW_LOCAL_MODELS") and not public)
+    policy = policy.with_models(*(str(spec) for spec in allowed_remote_models()))
     return policy.with_models(default) if default else policy
 
 
@@ -440,10 +458,14 @@ class ModelRegistry:
         _REGISTRIES.add(self)
 
     def get(self, spec: ModelSpec, progress: Progress | None = None, *, key: str = "model") -> LoadedModel:
+        """The model of ``spec``, loaded on first use; a served model (``llamacpp:``/``openai:``,
+        engine.remote) is connected to once, outside the lock (a slow server holds up no other
+        model), and a failed connection (RemoteError, one line) is not kept."""
         if self.policy is not None:
             self.policy.check(spec.source, key)
+        connected = connect_remote(spec) if is_remote_source(spec.source) and self.peek(spec) is None else None
         with self._lock:
-            lm = self._models.pop(spec, None)
+            lm = self._models.pop(spec, None) or connected
             if lm is None:
                 lm = load_model(spec, progress)
             self._models[spec] = lm  # most recent last
@@ -464,6 +486,14 @@ class ModelRegistry:
         """The model of ``spec`` if it is loaded, else None (never loads, never reorders)."""
         with self._lock:
             return self._models.get(spec)
+
+
+def connect_remote(spec: ModelSpec) -> Any:
+    """The RemoteModel a served model's spec names (engine.remote.connect_spec; its source was
+    checked by the caller's policy)."""
+    from .remote import RemoteSpec, connect_spec
+
+    return connect_spec(RemoteSpec.parse(spec.source))
 
 
 @dataclass(frozen=True)

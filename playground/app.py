@@ -10,7 +10,7 @@ from engine.settings import env_int
 from . import downloads, events, examples, page_js, share_links, whatif_service
 from .assets import static_text
 from .events import ModelEvents
-from .shared import PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state
+from .shared import PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state, wire_model_check
 from .views import beam, compare, lessons, presets, quantization, search, speculative, step
 from .whatif_service import WhatIfService
 
@@ -51,6 +51,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
             model, quant = model_pickers(default_model, policy.allowed)
         shared = Shared(registry=registry, model=model, quantization=quant, user_presets=user_presets_state(),
                         events=ModelEvents(), policy=policy)
+        wire_model_check(shared)
         whatif = WhatIfService(shared)  # the app's one what-if: Step through's knobs and the presenter's slider
         handles: list[PanelView] = []
         pages: dict = {}  # every view's handle by name (Compare's page is not a PanelView)

@@ -22,7 +22,8 @@ from engine import runner
 from engine.config import ConfigError, DecodingConfig, check_flag, check_text
 from engine.control import RunControl
 from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec
-from engine.models import model_policy
+from engine.models import is_remote_source, model_policy
+from engine.remote import RemoteError, RemoteModel
 from engine.presets import load_preset
 from engine.scheduler import Scheduler, Schedulers
 from engine.settings import env_text
@@ -39,6 +40,32 @@ SESSION_TTL_S = 3600  # gr.State of an idle session is dropped after this
 
 class UserError(ValueError):
     """Bad input from the page: shown next to the control, nothing else changes."""
+
+
+# What a served model (engine.remote) cannot give a view or strategy, by what the page calls it:
+# the API hands out a top-N per token, not the model's logits, weights, hidden states or cache.
+REMOTE_UNAVAILABLE = {
+    "what if": "needs full logits",
+    "speculative": "needs a draft model scored against full logits; no remote speculative yet",
+    "contrastive_search": "needs the model's hidden states",
+    "contrastive_decoding": "needs full logits of the expert and the amateur",
+    "mcts": "needs full logits and the model's own cache at every node",
+    "medusa": "needs the model's hidden states for its heads",
+    "quantization": "needs the model's own weights",
+    "KV cache": "needs the model's own cache",
+}
+
+
+def is_remote(lm: Any) -> bool:
+    """Whether ``lm`` is a served model (engine.remote.RemoteModel), not one loaded here."""
+    return isinstance(lm, RemoteModel)
+
+
+def refuse_remote(lm: Any, what: str) -> None:
+    """UserError in one line when ``lm`` is a served model and ``what`` (a REMOTE_UNAVAILABLE key)
+    needs the model itself."""
+    if is_remote(lm):
+        raise UserError(f"{what}: not available for a remote model ({REMOTE_UNAVAILABLE[what]})")
 
 
 MAX_MESSAGE_CHARS = 300
@@ -78,23 +105,27 @@ class Shared:
     schedulers: Schedulers = dataclasses.field(default_factory=Schedulers)  # the app's own, one per model
 
     def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
-        """The loaded model if the policy allows ``source``, else a UserError naming what is wrong."""
+        """The loaded model if the policy allows ``source``, else a UserError naming what is wrong;
+        a served model is connected to on first use (a failed connection: its one-line RemoteError)."""
         try:
-            source = self.policy.check((source or EMBEDDED).strip() if isinstance(source, str) else source)
-            spec = ModelSpec(source=source, quantization=quantization or "none")
-            return self.registry.get(spec, progress)
-        except ModelLoadError as exc:
+            return self.registry.get(self.spec(source, quantization), progress)
+        except (ModelLoadError, RemoteError) as exc:
             raise UserError(one_line(str(exc))) from None
 
     def loaded_lm(self, source: Any, quantization: Any) -> LoadedModel | None:
         """The model the pickers name if the policy allows it and it is loaded already, else None
         (a page route that must not load a model: engine.models.ModelRegistry.peek)."""
         try:
-            source = self.policy.check((source or EMBEDDED).strip() if isinstance(source, str) else source)
-            spec = ModelSpec(source=source, quantization=quantization or "none")
+            spec = self.spec(source, quantization)
         except ModelLoadError as exc:
             raise UserError(one_line(str(exc))) from None
         return self.registry.peek(spec)
+
+    def spec(self, source: Any, quantization: Any) -> ModelSpec:
+        """The pickers' values as a ModelSpec the policy allows (ModelLoadError otherwise); a served
+        model has no bitsandbytes quantization here (its server quantized it): "none"."""
+        source = self.policy.check((source or EMBEDDED).strip() if isinstance(source, str) else source)
+        return ModelSpec(source=source, quantization="none" if is_remote_source(source) else quantization or "none")
 
     def prepare(self, panel: Any, values: Sequence, model: str, quantization: str, prompt: str,
                 chat: bool) -> tuple[DecodingConfig, LoadedModel, list[int]]:
@@ -123,9 +154,10 @@ class Shared:
             raise UserError(f"prompt: {len(ids):,} tokens is over the {self.max_prompt_tokens:,}-token limit")
         return ids
 
-    def scheduler_for(self, lm: LoadedModel) -> Scheduler:
-        """The batched scheduler of ``lm``: every user's greedy/sampling runs share its forwards."""
-        return self.schedulers.get(lm)
+    def scheduler_for(self, lm: LoadedModel) -> Scheduler | None:
+        """The batched scheduler of ``lm``: every user's greedy/sampling runs share its forwards
+        (None for a served model: its server batches)."""
+        return None if is_remote(lm) else self.schedulers.get(lm)
 
     def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
                control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:
@@ -136,6 +168,8 @@ class Shared:
                 check_flag(key, flag)
             except ConfigError as exc:
                 raise UserError(str(exc)) from None
+        if config.strategy in REMOTE_UNAVAILABLE:
+            refuse_remote(lm, config.strategy)
         return runner.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids,
                              registry=CheckedRegistry(self.registry, self.policy),
                              control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm))
@@ -236,11 +270,36 @@ def status_html(message: str) -> str:
 def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBEDDED,)) -> tuple[gr.Dropdown, gr.Radio]:
     model = gr.Dropdown(
         choices=list(dict.fromkeys([*offered, default_model])), value=default_model, allow_custom_value=True, label="Model",
-        info="'embedded' (SmolLM2-135M-Instruct, offline), or a model the operator allows (DP_MODELS)",
+        info="'embedded' (SmolLM2-135M-Instruct, offline), a model the operator allows (DP_MODELS), or a server the "
+             "operator lists (DP_REMOTE_MODELS: llamacpp:/openai: backend and URL)",
         elem_id="dp-model", scale=3,
     )
     quant = gr.Radio(list(QUANTIZATIONS), value="none", label="Quantization (bitsandbytes)", elem_id="dp-quant", scale=2)
     return model, quant
+
+
+def wire_model_check(shared: Shared) -> gr.HTML:
+    """The model box's check, as a person picks a model: the policy first (a value not offered is
+    refused in one line), and a served model is connected to at once. A refused or unreachable
+    pick puts the previous model back in the box, with the one line below it. Returns that line's
+    component (laid out where this is called)."""
+    status = gr.HTML("", elem_id="dp-model-status")
+    current = gr.State(shared.model.value)  # the last model this page picked that worked
+
+    def on_model(picked: Any, last: Any, *, control: RunControl) -> Iterator[dict]:
+        control.check()
+        try:
+            spec = shared.spec(picked, "none")
+            lm = shared.lm(spec.source, "none") if is_remote_source(spec.source) else None
+        except (ModelLoadError, UserError) as exc:
+            yield {shared.model: last, status: error_html(f"{one_line(str(exc))}; still using {last}")}
+            return
+        note = f"model: {picked} (a served model, step mode: our stages over its top-{lm.top_n})" if lm else ""
+        yield {current: picked, status: status_html(note) if note else ""}
+
+    shared.events.on([shared.model.input], on_model, [shared.model, current], [shared.model, current, status],
+                     on_error=lambda message: {status: error_html(message)}, what="model")
+    return status
 
 
 def user_presets_state() -> gr.BrowserState:

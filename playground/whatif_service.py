@@ -45,7 +45,7 @@ from playground.charts.presenter import step_chart
 
 from .events import zero_gpu_active
 from .page_js import ROUTE
-from .shared import Shared, UserError, error_html, page_width
+from .shared import Shared, UserError, error_html, is_remote, page_width, refuse_remote
 
 LOG = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024  # the knob values of one panel are ~2 KB
@@ -282,7 +282,9 @@ class WhatIfService:
         return session.kept is not None and session.kept.key == key
 
     def compute(self, session: Any, lm: LoadedModel, trace: Trace, at: int, knobs: dict, key: str) -> StepTrace:
-        """Step ``at`` of ``trace`` under ``knobs`` from the session's kept logits, under its lock."""
+        """Step ``at`` of ``trace`` under ``knobs`` from the session's kept logits, under its lock
+        (a served model's step has only its top-N, not the logits: UserError, one line)."""
+        refuse_remote(lm, "what if")
         with self.kept_lock(session):
             changed, session.kept = whatif_step(lm, trace, at, knobs, session.kept, key)
         return changed
@@ -379,7 +381,7 @@ class WhatIfService:
             return {"prepared": False}
         if self.holds(session, key):
             return {"prepared": True}
-        if lm is None or zero_gpu_active() or not self.slots.acquire(blocking=False):
+        if lm is None or is_remote(lm) or zero_gpu_active() or not self.slots.acquire(blocking=False):
             return {"prepared": False}
         try:
             self.kept_for(session, lm, trace, at, key)

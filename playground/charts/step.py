@@ -422,6 +422,31 @@ def summary_markdown(trace: Trace, running: bool = False) -> str:
     )
 
 
+def remote_markdown(trace: Trace) -> str:
+    """A served model's run (``extra["remote"]``, engine.remote): which server, which mode, and
+    every approximation the trace labels, on one line; "" for a model loaded here."""
+    remote = trace.extra.get("remote")
+    if not remote:
+        return ""
+    notes = [*remote.get("approximations", []),
+             *(f"{n['key']} {n['reason']}" for n in [*remote.get("unmapped", []), *remote.get("caveats", [])])]
+    return (f"**Remote model** {remote['backend']}:{remote['url']}, {remote['mode']} mode (its top {remote['top_n']} "
+            f"per step). **Approximations:** " + html.escape("; ".join(notes) or "none", quote=False) + ".")
+
+
+def tail_note(trace: Trace, index: int) -> str:
+    """Step ``index``'s tail mass on a served model in step mode: the raw probability outside the
+    server's top-N, which every chart leaves out (renormalised over the top-N); "" when unknown
+    (a model loaded here, fast mode, a branch's steps before the branch)."""
+    remote = trace.extra.get("remote") or {}
+    tails = remote.get("tail_mass") or []
+    i = index - (len(trace.steps) - len(tails))  # a branch's label covers only its new steps
+    if not 0 <= i < len(tails):
+        return ""
+    return (f"The server's top {remote['top_n']} held {1 - tails[i]:.2%} of the raw probability here; the other "
+            f"{tails[i]:.2%} (the tail) is outside every chart, and no token there could be picked.")
+
+
 def alternatives(step: StepTrace, limit: int = 10) -> list[tuple[str, int]]:
     """(label, token id) choices for branching: the raw model's top tokens, with their final p."""
     final = {t.token_id: t.prob for t in step.stages[-1].top}

@@ -24,7 +24,7 @@ from playground.charts import quantization as charts
 
 from .. import downloads
 from ..events import data_api, stop_button
-from ..shared import OutputSet, Shared, UserError, error_html, status_html
+from ..shared import OutputSet, Shared, UserError, error_html, refuse_remote, status_html
 from .stale import cleared
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -71,6 +71,7 @@ def drift_updates(out: DriftOutputs, shared: Shared, prompt: str, chat: bool, ma
     """Validate, then stream the drift report as each variant finishes."""
     chosen = drift.normalise_variants(variants or [])
     reference = shared.lm(model, "none")
+    refuse_remote(reference, "quantization")
     shared.encode_prompt(reference, prompt, chat)
     tokens = int(max_new_tokens or DRIFT_TOKENS[2])
     drift.greedy_config(tokens)  # validates the token budget
@@ -93,6 +94,7 @@ def kv_tokens(value: Any) -> int:
 def kv_updates(out: KVOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, model: str,
                quantization: str, control: RunControl) -> Iterator[dict]:
     lm = shared.lm(model, quantization)
+    refuse_remote(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     tokens = kv_tokens(max_new_tokens)
     yield {out.status: status_html(f"greedy with and without the cache, {tokens} tokens each…"), out.summary: "",
@@ -226,6 +228,7 @@ def quantization_report(shared: Shared, prompt: str, chat: bool = False, max_new
     forcing, its own greedy text and first divergence step."""
     chosen = drift.normalise_variants(list(QUANTIZATIONS) if variants is None else variants)
     reference = shared.lm(model, "none")
+    refuse_remote(reference, "quantization")
     shared.encode_prompt(reference, prompt, chat)
     report = drift.quantization_report(shared.registry, reference.source, prompt, chat, max_new_tokens, chosen,
                                        control=control)
@@ -237,6 +240,7 @@ def kv_cache_report(shared: Shared, prompt: str, chat: bool = False, max_new_tok
     """Greedy with vs without the KV cache: tokens/s each, ms per step, cache bytes per token
     measured against 2 × layers × kv_heads × head_dim × bytes per element."""
     lm = shared.lm(model, quantization)
+    refuse_remote(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     report = drift.kv_cache_report(lm, prompt, chat, kv_tokens(max_new_tokens), control=control)
     return to_dict(report)
@@ -308,6 +312,7 @@ def kinds_updates(out: KindOutputs, shared: Shared, prompt: str, chat: bool, max
     """Validate, then stream the KV kinds report as each kind finishes."""
     kinds, tokens, res = kind_names(picked, window), kind_tokens(max_new_tokens), residual(residual_length)
     lm = shared.lm(model, quantization)
+    refuse_remote(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     yield {out.status: status_html("full-precision reference: greedy run…"), out.table: [], out.memory: None,
            out.per_token: None, out.drift: None, out.download: None}
@@ -362,6 +367,7 @@ def kv_cache_kinds_report(shared: Shared, prompt: str, chat: bool = False, max_n
     the run, tokens/s, and drift against the full-precision cache (teacher-forced KL, top-1
     agreement; free-running first divergence). ``residual_length``: kv_residual_length."""
     lm = shared.lm(model, quantization)
+    refuse_remote(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     report = drift.kv_drift_report(lm, prompt, chat, kind_tokens(max_new_tokens), list(kinds or DEFAULT_KINDS),
                                    residual(residual_length), control=control)

@@ -182,14 +182,16 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
         out.text: charts.token_highlights(trace.steps, colour_by),
         out.step: gr.update(maximum=max(1, last), value=sel),
         out.runs: gr.update(choices=[(_run_label(i, t), i) for i, t in enumerate(session.runs)], value=session.current),
-        out.summary: charts.summary_markdown(trace, running=not full),
+        out.summary: "\n\n".join(filter(None, [charts.summary_markdown(trace, running=not full),
+                                                 charts.remote_markdown(trace)])),
         out.status: status,
         out.session: session,
         out.whatif_key: session.whatif_key,
     }
     if full:
         step = trace.steps[sel]
-        updates |= {out.explain: charts.explain_step(step), out.chart: revised(charts.fitted_stage_chart(step, width)),
+        explain = "\n\n".join(filter(None, [charts.explain_step(step), charts.tail_note(trace, sel)]))
+        updates |= {out.explain: explain, out.chart: revised(charts.fitted_stage_chart(step, width)),
                     out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
                     out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
                     out.download: downloads.trace_file(trace)}

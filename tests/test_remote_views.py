@@ -1,0 +1,222 @@
+"""Issue #29 in the views: a served model the operator lists (DP_REMOTE_MODELS) is picked in the
+model box and runs in Step through (step mode: the chart over its top-N, the tail mass and the
+approximations said), Beam and Compare; every view that needs the model itself says so in one line.
+Driven as a person drives the page (tests/test_continue_compare.py's ``Page``: the app's registered
+handlers, through the error guard), against the real llama-server of tests/conftest.py (marker
+`remote`), except the policy checks, which need no server."""
+
+from __future__ import annotations
+
+import html
+import re
+import socket
+import threading
+
+import pytest
+
+from engine.models import ModelLoadError, ModelPolicy
+from tests.test_continue_compare import Page
+from tests.test_remote_llamacpp import server_test
+
+
+def dead_url() -> str:
+    """A 127.0.0.1 URL nothing listens on (a port just freed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+DEAD = f"llamacpp:{dead_url()}"
+UNLISTED = "llamacpp:http://127.0.0.1:1"
+
+
+def text_of(updates: list[dict]) -> str:
+    """Every string an event's updates showed, as text, joined (where a one-line message lands
+    differs by view)."""
+    return "\n".join(html.unescape(v) for u in updates for v in u.values() if isinstance(v, str))
+
+
+def shown(page: Page, elem_id: str) -> str:
+    """What ``elem_id`` shows, as text (HTML entities read back)."""
+    return html.unescape(page.shown(elem_id) or "")
+
+
+# --- no server needed ------------------------------------------------------------------------------
+@pytest.mark.parametrize("public", [False, True])
+def test_the_policy_takes_only_the_operator_s_servers(public):
+    listed = "llamacpp:http://127.0.0.1:8080"
+    policy = ModelPolicy(("embedded", listed), public=public, allow_local=not public)
+    assert policy.check(listed) == listed
+    hint = "" if public else r" \(the operator lists servers in DP_REMOTE_MODELS\)"
+    for typed in (UNLISTED, "openai:http://10.0.0.1:8000/v1", listed + "/"):
+        with pytest.raises(ModelLoadError, match=rf"^model: '{re.escape(typed)}' is not a remote model offered here{hint}$"):
+            policy.check(typed)
+    with pytest.raises(ModelLoadError, match="^draft_model: a remote model cannot be a drafter or amateur"):
+        policy.check("model:" + listed, "draft_model")
+
+
+def test_model_policy_lists_dp_remote_models(monkeypatch):
+    from engine.models import model_policy
+
+    monkeypatch.setenv("DP_REMOTE_MODELS", "llamacpp:http://127.0.0.1:8080/, openai:http://127.0.0.1:8000/v1")
+    allowed = model_policy().allowed
+    assert "llamacpp:http://127.0.0.1:8080" in allowed and "openai:http://127.0.0.1:8000/v1" in allowed
+
+
+# --- the page, over the real llama-server -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(llama_server, registry, embedded):
+    """(the app, the listed server's model-box value): DP_REMOTE_MODELS lists the real server and
+    one where nothing listens."""
+    from playground.app import build_app
+
+    listed = f"llamacpp:{llama_server}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DP_REMOTE_MODELS", f"{listed},{DEAD}")
+        demo = build_app(registry)
+    return demo, listed
+
+
+def pick(page: Page, value: str) -> list[dict]:
+    page.set("dp-model", value)
+    return page.fire("on_model", "dp-model")
+
+
+def generate(page: Page, prompt: str, tokens: int = 8, seed: int = 3, strategy: str = "sample") -> None:
+    page.set("step-prompt", prompt)
+    page.set("step-knob-max_new_tokens", tokens)
+    page.set("step-knob-seed", seed)
+    page.set("step-strategy", strategy)
+    page.fire("on_run", "step-text")
+    assert "done" in page.shown("step-status"), page.shown("step-status")
+
+
+@server_test
+def test_the_model_box_offers_the_listed_servers_and_picks_one(served):
+    demo, listed = served
+    page = Page(demo)
+    assert {listed, DEAD} <= {c[0] for c in page.block("dp-model").choices}
+    pick(page, listed)
+    assert page.shown("dp-model") == listed
+    assert "a served model, step mode" in page.shown("dp-model-status")
+
+
+@server_test
+@pytest.mark.parametrize("typed", [UNLISTED, "openai:http://127.0.0.1:1/v1"])
+def test_a_url_not_listed_is_refused_in_one_line_and_the_model_stays(served, typed):
+    demo, listed = served
+    page = Page(demo)
+    pick(page, listed)
+    pick(page, typed)
+    status = shown(page, "dp-model-status")
+    assert f"model: {typed!r} is not a remote model offered here" in status and "\n" not in status
+    assert page.shown("dp-model") == listed  # the previous pick is back in the box
+    page.set("dp-model", typed)  # a raw call with the typed value is refused by the run too
+    page.fire("on_run", "step-text")
+    assert "is not a remote model offered here" in shown(page, "step-status")
+
+
+@server_test
+def test_an_unreachable_listed_server_is_one_line_and_the_previous_model_stays(served):
+    demo, _ = served
+    page = Page(demo)
+    pick(page, DEAD)
+    status = shown(page, "dp-model-status")
+    assert re.search(rf"llama\.cpp server {re.escape(DEAD[len('llamacpp:'):])}/v1/models: cannot connect .*timeout",
+                     status) and "\n" not in status, status
+    assert status.endswith("still using embedded</div>") and page.shown("dp-model") == "embedded"
+
+
+def remote_page(served) -> Page:
+    demo, listed = served
+    page = Page(demo)
+    pick(page, listed)
+    return page
+
+
+@server_test
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_step_through_on_a_remote_model_generates_branches_and_continues(served, where):
+    page = remote_page(served)
+    generate(page, "Name a colour of the sea.")
+    original = page.session().trace()
+    remote = original.extra["remote"]
+    assert remote["mode"] == "step" and len(remote["tail_mass"]) == len(original.steps)
+    summary = page.shown("step-summary")
+    assert "**Remote model** llamacpp:" in summary and "**Approximations:**" in summary
+    assert remote["approximations"][0].split(";")[0] in summary
+    page.set("step-index", 2)
+    page.fire("redraw", "step-text")
+    tail = remote["tail_mass"][2]
+    assert f"held {1 - tail:.2%} of the raw probability here; the other {tail:.2%}" in page.shown("step-explain")
+    assert [s.name for s in original.steps[2].stages][0] == "raw" and original.steps[2].stages[-1].name == "final"
+    last = len(original.steps) - 1
+    k = {"first": 0, "middle": last // 2, "last": last}[where]
+    step = original.steps[k]
+    token = next(t.token_id for t in step.stages[0].top if t.token_id != step.chosen_token_id)
+    page.set("step-index", k)
+    page.set("step-alt", token)
+    page.fire("on_branch", "step-text")
+    assert "done" in page.shown("step-status"), page.shown("step-status")
+    branch = page.session().trace()
+    assert branch.branch_of == k and branch.generated_token_ids[:k + 1] == original.generated_token_ids[:k] + [token]
+    assert f"branched from at step {k}" in page.shown("step-compare")
+    m = min(k + 1, len(branch.steps) - 1)
+    page.set("step-index", m)
+    page.set("step-knob-temperature", 0.5)
+    page.fire("on_continue", "step-text")
+    assert "done" in page.shown("step-status"), page.shown("step-status")
+    continued = page.session().trace()
+    assert continued.branch_of == m and continued.generated_token_ids[:m] == branch.generated_token_ids[:m]
+    assert continued.extra["remote"]["mode"] == "step"
+
+
+@server_test
+def test_two_pages_step_through_the_server_at_once(served):
+    pages = [remote_page(served), remote_page(served)]
+    prompts = ["Name a colour of the sea.", "Write the word MARKER twice."]
+    errors: list[BaseException] = []
+
+    def work(page: Page, prompt: str) -> None:
+        try:
+            generate(page, prompt, tokens=6, strategy="greedy")
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in zip(pages, prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [p.session().trace().prompt for p in pages] == prompts
+
+
+@server_test
+def test_the_what_if_says_it_is_not_available_for_a_remote_step(served):
+    page = remote_page(served)
+    generate(page, "Name a colour of the sea.", tokens=4)
+    page.set("step-index", 1)
+    page.set("step-knob-temperature", 1.6)
+    answer = page.fire("on_knob", "step-whatif-figure")
+    assert "what if: not available for a remote model (needs full logits)" in text_of(answer)
+
+
+REFUSED = [  # (view event, its first output, the knobs to set, the line)
+    ("on_generate", "spec-counters", {"spec-prompt": "Hello"}, "speculative: not available for a remote model"),
+    ("on_run", "mcts-status", {"mcts-prompt": "Hello"}, "mcts: not available for a remote model"),
+    ("on_run", "medusa-status", {"medusa-prompt": "Hello"}, "medusa: not available for a remote model"),
+    ("on_measure", "quant-status", {"quant-prompt": "Hello"}, "quantization: not available for a remote model"),
+    ("on_kv", "kv-status", {"quant-prompt": "Hello"}, "KV cache: not available for a remote model"),
+    ("on_run", "kinds-status", {"quant-prompt": "Hello"}, "KV cache: not available for a remote model"),
+]
+
+
+@server_test
+@pytest.mark.parametrize("event,first,values,line", REFUSED, ids=[r[1] for r in REFUSED])
+def test_a_view_that_needs_the_model_itself_says_so_in_one_line(served, event, first, values, line):
+    page = remote_page(served)
+    for elem_id, value in values.items():
+        page.set(elem_id, value)
+    answer = text_of(page.fire(event, first))
+    assert line in answer and "AttributeError" not in answer, answer
