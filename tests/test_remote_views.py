@@ -220,3 +220,53 @@ def test_a_view_that_needs_the_model_itself_says_so_in_one_line(served, event, f
         page.set(elem_id, value)
     answer = text_of(page.fire(event, first))
     assert line in answer and "AttributeError" not in answer, answer
+
+
+def compare_session(page: Page):
+    from playground.views.compare.lanes import CompareSession
+
+    return next(v for v in page.values.values() if isinstance(v, CompareSession))
+
+
+@server_test
+def test_compare_runs_a_lane_on_the_server_beside_our_engine_with_the_same_knobs(served):
+    demo, listed = served
+    page = Page(demo)  # the header keeps the embedded model; lane 2 picks the server
+    page.set("cmp-prompt", "The capital of France is Paris. The capital of Italy is")
+    for i in (0, 1):
+        page.set(f"cmp-lane-{i}-strategy", "greedy")
+        for knob, value in (("max_new_tokens", 6), ("temperature", 0.8), ("top_p", 0.9)):
+            page.set(f"cmp-lane-{i}-knob-{knob}", value)
+        page.set(f"cmp-lane-{i}-more", "")
+    page.set("cmp-lane-1-model", listed)
+    page.fire("on_run", "cmp-status")
+    assert "done: 2 of 2 lanes ran" in shown(page, "cmp-status"), shown(page, "cmp-status")
+    ours, served_lane = compare_session(page).traces
+    assert ours.model != served_lane.model == listed and "remote" not in ours.extra
+    assert served_lane.extra["remote"]["mode"] == "step" and ours.config == served_lane.config
+    assert f"· on {listed}" in shown(page, "cmp-lane-1-status") and " on " not in shown(page, "cmp-lane-0-status")
+    assert shown(page, "cmp-divergence")  # where (or whether) our engine and llama.cpp part ways
+    assert ours.generated_token_ids[0] == served_lane.generated_token_ids[0]  # same GGUF: the same first pick
+
+
+@server_test
+def test_a_compare_lane_whose_strategy_needs_the_model_says_so_and_the_other_runs(served):
+    page = remote_page(served)  # the header's model is the server: both lanes run on it
+    page.set("cmp-lane-0-strategy", "greedy")
+    page.set("cmp-lane-0-knob-max_new_tokens", 4)
+    page.set("cmp-lane-1-strategy", "contrastive_search")
+    page.set("cmp-lane-1-knob-top_k", 4)
+    page.set("cmp-lane-1-knob-max_new_tokens", 4)
+    page.set("cmp-lane-1-more", "{\"penalty_alpha\": 0.6}")
+    page.fire("on_run", "cmp-status")
+    assert "done: 1 of 2 lanes ran; 1 failed" in shown(page, "cmp-status"), shown(page, "cmp-status")
+    assert ("Lane 2: contrastive_search: not available for a remote model (needs the model's hidden states)"
+            in shown(page, "cmp-lane-1-status"))
+
+
+@server_test
+def test_an_unreachable_server_in_one_lane_is_one_line_naming_the_lane(served):
+    page = Page(served[0])
+    page.set("cmp-lane-1-model", DEAD)
+    answer = text_of(page.fire("on_run", "cmp-status"))
+    assert re.search(r"Lane 2: llama\.cpp server http://127\.0\.0\.1:\d+/v1/models: cannot connect", answer), answer

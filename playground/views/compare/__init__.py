@@ -20,7 +20,7 @@ from . import api, handlers, layout
 
 
 def build_tab(shared: Shared) -> layout.Page:
-    page = layout.build_page()
+    page = layout.build_page(shared.policy.allowed)
     handlers.wire(shared, page)
     api.wire_api(shared)
     return page

@@ -14,7 +14,7 @@ from engine.trace import Trace, to_dict
 
 from ...shared import Shared, UserError, config_or_error
 from .lanes import MAX_LANES, MIN_LANES, CompareSession, lane_name, sweep_seeds
-from .run import run_lanes, run_sweep
+from .run import LaneModel, run_lanes, run_sweep
 
 
 def api_lane_config(lane: Any, seed: int, max_new_tokens: int, name: str) -> DecodingConfig:
@@ -61,7 +61,7 @@ def compare(shared: Shared, prompt: str, lanes: list, seed: int = 0, max_new_tok
     lm = shared.lm(model, quantization)
     prompt_ids = shared.encode_prompt(lm, prompt, chat)
     session = CompareSession([None] * len(configs), [""] * len(configs), max_new_tokens)
-    for _ in run_lanes(shared, lm, prompt, prompt_ids, configs, chat, session, control):
+    for _ in run_lanes(shared, [LaneModel(lm, prompt_ids)] * len(configs), prompt, configs, chat, session, control):
         pass
     return compare_payload(prompt, configs, session)
 

@@ -3,6 +3,7 @@ the token inspector and the seed sweep. All updates are ``{component: value}`` d
 
 from __future__ import annotations
 
+import html
 from typing import Any, Iterator, Sequence
 
 import gradio as gr
@@ -24,7 +25,7 @@ from .lanes import (
     lane_name, remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
 )
 from .layout import LaneWidgets, Page, summary_of
-from .run import run_lanes, run_sweep
+from .run import LaneModel, run_lanes, run_sweep
 
 RAW_ENTROPY = "raw model"
 
@@ -66,7 +67,8 @@ def render_results(page: Page, session: CompareSession, count: int, raw: bool, r
         if error:
             out[lane.status] = error_html(f"{lane_name(i)}: {error}")
         else:
-            out[lane.status] = charts.lane_status(lane_name(i), trace, session.budget(i), running == i)
+            on = f" · on {trace.model}" if trace is not None and "remote" in trace.extra else ""
+            out[lane.status] = charts.lane_status(lane_name(i), trace, session.budget(i), running == i, html.escape(on))
         out[lane.text] = charts.lane_highlights(trace.steps, None if error else at) if trace else []
     names = [lane_name(i) for i in range(count)]
     out |= {page.inspect.lane: gr.update(choices=names), page.sweep.lane: gr.update(choices=names)}
@@ -107,13 +109,16 @@ def render_inspect(page: Page, session: CompareSession | None, lane: str | None,
 
 def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | None, kind: str,
             values: Sequence[Any]) -> dict:
-    """Add a lane, or duplicate / remove lane ``i``; results move with their lanes."""
+    """Add a lane, or duplicate / remove lane ``i``; results and model picks (the lanes' models,
+    when ``values`` carries them after the settings) move with their lanes."""
     specs = specs_from(values, count)
+    models = list(values[len(LANE_FIELDS) * MAX_LANES:])
     session = session or CompareSession()
-    rows = list(zip(specs, (session.traces + [None] * count)[:count], (session.errors + [""] * count)[:count]))
+    rows = list(zip(specs, (session.traces + [None] * count)[:count], (session.errors + [""] * count)[:count],
+                    (models + [""] * count)[:count]))
     try:
         if op == "add":
-            rows = add_lane(rows, (default_spec(specs), None, ""))
+            rows = add_lane(rows, (default_spec(specs), None, "", ""))
         elif op == "duplicate":
             rows = duplicate_lane(rows, i)
         else:
@@ -121,8 +126,9 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
     except UserError as exc:
         return {page.status: error_html(str(exc))}
     specs, session.traces, session.errors = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    moved = {lane.model: row[3] for lane, row in zip(page.lanes, rows)} if models else {}
     return ({page.count: len(rows), page.status: "", page.session: session} | render_specs(page, specs)
-            | render_results(page, session, len(rows), kind == RAW_ENTROPY))
+            | render_results(page, session, len(rows), kind == RAW_ENTROPY) | moved)
 
 
 def wire_lanes(shared: Shared, page: Page) -> None:
@@ -142,8 +148,8 @@ def wire_lanes(shared: Shared, page: Page) -> None:
         lane.strategy.change(lambda strategy, lane=lane: {c: gr.update(**compact_knob_state(n, strategy))
                                                           for n, c in lane.knobs.items()},
                              [lane.strategy], list(lane.knobs.values()), **local)
-    inputs = [page.count, page.session, page.entropy_kind, *page.lane_values]
-    outputs = [page.count, page.status, *page.spec_outputs, *page.result_outputs, page.session]
+    inputs = [page.count, page.session, page.entropy_kind, *page.lane_values, *page.lane_models]
+    outputs = [page.count, page.status, *page.spec_outputs, *page.result_outputs, page.session, *page.lane_models]
     ops = [(page.add, "add", 0)] + [(b, op, i) for i, lane in enumerate(page.lanes)
                                     for b, op in ((lane.duplicate, "duplicate"), (lane.remove, "remove"))]
     for button, op, i in ops:
@@ -176,14 +182,33 @@ def lesson_outputs(page: Page) -> list:
     return [page.prompt, page.chat, page.count, page.session, page.status, *page.spec_outputs, *page.result_outputs]
 
 
+def lane_models(shared: Shared, picks: Sequence[tuple[str, Any]], model: str, quant: str, prompt: str,
+                chat: bool) -> list[LaneModel]:
+    """Each lane's model (``picks``: (lane name, its model pick)): its own pick, else the header's
+    ``model``; each distinct model is loaded (or connected to) and the prompt encoded once. A
+    lane's own pick that fails names the lane."""
+    resolved: dict[str, LaneModel] = {}
+    models = []
+    for name, pick in picks:
+        source = pick or model
+        if source not in resolved:
+            try:
+                lm = shared.lm(source, quant)
+                resolved[source] = LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
+            except UserError as exc:
+                raise UserError(f"{name}: {exc}" if pick else str(exc)) from None
+        models.append(resolved[source])
+    return models
+
+
 def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, quant: str, count: int, kind: str,
             values: Sequence[Any], control: RunControl) -> Iterator[dict]:
-    """Run the first ``count`` lanes (their settings: the flat ``values``) at once, streaming each
-    lane's status and text, then the divergence, metrics and entropy chart."""
+    """Run the first ``count`` lanes (their settings: the flat ``values``, then every lane's model
+    pick) at once, streaming each lane's status and text, then the divergence, metrics and entropy chart."""
     names = [lane_name(i) for i in range(count)]
     configs = [lane_config(spec, names[i]) for i, spec in enumerate(specs_from(values, count))]
-    lm = shared.lm(model, quant)
-    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    picks = list(values[len(LANE_FIELDS) * MAX_LANES:]) + [""] * count
+    models = lane_models(shared, list(zip(names, picks)), model, quant, prompt, chat)
     session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens,
                              [c.max_new_tokens for c in configs])
     raw = kind == RAW_ENTROPY
@@ -191,7 +216,7 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
     # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).
     yield ({page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
            | previous_run_cleared(page))
-    for i in run_lanes(shared, lm, prompt, prompt_ids, configs, chat, session, control):
+    for i in run_lanes(shared, models, prompt, configs, chat, session, control):
         yield {page.status: status_html(f"running: {names[i]} of {count} updated…")} | render_results(
             page, session, count, raw, i)
     failed = sum(1 for e in session.errors if e)
@@ -213,7 +238,7 @@ def wire_run(shared: Shared, page: Page) -> Any:
         return run_all(shared, page, prompt, chat, model, quant, count, kind, values, control)
 
     inputs = [page.prompt, page.chat, shared.model, shared.quantization, page.count, page.entropy_kind,
-              *page.lane_values]
+              *page.lane_values, *page.lane_models]
     event = shared.events.on([page.run.click, page.prompt.submit], on_run, inputs,
                              [page.status, *page.run_outputs, page.session],
                              on_error=cleared(page.status, page.run_outputs))
@@ -248,11 +273,12 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
         names = [lane_name(i) for i in range(count)]
         if lane not in names:
             raise UserError(f"seed sweep: pick one of {', '.join(names)}")
-        config = lane_config(specs_from(values, count)[names.index(lane)], lane)
+        index = names.index(lane)
+        config = lane_config(specs_from(values, count)[index], lane)
         seed_list = sweep_seeds(config.seed, seeds)
-        lm = shared.lm(model, quant)
-        prompt_ids = shared.encode_prompt(lm, prompt, chat)
-        for traces in run_sweep(shared, lm, prompt, prompt_ids, config, seed_list, chat, control):
+        pick = (list(values[len(LANE_FIELDS) * MAX_LANES:]) + [""] * MAX_LANES)[index]
+        on = lane_models(shared, [(lane, pick)], model, quant, prompt, chat)[0]  # the lane's own model
+        for traces in run_sweep(shared, on.lm, prompt, on.prompt_ids, config, seed_list, chat, control):
             yield {panel.status: status_html(f"{lane}: seed {len(traces)} of {len(seed_list)} finished…")}
         spread = sweep_spread([t.generated_token_ids for t in traces])
         rows = charts.sweep_rows(seed_list, traces, [mean_logprob([s.raw_prob for s in t.steps]) for t in traces])
@@ -260,7 +286,7 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
                panel.table: rows}
 
     inputs = [page.prompt, page.chat, shared.model, shared.quantization, page.count, panel.lane, panel.seeds,
-              *page.lane_values]
+              *page.lane_values, *page.lane_models]
     return shared.events.on([panel.run.click], on_sweep, inputs, [panel.status, panel.summary, panel.table],
                             on_error=cleared(panel.status, [panel.summary, panel.table]))
 

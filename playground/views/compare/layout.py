@@ -4,7 +4,7 @@ once, which Gradio 6 handles robustly), the shared prompt row, results, inspecto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import gradio as gr
 
@@ -34,6 +34,8 @@ class LaneWidgets:
     remove: Any
     status: Any
     text: Any
+    model: Any = None  # "" (the header's model) or a model the header offers: a lane may run on another model
+
 
     @property
     def controls(self) -> list:
@@ -87,6 +89,11 @@ class Page:
         return [c for lane in self.lanes for c in lane.controls]
 
     @property
+    def lane_models(self) -> list:
+        """Every lane's model picker, in lane order."""
+        return [lane.model for lane in self.lanes]
+
+    @property
     def spec_outputs(self) -> list:
         return [c for lane in self.lanes for c in (lane.column, lane.header, *lane.controls)]
 
@@ -102,11 +109,17 @@ class Page:
         return self.result_outputs + [self.inspect.explain, self.inspect.chart]
 
 
-def _lane_column(i: int, spec: LaneSpec | None) -> LaneWidgets:
+HEADER_MODEL = "the header's model"
+
+
+def _lane_column(i: int, spec: LaneSpec | None, offered: Sequence[str]) -> LaneWidgets:
     spec = spec or default_spec([])
     prefix = f"cmp-lane-{i}-"
     with gr.Column(visible=i < MIN_LANES, min_width=280, elem_id=f"cmp-lane-{i}", elem_classes=["cmp-lane"]) as column:
         header = gr.HTML(charts.lane_header(lane_name(i), *summary_of(spec)), elem_id=f"{prefix}header")
+        model = gr.Dropdown([(HEADER_MODEL, ""), *((m, m) for m in offered)], value="", label="Model",
+                            elem_id=f"{prefix}model", info="e.g. one lane on a llama.cpp server the operator lists, "
+                                                           "another on the embedded model, same knobs")
         with gr.Row():
             preset = gr.Dropdown(preset_choices([]), value=spec.preset, label="Preset", elem_id=f"{prefix}preset",
                                  min_width=120)
@@ -129,7 +142,7 @@ def _lane_column(i: int, spec: LaneSpec | None) -> LaneWidgets:
         text = gr.HighlightedText(label="Output (click a token to open its step)", combine_adjacent=False,
                                   show_legend=False, show_inline_category=False, interactive=False,
                                   elem_id=f"{prefix}text")
-    return LaneWidgets(column, header, preset, strategy, knobs, more, duplicate, remove, status, text)
+    return LaneWidgets(column, header, preset, strategy, knobs, more, duplicate, remove, status, text, model)
 
 
 def summary_of(spec: LaneSpec) -> tuple[str, bool]:
@@ -166,8 +179,9 @@ def _sweep_panel() -> SweepPanel:
     return SweepPanel(lane, seeds, run, status, summary, table)
 
 
-def build_page() -> Page:
-    """Lay the page out (inside the app's gr.Tab) and return its handles."""
+def build_page(offered: Sequence[str] = ()) -> Page:
+    """Lay the page out (inside the app's gr.Tab) and return its handles; ``offered``: the models a
+    lane may pick instead of the header's (the model policy's list)."""
     starts = [spec_from_preset(p) for p in LANE_PRESETS[:MIN_LANES]]
     with gr.Row():
         prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (shared by all lanes)", elem_id="cmp-prompt",
@@ -179,7 +193,7 @@ def build_page() -> Page:
         stop = gr.Button("Stop", variant="stop", elem_id="cmp-stop")
     status = gr.HTML("", elem_id="cmp-status")
     with gr.Row(equal_height=False):
-        lanes = [_lane_column(i, starts[i] if i < len(starts) else None) for i in range(MAX_LANES)]
+        lanes = [_lane_column(i, starts[i] if i < len(starts) else None, offered) for i in range(MAX_LANES)]
     divergence = gr.Markdown(elem_id="cmp-divergence")
     metrics = gr.Dataframe(headers=charts.METRIC_HEADERS, value=[], interactive=False, wrap=True, elem_id="cmp-metrics",
                            column_widths=charts.METRIC_COLUMN_WIDTHS,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from engine import runner
@@ -68,11 +69,22 @@ def concurrently(jobs: Sequence[Callable[[], Iterator[Trace]]], control: RunCont
             control.cancel()
 
 
-def run_lanes(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[int], configs: Sequence[DecodingConfig],
+@dataclass(frozen=True)
+class LaneModel:
+    """The model a lane runs on and the prompt's ids under its tokenizer (lanes may differ: our
+    engine in one, a llama.cpp server the operator lists in another)."""
+
+    lm: LoadedModel
+    prompt_ids: list[int]
+
+
+def run_lanes(shared: Shared, models: Sequence[LaneModel], prompt: str, configs: Sequence[DecodingConfig],
               chat: bool, session: CompareSession, control: RunControl) -> Iterator[int]:
-    """Run every lane at once, updating ``session``; yields the updated lane's index on each update.
-    A failing lane records its error and the others still run; a stopped run stops them all."""
-    jobs = [functools.partial(stream_lane, shared, lm, prompt, prompt_ids, config, chat, control) for config in configs]
+    """Run every lane (``configs[i]`` on ``models[i]``) at once, updating ``session``; yields the
+    updated lane's index on each update. A failing lane records its error and the others still run;
+    a stopped run stops them all."""
+    jobs = [functools.partial(stream_lane, shared, m.lm, prompt, m.prompt_ids, config, chat, control)
+            for m, config in zip(models, configs)]
     for i, trace, error in concurrently(jobs, control):
         if isinstance(error, RunStopped):
             raise error
