@@ -270,3 +270,13 @@ def test_an_unreachable_server_in_one_lane_is_one_line_naming_the_lane(served):
     page.set("cmp-lane-1-model", DEAD)
     answer = text_of(page.fire("on_run", "cmp-status"))
     assert re.search(r"Lane 2: llama\.cpp server http://127\.0\.0\.1:\d+/v1/models: cannot connect", answer), answer
+
+
+@server_test
+def test_beam_search_runs_on_a_remote_model(served):
+    page = remote_page(served)
+    page.set("beam-prompt", "The capital of France is Paris. The capital of Italy is")
+    page.set("beam-knob-max_new_tokens", 4)
+    answer = text_of(page.fire("on_run", "beam-tree"))
+    assert "not available" not in answer and "failed" not in answer, answer
+    assert "done" in shown(page, "beam-status"), shown(page, "beam-status")

@@ -1,0 +1,50 @@
+"""Issue #29 in a real browser: pick the llama.cpp server the operator lists in the model box,
+generate in Step through, and see the stage chart, the approximations line and the tail mass."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import free_port
+from tests.test_remote_llamacpp import server_test
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+
+@pytest.fixture(scope="module")
+def served_app(llama_server, registry, embedded):
+    """The whole app, DP_REMOTE_MODELS listing the real llama-server; yields (URL, the model-box value)."""
+    from playground.app import build_app, launch_kwargs
+
+    listed = f"llamacpp:{llama_server}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DP_REMOTE_MODELS", listed)
+        demo = build_app(registry)
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
+                **launch_kwargs())
+    yield demo.local_url.rstrip("/"), listed
+    demo.close()
+
+
+@server_test
+def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page, served_app, artifacts):
+    url, listed = served_app
+    page.goto(url)
+    page.click("#dp-model input")
+    page.locator("ul[role=listbox] li", has_text=listed).first.click()
+    page.wait_for_selector("#dp-model-status:has-text('a served model, step mode')", timeout=60_000)
+    page.click("button[role=tab]:has-text('Step through')")
+    page.fill("#step-prompt textarea", "Name a colour of the sea.")
+    page.fill("#step-knob-max_new_tokens input[type=number]", "6")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#step-chart .js-plotly-plot")
+    summary = page.locator("#step-summary").inner_text()
+    assert f"Remote model {listed}, step mode" in summary and "Approximations:" in summary
+    assert "the raw distribution is the server's top 100, renormalised" in summary
+    explain = page.locator("#step-explain").inner_text()
+    assert "The server's top 100 held" in explain and "(the tail) is outside every chart" in explain
+    texts = " ".join(page.eval_on_selector_all("#step-chart svg text", "els => els.map(e => e.textContent)"))
+    assert "raw" in texts and "final" in texts, texts  # raw -> each stage -> final, over the top-N
+    page.screenshot(path=str(artifacts / "remote-step.png"), full_page=True)
