@@ -196,7 +196,7 @@ def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
 
 def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW,
                 gap_px: int | None = None, meta: dict | None = None, panel_px: int = 260,
-                column_gap: float = 0.12) -> go.Figure:
+                column_gap: float = 0.12, tail: tuple[int, float] | None = None) -> go.Figure:
     """Small multiples: the top-N tokens raw, after each stage in order, and final; tokens a stage
     removed are hatched; the chosen token is always drawn (after a gap when outside the top-N);
     the last panel shows where u landed. ``shared_axis``: every stage panel on one probability
@@ -204,13 +204,17 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     ``columns``: panels per row (1 or 2 suits a phone); ``gap_px``: the room between rows (None: a
     share of the height, which leaves tall single-column charts short panels); ``meta``: the
     layout's meta (what the page reads back); ``panel_px``: a panel's height when ``gap_px`` is
-    given; ``column_gap``: the room between columns, a share of the width (their token labels sit in it)."""
+    given; ``column_gap``: the room between columns, a share of the width (their token labels sit in it);
+    ``tail``: a served model's (top-N, tail mass) at this step (``step_tail``), said under the raw
+    panel's title (every panel is renormalised over that top-N)."""
     panels = list(step.stages)
     with_draw = step.draw is not None
     count = len(panels) + (1 if with_draw else 0)
     cols = max(1, min(columns, count))
     rows = math.ceil(count / cols)
     titles = [stage_title(s, TITLE_WRAP if cols > 1 else 2 * TITLE_WRAP) for s in panels]  # one column: a phone's width
+    if tail is not None and titles:
+        titles[0] += f"<br><sup>server's top {tail[0]}; tail {tail[1]:.1%} not drawn</sup>"
     if with_draw:
         titles.append(f"where the draw<br>landed: u = {step.draw:.3f}<br><sup>sorted cumulative</sup>")
     height = max(360, (330 if gap_px is None else panel_px + gap_px) * rows + 120)
@@ -282,17 +286,17 @@ def panel_columns(panels: int, width: float | None) -> int:
     return min(4, panels) if panels <= 4 else math.ceil(panels / math.ceil(panels / 4))
 
 
-def fitted_stage_chart(step: StepTrace, width: float | None) -> go.Figure:
+def fitted_stage_chart(step: StepTrace, width: float | None, tail: tuple[int, float] | None = None) -> go.Figure:
     """``stage_chart`` for a page ``width`` px wide (None: not known yet): PANELS_PER_ROW a row,
     two below NARROW_PX, one below PHONE_PX (two panels in a phone's 390 px leave ~80 px of bars
     and every other token label). ``layout.meta`` says which layout it is, so the page asks for
-    the other one after a resize (page_js)."""
+    the other one after a resize (page_js). ``tail``: see ``stage_chart``."""
     narrow = width is not None and width < NARROW_PX
     phone = width is not None and width < PHONE_PX
     count = len(step.stages) + (1 if step.draw is not None else 0)
     columns = 1 if phone else panel_columns(count, width) if narrow else PANELS_PER_ROW
     return stage_chart(step, columns=columns, gap_px=PHONE_GAP_PX if phone else None,
-                       meta={"narrow": narrow, "phone": phone, "columns": columns})
+                       meta={"narrow": narrow, "phone": phone, "columns": columns}, tail=tail)
 
 
 def surprisal(step: StepTrace) -> float:
@@ -434,17 +438,23 @@ def remote_markdown(trace: Trace) -> str:
             f"per step). **Approximations:** " + html.escape("; ".join(notes) or "none", quote=False) + ".")
 
 
-def tail_note(trace: Trace, index: int) -> str:
-    """Step ``index``'s tail mass on a served model in step mode: the raw probability outside the
-    server's top-N, which every chart leaves out (renormalised over the top-N); "" when unknown
-    (a model loaded here, fast mode, a branch's steps before the branch)."""
+def step_tail(trace: Trace, index: int) -> tuple[int, float] | None:
+    """(top-N, tail mass) of step ``index`` on a served model in step mode: the raw probability
+    outside the server's top-N, which every chart leaves out (renormalised over the top-N); None
+    when unknown (a model loaded here, fast mode, a branch's steps before the branch)."""
     remote = trace.extra.get("remote") or {}
     tails = remote.get("tail_mass") or []
     i = index - (len(trace.steps) - len(tails))  # a branch's label covers only its new steps
-    if not 0 <= i < len(tails):
+    return (remote["top_n"], tails[i]) if 0 <= i < len(tails) else None
+
+
+def tail_note(trace: Trace, index: int) -> str:
+    """Step ``index``'s tail mass in words (``step_tail``); "" when unknown."""
+    tail = step_tail(trace, index)
+    if tail is None:
         return ""
-    return (f"The server's top {remote['top_n']} held {1 - tails[i]:.2%} of the raw probability here; the other "
-            f"{tails[i]:.2%} (the tail) is outside every chart, and no token there could be picked.")
+    return (f"The server's top {tail[0]} held {1 - tail[1]:.2%} of the raw probability here; the other "
+            f"{tail[1]:.2%} (the tail) is outside every chart, and no token there could be picked.")
 
 
 def alternatives(step: StepTrace, limit: int = 10) -> list[tuple[str, int]]:
