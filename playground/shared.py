@@ -53,6 +53,7 @@ REMOTE_UNAVAILABLE = {
     "medusa": "needs the model's hidden states for its heads",
     "quantization": "needs the model's own weights",
     "KV cache": "needs the model's own cache",
+    "lesson check": "it re-processes steps and caches on the model itself; the runs above are the server's",
 }
 
 
@@ -61,11 +62,15 @@ def is_remote(lm: Any) -> bool:
     return isinstance(lm, RemoteModel)
 
 
+def remote_unavailable(what: str) -> str:
+    """The one line saying ``what`` (a REMOTE_UNAVAILABLE key) needs the model itself."""
+    return f"{what}: not available for a remote model ({REMOTE_UNAVAILABLE[what]})"
+
+
 def refuse_remote(lm: Any, what: str) -> None:
-    """UserError in one line when ``lm`` is a served model and ``what`` (a REMOTE_UNAVAILABLE key)
-    needs the model itself."""
+    """UserError (``remote_unavailable``) when ``lm`` is a served model."""
     if is_remote(lm):
-        raise UserError(f"{what}: not available for a remote model ({REMOTE_UNAVAILABLE[what]})")
+        raise UserError(remote_unavailable(what))
 
 
 MAX_MESSAGE_CHARS = 300

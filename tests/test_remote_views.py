@@ -282,3 +282,11 @@ def test_beam_search_runs_on_a_remote_model(served):
     answer = text_of(page.fire("on_run", "beam-tree"))
     assert "not available" not in answer and "failed" not in answer, answer
     assert "done" in shown(page, "beam-status"), shown(page, "beam-status")
+
+
+@server_test
+def test_a_lesson_runs_on_the_server_and_says_its_check_needs_the_model(served):
+    page = remote_page(served)
+    answer = text_of(page.fire("on_run", "lessons-status"))
+    assert "AttributeError" not in answer, answer
+    assert "lesson check: not available for a remote model" in shown(page, "lessons-status"), answer
