@@ -290,3 +290,22 @@ def test_a_lesson_runs_on_the_server_and_says_its_check_needs_the_model(served):
     answer = text_of(page.fire("on_run", "lessons-status"))
     assert "AttributeError" not in answer, answer
     assert "lesson check: not available for a remote model" in shown(page, "lessons-status"), answer
+
+
+@server_test
+def test_the_compare_api_takes_a_model_per_lane(served):
+    from tests.test_continue_compare import run_coroutine
+
+    demo, listed = served
+    endpoint = next(f.fn for f in demo.fns.values() if f.api_name == "compare")
+    lanes = [{"preset": "greedy"}, {"preset": "greedy", "model": listed}]
+
+    async def call() -> dict:
+        return await endpoint("The capital of France is Paris. The capital of Italy is", lanes, 0, 4)
+
+    answer = run_coroutine(call)
+    ours, served_lane = (lane["trace"] for lane in answer["lanes"])
+    assert ours["model"] != served_lane["model"] == listed and served_lane["extra"]["remote"]["mode"] == "step"
+    with pytest.raises(Exception, match=r"Lane 2: model: 'llamacpp:http://127\.0\.0\.1:1' is not a remote model"):
+        lanes[1]["model"] = UNLISTED
+        run_coroutine(call)

@@ -14,13 +14,14 @@ from engine.trace import Trace, to_dict
 
 from ...shared import Shared, UserError, config_or_error
 from .lanes import MAX_LANES, MIN_LANES, CompareSession, lane_name, sweep_seeds
-from .run import LaneModel, run_lanes, run_sweep
+from .run import lane_models, run_lanes, run_sweep
 
 
 def api_lane_config(lane: Any, seed: int, max_new_tokens: int, name: str) -> DecodingConfig:
-    """An API lane ``{"preset": name?, "config": {...}?}`` -> its config with the shared seed and budget."""
-    if not isinstance(lane, dict) or set(lane) - {"preset", "config"}:
-        raise UserError(f"{name}: expected an object with 'preset' and/or 'config', got {str(lane)[:80]!r}")
+    """An API lane ``{"preset": name?, "config": {...}?, "model": source?}`` -> its config with the
+    shared seed and budget (``model``: the lane's own model, read by ``compare``)."""
+    if not isinstance(lane, dict) or set(lane) - {"preset", "config", "model"}:
+        raise UserError(f"{name}: expected an object with 'preset', 'config' and/or 'model', got {str(lane)[:80]!r}")
     try:
         base = load_preset(lane["preset"]).config.to_dict(sparse=True) if lane.get("preset") else {}
     except PresetError as exc:
@@ -53,15 +54,16 @@ def sweep_payload(seeds: Sequence[int], traces: Sequence[Trace]) -> dict:
 
 def compare(shared: Shared, prompt: str, lanes: list, seed: int = 0, max_new_tokens: int = 32, chat: bool = False,
             model: str = "embedded", quantization: str = "none", *, control: RunControl) -> dict:
-    """Run 2-6 lanes on one prompt with one seed. Each lane: {"preset": built-in name, "config": {knobs}}
-    (both optional). Returns every lane's trace JSON, the metrics rows and the first divergent step."""
+    """Run 2-6 lanes on one prompt with one seed. Each lane: {"preset": built-in name, "config": {knobs},
+    "model": a model the page offers, e.g. a llama.cpp server the operator lists} (all optional; no
+    model: ``model``'s). Returns every lane's trace JSON, the metrics rows and the first divergent step."""
     if not isinstance(lanes, list) or not MIN_LANES <= len(lanes) <= MAX_LANES:
         raise UserError(f"lanes: expected a list of {MIN_LANES} to {MAX_LANES} lanes, got {str(lanes)[:80]!r}")
     configs = [api_lane_config(lane, seed, max_new_tokens, lane_name(i)) for i, lane in enumerate(lanes)]
-    lm = shared.lm(model, quantization)
-    prompt_ids = shared.encode_prompt(lm, prompt, chat)
+    picks = [(lane_name(i), lane.get("model") or "") for i, lane in enumerate(lanes)]
+    models = lane_models(shared, picks, model, quantization, prompt, chat)
     session = CompareSession([None] * len(configs), [""] * len(configs), max_new_tokens)
-    for _ in run_lanes(shared, [LaneModel(lm, prompt_ids)] * len(configs), prompt, configs, chat, session, control):
+    for _ in run_lanes(shared, models, prompt, configs, chat, session, control):
         pass
     return compare_payload(prompt, configs, session)
 

@@ -25,7 +25,7 @@ from .lanes import (
     lane_name, remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
 )
 from .layout import LaneWidgets, Page, summary_of
-from .run import LaneModel, run_lanes, run_sweep
+from .run import lane_models, run_lanes, run_sweep
 
 RAW_ENTROPY = "raw model"
 
@@ -180,25 +180,6 @@ def open_lesson(page: Page, prompt: str, chat: bool, configs: Sequence[tuple[Dec
 def lesson_outputs(page: Page) -> list:
     """The components ``open_lesson`` updates."""
     return [page.prompt, page.chat, page.count, page.session, page.status, *page.spec_outputs, *page.result_outputs]
-
-
-def lane_models(shared: Shared, picks: Sequence[tuple[str, Any]], model: str, quant: str, prompt: str,
-                chat: bool) -> list[LaneModel]:
-    """Each lane's model (``picks``: (lane name, its model pick)): its own pick, else the header's
-    ``model``; each distinct model is loaded (or connected to) and the prompt encoded once. A
-    lane's own pick that fails names the lane."""
-    resolved: dict[str, LaneModel] = {}
-    models = []
-    for name, pick in picks:
-        source = pick or model
-        if source not in resolved:
-            try:
-                lm = shared.lm(source, quant)
-                resolved[source] = LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
-            except UserError as exc:
-                raise UserError(f"{name}: {exc}" if pick else str(exc)) from None
-        models.append(resolved[source])
-    return models
 
 
 def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, quant: str, count: int, kind: str,

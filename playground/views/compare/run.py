@@ -7,7 +7,7 @@ import functools
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from engine import runner
 from engine.config import DecodingConfig
@@ -16,7 +16,7 @@ from engine.models import LoadedModel
 from engine.trace import Trace
 
 from ...events import error_message
-from ...shared import Shared, throttle
+from ...shared import Shared, UserError, throttle
 from .lanes import CompareSession
 
 STREAM_EVERY_S = 0.25
@@ -76,6 +76,25 @@ class LaneModel:
 
     lm: LoadedModel
     prompt_ids: list[int]
+
+
+def lane_models(shared: Shared, picks: Sequence[tuple[str, Any]], model: str, quant: str, prompt: str,
+                chat: bool) -> list[LaneModel]:
+    """Each lane's model (``picks``: (lane name, its model pick)): its own pick, else the header's
+    ``model``; each distinct model is loaded (or connected to) and the prompt encoded once. A
+    lane's own pick that fails names the lane."""
+    resolved: dict[str, LaneModel] = {}
+    models = []
+    for name, pick in picks:
+        source = pick or model
+        if source not in resolved:
+            try:
+                lm = shared.lm(source, quant)
+                resolved[source] = LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
+            except UserError as exc:
+                raise UserError(f"{name}: {exc}" if pick else str(exc)) from None
+        models.append(resolved[source])
+    return models
 
 
 def run_lanes(shared: Shared, models: Sequence[LaneModel], prompt: str, configs: Sequence[DecodingConfig],
