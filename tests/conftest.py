@@ -247,3 +247,11 @@ def llama_server(llama_server_binary) -> str:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def server_model(llama_server):
+    """The real llama-server as a RemoteModel (step mode), connected once for the session."""
+    from engine import remote
+
+    return remote.connect(llama_server, timeout_s=60)

@@ -26,11 +26,6 @@ def test_diverse_beam_search_is_refused_in_one_line():
         next(runner.stream(offline_model(), "hi", config, prompt_ids=[1, 2]))
 
 
-@pytest.fixture(scope="module")
-def server_model(llama_server) -> remote.RemoteModel:
-    return remote.connect(llama_server, timeout_s=60)
-
-
 @server_test
 def test_one_beam_is_greedy(server_model):
     greedy = runner.run(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=10))

@@ -95,11 +95,6 @@ def test_a_slow_server_is_one_line_within_the_timeout():
 
 
 # --- against the real server -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server_model(llama_server) -> remote.RemoteModel:
-    return remote.connect(llama_server, timeout_s=60)
-
-
 def llamacpp_greedy(model: remote.RemoteModel, ids: list[int], n: int) -> list[int]:
     """llama.cpp's own greedy: its sampler chain reduced to top-k 1."""
     answer = model.client.post("/completion", {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1,

@@ -42,11 +42,6 @@ def test_vllm_scores_every_drafted_position_in_one_request_exactly(vllm):  # noq
     assert math.isclose(float(logits[0, 0, 6722]), -7.1253, rel_tol=1e-6)  # the next token's own p, rank 112
 
 
-@pytest.fixture(scope="module")
-def server_model(llama_server) -> remote.RemoteModel:
-    return remote.connect(llama_server, timeout_s=60)
-
-
 @server_test
 def test_greedy_speculative_with_ngram_drafts_is_remote_greedy(server_model):
     greedy = runner.run(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=16))

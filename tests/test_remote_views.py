@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from engine.models import ModelLoadError, ModelPolicy
-from tests.test_continue_compare import Page
+from tests.test_continue_compare import Page, branch
 from tests.test_remote_llamacpp import server_test
 
 
@@ -154,22 +154,17 @@ def test_step_through_on_a_remote_model_generates_branches_and_continues(served,
     assert [s.name for s in original.steps[2].stages][0] == "raw" and original.steps[2].stages[-1].name == "final"
     last = len(original.steps) - 1
     k = {"first": 0, "middle": last // 2, "last": last}[where]
-    step = original.steps[k]
-    token = next(t.token_id for t in step.stages[0].top if t.token_id != step.chosen_token_id)
-    page.set("step-index", k)
-    page.set("step-alt", token)
-    page.fire("on_branch", "step-text")
-    assert "done" in page.shown("step-status"), page.shown("step-status")
-    branch = page.session().trace()
-    assert branch.branch_of == k and branch.generated_token_ids[:k + 1] == original.generated_token_ids[:k] + [token]
+    token = branch(page, k)
+    branched = page.session().trace()
+    assert branched.branch_of == k and branched.generated_token_ids[:k + 1] == original.generated_token_ids[:k] + [token]
     assert f"branched from at step {k}" in page.shown("step-compare")
-    m = min(k + 1, len(branch.steps) - 1)
+    m = min(k + 1, len(branched.steps) - 1)
     page.set("step-index", m)
     page.set("step-knob-temperature", 0.5)
     page.fire("on_continue", "step-text")
     assert "done" in page.shown("step-status"), page.shown("step-status")
     continued = page.session().trace()
-    assert continued.branch_of == m and continued.generated_token_ids[:m] == branch.generated_token_ids[:m]
+    assert continued.branch_of == m and continued.generated_token_ids[:m] == branched.generated_token_ids[:m]
     assert continued.extra["remote"]["mode"] == "step"
 
 
