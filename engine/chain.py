@@ -59,6 +59,20 @@ class Chain:
         share the run's generator)."""
         return Chain([stage.clone() for stage in self.stages])
 
+    def skip(self) -> None:
+        """Consume the draws of one step's calls (XTC's coin), in the order the stages draw."""
+        for stage in self.stages:
+            stage.skip()
+
+    def resume(self, recorded: Sequence[StageTrace]) -> None:
+        """Carry into each stage what its namesake had carried to the step that recorded
+        ``recorded`` (mirostat's μ), so a branch from that step needs no replay of the steps
+        before it (the caller skips their draws: ``skip`` and the pick's)."""
+        states = {r.name: r.state for r in recorded if r.state}
+        for stage in self.stages:
+            if stage.name in states:
+                stage.resume(states[stage.name])
+
     def load_states(self, recorded: Sequence[StageTrace]) -> None:
         """Load into each stage the state its namesake recorded at a step (``recorded``: that
         step's stage records), so the chain re-processes the step as the run did."""

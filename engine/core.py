@@ -22,7 +22,7 @@ from .config import DecodingConfig
 from .metrics import common_prefix, mean_logprob, perplexity
 from .models import LoadedModel
 from .chain import Chain, Traced, traced_rows
-from .trace import StepTrace, Timing, Trace
+from .trace import StageTrace, StepTrace, Timing, Trace
 
 
 def check_prompt(prompt_ids: Sequence[int]) -> None:
@@ -151,10 +151,12 @@ class RunState:
     The caller owns the model forwards: it feeds ``sequence`` (the prefill, ``prefill``), then after
     every step the step's token, and hands the next-token logits to ``advance``. With a ``prefix`` (a
     branch), a stateless chain only skips the generator's draws; a stateful one (mirostat's μ, XTC's
-    coin) must see the prefix positions' logits first: ``needs_replay``, then ``replay(rows)``."""
+    coin) either takes the state the run recorded at the branch step (``resume``: that step's stage
+    records, valid only under the run's own knobs; the draws before it are skipped) or must see the
+    prefix positions' logits first: ``needs_replay``, then ``replay(rows)``."""
 
     def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
-                 prefix: Sequence[int] = (), force: int | None = None):
+                 prefix: Sequence[int] = (), force: int | None = None, resume: Sequence[StageTrace] | None = None):
         check_prompt(prompt_ids)
         self.start = time.perf_counter()
         self.lm, self.config, self.force = lm, config, force
@@ -165,8 +167,14 @@ class RunState:
         self.sequence = list(prompt_ids) + list(prefix)  # what the prefill feeds
         self.ids = torch.tensor([self.sequence], dtype=torch.long, device=lm.device)  # [1, T] for penalties
         self.generated = list(prefix)
-        self.needs_replay = bool(prefix) and self.chain.stateful
-        if self.generator is not None and prefix and not self.needs_replay:
+        self.needs_replay = bool(prefix) and self.chain.stateful and resume is None
+        if prefix and self.chain.stateful and resume is not None:  # the run's own state at this step
+            for _ in prefix:  # each step's draws in the run's order: the stages' (XTC's coin), then the pick's
+                self.chain.skip()
+                if self.generator is not None:
+                    sampling.skip_draws(self.generator, 1, lm.vocab_size, lm.device)
+            self.chain.resume(resume)
+        elif self.generator is not None and prefix and not self.needs_replay:
             sampling.skip_draws(self.generator, len(prefix), lm.vocab_size, lm.device)
 
     def prefill(self, cache: KVCache) -> torch.Tensor:

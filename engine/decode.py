@@ -16,18 +16,20 @@ from .cache import KVCache
 from .config import DecodingConfig
 from .core import RunState, assemble, draw_at, pick, step_trace
 from .models import LoadedModel
-from .trace import StepTrace, Trace
+from .trace import StageTrace, StepTrace, Trace
 
 
 def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
            prefix: Sequence[int] = (), force: int | None = None, cache: KVCache | None = None,
-           ) -> Iterator[StepTrace]:
+           resume: Sequence[StageTrace] | None = None) -> Iterator[StepTrace]:
     """Yield a StepTrace per generated token until EOS, a stop string or max_new_tokens.
 
     ``prefix``: tokens already generated (a branch continues after them); ``force``: the token to
     take at the first new step instead of sampling. ``cache`` may be a cache left by an earlier run
-    of the same prompt: it is rewound to the shared prefix, not rebuilt."""
-    state = RunState(lm, prompt_ids, config, prefix=prefix, force=force)
+    of the same prompt: it is rewound to the shared prefix, not rebuilt. ``resume``: the stage
+    records the run made at the step after ``prefix`` (same knobs), so a stateful chain takes its
+    state from them instead of replaying the prefix (``RunState``)."""
+    state = RunState(lm, prompt_ids, config, prefix=prefix, force=force, resume=resume)
     cache = cache or KVCache(lm.model, config.kv_cache, config.kv_residual_length)
     logits = state.prefill(cache)  # one forward over what the cache lacks (a stateful branch: replayed)
     while True:

@@ -108,6 +108,16 @@ class Stage:
         stateless stage."""
         return {}
 
+    def skip(self) -> None:
+        """Consume what one call draws from the run's generator, computing nothing (a branch brings
+        the generator to its step this way instead of replaying the steps before it)."""
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """Carry into this stage what it had carried to the step that recorded ``state`` (its
+        ``state()`` there), so a branch from that step goes on as the run did without replaying the
+        steps before it: mirostat's μ. Stages whose state is a draw (XTC) take nothing: ``skip``
+        already brought the generator to the same draw."""
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Make the next call behave as the call that reported ``state`` (see ``state``)."""
 
@@ -715,6 +725,9 @@ class Xtc(Stage):
         super().reset()
         self._loaded_u = self._u = None
 
+    def skip(self) -> None:
+        self.coin()  # the one draw a call makes (none at probability 1)
+
     def apply(self, input_ids, logits):
         u = self._u = self.coin()
         fired = u is None or u < self.knobs["xtc_probability"]
@@ -976,6 +989,9 @@ class Mirostat(Stage):
             _require(isinstance(mu, (int, float)) and not isinstance(mu, bool) and math.isfinite(mu),
                      "mirostat.mu", mu, "a finite number")
             self.mu = self._mu_used = float(mu)
+
+    def resume(self, state: dict[str, Any]) -> None:
+        self.load_state(state)  # μ before the step: what the run had carried there
 
     def accept(self, input_ids, token_id: int) -> dict[str, Any]:
         if self._probs is None:

@@ -21,7 +21,7 @@ from .config import DecodingConfig
 from .control import RunControl, check
 from .models import LoadedModel, ModelRegistry
 from .sampling import NO_TOKENS_LEFT, NoTokensLeft
-from .trace import Event, StepTrace, Trace
+from .trace import Event, StageTrace, StepTrace, Trace
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class RunContext:
     scheduler: Any = None
     prefix: tuple[int, ...] = ()  # tokens already generated: the run continues after them
     force: int | None = None  # the token taken at the first new step instead of a pick
+    resume: tuple[StageTrace, ...] | None = None  # the run's stage records at the step after prefix (same knobs)
 
 
 class Strategy(Protocol):
@@ -86,7 +87,8 @@ def backend_of(lm: Any) -> str:
 def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
            prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
            control: RunControl | None = None, compare_baseline: bool = False,
-           scheduler: Any = None, prefix: Sequence[int] = (), force: int | None = None) -> Iterator[Event]:
+           scheduler: Any = None, prefix: Sequence[int] = (), force: int | None = None,
+           resume: Sequence[StageTrace] | None = None) -> Iterator[Event]:
     """Run ``config.strategy`` on ``prompt`` and yield Events; the last one holds the Trace.
 
     ``prompt_ids``: the prompt already encoded (with ``chat`` applied), else it is encoded here.
@@ -98,6 +100,9 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
     ``prefix``: tokens already generated; the run continues after them (its steps and trace hold
     only the new tokens, indexed from ``len(prefix)``). ``force``: the token taken at the first new
     step instead of a pick. Greedy and sampling only (``CONTINUABLE``); ValueError otherwise.
+    ``resume``: the stage records the continued run made at the step after ``prefix``, under these
+    same knobs: stateful stages (mirostat's μ) take their state from them and the draws before are
+    skipped, instead of replaying the prefix positions (``core.RunState``).
 
     The stream is looked up by the model's backend (``backend_of``) and the strategy: a remote
     model (``engine.remote``) runs its backend's streams, and a strategy its backend lacks is one
@@ -112,7 +117,8 @@ def stream(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool =
     _check_continuation(lm, config.strategy, prefix, force)
     ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
     yield from strategy(RunContext(lm, prompt, ids, config, chat, registry or ModelRegistry(), control,
-                                   compare_baseline, scheduler, prefix, force))
+                                   compare_baseline, scheduler, prefix, force,
+                                   tuple(resume) if resume is not None else None))
 
 
 def _check_continuation(lm: LoadedModel, strategy: str, prefix: tuple[int, ...], force: int | None) -> None:
@@ -151,8 +157,9 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
     forced there (a branch), or with ``token_id`` None, drawn under ``config`` (default the parent's
     knobs: "continue from here with these knobs"). The first event replays the parent's steps
     before ``at_step`` unchanged; the new steps follow (``stream`` with ``prefix`` = the kept
-    tokens, ``force`` = ``token_id``); the last event holds the new Trace (``branch_of`` =
-    ``at_step``, its ``config`` the one it ran under)."""
+    tokens, ``force`` = ``token_id``; under the parent's own knobs, ``resume`` = its records at
+    ``at_step``, so stateful stages go on from the state it recorded, with no replay); the last
+    event holds the new Trace (``branch_of`` = ``at_step``, its ``config`` the one it ran under)."""
     continuable = BACKEND_CONTINUABLE[backend_of(lm)]
     if parent.strategy not in continuable:
         raise ValueError(f"branch: only greedy and sampling runs can be branched, this one is {parent.strategy!r}")
@@ -161,7 +168,8 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
     if token_id is not None and (not isinstance(token_id, int) or isinstance(token_id, bool)
                                  or not 0 <= token_id < lm.vocab_size):
         raise ValueError(f"token_id: {token_id!r} is out of range; the vocabulary has {lm.vocab_size} tokens")
-    config = config if config is not None else DecodingConfig.from_dict(parent.config)
+    own = DecodingConfig.from_dict(parent.config)
+    config = config if config is not None else own
     if config.strategy not in continuable:
         raise ValueError(f"strategy: only greedy and sampling continue from a step, got {config.strategy!r}")
     kept = list(parent.steps[:at_step])
@@ -169,7 +177,7 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
         yield Event(steps=kept)
     for event in stream(lm, parent.prompt, config, chat=parent.chat, prompt_ids=parent.prompt_token_ids,
                         control=control, scheduler=scheduler, prefix=parent.generated_token_ids[:at_step],
-                        force=token_id):
+                        force=token_id, resume=parent.steps[at_step].stages if config == own else None):
         if event.trace is None:
             yield event
             continue
@@ -210,8 +218,9 @@ def batched(config: DecodingConfig, scheduler: Any) -> Any:
 def _stepwise(ctx: RunContext) -> Iterator[Event]:
     lm, prompt, ids, config, chat, control = ctx.lm, ctx.prompt, ctx.ids, ctx.config, ctx.chat, ctx.control
     scheduler = batched(config, ctx.scheduler)
-    source = (scheduler.stream(ids, config, prefix=ctx.prefix, force=ctx.force, control=control)
-              if scheduler is not None else decode.stream(lm, ids, config, prefix=ctx.prefix, force=ctx.force))
+    source = (scheduler.stream(ids, config, prefix=ctx.prefix, force=ctx.force, control=control, resume=ctx.resume)
+              if scheduler is not None
+              else decode.stream(lm, ids, config, prefix=ctx.prefix, force=ctx.force, resume=ctx.resume))
     steps, ended = [], False
     try:
         for step in _checked(source, control):

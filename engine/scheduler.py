@@ -58,7 +58,7 @@ from .core import RunState, advance_rows, check_prompt
 from .models import LoadedModel
 from .settings import env_int
 from .threads import step_threads
-from .trace import StepTrace
+from .trace import StageTrace, StepTrace
 
 DEFAULT_MAX_BATCH_CPU = 16
 DEFAULT_MAX_BATCH_GPU = 32
@@ -97,9 +97,10 @@ class _Run:
     and output queue. Built in the caller's thread (so config errors raise there); stepped by the worker."""
 
     def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
-                 prefix: Sequence[int], force: int | None, control: RunControl | None):
+                 prefix: Sequence[int], force: int | None, control: RunControl | None,
+                 resume: Sequence[StageTrace] | None = None):
         self.lm, self.control = lm, control
-        self.state = RunState(lm, prompt_ids, config, prefix=prefix, force=force)
+        self.state = RunState(lm, prompt_ids, config, prefix=prefix, force=force, resume=resume)
         self.sequence = self.state.sequence  # what the prefill feeds
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # StepTrace | BaseException
         self.closed = False  # the consumer went away
@@ -210,8 +211,9 @@ class Scheduler:
         _ALL.add(self)
 
     def stream(self, prompt_ids: Sequence[int], config: DecodingConfig, *, prefix: Sequence[int] = (),
-               force: int | None = None, control: RunControl | None = None) -> Iterator[StepTrace]:
-        """Yield what ``decode.stream(lm, prompt_ids, config, prefix=prefix, force=force)`` yields,
+               force: int | None = None, control: RunControl | None = None,
+               resume: Sequence[StageTrace] | None = None) -> Iterator[StepTrace]:
+        """Yield what ``decode.stream(lm, prompt_ids, config, prefix=prefix, force=force, resume=resume)`` yields,
         computed in shared forwards. Raises SchedulerFull when the queue is full, RunStopped when
         ``control`` is cancelled or past its limit. Closing the generator frees the row."""
         check_prompt(prompt_ids)
@@ -220,7 +222,7 @@ class Scheduler:
         lm = self._model()
         if lm is None:
             raise RuntimeError("scheduler: its model was unloaded; load it again")
-        run = _Run(lm, prompt_ids, config, prefix, force, control)
+        run = _Run(lm, prompt_ids, config, prefix, force, control, resume)
         self._submit(run)
         try:
             while True:

@@ -70,3 +70,36 @@ def test_a_branch_that_runs_out_of_tokens_says_so(tiny_lm):
     trace = runner.collect(runner.branch(tiny_lm, parent, 1, parent.generated_token_ids[1]))
     assert trace.generated_token_ids == parent.generated_token_ids and trace.branch_of == 1
     assert trace.stop_reason == "no_tokens_left" and trace.steps[-1].finish_reason == "no_tokens_left"
+
+
+STATEFUL = DecodingConfig(strategy="sample", mirostat=2, mirostat_tau=3.0, xtc_threshold=0.05, xtc_probability=0.5,
+                          seed=11, max_new_tokens=12)
+
+
+@pytest.mark.parametrize("through", ["decode", "scheduler"])
+def test_a_branch_under_the_runs_own_knobs_takes_its_recorded_state_without_replay(tiny_lm, monkeypatch, through):
+    """Mirostat's μ and XTC's coin (#28): branching a stateful run at the first, a middle and the last
+    step with the run's own token repeats the run exactly (tokens, p, draws, every stage's state),
+    with RunState.replay never called: mirostat's μ comes from the step's record, the draws before
+    it are skipped. "Continue with other knobs" still replays (its μ is the new knobs' over the prefix)."""
+    from engine import core
+    from engine.scheduler import Scheduler
+
+    parent = runner.run(tiny_lm, "A stateful run", STATEFUL)
+    assert len(parent.steps) == 12 and any(s.stages[-2].state for s in parent.steps)
+    scheduler = Scheduler(tiny_lm) if through == "scheduler" else None
+    replayed = []
+    real_replay = core.RunState.replay
+    monkeypatch.setattr(core.RunState, "replay", lambda self, rows: replayed.append(1) or real_replay(self, rows))
+    for at in (0, 6, 11):
+        trace = runner.collect(runner.branch(tiny_lm, parent, at, parent.generated_token_ids[at], scheduler=scheduler))
+        assert trace.generated_token_ids == parent.generated_token_ids
+        for mine, theirs in zip(trace.steps[at + 1:], parent.steps[at + 1:]):
+            assert (mine.chosen_prob, mine.draw) == pytest.approx((theirs.chosen_prob, theirs.draw), rel=1e-5)
+            for a, b in zip(mine.stages, theirs.stages):
+                assert a.name == b.name and a.state.keys() == b.state.keys()
+                assert a.state == pytest.approx(b.state, rel=1e-5), a.name
+    assert replayed == []  # no step replayed
+    other = STATEFUL.replace(mirostat_tau=4.0)
+    runner.collect(runner.branch(tiny_lm, parent, 6, None, config=other, scheduler=scheduler))
+    assert replayed == [1]  # other knobs: the prefix is replayed under them
