@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import free_port
+from tests.test_screenshots_browser import DOCS
 from tests.test_remote_llamacpp import server_test
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -49,3 +50,6 @@ def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page,
     assert "raw" in texts and "final" in texts, texts  # raw -> each stage -> final, over the top-N
     assert "server's top 100; tail" in texts and "not drawn" in texts, texts  # the tail mass, under raw's title
     page.screenshot(path=str(artifacts / "remote-step.png"), full_page=True)
+    # the README's picture (section 6): the model box, the run and its chart, the approximations line
+    width = page.evaluate("document.documentElement.scrollWidth")
+    page.screenshot(path=str(DOCS / "remote-step.png"), full_page=True, clip=dict(x=0, y=0, width=width, height=2760))
