@@ -172,12 +172,19 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, *
     config = config if config is not None else own
     if config.strategy not in continuable:
         raise ValueError(f"strategy: only greedy and sampling continue from a step, got {config.strategy!r}")
+    return _branch_events(lm, parent, at_step, token_id, config, config == own, control, scheduler)
+
+
+def _branch_events(lm: LoadedModel, parent: Trace, at_step: int, token_id: int | None, config: DecodingConfig,
+                   own_knobs: bool, control: RunControl | None, scheduler: Any) -> Iterator[Event]:
+    """``branch``'s events once its arguments are checked (``branch`` raises at the call, not at
+    the first event, so a caller can refuse before it draws anything)."""
     kept = list(parent.steps[:at_step])
     if kept:
         yield Event(steps=kept)
     for event in stream(lm, parent.prompt, config, chat=parent.chat, prompt_ids=parent.prompt_token_ids,
                         control=control, scheduler=scheduler, prefix=parent.generated_token_ids[:at_step],
-                        force=token_id, resume=parent.steps[at_step].stages if config == own else None):
+                        force=token_id, resume=parent.steps[at_step].stages if own_knobs else None):
         if event.trace is None:
             yield event
             continue

@@ -297,3 +297,8 @@ def test_continue_goes_through_the_runner_and_its_guards(tiny_lm, trace, monkeyp
     assert calls == [((2, None), greedy)] and last.branch_of == 2 and last.stop_reason
     with pytest.raises(ValueError, match="^at_step: 99 is out of range"):
         list(whatif.continue_events(StubShared(tiny_lm), tiny_lm, trace, 99, greedy, RunControl()))
+    # refused at the call, before any event: the runner's own checks (no copy of them in the view)
+    with pytest.raises(ValueError, match="^at_step: 99 is out of range"):
+        whatif.continue_events(StubShared(tiny_lm), tiny_lm, trace, 99, greedy, RunControl())
+    with pytest.raises(ValueError, match="^strategy: only greedy and sampling continue from a step, got 'beam'"):
+        whatif.continue_events(StubShared(tiny_lm), tiny_lm, trace, 2, CFG.replace(strategy="beam"), RunControl())

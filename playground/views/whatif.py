@@ -32,7 +32,7 @@ from engine.trace import Event, StageTrace, Trace, to_dict
 
 from .. import ids
 from ..page_js import PREPARE_JS, WHATIF_JS
-from ..shared import Shared, UserError, parent_trace, refuse_remote
+from ..shared import Shared, parent_trace, refuse_remote
 
 WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}  # the fallback event's
 
@@ -42,9 +42,7 @@ def continue_events(shared: Shared, lm: LoadedModel, parent: Trace, at: int, con
     """``parent``'s steps before ``at`` unchanged, then steps ``at``... generated under ``config``:
     the runner's own continuation (``runner.branch`` with no forced token, the app's batched
     scheduler), with its guards and stop rules; the last event holds the Trace (``branch_of`` =
-    ``at``, ``config`` = the new one)."""
-    if config.strategy not in ("greedy", "sample"):
-        raise UserError(f"strategy: only greedy and sampling continue from a step, got {config.strategy!r}")
+    ``at``, ``config`` = the new one). A strategy that cannot continue raises here (the runner's check)."""
     return runner.branch(lm, parent, at, None, config=config, control=control, scheduler=shared.scheduler_for(lm))
 
 
