@@ -84,7 +84,7 @@ class ModelPolicy:
             raise ModelLoadError(str(exc)) from None
         name = source[len("model:"):] if source.startswith("model:") else source
         if is_remote_source(name):  # a server: only from the operator's list, and never as a drafter or amateur
-            if name is not source:
+            if source.startswith("model:"):
                 raise ModelLoadError(f"{key}: a remote model cannot be a drafter or amateur, got {name[:60]!r}")
             if name in self.allowed:
                 return source
