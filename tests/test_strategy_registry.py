@@ -45,6 +45,6 @@ def test_a_registered_stream_is_what_runs(tiny_lm, monkeypatch):
 def test_branch_is_one_path_through_stream():
     """runner.branch writes no continuation of its own: it replays the kept steps and calls
     ``stream(..., prefix=, force=)``, never decode or the scheduler directly."""
-    calls = {ast.unparse(node.func) for node in ast.walk(ast.parse(inspect.getsource(runner.branch).strip()))
-             if isinstance(node, ast.Call)}
+    calls = {ast.unparse(node.func) for fn in (runner.branch, runner._branch_events)  # its events: _branch_events
+             for node in ast.walk(ast.parse(inspect.getsource(fn).strip())) if isinstance(node, ast.Call)}
     assert "stream" in calls and not any(c.startswith(("decode.", "scheduler.", "batched")) for c in calls)
