@@ -75,7 +75,8 @@ _STRATEGY_KNOBS = [
     Knob("num_beam_groups", "int", 1, 1, 8, doc="Diverse beam search groups (must divide num_beams).", step=1),
     Knob("diversity_penalty", "float", 0.0, 0.0, 10.0, doc="Penalty for tokens picked by earlier groups at the same step.", step=0.1),
     # --- speculative decoding
-    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>."),
+    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>; for a served "
+         "target: ngram or model:<a server the operator lists>."),
     Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
     Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
     Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),

@@ -83,9 +83,9 @@ class ModelPolicy:
         except ConfigError as exc:
             raise ModelLoadError(str(exc)) from None
         name = source[len("model:"):] if source.startswith("model:") else source
-        if is_remote_source(name):  # a server: only from the operator's list, and never as a drafter or amateur
-            if source.startswith("model:"):
-                raise ModelLoadError(f"{key}: a remote model cannot be a drafter or amateur, got {name[:60]!r}")
+        if is_remote_source(name):  # a server: only from the operator's list, never loaded as a drafter or amateur
+            if source.startswith("model:"):  # (a served target's drafter is engine.remote_speculative's, not loaded)
+                raise ModelLoadError(f"{key}: {REMOTE_VARIANT}, got {name[:60]!r}")
             if name in self.allowed:
                 return source
             hint = "" if self.public else " (the operator lists servers in DP_REMOTE_MODELS)"
@@ -509,6 +509,7 @@ class ModelHandle:
 
 # --- variants of a loaded model: drafters and amateurs --------------------------------------------------
 SELF_VARIANTS = ("self-int8", "self-nf4")
+REMOTE_VARIANT = "a remote model cannot be a drafter or amateur of a model loaded here (it drafts only for a remote target)"
 
 
 def variant_spec(lm: LoadedModel, name: str, key: str) -> ModelSpec:
@@ -521,6 +522,8 @@ def variant_spec(lm: LoadedModel, name: str, key: str) -> ModelSpec:
         source, quantization = lm.source, name.removeprefix("self-")
     elif isinstance(name, str) and name.startswith("model:") and name != "model:":
         source, quantization = name.removeprefix("model:"), "none"
+        if is_remote_source(source):  # the registry would connect to it: a server has no weights to draft with here
+            raise ConfigError(key, f"{REMOTE_VARIANT}, got {source[:60]!r}")
     else:
         raise ConfigError(key, f"expected self-int8 | self-nf4 | model:<id or dir>, got {name!r}")
     dtype = str(lm.dtype).removeprefix("torch.")

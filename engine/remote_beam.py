@@ -35,6 +35,8 @@ APPROXIMATIONS = [
     "scores are raw log-probabilities (our stages are not applied) over the sequence length with the prompt, "
     "as vLLM normalises; no early stopping: every step runs",
     "row entropies are over the top-N only",
+    "that score divides by the prompt's length too and leaves a final EOS out, so a beam that ends at once "
+    "(a lone EOS) can win where a local beam search would not; vLLM ranks the same way",
 ]
 
 

@@ -22,7 +22,8 @@ import torch
 
 from . import speculative
 from .config import DecodingConfig
-from .remote import RemoteModel, RemoteSpec, allowed_remote_models, connect_spec, entries_logits
+from .control import RunControl
+from .remote import RemoteModel, RemoteSpec, allowed_remote_models, connect_spec, entries_logits, stream_step
 from .sampling import NoTokensLeft
 from .trace import Event
 
@@ -95,9 +96,11 @@ def drafter(target: RemoteModel, config: DecodingConfig, environ: Any = None) ->
 
 
 def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
-           chat: bool = False) -> Iterator[Event]:
+           chat: bool = False, control: RunControl | None = None, compare_baseline: bool = False) -> Iterator[Event]:
     """One Event per round (steps: its tokens; record: its SpecRound), then one holding the Trace
-    (``speculative.assemble``, labelled ``extra["remote"]``)."""
+    (``speculative.assemble``, labelled ``extra["remote"]``). ``compare_baseline``: also time the
+    target alone in step mode, one request per token (summary ``baseline_ms``, ``speedup``),
+    checking ``control`` per token."""
     draft = drafter(target, config)
     cache = RemoteCache(target)
     collected, ended = [], False
@@ -115,5 +118,10 @@ def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: 
     trace.extra["remote"] = {"backend": target.backend, "url": target.url, "mode": "step", "top_n": target.top_n,
                              "approximations": APPROXIMATIONS + [f"the target scores the drafts by {scoring}"],
                              "unmapped": [], "caveats": [], "scoring_calls": cache.forwards}
+    if compare_baseline:
+        stepper = target.with_mode("step")
+        trace.summary |= speculative.compare_with_baseline(
+            target, prompt, config, trace, chat, control,  # type: ignore[arg-type]
+            steps=lambda ids, base: stream_step(stepper, ids, base, top_n=stepper.top_n))
     yield Event(trace=trace)
 

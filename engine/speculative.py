@@ -28,7 +28,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -482,24 +482,37 @@ def baseline_config(config: DecodingConfig) -> DecodingConfig:
 
 
 def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, trace: Trace, chat: bool,
-                          control: RunControl | None = None) -> dict:
-    """Time a target-only run of the same knobs in this process (checking ``control`` per step)."""
+                          control: RunControl | None = None, *,
+                          steps: Callable[[list[int], DecodingConfig], Iterator[StepTrace]] | None = None) -> dict:
+    """Time a target-only run of the same knobs (checking ``control`` per step). ``steps``: the
+    target-only decoding loop, ``(prompt_ids, config) -> StepTraces``; default ``decode.stream`` on
+    ``lm`` in this process (a served target passes its step mode, and then the first difference is
+    located without the rounding check, which needs the model's logits)."""
     base_config = baseline_config(config)
     prompt_ids = list(trace.prompt_token_ids)
-    steps = []
-    for step in decode.stream(lm, prompt_ids, base_config):
-        steps.append(step)
-        check(control)
-    base = core.assemble(lm, prompt, prompt_ids, base_config, steps, chat)
+    local = steps is None
+    source = decode.stream(lm, prompt_ids, base_config) if local else steps(prompt_ids, base_config)
+    collected = []
+    try:
+        for step in source:
+            collected.append(step)
+            check(control)
+    except sampling.NoTokensLeft:  # the target alone ran out of tokens: its run ends there, as the run did
+        pass
+    base = core.assemble(lm, prompt, prompt_ids, base_config, collected, chat)
     spec_ms = trace.summary.get("total_ms", 0.0)
     base_ms = base.timing.total_ms
+    got, expected = trace.generated_token_ids, base.generated_token_ids
+    difference = {}
+    if config.is_greedy:
+        difference = first_difference(lm, prompt_ids, got, expected) if local else \
+            {"baseline_first_difference": None if got == expected else common_prefix(got, expected)}
     return {
         "baseline_ms": base_ms,
-        "baseline_tokens": len(base.generated_token_ids),
+        "baseline_tokens": len(expected),
         "baseline_tokens_per_s": base.timing.tokens_per_s,
-        "baseline_same_tokens": base.generated_token_ids == trace.generated_token_ids,
-        **(first_difference(lm, prompt_ids, trace.generated_token_ids, base.generated_token_ids)
-           if config.is_greedy else {}),
+        "baseline_same_tokens": got == expected,
+        **difference,
         # per generated token, so runs that stop at different lengths (sampling) compare fairly
         "speedup": _per_token(base_ms, base) / _per_token(spec_ms, trace) if spec_ms > 0 and base_ms > 0 else math.nan,
     }

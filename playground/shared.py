@@ -46,7 +46,6 @@ class UserError(ValueError):
 # the API hands out a top-N per token, not the model's logits, weights, hidden states or cache.
 REMOTE_UNAVAILABLE = {
     "what if": "needs full logits",
-    "speculative": "needs a draft model scored against full logits; no remote speculative yet",
     "contrastive_search": "needs the model's hidden states",
     "contrastive_decoding": "needs full logits of the expert and the amateur",
     "mcts": "needs full logits and the model's own cache at every node",

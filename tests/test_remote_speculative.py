@@ -67,3 +67,26 @@ def test_a_listed_remote_drafter_equal_to_the_target_is_always_accepted(server_m
     assert drafted and all(d.accepted and d.accept_prob == pytest.approx(1.0) for d in drafted)  # p = q
     print(f"rounds {trace.summary['rounds']}, drafted {trace.summary['drafted']}, "
           f"accepted {trace.summary['accepted']}: {trace.text!r}")
+
+
+@server_test
+def test_the_target_only_baseline_runs_on_the_server_and_stops_with_the_run(server_model):
+    from engine.control import RunControl, RunStopped
+
+    config = DecodingConfig(strategy="speculative", drafter="ngram", temperature=0.0, max_new_tokens=12)
+    trace = runner.run(server_model, PROMPT, config, compare_baseline=True)
+    summary = trace.summary
+    greedy = runner.run(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=12))
+    assert summary["baseline_same_tokens"] and summary["baseline_first_difference"] is None
+    assert summary["baseline_tokens"] == len(greedy.generated_token_ids) == len(trace.generated_token_ids)
+    assert summary["baseline_ms"] > 0 and math.isfinite(summary["speedup"]) and summary["speedup"] > 0
+    assert "baseline_rounding_tie" not in summary  # that check needs the model's logits
+    control = RunControl()  # the rounds do not check it (runner.stream does, per event); the baseline must
+    events = remote_speculative.stream(server_model, PROMPT, server_model.encode(PROMPT), config, control=control,
+                                       compare_baseline=True)
+    for event in events:
+        if event.record is not None and event.record.finish_reason is not None:
+            control.cancel()  # the last round is out: what runs now is the target-only baseline
+            break
+    with pytest.raises(RunStopped):
+        next(events)

@@ -200,7 +200,6 @@ def test_the_what_if_says_it_is_not_available_for_a_remote_step(served):
 
 
 REFUSED = [  # (view event, its first output, the knobs to set, the line)
-    ("on_generate", "spec-counters", {"spec-prompt": "Hello"}, "speculative: not available for a remote model"),
     ("on_run", "mcts-status", {"mcts-prompt": "Hello"}, "mcts: not available for a remote model"),
     ("on_run", "medusa-status", {"medusa-prompt": "Hello"}, "medusa: not available for a remote model"),
     ("on_measure", "quant-status", {"quant-prompt": "Hello"}, "quantization: not available for a remote model"),
@@ -217,6 +216,119 @@ def test_a_view_that_needs_the_model_itself_says_so_in_one_line(served, event, f
         page.set(elem_id, value)
     answer = text_of(page.fire(event, first))
     assert line in answer and "AttributeError" not in answer, answer
+
+
+SPEC_PROMPT = "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday,"  # drafts pass, one is rejected
+
+
+def spec_generate(page: Page, drafter: str = "ngram", tokens: int = 12, temperature: float = 0.0,
+                  compare: bool = True) -> list[dict]:
+    page.set("spec-prompt", SPEC_PROMPT)
+    page.set("spec-chat", False)
+    page.set("spec-compare", compare)
+    for knob, value in (("drafter", drafter), ("max_new_tokens", tokens), ("temperature", temperature),
+                        ("num_draft_tokens", 4), ("seed", 5)):
+        page.set(f"spec-knob-{knob}", value)
+    return page.fire("on_generate", "spec-counters")
+
+
+def spec_session(page: Page):
+    from playground.views.speculative import SpecSession
+
+    return next(v for v in page.values.values() if isinstance(v, SpecSession))
+
+
+def pick_position(page: Page, value: str) -> dict:
+    """Pick ``value`` ("round:position") in the position dropdown, as a person does."""
+    page.set("spec-position", value)
+    dep = next(f for f in page.demo.fns.values()
+               if f.inputs and getattr(f.inputs[-1], "elem_id", None) == "spec-position")
+    return page.apply(dep, dep.fn(*[page.get(b) for b in dep.inputs]))
+
+
+@server_test
+def test_speculative_runs_on_a_remote_target_round_by_round(served):
+    page = remote_page(served)
+    spec_generate(page)
+    status = shown(page, "spec-status")
+    assert status.count("done:") == 1 and "stopped by max_new_tokens" in status, status
+    session = spec_session(page)
+    trace = session.trace
+    assert trace.model == served[1] and trace.extra["remote"]["mode"] == "step"
+    summary = trace.summary  # greedy: the server's target alone gives the same tokens; the prompt repeats: drafts pass
+    assert summary["accepted"] > 0 and summary["baseline_same_tokens"], summary
+    shown_summary = shown(page, "spec-summary")
+    assert "**Remote model** llamacpp:" in shown_summary and "scores the drafts by one request per position" in shown_summary
+    rounds = session.rounds
+    assert len(rounds) >= 3
+    for index in (rounds[0].index, rounds[len(rounds) // 2].index, rounds[-1].index):  # first, middle, last round
+        pick_position(page, f"{index}:0")
+        explain = shown(page, "spec-explain")
+        assert explain and "Traceback" not in explain, explain
+        assert page.shown("spec-position") == f"{index}:0" and page.shown("spec-pq") is not None
+    counters = shown(page, "spec-counters")  # the counters show the run's rate and the speed-up vs the server alone
+    assert f">{summary['acceptance_rate']:.0%}<" in counters and f">{summary['speedup']:.2f}×<" in counters, counters
+
+
+@server_test
+def test_a_listed_server_drafts_for_the_remote_target(served, monkeypatch):
+    page = remote_page(served)
+    listed = served[1]
+    monkeypatch.setenv("DP_REMOTE_MODELS", f"{listed},{DEAD}")
+    spec_generate(page, drafter=f"model:{listed}", tokens=8, temperature=0.8, compare=False)
+    assert "done:" in shown(page, "spec-status"), shown(page, "spec-status")
+    drafted = [d for r in spec_session(page).rounds for d in r.drafted]
+    assert drafted and all(d.accepted for d in drafted)  # the same model drafts: p = q, every draft passes
+
+
+@server_test
+@pytest.mark.parametrize("drafter,line", [
+    ("self-int8", "drafter: 'self-int8' does not run with a remote target; use ngram or model:"),
+    (f"model:{UNLISTED}", f"drafter: 'model:{UNLISTED}' does not run with a remote target"),
+    ("model:../../etc/passwd", "drafter: 'model:../../etc/passwd' does not run with a remote target"),
+])
+def test_a_drafter_the_remote_target_cannot_use_is_one_line_and_the_prompt_stays(served, drafter, line):
+    page = remote_page(served)
+    answer = text_of(spec_generate(page, drafter=drafter, tokens=4))
+    assert line in answer and "Traceback" not in answer, answer
+    assert page.shown("spec-prompt") == SPEC_PROMPT
+
+
+@server_test
+def test_a_local_target_refuses_a_server_as_its_drafter(served):
+    page = Page(served[0])  # the embedded model is the target
+    answer = text_of(spec_generate(page, drafter=f"model:{served[1]}", tokens=4))
+    assert "a remote model cannot be a drafter or amateur of a model loaded here" in answer, answer
+
+
+@server_test
+def test_two_pages_run_speculative_on_the_server_at_once(served):
+    pages = [remote_page(served), remote_page(served)]
+    errors: list[BaseException] = []
+
+    def work(page: Page, tokens: int) -> None:
+        try:
+            spec_generate(page, tokens=tokens, compare=False)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(p, n)) for p, n in zip(pages, (6, 10))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [len(spec_session(p).trace.generated_token_ids) for p in pages] == [6, 10]
+
+
+@server_test
+def test_the_beam_view_says_a_remote_search_s_approximations(served):
+    page = remote_page(served)
+    page.set("beam-prompt", "The capital of France is Paris. The capital of Italy is")
+    page.set("beam-knob-max_new_tokens", 3)
+    page.fire("on_run", "beam-tree")
+    summary = shown(page, "beam-summary")
+    assert "**Remote model** llamacpp:" in summary and "a lone EOS) can win" in summary, summary
 
 
 def compare_session(page: Page):

@@ -426,18 +426,6 @@ def summary_markdown(trace: Trace, running: bool = False) -> str:
     )
 
 
-def remote_markdown(trace: Trace) -> str:
-    """A served model's run (``extra["remote"]``, engine.remote): which server, which mode, and
-    every approximation the trace labels, on one line; "" for a model loaded here."""
-    remote = trace.extra.get("remote")
-    if not remote:
-        return ""
-    notes = [*remote.get("approximations", []),
-             *(f"{n['key']} {n['reason']}" for n in [*remote.get("unmapped", []), *remote.get("caveats", [])])]
-    return (f"**Remote model** {remote['backend']}:{remote['url']}, {remote['mode']} mode (its top {remote['top_n']} "
-            f"per step). **Approximations:** " + html.escape("; ".join(notes) or "none", quote=False) + ".")
-
-
 def step_tail(trace: Trace, index: int) -> tuple[int, float] | None:
     """(top-N, tail mass) of step ``index`` on a served model in step mode: the raw probability
     outside the server's top-N, which every chart leaves out (renormalised over the top-N); None

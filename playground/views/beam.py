@@ -22,6 +22,7 @@ from engine.control import RunControl
 from engine.models import LoadedModel
 from engine.trace import Trace
 from playground.charts import beam as charts
+from playground.charts.remote import remote_markdown
 
 from .. import downloads, examples
 from ..events import stop_button
@@ -78,7 +79,8 @@ def render(out: Outputs, session: BeamSession, length_penalty: float, collapse: 
     """Every output for a finished run."""
     search = session.beam()
     return rerank_updates(out, session, length_penalty, collapse) | {
-        out.summary: charts.step_summary(search), out.slider: gr.update(value=length_penalty), out.status: status,
+        out.summary: "\n\n".join(filter(None, [charts.step_summary(search), remote_markdown(session.trace)])),
+        out.slider: gr.update(value=length_penalty), out.status: status,
         out.download: downloads.trace_file(session.trace, "beam-trace"), out.session: session}
 
 

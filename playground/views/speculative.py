@@ -21,6 +21,7 @@ from engine.models import LoadedModel
 from engine.speculative import SpecRound, rounds_of
 from engine.trace import Trace
 from playground.charts import speculative as charts
+from playground.charts.remote import remote_markdown
 
 from .. import downloads, examples
 from ..assets import static_text
@@ -114,7 +115,8 @@ def render(out: Outputs, session: SpecSession, status: str | None = None, full: 
     if status is not None:
         updates[out.status] = status
     if full:
-        updates |= detail(out, session) | {out.summary: charts.summary_markdown(summary or {})}
+        updates |= detail(out, session) | {out.summary: "\n\n".join(filter(None, [
+            charts.summary_markdown(summary or {}), remote_markdown(session.trace)]))}
         if session.trace is not None:
             updates[out.download] = downloads.trace_file(session.trace, "spec-trace")
     return updates
@@ -170,7 +172,8 @@ def build_tab(shared: Shared) -> PanelView:
             panel = KnobPanel(shared, SPEC_KNOBS + RUN_KNOBS + STAGE_KNOBS, ["speculative"], preset=DEFAULT_PRESET,
                               prefix="spec-")
             compare = gr.Checkbox(True, label="Compare with target-only", elem_id="spec-compare",
-                                  info="Also time the same settings decoded by the target alone, in this process (speed-up).")
+                                  info="Also time the same settings decoded by the target alone (speed-up): in this process, "
+                                       "or on a served target in step mode, one request per token.")
         with gr.Column(scale=2, min_width=480):
             counters = gr.HTML(charts.counters_html([]), elem_id="spec-counters")
             rounds = gr.HTML(charts.rounds_html([]), js_on_load=CHIP_JS, elem_id="spec-rounds")

@@ -29,6 +29,7 @@ from engine.models import LoadedModel
 from engine import runner
 from engine.trace import Trace
 from playground.charts import step as charts
+from playground.charts.remote import remote_markdown
 from playground.charts.step import revised
 from playground.charts import tokens as token_charts
 
@@ -183,7 +184,7 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
         out.step: gr.update(maximum=max(1, last), value=sel),
         out.runs: gr.update(choices=[(_run_label(i, t), i) for i, t in enumerate(session.runs)], value=session.current),
         out.summary: "\n\n".join(filter(None, [charts.summary_markdown(trace, running=not full),
-                                                 charts.remote_markdown(trace)])),
+                                                 remote_markdown(trace)])),
         out.status: status,
         out.session: session,
         out.whatif_key: session.whatif_key,

@@ -1,0 +1,21 @@
+"""A served model's run in words (issue #29): which server, which mode, and every approximation
+its trace labels (``extra["remote"]``, engine.remote). Step through, Speculative and Beam show it
+under their runs."""
+
+from __future__ import annotations
+
+import html
+
+from engine.trace import Trace
+
+
+def remote_markdown(trace: Trace | None) -> str:
+    """A served model's run (``extra["remote"]``, engine.remote): which server, which mode, and
+    every approximation the trace labels, on one line; "" for a model loaded here (or no run)."""
+    remote = trace.extra.get("remote") if trace is not None else None
+    if not remote:
+        return ""
+    notes = [*remote.get("approximations", []),
+             *(f"{n['key']} {n['reason']}" for n in [*remote.get("unmapped", []), *remote.get("caveats", [])])]
+    return (f"**Remote model** {remote['backend']}:{remote['url']}, {remote['mode']} mode (its top {remote['top_n']} "
+            f"per step). **Approximations:** " + html.escape("; ".join(notes) or "none", quote=False) + ".")
