@@ -53,3 +53,32 @@ def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page,
     # the README's picture (section 6): the model box, the run and its chart, the approximations line
     width = page.evaluate("document.documentElement.scrollWidth")
     page.screenshot(path=str(DOCS / "remote-step.png"), full_page=True, clip=dict(x=0, y=0, width=width, height=2760))
+
+
+@server_test
+def test_speculative_on_the_server_click_a_round_s_chip(page, served_app, artifacts):
+    url, listed = served_app
+    page.goto(url)
+    page.click("#dp-model input")
+    page.locator("ul[role=listbox] li", has_text=listed).first.click()
+    page.wait_for_selector("#dp-model-status:has-text('a served model, step mode')", timeout=60_000)
+    page.get_by_role("tab", name="Speculative").click()
+    page.fill("#spec-prompt textarea", "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday,")
+    page.click("#spec-chat input")  # off: the prompt continues as text
+    page.fill("#spec-knob-max_new_tokens input[type=number]", "12")
+    page.locator("#spec-knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#spec-generate")
+    page.wait_for_selector("#spec-status:has-text('done')", timeout=300_000)
+    assert page.locator("#spec-knob-drafter textarea, #spec-knob-drafter input").first.input_value() == "ngram"
+    summary = page.locator("#spec-summary").inner_text()
+    assert f"Remote model {listed}, step mode" in summary and "scores the drafts by one request per position" in summary
+    assert "×" in page.locator("#spec-speedup").inner_text()  # vs the server's target alone, one request per token
+    chips = page.locator("#spec-rounds [data-chip]")
+    assert chips.count() >= 3
+    last = chips.nth(chips.count() - 1)  # the last round's last chip
+    r, pos, kind = (last.get_attribute(a) for a in ("data-round", "data-pos", "data-kind"))
+    expected = f"Round {r}, bonus" if kind == "bonus" else f"Round {r}, position {pos}:"
+    last.click()
+    page.wait_for_function(f"() => document.querySelector('#spec-explain')?.innerText.includes({expected!r})")
+    assert page.locator("#spec-pq .js-plotly-plot").count() == 1
+    page.screenshot(path=str(artifacts / "remote-speculative.png"), full_page=True)
