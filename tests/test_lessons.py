@@ -101,7 +101,7 @@ def open_and_run(step_view, select_step):
     opened = tab.on_open("tabs", {"step": view}, None, None, lesson.id, lessons.LessonSession(lesson), None)
     assert opened["open_run"] == "step-generate" and opened[view.prompt] == "The sea is"
     values = [opened.get(c, c.value) for c in view.panel.inputs]
-    return opened, list(handlers.on_run(opened[view.select_once], 390, opened[view.prompt], opened[view.chat],
+    return opened, list(handlers.on_run(opened[view.select_once], 390, "step", opened[view.prompt], opened[view.chat],
                                         "embedded", "none", "probability", None, "", *values, control=RunControl()))
 
 
@@ -131,7 +131,7 @@ def test_open_then_run_selects_the_min_entropy_step_then_generate_is_the_default
     # The user presses Generate: select_once holds None now, so the view's own default is back.
     values = [opened.get(c, c.value) for c in view.panel.inputs]
     session = updates[-1][out.session]
-    again = list(handlers.on_run(None, None, "The sea is", False, "embedded", "none", "probability", session,
+    again = list(handlers.on_run(None, None, "step", "The sea is", False, "embedded", "none", "probability", session,
                                  session.owner, *values, control=RunControl()))
     assert again[-1][out.session].trace().generated_token_ids == trace.generated_token_ids  # same seed
     assert again[-1][out.step]["value"] == final.index(max(final))  # the most uncertain step
@@ -144,7 +144,7 @@ def test_a_failed_open_run_clears_the_selection_and_leaves_the_prompt(step_view)
     step, view, out, handlers = step_view
     values = [c.value for c in view.panel.inputs]
     values[view.panel.inputs.index(view.panel.components["temperature"])] = -3  # out of range
-    run = handlers.on_run(2, None, "The sea is", False, "embedded", "none", "probability", None, "", *values,
+    run = handlers.on_run(2, None, "step", "The sea is", False, "embedded", "none", "probability", None, "", *values,
                           control=RunControl())
     assert next(run) == {view.select_once: None}
     with pytest.raises(UserError, match="temperature"):

@@ -168,6 +168,74 @@ def test_step_through_on_a_remote_model_generates_branches_and_continues(served,
     assert continued.extra["remote"]["mode"] == "step"
 
 
+def mode_radio_shown(page: Page) -> bool:
+    """Whether the step | fast radio is visible after the model box's change event (as the page runs it)."""
+    dep = next(f for f in page.demo.fns.values() if [getattr(b, "elem_id", None) for b in f.outputs] == ["step-remote-mode"])
+    update = dep.fn(*[page.get(b) for b in dep.inputs])
+    return bool(update.get("visible"))
+
+
+@server_test
+def test_the_mode_radio_is_there_only_for_a_served_model(served):
+    demo, listed = served
+    page = Page(demo)
+    assert page.block("step-remote-mode").visible is False and not mode_radio_shown(page)
+    pick(page, listed)
+    assert mode_radio_shown(page)
+    pick(page, "embedded")
+    assert not mode_radio_shown(page)
+
+
+@server_test
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_fast_mode_the_server_samples_and_a_branch_continues_in_step_mode(served, where):
+    page = remote_page(served)
+    generate(page, "Name a colour of the sea.", tokens=8, strategy="greedy")
+    stepped = page.session().trace()
+    page.set("step-remote-mode", "fast")
+    generate(page, "Name a colour of the sea.", tokens=8, strategy="greedy")
+    fast = page.session().trace()
+    assert fast.extra["remote"]["mode"] == "fast" and stepped.extra["remote"]["mode"] == "step"
+    assert fast.generated_token_ids == stepped.generated_token_ids  # greedy: both modes agree
+    assert all([s.name for s in step.stages] == ["raw", "final"] for step in fast.steps)  # the server's top-N, no stages
+    summary = shown(page, "step-summary")
+    assert "fast mode" in summary and "the server sampled" in summary, summary
+    last = len(fast.steps) - 1
+    k = {"first": 0, "middle": last // 2, "last": last}[where]
+    token = branch(page, k)  # from the server's text, our chain goes on (the kept tokens are the prompt)
+    branched = page.session().trace()
+    assert branched.branch_of == k and branched.generated_token_ids[:k + 1] == fast.generated_token_ids[:k] + [token]
+    assert branched.extra["remote"]["mode"] == "step"
+
+
+@server_test
+@pytest.mark.parametrize("mode", ["bogus", None, 3, "fast" * 30])
+def test_a_bad_mode_is_one_line_and_the_prompt_stays(served, mode):
+    page = remote_page(served)
+    page.set("step-prompt", "Keep this prompt.")
+    page.set("step-remote-mode", mode)
+    answer = text_of(page.fire("on_run", "step-text"))
+    assert "remote_mode: expected step or fast, got" in answer and "Traceback" not in answer, answer
+    assert page.shown("step-prompt") == "Keep this prompt."
+
+
+@server_test
+def test_the_step_trace_api_takes_the_mode(served):
+    from tests.test_continue_compare import run_coroutine
+
+    demo, listed = served
+    endpoint = next(f.fn for f in demo.fns.values() if f.api_name == "step_trace")
+
+    def call(model: str, mode: str) -> dict:
+        return run_coroutine(lambda: endpoint("Name a colour of the sea.", {"max_new_tokens": 4}, "greedy", False,
+                                              model, "none", mode))
+
+    assert call(listed, "fast")["extra"]["remote"]["mode"] == "fast"
+    assert call(listed, "step")["extra"]["remote"]["mode"] == "step"
+    with pytest.raises(Exception, match=r"remote_mode: fast needs a served model; model 'embedded' runs here \(use step\)"):
+        call("embedded", "fast")
+
+
 @server_test
 def test_two_pages_step_through_the_server_at_once(served):
     pages = [remote_page(served), remote_page(served)]

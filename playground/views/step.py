@@ -25,7 +25,7 @@ import gradio as gr
 from engine import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
-from engine.models import LoadedModel
+from engine.models import LoadedModel, is_remote_source
 from engine import runner
 from engine.trace import Trace
 from playground.charts import step as charts
@@ -41,7 +41,7 @@ from ..whatif_service import STAGE_STRATEGIES, KeptLogits, Registered, WhatIfSer
 from . import stale
 from .whatif import WHATIF_CONCURRENCY, WhatIfPanel, continue_events, explore_api
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
-from ..shared import page_width, parent_trace
+from ..shared import is_remote, page_width, parent_trace
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 MAX_RUNS = 8  # runs kept per session: the original and the latest branches
@@ -109,10 +109,12 @@ class StepView(PanelView):
     """The Step view's handle: its PanelView, plus ``select_once``, a gr.State holding the step to
     select when the next run ends ("max_entropy" | "min_entropy" | an int; a lesson's "Open in its
     view" sets it, that run clears it), and ``width``, the page width (px) the page's script writes
-    (the step chart goes two panels a row below charts.NARROW_PX, one below charts.PHONE_PX)."""
+    (the step chart goes two panels a row below charts.NARROW_PX, one below charts.PHONE_PX), and
+    ``remote_mode``, the step | fast radio shown while a served model is picked."""
 
     select_once: Any = None
     width: Any = None
+    remote_mode: Any = None
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,8 @@ def build_tab(shared: Shared, whatif: WhatIfService) -> StepView:
             status = gr.HTML("", elem_id="step-status")
             chat = gr.Checkbox(True, label="Chat template", info="Wrap the prompt in the model's chat template (instruct models).",
                                elem_id="step-chat")
+            remote_mode = gr.Radio(REMOTE_MODES, value="step", label="Served model: who picks each token",
+                                   info=REMOTE_MODE_INFO, visible=False, elem_id="step-remote-mode")
             panel = KnobPanel(shared, RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset=DEFAULT_PRESET, prefix="step-")
         with gr.Column(scale=2, min_width=480):
             colour_by = gr.Radio(["probability", "surprisal"], value="probability", label="Colour tokens by", elem_id="step-colour")
@@ -333,7 +337,10 @@ def build_tab(shared: Shared, whatif: WhatIfService) -> StepView:
                   gr.State(None, time_to_live=SESSION_TTL_S),
                   gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET), what_if.key)
     panel.wire()
-    view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width)
+    view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width, remote_mode=remote_mode)
+    # the mode radio is there only while the model box holds a served model
+    shared.model.change(lambda m: gr.update(visible=isinstance(m, str) and is_remote_source(m)), shared.model,
+                        remote_mode, queue=False, api_visibility="private")
     example = examples.ExampleRequest("step", DEFAULT_PROMPT, DEFAULT_PRESET, examples.fresh_config(panel), chat=True)
     examples.cache_for(shared.registry).want(example)
     whatif.use_panel(panel)
@@ -363,23 +370,27 @@ class Handlers:
 
     def on_generate(self, prompt: str, chat: bool, model: str, quant: str, colour: str, state: StepSession | None,
                     owner: str, *values: Any, control: RunControl, select: str | int | None = None,
-                    width: float | None = None) -> Iterator[dict]:
-        """Run the prompt under the panel's knobs; the last update selects ``select`` (see stream_run)."""
+                    width: float | None = None, remote_mode: Any = "step") -> Iterator[dict]:
+        """Run the prompt under the panel's knobs; the last update selects ``select`` (see stream_run).
+        ``remote_mode``: step | fast, for a served model (``with_remote_mode``)."""
         if state is not None and not state.owned_by(owner):
             raise UserError("session: this session belongs to another page; reload the page")
         config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, model, quant, prompt, chat)
+        lm = with_remote_mode(lm, remote_mode)
         owner = owner if isinstance(owner, str) and len(owner) >= 32 else secrets.token_hex(16)
         session = StepSession(owner=owner)  # a new prompt starts a new list of runs
         yield {self.out.owner: owner}
         yield from stream_run(self.out, self.shared, session, StepRequest(lm, prompt, prompt_ids, config, chat, colour),
                               control, select=select, width=width)
 
-    def on_run(self, select_once: Any, width: Any, *args: Any, control: RunControl) -> Iterator[dict]:
+    def on_run(self, select_once: Any, width: Any, remote_mode: Any, *args: Any, control: RunControl) -> Iterator[dict]:
         """Generate (the button, Ctrl/Cmd+Enter, a lesson's Open): ``on_generate`` of ``args``, ending
         on ``select_once``'s step when a lesson set it. It is cleared first, so it applies to this run
-        only (a failed one too): the next Generate shows the most uncertain step again."""
+        only (a failed one too): the next Generate shows the most uncertain step again.
+        ``remote_mode``: step | fast, for a served model (a model loaded here ignores it)."""
         yield {self.view.select_once: None}
-        yield from self.on_generate(*args, control=control, select=lesson_select(select_once), width=page_width(width))
+        yield from self.on_generate(*args, control=control, select=lesson_select(select_once), width=page_width(width),
+                                    remote_mode=remote_mode)
 
     def on_branch(self, model: str, quant: str, colour: str, state: StepSession | None, owner: str, at: Any,
                   token: Any, width: Any = None, *, control: RunControl) -> Iterator[dict]:
@@ -397,7 +408,8 @@ class Handlers:
 
     def wire(self, generate: gr.Button, branch: gr.Button, stop: gr.Button) -> None:
         out, shared, events = self.out, self.shared, self.shared.events
-        gen_inputs = [self.view.select_once, self.view.width, self.view.prompt, self.view.chat, shared.model,
+        gen_inputs = [self.view.select_once, self.view.width, self.view.remote_mode, self.view.prompt, self.view.chat,
+                      shared.model,
                       shared.quantization, self.colour_by, out.session, out.owner, *self.view.panel.inputs]
         gen_event = events.on([generate.click, self.view.prompt.submit], self.on_run, gen_inputs,
                               [*out.all(), self.view.select_once],
@@ -523,12 +535,33 @@ class Handlers:
         gr.on([width.change, self.redraw.click], on_width, [*mine, out.step, width], [out.chart], **local)
 
 
+REMOTE_MODES = ("step", "fast")
+REMOTE_MODE_INFO = ("step: one request per token; our stages and our seeded draw over the server's top 100, every stage "
+                    "drawn (exact up to the top-N). fast: one streamed request; the server's own sampler picks, and "
+                    "each token shows its raw and final top-N (no stages in between, no branching).")
+
+
+def with_remote_mode(lm: LoadedModel, mode: Any, source: str | None = None) -> LoadedModel:
+    """``lm`` run in ``mode`` (step | fast) when it is a served model; a UserError naming
+    ``remote_mode`` for another value, or, given the model's ``source`` (an API call; the page hides
+    the radio then), for fast on a model loaded here."""
+    if mode not in REMOTE_MODES:
+        raise UserError(f"remote_mode: expected step or fast, got {str(mode)[:40]!r}")
+    if not is_remote(lm):
+        if source is not None and mode == "fast":
+            raise UserError(f"remote_mode: fast needs a served model; model {source[:60]!r} runs here (use step)")
+        return lm
+    return lm.with_mode(mode)
+
+
 def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,
-               model: str = "embedded", quantization: str = "none", *, control: RunControl) -> dict:
+               model: str = "embedded", quantization: str = "none", remote_mode: str = "step", *,
+               control: RunControl) -> dict:
     """Run greedy or sampling on the prompt and return the trace JSON (same as the CLI's --json).
-    ``preset``: a built-in preset name (or preset JSON); ``config``: knobs overriding it."""
+    ``preset``: a built-in preset name (or preset JSON); ``config``: knobs overriding it;
+    ``remote_mode``: on a served model, "step" (our chain over its top-N) or "fast" (it samples)."""
     cfg = shared.api_config(preset, config, default_strategy="sample", strategies=STEP_STRATEGIES)
-    lm = shared.lm(model, quantization)
+    lm = with_remote_mode(shared.lm(model, quantization), remote_mode, str(model))
     prompt_ids = shared.encode_prompt(lm, prompt, chat)
     return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
 
