@@ -3,18 +3,19 @@ or any OpenAI-compatible server (vLLM, SGLang, llama-server's own ``/v1``).
 
 One implementation of the modes, two small API classes for the requests (``LlamaCppApi``,
 ``OpenAIApi``: tokenize, detokenize, chat ids, ``next_top`` = the raw top-N after some ids,
-``generate`` = fast mode's answer). Both modes end in an ordinary engine ``Trace``, run through
-``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend``; ``RemoteModel.mode``
-picks the mode):
+``generate`` = fast mode's streamed answer). Both modes end in an ordinary engine ``Trace``, run
+through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend``;
+``RemoteModel.mode`` picks the mode):
 
 - **step mode** (``stream_step``, the default): one request per token (one token generated, top-N
   log-probabilities; the server's prefix cache re-reads only the new token). The raw top-N become
   logits (log p inside the top-N, -inf outside); our own stage chain and our own seeded draw
   (``engine.core.RunState``, the local engine's loop body) pick the token. Exact up to the
   truncation to the top-N, which the trace labels (the tail mass per step).
-- **fast mode**: one request for the whole text; the server's sampler picks (its own random
-  generator: the same seed gives a different text than ours). Each step shows the server's top-N
-  (llama.cpp: final and, from a second request with the same seed, raw; OpenAI: its ``logprobs``).
+- **fast mode**: one streamed request for the whole text (Server-Sent Events: a step is shown as
+  its token arrives); the server's sampler picks (its own random generator: the same seed gives a
+  different text than ours). Each step shows the server's top-N (llama.cpp: final and, from a
+  second request with the same seed after the stream, raw; OpenAI: its ``logprobs``).
 
 ``RemoteModel`` quacks like ``engine.models.LoadedModel`` where the decoding loop needs it
 (tokenizer, EOS ids, vocabulary size, token text, decode). Every request has a timeout; a server
@@ -27,12 +28,14 @@ stage order.
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import socket
 import time
 import urllib.error
 import urllib.request
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
@@ -132,24 +135,74 @@ class JsonClient:
         return self._call(urllib.request.Request(self.url + path), path)
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
+        return self._call(self._post_request(path, body), path)
+
+    def stream_post(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
+        """POST ``body`` and yield the JSON of each Server-Sent Event (``data: {...}`` lines, a blank
+        line after each) as it arrives, until ``data: [DONE]`` or the end of the stream. The
+        timeout bounds connecting and every read; an event carrying ``error`` raises RemoteError.
+        Closing the generator early closes the connection, so the server ends the request."""
+        where = f"{self.server} {self.url}{path}"
+        response = self._open(self._post_request(path, body), where)
+        try:
+            data: list[bytes] = []
+            while True:
+                raw = self._read(response.readline, where)  # b"" at the end of the stream
+                line = raw.rstrip(b"\r\n")
+                if line.startswith((b"data:", b"error:")):
+                    field, _, value = line.partition(b":")
+                    if field == b"error":  # llama-server's way of failing mid-stream
+                        raise RemoteError(f"{where}: the stream says: {_error_detail(value.strip())}")
+                    data.append(value.strip())
+                elif not line and data:  # a blank line (or the end) closes an event
+                    text, data = b"\n".join(data), []
+                    if text == b"[DONE]":
+                        return
+                    event = self._parse(text, where)
+                    if isinstance(event, dict) and event.get("error"):
+                        raise RemoteError(f"{where}: the stream says: {_error_detail(text)}")
+                    yield event
+                if not raw:
+                    return
+        finally:
+            response.close()
+
+    def _post_request(self, path: str, body: dict[str, Any]) -> urllib.request.Request:
         data = json.dumps(body, allow_nan=False).encode()
-        request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
-        return self._call(request, path)
+        return urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
 
     def _call(self, request: urllib.request.Request, path: str) -> Any:
         where = f"{self.server} {self.url}{path}"
+        with self._open(request, where) as response:
+            text = self._read(response.read, where)
+        return self._parse(text, where)
+
+    def _open(self, request: urllib.request.Request, where: str) -> Any:
+        """The open response (http.client.HTTPResponse); an HTTP error or no connection raises RemoteError."""
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                text = response.read()
+            return urllib.request.urlopen(request, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
             raise RemoteError(f"{where}: HTTP {exc.code}: {_error_detail(exc.read(2000))}") from None
-        except (TimeoutError, socket.timeout):
-            raise RemoteError(f"{where}: no answer within the {self.timeout_s:g} s timeout") from None
-        except (urllib.error.URLError, ConnectionError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise RemoteError(f"{where}: no answer within the {self.timeout_s:g} s timeout") from None
-            raise RemoteError(f"{where}: cannot connect ({reason}; timeout {self.timeout_s:g} s)") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._failure(exc, where) from None
+
+    def _read(self, read: Any, where: str) -> bytes:
+        """``read()`` on a response; a timeout or a broken connection raises RemoteError."""
+        try:
+            return read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._failure(exc, where) from None
+
+    def _failure(self, exc: Exception, where: str) -> RemoteError:
+        """One line for a failure to connect or to read: a timeout, a refused or broken connection."""
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            return RemoteError(f"{where}: no answer within the {self.timeout_s:g} s timeout")
+        if isinstance(exc, http.client.HTTPException):
+            return RemoteError(f"{where}: the connection broke off ({type(exc).__name__})")
+        return RemoteError(f"{where}: cannot connect ({reason}; timeout {self.timeout_s:g} s)")
+
+    def _parse(self, text: bytes, where: str) -> Any:
         try:
             return json.loads(text, parse_constant=_no_constant)
         except ValueError as exc:
@@ -174,19 +227,29 @@ Entry = tuple[int, float, "str | None"]
 
 
 @dataclass
-class FastAnswer:
-    """A fast-mode generation as a backend returns it: per token, its id, the probability the
-    server picked it with, and the server's top-N (``final``: after its sampler; ``raw``: the
-    model's), either None when the backend cannot give it."""
+class FastToken:
+    """One token of a fast-mode generation as it streams in: its id, the probability the server
+    picked it with, and the server's top-N (``final``: after its sampler; ``raw``: the model's),
+    either None when the backend does not send it."""
 
-    tokens: list[int]
-    probs: list[float]
-    final: list[list[Entry]] | None
-    raw: list[list[Entry]] | None
+    token: int
+    prob: float
+    final: list[Entry] | None
+    raw: list[Entry] | None
+
+
+@dataclass
+class FastAnswer:
+    """How a fast-mode generation ended (after its FastTokens): why it stopped, what the run
+    approximates, the knobs the server did not run as ours (``notes``), the server's timings, and
+    ``raw``: the raw top-N per token from llama.cpp's second request (None when not asked or left
+    out; it may cover fewer tokens than were streamed, see ``LlamaCppApi.generate``)."""
+
     finish_reason: str
     approximations: list[str]
     notes: dict[str, list[dict[str, str]]]
     timings: dict[str, Any] = field(default_factory=dict)
+    raw: list[list[Entry]] | None = None
 
 
 @dataclass
@@ -328,33 +391,67 @@ class LlamaCppApi:
         cache re-reads one token); a token outside a top-N has no probability here."""
         return [self.next_top(ids[:i], top_n) for i in range(start, len(ids) + 1)]
 
-    def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> FastAnswer:
-        """Fast mode: its sampler chain runs ``config`` (``llamacpp_request``); ``raw``: a second
-        request with the same seed adds the raw top-N (dropped, and said so, if it sampled another
-        text)."""
+    def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> Iterator[FastToken | FastAnswer]:
+        """Fast mode: one streamed request; its sampler chain runs ``config`` (``llamacpp_request``):
+        a FastToken (with the top-N after its sampler) as each token is sampled, then the
+        FastAnswer. ``raw``: after the stream, a second request (not streamed) with the same seed
+        adds the raw top-N (left out, and said so, if it sampled another text)."""
         request = llamacpp_request(config, self.context)
-        final = self._completion(ids, config, request, True)
-        probs = final.get("completion_probabilities") or []
+        where = f"llama.cpp server {self.client.url}/completion"
+        tokens: list[int] = []
+        last: dict[str, Any] = {}
+        body = self._body(ids, config, request, True) | {"stream": True}
+        with closing(self.client.stream_post("/completion", body)) as chunks:  # closed: the server stops too
+            for chunk in chunks:
+                for entry in _chunk_probabilities(chunk, where):
+                    tokens.append(int(entry["id"]))
+                    yield FastToken(tokens[-1], float(entry["prob"]),
+                                    _llama_entries(entry.get("top_probs") or [], "prob"), None)
+                if chunk.get("stop"):
+                    last = chunk
+                    break
+        if not last:
+            raise RemoteError(f"{where}: the stream ended before its last chunk (stop: true)")
         approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
                           "entropies are over the top-N only"]
-        raw_tops = None
+        answer = FastAnswer(STOP_TYPES.get(last.get("stop_type", ""), "max_new_tokens"), approximations,
+                            request.notes(), last.get("timings", {}))
         if raw:
-            again = self._completion(ids, config, request, False).get("completion_probabilities") or []
-            if [e["id"] for e in again] == [e["id"] for e in probs]:
-                raw_tops = [_llama_entries(e["top_logprobs"]) for e in again]
-            else:
-                approximations.append("the raw request sampled another text: raw probabilities left out")
-        return FastAnswer([int(e["id"]) for e in probs], [float(e["prob"]) for e in probs],
-                          [_llama_entries(e.get("top_probs") or [], "prob") for e in probs], raw_tops,
-                          STOP_TYPES.get(final.get("stop_type", ""), "max_new_tokens"), approximations,
-                          request.notes(), final.get("timings", {}))
+            answer.raw = self._raw_tops(ids, config, request, tokens, approximations)
+        yield answer
 
-    def _completion(self, ids: Sequence[int], config: DecodingConfig, request: "LlamaRequest",
-                    post_sampling: bool) -> dict:
-        return self.client.post("/completion", {
-            **request.fields, "prompt": list(ids), "n_predict": config.max_new_tokens, "n_probs": config.top_n,
-            "post_sampling_probs": post_sampling, "cache_prompt": True, "return_tokens": True,
-            "stop": list(config.stop)})
+    def _raw_tops(self, ids: Sequence[int], config: DecodingConfig, request: "LlamaRequest", tokens: list[int],
+                  approximations: list[str]) -> list[list[Entry]] | None:
+        """The raw top-N of each of ``tokens`` from a second request with the same seed (None, said
+        in ``approximations``, when it sampled another text). A whole (non-streamed) answer has no
+        probabilities for the tokens that completed a stop string: those steps get none."""
+        again = self.client.post("/completion", self._body(ids, config, request, False))
+        probs = again.get("completion_probabilities") or []
+        if [int(t) for t in again.get("tokens") or [e["id"] for e in probs]] != tokens:
+            approximations.append("the raw request sampled another text: raw probabilities left out")
+            return None
+        if len(probs) < len(tokens):
+            approximations.append("the tokens that completed a stop string have no raw top-N (llama.cpp leaves "
+                                  "them out of a whole answer)")
+        return [_llama_entries(e.get("top_logprobs") or []) for e in probs]
+
+    def _body(self, ids: Sequence[int], config: DecodingConfig, request: "LlamaRequest",
+              post_sampling: bool) -> dict[str, Any]:
+        """A fast-mode /completion body: the mapped knobs; the top-N after its sampler
+        (``post_sampling``) or the model's."""
+        return {**request.fields, "prompt": list(ids), "n_predict": config.max_new_tokens, "n_probs": config.top_n,
+                "post_sampling_probs": post_sampling, "cache_prompt": True, "return_tokens": True,
+                "stop": list(config.stop)}
+
+
+def _chunk_probabilities(chunk: Any, where: str) -> list[dict[str, Any]]:
+    """A streamed /completion chunk's ``completion_probabilities``: one entry (``id``, ``prob``,
+    ``top_probs``) per token it carries, none in the last chunk. Another shape raises RemoteError."""
+    entries = chunk.get("completion_probabilities", []) if isinstance(chunk, dict) else None
+    if not isinstance(entries, list) or len(entries) != len(chunk.get("tokens") or entries) \
+            or not all(isinstance(e, dict) and "id" in e and "prob" in e for e in entries):
+        raise RemoteError(f"{where}: a streamed chunk without completion_probabilities (id, prob) per token")
+    return entries
 
 
 def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
@@ -493,35 +590,58 @@ class OpenAIApi:
         rows, last = self._scored(ids, top_n)
         return [[(t, lp, None) for t, lp in (rows[i] or {}).items()] for i in range(start, len(ids))] + [last]
 
-    def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> FastAnswer:
-        """Fast mode: one request; the server samples with the knobs it has (``OPENAI_FIELDS``),
-        its top-N ``logprobs`` per token (raw or processed: the server's ``--logprobs-mode``)."""
-        active = config.active_stages()
-        # every field sent, neutral or not, so no server default (llama-server: top-k 40...) leaks in
-        fields = {name: getattr(config, knob) for knob, name in OPENAI_FIELDS.items()}
-        fields["top_k"] = fields["top_k"] or -1  # 0 is our "off"; -1 is theirs
-        if config.is_greedy:
-            fields["temperature"] = 0.0
-        unmapped = [{"key": k.name, "reason": "the OpenAI-compatible API has no such sampling parameter"}
-                    for k in KNOBS.values() if k.stage in active and k.stage not in OPENAI_FIELDS
-                    and getattr(config, k.name) != k.neutral]
-        caveats = [{"key": "stage_order", "reason": "the server applies its own fixed order, not ours"}]
-        if not config.is_greedy:
-            caveats.append({"key": "seed", "reason": "the server has its own random generator: the same seed "
-                                                     "gives another text (step mode draws with ours)"})
-        choice = self._complete({"prompt": list(ids), "max_tokens": config.max_new_tokens, "logprobs": config.top_n,
-                                 "seed": config.seed, "stop": list(config.stop), **fields})
-        tokens = _openai_tokens(choice)
-        finish = {"stop": "eos", "length": "max_new_tokens"}.get(choice.get("finish_reason") or "", "max_new_tokens")
-        if finish == "eos" and isinstance(choice.get("stop_reason"), str):
-            finish = "stop_string"
+    def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> Iterator[FastToken | FastAnswer]:
+        """Fast mode: one streamed request; the server samples with the knobs it has
+        (``OPENAI_FIELDS``): a FastToken (its top-N ``logprobs``: raw or processed, the server's
+        ``--logprobs-mode``) as each token arrives, then the FastAnswer. ``raw`` changes nothing
+        (the top-N are the only ones it sends)."""
+        fields, notes = _openai_fields(config)
+        where = f"OpenAI-compatible server {self.client.url}/completions"
+        finish, stop_reason = "", None
+        body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
+                "prompt": list(ids), "stream": True, "max_tokens": config.max_new_tokens, "logprobs": config.top_n,
+                "seed": config.seed, "stop": list(config.stop), **fields}
+        with closing(self.client.stream_post("/completions", body)) as chunks:  # closed: the server stops too
+            for chunk in chunks:
+                choices = chunk.get("choices") if isinstance(chunk, dict) else None
+                if not isinstance(choices, list):
+                    raise RemoteError(f"{where}: a streamed chunk without choices")
+                for choice in choices[:1]:  # a usage-only chunk has none
+                    try:
+                        tokens = _openai_tokens(choice)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        raise RemoteError(f"{where}: a streamed chunk without token logprobs ({exc})") from None
+                    for token, lp, top in tokens:
+                        yield FastToken(token, math.exp(lp), None, top)
+                    finish = choice.get("finish_reason") or finish
+                    stop_reason = choice.get("stop_reason", stop_reason)
+        reason = {"stop": "eos", "length": "max_new_tokens"}.get(finish, "max_new_tokens")
+        if reason == "eos" and isinstance(stop_reason, str):  # vLLM: the stop string that ended it
+            reason = "stop_string"
         approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
                           "the top-N per token are the server's logprobs: the raw model's on llama-server and "
                           "under vLLM's default --logprobs-mode raw_logprobs, processed under processed_logprobs",
                           "entropies are over the top-N only"]
-        return FastAnswer([t for t, _, _ in tokens], [math.exp(lp) for _, lp, _ in tokens], None,
-                          [top for _, _, top in tokens], finish, approximations,
-                          {"unmapped": unmapped, "caveats": caveats})
+        yield FastAnswer(reason, approximations, notes)
+
+
+def _openai_fields(config: DecodingConfig) -> tuple[dict[str, Any], dict[str, list[dict[str, str]]]]:
+    """Our knobs as an OpenAI-compatible completion request's sampling fields (``OPENAI_FIELDS``),
+    and the notes: knobs it cannot express (``unmapped``), differences (``caveats``)."""
+    active = config.active_stages()
+    # every field sent, neutral or not, so no server default (llama-server: top-k 40...) leaks in
+    fields = {name: getattr(config, knob) for knob, name in OPENAI_FIELDS.items()}
+    fields["top_k"] = fields["top_k"] or -1  # 0 is our "off"; -1 is theirs
+    if config.is_greedy:
+        fields["temperature"] = 0.0
+    unmapped = [{"key": k.name, "reason": "the OpenAI-compatible API has no such sampling parameter"}
+                for k in KNOBS.values() if k.stage in active and k.stage not in OPENAI_FIELDS
+                and getattr(config, k.name) != k.neutral]
+    caveats = [{"key": "stage_order", "reason": "the server applies its own fixed order, not ours"}]
+    if not config.is_greedy:
+        caveats.append({"key": "seed", "reason": "the server has its own random generator: the same seed "
+                                                 "gives another text (step mode draws with ours)"})
+    return fields, {"unmapped": unmapped, "caveats": caveats}
 
 
 def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step", *,
@@ -769,38 +889,63 @@ def _stage(name: str, entries: list[Entry], vocab_size: int) -> StageTrace:
 
 def run_fast(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
              raw: bool = True) -> Trace:
-    """Fast mode: the server generates the whole text in one request (its top-N per token, raw
-    and final as the backend gives them; ``raw``: llama.cpp, a second request for the raw top-N)."""
+    """Fast mode: the server generates the whole text in one streamed request (its top-N per
+    token, raw and final as the backend gives them; ``raw``: llama.cpp, a second request for the
+    raw top-N)."""
     fast = model.with_mode("fast")
     return _collect(_stream_fast(fast, prompt, fast.encode(prompt, chat), config, chat, raw=raw))
 
 
 def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, chat: bool,
                  raw: bool = True) -> Iterator[Event]:
-    """Fast mode's Events: the backend generates the whole text (``api.generate``), then an Event
-    per token and the labelled Trace."""
+    """Fast mode's Events: one streamed request (``api.generate``), an Event per token as it
+    arrives (its ``elapsed_ms`` since the request began), then the labelled Trace. llama.cpp's raw
+    top-N come from a second request after the stream: the Events show the final stage only,
+    the Trace's steps raw and final."""
     check_strategy(config)
     start = time.perf_counter()
-    answer = model.api.generate(prompt_ids, config, raw)
-    per_token = (time.perf_counter() - start) * 1000 / max(1, len(answer.tokens))
-    steps = []
-    for i, (token, prob) in enumerate(zip(answer.tokens, answer.probs)):
-        stages = []
-        if answer.raw is not None:
-            model.learn_pieces(answer.raw[i])
-            stages.append(_stage("raw", answer.raw[i], model.vocab_size))
-        if answer.final is not None:
-            model.learn_pieces(answer.final[i])
-            stages.append(_stage("final", answer.final[i], model.vocab_size))
-        raw_prob = next((math.exp(lp) for t, lp, _ in answer.raw[i] if t == token), 0.0) if answer.raw else math.nan
-        steps.append(StepTrace(i, token, model.token_text(token), prob, raw_prob, None, None, None,
-                               stages[-1].entropy if stages else math.nan, stages[0].entropy if stages else math.nan,
-                               stages, elapsed_ms=per_token * (i + 1)))
+    steps: list[StepTrace] = []
+    answer: FastAnswer | None = None
+    with closing(model.api.generate(prompt_ids, config, raw)) as generated:  # a Stop closes the request
+        for item in generated:
+            if isinstance(item, FastAnswer):
+                answer = item
+                continue
+            step = _fast_step(model, len(steps), item, (time.perf_counter() - start) * 1000)
+            steps.append(step)
+            yield Event(steps=[step])
+    assert answer is not None, "api.generate ends with its FastAnswer"
+    if answer.raw:
+        steps = [_with_raw(model, step, top) for step, top in zip(steps, answer.raw)] + steps[len(answer.raw):]
     if steps:
-        steps[-1].finish_reason = answer.finish_reason
-    for step in steps:
-        yield Event(steps=[step])
+        steps[-1] = replace(steps[-1], finish_reason=answer.finish_reason)
     trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
     trace.extra["remote"] = _label(model, "fast", config.top_n, answer.approximations, answer.notes) | {
-        "timings": answer.timings}
+        "timings": answer.timings, "streamed": True}
     yield Event(trace=trace)
+
+
+def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: float) -> StepTrace:
+    """A streamed token as a step: its stages are the top-N the backend sent (raw, final)."""
+    stages = []
+    for name, entries in (("raw", token.raw), ("final", token.final)):
+        if entries is not None:
+            model.learn_pieces(entries)
+            stages.append(_stage(name, entries, model.vocab_size))
+    raw_prob = _prob_of(token.token, token.raw) if token.raw is not None else math.nan
+    return StepTrace(index, token.token, model.token_text(token.token), token.prob, raw_prob, None, None, None,
+                     stages[-1].entropy if stages else math.nan, stages[0].entropy if stages else math.nan,
+                     stages, elapsed_ms=elapsed_ms)
+
+
+def _with_raw(model: RemoteModel, step: StepTrace, raw: list[Entry]) -> StepTrace:
+    """``step`` with the raw top-N of a later request as its first stage."""
+    model.learn_pieces(raw)
+    stage = _stage("raw", raw, model.vocab_size)
+    return replace(step, stages=[stage, *step.stages], raw_prob=_prob_of(step.chosen_token_id, raw),
+                   raw_entropy=stage.entropy)
+
+
+def _prob_of(token: int, entries: list[Entry]) -> float:
+    """``token``'s probability in a top-N (0 outside it)."""
+    return next((math.exp(lp) for t, lp, _ in entries if t == token), 0.0)

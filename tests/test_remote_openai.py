@@ -47,6 +47,8 @@ class VllmHandler(http.server.BaseHTTPRequestHandler):
             vocab = fixture("vocab.json")
             return self._reply(200, {"prompt": "".join(vocab[str(t)] for t in body["tokens"])})
         if self.path == "/v1/completions":
+            if body.get("stream"):
+                return self._stream("completions_stream.sse")
             if body.get("prompt_logprobs"):
                 return self._reply(200, fixture("completions_prompt_logprobs.json"))
             if body["max_tokens"] == 1:
@@ -61,6 +63,13 @@ class VllmHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(text)))
         self.end_headers()
         self.wfile.write(text)
+
+    def _stream(self, name: str) -> None:
+        """Server-Sent Events from a recording, then the connection closes (HTTP/1.0)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write((VLLM / name).read_bytes())
 
     def log_message(self, *args):
         pass
