@@ -45,7 +45,6 @@ class UserError(ValueError):
 # What a served model (engine.remote) cannot give a view or strategy, by what the page calls it:
 # the API hands out a top-N per token, not the model's logits, weights, hidden states or cache.
 REMOTE_UNAVAILABLE = {
-    "what if": "needs full logits",
     "contrastive_search": "needs the model's hidden states",
     "contrastive_decoding": "needs full logits of the expert and the amateur",
     "mcts": "needs full logits and the model's own cache at every node",

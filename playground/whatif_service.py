@@ -45,7 +45,7 @@ from playground.charts.presenter import step_chart
 
 from .events import zero_gpu_active
 from .page_js import ROUTE
-from .shared import Shared, UserError, error_html, is_remote, page_width, refuse_remote
+from .shared import Shared, UserError, error_html, page_width
 
 LOG = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024  # the knob values of one panel are ~2 KB
@@ -215,6 +215,17 @@ def whatif_note(original: StepTrace, changed: StepTrace, knobs: dict, config: di
     return "; ".join(parts) + "."
 
 
+def remote_note(trace: Trace, at: int) -> str:
+    """What a served model's what-if is computed over (engine.explore.raw_logits); "" for a model
+    loaded here."""
+    if not trace.extra.get("remote"):
+        return ""
+    tail = charts.step_tail(trace, at)
+    if tail is not None:
+        return f" Over the server's top {tail[0]} at this step, as the run was (the tail, {tail[1]:.1%}, left out)."
+    return " Over the server's top-N at this step (asked again: the run itself did not use our stages here)."
+
+
 class RawJSON(str):
     """JSON text already strict (plotly's ``to_json`` writes NaN as null), placed as is by ``dumps``."""
 
@@ -224,7 +235,8 @@ def figure_answer(chart: Callable, changed: StepTrace, width: Any, at: int, trac
     its step: the page draws it only while that step is shown), the what-if note and explanation."""
     original = trace.steps[at]
     fig = whatif_figure(chart, trace, at, changed, knobs, page_width(width))
-    return {"figure": RawJSON(fig.to_json()), "note": whatif_note(original, changed, knobs, trace.config),
+    note = whatif_note(original, changed, knobs, trace.config) + remote_note(trace, at)
+    return {"figure": RawJSON(fig.to_json()), "note": note,
             "explain": whatif_explain(original, changed, knobs, trace.config)}
 
 
@@ -283,8 +295,7 @@ class WhatIfService:
 
     def compute(self, session: Any, lm: LoadedModel, trace: Trace, at: int, knobs: dict, key: str) -> StepTrace:
         """Step ``at`` of ``trace`` under ``knobs`` from the session's kept logits, under its lock
-        (a served model's step has only its top-N, not the logits: UserError, one line)."""
-        refuse_remote(lm, "what if")
+        (a served model's: the server's top-N at the step, engine.explore.raw_logits)."""
         with self.kept_lock(session):
             changed, session.kept = whatif_step(lm, trace, at, knobs, session.kept, key)
         return changed
@@ -381,7 +392,7 @@ class WhatIfService:
             return {"prepared": False}
         if self.holds(session, key):
             return {"prepared": True}
-        if lm is None or is_remote(lm) or zero_gpu_active() or not self.slots.acquire(blocking=False):
+        if lm is None or zero_gpu_active() or not self.slots.acquire(blocking=False):
             return {"prepared": False}
         try:
             self.kept_for(session, lm, trace, at, key)

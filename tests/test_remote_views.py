@@ -257,14 +257,54 @@ def test_two_pages_step_through_the_server_at_once(served):
     assert [p.session().trace().prompt for p in pages] == prompts
 
 
+def stage_tops(stages) -> list[list[tuple[int, float]]]:
+    """Each stage's top list as (token id, p), from StageTrace objects or their JSON."""
+    rows = []
+    for stage in stages:
+        top = stage["top"] if isinstance(stage, dict) else stage.top
+        rows.append([(t["token_id"], t["prob"]) if isinstance(t, dict) else (t.token_id, t.prob) for t in top])
+    return rows
+
+
+def assert_same_stages(got, expected) -> None:
+    got, expected = stage_tops(got), stage_tops(expected)
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
+    assert all(p == pytest.approx(q, abs=1e-6) for a, b in zip(got, expected) for (_, p), (_, q) in zip(a, b))
+
+
 @server_test
-def test_the_what_if_says_it_is_not_available_for_a_remote_step(served):
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_the_what_if_on_a_remote_step_is_step_mode_over_the_server_s_top_n(served, server_model, where):
+    from engine import remote
+    from engine.config import DecodingConfig
+    from engine.trace import Trace
+    from tests.test_continue_compare import run_coroutine
+
+    demo, listed = served
     page = remote_page(served)
-    generate(page, "Name a colour of the sea.", tokens=4)
-    page.set("step-index", 1)
+    generate(page, "Name a colour of the sea.", tokens=6)
+    trace = page.session().trace()
+    k = {"first": 0, "middle": len(trace.steps) // 2, "last": len(trace.steps) - 1}[where]
+    endpoint = next(f.fn for f in demo.fns.values() if f.api_name == "explore_step")
+
+    def explore(knobs: dict) -> list[dict]:
+        return run_coroutine(lambda: endpoint(trace.to_dict(), k, knobs, listed, "none"))
+
+    assert_same_stages(explore({}), trace.steps[k].stages)  # its own knobs: its own stages back
+    hot = explore({"temperature": 1.6, "top_k": 20})
+    # the oracle: step mode itself under those knobs, continuing after the run's first k tokens
+    config = DecodingConfig.from_dict(dict(trace.config) | {"temperature": 1.6, "top_k": 20})
+    expected = next(remote.stream_step(server_model, trace.prompt_token_ids, config,
+                                       prefix=trace.generated_token_ids[:k]))
+    assert_same_stages(hot, expected.stages)
+    page.set("step-index", k)  # and as a person moves the knob (the fallback event: the route's same service call)
     page.set("step-knob-temperature", 1.6)
     answer = page.fire("on_knob", "step-whatif-figure")
-    assert "what if: not available for a remote model (needs full logits)" in text_of(answer)
+    note = shown(page, "step-whatif-note")
+    assert page.shown("step-whatif-figure") and "temperature = 1.6" in note, text_of(answer)
+    tail = trace.extra["remote"]["tail_mass"][k]
+    assert f"Over the server's top 100 at this step, as the run was (the tail, {tail:.1%}, left out)." in note, note
+    assert Trace.from_json(trace.to_json()).generated_token_ids == trace.generated_token_ids
 
 
 REFUSED = [  # (view event, its first output, the knobs to set, the line)

@@ -32,7 +32,7 @@ from engine.trace import Event, StageTrace, Trace, to_dict
 
 from .. import ids
 from ..page_js import PREPARE_JS, WHATIF_JS
-from ..shared import Shared, parent_trace, refuse_remote
+from ..shared import Shared, parent_trace
 
 WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}  # the fallback event's
 
@@ -53,7 +53,6 @@ def explore_api(shared: Shared, trace: dict | str, step: int, knobs: dict | None
     ``stages`` list in trace-JSON format. With no knobs it reproduces the trace's own stages."""
 
     lm = shared.lm(model, quantization)
-    refuse_remote(lm, "what if")
     parsed = parent_trace(shared, lm, trace, "trace")
     if isinstance(step, bool) or not isinstance(step, int):
         raise ConfigError("step", f"expected an integer, got {step!r:.40}")
