@@ -82,3 +82,26 @@ def test_speculative_on_the_server_click_a_round_s_chip(page, served_app, artifa
     page.wait_for_function(f"() => document.querySelector('#spec-explain')?.innerText.includes({expected!r})")
     assert page.locator("#spec-pq .js-plotly-plot").count() == 1
     page.screenshot(path=str(artifacts / "remote-speculative.png"), full_page=True)
+
+
+@server_test
+def test_the_fast_mode_radio_appears_for_the_server_and_the_server_samples(page, served_app):
+    url, listed = served_app
+    page.goto(url)
+    page.click("button[role=tab]:has-text('Step through')")
+    assert not page.locator("#step-remote-mode").is_visible()  # the embedded model: no such choice
+    page.click("#dp-model input")
+    page.locator("ul[role=listbox] li", has_text=listed).first.click()
+    page.wait_for_selector("#dp-model-status:has-text('a served model, step mode')", timeout=60_000)
+    page.wait_for_selector("#step-remote-mode", state="visible")
+    page.locator("#step-remote-mode label", has_text="fast").click()
+    page.fill("#step-prompt textarea", "Name a colour of the sea.")
+    page.fill("#step-knob-max_new_tokens input[type=number]", "6")
+    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#step-chart .js-plotly-plot")
+    summary = page.locator("#step-summary").inner_text()
+    assert f"Remote model {listed}, fast mode" in summary and "the server sampled" in summary, summary
+    texts = " ".join(page.eval_on_selector_all("#step-chart svg text", "els => els.map(e => e.textContent)"))
+    assert "raw" in texts and "final" in texts, texts  # the server's own two lists
