@@ -243,13 +243,16 @@ class FastAnswer:
     """How a fast-mode generation ended (after its FastTokens): why it stopped, what the run
     approximates, the knobs the server did not run as ours (``notes``), the server's timings, and
     ``raw``: the raw top-N per token from llama.cpp's second request (None when not asked or left
-    out; it may cover fewer tokens than were streamed, see ``LlamaCppApi.generate``)."""
+    out; it may cover fewer tokens than were streamed, see ``LlamaCppApi.generate``); ``final``:
+    (probability, top-N after the sampler) per token from a whole request, for tokens the stream
+    sent without them (llama-server's own speculation; None when none lacked them)."""
 
     finish_reason: str
     approximations: list[str]
     notes: dict[str, list[dict[str, str]]]
     timings: dict[str, Any] = field(default_factory=dict)
     raw: list[list[Entry]] | None = None
+    final: list[tuple[float, list[Entry]]] | None = None
 
 
 @dataclass
@@ -399,14 +402,19 @@ class LlamaCppApi:
         request = llamacpp_request(config, self.context)
         where = f"llama.cpp server {self.client.url}/completion"
         tokens: list[int] = []
+        bare = 0  # tokens streamed without probabilities (accepted drafts of the server's own speculation)
         last: dict[str, Any] = {}
         body = self._body(ids, config, request, True) | {"stream": True}
         with closing(self.client.stream_post("/completion", body)) as chunks:  # closed: the server stops too
             for chunk in chunks:
-                for entry in _chunk_probabilities(chunk, where):
-                    tokens.append(int(entry["id"]))
-                    yield FastToken(tokens[-1], float(entry["prob"]),
-                                    _llama_entries(entry.get("top_probs") or [], "prob"), None)
+                for token, entry in _chunk_tokens(chunk, where):
+                    tokens.append(token)
+                    if entry is None:
+                        bare += 1
+                        yield FastToken(token, math.nan, None, None)
+                    else:
+                        yield FastToken(token, float(entry["prob"]),
+                                        _llama_entries(entry.get("top_probs") or [], "prob"), None)
                 if chunk.get("stop"):
                     last = chunk
                     break
@@ -418,7 +426,24 @@ class LlamaCppApi:
                             request.notes(), last.get("timings", {}))
         if raw:
             answer.raw = self._raw_tops(ids, config, request, tokens, approximations)
+        if bare:
+            answer.final = self._final_tops(ids, config, request, tokens, approximations, bare)
         yield answer
+
+    def _final_tops(self, ids: Sequence[int], config: DecodingConfig, request: "LlamaRequest", tokens: list[int],
+                    approximations: list[str], bare: int) -> list[tuple[float, list[Entry]]] | None:
+        """(p, top-N after the sampler) of each of ``tokens`` from a whole request with the same
+        seed: llama-server streams the drafts its own speculation accepted without probabilities
+        (a whole answer has them). None, said, when it sampled another text."""
+        again = self.client.post("/completion", self._body(ids, config, request, True))
+        probs = again.get("completion_probabilities") or []
+        if [int(t) for t in again.get("tokens") or [e["id"] for e in probs]] != tokens:
+            approximations.append(f"{bare} tokens came from the server's own speculation without probabilities, and "
+                                  "the request for them sampled another text: they have none")
+            return None
+        approximations.append(f"{bare} tokens came from the server's own speculation without probabilities (the "
+                              "stream leaves them out); theirs are from a second, whole request with the same seed")
+        return [(float(e["prob"]), _llama_entries(e.get("top_probs") or [], "prob")) for e in probs]
 
     def _raw_tops(self, ids: Sequence[int], config: DecodingConfig, request: "LlamaRequest", tokens: list[int],
                   approximations: list[str]) -> list[list[Entry]] | None:
@@ -444,14 +469,20 @@ class LlamaCppApi:
                 "stop": list(config.stop)}
 
 
-def _chunk_probabilities(chunk: Any, where: str) -> list[dict[str, Any]]:
-    """A streamed /completion chunk's ``completion_probabilities``: one entry (``id``, ``prob``,
-    ``top_probs``) per token it carries, none in the last chunk. Another shape raises RemoteError."""
+def _chunk_tokens(chunk: Any, where: str) -> list[tuple[int, dict[str, Any] | None]]:
+    """A streamed /completion chunk's tokens, each with its ``completion_probabilities`` entry
+    (``id``, ``prob``, ``top_probs``), none in the last chunk. A chunk of ``tokens`` without any
+    entries is what llama-server streams for drafts its own speculation accepted: (id, None) each.
+    Another shape raises RemoteError."""
     entries = chunk.get("completion_probabilities", []) if isinstance(chunk, dict) else None
-    if not isinstance(entries, list) or len(entries) != len(chunk.get("tokens") or entries) \
+    tokens = chunk.get("tokens") if isinstance(chunk, dict) else None
+    if entries == [] and isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in tokens):
+        return [(t, None) for t in tokens]
+    if not isinstance(entries, list) or len(entries) != len(tokens or entries) \
             or not all(isinstance(e, dict) and "id" in e and "prob" in e for e in entries):
         raise RemoteError(f"{where}: a streamed chunk without completion_probabilities (id, prob) per token")
-    return entries
+    return [(int(e["id"]), e) for e in entries]
 
 
 def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
@@ -915,14 +946,35 @@ def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], con
             steps.append(step)
             yield Event(steps=[step])
     assert answer is not None, "api.generate ends with its FastAnswer"
+    if answer.final:
+        steps = [_with_final(model, step, p, top) if not step.stages else step
+                 for step, (p, top) in zip(steps, answer.final)] + steps[len(answer.final):]
     if answer.raw:
         steps = [_with_raw(model, step, top) for step, top in zip(steps, answer.raw)] + steps[len(answer.raw):]
     if steps:
         steps[-1] = replace(steps[-1], finish_reason=answer.finish_reason)
     trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
-    trace.extra["remote"] = _label(model, "fast", config.top_n, answer.approximations, answer.notes) | {
-        "timings": answer.timings, "streamed": True}
+    approximations = list(answer.approximations)
+    outside = sum(1 for s in steps if math.isnan(s.raw_prob))
+    if outside and answer.raw:
+        approximations.append(f"{outside} of the {len(steps)} tokens lie outside the raw top {config.top_n}, so their "
+                              "raw p is unknown and so are the raw mean log-prob and perplexity")
+    trace.extra["remote"] = _label(model, "fast", config.top_n, approximations, answer.notes) | {
+        "timings": answer.timings, "streamed": True} | server_speculative(answer.timings)
     yield Event(trace=trace)
+
+
+def server_speculative(timings: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's own speculative decoding in a fast-mode answer (a server started with a draft
+    model, ``-md``, or ``--spec-type ngram-*``): ``{"server_speculative": {"drafted", "accepted",
+    "acceptance_rate"}}`` from its ``timings.draft_n`` / ``draft_n_accepted``; {} when it did not draft."""
+    try:
+        drafted, accepted = int(timings["draft_n"]), int(timings["draft_n_accepted"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    if drafted <= 0:
+        return {}
+    return {"server_speculative": {"drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted}}
 
 
 def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: float) -> StepTrace:
@@ -938,6 +990,13 @@ def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: flo
                      stages, elapsed_ms=elapsed_ms)
 
 
+def _with_final(model: RemoteModel, step: StepTrace, prob: float, final: list[Entry]) -> StepTrace:
+    """``step`` (streamed without probabilities) with its p and final top-N from a whole request."""
+    model.learn_pieces(final)
+    stage = _stage("final", final, model.vocab_size)
+    return replace(step, chosen_prob=prob, stages=[stage], entropy=stage.entropy, raw_entropy=stage.entropy)
+
+
 def _with_raw(model: RemoteModel, step: StepTrace, raw: list[Entry]) -> StepTrace:
     """``step`` with the raw top-N of a later request as its first stage."""
     model.learn_pieces(raw)
@@ -947,5 +1006,5 @@ def _with_raw(model: RemoteModel, step: StepTrace, raw: list[Entry]) -> StepTrac
 
 
 def _prob_of(token: int, entries: list[Entry]) -> float:
-    """``token``'s probability in a top-N (0 outside it)."""
-    return next((math.exp(lp) for t, lp, _ in entries if t == token), 0.0)
+    """``token``'s probability in a top-N; NaN outside it (unknown: below the N-th, not 0)."""
+    return next((math.exp(lp) for t, lp, _ in entries if t == token), math.nan)

@@ -3,9 +3,11 @@ shares the embedded tokenizer, for tests that need speed rather than sense."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -211,10 +213,10 @@ def llama_server_binary() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="session")
-def llama_server(llama_server_binary) -> str:
-    """A real llama-server serving the embedded GGUF on a free 127.0.0.1 port; yields its URL and
-    stops it after the session."""
+@contextlib.contextmanager
+def serve_llama(binary: Path, *extra: str, log_name: str = "llama-server.log") -> Iterator[str]:
+    """A real llama-server serving the embedded GGUF on a free 127.0.0.1 port (``extra``: more of its
+    flags); yields its URL once /health answers, stops it after."""
     import subprocess
     import time
     import urllib.request
@@ -223,9 +225,10 @@ def llama_server(llama_server_binary) -> str:
 
     port = free_port()
     ARTIFACTS.mkdir(exist_ok=True)
-    log = open(ARTIFACTS / "llama-server.log", "w")
-    server = subprocess.Popen([str(llama_server_binary), "-m", str(gguf_path()), "--host", "127.0.0.1", "--port",
-                               str(port), "-c", "2048", "-t", "2", "-np", "1"], stdout=log, stderr=subprocess.STDOUT)
+    log = open(ARTIFACTS / log_name, "w")
+    server = subprocess.Popen([str(binary), "-m", str(gguf_path()), "--host", "127.0.0.1", "--port",
+                               str(port), "-c", "2048", "-t", "2", "-np", "1", *extra], stdout=log,
+                              stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     try:
@@ -237,7 +240,8 @@ def llama_server(llama_server_binary) -> str:
             except OSError:
                 pass
             if server.poll() is not None or time.time() > deadline:
-                pytest.fail(f"llama-server did not come up on {url} (exit {server.poll()})", pytrace=False)
+                pytest.fail(f"llama-server did not come up on {url} (exit {server.poll()}; log: {log_name})",
+                            pytrace=False)
             time.sleep(0.2)
         yield url
     finally:
@@ -247,6 +251,14 @@ def llama_server(llama_server_binary) -> str:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def llama_server(llama_server_binary) -> Iterator[str]:
+    """A real llama-server serving the embedded GGUF on a free 127.0.0.1 port; yields its URL and
+    stops it after the session."""
+    with serve_llama(llama_server_binary) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -193,7 +193,8 @@ TOKEN = ('data: {"completion_probabilities": [{"id": 5, "prob": 1.0, "top_probs"
     ("data: not json\n\n", "the answer is not JSON (Expecting value: line 1 column 1 (char 0))"),
     ('data: {"error": {"code": 500, "message": "the model\\nbroke"}}\n\n', "the stream says: the model broke"),
     (TOKEN, "the stream ended before its last chunk (stop: true)"),
-    ('data: {"tokens": [5]}\n\n', "a streamed chunk without completion_probabilities (id, prob) per token")])
+    ('data: {"completion_probabilities": [{"id": 5}], "tokens": [5]}\n\n',
+     "a streamed chunk without completion_probabilities (id, prob) per token")])
 def test_a_malformed_stream_is_one_line(sse, events, says):
     sse.events = events
     url = f"http://127.0.0.1:{sse.server_address[1]}"
@@ -211,3 +212,60 @@ def test_a_stream_that_stalls_is_one_line_within_the_timeout(sse):
         next(events)
     assert time.perf_counter() - start < 1.5
     assert str(caught.value) == f"llama.cpp server {url}/completion: no answer within the 0.5 s timeout"
+
+
+@pytest.fixture(scope="module")
+def speculating_server(llama_server_binary) -> Iterator[str]:
+    """A second real llama-server doing its own speculative decoding: the embedded GGUF drafts for itself."""
+    from engine.models import gguf_path
+    from tests.conftest import serve_llama
+
+    with serve_llama(llama_server_binary, "-md", str(gguf_path()), "--spec-type", "draft-simple",
+                     log_name="llama-server-speculative.log") as url:
+        yield url
+
+
+REPEATING = "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday, Thursday, Friday. Monday,"
+
+
+@server_test
+def test_llama_server_s_own_speculation_is_reported_and_loses_nothing(speculating_server, server_model):
+    from playground.charts.remote import remote_markdown
+
+    speculating = remote.connect(speculating_server, timeout_s=60)
+    events = list(fast_events(speculating, GREEDY, REPEATING))
+    trace = events[-1].trace
+    assert len(events) == len(trace.steps) + 1  # every token streamed as it came, the drafts included
+    spec = trace.extra["remote"]["server_speculative"]  # the server's timings.draft_n / draft_n_accepted
+    bare = [e.steps[0] for e in events[:-1] if not e.steps[0].stages]  # accepted drafts: streamed without p
+    assert bare and any(f"{len(bare)} tokens came from the server's own speculation without probabilities" in a
+                        for a in trace.extra["remote"]["approximations"])
+    assert all([st.name for st in step.stages] == ["raw", "final"] and step.chosen_prob == pytest.approx(1.0)
+               for step in trace.steps)  # the trace has both lists for every token (greedy: p = 1)
+    assert spec["drafted"] > 0 and 0 < spec["accepted"] <= spec["drafted"]
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
+    # greedy speculative decoding is lossless: llama.cpp's own greedy on the plain server, token for token
+    assert trace.generated_token_ids == llamacpp_greedy(server_model, server_model.encode(REPEATING), 24)
+    line = remote_markdown(trace)
+    assert (f"**llama-server's own speculative decoding:** drafted {spec['drafted']}, accepted {spec['accepted']} "
+            f"({spec['acceptance_rate']:.0%})") in line, line
+    plain = remote.run_fast(server_model, REPEATING, GREEDY)
+    assert "server_speculative" not in plain.extra["remote"] and "speculative" not in remote_markdown(plain)
+
+
+@server_test
+def test_a_token_outside_the_raw_top_n_has_no_raw_p_and_the_summary_says_so(server_model):
+    config = DecodingConfig(strategy="sample", temperature=1.5, top_n=2, max_new_tokens=24, seed=11)
+    trace = remote.run_fast(server_model, "Name a colour of the sea.", config)
+    outside = [s for s in trace.steps if math.isnan(s.raw_prob)]
+    inside = [s for s in trace.steps if not math.isnan(s.raw_prob)]
+    assert inside and all(s.raw_prob > 0 for s in inside)
+    assert outside  # at T = 1.5 with nothing cut, most picks fall outside the raw top 2: unknown, not 0
+    assert any(f"{len(outside)} of the {len(trace.steps)} tokens lie outside the raw top 2" in a
+               for a in trace.extra["remote"]["approximations"])
+    assert json.loads(trace.to_json())["summary"]["perplexity"] is None  # strict JSON: unknown is null, not NaN
+    from playground.charts.step import summary_markdown
+
+    line = summary_markdown(trace)  # the page says so too
+    assert "(raw model unknown)" in line and "perplexity unknown" in line and "nan" not in line, line
+    json.loads(trace.to_json(), parse_constant=lambda name: pytest.fail(f"{name} in the trace JSON"))

@@ -17,5 +17,10 @@ def remote_markdown(trace: Trace | None) -> str:
         return ""
     notes = [*remote.get("approximations", []),
              *(f"{n['key']} {n['reason']}" for n in [*remote.get("unmapped", []), *remote.get("caveats", [])])]
-    return (f"**Remote model** {remote['backend']}:{remote['url']}, {remote['mode']} mode (its top {remote['top_n']} "
+    line = (f"**Remote model** {remote['backend']}:{remote['url']}, {remote['mode']} mode (its top {remote['top_n']} "
             f"per step). **Approximations:** " + html.escape("; ".join(notes) or "none", quote=False) + ".")
+    spec = remote.get("server_speculative")
+    if spec:  # llama-server drafting on its own (-md / --spec-type): its timings' counts
+        line += (f" **llama-server's own speculative decoding:** drafted {spec['drafted']}, accepted "
+                 f"{spec['accepted']} ({spec['acceptance_rate']:.0%}).")
+    return line

@@ -414,14 +414,20 @@ def stop_text(stop_reason: str | None, running: bool = False) -> str:
 
 def summary_markdown(trace: Trace, running: bool = False) -> str:
     """One line: tokens, why it stopped, mean log-prob (nats), perplexity, speed, model.
-    ``running``: the run is still streaming (else a trace without a stop reason was stopped)."""
+    ``running``: the run is still streaming (else a trace without a stop reason was stopped).
+    A value the run cannot know (a served model's raw p outside its top-N) reads "unknown"."""
     s = trace.summary
     if not trace.steps:
         return "No tokens yet."
+
+    def number(key: str, digits: int) -> str:
+        value = s.get(key)
+        return f"{value:.{digits}f}" if isinstance(value, (int, float)) and math.isfinite(value) else "unknown"
+
     return (
         f"**{tokens_word(s.get('tokens', len(trace.steps)))}** · stop: {stop_text(trace.stop_reason, running)} · "
-        f"mean log-prob {s.get('mean_logprob', float('nan')):.3f} nats (raw model {s.get('mean_raw_logprob', float('nan')):.3f}) · "
-        f"perplexity {s.get('perplexity', float('nan')):.2f} · time to first token {trace.timing.ttft_ms:.0f} ms · "
+        f"mean log-prob {number('mean_logprob', 3)} nats (raw model {number('mean_raw_logprob', 3)}) · "
+        f"perplexity {number('perplexity', 2)} · time to first token {trace.timing.ttft_ms:.0f} ms · "
         f"{trace.timing.tokens_per_s:.1f} tokens/s · {trace.model} ({trace.quantization}, {trace.device})"
     )
 
