@@ -4,8 +4,9 @@ local engine its float32 conversion. Every run goes through engine.runner (one e
 
 Step mode pays one HTTP request per token (the server re-reads only the new token: cache_prompt),
 through llama.cpp's native /completion and through its OpenAI-compatible /v1/completions (the
-backend vLLM is used with); fast mode is one request for the whole text (two with the raw top-N,
-as runner.run asks); a remote beam search with 2 beams pays 2 requests per step (its rate counts
+backend vLLM is used with); fast mode is one streamed request for the whole text (two with the raw
+top-N, as runner.run asks); speculative decoding with n-gram drafts runs our rounds against the
+server (llama-server has no prompt log-probabilities, so each drafted position is a request); a remote beam search with 2 beams pays 2 requests per step (its rate counts
 search steps: the winner may be short, vLLM's score favours an early EOS); the local engine is our
 own loop over transformers.
 
@@ -79,10 +80,12 @@ def main() -> None:
         native = remote.connect(url, timeout_s=120)
         openai = remote.connect_openai(url + "/v1", timeout_s=120)
         fast, beams = native.with_mode("fast"), config.replace(strategy="beam", num_beams=2)
+        spec = config.replace(strategy="speculative", drafter="ngram", temperature=0.0)
         runs = {
             "llama.cpp step mode (1 request/token)": lambda: len(runner.run(native, PROMPT, config).steps),
             "OpenAI /v1 step mode (1 request/token)": lambda: len(runner.run(openai, PROMPT, config).steps),
-            "llama.cpp fast mode (final + raw: 2 requests)": lambda: len(runner.run(fast, PROMPT, config).steps),
+            "llama.cpp fast mode (streamed; final + raw: 2 requests)": lambda: len(runner.run(fast, PROMPT, config).steps),
+            "llama.cpp speculative, n-gram drafts (our rounds)": lambda: len(runner.run(native, PROMPT, spec).steps),
             "llama.cpp beam search, 2 beams (steps/s)": lambda: len(runner.run(native, PROMPT, beams).beam.steps),
             "local engine (float32, transformers)": lambda: len(runner.run(lm, PROMPT, config).steps),
         }

@@ -467,6 +467,41 @@ def test_compare_runs_a_lane_on_the_server_beside_our_engine_with_the_same_knobs
 
 
 @server_test
+def test_compare_puts_our_stages_beside_llama_cpp_s_own_sampler_on_one_server(served):
+    demo, listed = served
+    page = Page(demo)
+    choices = [c[1] for c in page.block("cmp-lane-0-model").choices]
+    assert listed in choices and f"fast:{listed}" in choices and "fast:embedded" not in choices
+    page.set("cmp-prompt", "The capital of France is Paris. The capital of Italy is")
+    for i in (0, 1):
+        page.set(f"cmp-lane-{i}-strategy", "greedy")
+        page.set(f"cmp-lane-{i}-knob-max_new_tokens", 6)
+        page.set(f"cmp-lane-{i}-more", "")
+    page.set("cmp-lane-0-model", listed)
+    page.set("cmp-lane-1-model", f"fast:{listed}")
+    page.fire("on_run", "cmp-status")
+    assert "done: 2 of 2 lanes ran" in shown(page, "cmp-status"), shown(page, "cmp-status")
+    stepped, fast = compare_session(page).traces
+    assert stepped.extra["remote"]["mode"] == "step" and fast.extra["remote"]["mode"] == "fast"
+    assert stepped.generated_token_ids == fast.generated_token_ids  # greedy: our argmax over its top-N is its own
+    assert f"· on {listed} (fast mode: its own sampler)" in shown(page, "cmp-lane-1-status")
+    assert "fast mode" not in shown(page, "cmp-lane-0-status")
+
+
+@server_test
+@pytest.mark.parametrize("pick", ["fast:embedded", "fast:", f"fast:{UNLISTED}", "fast:fast:x"])
+def test_a_fast_pick_that_is_not_a_listed_server_is_one_line_naming_the_lane(served, pick):
+    from tests.test_continue_compare import run_coroutine
+
+    demo, _ = served
+    endpoint = next(f.fn for f in demo.fns.values() if f.api_name == "compare")
+    lanes = [{"preset": "greedy"}, {"preset": "greedy", "model": pick}]
+    with pytest.raises(Exception, match=r"Lane 2: (model|fast)") as caught:
+        run_coroutine(lambda: endpoint("Hello", lanes, 0, 4))
+    assert "\n" not in str(caught.value) and "Traceback" not in str(caught.value)
+
+
+@server_test
 def test_a_compare_lane_whose_strategy_needs_the_model_says_so_and_the_other_runs(served):
     page = remote_page(served)  # the header's model is the server: both lanes run on it
     page.set("cmp-lane-0-strategy", "greedy")

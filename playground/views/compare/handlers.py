@@ -67,7 +67,9 @@ def render_results(page: Page, session: CompareSession, count: int, raw: bool, r
         if error:
             out[lane.status] = error_html(f"{lane_name(i)}: {error}")
         else:
-            on = f" · on {trace.model}" if trace is not None and "remote" in trace.extra else ""
+            remote = trace.extra.get("remote") if trace is not None else None
+            on = f" · on {trace.model}" + (" (fast mode: its own sampler)" if remote["mode"] == "fast" else "") \
+                if remote else ""
             out[lane.status] = charts.lane_status(lane_name(i), trace, session.budget(i), running == i, html.escape(on))
         out[lane.text] = charts.lane_highlights(trace.steps, None if error else at) if trace else []
     names = [lane_name(i) for i in range(count)]

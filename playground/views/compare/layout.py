@@ -9,14 +9,15 @@ from typing import Any, Sequence
 import gradio as gr
 
 from engine.config import KNOBS, STRATEGIES
+from engine.models import is_remote_source
 from playground.charts import compare as charts
 
 from ...knobs import compact_knob_component
 from ...shared import SESSION_TTL_S, UserError
 from ...user_presets import preset_choices
 from .lanes import (
-    LANE_KNOBS, LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_config, lane_name,
-    spec_from_preset,
+    FAST_PREFIX, LANE_KNOBS, LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_config,
+    lane_name, spec_from_preset,
 )
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
@@ -112,14 +113,26 @@ class Page:
 HEADER_MODEL = "the header's model"
 
 
+def lane_model_choices(offered: Sequence[str]) -> list[tuple[str, str]]:
+    """A lane's Model picker: the header's model, every offered model, and for a served one also
+    its fast mode (``FAST_PREFIX``: the server's own sampler picks; step mode runs our chain)."""
+    choices = [(HEADER_MODEL, "")]
+    for m in offered:
+        if is_remote_source(m):
+            choices += [(f"{m} · step mode (our stages)", m), (f"{m} · fast mode (its own sampler)", FAST_PREFIX + m)]
+        else:
+            choices.append((m, m))
+    return choices
+
+
 def _lane_column(i: int, spec: LaneSpec | None, offered: Sequence[str]) -> LaneWidgets:
     spec = spec or default_spec([])
     prefix = f"cmp-lane-{i}-"
     with gr.Column(visible=i < MIN_LANES, min_width=280, elem_id=f"cmp-lane-{i}", elem_classes=["cmp-lane"]) as column:
         header = gr.HTML(charts.lane_header(lane_name(i), *summary_of(spec)), elem_id=f"{prefix}header")
-        model = gr.Dropdown([(HEADER_MODEL, ""), *((m, m) for m in offered)], value="", label="Model",
-                            elem_id=f"{prefix}model", info="e.g. one lane on a llama.cpp server the operator lists, "
-                                                           "another on the embedded model, same knobs")
+        model = gr.Dropdown(lane_model_choices(offered), value="", label="Model", elem_id=f"{prefix}model",
+                            info="e.g. one lane on a llama.cpp server the operator lists, another on the embedded "
+                                 "model, same knobs; a server's fast mode lets its own sampler pick")
         with gr.Row():
             preset = gr.Dropdown(preset_choices([]), value=spec.preset, label="Preset", elem_id=f"{prefix}preset",
                                  min_width=120)

@@ -16,8 +16,8 @@ from engine.models import LoadedModel
 from engine.trace import Trace
 
 from ...events import error_message
-from ...shared import Shared, UserError, throttle
-from .lanes import CompareSession
+from ...shared import Shared, UserError, is_remote, throttle
+from .lanes import FAST_PREFIX, CompareSession
 
 STREAM_EVERY_S = 0.25
 
@@ -89,12 +89,23 @@ def lane_models(shared: Shared, picks: Sequence[tuple[str, Any]], model: str, qu
         source = pick or model
         if source not in resolved:
             try:
-                lm = shared.lm(source, quant)
-                resolved[source] = LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
+                resolved[source] = lane_model(shared, source, quant, prompt, chat)
             except UserError as exc:
                 raise UserError(f"{name}: {exc}" if pick else str(exc)) from None
         models.append(resolved[source])
     return models
+
+
+def lane_model(shared: Shared, source: Any, quant: str, prompt: str, chat: bool) -> LaneModel:
+    """The model ``source`` names, connected or loaded, with the prompt's ids; ``fast:<served
+    model>`` (FAST_PREFIX) runs that server in fast mode. UserError when it cannot."""
+    fast = isinstance(source, str) and source.startswith(FAST_PREFIX)
+    lm = shared.lm(source[len(FAST_PREFIX):] if fast else source, quant)
+    if fast:
+        if not is_remote(lm):
+            raise UserError(f"model: {source[:80]!r}: fast mode needs a served model (the server's own sampler)")
+        lm = lm.with_mode("fast")
+    return LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
 
 
 def run_lanes(shared: Shared, models: Sequence[LaneModel], prompt: str, configs: Sequence[DecodingConfig],
