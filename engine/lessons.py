@@ -364,6 +364,15 @@ def _quantization_order(lm, lesson, traces, registry) -> Outcome:
                    {f"kl_{k}": v for k, v in kl.items()}, report)
 
 
+# The checks that need the model itself, not what a served model's API gives (engine.remote):
+# kind -> why, for the one line a remote run shows instead. Every other check runs on a served model
+# too (its re-processed steps are step mode's, over the server's top-N: explore.raw_logits).
+NEEDS_MODEL = {
+    "kv_cache_same": "it decodes with and without the model's own KV cache",
+    "quantization_order": "it loads the model's weights quantized",
+    "beam_beats_greedy": "a served beam search scores by vLLM's rule (the prompt's length counts), not the lesson's",
+}
+
 CHECKS: dict[str, Callable[..., Outcome]] = {
     "sampling_varies": _sampling_varies,
     "entropy_rises": _entropy_rises,
@@ -375,5 +384,5 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
     "quantization_order": _quantization_order,
 }
 
-__all__ = ["Lesson", "LessonError", "Outcome", "builtin_lessons", "evaluate", "parse_lesson", "parse_lesson_json",
+__all__ = ["NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "builtin_lessons", "evaluate", "parse_lesson", "parse_lesson_json",
            "run_lesson", "selected_step"]

@@ -51,7 +51,6 @@ REMOTE_UNAVAILABLE = {
     "medusa": "needs the model's hidden states for its heads",
     "quantization": "needs the model's own weights",
     "KV cache": "needs the model's own cache",
-    "lesson check": "it re-processes steps and caches on the model itself; the runs above are the server's",
 }
 
 

@@ -534,12 +534,32 @@ def test_beam_search_runs_on_a_remote_model(served):
     assert "done" in shown(page, "beam-status"), shown(page, "beam-status")
 
 
+CHECKED_ON_THE_SERVER = ("greedy-vs-sampling", "temperature", "truncation", "penalties", "speculative")
+
+
 @server_test
-def test_a_lesson_runs_on_the_server_and_says_its_check_needs_the_model(served):
+@pytest.mark.parametrize("lesson", [*CHECKED_ON_THE_SERVER, "kv-cache", "quantization", "beam-search",
+                                    "contrastive-search"])
+def test_a_lesson_runs_on_the_server_and_checks_its_claim_where_an_api_can(served, lesson):
+    from engine.lessons import NEEDS_MODEL, builtin_lessons
+
     page = remote_page(served)
+    page.set("lessons-pick", lesson)
     answer = text_of(page.fire("on_run", "lessons-status"))
-    assert "AttributeError" not in answer, answer
-    assert "lesson check: not available for a remote model" in shown(page, "lessons-status"), answer
+    status = shown(page, "lessons-status")
+    assert "AttributeError" not in answer and "Traceback" not in answer, answer
+    kind = (builtin_lessons()[lesson].check or {}).get("kind")
+    if lesson in CHECKED_ON_THE_SERVER:  # the claim is checked on the server's runs: its outcome is shown
+        outcome = shown(page, "lessons-outcome")
+        assert status.endswith("done</div>") and outcome, status
+        # the claims hold on the server's runs too, except the repetition penalty's: in step mode it sees
+        # log-probabilities, not logits (an approximation the trace names), and greedy repeats as much
+        assert ("✓" in outcome) == (lesson != "penalties"), outcome
+        assert "not available" not in status
+    elif kind in NEEDS_MODEL:
+        assert f"done; lesson check: not available for a remote model ({NEEDS_MODEL[kind]})" in status, status
+    else:  # a run whose strategy needs the model: its one line
+        assert "contrastive_search: not available for a remote model" in status, status
 
 
 @server_test
