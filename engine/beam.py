@@ -137,11 +137,12 @@ class _Group:
     ended: str = ""  # "" while searching, then early_stopping | no_continuation
 
     @classmethod
-    def start(cls, offset: int, size: int) -> "_Group":
-        scores = torch.zeros(size)
+    def start(cls, offset: int, size: int, device: torch.device) -> "_Group":
+        """A group's state on ``device`` (the logits', so a model on a GPU keeps its search there)."""
+        scores = torch.zeros(size, device=device)
         scores[1:] = NEG  # all rows are the same prompt: only row 0 may propose at step 0
         return cls(offset, size, scores, [[] for _ in range(size)], [[] for _ in range(size)],
-                   torch.full((size,), NEG), [None] * size)
+                   torch.full((size,), NEG, device=device), [None] * size)
 
     @property
     def done(self) -> bool:
@@ -177,7 +178,7 @@ def _choose(group: _Group, log_probs: torch.Tensor, raw: torch.Tensor, step: int
     scores, parents, tokens, logprobs = _top_candidates(group, log_probs, rules.keep)
     parent_l, token_l = parents.tolist(), tokens.tolist()
     reasons = [stopper.reason(group.tokens[p] + [t]) for p, t in zip(parent_l, token_l)]
-    hits = torch.tensor([r is not None for r in reasons])
+    hits = torch.tensor([r is not None for r in reasons], device=scores.device)
     running = scores + hits.to(torch.float32) * NEG
     next_index = torch.topk(running.unsqueeze(0), k=group.size)[1][0]
     entered, closed = _update_finished(group, scores, hits, step, rules, parent_l, token_l, reasons, first)
@@ -210,7 +211,7 @@ def _update_finished(group: _Group, scores: torch.Tensor, hits: torch.Tensor, st
     """transformers' _update_finished_beams. Returns (candidates that entered the set, whether early
     stopping had closed the set to new entries)."""
     keep = scores.shape[0]
-    just_finished = hits & (torch.arange(keep) < group.size)
+    just_finished = hits & (torch.arange(keep, device=scores.device) < group.size)
     full = group.all_finished() and rules.early_stopping is True
     closed = full or not group.open
     normalized = scores / ((step + 1) ** rules.length_penalty)
@@ -241,8 +242,9 @@ def _update_open(group: _Group, step: int, rules: _Rules, no_continuation: bool)
     lp = rules.length_penalty
     length = rules.max_new_tokens if rules.early_stopping == "never" and lp > 0.0 else step + 1
     best_possible = group.scores[:1] / (length ** lp)
-    is_finished = torch.tensor([f is not None for f in group.fin])
-    worst = torch.where(is_finished, torch.min(group.fin_scores), torch.tensor(NEG))
+    device = group.fin_scores.device
+    is_finished = torch.tensor([f is not None for f in group.fin], device=device)
+    worst = torch.where(is_finished, torch.min(group.fin_scores), torch.tensor(NEG, device=device))
     group.open = group.open and bool(torch.any(best_possible > worst))
     full_and_eager = group.all_finished() and rules.early_stopping is True
     if no_continuation:
@@ -255,7 +257,8 @@ def _diversity(log_probs: torch.Tensor, chosen: list[int], penalty: float) -> to
     """Hamming diversity: lower each token by penalty x times earlier groups chose it this step."""
     if not chosen or penalty == 0.0:
         return log_probs
-    counts = torch.bincount(torch.tensor(chosen), minlength=log_probs.shape[-1]).to(log_probs.dtype)
+    counts = torch.bincount(torch.tensor(chosen, device=log_probs.device), minlength=log_probs.shape[-1])
+    counts = counts.to(log_probs.dtype)
     return log_probs - penalty * counts
 
 
@@ -291,9 +294,9 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
     start = time.perf_counter()
     rules, stopper = _rules(lm, config), StopCheck(lm, config)
     size = config.num_beams // config.num_beam_groups
-    groups = [_Group.start(g * size, size) for g in range(config.num_beam_groups)]
+    groups = [_Group.start(g * size, size, lm.device) for g in range(config.num_beam_groups)]
     chain = _chain(lm, config, len(prompt_ids))
-    prompt_row = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, S]
+    prompt_row = torch.tensor([list(prompt_ids)], dtype=torch.long, device=lm.device)  # [1, S]
     cache = KVCache(lm.model)
     logits = cache.forward(prompt_row).logits[:, -1, :].float().expand(config.num_beams, -1)  # [B, V]
     ids = prompt_row.expand(config.num_beams, -1)  # [B, S]: what each cache row holds
@@ -344,7 +347,8 @@ def _search_step(groups: list[_Group], logits: torch.Tensor, chain: Chain, ids: 
                 index[c.beam], feed[c.beam] = c.parent, c.token_id
         chosen.extend(t[-1] for t in g.tokens)
     record = BeamStep(step, candidates, _row_entropy(raw))
-    return record, torch.tensor(index), torch.tensor(feed, dtype=torch.long).unsqueeze(1)
+    return (record, torch.tensor(index, device=ids.device),
+            torch.tensor(feed, dtype=torch.long, device=ids.device).unsqueeze(1))
 
 
 def _finish(trace: BeamTrace, groups: list[_Group], config: DecodingConfig, lm: LoadedModel) -> None:
