@@ -138,3 +138,22 @@ def test_preload_falls_back_to_embedded_when_the_hub_is_offline(monkeypatch):
     registry = ModelRegistry()
     assert app.preload(registry, app.HUB_DEFAULT + "-not-cached", "none") == "embedded"
     assert [spec.source for spec in registry.loaded()] == ["embedded"]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_its_checks_as_a_dry_run_on_the_cpu(tmp_path):
+    """deploy/gpu_check.py is run by hand on a GPU machine (CI has none): its dry run (the CPU
+    against itself) keeps the script working and every check passing where nothing can differ."""
+    out = tmp_path / "checks.json"
+    done = subprocess.run([sys.executable, "-m", "deploy.gpu_check", "--device", "cpu", "--tokens", "3",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    import json
+
+    rows = json.loads(out.read_text())["checks"]
+    assert len(rows) == 20 and all(r["ok"] for r in rows) and "20 of 20 checks passed" in done.stdout
+    assert {r["check"].split(" ")[1] for r in rows if r["check"].startswith("float32 ")} >= {
+        "greedy", "beam", "contrastive_search", "speculative", "mcts", "sampling", "batched"}
+    no_gpu = subprocess.run([sys.executable, "-m", "deploy.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert no_gpu.returncode == 2 and "no CUDA device here" in no_gpu.stdout
