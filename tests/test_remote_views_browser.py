@@ -82,6 +82,11 @@ def test_speculative_on_the_server_click_a_round_s_chip(page, served_app, artifa
     page.wait_for_function(f"() => document.querySelector('#spec-explain')?.innerText.includes({expected!r})")
     assert page.locator("#spec-pq .js-plotly-plot").count() == 1
     page.screenshot(path=str(artifacts / "remote-speculative.png"), full_page=True)
+    # the README's picture (section 6): rounds, the clicked chip's p vs q, the remote summary
+    bottom = page.evaluate("document.querySelector('#spec-summary').getBoundingClientRect().bottom + window.scrollY")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    page.screenshot(path=str(DOCS / "remote-speculative.png"), full_page=True,
+                    clip=dict(x=0, y=0, width=width, height=bottom + 40))
 
 
 @server_test
