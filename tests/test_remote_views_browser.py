@@ -27,13 +27,19 @@ def served_app(llama_server, registry, embedded):
     demo.close()
 
 
-@server_test
-def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page, served_app, artifacts):
-    url, listed = served_app
-    page.goto(url)
+def open_on_the_server(page, url: str, listed: str, load: bool = True) -> None:
+    """Open the app (``load``) and pick the listed server in the model box, as a person does."""
+    if load:
+        page.goto(url)
     page.click("#dp-model input")
     page.locator("ul[role=listbox] li", has_text=listed).first.click()
     page.wait_for_selector("#dp-model-status:has-text('a served model, step mode')", timeout=60_000)
+
+
+@server_test
+def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page, served_app, artifacts):
+    url, listed = served_app
+    open_on_the_server(page, url, listed)
     page.click("button[role=tab]:has-text('Step through')")
     page.fill("#step-prompt textarea", "Name a colour of the sea.")
     page.fill("#step-knob-max_new_tokens input[type=number]", "6")
@@ -58,10 +64,7 @@ def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page,
 @server_test
 def test_speculative_on_the_server_click_a_round_s_chip(page, served_app, artifacts):
     url, listed = served_app
-    page.goto(url)
-    page.click("#dp-model input")
-    page.locator("ul[role=listbox] li", has_text=listed).first.click()
-    page.wait_for_selector("#dp-model-status:has-text('a served model, step mode')", timeout=60_000)
+    open_on_the_server(page, url, listed)
     page.get_by_role("tab", name="Speculative").click()
     page.fill("#spec-prompt textarea", "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday,")
     page.click("#spec-chat input")  # off: the prompt continues as text
@@ -95,9 +98,7 @@ def test_the_fast_mode_radio_appears_for_the_server_and_the_server_samples(page,
     page.goto(url)
     page.click("button[role=tab]:has-text('Step through')")
     assert not page.locator("#step-remote-mode").is_visible()  # the embedded model: no such choice
-    page.click("#dp-model input")
-    page.locator("ul[role=listbox] li", has_text=listed).first.click()
-    page.wait_for_selector("#dp-model-status:has-text('a served model, step mode')", timeout=60_000)
+    open_on_the_server(page, url, listed, load=False)
     page.wait_for_selector("#step-remote-mode", state="visible")
     page.locator("#step-remote-mode label", has_text="fast").click()
     page.fill("#step-prompt textarea", "Name a colour of the sea.")
