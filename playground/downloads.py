@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.settings import env_text
+from engine.trace import finite
 
 DOWNLOAD_TTL_S = 600.0  # a download link works for this long after its file was written
 # Gradio's own copies: checked every hour, deleted when over an hour old (frequency, age in seconds).
@@ -115,8 +116,10 @@ def write_text(name: str, text: str) -> str:
 
 
 def json_file(name: str, data: Any) -> str:
-    """``data`` as an indented, strict JSON file (no NaN / Infinity); returns its path."""
-    return write_text(name, json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False))
+    """``data`` as an indented, strict JSON file; returns its path. A value a run could not know
+    (NaN, e.g. a served model's raw p outside its top-N) or an infinite one is written as null, as
+    the trace JSON everywhere else (engine.trace.finite)."""
+    return write_text(name, json.dumps(finite(data), indent=1, ensure_ascii=False, allow_nan=False))
 
 
 def trace_file(trace: Any, prefix: str = "trace") -> str:

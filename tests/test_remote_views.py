@@ -8,6 +8,7 @@ handlers, through the error guard), against the real llama-server of tests/conft
 from __future__ import annotations
 
 import html
+import math
 import re
 import socket
 import threading
@@ -206,6 +207,23 @@ def test_fast_mode_the_server_samples_and_a_branch_continues_in_step_mode(served
     branched = page.session().trace()
     assert branched.branch_of == k and branched.generated_token_ids[:k + 1] == fast.generated_token_ids[:k] + [token]
     assert branched.extra["remote"]["mode"] == "step"
+
+
+@server_test
+def test_a_sampled_fast_run_with_unknown_raw_ps_finishes_and_downloads_strict_json(served):
+    import json
+
+    page = remote_page(served)
+    page.set("step-remote-mode", "fast")
+    page.set("step-knob-temperature", 1.5)  # nothing cut: most picks fall outside the raw top 2
+    page.set("step-knob-top_n", 2)
+    generate(page, "Name a colour of the sea.", tokens=12)
+    trace = page.session().trace()
+    assert any(math.isnan(s.raw_prob) for s in trace.steps)  # unknown, not 0
+    assert "perplexity unknown" in shown(page, "step-summary")
+    with open(page.shown("step-download")) as f:  # the download button's file: strict JSON, null for unknown
+        saved = json.load(f, parse_constant=lambda name: pytest.fail(f"{name} in the download"))
+    assert saved["summary"]["perplexity"] is None and saved["generated_token_ids"] == trace.generated_token_ids
 
 
 @server_test
