@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import json
 import time
 
 import gradio as gr
@@ -130,8 +131,10 @@ def test_downloads_live_in_one_directory_and_old_ones_are_deleted():
     os.utime(first.parent, (old, old))
     downloads.json_file("report.json", {"x": 1.5})
     assert not first.exists() and second.exists()  # writing a new file pruned the old one
-    with pytest.raises(ValueError):
-        downloads.json_file("bad.json", {"x": float("nan")})  # strict JSON only
+    unknown = Path(downloads.json_file("unknown.json", {"x": float("nan"), "y": [float("inf"), 2.0]}))
+    text = unknown.read_text()  # strict JSON only: what a run cannot know is null, never NaN / Infinity
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text, parse_constant=lambda name: pytest.fail(name)) == {"x": None, "y": [None, 2.0]}
     with pytest.raises(ValueError, match="name"):
         downloads.write_text("../escape.txt", "x")
 
