@@ -8,7 +8,9 @@ backend vLLM is used with); fast mode is one streamed request for the whole text
 top-N, as runner.run asks); speculative decoding with n-gram drafts runs our rounds against the
 server (llama-server has no prompt log-probabilities, so each drafted position is a request); a remote beam search with 2 beams pays 2 requests per step (its rate counts
 search steps: the winner may be short, vLLM's score favours an early EOS); the local engine is our
-own loop over transformers.
+own loop over transformers. Every run uses the chat template (the prompt is an instruction) and must
+make at least half its tokens, or the bench stops saying which did not: a run that ends at its
+first token would time the requests' overhead, not decoding.
 
     python -m bench.remote [--tokens 32] [--repeats 3] [--url http://127.0.0.1:8080]
 
@@ -26,7 +28,7 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from typing import Callable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,14 +83,25 @@ def main() -> None:
         openai = remote.connect_openai(url + "/v1", timeout_s=120)
         fast, beams = native.with_mode("fast"), config.replace(strategy="beam", num_beams=2)
         spec = config.replace(strategy="speculative", drafter="ngram", temperature=0.0)
-        runs = {
-            "llama.cpp step mode (1 request/token)": lambda: len(runner.run(native, PROMPT, config).steps),
-            "OpenAI /v1 step mode (1 request/token)": lambda: len(runner.run(openai, PROMPT, config).steps),
-            "llama.cpp fast mode (streamed; final + raw: 2 requests)": lambda: len(runner.run(fast, PROMPT, config).steps),
-            "llama.cpp speculative, n-gram drafts (our rounds)": lambda: len(runner.run(native, PROMPT, spec).steps),
-            "llama.cpp beam search, 2 beams (steps/s)": lambda: len(runner.run(native, PROMPT, beams).beam.steps),
-            "local engine (float32, transformers)": lambda: len(runner.run(lm, PROMPT, config).steps),
-        }
+        def tokens(model, config: DecodingConfig, name: str) -> Callable[[], int]:
+            """A run's token count (a beam search's steps), refused when it stopped early: a rate over
+            a token or two would time the requests' overhead, not decoding."""
+            def run() -> int:
+                trace = runner.run(model, PROMPT, config, chat=True)  # an instruction to an instruct model
+                n = len(trace.beam.steps) if trace.beam is not None else len(trace.steps)
+                if n < args.tokens // 2:
+                    raise SystemExit(f"bench.remote: {name} made {n} of {args.tokens} tokens ({trace.stop_reason})")
+                return n
+            return run
+
+        runs = {name: tokens(model, cfg, name) for name, model, cfg in (
+            ("llama.cpp step mode (1 request/token)", native, config),
+            ("OpenAI /v1 step mode (1 request/token)", openai, config),
+            ("llama.cpp fast mode (streamed; final + raw: 2 requests)", fast, config),
+            ("llama.cpp speculative, n-gram drafts (our rounds)", native, spec),
+            ("llama.cpp beam search, 2 beams (steps/s)", native, beams),
+            ("local engine (float32, transformers)", lm, config),
+        )}
         rates = interleaved(runs, repeats=args.repeats)
     local = "local engine (float32, transformers)"
     for name in (n for n in rates if n != local):
