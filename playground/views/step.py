@@ -538,7 +538,7 @@ class Handlers:
 REMOTE_MODES = ("step", "fast")
 REMOTE_MODE_INFO = ("step: one request per token; our stages and our seeded draw over the server's top 100, every stage "
                     "drawn (exact up to the top-N). fast: one streamed request; the server's own sampler picks, and "
-                    "each token shows its raw and final top-N (no stages in between, no branching).")
+                    "each token shows its raw and final top-N (no stages in between; a branch from it goes on in step mode).")
 
 
 def with_remote_mode(lm: LoadedModel, mode: Any, source: str | None = None) -> LoadedModel:
