@@ -107,12 +107,15 @@ class Chain:
 @dataclass
 class Traced:
     """What ``Chain.traced`` returns: the final logits [1, V], the stage records, and the raw and
-    final probabilities [V] (so the caller needs no further softmax)."""
+    final probabilities [V] (so the caller needs no further softmax); ``stage_probs``: the
+    probabilities [V] after each stage between raw and final (``stages[1:-1]``), so the picked
+    token's p at a stage whose top-N misses it can be recorded (``core.step_trace``)."""
 
     logits: torch.Tensor
     stages: list[StageTrace]
     raw_probs: torch.Tensor
     final_probs: torch.Tensor
+    stage_probs: list[torch.Tensor] = field(default_factory=list)
 
     def __iter__(self):
         """Unpacks as ``final_logits, stages``."""
@@ -132,6 +135,7 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
     recorder = _RowsRecorder(list(top_n), token_text)
     traces = [[t] for t in recorder.record(every, logits, ["raw"] * len(every), [{}] * len(every))]
     raw_probs = recorder.probs_of(every)
+    stage_probs: list[list[torch.Tensor]] = [[] for _ in every]  # row b's probabilities after each of its stages
     errors: dict[int, Exception] = {}
     for j in range(max((len(c.stages) for c in chains), default=0)):
         active = [b for b, c in enumerate(chains) if j < len(c.stages) and b not in errors]
@@ -144,8 +148,9 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
             records = recorder.record(active, stacked, [s.name for s in stages],
                                       [{**s.knobs, **found[b]} for b, s in zip(active, stages)],
                                       [s.state() for s in stages])
-            for b, trace in zip(active, records):
+            for b, trace, probs in zip(active, records, recorder.probs_of(active)):
                 traces[b].append(trace)
+                stage_probs[b].append(probs)
     out: list[Traced | Exception] = []
     for b in range(len(chains)):
         if b in errors:
@@ -153,7 +158,7 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
             continue
         last = traces[b][-1]
         traces[b].append(StageTrace("final", last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {}))
-        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0]))
+        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0], stage_probs[b]))
     return out
 
 

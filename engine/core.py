@@ -10,6 +10,7 @@ rules). Likewise ``pick`` is the one-row case of ``pick_rows``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -133,8 +134,12 @@ def draw_at(probs: torch.Tensor, u: float) -> sampling.Pick:
 
 def step_trace(lm: LoadedModel, traced: Traced, chosen: sampling.Pick, index: int, elapsed_ms: float, *,
                forced: bool = False, finish_reason: str | None = None) -> StepTrace:
-    """The StepTrace of token ``chosen`` picked from ``traced`` (its stages: raw first, final last)."""
-    token, stages = chosen.token_id, traced.stages
+    """The StepTrace of token ``chosen`` picked from ``traced`` (its stages: raw first, final last;
+    a stage between them whose top-N misses the token records the token's p there)."""
+    token, stages = chosen.token_id, list(traced.stages)
+    for i, probs in enumerate(traced.stage_probs, start=1):
+        if i < len(stages) - 1 and not any(t.token_id == token for t in stages[i].top):
+            stages[i] = dataclasses.replace(stages[i], chosen_prob=float(probs[token]))
     return StepTrace(
         index=index, chosen_token_id=token, chosen_token=lm.token_text(token), chosen_prob=chosen.prob,
         raw_prob=float(traced.raw_probs[token]), draw=chosen.draw, draw_low=chosen.low, draw_high=chosen.high,

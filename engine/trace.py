@@ -48,7 +48,9 @@ class StageTrace:
     ``state``: what a stateful stage's output depended on besides the knobs, the ids and the
     logits (mirostat's μ before the step, XTC's draw u), as ``Stage.state()`` reports it; loading it
     into a fresh stage (``Stage.load_state``) reproduces this step exactly (what-if). Empty for the
-    stateless stages."""
+    stateless stages. ``chosen_prob``: the picked token's probability after this stage when
+    ``top`` does not hold it (a stage between raw and final; None otherwise: ``top``, the step's
+    raw_prob or its chosen_prob say it)."""
 
     name: str
     kept: int
@@ -59,6 +61,7 @@ class StageTrace:
     removed: list[TokenProb] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+    chosen_prob: float | None = None
 
 
 @dataclass

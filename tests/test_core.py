@@ -215,3 +215,38 @@ def test_resolve_variant_applies_the_registry_policy(tiny_lm, monkeypatch):
     registry = ModelRegistry(policy=ModelPolicy((EMBEDDED,)))
     with pytest.raises(ModelLoadError, match="^amateur: '/etc' is not offered here"):
         resolve_variant(tiny_lm, "model:/etc", registry, "amateur")
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_middle_stage_records_the_picked_token_s_p_where_its_top_n_misses_it(tiny_lm, batched):
+    """top_n = 1 keeps one token per stage: at T = 4 the pick is rarely the top one, so a stage
+    between raw and final records the picked token's p (``StageTrace.chosen_prob``). Oracle: the
+    step's raw logits recomputed without a cache (explore.raw_logits), divided by T (after the
+    temperature stage), then cut to the top 40 and renormalised (after top-k)."""
+    from engine import explore, runner
+    from playground.charts.step import stage_chart
+
+    config = DecodingConfig(strategy="sample", temperature=4.0, top_k=40, top_n=1, max_new_tokens=12, seed=2,
+                            stage_order=("temperature", "top_k"))
+    scheduler = Scheduler(tiny_lm, max_batch=4) if batched else None
+    try:
+        trace = runner.run(tiny_lm, "The sea is", config, scheduler=scheduler)
+    finally:
+        if scheduler is not None:
+            scheduler.close()
+    checked = 0
+    for i, step in enumerate(trace.steps):
+        assert [s.name for s in step.stages] == ["raw", "temperature", "top_k", "final"]
+        scaled = explore.raw_logits(tiny_lm, trace, i)[0].float() / 4.0
+        cut = scaled.masked_fill(scaled < torch.topk(scaled, 40).values[-1], float("-inf"))
+        oracle = {"temperature": torch.softmax(scaled, -1), "top_k": torch.softmax(cut, -1)}
+        for stage in step.stages[1:-1]:
+            if stage.top[0].token_id == step.chosen_token_id:
+                assert stage.chosen_prob is None  # its top-N says it
+                continue
+            checked += 1
+            assert stage.chosen_prob == pytest.approx(float(oracle[stage.name][step.chosen_token_id]), rel=1e-4)
+        assert step.stages[0].chosen_prob is None and step.stages[-1].chosen_prob is None  # raw_prob, chosen_prob
+        texts = [t for bar in stage_chart(step).data if bar.type == "bar" for t in (bar.text or ())]
+        assert "p not recorded" not in texts
+    assert checked >= 6, checked  # most picks at T = 4 are not a stage's top token

@@ -216,6 +216,8 @@ def chosen_prob_at(step: StepTrace, i: int) -> float | None:
     records it: raw_prob where no stage up to i moved any mass, chosen_prob where no stage after i
     did (final is the last stage's distribution); None where only the stage's top-N is stored."""
     stages, last = step.stages, len(step.stages) - 1
+    if 0 < i < last and stages[i].chosen_prob is not None:  # recorded where the stage's top-N misses it
+        return stages[i].chosen_prob
     if i == last or all(s.tv_distance <= SAME and s.mass_removed <= 0 for s in stages[i + 1:last]):
         return step.chosen_prob
     if all(s.tv_distance <= SAME and s.mass_removed <= 0 for s in stages[1:i + 1]):

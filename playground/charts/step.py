@@ -86,10 +86,11 @@ def _hover(stage: StageTrace) -> str:
 
 def _chosen_outside(stage: StageTrace, step: StepTrace) -> TokenProb | None:
     """The chosen token as an extra bar when the stage's stored top-N misses it: its probability
-    where the trace records it (raw: raw_prob; final: chosen_prob), else None as the probability."""
+    where the trace records it (raw: raw_prob; final: chosen_prob; a stage between them: its own
+    chosen_prob), else None as the probability (a trace from before stages recorded it)."""
     if any(t.token_id == step.chosen_token_id for t in stage.top):
         return None
-    prob = step.raw_prob if stage.name == "raw" else step.chosen_prob if stage is step.stages[-1] else None
+    prob = step.raw_prob if stage.name == "raw" else step.chosen_prob if stage is step.stages[-1] else stage.chosen_prob
     return TokenProb(step.chosen_token_id, step.chosen_token, prob)
 
 
