@@ -36,17 +36,22 @@ def open_on_the_server(page, url: str, listed: str, load: bool = True) -> None:
     page.wait_for_selector("#dp-model-status:has-text('a served model, step mode')", timeout=60_000)
 
 
-@server_test
-def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page, served_app, artifacts):
-    url, listed = served_app
-    open_on_the_server(page, url, listed)
-    page.click("button[role=tab]:has-text('Step through')")
+def generate_six_tokens(page) -> None:
+    """In Step through: a prompt, 6 tokens, Generate; wait for the run and its chart."""
     page.fill("#step-prompt textarea", "Name a colour of the sea.")
     page.fill("#step-knob-max_new_tokens input[type=number]", "6")
     page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
     page.click("#step-generate")
     page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
     page.wait_for_selector("#step-chart .js-plotly-plot")
+
+
+@server_test
+def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page, served_app, artifacts):
+    url, listed = served_app
+    open_on_the_server(page, url, listed)
+    page.click("button[role=tab]:has-text('Step through')")
+    generate_six_tokens(page)
     summary = page.locator("#step-summary").inner_text()
     assert f"Remote model {listed}, step mode" in summary and "Approximations:" in summary
     assert "the raw distribution is the server's top 100, renormalised" in summary
@@ -101,12 +106,7 @@ def test_the_fast_mode_radio_appears_for_the_server_and_the_server_samples(page,
     open_on_the_server(page, url, listed, load=False)
     page.wait_for_selector("#step-remote-mode", state="visible")
     page.locator("#step-remote-mode label", has_text="fast").click()
-    page.fill("#step-prompt textarea", "Name a colour of the sea.")
-    page.fill("#step-knob-max_new_tokens input[type=number]", "6")
-    page.locator("#step-knob-max_new_tokens input[type=number]").press("Enter")
-    page.click("#step-generate")
-    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
-    page.wait_for_selector("#step-chart .js-plotly-plot")
+    generate_six_tokens(page)
     summary = page.locator("#step-summary").inner_text()
     assert f"Remote model {listed}, fast mode" in summary and "the server sampled" in summary, summary
     texts = " ".join(page.eval_on_selector_all("#step-chart svg text", "els => els.map(e => e.textContent)"))
