@@ -52,7 +52,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
         shared = Shared(registry=registry, model=model, quantization=quant, user_presets=user_presets_state(),
                         events=ModelEvents(), policy=policy)
         wire_model_check(shared)
-        whatif = WhatIfService(shared)  # the app's one what-if: Step through's knobs and the presenter's slider
+        whatif = shared.whatif = WhatIfService(shared)  # the app's one what-if: Step through's knobs, the presenter's slider
         handles: list[PanelView] = []
         pages: dict = {}  # every view's handle by name (Compare's page is not a PanelView)
         with gr.Tabs(elem_id="dp-tabs") as tabs:
@@ -60,7 +60,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
                 lessons_tab = lessons.build_tab(shared)
             for title, module, name in VIEWS:
                 with gr.Tab(title, id=f"tab-{name}", elem_id=f"tab-{name}"):
-                    handle = module.build_tab(shared, whatif) if module is step else module.build_tab(shared)
+                    handle = module.build_tab(shared)
                     pages[name] = handle
                 if isinstance(handle, PanelView):
                     handles.append(handle)

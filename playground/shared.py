@@ -105,6 +105,7 @@ class Shared:
     policy: ModelPolicy = dataclasses.field(default_factory=model_policy)
     max_prompt_tokens: int = 2048
     schedulers: Schedulers = dataclasses.field(default_factory=Schedulers)  # the app's own, one per model
+    whatif: Any = None  # the app's one WhatIfService (playground.whatif_service), set by build_app
 
     def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
         """The loaded model if the policy allows ``source``, else a UserError naming what is wrong;

@@ -298,8 +298,11 @@ def most_uncertain(steps: list) -> int:
     return max(range(len(steps)), key=lambda i: (steps[i].entropy, -i)) if steps else 0
 
 
-def build_tab(shared: Shared, whatif: WhatIfService) -> StepView:
-    """The Step-through tab; its knob panel's what-ifs go to ``whatif`` (the app's service)."""
+def build_tab(shared: Shared) -> StepView:
+    """The Step-through tab; its knob panel's what-ifs go to ``shared.whatif`` (the app's service)."""
+    whatif: WhatIfService = shared.whatif
+    if whatif is None:
+        raise RuntimeError("step.build_tab: shared.whatif is not set (playground.app.build_app sets it)")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id=ids.STEP_PROMPT)
