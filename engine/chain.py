@@ -64,6 +64,12 @@ class Chain:
         for stage in self.stages:
             stage.skip()
 
+    def resumable(self, recorded: Sequence[StageTrace]) -> bool:
+        """Whether ``recorded`` holds the state of every stage that carries one across steps
+        (mirostat's μ): a trace without it (an older or edited one) is replayed instead."""
+        states = {r.name for r in recorded if r.state}
+        return all(stage.name in states for stage in self.stages if stage.carries)
+
     def resume(self, recorded: Sequence[StageTrace]) -> None:
         """Carry into each stage what its namesake had carried to the step that recorded
         ``recorded`` (mirostat's μ), so a branch from that step needs no replay of the steps

@@ -172,6 +172,8 @@ class RunState:
         self.sequence = list(prompt_ids) + list(prefix)  # what the prefill feeds
         self.ids = torch.tensor([self.sequence], dtype=torch.long, device=lm.device)  # [1, T] for penalties
         self.generated = list(prefix)
+        if resume is not None and not self.chain.resumable(resume):
+            resume = None  # the records lack a carried state (an older or edited trace): replay instead
         self.needs_replay = bool(prefix) and self.chain.stateful and resume is None
         if prefix and self.chain.stateful and resume is not None:  # the run's own state at this step
             for _ in prefix:  # each step's draws in the run's order: the stages' (XTC's coin), then the pick's

@@ -66,6 +66,7 @@ class Stage:
 
     name: str = "stage"
     stateful: bool = False  # True: keeps state across steps or draws random numbers
+    carries: bool = False  # True: state carried across steps (not only a draw): resuming needs its record
 
     def __init__(self, **knobs: Any):
         self.knobs = knobs
@@ -943,6 +944,7 @@ class Mirostat(Stage):
 
     name = "mirostat"
     stateful = True
+    carries = True  # μ
     M = 100
 
     def __init__(self, mirostat: int, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1):

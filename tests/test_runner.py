@@ -103,3 +103,26 @@ def test_a_branch_under_the_runs_own_knobs_takes_its_recorded_state_without_repl
     other = STATEFUL.replace(mirostat_tau=4.0)
     runner.collect(runner.branch(tiny_lm, parent, 6, None, config=other, scheduler=scheduler))
     assert replayed == [1]  # other knobs: the prefix is replayed under them
+
+
+def test_a_branch_whose_records_lack_mirostat_s_state_replays_and_still_repeats_the_run(tiny_lm, monkeypatch):
+    """A parent trace from outside (an older or edited trace JSON) may carry no ``state`` in its
+    records: under its own knobs the branch must not start mirostat afresh from missing μ, it
+    replays the prefix instead, and still repeats the run at the first, a middle and the last step."""
+    import dataclasses
+
+    from engine import core
+
+    parent = runner.run(tiny_lm, "A stateful run", STATEFUL)
+    stripped = dataclasses.replace(parent, steps=[
+        dataclasses.replace(step, stages=[dataclasses.replace(s, state={}) for s in step.stages])
+        for step in parent.steps])
+    replayed = []
+    real_replay = core.RunState.replay
+    monkeypatch.setattr(core.RunState, "replay", lambda self, rows: replayed.append(1) or real_replay(self, rows))
+    for at in (0, 6, 11):
+        trace = runner.collect(runner.branch(tiny_lm, stripped, at, parent.generated_token_ids[at]))
+        assert trace.generated_token_ids == parent.generated_token_ids
+        for mine, theirs in zip(trace.steps[at + 1:], parent.steps[at + 1:]):
+            assert (mine.chosen_prob, mine.draw) == pytest.approx((theirs.chosen_prob, theirs.draw), rel=1e-5)
+    assert replayed == [1, 1]  # steps 6 and 11 replayed their prefix (step 0 has none)
