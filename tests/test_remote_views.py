@@ -227,7 +227,7 @@ def test_a_sampled_fast_run_with_unknown_raw_ps_finishes_and_downloads_strict_js
 
 
 @server_test
-@pytest.mark.parametrize("mode", ["bogus", None, 3, "fast" * 30])
+@pytest.mark.parametrize("mode", ["bogus", None, 3, "fast" * 30, "fast\ud800", "<b>fast</b>"])
 def test_a_bad_mode_is_one_line_and_the_prompt_stays(served, mode):
     page = remote_page(served)
     page.set("step-prompt", "Keep this prompt.")
@@ -235,6 +235,7 @@ def test_a_bad_mode_is_one_line_and_the_prompt_stays(served, mode):
     answer = text_of(page.fire("on_run", "step-text"))
     assert "remote_mode: expected step or fast, got" in answer and "Traceback" not in answer, answer
     assert page.shown("step-prompt") == "Keep this prompt."
+    assert "<b>" not in page.shown("step-status")  # markup in the value is shown as text
 
 
 @server_test
@@ -412,12 +413,15 @@ def test_a_listed_server_drafts_for_the_remote_target(served, monkeypatch):
     ("self-int8", "drafter: 'self-int8' does not run with a remote target; use ngram or model:"),
     (f"model:{UNLISTED}", f"drafter: 'model:{UNLISTED}' does not run with a remote target"),
     ("model:../../etc/passwd", "drafter: 'model:../../etc/passwd' does not run with a remote target"),
+    ("model:\ud800<b>x</b>", "drafter: "),
+    ("n" * 5000, "drafter: "),
 ])
 def test_a_drafter_the_remote_target_cannot_use_is_one_line_and_the_prompt_stays(served, drafter, line):
     page = remote_page(served)
     answer = text_of(spec_generate(page, drafter=drafter, tokens=4))
     assert line in answer and "Traceback" not in answer, answer
     assert page.shown("spec-prompt") == SPEC_PROMPT
+    assert "<b>" not in page.shown("spec-status")  # markup in the value is shown as text
 
 
 @server_test
