@@ -23,7 +23,8 @@ import torch
 from . import speculative
 from .config import DecodingConfig
 from .control import RunControl
-from .remote import RemoteModel, RemoteSpec, allowed_remote_models, connect_spec, entries_logits, stream_step
+from .models import ModelRegistry, ModelSpec
+from .remote import RemoteModel, RemoteSpec, allowed_remote_models, entries_logits, stream_step
 from .sampling import NoTokensLeft
 from .trace import Event
 
@@ -76,8 +77,10 @@ class _Output:
         self.logits = logits
 
 
-def drafter(target: RemoteModel, config: DecodingConfig, environ: Any = None) -> speculative.Drafter:
-    """The drafter ``config.drafter`` names for a remote target (see the module doc)."""
+def drafter(target: RemoteModel, config: DecodingConfig, registry: ModelRegistry, environ: Any = None
+            ) -> speculative.Drafter:
+    """The drafter ``config.drafter`` names for a remote target (see the module doc); a listed
+    server is connected to through ``registry`` (the app's keeps the connection across runs)."""
     if config.drafter == "ngram":
         return speculative.NgramDrafter(config.ngram_size)
     allowed = allowed_remote_models(environ)
@@ -89,19 +92,20 @@ def drafter(target: RemoteModel, config: DecodingConfig, environ: Any = None) ->
     if spec is None or str(spec) not in {str(a) for a in allowed}:
         raise ValueError(f"drafter: {config.drafter!r} does not run with a remote target; use ngram or "
                          "model:<a remote model the operator lists in DP_REMOTE_MODELS>")
-    draft = connect_spec(spec, target.client.timeout_s).with_mode("step", target.top_n)
+    draft = registry.get(ModelSpec(str(spec), "none"), key="drafter").with_mode("step", target.top_n)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"drafter: {name} has {draft.vocab_size} tokens, the target {target.vocab_size}")
     return speculative.ModelDrafter(draft, str(spec), RemoteCache(draft))  # type: ignore[arg-type]
 
 
 def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
-           chat: bool = False, control: RunControl | None = None, compare_baseline: bool = False) -> Iterator[Event]:
+           chat: bool = False, registry: ModelRegistry | None = None, control: RunControl | None = None,
+           compare_baseline: bool = False) -> Iterator[Event]:
     """One Event per round (steps: its tokens; record: its SpecRound), then one holding the Trace
     (``speculative.assemble``, labelled ``extra["remote"]``). ``compare_baseline``: also time the
     target alone in step mode, one request per token (summary ``baseline_ms``, ``speedup``),
     checking ``control`` per token."""
-    draft = drafter(target, config)
+    draft = drafter(target, config, registry or ModelRegistry())
     cache = RemoteCache(target)
     collected, ended = [], False
     try:

@@ -285,5 +285,6 @@ def _remote_beam(ctx: RunContext) -> Iterator[Event]:
 @register("speculative", backends=remote.BACKENDS)
 def _remote_speculative(ctx: RunContext) -> Iterator[Event]:
     rounds = remote_speculative.stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat,  # type: ignore[arg-type]
-                                       control=ctx.control, compare_baseline=ctx.compare_baseline)
+                                       registry=ctx.registry, control=ctx.control,
+                                       compare_baseline=ctx.compare_baseline)
     yield from _checked(rounds, ctx.control)

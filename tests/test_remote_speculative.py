@@ -12,6 +12,7 @@ import torch
 
 from engine import remote, remote_speculative, runner
 from engine.config import DecodingConfig
+from engine.models import ModelRegistry
 from engine.speculative import SpecRound
 from engine.trace import Trace
 from tests.test_remote_llamacpp import server_test
@@ -26,7 +27,7 @@ def test_a_drafter_a_remote_target_cannot_use_is_one_line(drafter):
     config = DecodingConfig(strategy="speculative", drafter=drafter)
     with pytest.raises(ValueError, match=rf"^drafter: '{drafter}' does not run with a remote target; use ngram or "
                                          r"model:<a remote model the operator lists in DP_REMOTE_MODELS>$"):
-        remote_speculative.drafter(offline_model(), config, {})
+        remote_speculative.drafter(offline_model(), config, ModelRegistry(), {})
 
 
 def test_vllm_scores_every_drafted_position_in_one_request_exactly(vllm):  # noqa: F811

@@ -402,10 +402,17 @@ def test_a_listed_server_drafts_for_the_remote_target(served, monkeypatch):
     page = remote_page(served)
     listed = served[1]
     monkeypatch.setenv("DP_REMOTE_MODELS", f"{listed},{DEAD}")
-    spec_generate(page, drafter=f"model:{listed}", tokens=8, temperature=0.8, compare=False)
-    assert "done:" in shown(page, "spec-status"), shown(page, "spec-status")
-    drafted = [d for r in spec_session(page).rounds for d in r.drafted]
-    assert drafted and all(d.accepted for d in drafted)  # the same model drafts: p = q, every draft passes
+    from engine import remote
+
+    connects = []
+    real_connect = remote.connect
+    monkeypatch.setattr(remote, "connect", lambda url, *a, **k: connects.append(url) or real_connect(url, *a, **k))
+    for _ in range(2):  # the drafter is the app's connection to that server (the target's here): none made again
+        spec_generate(page, drafter=f"model:{listed}", tokens=8, temperature=0.8, compare=False)
+        assert "done:" in shown(page, "spec-status"), shown(page, "spec-status")
+        drafted = [d for r in spec_session(page).rounds for d in r.drafted]
+        assert drafted and all(d.accepted for d in drafted)  # the same model drafts: p = q, every draft passes
+    assert connects == []
 
 
 @server_test
