@@ -1,4 +1,4 @@
-"""Tokens/s of a llama.cpp server through engine.remote vs the local engine, in one process,
+"""Tokens/s of a llama.cpp server through engine.backends vs the local engine, in one process,
 interleaved (bench.common), greedy, on the embedded model: the server serves the Q4_1 GGUF, the
 local engine its float32 conversion. Every run goes through engine.runner (one entry point).
 
@@ -33,9 +33,11 @@ from typing import Callable, Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import interleaved, report  # noqa: E402
-from engine import remote, runner  # noqa: E402
+from engine.backends import llamacpp, openai  # noqa: E402
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig  # noqa: E402
-from engine.models import ModelSpec, gguf_path, load_model  # noqa: E402
+from engine.backends.local import ModelSpec, gguf_path, load_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -79,15 +81,15 @@ def main() -> None:
     config = DecodingConfig(strategy="greedy", max_new_tokens=args.tokens)
     lm = load_model(ModelSpec())
     with (nullcontext(args.url) if args.url else started_server(args.threads)) as url:
-        native = remote.connect(url, timeout_s=120)
-        openai = remote.connect_openai(url + "/v1", timeout_s=120)
+        native = llamacpp.connect(url, timeout_s=120)
+        openai = openai.connect_openai(url + "/v1", timeout_s=120)
         fast, beams = native.with_mode("fast"), config.replace(strategy="beam", num_beams=2)
         spec = config.replace(strategy="speculative", drafter="ngram", temperature=0.0)
         def tokens(model, config: DecodingConfig, name: str) -> Callable[[], int]:
             """A run's token count (a beam search's steps), refused when it stopped early: a rate over
             a token or two would time the requests' overhead, not decoding."""
             def run() -> int:
-                trace = runner.run(model, PROMPT, config, chat=True)  # an instruction to an instruct model
+                trace = runner.run(RunRequest(model, PROMPT, config, chat=True))  # an instruction to an instruct model
                 n = len(trace.beam.steps) if trace.beam is not None else len(trace.steps)
                 if n < args.tokens // 2:
                     raise SystemExit(f"bench.remote: {name} made {n} of {args.tokens} tokens ({trace.stop_reason})")

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from gradio_client import Client
 
-    from engine.models import ModelRegistry
+    from engine.backends.registry import ModelRegistry
     from engine.threads import set_threads
     from playground.app import build_app, launch_kwargs
 

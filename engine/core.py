@@ -13,17 +13,53 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import sampling
-from .cache import KVCache
-from .config import DecodingConfig
-from .metrics import common_prefix, mean_logprob, perplexity
-from .models import LoadedModel
-from .chain import Chain, Traced, traced_rows
-from .trace import StageTrace, StepTrace, Timing, Trace
+from engine import sampling
+from engine.cache import KVCache
+from engine.config import DecodingConfig
+from engine.control import RunControl, check
+from engine.reports.metrics import common_prefix, mean_logprob, perplexity
+from engine.backends.local import LoadedModel
+from engine.chain import Chain, Traced, traced_rows
+from engine.trace import StageTrace, StepTrace, Timing, Trace
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Everything a strategy's ``stream`` gets (``engine.runner.stream`` builds it from a
+    RunRequest): the model, the prompt (text and encoded ids), the knobs, where drafters and
+    amateurs load from (a ModelRegistry), the run's control, whether to time a target-only
+    baseline, the batched scheduler greedy/sampling runs may join, and for a continuation (a
+    strategy whose spec ``continues``) the tokens it continues after, the token it is forced to
+    and the stage records to resume from."""
+
+    lm: Any  # a model loaded here (LoadedModel) or a served one (engine.backends.served.RemoteModel)
+    prompt: str
+    ids: list[int]
+    config: DecodingConfig
+    chat: bool = False
+    registry: Any = None  # engine.backends.registry.ModelRegistry
+    control: RunControl | None = None
+    compare_baseline: bool = False
+    scheduler: Any = None
+    prefix: tuple[int, ...] = ()  # tokens already generated: the run continues after them
+    force: int | None = None  # the token taken at the first new step instead of a pick
+    resume: tuple[StageTrace, ...] | None = None  # the run's stage records at the step after prefix (same knobs)
+
+
+def checked(source: Iterator, control: RunControl | None) -> Iterator:
+    """Items of ``source``, checking ``control`` before each one is computed (a cancelled or
+    timed-out run stops within one step)."""
+    while True:
+        check(control)
+        try:
+            item = next(source)
+        except StopIteration:
+            return
+        yield item
 
 
 def check_prompt(prompt_ids: Sequence[int]) -> None:
@@ -276,7 +312,7 @@ def timing(steps: Sequence[StepTrace]) -> Timing:
 
 def run_summary(steps: Sequence[StepTrace]) -> dict:
     """Mean log-prob (under the final, processed distribution and the raw model), perplexity of the
-    raw model along the text, and mean entropy (``engine.metrics`` computes them)."""
+    raw model along the text, and mean entropy (``engine.reports.metrics`` computes them)."""
     if not steps:
         return {"tokens": 0}
     raw = [s.raw_prob for s in steps]

@@ -27,7 +27,7 @@ Environ = Mapping[str, str]
 # The public Hub copy of the embedded model (a Space cannot build the embedded model's package).
 HUB_DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # The one list of larger Hub models a GPU deployment offers (instruct models that fit any Space GPU
-# in bf16): the default DP_MODELS on a GPU, locally (engine.models) and on a Space (app.py).
+# in bf16): the default DP_MODELS on a GPU, locally (engine.backends.registry) and on a Space (app.py).
 GPU_HUB_MODELS = (
     "HuggingFaceTB/SmolLM2-360M-Instruct",
     "HuggingFaceTB/SmolLM2-1.7B-Instruct",

@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-from engine.models import LoadedModel, ModelRegistry, ModelSpec, embedded_model_dir  # noqa: E402
+from engine.backends.local import LoadedModel, ModelSpec, embedded_model_dir  # noqa: E402
+from engine.backends.registry import ModelRegistry
 from engine.threads import default_threads, set_threads  # noqa: E402
 
 set_threads(default_threads())  # engine.threads is the one place the thread count is set
@@ -221,7 +222,7 @@ def serve_llama(binary: Path, *extra: str, log_name: str = "llama-server.log") -
     import time
     import urllib.request
 
-    from engine.models import gguf_path
+    from engine.backends.local import gguf_path
 
     port = free_port()
     ARTIFACTS.mkdir(exist_ok=True)
@@ -264,6 +265,6 @@ def llama_server(llama_server_binary) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def server_model(llama_server):
     """The real llama-server as a RemoteModel (step mode), connected once for the session."""
-    from engine import remote
+    from engine.backends import llamacpp
 
-    return remote.connect(llama_server, timeout_s=60)
+    return llamacpp.connect(llama_server, timeout_s=60)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from engine.lessons import CHECKS, LessonError, builtin_lessons, evaluate, parse_lesson, run_lesson, selected_step
+from engine.reports.lessons import (CHECKS, LessonError, builtin_lessons, evaluate, parse_lesson, run_lesson, selected_step)
 
 GOOD = {
     "version": 1, "id": "mine", "title": "My lesson", "view": "step", "prompt": "Hello", "chat": False,

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import browser_page, free_port
-from engine.lessons import builtin_lessons
+from engine.reports.lessons import builtin_lessons
 from playground.views.lessons import lesson_token
 from test_lessons_room import TAUGHT
 

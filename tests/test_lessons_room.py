@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from engine.lessons import LessonError, builtin_lessons, evaluate, parse_lesson, parse_lesson_json, run_lesson
+from engine.reports.lessons import (LessonError, builtin_lessons, evaluate, parse_lesson, parse_lesson_json, run_lesson)
 
 # What each built-in lesson's chart must show (a panel title or the figure's text), the stage it teaches.
 TAUGHT = {
@@ -146,7 +146,7 @@ def test_lesson_text_is_escaped_html_not_markdown(tab):
     from playground.views import lessons as view
     with gr.Blocks():
         from playground.shared import Shared, model_pickers, user_presets_state
-        from engine.models import ModelRegistry
+        from engine.backends.registry import ModelRegistry
         model, quant = model_pickers()
         built = view.build_tab(Shared(registry=ModelRegistry(), model=model, quantization=quant,
                                       user_presets=user_presets_state()))

@@ -1,6 +1,6 @@
 """Quantization charts: teacher-forced vs free-running said in words, no stale load times, 14 px."""
 
-from engine.drift import DriftReport, VariantDrift
+from engine.reports.drift import DriftReport, VariantDrift
 from playground.charts import quantization as charts
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.drift import DriftReport, KVReport, KVStep, PositionDrift, VariantDrift
+from engine.reports.drift import DriftReport, KVReport, KVStep, PositionDrift, VariantDrift
 from playground.charts import quantization as charts
 
 MB = 1024 * 1024

@@ -1,4 +1,4 @@
-"""Issue #29: the OpenAI-compatible backend (engine.remote.OpenAIApi): against llama-server's own
+"""Issue #29: the OpenAI-compatible backend (engine.backends.openai.OpenAIApi): against llama-server's own
 /v1 endpoint (the real server of tests/conftest.py, marker `remote`) and against vLLM's response
 schema served by a small local HTTP server from tests/data/vllm/ (see its README)."""
 
@@ -14,7 +14,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from engine import remote, runner
+from engine.backends import client, llamacpp, openai, remote, served
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from tests.test_remote_llamacpp import PROMPT, llamacpp_greedy, server_test
 
@@ -92,18 +94,18 @@ def step_tops() -> list[dict[str, float]]:
 # --- vLLM's schema ---------------------------------------------------------------------------------
 def test_connecting_reads_the_model_and_its_context(vllm):
     url, _ = vllm
-    model = remote.connect_openai(url, timeout_s=5)
+    model = openai.connect_openai(url, timeout_s=5)
     assert model.name == f"openai:{url}" and model.backend == "openai" and model.api.dialect == "vllm"
     assert model.api.model_id == "Qwen/Qwen2.5-0.5B-Instruct" and model.context == 32768
-    assert model.vocab_size == remote.VOCAB_BOUND and model.eos_token_ids == ()  # vLLM reports neither
-    given = remote.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS])
+    assert model.vocab_size == openai.VOCAB_BOUND and model.eos_token_ids == ()  # vLLM reports neither
+    given = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS])
     assert (given.vocab_size, given.eos_token_ids) == (151936, (EOS,))
 
 
 def test_step_mode_parses_vllm_logprobs_and_records_the_tail_mass(vllm):
     url, state = vllm
-    model = remote.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS]).with_mode("step", 5)
-    trace = runner.run(model, "The capital of France is", DecodingConfig(strategy="greedy", max_new_tokens=8))
+    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS]).with_mode("step", 5)
+    trace = runner.run(RunRequest(model, "The capital of France is", DecodingConfig(strategy="greedy", max_new_tokens=8)))
     assert trace.generated_token_ids == [12095, 13, EOS] and trace.stop_reason == "eos"
     assert trace.text == " Paris."
     tails = [1 - sum(math.exp(lp) for lp in top.values()) for top in step_tops()]
@@ -121,9 +123,9 @@ def test_step_mode_parses_vllm_logprobs_and_records_the_tail_mass(vllm):
 
 def test_fast_mode_shows_the_server_s_tokens_and_top_n(vllm):
     url, state = vllm
-    model = remote.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS], mode="fast")
+    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS], mode="fast")
     config = DecodingConfig(strategy="sample", temperature=0.7, top_p=0.9, typical_p=0.5, max_new_tokens=3, top_n=5)
-    trace = runner.run(model, "The capital of France is", config)
+    trace = runner.run(RunRequest(model, "The capital of France is", config))
     assert trace.generated_token_ids == [12095, 13, EOS] and trace.stop_reason == "eos"
     assert [s.name for s in trace.steps[0].stages] == ["raw"]
     assert trace.steps[1].chosen_prob == pytest.approx(math.exp(-0.3466))
@@ -135,7 +137,7 @@ def test_fast_mode_shows_the_server_s_tokens_and_top_n(vllm):
 
 def test_prompt_logprobs_are_read_per_position(vllm):
     url, _ = vllm
-    model = remote.connect_openai(url, timeout_s=5)
+    model = openai.connect_openai(url, timeout_s=5)
     rows = model.api.prompt_logprobs([785, 6722, 315, 9625, 374, 12095], 2)
     assert rows[0] is None and len(rows) == 6
     assert rows[1] == {6722: -7.1253, 374: -1.2040, 525: -2.0794}  # the prompt's own token, then the top 2
@@ -147,10 +149,10 @@ def test_prompt_logprobs_are_read_per_position(vllm):
     (500, "error_500.json", "EngineCore encountered an issue.")])
 def test_an_error_reply_is_one_line_naming_the_url(vllm, status, name, message):
     url, state = vllm
-    model = remote.connect_openai(url, timeout_s=5)
+    model = openai.connect_openai(url, timeout_s=5)
     state["fail"] = (status, name)
-    with pytest.raises(remote.RemoteError) as caught:
-        runner.run(model, "The capital of France is", DecodingConfig(strategy="greedy", max_new_tokens=2))
+    with pytest.raises(client.RemoteError) as caught:
+        runner.run(RunRequest(model, "The capital of France is", DecodingConfig(strategy="greedy", max_new_tokens=2)))
     line = str(caught.value)
     assert line.startswith(f"OpenAI-compatible server {url}/completions: HTTP {status}: {message}")
     assert "\n" not in line and len(line) < 400
@@ -158,10 +160,10 @@ def test_an_error_reply_is_one_line_naming_the_url(vllm, status, name, message):
 
 def test_a_slow_server_is_one_line_within_the_timeout(vllm):
     url, state = vllm
-    model = remote.connect_openai(url, timeout_s=0.5)
+    model = openai.connect_openai(url, timeout_s=0.5)
     state["delay"] = 2
     start = time.perf_counter()
-    with pytest.raises(remote.RemoteError) as caught:
+    with pytest.raises(client.RemoteError) as caught:
         model.api.next_top([785], 5)
     assert time.perf_counter() - start < 1.5
     assert str(caught.value) == f"OpenAI-compatible server {url}/completions: no answer within the 0.5 s timeout"
@@ -170,8 +172,8 @@ def test_a_slow_server_is_one_line_within_the_timeout(vllm):
 def test_a_server_without_tokenize_says_so(vllm):
     url, state = vllm
     state["tokenize"] = False
-    model = remote.connect_openai(url, timeout_s=5)
-    with pytest.raises(remote.RemoteError, match=r"/tokenize: missing \(HTTP 404\); step mode needs the server's "
+    model = openai.connect_openai(url, timeout_s=5)
+    with pytest.raises(client.RemoteError, match=r"/tokenize: missing \(HTTP 404\); step mode needs the server's "
                                                  r"tokenizer"):
         model.encode("The capital of France is")
 
@@ -179,30 +181,30 @@ def test_a_server_without_tokenize_says_so(vllm):
 # --- llama-server's own OpenAI endpoint ------------------------------------------------------------
 @server_test
 def test_greedy_step_mode_through_llama_server_s_openai_endpoint_equals_its_greedy(llama_server):
-    model = remote.connect_openai(llama_server + "/v1", timeout_s=60)
-    native = remote.connect(llama_server, timeout_s=60)
+    model = openai.connect_openai(llama_server + "/v1", timeout_s=60)
+    native = llamacpp.connect(llama_server, timeout_s=60)
     assert model.api.dialect == "llamacpp" and model.vocab_size == native.vocab_size
     assert model.eos_token_ids == native.eos_token_ids and model.encode(PROMPT) == native.encode(PROMPT)
     config = DecodingConfig(strategy="greedy", max_new_tokens=16)
     theirs = llamacpp_greedy(native, native.encode(PROMPT), 16)
-    step = runner.run(model, PROMPT, config)
+    step = runner.run(RunRequest(model, PROMPT, config))
     assert step.generated_token_ids == theirs
-    assert runner.run(model.with_mode("fast"), PROMPT, config).generated_token_ids == theirs
+    assert runner.run(RunRequest(model.with_mode("fast"), PROMPT, config)).generated_token_ids == theirs
     top, _ = remote.top_logits(model, native.encode(PROMPT), 20)
     same, _ = remote.top_logits(native, native.encode(PROMPT), 20)
     assert (top - same).nan_to_num().abs().max() < 1e-5  # the same raw top-N through both APIs
-    with pytest.raises(remote.RemoteError, match="prompt_logprobs: not supported by llama-server's OpenAI endpoint"):
+    with pytest.raises(client.RemoteError, match="prompt_logprobs: not supported by llama-server's OpenAI endpoint"):
         model.api.prompt_logprobs(native.encode(PROMPT), 2)
 
 
 def test_the_operator_spec_carries_vllm_s_vocabulary_and_eos(vllm):
     url, _ = vllm
     text = f"openai:{url}#vocab=151936&eos={EOS}+151645"
-    spec = remote.RemoteSpec.parse(text)
+    spec = served.RemoteSpec.parse(text)
     assert (spec.vocab_size, spec.eos_token_ids, str(spec)) == (151936, (EOS, 151645), text)
-    [listed] = remote.allowed_remote_models({"DP_REMOTE_MODELS": text})  # the list's commas stay separators
+    [listed] = served.allowed_remote_models({"DP_REMOTE_MODELS": text})  # the list's commas stay separators
     model = remote.connect_spec(listed, timeout_s=5)
     assert (model.vocab_size, model.eos_token_ids, model.backend) == (151936, (EOS, 151645), "openai")
     for bad in (f"openai:{url}#vocab=lots", f"openai:{url}#top=5", "llamacpp:http://h:8080#vocab=5"):
         with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"):
-            remote.RemoteSpec.parse(bad)
+            served.RemoteSpec.parse(bad)

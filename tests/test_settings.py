@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import app
-from engine import control, models, scheduler, settings
+from engine import control, scheduler, settings
+from engine.backends import local, registry
 from engine.settings import INTEGER_SETTINGS, SettingsError, check_environment, env_int, env_seconds
 from playground import app as playground_app
 from playground import events, examples
@@ -109,7 +110,7 @@ def test_only_engine_settings_reads_the_environment():
 
 
 # --- the readers agree with the old ones on every value the old ones understood ---------------------
-def old_default_off(value):  # app.is_public / engine.models._env_flag (DP_PUBLIC, DP_ALLOW_LOCAL_MODELS)
+def old_default_off(value):  # app.is_public / engine.backends.local._env_flag (DP_PUBLIC, DP_ALLOW_LOCAL_MODELS)
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -119,7 +120,7 @@ def old_default_on(value):  # examples.enabled / whatif_service.direct_enabled (
 
 FLAG_READS = {  # the call sites, each reading its flag the way the app does
     "DP_PUBLIC": (lambda: app.is_public(dict(os.environ)), old_default_off),
-    "DP_ALLOW_LOCAL_MODELS": (lambda: models.model_policy().allow_local, old_default_off),
+    "DP_ALLOW_LOCAL_MODELS": (lambda: registry.model_policy().allow_local, old_default_off),
     "DP_EXAMPLES": (examples.enabled, old_default_on),
     "DP_WHATIF_ROUTE": (whatif_service.direct_enabled, old_default_on),
 }
@@ -151,11 +152,11 @@ def test_public_mode_is_one_function_for_the_app_and_the_model_policy(monkeypatc
         with monkeypatch.context() as m:
             for key, value in env.items():
                 m.setenv(key, value)
-            assert models.model_policy().public is settings.public_mode() is public, env
+            assert registry.model_policy().public is settings.public_mode() is public, env
 
 
 def test_one_gpu_model_list(monkeypatch):
-    """app.py (a Space's DP_MODELS), deploy/make_space.py (the Space README) and engine.models (the
+    """app.py (a Space's DP_MODELS), deploy/make_space.py (the Space README) and engine.backends.registry (the
     default allow-list on a GPU) offer the same GPU models: engine.settings.GPU_HUB_MODELS."""
     from deploy import make_space
 
@@ -166,9 +167,9 @@ def test_one_gpu_model_list(monkeypatch):
     for name in ("DP_PUBLIC", "SPACE_ID", "DP_MODELS", "DP_MODEL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert models.model_policy().allowed == ("embedded", *settings.GPU_HUB_MODELS)
+    assert registry.model_policy().allowed == ("embedded", *settings.GPU_HUB_MODELS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert models.model_policy().allowed == ("embedded",)
+    assert registry.model_policy().allowed == ("embedded",)
     hub_ids = re.compile(r"[\"'](?:Qwen|HuggingFaceTB)/[\w.-]+[\"']")
     assert [p.name for p in SOURCES if p.name != "settings.py" and hub_ids.search(p.read_text("utf-8"))] == []
 
@@ -187,14 +188,14 @@ def test_text_list_and_choice_settings_read_as_before(monkeypatch, tmp_path):
         check_environment()
     monkeypatch.delenv("DP_QUANTIZATION")
     assert settings.env_text("DP_BROWSER_SECRET") == "decoding-playground-presets-v1"
-    assert models.cache_root() == Path.home() / ".cache" / "decoding-playground"
+    assert local.cache_root() == Path.home() / ".cache" / "decoding-playground"
     monkeypatch.setenv("DECODING_PLAYGROUND_CACHE", str(tmp_path))
-    assert models.cache_root() == tmp_path
+    assert local.cache_root() == tmp_path
     assert settings.env_list("DP_MODELS", {"DP_MODELS": "embedded, org/a ,,org/a"}) == ("embedded", "org/a")
     assert settings.env_list("DP_MODELS", {}) == ()
-    assert models.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert models.DTYPES == settings.BY_NAME["DP_DTYPE"].choices
-    assert models.QUANTIZATIONS == settings.BY_NAME["DP_QUANTIZATION"].choices
+    assert local.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert local.DTYPES == settings.BY_NAME["DP_DTYPE"].choices
+    assert local.QUANTIZATIONS == settings.BY_NAME["DP_QUANTIZATION"].choices
     # The platform's ZeroGPU variable: set and not 0/false/no/off, as before; never refused.
     for value, zero in (("true", True), ("1", True), ("yes please", True), ("0", False), ("False", False), ("", False)):
         monkeypatch.setenv("SPACES_ZERO_GPU", value)

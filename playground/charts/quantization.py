@@ -9,7 +9,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.drift import DriftReport, KVReport, VariantDrift
+from engine.reports.drift import DriftReport, KVReport, VariantDrift
 from . import glossary
 from .step import FONT
 from .tokens import render as readable

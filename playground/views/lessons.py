@@ -1,4 +1,4 @@
-"""Lessons (the first tab): the guided lessons of engine.lessons, each 2-5 steps of text and a ready
+"""Lessons (the first tab): the guided lessons of engine.reports.lessons, each 2-5 steps of text and a ready
 configuration. "Run and check" runs the lesson on the model, selects its step
 (``lessons.selected_step``) and shows the outcome sentence its check verifies
 (``lessons.evaluate``); "Open in its view" puts the prompt and preset into the lesson's view
@@ -23,13 +23,13 @@ import gradio as gr
 
 import plotly.graph_objects as go
 
-from engine import contrastive
-from engine import lessons as engine_lessons
+from engine.strategies import contrastive
+from engine.reports import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.drift import DriftReport, KVReport
-from engine.lessons import Lesson, LessonError, Outcome, parse_lesson_json
-from engine.speculative import rounds_of
+from engine.reports.drift import DriftReport, KVReport
+from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
+from engine.strategies.speculative import rounds_of
 from engine.trace import Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts

@@ -14,10 +14,10 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine import drift, kv_arith
+from engine.reports import drift, kv_arith
 from engine.config import KNOBS
 from engine.control import RunControl
-from engine.models import QUANTIZATIONS
+from engine.backends.local import QUANTIZATIONS
 from engine.trace import to_dict
 from playground.charts import memory as memory_charts
 from playground.charts import quantization as charts

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.metrics import lane_metrics, sweep_spread
+from engine.reports.metrics import lane_metrics, sweep_spread
 from engine.presets import PresetError, load_preset
 from engine.trace import Trace, to_dict
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import gradio as gr
 
 from engine.config import KNOBS, STRATEGIES
-from engine.models import is_remote_source
+from engine.backends.registry import is_remote_source
 from playground.charts import compare as charts
 
 from ...knobs import compact_knob_component

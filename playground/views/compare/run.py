@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 from engine import runner
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
-from engine.models import LoadedModel
+from engine.backends.local import LoadedModel
 from engine.trace import Trace
 
 from ...events import error_message

@@ -7,16 +7,19 @@ Trace. Branching continues a finished run from any step with another token: the 
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import explore, sampling
-from .cache import KVCache
-from .config import DecodingConfig
-from .core import RunState, assemble, draw_at, pick, step_trace
-from .models import LoadedModel
-from .trace import StageTrace, StepTrace, Trace
+from engine import explore, sampling
+from engine.backends import remote
+from engine.backends.local import LoadedModel
+from engine.cache import KVCache
+from engine.config import DecodingConfig
+from engine.core import RunContext, RunState, assemble, checked, draw_at, pick, step_trace
+from engine.sampling import NoTokensLeft
+from engine.strategies.spec import StrategySpec, register
+from engine.trace import Event, StageTrace, StepTrace, Trace
 
 
 def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
@@ -84,3 +87,36 @@ def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict | None, lo
         chosen = sampling.Pick(run.chosen_token_id, float(traced.final_probs[run.chosen_token_id]))
     return step_trace(lm, traced, chosen, run.index, run.elapsed_ms, forced=run.forced and chosen.draw is None
                       and not config.is_greedy)
+
+
+# --- the strategies ------------------------------------------------------------------------------------
+def batched(config: DecodingConfig, scheduler: Any) -> Any:
+    """The scheduler a greedy/sampling run may join, or None: its batch rows are plain
+    full-precision caches, so a run with another KV cache kind decodes on its own."""
+    return scheduler if scheduler is not None and config.kv_cache == "dynamic" else None
+
+
+def stepwise(ctx: RunContext) -> Iterator[Event]:
+    """Greedy and sampling on a model loaded here: its own forwards (``stream``) or rows of the
+    batched scheduler, an Event per token, then the Trace."""
+    scheduler = batched(ctx.config, ctx.scheduler)
+    source = (scheduler.stream(ctx.ids, ctx.config, prefix=ctx.prefix, force=ctx.force, control=ctx.control,
+                               resume=ctx.resume)
+              if scheduler is not None
+              else stream(ctx.lm, ctx.ids, ctx.config, prefix=ctx.prefix, force=ctx.force, resume=ctx.resume))
+    steps, ended = [], False
+    try:
+        for step in checked(source, ctx.control):
+            steps.append(step)
+            yield Event(steps=[step])
+    except NoTokensLeft:  # a step with nothing left to pick ends the run, saying why
+        ended = True
+    trace = assemble(ctx.lm, ctx.prompt, ctx.ids, ctx.config, steps, ctx.chat)
+    if ended:
+        trace.end_with_no_tokens_left()
+    yield Event(trace=trace)
+
+
+for _name, _doc in (("greedy", "The most probable token at every step."),
+                    ("sample", "A seeded draw from the final distribution at every step.")):
+    register(StrategySpec(_name, stepwise, continues=True, doc=_doc, served=remote.stepwise, served_continues=True))

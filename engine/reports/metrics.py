@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Hashable, Sequence
 
-from .trace import StepTrace, Trace
+from engine.trace import StepTrace, Trace
 
 MIN_PROB = 1e-45  # log of a zero probability is clamped here, not -inf
 

@@ -1,4 +1,4 @@
-"""Speculative decoding on a remote target (issue #29): engine.speculative's own rounds (the same
+"""Speculative decoding on a remote target (issue #29): engine.strategies.speculative's own rounds (the same
 drafters, acceptance tests, residual draws and records), with the target's "cache" a
 ``RemoteCache``: feeding K + 1 tokens returns the target's top-N at each of those positions from
 the server instead of a forward.
@@ -20,13 +20,17 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import speculative
-from .config import DecodingConfig
-from .control import RunControl
-from .models import ModelRegistry, ModelSpec
-from .remote import RemoteModel, RemoteSpec, allowed_remote_models, entries_logits, stream_step
-from .sampling import NoTokensLeft
-from .trace import Event
+from engine.strategies import speculative
+from engine.config import DecodingConfig
+from engine.control import RunControl
+from engine.backends.registry import ModelRegistry
+from engine.backends.local import ModelSpec
+from engine.backends.served import RemoteModel, RemoteSpec, allowed_remote_models
+from engine.backends.remote import entries_logits, stream_step
+from engine.sampling import NoTokensLeft
+from engine.core import checked
+from engine.strategies.spec import serve
+from engine.trace import Event
 
 APPROXIMATIONS = [
     "the target's p and the draft's q are over the server's top-N, renormalised (as step mode): the residual "
@@ -35,7 +39,7 @@ APPROXIMATIONS = [
 
 
 class RemoteCache:
-    """What engine.speculative asks of a KV cache (``tokens``, ``length``, ``forwards``, ``sync``,
+    """What engine.strategies.speculative asks of a KV cache (``tokens``, ``length``, ``forwards``, ``sync``,
     ``step``, ``forward(ids, all_logits=True)``, ``rewind``), answered by a remote model: the tokens
     are only remembered, every "forward" is the server's top-N at the positions fed."""
 
@@ -129,3 +133,11 @@ def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: 
             steps=lambda ids, base: stream_step(stepper, ids, base, top_n=stepper.top_n))
     yield Event(trace=trace)
 
+
+def run(ctx: Any) -> Iterator[Event]:
+    """Speculative decoding with a served target (``engine.runner.stream``)."""
+    yield from checked(stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, registry=ctx.registry,
+                              control=ctx.control, compare_baseline=ctx.compare_baseline), ctx.control)
+
+
+serve("speculative", run)

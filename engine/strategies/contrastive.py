@@ -34,14 +34,16 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import core, sampling
-from .cache import KVCache
-from .config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig
-from .core import StopCheck, assemble, check_prompt, make_generator
-from .models import LoadedModel, ModelLoadError, ModelRegistry, check_same_tokenizer, resolve_variant
-from .chain import Chain, Traced
-from .processors import build_stage
-from .trace import Event, StageTrace, TokenProb, Trace, from_dict
+from engine import core, sampling
+from engine.cache import KVCache
+from engine.config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob, check_drafter
+from engine.core import RunContext, StopCheck, assemble, check_prompt, checked, make_generator
+from engine.backends.local import LoadedModel, ModelLoadError
+from engine.backends.registry import ModelRegistry, check_same_tokenizer, resolve_variant
+from engine.chain import Chain, Traced
+from engine.stages import build_stage
+from engine.strategies.spec import StrategySpec, register
+from engine.trace import Event, StageTrace, TokenProb, Trace, from_dict
 
 # Contrastive search feeds top_k candidates as one batch: bound it so a large top_k cannot blow up
 # memory (the paper and transformers' examples use k = 4..10).
@@ -286,7 +288,7 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
             label = amateur.name
         source = stream_contrast(lm, amateur, prompt_ids, config, label)
     else:
-        raise ConfigError("strategy", f"engine.contrastive runs {' | '.join(STRATEGIES)}, got {config.strategy!r}")
+        raise ConfigError("strategy", f"engine.strategies.contrastive runs {' | '.join(STRATEGIES)}, got {config.strategy!r}")
     steps, collected, ended = [], [], False
     try:
         for event in source:
@@ -308,3 +310,34 @@ def records(trace: Trace) -> list[SearchStep] | list[ContrastStep]:
     """The per-step records of a contrastive trace, rebuilt as dataclasses after a JSON round trip."""
     cls = SearchStep if trace.strategy == "contrastive_search" else ContrastStep
     return from_dict(list[cls], trace.extra.get(trace.strategy, []))
+
+
+# --- the strategies -----------------------------------------------------------------------------------
+def run(ctx: RunContext) -> Iterator[Event]:
+    """Contrastive search or decoding on a model loaded here (``engine.runner.stream``)."""
+    yield from checked(stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, registry=ctx.registry),
+                       ctx.control)
+
+
+def check_search(config: DecodingConfig) -> None:
+    if config.top_k < 2:
+        raise ConfigError("top_k", f"contrastive search needs top_k >= 2 candidates, got {config.top_k}")
+
+
+register(StrategySpec(
+    "contrastive_search", run, check=check_search, records={"contrastive_search": list[SearchStep]},
+    in_use=("penalty_alpha",), exported_as="greedy", needs=("hidden_states",),
+    doc="Among the top-k tokens, the most probable one least similar to the text so far (hidden states).",
+    knobs=(Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.",
+                step=0.05),)))
+register(StrategySpec(
+    "contrastive_decoding", run, records={"contrastive_decoding": list[ContrastStep]},
+    in_use=("cd_alpha", "amateur"), exported_as="greedy", needs=("full_logits",),
+    needs_why="needs full logits of the expert and the amateur",
+    doc="The token the expert likes much more than a weaker amateur does, among the expert's plausible ones.",
+    knobs=(
+        Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.",
+             step=0.01),
+        Knob("amateur", "str", "self-nf4", check=lambda key, value: check_drafter(key, value, ("self-int8", "self-nf4")),
+             doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
+    )))

@@ -42,16 +42,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import sampling, speculative
-from .config import ConfigError, DecodingConfig
-from .control import RunControl, check
-from .core import check_prompt
-from .models import LoadedModel
-from .chain import Traced
-from .speculative import DraftToken, ExtraToken, SpecRound
-from .trace import Event, TokenProb, Trace, from_dict
+from engine import sampling
+from engine.strategies import speculative
+from engine.config import ConfigError, DecodingConfig, Knob
+from engine.control import RunControl, check
+from engine.core import RunContext, check_prompt
+from engine.backends.local import LoadedModel
+from engine.chain import Traced
+from engine.strategies.speculative import DraftToken, ExtraToken, SpecRound
+from engine.strategies.spec import StrategySpec, register
+from engine.trace import Event, TokenProb, Trace, from_dict
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"  # engine/assets
 CANDIDATES_SHOWN = 3  # per head, in the record (at least; the tree may use more)
 
 
@@ -140,7 +142,7 @@ def load_heads(lm: LoadedModel, path: Path | None = None) -> MedusaHeads:
     path = path or heads_path(lm.name)
     if not path.is_file():
         raise ConfigError("strategy", f"medusa: no trained heads for {lm.name} (expected {path.name}); "
-                                      f"train them with python -m engine.medusa_train --model <source>")
+                                      f"train them with python -m engine.strategies.medusa_train --model <source>")
     sums = path.with_suffix(".sha256")
     if sums.is_file():
         expected = sums.read_text().split()[0]
@@ -537,3 +539,27 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
     if compare_baseline:
         trace.summary |= speculative.compare_with_baseline(lm, prompt, config, trace, chat, control=control)
     yield Event(trace=trace)
+
+
+# --- the strategy -------------------------------------------------------------------------------------
+def run(ctx: RunContext) -> Iterator[Event]:
+    """Medusa on a model loaded here (``engine.runner.stream``; it checks the control every round)."""
+    yield from stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, control=ctx.control,
+                      compare_baseline=ctx.compare_baseline)
+
+
+register(StrategySpec(
+    "medusa", run, records={"rounds": list[MedusaRound]}, needs=("hidden_states",),
+    needs_why="needs the model's hidden states for its heads",
+    doc="Extra heads propose the next tokens; the target verifies a tree of them in one forward.",
+    knobs=(
+        Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose candidates are verified per forward (the tree's "
+             "depth).", step=1),
+        Knob("medusa_tree_width", "int", 3, 1, 8, doc="Medusa: candidates per head in the verified tree (1 = the chain "
+             "of each head's top-1).", step=1),
+        Knob("medusa_tree_nodes", "int", 6, 1, 64, doc="Medusa: tree nodes verified in one forward (the best paths by "
+             "product of head probabilities).", step=1),
+        Knob("medusa_tree_min_score", "float", 0.0, 0.0, 0.5, doc="Medusa: dynamic tree: verify only candidates whose "
+             "path probability (product of head probabilities) is at least this; 0 = always the full tree.",
+             step=0.005),
+    )))

@@ -1,17 +1,18 @@
 """What a stage is made of: ``StageSpec`` and the registry ``STAGES`` every other module reads.
 
-A stage lives in ONE file, ``engine/processors.py``: its class, and right under it one
-``register(StageSpec(...))`` saying everything else about it: its knobs, its place in the default
-order, whether greedy ignores it, when it is active, how to build it from a config, whether rows
-may share one call, the words the step chart says about it, and its names in transformers,
-text-generation-webui and llama.cpp. ``config`` derives the stage order, the stage names, the
-sampling-only set, the stage knobs and ``active_stages`` from ``STAGES``; ``processors.build_stage``
-and ``chain``'s row sharing, ``interop``'s exports, the step chart's notes
-(``playground/charts/stage_notes.py``) and the knob panel (``playground/knobs.py``) read the specs.
+A stage lives in ONE file, its family module in ``engine/stages/`` (truncation, penalties,
+temperature, constraints, stateful): its class, and right under it one ``register(StageSpec(...))``
+saying everything else about it: its knobs, its place in the default order, whether greedy ignores
+it, when it is active, how to build it from a config, whether rows may share one call, the words the
+step chart says about it, and its names in transformers, text-generation-webui and llama.cpp.
+``config`` derives the stage order, the stage names, the sampling-only set, the stage knobs and
+``active_stages`` from ``STAGES``; ``engine.stages.build_stage`` and ``chain``'s row sharing,
+``interop``'s exports, the step chart's notes (``playground/charts/stage_notes.py``) and the knob
+panel (``playground/knobs.py``) read the specs.
 
-No torch here and no engine import: ``config`` imports this module, and so does the stage file,
-which imports no ``config`` (``Knob`` and ``ConfigError`` live here for that reason; ``config``
-re-exports them). ``STAGES`` fills when ``engine.processors`` is imported, which importing
+No torch here and no engine import: ``config`` imports this module, and so do the stage families,
+which import no ``config`` (``Knob`` and ``ConfigError`` live here for that reason; ``config``
+re-exports them). ``STAGES`` fills when ``engine.stages`` is imported, which importing
 ``engine.config`` does.
 """
 
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:  # annotations only: config imports this module
-    from .config import DecodingConfig
-    from .trace import StageTrace
+    from engine.config import DecodingConfig
+    from engine.trace import StageTrace
 
 MAX_STRING_LEN = 200
 MAX_BIAS_ENTRIES = 64
@@ -53,6 +54,8 @@ class Knob:
     choices: tuple = ()
     doc: str = ""
     stage: str | None = None  # the stage this knob drives, if any (a StageSpec sets it on its knobs)
+    strategy: str | None = None  # the strategy that owns it, if any (a StrategySpec sets it on its knobs)
+    check: Callable[[str, Any], Any] | None = None  # further check of a valid value (key, value) -> value
     step: float | None = None  # UI slider step
     widget: str = ""  # the knob panel's control: "" (by kind), "number" (a box, no slider), "json" (a JSON list)
 
@@ -197,7 +200,7 @@ class StageSpec:
 
 # --- the registry ------------------------------------------------------------------------------------
 STAGES: dict[str, StageSpec] = {}  # in the default order (by ``order``; ties: registration order)
-_registered: list[StageSpec] = []  # in registration order: the order of their knobs in config.KNOBS
+_registered: list[StageSpec] = []  # in registration order (ties of ``order`` keep it)
 _listeners: list[Callable[[], None]] = []
 
 
@@ -236,9 +239,10 @@ def _changed() -> None:
 
 
 def declared() -> tuple[StageSpec, ...]:
-    """The specs in registration order (engine/processors.py's order of declaration), which is the
-    order of their knobs in ``config.KNOBS``, the exports and the knob panel's groups."""
-    return tuple(_registered)
+    """The specs in the default stage order (``order``; ties: registration order), which is the order
+    of their knobs in ``config.KNOBS``, the exports and the knob panel's groups: it does not depend
+    on which family module declares a stage."""
+    return tuple(STAGES.values())
 
 
 # --- the words of a stage's note (the step chart) ---------------------------------------------------

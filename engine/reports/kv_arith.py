@@ -11,7 +11,7 @@ A worked check (Llama-2-7B, fp16, MHA): 2 × 32 × 32 × 128 × 2 = 524,288 byte
 One lecture's worked example states ≈ 1 MB per token for these same numbers; the formula does not
 give that (1 MB would need fp32, or counting K and V twice). ``LECTURE_SLIP`` says so for display.
 
-Architectures are read from ``assets/architectures.json``, each with the URL of the config.json it
+Architectures are read from ``engine/assets/architectures.json``, each with the URL of the config.json it
 was copied from.
 """
 
@@ -22,7 +22,7 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHITECTURES_FILE = Path(__file__).resolve().parent / "assets" / "architectures.json"
+ARCHITECTURES_FILE = Path(__file__).resolve().parents[1] / "assets" / "architectures.json"  # engine/assets
 # bytes per element / parameter; int4 is half a byte (packed two per byte; scales not counted)
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 GB = 1e9  # decimal gigabytes, as the lecture's "140 GB" uses
@@ -50,7 +50,7 @@ def shown(value: object) -> str:
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the calculator needs of a model (see assets/architectures.json)."""
+    """What the calculator needs of a model (see engine/assets/architectures.json)."""
 
     name: str
     layers: int

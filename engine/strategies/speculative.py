@@ -32,15 +32,20 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from . import core, decode, sampling
-from .cache import KVCache
-from .config import KNOBS, ConfigError, DecodingConfig
-from .control import RunControl, check
-from .kv_quant import SELF_KV_DRAFTERS
-from .metrics import common_prefix
-from .models import LoadedModel, ModelRegistry, resolve_variant
-from .chain import Chain, Traced
-from .trace import Event, StepTrace, TokenProb, Trace, from_dict
+from engine import core, sampling
+
+from engine.strategies import decode
+from engine.cache import KVCache
+from engine.config import DRAFTER_CHOICES, KNOBS, ConfigError, DecodingConfig, Knob, check_drafter
+from engine.control import RunControl, check
+from engine.kv_quant import SELF_KV_DRAFTERS
+from engine.reports.metrics import common_prefix
+from engine.backends.local import LoadedModel
+from engine.backends.registry import ModelRegistry, resolve_variant
+from engine.chain import Chain, Traced
+from engine.core import RunContext, checked
+from engine.strategies.spec import StrategySpec, register
+from engine.trace import Event, StepTrace, TokenProb, Trace, from_dict
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -541,3 +546,24 @@ def first_difference(lm: LoadedModel, prompt_ids: Sequence[int], got: Sequence[i
 
 def _per_token(ms: float, trace: Trace) -> float:
     return ms / max(1, len(trace.generated_token_ids))
+
+
+# --- the strategy -------------------------------------------------------------------------------------
+def run(ctx: RunContext) -> Iterator[Event]:
+    """Speculative decoding on a model loaded here (``engine.runner.stream``)."""
+    yield from checked(stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, registry=ctx.registry,
+                              control=ctx.control, compare_baseline=ctx.compare_baseline), ctx.control)
+
+
+register(StrategySpec(
+    "speculative", run, records={"rounds": list[SpecRound]}, in_use=("drafter", "num_draft_tokens"),
+    doc="A drafter proposes K tokens, the target scores them in one forward; the output keeps the "
+        "target's distribution exactly.",
+    knobs=(
+        Knob("drafter", "str", "self-int8", check=lambda key, value: check_drafter(key, value, DRAFTER_CHOICES),
+             doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>; for a served "
+             "target: ngram or model:<a server the operator lists>."),
+        Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
+        Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
+        Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),
+    )))

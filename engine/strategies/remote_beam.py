@@ -1,6 +1,6 @@
 """Beam search over one-token requests to a remote model (issue #29), vLLM's own method
 (``LLM.beam_search`` / ``EngineClient.beam_search``), recorded as the local beam search's records
-(``engine.beam``: BeamStep, BeamCandidate, BeamHypothesis, BeamTrace) so the Beam view draws its tree.
+(``engine.strategies.beam``: BeamStep, BeamCandidate, BeamHypothesis, BeamTrace) so the Beam view draws its tree.
 
 Per step, each running beam asks the server for one token's top ``2 x num_beams`` log-probabilities
 (one request per beam; the server's prefix cache re-reads only the new token). Each of those tokens
@@ -21,14 +21,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-from . import beam as local_beam
-from .beam import BeamCandidate, BeamHypothesis, BeamStep, BeamTrace
-from .config import DecodingConfig
-from .core import check_prompt
-from .remote import RemoteModel
-from .trace import Event
+from engine.strategies import beam as local_beam
+from engine.strategies.beam import BeamCandidate, BeamHypothesis, BeamStep, BeamTrace
+from engine.config import DecodingConfig
+from engine.core import check_prompt, checked
+from engine.backends.served import RemoteModel
+from engine.strategies.spec import serve
+from engine.trace import Event
 
 APPROXIMATIONS = [
     "vLLM's beam search: each beam extends with its top 2 x num_beams tokens only, one request per beam and step",
@@ -142,3 +143,11 @@ def _finish(model: RemoteModel, trace: BeamTrace, completed: list[_Beam], prompt
         for rank, (s, b) in enumerate(scored)]
     trace.winner = 0 if trace.hypotheses else None
     trace.ended_by = "no_continuation"
+
+
+def run(ctx: Any) -> Iterator[Event]:
+    """Beam search on a served model (``engine.runner.stream``)."""
+    yield from checked(stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat), ctx.control)
+
+
+serve("beam", run)

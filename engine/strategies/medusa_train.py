@@ -1,6 +1,6 @@
 """Train Medusa-1 heads by self-distillation: the base model writes its own training text.
 
-    python -m engine.medusa_train [--model embedded] [--heads 4] [--tokens 96] [--epochs 4]
+    python -m engine.strategies.medusa_train [--model embedded] [--heads 4] [--tokens 96] [--epochs 4]
                                   [--soft 0.0] [--data-cache DIR]
 
 1. The base model continues each prompt of ``engine/assets/medusa_prompts.txt`` (chat template,
@@ -42,9 +42,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .medusa import ASSETS, MedusaHeads, head_logits, heads_path, save_heads, shortlist_logits
-from .models import LoadedModel, ModelSpec, load_model
-from .threads import set_threads
+from engine.strategies.medusa import ASSETS, MedusaHeads, head_logits, heads_path, save_heads, shortlist_logits
+from engine.backends.local import LoadedModel, ModelSpec, load_model
+from engine.threads import set_threads
 
 PROMPTS = ASSETS / "medusa_prompts.txt"
 HEAD_DECAY = 0.8  # head k's loss weight is 0.8^k (the Medusa paper's): later heads are harder
@@ -273,7 +273,7 @@ def _fmt(acc: list[float]) -> str:
 
 def parse(argv: list[str] | None) -> Settings:
     defaults = Settings()
-    p = argparse.ArgumentParser(prog="python -m engine.medusa_train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.strategies.medusa_train", description=__doc__.split("\n")[0])
     for name, value in asdict(defaults).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--out", default=None, help="output .safetensors (default engine/assets/medusa-<model>.safetensors)")
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     path = settings.out and os.path.abspath(settings.out) or heads_path(lm.name)
     meta = {"base_model": lm.name, "heads": settings.heads, "hidden": int(lm.model.config.hidden_size)}
     digest = save_heads(heads, Path(path), meta)
-    info = {"command": "python -m engine.medusa_train " + " ".join(argv if argv is not None else sys.argv[1:]),
+    info = {"command": "python -m engine.strategies.medusa_train " + " ".join(argv if argv is not None else sys.argv[1:]),
             "settings": {k: v for k, v in asdict(settings).items()}, "base_model": lm.name,
             "train_positions": len(data[0]), "heldout_positions": len(held[0]),
             "shortlist": len(heads.vocab) or lm.vocab_size,

@@ -34,14 +34,16 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import decode, kv_quant
-from .cache import KVCache
-from .config import DecodingConfig
-from .control import RunControl, RunStopped, check
-from .core import StopCheck, check_prompt, timing
-from .metrics import first_divergence
-from .models import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
-from .trace import StepTrace
+from engine.strategies import decode
+
+from engine import kv_quant
+from engine.cache import KVCache
+from engine.config import DecodingConfig
+from engine.control import RunControl, RunStopped, check
+from engine.core import StopCheck, check_prompt, timing
+from engine.reports.metrics import first_divergence
+from engine.backends.local import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
+from engine.trace import StepTrace
 
 REFERENCE = "none"  # the fp32 (unquantized) model is the yardstick
 

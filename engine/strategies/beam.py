@@ -39,14 +39,15 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import sampling
-from .cache import KVCache
-from .config import SAMPLING_ONLY_STAGES, DecodingConfig
-from .core import StopCheck, check_prompt
-from .models import LoadedModel
-from .chain import Chain
-from .processors import build_stage
-from .trace import Event, StepTrace, Timing, Trace, from_dict
+from engine import sampling
+from engine.cache import KVCache
+from engine.config import EARLY_STOPPING_CHOICES, SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob
+from engine.core import RunContext, StopCheck, check_prompt, checked
+from engine.backends.local import LoadedModel
+from engine.chain import Chain
+from engine.stages import build_stage
+from engine.strategies.spec import StrategySpec, register
+from engine.trace import Event, StepTrace, Timing, Trace, from_dict
 
 STATUSES = ("kept", "pruned", "finished", "dropped")
 NEG = -1.0e9  # transformers' "impossible" score
@@ -432,3 +433,31 @@ def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: De
         stop_reason=_stop_reason(beam, winner), steps=steps, timing=timing, chat=chat,
         quantization=lm.quantization, device=str(lm.device), beam=beam, summary=summary,
     )
+
+
+# --- the strategy -------------------------------------------------------------------------------------
+def run(ctx: RunContext) -> Iterator[Event]:
+    """Beam search on a model loaded here (``engine.runner.stream``)."""
+    yield from checked(stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat), ctx.control)
+
+
+def check_knobs(config: DecodingConfig) -> None:
+    if config.num_return_sequences > config.num_beams:
+        raise ConfigError("num_return_sequences", f"{config.num_return_sequences} exceeds num_beams={config.num_beams}")
+    if config.num_beams % config.num_beam_groups != 0:
+        raise ConfigError("num_beam_groups", f"{config.num_beam_groups} does not divide num_beams={config.num_beams}")
+
+
+register(StrategySpec(
+    "beam", run, check=check_knobs, records={"beam": BeamTrace}, in_use=("num_beams",), exported_as="greedy",
+    doc="Keep the num_beams best partial sequences by summed log-probability; the whole search tree is recorded.",
+    knobs=(
+        Knob("num_beams", "int", 1, 1, 8, doc="Beams kept per step.", step=1),
+        Knob("length_penalty", "float", 1.0, -5.0, 5.0, doc="Score = sum logprob / length^alpha. 1 = neutral.", step=0.1),
+        Knob("early_stopping", "choice", False, choices=EARLY_STOPPING_CHOICES,
+             doc="As transformers: true, false (heuristic) or never."),
+        Knob("num_return_sequences", "int", 1, 1, 8, doc="Finished hypotheses returned (at most num_beams).", step=1),
+        Knob("num_beam_groups", "int", 1, 1, 8, doc="Diverse beam search groups (must divide num_beams).", step=1),
+        Knob("diversity_penalty", "float", 0.0, 0.0, 10.0,
+             doc="Penalty for tokens picked by earlier groups at the same step.", step=0.1),
+    )))

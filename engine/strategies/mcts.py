@@ -38,14 +38,16 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import core, sampling
-from .cache import KVCache
-from .config import DecodingConfig
-from .control import RunControl, RunStopped, check
-from .metrics import MIN_PROB
-from .models import LoadedModel
-from .chain import Chain
-from .trace import Event, StepTrace, Trace, from_dict
+from engine import core, sampling
+from engine.cache import KVCache
+from engine.config import DecodingConfig, Knob
+from engine.control import RunControl, RunStopped, check
+from engine.reports.metrics import MIN_PROB
+from engine.backends.local import LoadedModel
+from engine.chain import Chain
+from engine.core import RunContext
+from engine.strategies.spec import StrategySpec, register
+from engine.trace import Event, StepTrace, Trace, from_dict
 
 MIN_LOGPROB = -100.0  # log-probs are clamped here so a zero probability stays finite in JSON
 
@@ -287,3 +289,25 @@ def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: Deco
         if isinstance(stopped, SearchStopped):
             trace.extra["mcts_interrupted"] = stopped.position
     yield Event(trace=trace)
+
+
+# --- the strategy -------------------------------------------------------------------------------------
+def run(ctx: RunContext) -> Iterator[Event]:
+    """MCTS on a model loaded here (``engine.runner.stream``; it checks the control inside its searches)."""
+    yield from stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, control=ctx.control)
+
+
+register(StrategySpec(
+    "mcts", run, records={"mcts": list[MctsPosition], "mcts_interrupted": MctsPosition},
+    needs=("full_logits", "kv_cache"), needs_why="needs full logits and the model's own cache at every node",
+    doc="Before each token, a PUCT tree search over continuations; commit the root's most visited child.",
+    knobs=(
+        Knob("mcts_simulations", "int", 32, 1, 256, doc="MCTS: PUCT simulations per generated token.", step=1),
+        Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0,
+             doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
+        Knob("mcts_expand_k", "int", 4, 1, 16, doc="MCTS: children per expanded node (the top-k of its processed prior).",
+             step=1),
+        Knob("mcts_rollout_tokens", "int", 4, 0, 16,
+             doc="MCTS: greedy rollout length scoring a new leaf (mean raw log-prob of path + rollout; 0 = the path "
+                 "alone).", step=1),
+    )))

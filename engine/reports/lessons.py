@@ -22,14 +22,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import explore, metrics, runner
-from .config import check_text
-from .kv_arith import shown
-from .models import LoadedModel, ModelRegistry
-from .presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
-from .trace import Trace
+from engine import explore, runner
+from engine.runner import RunRequest
 
-LESSONS_DIR = Path(__file__).resolve().parent.parent / "presets" / "lessons"
+from engine.reports import metrics
+from engine.config import check_text
+from engine.reports.kv_arith import shown
+from engine.backends.local import LoadedModel
+from engine.backends.registry import ModelRegistry
+from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
+from engine.trace import Trace
+
+LESSONS_DIR = Path(__file__).resolve().parents[2] / "presets" / "lessons"
 LESSON_VERSION = 1
 VIEWS = ("step", "compare", "beam", "speculative", "quantization")
 LESSON_KEYS = ("version", "id", "title", "view", "prompt", "chat", "preset", "lanes", "select_step", "steps", "check")
@@ -231,7 +235,7 @@ def builtin_lessons() -> dict[str, Lesson]:
 def run_lesson(lm: LoadedModel, lesson: Lesson, registry: ModelRegistry | None = None) -> list[Trace]:
     """Every run of the lesson (its lanes, or its one preset) on ``lm``."""
     registry = registry or ModelRegistry()
-    return [runner.run(lm, lesson.prompt, p.config, chat=lesson.chat, registry=registry) for p in lesson.runs]
+    return [runner.run(RunRequest(lm, lesson.prompt, p.config, chat=lesson.chat, registry=registry)) for p in lesson.runs]
 
 
 def selected_step(trace: Trace, select: str | int) -> int:
@@ -259,7 +263,7 @@ def _label(p: Preset) -> str:
 
 def _sampling_varies(lm, lesson, traces, registry) -> Outcome:
     """Lane 0 is greedy: running it again gives the same text. Sampled lanes differ from each other."""
-    again = runner.run(lm, lesson.prompt, lesson.runs[0].config, chat=lesson.chat)
+    again = runner.run(RunRequest(lm, lesson.prompt, lesson.runs[0].config, chat=lesson.chat))
     sampled = {tuple(t.generated_token_ids) for t in traces[1:]}
     ok = again.generated_token_ids == traces[0].generated_token_ids and len(sampled) == len(traces) - 1
     return Outcome(ok, "Greedy gives the same text every time; each seed of sampling gives a different one.",
@@ -315,7 +319,7 @@ def _sequence_score(trace: Trace, alpha: float) -> float:
 def _beam_beats_greedy(lm, lesson, traces, registry) -> Outcome:
     """The beam winner's score (sum of log-probs / length^alpha) is at least greedy's under the same rule."""
     config = lesson.runs[0].config
-    greedy = runner.run(lm, lesson.prompt, config.replace(strategy="greedy", num_beams=1), chat=lesson.chat)
+    greedy = runner.run(RunRequest(lm, lesson.prompt, config.replace(strategy="greedy", num_beams=1), chat=lesson.chat))
     beam_trace = traces[0]
     winner = beam_trace.beam.hypotheses[beam_trace.beam.winner]
     greedy_score = _sequence_score(greedy, config.length_penalty)
@@ -327,7 +331,7 @@ def _beam_beats_greedy(lm, lesson, traces, registry) -> Outcome:
 def _speculative_exact(lm, lesson, traces, registry) -> Outcome:
     """Greedy speculative decoding gives exactly the target's greedy text, with fewer target forwards."""
     config = lesson.runs[0].config
-    target = runner.run(lm, lesson.prompt, config.replace(strategy="greedy"), chat=lesson.chat)
+    target = runner.run(RunRequest(lm, lesson.prompt, config.replace(strategy="greedy"), chat=lesson.chat))
     spec = traces[0]
     rate = spec.summary.get("acceptance_rate", 0.0)
     per_forward = spec.summary.get("tokens_per_target_forward", 0.0)
@@ -340,7 +344,7 @@ def _speculative_exact(lm, lesson, traces, registry) -> Outcome:
 def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
     """Cached and recomputed decoding pick the same tokens; the cache feeds one token per step where
     recomputing feeds the whole sequence (O(n) vs O(n²) tokens through the model)."""
-    from .drift import kv_cache_report
+    from engine.reports.drift import kv_cache_report
 
     n = check_field(lesson.check, "max_new_tokens")
     report = kv_cache_report(lm, lesson.prompt, lesson.chat, n)
@@ -354,7 +358,7 @@ def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
 
 def _quantization_order(lm, lesson, traces, registry) -> Outcome:
     """nf4 (4-bit) moves the distribution further from full precision than int8 (mean KL)."""
-    from .drift import quantization_report
+    from engine.reports.drift import quantization_report
 
     report = quantization_report(registry, lm.source, lesson.prompt, lesson.chat,
                                  check_field(lesson.check, "max_new_tokens"), ("int8", "nf4"))
@@ -364,7 +368,7 @@ def _quantization_order(lm, lesson, traces, registry) -> Outcome:
                    {f"kl_{k}": v for k, v in kl.items()}, report)
 
 
-# The checks that need the model itself, not what a served model's API gives (engine.remote):
+# The checks that need the model itself, not what a served model's API gives (engine.backends):
 # kind -> why, for the one line a remote run shows instead. Every other check runs on a served model
 # too (its re-processed steps are step mode's, over the server's top-N: explore.raw_logits).
 NEEDS_MODEL = {
