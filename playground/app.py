@@ -76,5 +76,8 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
 
 
 def launch_kwargs() -> dict:
+    """``demo.launch``'s arguments; ``max_threads``: Gradio's worker pool holds both model-slot
+    pools (``events.thread_budget``), so runs stuck on a served model never starve local ones."""
     return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD,
-            "state_session_capacity": events.session_capacity(), "app_kwargs": {"routes": whatif_service.routes()}}
+            "state_session_capacity": events.session_capacity(), "app_kwargs": {"routes": whatif_service.routes()},
+            "max_threads": events.thread_budget(events.default_concurrency(), events.served_concurrency())}

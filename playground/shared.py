@@ -32,7 +32,7 @@ from engine.scheduler import Scheduler, Schedulers
 from engine.settings import env_text
 from engine.trace import Event, Trace, untrusted_trace
 
-from .events import ModelEvents
+from .events import ModelEvents, claim_model_slot
 
 USER_PRESETS_KEY = "decoding-playground-user-presets"
 # The browser encrypts stored presets with this; a fixed value lets them survive app restarts.
@@ -92,6 +92,7 @@ class CheckedRegistry:
 
     def get(self, spec: ModelSpec, progress: Callable[[str], None] | None = None, *, key: str = "model") -> LoadedModel:
         self.policy.check(spec.source, key)
+        claim_model_slot(is_remote_source(spec.source))  # a drafter or amateur of another kind: that pool's slot too
         return self.registry.get(spec, progress, key=key)
 
     def loaded(self) -> list[ModelSpec]:
@@ -112,9 +113,12 @@ class Shared:
 
     def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
         """The loaded model if the policy allows ``source``, else a UserError naming what is wrong;
-        a served model is connected to on first use (a failed connection: its one-line RemoteError)."""
+        a served model is connected to on first use (a failed connection: its one-line RemoteError).
+        The run takes a slot of the model's kind here (playground.events.claim_model_slot)."""
         try:
-            return self.registry.get(self.spec(source, quantization), progress)
+            spec = self.spec(source, quantization)
+            claim_model_slot(is_remote_source(spec.source))
+            return self.registry.get(spec, progress)
         except (ModelLoadError, RemoteError) as exc:
             raise UserError(one_line(str(exc))) from None
 
