@@ -19,26 +19,32 @@ connection per request, ``Connection: close``) holds these rules:
   cancelling thread, so a read blocked on a silent server returns at once and the run raises
   ``RunStopped`` (cancelled).
 - **Bounded sizes, read incrementally.** A line of a stream is at most ``MAX_LINE_BYTES``, a
-  stream at most ``MAX_STREAM_BYTES``, a whole answer at most ``MAX_BODY_BYTES`` (its
-  ``Content-Length`` is checked before reading), an error reply's text ``MAX_ERROR_BYTES``; the
-  status line and headers are http.client's (64 KiB a line, 100 headers). Past a limit: one line
-  naming the server and the limit, and the connection is closed.
+  stream at most ``MAX_STREAM_LINES`` lines and ``MAX_STREAM_BYTES``, a whole answer at most
+  ``MAX_BODY_BYTES`` (its ``Content-Length`` is checked before reading), an error reply's text
+  ``MAX_ERROR_BYTES``; the status line and headers are http.client's (64 KiB a line, 100 headers).
+  Past a limit: one line naming the server and the limit (``AnswerTooLarge``, a RemoteError), and
+  the connection is closed.
 - **Strict JSON.** ``NaN``, ``Infinity`` and numbers that overflow a float (``1e999``) are refused
   as not JSON; so is nesting deeper than Python's recursion allows. What the fields mean (ids in
   the vocabulary, probabilities in range) is checked by ``engine.backends.schema``.
 
 The sizes: the largest legitimate answer is llama-server's whole (unstreamed) ``/completion`` with
 the top 100 log-probabilities of 1024 tokens (fast mode's raw request at our knobs' maximum). Each
-of its ~103,000 entries carries an id, the token's text, its bytes and a log-probability, ~90
-bytes for a typical token and ~250 for a long one: 9-26 MB. ``MAX_BODY_BYTES`` = 32 MiB holds it
-(``tests/test_fault_servers.py`` builds the largest such answer from the embedded model's longest
-tokens and checks it fits). A streamed chunk is one token's top 100: ~26 KB at most, well under
-``MAX_LINE_BYTES`` = 1 MiB; a whole stream of 1024 of them, ~26 MB, under ``MAX_STREAM_BYTES``.
+of its ~103,000 entries carries an id, the token's text, its bytes and a log-probability: ~90
+bytes for a typical token, 8-10 MB in all; 25 MiB when every entry is one of the embedded model's
+100 longest tokens (81 bytes; ``tests/test_fault_servers.py`` builds that answer and reads it).
+``MAX_BODY_BYTES`` = 32 MiB holds it. (A model whose top tokens are all much longer could pass it:
+that optional raw request is then left out and the trace says so, see ``engine.backends.llamacpp``.)
+A streamed chunk is one token's top 100: 25 KiB in that worst case, far under ``MAX_LINE_BYTES`` =
+1 MiB; a stream of 1024 of them is ~2,000 lines and 25 MiB, under ``MAX_STREAM_LINES`` = 16,384
+(8 lines a token) and ``MAX_STREAM_BYTES`` = 256 MiB (a stream is read a line at a time, so this
+bounds the work, not the memory).
 
 What a request may cost, then: a few MiB of buffers while it reads and one body of at most 32 MiB
-(its parsed JSON a few times that) while it is parsed, freed when the request ends. Not bounded by
-a timeout: resolving a host name (``getaddrinfo``; list servers by IP address to avoid it) and a
-TLS handshake's reads (each bounded by the time left when it starts).
+(its parsed JSON a few times that) while it is parsed, freed when the request ends (measured in
+``tests/test_fault_servers.py``: +35 MB peak for a 600 MB answer). Not bounded by a timeout:
+resolving a host name (``getaddrinfo``; list servers by IP address to avoid it) and a TLS
+handshake's reads (each bounded by the time left when it starts).
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ from engine.control import RunControl, RunStopped, active_control
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_LINE_BYTES = 1 << 20  # one line of a Server-Sent Events stream (a streamed token's top 100: ~26 KB)
-MAX_STREAM_BYTES = 64 << 20  # one whole stream (1024 streamed tokens of top 100: ~26 MB)
+MAX_STREAM_BYTES = 256 << 20  # one whole stream (1024 streamed tokens of top 100: 25 MiB at most measured)
+MAX_STREAM_LINES = 16_384  # lines of one stream (1024 tokens: ~2,000 lines)
 MAX_BODY_BYTES = 32 << 20  # one whole answer (top 100 of 1024 tokens, llama-server's entries: 9-26 MB)
 MAX_ERROR_BYTES = 2000  # what an error reply (HTTP 4xx/5xx) may say, before it is cut to one line
 READ_CHUNK = 64 << 10
@@ -66,6 +73,10 @@ READ_CHUNK = 64 << 10
 
 class RemoteError(RuntimeError):
     """A remote server is unreachable, slow, or answered something we cannot use (one line)."""
+
+
+class AnswerTooLarge(RemoteError):
+    """An answer past one of the size limits (its line says which)."""
 
 
 # --- strict JSON -----------------------------------------------------------------------------------
@@ -211,13 +222,15 @@ class JsonClient:
     def _events(self, exchange: Exchange, where: str) -> Iterator[Any]:
         data: list[bytes] = []
         total = 0
-        while True:
+        for count in range(1, MAX_STREAM_LINES + 2):
+            if count > MAX_STREAM_LINES:
+                raise AnswerTooLarge(f"{where}: the stream is over the {MAX_STREAM_LINES:,}-line limit")
             raw = self._read(exchange, lambda: exchange.response.readline(MAX_LINE_BYTES + 1), where)
             total += len(raw)
             if len(raw) > MAX_LINE_BYTES:
-                raise RemoteError(f"{where}: a streamed line is over the {MAX_LINE_BYTES >> 20} MiB limit")
+                raise AnswerTooLarge(f"{where}: a streamed line is over the {MAX_LINE_BYTES >> 20} MiB limit")
             if total > MAX_STREAM_BYTES:
-                raise RemoteError(f"{where}: the stream is over the {MAX_STREAM_BYTES >> 20} MiB limit")
+                raise AnswerTooLarge(f"{where}: the stream is over the {MAX_STREAM_BYTES >> 20} MiB limit")
             line = raw.rstrip(b"\r\n")
             if line.startswith((b"data:", b"error:")):
                 field, _, value = line.partition(b":")
@@ -248,13 +261,13 @@ class JsonClient:
         """The whole answer, read in chunks, at most MAX_BODY_BYTES."""
         length = exchange.response.getheader("Content-Length")
         if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
-            raise RemoteError(f"{where}: the answer ({int(length):,} bytes) is over the "
-                              f"{MAX_BODY_BYTES >> 20} MiB limit")
+            raise AnswerTooLarge(f"{where}: the answer ({int(length):,} bytes) is over the "
+                                 f"{MAX_BODY_BYTES >> 20} MiB limit")
         body = bytearray()
         while chunk := self._read(exchange, lambda: exchange.response.read(READ_CHUNK), where):
             body += chunk
             if len(body) > MAX_BODY_BYTES:
-                raise RemoteError(f"{where}: the answer is over the {MAX_BODY_BYTES >> 20} MiB limit")
+                raise AnswerTooLarge(f"{where}: the answer is over the {MAX_BODY_BYTES >> 20} MiB limit")
         return bytes(body)
 
     def _where(self, path: str) -> str:
@@ -273,6 +286,8 @@ class JsonClient:
             response = http.client.HTTPResponse(DeadlineSocket(sock, deadline), method=method)  # type: ignore[arg-type]
             exchange = Exchange(sock, response, deadline, unregister)
             response.begin()  # the status line and headers: http.client bounds their sizes
+            if control is not None and control.cancelled:
+                raise ConnectionAbortedError("cancelled")
         except (OSError, http.client.HTTPException, ValueError) as exc:
             unregister()
             connected = sock is not None and _connected(sock)
@@ -328,11 +343,16 @@ class JsonClient:
 
     def _read(self, exchange: Exchange, read: Callable[[], bytes], where: str) -> bytes:
         """``read()`` on the open response; a timeout, a closed or broken connection raises
-        RemoteError, or RunStopped when the run was cancelled or its time limit passed."""
+        RemoteError, or RunStopped when the run was cancelled or its time limit passed (a socket
+        shut down by the cancel reads as its end: that is the cancel, not the answer's end)."""
         try:
-            return read()
+            data = read()
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise self._failure(exc, where, exchange.deadline, connected=True) from None
+        control = exchange.deadline.control
+        if control is not None and control.cancelled:
+            raise RunStopped("cancelled", "stopped: the run was cancelled")
+        return data
 
     def _failure(self, exc: Exception, where: str, deadline: Deadline, connected: bool) -> Exception:
         """One line for a failure to connect or to read: the run's own stop (cancelled: the socket

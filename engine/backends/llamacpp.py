@@ -15,7 +15,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
+from engine.backends.client import DEFAULT_TIMEOUT_S, AnswerTooLarge, JsonClient, RemoteError
 from engine.backends.schema import MAX_PIECE_CHARS, VOCAB_BOUND, Schema
 from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
 from engine.config import KNOBS, DecodingConfig
@@ -141,8 +141,12 @@ class LlamaCppApi:
     def _whole(self, ids: Sequence[int], config: DecodingConfig, request: "LlamaRequest",
                post_sampling: bool) -> tuple[Schema, list[int], list[dict[str, Any]]]:
         """A whole (not streamed) fast-mode request with the same seed: its schema, its token ids
-        and its ``completion_probabilities`` entries, checked."""
-        again = self.client.post("/completion", self._body(ids, config, request, post_sampling))
+        and its ``completion_probabilities`` entries, checked. An answer over the size limit
+        (AnswerTooLarge) reads as no tokens: the caller leaves those probabilities out, saying so."""
+        try:
+            again = self.client.post("/completion", self._body(ids, config, request, post_sampling))
+        except AnswerTooLarge:
+            return self.schema("/completion"), [], []
         s = self.schema("/completion")
         most = config.max_new_tokens
         probs = s.array(s.obj(again, "the answer").get("completion_probabilities") or [], "completion_probabilities",
@@ -178,6 +182,10 @@ class LlamaCppApi:
         in ``approximations``, when it sampled another text). A whole (non-streamed) answer has no
         probabilities for the tokens that completed a stop string: those steps get none."""
         s, got, entries = self._whole(ids, config, request, False)
+        if not got and tokens:
+            approximations.append("the raw request's answer was over the size limit (engine.backends.client): raw "
+                                  "probabilities left out")
+            return None
         if got != tokens:
             approximations.append("the raw request sampled another text: raw probabilities left out")
             return None
