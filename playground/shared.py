@@ -249,7 +249,7 @@ class PlaygroundBlocks(gr.Blocks):
         try:
             return await super().preprocess_data(block_fn, inputs, state, explicit_call)
         except gr.Error as exc:
-            raise gr.Error(toast_text(one_line(str(exc.message)))) from None
+            raise gr.Error(toast_text(one_line(str(exc.message))), print_exception=False) from None
 
 
 def check_input_size(block: Any, value: Any) -> None:
@@ -258,11 +258,12 @@ def check_input_size(block: Any, value: Any) -> None:
     items = value if isinstance(value, list) else [value]
     name = str(getattr(block, "label", None) or getattr(block, "elem_id", None) or type(block).__name__)[:60]
     if len(items) > MAX_INPUT_ITEMS:
-        raise gr.Error(toast_text(f"{name}: {len(items):,} items is over the {MAX_INPUT_ITEMS:,}-item limit"))
+        raise gr.Error(toast_text(f"{name}: {len(items):,} items is over the {MAX_INPUT_ITEMS:,}-item limit"),
+                       print_exception=False)
     for item in items:
         if isinstance(item, str) and len(item) > limit:
             raise gr.Error(toast_text(f"{name}: a value of {len(item):,} characters is over the "
-                                      f"{limit:,}-character limit"))
+                                      f"{limit:,}-character limit"), print_exception=False)
 
 
 @dataclass

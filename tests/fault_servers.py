@@ -166,13 +166,14 @@ class Request:
 class FakeServer:
     """A fake ``backend`` ("llamacpp" | "openai") on 127.0.0.1: ``url`` is what an operator lists
     (openai: its /v1); ``fault`` applies to run requests; ``requests`` counts what it was asked,
-    ``sent`` the bytes its run answers sent."""
+    ``sent`` the bytes its run answers sent, ``open`` the connections it is answering now."""
 
     backend: str
     fault: Fault | None = None
     redirect_to: str = ""
     requests: list[str] = field(default_factory=list)
     sent: int = 0
+    open: int = 0
 
     def __post_init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -208,6 +209,8 @@ class FakeServer:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.open += 1
         with conn:
             conn.settimeout(10)
             try:
@@ -217,6 +220,9 @@ class FakeServer:
                 self._answer(conn, request)
             except OSError:  # the client closed: what a bounded client does
                 pass
+            finally:
+                with self._lock:
+                    self.open -= 1
 
     def _answer(self, conn: socket.socket, request: Request) -> None:
         fault = self.fault
@@ -414,3 +420,84 @@ class PeakRss:
     def growth(self) -> float:
         """Peak minus before, MB."""
         return self.peak - self.before
+
+
+# --- in a process of its own ------------------------------------------------------------------------
+class FakeServerProcess:
+    """A FakeServer in a child process (``python -m tests.fault_servers <backend>``), as a real
+    server is: its work never competes with the app for this process's GIL, so a local user timed
+    beside it measures the app. Driven over the child's stdin/stdout, a JSON line each way; the
+    same attributes as FakeServer (``fault`` and ``redirect_to`` set, ``open`` / ``sent`` read)."""
+
+    def __init__(self, backend: str, fault: Fault | None = None, redirect_to: str = ""):
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        self.backend = backend
+        self._process = subprocess.Popen([sys.executable, "-m", "tests.fault_servers", backend],
+                                         cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        self._lock = threading.Lock()
+        self.port = json.loads(self._process.stdout.readline())["port"]
+        self.fault, self.redirect_to = fault, redirect_to
+
+    def _ask(self, message: dict) -> dict:
+        with self._lock:
+            self._process.stdin.write(json.dumps(message) + "\n")
+            self._process.stdin.flush()
+            return json.loads(self._process.stdout.readline())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "fault":
+            self._ask({"fault": None if value is None else value.__dict__})
+        elif name == "redirect_to":
+            self._ask({"redirect_to": value})
+
+    @property
+    def open(self) -> int:
+        return self._ask({"stats": True})["open"]
+
+    @property
+    def runs(self) -> int:
+        """Run requests (/completion, /v1/completions) received so far."""
+        return self._ask({"stats": True})["runs"]
+
+    @property
+    def sent(self) -> int:
+        return self._ask({"stats": True})["sent"]
+
+    root, url, spec = FakeServer.root, FakeServer.url, FakeServer.spec
+
+    def close(self) -> None:
+        self._process.stdin.close()
+        try:
+            self._process.wait(10)
+        except Exception:  # noqa: BLE001 (a child that will not stop is killed)
+            self._process.kill()
+
+
+def serve(backend: str) -> None:
+    """The child's side: a FakeServer, its port on stdout, then one JSON command a line on stdin
+    (``fault``, ``redirect_to``, ``stats``), each answered with a JSON line, until stdin closes."""
+    import sys
+
+    server = FakeServer(backend)
+    print(json.dumps({"port": server.port}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "fault" in command:
+            server.fault = None if command["fault"] is None else Fault(**{**command["fault"],
+                                                                           "paths": tuple(command["fault"]["paths"])})
+        if "redirect_to" in command:
+            server.redirect_to = command["redirect_to"]
+        runs = sum(1 for path in list(server.requests) if path in ("/completion", "/v1/completions"))
+        print(json.dumps({"open": server.open, "sent": server.sent, "runs": runs}), flush=True)
+    server.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve(sys.argv[1])

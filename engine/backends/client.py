@@ -53,6 +53,7 @@ import http.client
 import io
 import json
 import math
+import mmap
 import socket
 import ssl
 import time
@@ -258,17 +259,24 @@ class JsonClient:
             exchange.close()
 
     def _read_body(self, exchange: Exchange, where: str) -> bytes:
-        """The whole answer, read in chunks, at most MAX_BODY_BYTES."""
+        """The whole answer, read in chunks, at most MAX_BODY_BYTES. The chunks go into an
+        anonymous memory map (address space only until written), unmapped when the request ends:
+        an answer cut at the limit gives all its memory back to the system at once (a malloc'd
+        buffer of that size would raise glibc's mmap threshold and stay in the process)."""
         length = exchange.response.getheader("Content-Length")
         if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
             raise AnswerTooLarge(f"{where}: the answer ({int(length):,} bytes) is over the "
                                  f"{MAX_BODY_BYTES >> 20} MiB limit")
-        body = bytearray()
-        while chunk := self._read(exchange, lambda: exchange.response.read(READ_CHUNK), where):
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise AnswerTooLarge(f"{where}: the answer is over the {MAX_BODY_BYTES >> 20} MiB limit")
-        return bytes(body)
+        with mmap.mmap(-1, MAX_BODY_BYTES + READ_CHUNK) as buffer:
+            size = 0
+            while True:
+                with memoryview(buffer)[size:size + READ_CHUNK] as chunk:
+                    count = self._read(exchange, lambda: exchange.response.readinto(chunk), where)
+                if not count:
+                    return buffer[:size]
+                size += count
+                if size > MAX_BODY_BYTES:
+                    raise AnswerTooLarge(f"{where}: the answer is over the {MAX_BODY_BYTES >> 20} MiB limit")
 
     def _where(self, path: str) -> str:
         return f"{self.server} {self.url}{path}"
@@ -341,14 +349,18 @@ class JsonClient:
             detail = b""
         return RemoteError(f"{where}: HTTP {status}: {error_detail(detail)}")
 
-    def _read(self, exchange: Exchange, read: Callable[[], bytes], where: str) -> bytes:
+    def _read(self, exchange: Exchange, read: Callable[[], Any], where: str) -> Any:
         """``read()`` on the open response; a timeout, a closed or broken connection raises
         RemoteError, or RunStopped when the run was cancelled or its time limit passed (a socket
         shut down by the cancel reads as its end: that is the cancel, not the answer's end)."""
         try:
             data = read()
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise self._failure(exc, where, exchange.deadline, connected=True) from None
+            failure: Exception | None = self._failure(exc, where, exchange.deadline, connected=True)
+        else:
+            failure = None
+        if failure is not None:  # raised here, not in the except: the read's frames (and the buffers they hold) are freed
+            raise failure
         control = exchange.deadline.control
         if control is not None and control.cancelled:
             raise RunStopped("cancelled", "stopped: the run was cancelled")
