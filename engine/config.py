@@ -331,9 +331,9 @@ def check_arguments(fn: Any, args: tuple, kwargs: dict) -> None:
         kinds, optional = found
         if (value is None and optional) or any(_accepts(kind, value, item) for kind, item in kinds):
             continue
-        allowed = " or ".join([_SCALARS[k] + (f" of {_ITEMS[i]}" if i else "") for k, i in kinds] +
-                              (["null"] if optional else []))
-        raise ConfigError(name, f"expected {allowed}, got {_short(value)}")
+        allowed = " or ".join([_SCALARS[k] for k, _ in kinds] + (["null"] if optional else []))
+        items = "".join(f" (each item {_ITEMS[i]})" for _, i in kinds if i)
+        raise ConfigError(name, f"expected {allowed}{items}, got {_short(value)}")
 
 
 @dataclass(frozen=True, init=False)
