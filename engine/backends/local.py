@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.backends.seam import LOCAL, Capabilities
 from engine.settings import SettingsError, env_choice, env_text
 
 EMBEDDED = "embedded"
@@ -78,6 +79,13 @@ class LoadedModel:
     # Fast tokenizers raise "Already borrowed" when two threads use one at once (the scheduler's
     # worker decodes stop strings while handler threads encode prompts): one lock serialises them.
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    backend = "local"  # the seam (engine.backends.seam.Model): loaded in this process
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Everything: its logits, hidden states, cache and weights are here."""
+        return LOCAL
 
     @property
     def vocab_size(self) -> int:

@@ -90,7 +90,7 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
     are just a longer prompt to the server (a stateful chain first replays their positions, one
     request each)."""
     check_strategy(config)
-    state = RunState(model, prompt_ids, config, prefix=prefix, force=force)  # type: ignore[arg-type]
+    state = RunState(model, prompt_ids, config, prefix=prefix, force=force)
     if state.needs_replay:
         start = len(prompt_ids)
         state.replay(torch.cat([top_logits(model, state.sequence[:start + i], top_n)[0] for i in range(len(prefix))]))
@@ -145,7 +145,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
             yield Event(steps=[step])
     except NoTokensLeft:  # a step with nothing left to pick ends the run, saying why
         ended = True
-    trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
+    trace = assemble(model, prompt, prompt_ids, config, steps, chat)
     if ended:
         trace.end_with_no_tokens_left()
     trace.extra["remote"] = _label(model, "step", model.top_n, step_approximations(config, model.top_n)) | {
@@ -218,7 +218,7 @@ def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], con
         steps = [_with_raw(model, step, top) for step, top in zip(steps, answer.raw)] + steps[len(answer.raw):]
     if steps:
         steps[-1] = replace(steps[-1], finish_reason=answer.finish_reason)
-    trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
+    trace = assemble(model, prompt, prompt_ids, config, steps, chat)
     approximations = list(answer.approximations)
     outside = sum(1 for s in steps if math.isnan(s.raw_prob))
     if outside and answer.raw:

@@ -44,6 +44,7 @@ from engine.cache import KVCache
 from engine.config import EARLY_STOPPING_CHOICES, SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob
 from engine.core import RunContext, StopCheck, check_prompt, checked
 from engine.backends.local import LoadedModel
+from engine.backends.seam import Model
 from engine.chain import Chain
 from engine.stages import build_stage
 from engine.strategies.spec import StrategySpec, register
@@ -414,7 +415,7 @@ def _exp(x: float) -> float:
     return math.exp(x) if x > -745 else 0.0
 
 
-def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, beam: BeamTrace,
+def assemble(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, beam: BeamTrace,
              chat: bool) -> Trace:
     """A Trace whose text / generated_token_ids are the winning hypothesis."""
     steps = winner_steps(beam)

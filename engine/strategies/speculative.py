@@ -41,6 +41,7 @@ from engine.control import RunControl, check
 from engine.kv_quant import SELF_KV_DRAFTERS
 from engine.reports.metrics import common_prefix
 from engine.backends.local import LoadedModel
+from engine.backends.seam import Model
 from engine.backends.registry import ModelRegistry, resolve_variant
 from engine.chain import Chain, Traced
 from engine.core import RunContext, checked
@@ -471,7 +472,7 @@ def time_breakdown(rounds: Sequence[SpecRound]) -> dict:
     return parts | {"other_ms": max(0.0, total - sum(parts.values())), "total_ms": total}
 
 
-def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+def assemble(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
              rounds: Sequence[SpecRound], drafter: Drafter, chat: bool) -> Trace:
     """A Trace from streamed rounds: steps gathered into Trace.steps, rounds without them."""
     steps = [s for r in rounds for s in r.steps]
