@@ -53,7 +53,7 @@ bench: setup
 # llama.cpp's server (issue #29), built once per machine from the llama-cpp-python sdist on PyPI and
 # cached in ~/.cache/decoding-playground; `make remote` serves the embedded GGUF on 127.0.0.1. Pick it
 # with DP_REMOTE_MODELS=llamacpp:http://127.0.0.1:$(LLAMA_PORT). LLAMA_ARGS: more llama-server flags, e.g.
-# LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). README: "Remote backends".
+# LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). docs/remote.md.
 LLAMA_PORT ?= 8080
 LLAMA_ARGS ?=
 LLAMA_BUILD_LOG ?= /tmp/llama-server-build.log
@@ -73,7 +73,7 @@ space: setup
 	$(PY) -m deploy.make_space --out build/space
 
 # The container image, built with podman from a local Debian base and smoke-tested (about 15 min;
-# needs root, podman and debootstrap: apt-get install podman debootstrap). README: "Docker image".
+# needs root, podman and debootstrap: apt-get install podman debootstrap). docs/deployment.md: "Docker image".
 IMAGE ?= localhost/decoding-playground:latest
 image: setup-dev
 	nice -n 10 sh deploy/image.sh $(IMAGE) $(PY)

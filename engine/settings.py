@@ -55,7 +55,7 @@ class Setting:
 
     @property
     def default_text(self) -> str:
-        """The default as the README's table shows it."""
+        """The default as docs/deployment.md's table shows it."""
         if self.shown:
             return self.shown
         if isinstance(self.default, bool):
@@ -114,7 +114,7 @@ SETTINGS = (
             "startup examples", shown="unset"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
-# name -> smallest allowed value (read by the tests and the README table).
+# name -> smallest allowed value (read by the tests and docs/deployment.md's table).
 INTEGER_SETTINGS = {s.name: s.minimum for s in SETTINGS if s.kind == "int"}
 SECONDS_SETTINGS = {s.name for s in SETTINGS if s.kind == "seconds"}
 
