@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import processors  # noqa: F401  (declares every stage; it imports no config)
+from .quant_methods import WEIGHT_METHODS
 from .stages import (MAX_BIAS_ENTRIES, MAX_STRING_LEN, STAGES, ConfigError, Knob, StageSpec, declared,  # noqa: F401
                      on_change)
 
@@ -49,7 +50,9 @@ STAGE_NAMES: tuple[str, ...] = ()  # the same names
 # transformers' generate(do_sample=False) does.
 SAMPLING_ONLY_STAGES: frozenset[str] = frozenset()
 
-DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4")  # plus "model:<id or dir>"
+# A quantized copy of the target as drafter or amateur: bitsandbytes, or a 4-bit checkpoint made here (engine.quant_methods)
+SELF_WEIGHT_VARIANTS = ("self-int8", "self-nf4") + tuple(f"self-{name}" for name in WEIGHT_METHODS)
+DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4") + SELF_WEIGHT_VARIANTS[2:]  # plus "model:<id or dir>"
 # KV cache kinds (engine/kv_quant.py builds them), plus "sliding-<N>": a window of the last N positions.
 KV_CACHE_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
 SLIDING_WINDOW_RANGE = (2, 65_536)  # transformers keeps N - 1 cached positions, so N >= 2
@@ -75,15 +78,16 @@ _STRATEGY_KNOBS = [
     Knob("num_beam_groups", "int", 1, 1, 8, doc="Diverse beam search groups (must divide num_beams).", step=1),
     Knob("diversity_penalty", "float", 0.0, 0.0, 10.0, doc="Penalty for tokens picked by earlier groups at the same step.", step=0.1),
     # --- speculative decoding
-    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>; for a served "
-         "target: ngram or model:<a server the operator lists>."),
+    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | self-<4-bit checkpoint: "
+         "rtn-g64, gptq-g64, awq-g64, ...> | model:<id or dir>; for a served target: ngram or model:<a server the operator lists>."),
     Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
     Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
     Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),
     # --- contrastive search / contrastive decoding
     Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.", step=0.05),
     Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.", step=0.01),
-    Knob("amateur", "str", "self-nf4", doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
+    Knob("amateur", "str", "self-nf4", doc="Contrastive decoding amateur: self-int8 | self-nf4 | self-<4-bit checkpoint> | "
+         "model:<id or dir>."),
     # --- mcts / medusa
     Knob("mcts_simulations", "int", 32, 1, 256, doc="MCTS: PUCT simulations per generated token.", step=1),
     Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0, doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
@@ -430,7 +434,7 @@ class DecodingConfig:
                 self.stage_knobs[name] = value
         object.__setattr__(self, "stage_order", check_stage_order(self.stage_order or DEFAULT_STAGE_ORDER))
         check_drafter("drafter", self.drafter, DRAFTER_CHOICES)
-        check_drafter("amateur", self.amateur, ("self-int8", "self-nf4"))
+        check_drafter("amateur", self.amateur, SELF_WEIGHT_VARIANTS)
         check_kv_cache("kv_cache", self.kv_cache)
         if self.num_return_sequences > self.num_beams and self.strategy == "beam":
             raise ConfigError("num_return_sequences", f"{self.num_return_sequences} exceeds num_beams={self.num_beams}")

@@ -35,6 +35,10 @@ GPU_HUB_MODELS = (
     "Qwen/Qwen2.5-1.5B-Instruct",
 )
 
+# engine.models.QUANTIZATIONS, spelled out here so that reading the settings imports no torch (a test keeps them equal)
+QUANTIZATION_CHOICES = ("none", "int8", "nf4", "rtn-g64", "gptq-g64", "awq-g64", "rtn-g32", "gptq-g32", "awq-g32",
+                        "gptq-g64-code", "awq-g64-code")
+
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -80,7 +84,7 @@ SETTINGS = (
     Setting("DP_REMOTE_MODELS", "list", "", "remote models the operator allows, `backend:url` each "
             "(`llamacpp:http://127.0.0.1:8080`, `openai:http://host:8000/v1`); never typed by a page user"),
     Setting("DP_QUANTIZATION", "choice", "none", "the default model's quantization at start; "
-            "also `app.py --quantization`", choices=("none", "int8", "nf4")),
+            "also `app.py --quantization`", choices=QUANTIZATION_CHOICES),
     Setting("DP_DTYPE", "choice", "auto", "the models' dtype; `auto`: float32 on CPU, bfloat16/float16 on a GPU",
             choices=("auto", "float32", "bfloat16", "float16")),
     # Limits.
