@@ -117,8 +117,10 @@ def quantize_one(model_dir: Path, target: Path, recipe: dict, dataset) -> dict:
     try:
         model.save_pretrained(tmp, save_compressed=True)
         tokenizer.save_pretrained(tmp)
-        meta = {**recipe, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
-                "torch_threads": torch.get_num_threads(), "calibration_tokens": sum(map(len, dataset["input_ids"]))
+        unused = {"rtn": ("dampening_frac", "actorder", "n_grid", "calibration", "max_tokens"),
+                  "gptq": ("n_grid",), "awq": ("dampening_frac", "actorder")}[recipe["method"]]
+        meta = {**{k: v for k, v in recipe.items() if k not in unused}, "seconds": round(seconds, 1),
+                "cpu_seconds": round(cpu_seconds, 1), "torch_threads": torch.get_num_threads(), "calibration_tokens": sum(map(len, dataset["input_ids"]))
                 if recipe["method"] != "rtn" else 0}
         (tmp / "quantize.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
         os.replace(tmp, target)

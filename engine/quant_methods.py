@@ -34,8 +34,8 @@ ASSETS = Path(__file__).resolve().parent / "assets" / "quant"
 CALIBRATION_SETS = {"prose": ASSETS / "calibration-prose.txt", "code": ASSETS / "calibration-code.txt"}
 HELDOUT = ASSETS / "heldout.txt"
 # What deploy/quantize.py is asked to do; any change here (or in a calibration file) names a new cache folder.
-RECIPE = {"format": "pack-quantized", "bits": 4, "symmetric": True, "max_tokens": 128, "gptq_dampening": 0.01,
-          "gptq_actorder": "static", "awq_n_grid": 20, "llmcompressor": "0.14.0.1", "version": 1}
+RECIPE = {"format": "pack-quantized", "bits": 4, "symmetric": True, "max_tokens": 64, "gptq_dampening": 0.1,
+          "gptq_actorder": "static", "awq_n_grid": 10, "llmcompressor": "0.14.0.1", "version": 1}
 QUANTIZE_HINT = "run `make quantize` (deploy/quantize.sh, a few minutes the first time)"
 
 

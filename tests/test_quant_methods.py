@@ -144,3 +144,101 @@ def test_calibration_and_heldout_texts_are_separate_and_small():
     assert sum(p.stat().st_size for p in quant_methods.ASSETS.iterdir()) < 100_000
     meta = json.dumps(quant_methods.RECIPE)
     assert "0.14" in meta
+
+
+# --- the comparison's charts and sentences, on hand-made reports; the view's handlers on the tiny Llama ---
+def _row(variant, ppl, kl, top1=0.7, bits=4.5, disk=0, packed=0):
+    from engine.quant_report import HeldoutScore
+
+    return HeldoutScore(variant, f"about {variant}", ppl, kl, top1, bits, disk, packed, 540 << 20, 1.5, 0.0)
+
+
+def _comparison():
+    from engine.quant_report import MethodComparison
+
+    rows = [_row("none", 99.0, 0.0, 1.0, 32.0), _row("nf4", 130.0, 0.3), _row("rtn-g64", 148.7, 0.47),
+            _row("gptq-g64", 160.1, 0.52, disk=80 << 20, packed=60 << 20), _row("awq-g64", 116.0, 0.18)]
+    return MethodComparison("m", 1024, ["none", "nf4", "rtn-g64", "gptq-g64", "awq-g64", "awq-g32"], rows,
+                            {"awq-g32": "quantization: the awq-g32 checkpoint is not made yet; run `make quantize`"})
+
+
+def test_comparison_rows_sentence_and_chart_say_the_same_numbers():
+    from playground.charts import quant_methods as charts
+
+    report = _comparison()
+    rows = charts.comparison_rows(report)
+    assert len(rows) == 6 and all(len(r) == len(charts.COMPARE_HEADERS) for r in rows)
+    assert rows[0][:6] == ["fp32 (none)", "about none", "32.00", "99.0", "reference", "reference"]
+    assert rows[3][3:9] == ["160.1", "0.520", "70%", "80", "540", "60"]
+    assert rows[5][0] == "awq-g32" and rows[5][1].startswith("failed: quantization: the awq-g32")
+    sentence = charts.comparison_sentence(report)
+    assert sentence.startswith("fp32 perplexity 99.0 on 1024 held-out tokens.")
+    assert "RTN 148.7 (KL 0.470)" in sentence
+    assert "GPTQ 160.1 (KL 0.520, +7.7% perplexity vs RTN: does not beat RTN)" in sentence
+    assert "AWQ 116.0 (KL 0.180, -22.0% perplexity vs RTN: beats RTN)" in sentence
+    fig = charts.comparison_figure(report)
+    assert [list(t.y) for t in fig.data] == [[r.perplexity for r in report.rows], [r.mean_kl for r in report.rows]]
+    assert list(fig.data[0].x) == ["fp32 (none)", "nf4", "rtn-g64", "gptq-g64", "awq-g64"]
+    json.dumps(fig.to_plotly_json(), default=str, allow_nan=False)
+
+
+def test_inside_charts_draw_each_methods_errors_and_the_scales():
+    from engine.quant_report import InsideLayer
+    from playground.charts import quant_methods as charts
+
+    names = ["rtn-g64", "gptq-g64", "awq-g64"]
+    report = InsideLayer(3, "q_proj", 64, names, {n: [0.1, 0.2] for n in names}, {n: [0.05, 0.04] for n in names},
+                         {n: 0.15 for n in names}, {n: 0.045 for n in names}, [0.5, 2.0], [0.8, 1.6], 1.0, 1024)
+    fig = charts.inside_figure(report)
+    assert [t.name for t in fig.data] == names * 2 and list(fig.data[3].y) == [0.05, 0.04]
+    scales = charts.scales_figure(report)
+    assert list(scales.data[0].x) == [0.5, 2.0] and list(scales.data[0].y) == [0.8, 1.6]
+    assert "Spearman +1.00" in scales.layout.title.text
+    assert charts.inside_sentence(report).startswith("Layer 3 q_proj, group 64")
+
+
+def test_the_rank_correlation_is_spearmans():
+    from engine.quant_report import rank_correlation
+
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert rank_correlation(a, a * 10) == pytest.approx(1.0)
+    assert rank_correlation(a, -a) == pytest.approx(-1.0)
+    assert rank_correlation(a, torch.tensor([1.0, 3.0, 2.0, 4.0])) == pytest.approx(0.8)
+
+
+def test_channel_errors_are_relative_per_output_channel():
+    from engine.quant_report import channel_errors
+
+    w = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    w_hat = torch.tensor([[1.1, 0.0], [0.0, 2.0]])
+    x = torch.tensor([[1.0, 1.0], [2.0, 0.0]])  # [T, in]
+    weight_error, output_error = channel_errors(w, w_hat, x)
+    assert weight_error.tolist() == pytest.approx([0.1, 0.0])
+    assert output_error.tolist() == pytest.approx([0.1, 0.0])
+
+
+@pytest.fixture
+def methods_view(tiny_lm):
+    import gradio as gr
+
+    from conftest import shared_over
+    from playground.views import quantization
+
+    with gr.Blocks():
+        shared = shared_over(tiny_lm)
+    out = quantization.MethodOutputs("status", "sentence", "table", "chart", "download")
+    return quantization, shared, out
+
+
+def test_the_methods_handler_streams_the_comparison_and_refuses_bad_variants(methods_view):
+    from engine.control import RunControl
+
+    quantization, shared, out = methods_view
+    updates = list(quantization.methods_updates(out, shared, ["rtn-g64", "nf4"], "embedded", RunControl()))
+    assert "fp32 reads the held-out text" in updates[0]["status"] and updates[0]["table"] == []
+    assert "done" in updates[-1]["status"] and updates[-1]["download"] is not None
+    assert [r[0] for r in updates[-1]["table"]] == ["fp32 (none)", "nf4", "rtn-g64"]
+    for bad in (["<b>gptq</b>"], ["gptq-g128"], ["\ud800"]):
+        with pytest.raises(ValueError) as err:
+            list(quantization.methods_updates(out, shared, bad, "embedded", RunControl()))
+        assert str(err.value).startswith("variants: expected some of none | int8 | nf4 | rtn-g64")

@@ -14,7 +14,8 @@ from .step import FONT
 
 MB = 1024 * 1024
 COMPARE_HEADERS = ["variant", "method", "bits / weight", "held-out perplexity", "mean KL vs fp32 (nats)",
-                   "top-1 vs fp32", "on disk MB", "in memory MB", "4-bit kernel would keep MB", "made in s"]
+                   "top-1 vs fp32", "on disk MB", "in memory MB (as run)", "4-bit Linear weights + scales MB",
+                   "made in s"]
 
 
 def comparison_rows(report: MethodComparison) -> list[list]:

@@ -22,7 +22,7 @@ CACHED, UNCACHED = "#4c78a8", "#b71c1c"
 DIVERGED_BG = "#fde4e4"
 
 DRIFT_HEADERS = ["variant", "memory MB", "load s", "tokens/s", "mean KL (nats)", "max KL (nats)",
-                 "top-1 agreement (teacher-forced)", "own text leaves fp32 (free-running)", "held-out perplexity"]
+                 "top-1 agreement (teacher-forced)", "held-out perplexity", "own text leaves fp32 (free-running)"]
 DRIFT_NOTE = (glossary.hover("teacher-forced") + ". " + glossary.hover("free-running") + ". "
               + glossary.hover("KL(p‖q)") + ". Load time: a variant already in memory shows the time of its first load.")
 
@@ -46,9 +46,9 @@ def drift_rows(report: DriftReport) -> list[list]:
     """One row of display strings per measured variant (headers: DRIFT_HEADERS), then one per failed variant."""
     rows = [[variant_label(v.quantization), f"{v.memory_bytes / MB:.1f}",
              f"in memory (first load {v.load_s:.1f})" if v.was_loaded else f"{v.load_s:.1f}", f"{v.tokens_per_s:.2f}",
-             f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", f"{v.top1_agreement:.0%}", _divergence_cell(v),
-             f"{v.heldout_perplexity:.1f}"] for v in report.variants]
-    rows += [[variant_label(q), "", "", "", "", "", "", f"failed: {message}", ""] for q, message in report.errors.items()]
+             f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", f"{v.top1_agreement:.0%}",
+             f"{v.heldout_perplexity:.1f}" if v.heldout_perplexity else "—", _divergence_cell(v)] for v in report.variants]
+    rows += [[variant_label(q), "", "", "", "", "", "", "", f"failed: {message}"] for q, message in report.errors.items()]
     return rows
 
 
