@@ -61,18 +61,21 @@ def test_our_dequantization_equals_compressed_tensors_own(quant_checkpoints, tmp
     checkpoint; every weight equals what our loader makes from the same files, bit for bit."""
     path = quant_methods.checkpoint_path(embedded_model_dir(), "gptq-g64")
     out = tmp_path / "decompressed.safetensors"
-    script = ("import sys, torch; from transformers import AutoModelForCausalLM; from safetensors.torch import save_file;"
-              "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32);"
+    script = ("import sys, torch; from transformers import AutoModelForCausalLM, CompressedTensorsConfig;"
+              "from safetensors.torch import save_file;"
+              "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32,"
+              " quantization_config=CompressedTensorsConfig(run_compressed=False));"
               "save_file({k: v.contiguous() for k, v in m.state_dict().items() if 'layers.' in k}, sys.argv[2])")
     done = subprocess.run([str(LC_PYTHON), "-c", script, str(path), str(out)], capture_output=True, text=True,
                           timeout=1200, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     from safetensors.torch import load_file
 
-    theirs = load_file(str(out))
+    theirs = load_file(str(out))  # it keeps weight_scale / weight_shape beside each decompressed weight
     ours, _ = quant_methods.dense_state_dict(path)
-    assert set(theirs) == {k for k in ours if "layers." in k}
-    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    weights = sorted(k for k in theirs if k.endswith(".weight"))
+    assert len(weights) == 30 * (7 + 2) and weights == sorted(k for k in ours if "layers." in k)
+    assert all(torch.equal(theirs[k], ours[k]) for k in weights)
 
 
 def test_gptq_and_awq_against_round_to_nearest_on_held_out_text(comparison):
