@@ -36,7 +36,8 @@ import torch
 
 from engine import core, sampling
 from engine.cache import KVCache
-from engine.config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob, check_drafter
+from engine.config import (SAMPLING_ONLY_STAGES, SELF_WEIGHT_VARIANTS, ConfigError, DecodingConfig, Knob,
+                           check_drafter)
 from engine.core import RunContext, StopCheck, assemble, check_prompt, checked, make_generator
 from engine.backends.local import LoadedModel, ModelLoadError
 from engine.backends.registry import ModelRegistry, check_same_tokenizer, resolve_variant
@@ -342,6 +343,6 @@ register(StrategySpec(
     knobs=(
         Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.",
              step=0.01),
-        Knob("amateur", "str", "self-nf4", check=lambda key, value: check_drafter(key, value, ("self-int8", "self-nf4")),
-             doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
+        Knob("amateur", "str", "self-nf4", check=lambda key, value: check_drafter(key, value, SELF_WEIGHT_VARIANTS),
+             doc="Contrastive decoding amateur: self-int8 | self-nf4 | self-<4-bit checkpoint> | model:<id or dir>."),
     )))
