@@ -23,7 +23,7 @@ from engine.backends import client, remote, schema
 from engine.backends.client import MAX_BODY_BYTES, MAX_LINE_BYTES, RemoteError, strict_loads
 from engine.backends.served import RemoteSpec
 from engine.config import DecodingConfig
-from engine.control import RunControl, RunStopped, active_control, under
+from engine.control import RunControl, RunStopped, active_control, run_under, under
 from engine.runner import RunRequest
 from tests.fault_servers import TOP_IDS, VOCAB, CountingListener, FakeServer, Fault, PeakRss, generated
 
@@ -221,11 +221,14 @@ def test_a_stream_that_never_ends_stops_at_max_new_tokens(server):
 
 
 def test_a_well_behaved_server_that_sends_one_token_too_many_gives_max_new_tokens(server):
-    """The issue's OpenAI server gave 5 tokens for max_new_tokens 4: at most 4 are read."""
+    """The issue's OpenAI server gave 5 tokens for max_new_tokens 4: at most 4 are read, from a
+    server that answers well (its 4 tokens, then its last chunk) and from one that goes on."""
     model = model_on(server, "fast")
+    four = CONFIG.replace(max_new_tokens=4)
+    assert run(model, config=four).generated_token_ids == generated(4)
     server.fault = Fault("forever")
-    trace = run(model, config=CONFIG.replace(max_new_tokens=4))
-    assert len(trace.generated_token_ids) == 4
+    trace = run(model, config=four)
+    assert trace.generated_token_ids == [TOP_IDS[0]] * 4 and trace.stop_reason == "max_new_tokens"
 
 
 def test_a_stream_of_comments_ends_at_the_stream_limit_or_the_time_limit(server):
@@ -295,6 +298,30 @@ def test_one_byte_per_second_ends_at_the_request_s_own_timeout(server, mode):
     assert 1.4 < took < 3.5, took
 
 
+# The requests connect_spec makes (the models list, llama-server's props, the EOS text's tokens).
+CONNECT_PATHS = ("/v1/models", "/models", "/props", "/tokenize", "/detokenize", "/apply-template")
+
+
+def test_a_connect_to_a_slow_server_ends_at_the_run_s_time_limit(server):
+    """The issue's connect answered after 139 s under a 60 s limit: a connect made inside a run
+    (the app connects on first use, in the run's thread) ends at the run's limit; outside one, at
+    its request's own timeout (each request of the connect has its own)."""
+    server.fault = Fault("slow", paths=CONNECT_PATHS)
+    start = time.perf_counter()
+    with pytest.raises(RunStopped) as caught:
+        run_under(RunControl(deadline_s=2), model_on, server, "step", 30)
+    took = time.perf_counter() - start
+    assert str(caught.value) == "stopped: the run went past the 2 s time limit (DP_REQUEST_SECONDS); ask for fewer tokens"
+    assert 1.9 < took < 4, took
+    start = time.perf_counter()
+    with pytest.raises(RemoteError) as caught:
+        model_on(server, "step", timeout_s=1.5)
+    took = time.perf_counter() - start
+    path = "/v1/models"  # the first request: llama-server's and the OpenAI API's models list
+    assert str(caught.value) == f"{SERVER_NAME[server.backend]} {server.root}{path}: no answer within the 1.5 s timeout"
+    assert 1.4 < took < 3.5, took
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cancel_closes_a_blocked_read_from_another_thread(server, mode):
     """The general mechanism (RunControl.on_cancel: the client registers its socket's shutdown):
@@ -326,6 +353,57 @@ def test_a_redirect_is_never_followed(server, mode):
         assert "SECRET" not in line
     finally:
         unlisted.close()
+
+
+def api_calls(model) -> dict:
+    """Every request a run, a connect's EOS lookup or speculative's scoring makes of the server
+    (the model's API methods), by name: a call each."""
+    api = model.api
+    return {"tokenize": lambda: api.tokenize("hi", False), "detokenize": lambda: api.detokenize([10, 11]),
+            "chat_ids": lambda: api.chat_ids("hi"), "next_top": lambda: api.next_top([10, 11], 5),
+            "positions": lambda: api.positions([10, 11, 12], 1, 5),
+            "generate": lambda: list(api.generate([10, 11], CONFIG, False))}
+
+
+def test_a_redirect_from_any_request_is_never_followed(server):
+    """Not only the run's requests: the tokenizer's, the chat template's and speculative's
+    scoring requests are refused on a 302 too, and none reaches the unlisted listener."""
+    unlisted = CountingListener()
+    server.redirect_to = unlisted.url
+    try:
+        model = model_on(server, "step")
+        server.fault = Fault("redirect", paths=CONNECT_PATHS)
+        lines = {}
+        for name, call in api_calls(model).items():
+            with pytest.raises(RemoteError) as caught:
+                call()
+            lines[name] = str(caught.value)
+        time.sleep(0.3)
+        assert unlisted.connections == 0
+    finally:
+        unlisted.close()
+    for name, line in lines.items():
+        assert line.startswith(f"{SERVER_NAME[server.backend]} {server.root}") and line.endswith(
+            "HTTP 302, a redirect: not followed (only the address the operator listed is used)"), (name, line)
+        assert "SECRET" not in line and "\n" not in line
+
+
+# --- what a server may send that is not wrong -------------------------------------------------------
+def test_a_null_log_probability_from_llama_server_is_probability_0_and_the_trace_is_strict():
+    """llama-server writes a probability 0 as a null log-probability: accepted as -inf (the top
+    token then never chosen), and the trace's JSON stays strict (no -Infinity out)."""
+    server = FakeServer("llamacpp")
+    try:
+        model = model_on(server, "step")
+        server.fault = Fault("value", "logprob", "null")
+        trace = run(model)
+    finally:
+        server.close()
+    assert trace.generated_token_ids == [TOP_IDS[1]] * 8  # greedy over the rest of its top-N
+    text = trace.to_json()
+    assert "Infinity" not in text and "NaN" not in text
+    step = strict_loads(text)["steps"][0]
+    assert step["chosen_token_id"] == TOP_IDS[1] and 0 < step["chosen_prob"] <= 1
 
 
 # --- the control's API -----------------------------------------------------------------------------
