@@ -28,8 +28,9 @@ from .user_presets import find_preset, matching_choice
 
 BAD_LINK = "This share link could not be opened ({reason}); the defaults are shown instead."
 MAX_URL_CHARS = 16_384  # a request target (path + query); the app's own links are under 6,100
-TOO_LONG_PAGE = ("<!doctype html><meta charset=utf-8><title>Link too long</title>"
-                 "<body style='font-family:sans-serif;max-width:40em;margin:3em auto'>"
+TOO_LONG_PAGE = ("<!doctype html><meta charset=utf-8><meta name=viewport content='width=device-width, initial-scale=1'>"
+                 "<title>Link too long</title>"
+                 "<body style='font-family:sans-serif;max-width:40em;margin:3em auto;padding:0 1em'>"
                  "<h1>This link is too long</h1><p>It has {length:,} characters; the playground's share and lesson "
                  "links are at most 6,000, so it was cut, joined or made by hand and cannot be opened.</p>"
                  "<p><a href='{root}'>Open the playground without it</a></p></body>")

@@ -84,7 +84,8 @@ VALUE_FAULTS = [
     ("prob", "50", "probability"), ("prob", "5e21", "probability"), ("prob", "-5", "probability"),
     ("id", "-1", "token"), ("id", "-1000000", "token"), ("id", str(VOCAB), "token"), ("id", "1" + "0" * 30, "token"),
     ("id", "true", "token"), ("id", "321.7", "token"), ("top", '{"a": 1}', "expected"), ("top", '"x"', "expected"),
-    ("list", '"x"', "expected a list|a streamed chunk without"), ("list", "7", "expected a list|a streamed chunk without"),
+    ("list", '"x"', "expected a list|a streamed chunk without"),
+    ("list", "7", "expected a list|a streamed chunk without"),
 ]
 
 
@@ -311,7 +312,8 @@ def test_a_connect_to_a_slow_server_ends_at_the_run_s_time_limit(server):
     with pytest.raises(RunStopped) as caught:
         run_under(RunControl(deadline_s=2), model_on, server, "step", 30)
     took = time.perf_counter() - start
-    assert str(caught.value) == "stopped: the run went past the 2 s time limit (DP_REQUEST_SECONDS); ask for fewer tokens"
+    assert str(caught.value) == ("stopped: the run went past the 2 s time limit (DP_REQUEST_SECONDS); "
+                                 "ask for fewer tokens")
     assert 1.9 < took < 4, took
     start = time.perf_counter()
     with pytest.raises(RemoteError) as caught:
