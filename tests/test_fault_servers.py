@@ -241,6 +241,7 @@ def test_a_stream_of_comments_ends_at_the_stream_limit_or_the_time_limit(server)
     assert took < 12 and memory.growth < MEMORY_BOUND_MB
 
 
+@pytest.mark.slow  # loads the embedded model (its tokens are the answer's)
 def test_the_largest_legitimate_answer_fits_the_limits(embedded):
     """llama-server's whole answer for 1024 tokens with their top 100, every entry one of the
     embedded model's 100 longest tokens (text and bytes), fits MAX_BODY_BYTES and is read; one
