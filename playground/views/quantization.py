@@ -26,7 +26,7 @@ from playground.charts import memory as memory_charts
 from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as charts
 
-from .. import downloads
+from .. import downloads, ids
 from ..events import data_api, stop_button
 from ..shared import OutputSet, Shared, UserError, error_html, require, status_html
 from .stale import cleared
@@ -139,7 +139,7 @@ def build_tab(shared: Shared) -> QuantPage:
                 "divergence).")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="quant-prompt")
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id=ids.QUANT_PROMPT)
             chat = gr.Checkbox(True, label="Chat template", elem_id="quant-chat")
             low, high, default = DRIFT_TOKENS
             tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens (greedy)",
@@ -150,7 +150,7 @@ def build_tab(shared: Shared) -> QuantPage:
                                              "dequantized at load (no 4-bit CPU kernel).",
                                         elem_id="quant-variants")
             with gr.Row():
-                measure = gr.Button("Measure drift", variant="primary", elem_id="quant-measure")
+                measure = gr.Button("Measure drift", variant="primary", elem_id=ids.QUANT_MEASURE)
                 stop = gr.Button("Stop", variant="stop", elem_id="quant-stop")
             status = gr.HTML("", elem_id="quant-status")
         with gr.Column(scale=2, min_width=480):
