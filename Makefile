@@ -48,6 +48,7 @@ browser:
 
 bench: setup
 	$(PY) -m bench.engine_vs_generate --stages
+	$(PY) -m bench.chain_capture
 	$(PY) -m bench.beam_vs_generate
 	$(PY) -m bench.speculative
 	$(PY) -m bench.kv_cache
