@@ -114,7 +114,7 @@ def main() -> None:
                 before = advance_rows(fresh(), logits)
             same_steps(advance_rows(fresh(), logits), before)
             rates = timed(lambda states: advance_rows(states, logits), fresh, args.repeats)
-            report(f"{name}: one batched step of {args.rows} rows (rate = steps/s)", rates, baseline="capture, before")
+            report(f"{name}: one batched step of {args.rows} rows (rate = steps per CPU-second)", rates, baseline="capture, before")
         print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
