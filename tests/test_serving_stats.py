@@ -74,7 +74,7 @@ def test_summary_by_hand():
     stats.add_run(RunRecord(11.6, 4, 0, None, None, "cancelled"))
     s = summarise(stats.snapshot(now=12.0))
     assert (s.ticks, s.runs, s.mean_rows, s.max_rows) == (2, 3, 3.0, 4)
-    assert s.tokens_per_s == pytest.approx(4 / 2.0)  # the second tick's 4 rows in the 2 s after the first
+    assert s.tokens_per_s == pytest.approx(6 / ((6.0 + 11.0) / 1000))  # 2 + 4 rows in the ticks' 6 + 11 ms
     assert s.ttft_ms == {"count": 2, "p50": 300.0, "p95": 300.0, "max": 300.0}  # nearest rank: round(1.5) = 2
     assert s.tpot_ms == {"count": 1, "p50": 20.0, "p95": 20.0, "max": 20.0}
     assert s.tick_ms_by_rows[4]["p50"] == 1.0 + 7.0 + 3.0 and s.forward_ms_by_rows[2]["p50"] == 2.0

@@ -110,10 +110,11 @@ class ServingStats:
     def snapshot(self, window_s: float | None = None, now: float | None = None) -> Snapshot:
         """What the rings hold, the last ``window_s`` seconds only (None: all of it)."""
         now = time.time() if now is None else now
-        since = now - window_s if window_s is not None else 0.0
         with self._lock:
             ticks, runs = tuple(self._ticks), tuple(self._runs)
             totals = self._ticks_total, self._runs_total
+        # the whole ring: the window starts at its oldest record
+        since = now - window_s if window_s is not None else min([r.at for r in (ticks[:1] + runs[:1])], default=now)
         return Snapshot(now, since, tuple(t for t in ticks if t.at >= since), tuple(r for r in runs if r.at >= since),
                         self.bytes_per_position, *totals)
 
@@ -182,7 +183,7 @@ class ServingSummary:
     mean_rows: float
     max_rows: int
     max_queued: int
-    tokens_per_s: float  # rows stepped per second of wall clock between the window's first and last tick
+    tokens_per_s: float  # rows stepped per second of the ticks' own time: the decode rate while there was work
     ttft_ms: dict
     tpot_ms: dict
     tick_ms_by_rows: dict[int, dict]  # rows -> spread of the tick's ms (prefill + forward + step)
@@ -203,13 +204,12 @@ def summarise(snap: Snapshot, block: int = BLOCK_SIZE) -> ServingSummary:
     peak_tick = max(ticks, key=lambda t: t.rows * t.width, default=None)
     peak = kv_layout(peak_tick.lengths, peak_tick.width, peak_tick.reserved, snap.bytes_per_position,
                      block) if peak_tick else None
-    span = ticks[-1].at - ticks[0].at if len(ticks) > 1 else 0.0
-    stepped = sum(t.rows for t in ticks[1:])  # the tokens made after the first tick's end
+    busy_s = sum(t.ms for t in ticks) / 1000
     return ServingSummary(
         taken_at=snap.taken_at, since=snap.since, ticks=len(ticks), runs=len(runs),
         mean_rows=sum(t.rows for t in ticks) / len(ticks) if ticks else 0.0,
         max_rows=max((t.rows for t in ticks), default=0), max_queued=max((t.queued for t in ticks), default=0),
-        tokens_per_s=stepped / span if span > 0 else 0.0, ttft_ms=spread(ttft), tpot_ms=spread(tpot),
+        tokens_per_s=sum(t.rows for t in ticks) / busy_s if busy_s > 0 else 0.0, ttft_ms=spread(ttft), tpot_ms=spread(tpot),
         tick_ms_by_rows={n: spread([t.ms for t in group]) for n, group in sorted(by_rows.items())},
         forward_ms_by_rows={n: spread([t.forward_ms for t in group]) for n, group in sorted(by_rows.items())},
         peak=peak, kv_bytes_now=ticks[-1].rows * ticks[-1].width * snap.bytes_per_position if ticks else 0,

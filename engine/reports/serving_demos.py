@@ -132,6 +132,7 @@ class BatchingSide:
     tokens: int
     tokens_per_s: float
     mean_wait_s: float  # sent to the last token, over the requests
+    waits_s: list[float]  # each request's, in request order
     row_steps: int  # rows computed by the decode forwards
     forwards: int  # decode forwards
 
@@ -183,8 +184,9 @@ def static_batch(lm: LoadedModel, jobs: Sequence[tuple[list[int], DecodingConfig
 def batching_side(name: str, results: list[JobResult], start: float, forwards: int, row_steps: int) -> BatchingSide:
     wall = max(r.done for r in results) - start
     tokens = sum(len(r.steps) for r in results)
-    return BatchingSide(name, wall, tokens, tokens / wall if wall > 0 else 0.0,
-                        sum(r.done - start for r in results) / len(results), row_steps, forwards)
+    waits = [r.done - start for r in results]
+    return BatchingSide(name, wall, tokens, tokens / wall if wall > 0 else 0.0, sum(waits) / len(waits), waits,
+                        row_steps, forwards)
 
 
 def batching_demo(lm: LoadedModel, control: RunControl, requests: int = 8, max_batch: int = 4,
