@@ -259,6 +259,21 @@ def test_the_stage_recipe_is_the_tested_example():
     assert without_oracle(docs["StageSpec tail_free"]) == without_oracle(tested["StageSpec tail_free"])
 
 
+def test_the_strategy_recipe_is_the_tested_example():
+    """docs/architecture.md's toy strategy (its record, stream, cross-check and spec) is
+    tests/test_strategy_spec.py's, word for word."""
+    blocks = [b for b in code_blocks(ARCHITECTURE, "python") if "toy_rank" in b]
+    assert len(blocks) == 1
+    docs, tested = ast.parse(blocks[0]), ast.parse(text(ROOT / "tests" / "test_strategy_spec.py"))
+    named = {getattr(n, "name", None) or getattr(n.targets[0], "id", None): ast.dump(n) for n in tested.body
+             if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.Assign))}
+    shown = [n for n in docs.body if not isinstance(n, ast.Expr)]
+    assert [getattr(n, "name", None) or n.targets[0].id for n in shown] == ["RankPick", "rank_stream", "check_rank", "TOY"]
+    for node in shown:
+        assert ast.dump(node) == named[getattr(node, "name", None) or node.targets[0].id]
+    assert ast.unparse(docs.body[-1]) == "register(TOY)"
+
+
 def test_the_recipes_use_the_specs_real_fields():
     """Every keyword the recipes pass to StageSpec, StrategySpec, Knob, Interop, Export or RunRequest is one of
     its fields."""

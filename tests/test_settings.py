@@ -184,7 +184,9 @@ def test_text_list_and_choice_settings_read_as_before(monkeypatch, tmp_path):
     monkeypatch.setenv("DP_QUANTIZATION", "int8")
     assert (app.parse_args([]).model, app.parse_args([]).quantization) == ("org/a", "int8")
     monkeypatch.setenv("DP_QUANTIZATION", "int4")  # argparse never checked a default against its choices
-    with pytest.raises(SettingsError, match=r"^DP_QUANTIZATION: expected none \| int8 \| nf4, got 'int4'$"):
+    with pytest.raises(SettingsError, match=r"^DP_QUANTIZATION: expected none \| int8 \| nf4 \| rtn-g64 \| gptq-g64 \| "
+                                            r"awq-g64 \| rtn-g32 \| gptq-g32 \| awq-g32 \| gptq-g64-code \| "
+                                            r"awq-g64-code, got 'int4'$"):
         check_environment()
     monkeypatch.delenv("DP_QUANTIZATION")
     assert settings.env_text("DP_BROWSER_SECRET") == "decoding-playground-presets-v1"

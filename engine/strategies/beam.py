@@ -47,7 +47,7 @@ from engine.backends.local import LoadedModel
 from engine.backends.seam import Model
 from engine.chain import Chain
 from engine.stages import build_stage
-from engine.strategies.spec import StrategySpec, register
+from engine.strategies.spec import Exported, StrategySpec, register
 from engine.trace import Event, StepTrace, Timing, Trace, from_dict
 
 STATUSES = ("kept", "pruned", "finished", "dropped")
@@ -451,6 +451,8 @@ def check_knobs(config: DecodingConfig) -> None:
 
 register(StrategySpec(
     "beam", run, check=check_knobs, records={"beam": BeamTrace}, in_use=("num_beams",), exported_as="greedy",
+    exports={tool: Exported("{tool} has no beam search setting here; exported as greedy decoding",
+                            "a beam-search setting") for tool in ("webui", "llama")},
     doc="Keep the num_beams best partial sequences by summed log-probability; the whole search tree is recorded.",
     knobs=(
         Knob("num_beams", "int", 1, 1, 8, doc="Beams kept per step.", step=1),

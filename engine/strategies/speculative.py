@@ -562,8 +562,8 @@ register(StrategySpec(
         "target's distribution exactly.",
     knobs=(
         Knob("drafter", "str", "self-int8", check=lambda key, value: check_drafter(key, value, DRAFTER_CHOICES),
-             doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>; for a served "
-             "target: ngram or model:<a server the operator lists>."),
+             doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | self-<4-bit checkpoint: rtn-g64, gptq-g64, "
+                 "awq-g64, ...> | model:<id or dir>; for a served target: ngram or model:<a server the operator lists>."),
         Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
         Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
         Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),
