@@ -201,3 +201,18 @@ def test_charts_say_where_and_when():
         assert "UTC" in text and ("measured: our scheduler" in text or "computed from" in text)
         fig.to_json()  # plotly's strict JSON
     assert "00:16:40–00:16:41 UTC" in charts.source_line(s, "<b>m</b>") and "&lt;b&gt;m" in charts.source_line(s, "<b>m</b>")
+
+
+def test_the_live_kv_figure_and_card_show_the_three_layouts_by_hand():
+    from engine.reports.serving import ServingStats, Tick, summarise
+
+    stats = ServingStats(100)  # rows of 8 and 3 positions in a batch 8 wide, each reserving 20
+    stats.add_tick(Tick(1000.0, 2, 0, 0, 8, (8, 3), 40, 0, 0, 1.0, 2.0, 3.0))
+    s = summarise(stats.snapshot(now=1001.0))
+    lines = {trace.name: list(trace.y) for trace in charts.kv_figure(s).data}
+    mib = 1 << 20
+    assert lines == {"our left-padded batch": [16 * 100 / mib], "paged, 16-position blocks (computed)": [32 * 100 / mib],
+                     "contiguous reservation (computed)": [40 * 100 / mib]}
+    html = charts.cards_html(s)
+    assert '<div class="dp-serving-value">16 / 32 / 40</div>' in html and "(11 hold a token)" in html
+    assert "31% → 66%" in html  # 5 of 16 padded positions, 21 of 32 paged ones hold nothing

@@ -6,7 +6,7 @@ queue, each row's real length and the batch's padded width, the tokens prefilled
 the prefill, the forward and the rows' step) and one ``RunRecord`` per run that ended (its time to
 first token and time per output token, from the very StepTraces its user received). Two bounded
 rings (``collections.deque``), one lock; recording a tick is one small record and an append
-(bench/serving_overhead.py measures it against a tick), and nothing is summarised until someone
+(``python -m bench.serving --overhead`` measures it against a tick), and nothing is summarised until someone
 asks (``summarise``).
 
 The arithmetic is exact and computed from the recorded lengths (no estimate):
@@ -190,7 +190,7 @@ class ServingSummary:
     forward_ms_by_rows: dict[int, dict]
     peak: KVLayout | None  # the layouts at the tick holding the most positions
     kv_bytes_now: int  # the batch's bytes at the window's last tick
-    series: dict = field(default_factory=dict)  # per tick: at, rows, queued, prefilling, kv_bytes
+    series: dict = field(default_factory=dict)  # per tick: rows, queue, KV bytes three ways; per run: TTFT, TPOT
 
 
 def summarise(snap: Snapshot, block: int = BLOCK_SIZE) -> ServingSummary:
@@ -218,6 +218,7 @@ def summarise(snap: Snapshot, block: int = BLOCK_SIZE) -> ServingSummary:
                 "kv_bytes": [t.rows * t.width * snap.bytes_per_position for t in ticks],
                 "paged_bytes": [block * sum(blocks(n, block) for n in t.lengths) * snap.bytes_per_position
                                 for t in ticks],
+                "reserved_bytes": [max(t.reserved, sum(t.lengths)) * snap.bytes_per_position for t in ticks],
                 "run_at": [r.at for r in runs if r.tokens], "ttft_ms": [r.ttft_ms for r in runs if r.tokens],
                 "tpot_ms": [r.tpot_ms for r in runs if r.tokens]})
 

@@ -2,7 +2,8 @@
 HTML and plotly figures. Every figure's title says where its numbers come from and when; every
 sentence is built from the same numbers as the chart beside it. No gradio here.
 
-- ``cards_html``: the room's big numbers (rows, queue, tokens/s, TTFT, TPOT, KV bytes, waste).
+- ``cards_html``: the room's big numbers (rows, queue, tokens/s, TTFT, TPOT, KV bytes, waste, the fullest
+  tick's KV positions three ways).
 - ``rows_figure``, ``kv_figure``, ``latency_figure``, ``runs_figure``: the window's ticks and runs.
 - ``layout_figure``: one tick's KV positions three ways (padded batch, paged blocks, reservation).
 - ``batching_html`` / ``batching_figure``, ``paged_html``, ``prefix_html`` / ``prefix_figure``,
@@ -89,6 +90,9 @@ def cards_html(s: ServingSummary) -> str:
         card(f"{s.kv_bytes_now / MIB:,.1f} MiB", "KV cache of the batch, last tick", SOURCE_COMPUTED, "kv"),
         card(waste, f"KV positions holding no token: padded batch → paged, block {peak.block if peak else 16}",
              SOURCE_COMPUTED, "waste"),
+        card(f"{peak.padded:,} / {peak.paged:,} / {peak.reserved:,}" if peak else "–",
+             "KV positions at the fullest tick: padded batch / paged / contiguous reservation"
+             + (f" ({peak.used:,} hold a token)" if peak else ""), SOURCE_COMPUTED, "peak"),
     ]
     return f'<div class="dp-serving-cards" id="serving-cards-grid">{"".join(cards)}</div>'
 
@@ -107,11 +111,13 @@ def rows_figure(s: ServingSummary) -> go.Figure:
 
 
 def kv_figure(s: ServingSummary) -> go.Figure:
-    """KV bytes of the left-padded batch at each tick, and what paged blocks would hold."""
+    """KV bytes of the left-padded batch at each tick, what paged blocks would hold, and what a
+    contiguous reservation of each run's prompt + max_new_tokens would hold."""
     fig = go.Figure()
     times = clock(s.series.get("at", []))
     for key, name, colour in (("kv_bytes", "our left-padded batch", COLOURS["padded"]),
-                              ("paged_bytes", "paged, 16-position blocks (computed)", COLOURS["paged"])):
+                              ("paged_bytes", "paged, 16-position blocks (computed)", COLOURS["paged"]),
+                              ("reserved_bytes", "contiguous reservation (computed)", COLOURS["reserved"])):
         x, y = thin(times, [v / MIB for v in s.series.get(key, [])])
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line={"shape": "hv", "color": colour}, name=name))
     fig.update_layout(**LAYOUT, title=title("KV cache in use (MiB)", SOURCE_COMPUTED, when(s.since, s.taken_at)),
