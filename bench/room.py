@@ -118,7 +118,7 @@ def printout(run: RoomRun, stats: dict | None) -> str:
     """The run's lines, then the scheduler's over the same window (``/serving_stats``)."""
     tokens = sum(len(t["generated_token_ids"]) for t in run.traces)
     lines = [f"room load: {run.users} users x {run.tokens} tokens (/step_trace, sampling) on {run.url}",
-             f"window {utc(run.started)}–{utc(run.ended)}, load average {run.load:.1f} on {os.cpu_count()} cores",
+             f"window {utc(run.started).removesuffix(' UTC')}–{utc(run.ended)}, load average {run.load:.1f} on {os.cpu_count()} cores",
              f"aggregate: {tokens} tokens in {run.wall_s:.1f} s = {tokens / run.wall_s:.1f} tokens/s (client wall clock)",
              f"traces:    time to first token p50 / p95 {spread_text(run.ttft_ms())}; "
              f"time per output token p50 / p95 {spread_text(run.tpot_ms())} ({len(run.traces)} runs)"]

@@ -17,7 +17,7 @@ from bench.room import printout, room_run, serving_stats, spread_text
 from conftest import open_tab
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-USERS, TOKENS = 16, 16
+USERS, TOKENS = 16, 48  # long enough that the page refreshes (every 2 s) several times while it runs
 
 
 def card(page, key: str) -> str:
@@ -46,15 +46,17 @@ def test_the_view_during_a_room_load_shows_the_printouts_numbers(browser, live_a
         outcome: dict = {}
         load = threading.Thread(target=lambda: outcome.setdefault("run", room_run(live_app, USERS, TOKENS, clients)))
         load.start()
-        seen_live = set()
+        seen_live, texts = set(), []
         while load.is_alive():  # the page refreshes itself while the room works
-            match = re.search(r"· (\d[\d,]*) ticks", window_text(page))
+            text = window_text(page)
+            match = re.search(r"· (\d[\d,]*) ticks", text)
             if match and load.is_alive():
                 seen_live.add(int(match.group(1).replace(",", "")))
+                texts.append(f"{time.strftime('%X')} {text[-60:]}")
             time.sleep(0.5)
         load.join()
         run = outcome["run"]
-        assert any(n > 0 for n in seen_live), f"the view never showed a tick while the load ran: {seen_live}"
+        assert any(n > 0 for n in seen_live), f"the view never showed a tick while the load ran: {sorted(set(texts))}"
         stats = serving_stats(live_app, run)
         text = printout(run, stats)
         (artifacts / "serving-load-printout.txt").write_text(text)

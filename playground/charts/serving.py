@@ -25,6 +25,7 @@ from engine.reports.vllm_metrics import SOURCE_VLLM, VllmSample, VllmWindow
 FONT = {"size": 16}  # readable from the back of a room at 1280x720
 LAYOUT = {"height": 360, "margin": {"l": 64, "r": 20, "t": 64, "b": 48}, "font": FONT,
           "legend": {"orientation": "h", "y": -0.22}}
+CLOCK_AXIS = {"tickformat": "%H:%M:%S"}  # the window is minutes long: the date under each tick only crowds it
 MAX_POINTS = 600  # a window's ticks are thinned to this many points per line (each bucket's largest kept)
 MIB = 1 << 20
 COLOURS = {"used": "#54a24b", "padded": "#4c78a8", "paged": "#f58518", "reserved": "#e45756", "queue": "#b279a2"}
@@ -105,7 +106,7 @@ def rows_figure(s: ServingSummary) -> go.Figure:
         x, y = thin(times, s.series.get(key, []))
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line={"shape": "hv", "color": colour}, name=name))
     fig.update_layout(**LAYOUT, title=title("Rows per tick: runs join and leave between forwards", SOURCE_SCHEDULER,
-                                            when(s.since, s.taken_at)), yaxis_title="runs")
+                                            when(s.since, s.taken_at)), yaxis_title="runs", xaxis=CLOCK_AXIS)
     return fig
 
 
@@ -120,7 +121,7 @@ def kv_figure(s: ServingSummary) -> go.Figure:
         x, y = thin(times, [v / MIB for v in s.series.get(key, [])])
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line={"shape": "hv", "color": colour}, name=name))
     fig.update_layout(**LAYOUT, title=title("KV cache in use (MiB)", SOURCE_COMPUTED, when(s.since, s.taken_at)),
-                      yaxis_title="MiB")
+                      yaxis_title="MiB", xaxis=CLOCK_AXIS)
     return fig
 
 
@@ -137,7 +138,7 @@ def latency_figure(s: ServingSummary) -> go.Figure:
                              marker={"color": COLOURS["reserved"], "size": 10}))
     fig.update_layout(**LAYOUT, barmode="group", title=title("Tick latency vs batch size", SOURCE_SCHEDULER,
                                                              when(s.since, s.taken_at)),
-                      xaxis_title="rows in the tick", yaxis_title="ms")
+                      xaxis={"title": "rows in the tick", "type": "category"}, yaxis_title="ms")
     return fig
 
 
@@ -152,7 +153,7 @@ def runs_figure(s: ServingSummary) -> go.Figure:
                              mode="markers", name="time per output token",
                              marker={"color": COLOURS["padded"], "size": 9, "symbol": "diamond"}))
     fig.update_layout(**LAYOUT, title=title("Per run: TTFT and TPOT", SOURCE_SCHEDULER, when(s.since, s.taken_at)),
-                      yaxis_title="ms", yaxis_type="log")
+                      yaxis_title="ms", yaxis_type="log", xaxis=CLOCK_AXIS)
     return fig
 
 
@@ -300,6 +301,7 @@ def vllm_figure(samples: Sequence[VllmSample]) -> go.Figure:
                              name="KV blocks in use (%)", line={"shape": "hv", "color": COLOURS["paged"]}, yaxis="y2"))
     at = when(samples[0].at, samples[-1].at) if samples else ""
     fig.update_layout(**LAYOUT, yaxis={"title": "requests"}, yaxis2={"title": "%", "overlaying": "y", "side": "right"},
+                      xaxis=CLOCK_AXIS,
                       title=title("vLLM: requests and KV blocks", SOURCE_VLLM, at))
     return fig
 
