@@ -36,7 +36,7 @@ from engine.trace import to_dict
 from playground.charts import serving as charts
 
 from ..events import data_api
-from ..shared import OutputSet, Shared, UserError, error_html, is_remote, status_html
+from ..shared import OutputSet, Shared, UserError, error_html, status_html
 from .stale import cleared
 
 WINDOWS = {"last minute": 60.0, "last 5 minutes": 300.0, "last 15 minutes": 900.0}
@@ -101,7 +101,7 @@ def room_summary(shared: Shared, model: Any, quantization: Any, window_s: float)
     lm = shared.loaded_lm(model, quantization)
     if lm is None:
         return None, f"{model}: not loaded yet: no run has used it since the server started"
-    if is_remote(lm):
+    if lm.capabilities.served:  # its server batches the requests, not our scheduler
         return None, f"{model}: a served model; its server batches the requests (see 'A served vLLM' below)"
     return summarise(shared.scheduler_for(lm).serving.snapshot(window_s)), None
 
@@ -151,7 +151,7 @@ def one_at_a_time(busy: threading.Lock, title: str) -> Iterator[None]:
 def local_model(shared: Shared, model: Any, quantization: Any, title: str) -> Any:
     """The header's model, loaded here (a served one is refused: these run on our scheduler)."""
     lm = shared.lm(model, quantization)
-    if is_remote(lm):
+    if lm.capabilities.served:  # the demonstrations run on our scheduler
         raise UserError(f"{title}: runs on our scheduler; {str(model)[:80]} is a served model (see its own "
                         "demonstrations below)")
     return lm
