@@ -13,6 +13,7 @@ inside long steps too, so a cancelled or timed-out run stops within one step.
 
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -205,14 +206,16 @@ def partial_trace(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], confi
 
 # --- one adapter per strategy family ----------------------------------------------------------------
 def _checked(source: Iterator, control: RunControl | None) -> Iterator:
-    """Items of ``source``, checking ``control`` before each one is computed."""
-    while True:
-        check(control)
-        try:
-            item = next(source)
-        except StopIteration:
-            return
-        yield item
+    """Items of ``source``, checking ``control`` before each one is computed. A stopped run closes
+    ``source`` at once (a served model's streamed request then ends on the server too)."""
+    with closing(source):  # type: ignore[type-var]
+        while True:
+            check(control)
+            try:
+                item = next(source)
+            except StopIteration:
+                return
+            yield item
 
 
 def batched(config: DecodingConfig, scheduler: Any) -> Any:

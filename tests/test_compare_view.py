@@ -110,8 +110,14 @@ def test_record_tables_show_scores_and_mark_the_choice():
 
 def test_lane_status_and_sweep_text():
     t = trace([" a"], [1])
-    assert "running… 1 / 8 tokens" in charts.lane_status("Lane 1", t, 8, running=True)
+    assert "running… 1 / 8 tokens" in charts.lane_status("Lane 1", t, 8, "running")
+    assert "running… 3 / 8 tokens" in charts.lane_status("Lane 1", None, 8, "running", made=3)  # a beam's steps
     assert "1 tokens, stop: max_new_tokens reached, 20.0 tok/s" in charts.lane_status("Lane 1", t, 8)
+    assert "1 tokens, stop: max_new_tokens reached" in charts.lane_status("Lane 1", t, 8, "done")
+    assert "Lane 1: stopped after 1 of 8 tokens</div>" in charts.lane_status("Lane 1", t, 8, "stopped")
+    assert "Lane 1: stopped at the time limit after 0 of 8 tokens" in charts.lane_status(
+        "Lane 1", None, 8, "stopped", why="at the time limit")
+    assert "Lane 1: waiting" in charts.lane_status("Lane 1", None, 8, "waiting")
     assert "&lt;b&gt;" in charts.lane_status("<b>", None, 8)
     from engine.metrics import sweep_spread
 

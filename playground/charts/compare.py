@@ -157,14 +157,22 @@ def divergence_markdown(names: Sequence[str], traces: Sequence[Trace], at: int |
     return f"**Lanes diverge at step {at}**{prefix}: " + " · ".join(picks)
 
 
-def lane_status(name: str, trace: Trace | None, max_new_tokens: int, running: bool = False, note: str = "") -> str:
-    """A lane's one-line progress note (HTML-escaped where it carries user text)."""
-    if running:
-        done = len(trace.steps) if trace else 0
-        return f'<div class="dp-status">{html.escape(name)}: running… {done} / {max_new_tokens} tokens{note}</div>'
-    if trace is None:
-        return f'<div class="dp-status">{html.escape(name)}: waiting{note}</div>'
-    return (f'<div class="dp-status">{html.escape(name)}: {len(trace.steps)} tokens, stop: {stop_text(trace.stop_reason)}, '
+def lane_status(name: str, trace: Trace | None, max_new_tokens: int, phase: str = "", note: str = "",
+                made: int | None = None, why: str = "") -> str:
+    """A lane's one-line status from its own ``phase`` ("waiting", "running", "done", "stopped";
+    "" reads as done with a trace, waiting without): running… with its tokens so far (``made``,
+    else its trace's), stopped after them (``why``: a reason other than the Stop button, e.g.
+    "at the time limit"), or done with its stop reason and speed. ``note`` is HTML already."""
+    made = made if made is not None else len(trace.steps) if trace else 0
+    label = html.escape(name)
+    if phase == "running":
+        return f'<div class="dp-status">{label}: running… {made} / {max_new_tokens} tokens{note}</div>'
+    if phase == "stopped":
+        why = f" {html.escape(why)}" if why else ""
+        return f'<div class="dp-status">{label}: stopped{why} after {made} of {max_new_tokens} tokens{note}</div>'
+    if trace is None or phase == "waiting":
+        return f'<div class="dp-status">{label}: waiting{note}</div>'
+    return (f'<div class="dp-status">{label}: {len(trace.steps)} tokens, stop: {stop_text(trace.stop_reason)}, '
             f'{trace.timing.tokens_per_s:.1f} tok/s{note}</div>')
 
 

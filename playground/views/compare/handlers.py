@@ -3,6 +3,7 @@ the token inspector and the seed sweep. All updates are ``{component: value}`` d
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from typing import Any, Iterator, Sequence
 
@@ -10,7 +11,7 @@ import gradio as gr
 
 from engine import contrastive
 from engine.config import DecodingConfig
-from engine.control import RunControl
+from engine.control import RunControl, RunStopped
 from engine.metrics import lane_metrics, mean_logprob, sweep_spread
 from playground.charts import compare as charts
 from playground.charts import step as step_charts
@@ -21,7 +22,7 @@ from ...shared import Shared, UserError, error_html, status_html
 from ...user_presets import CUSTOM, preset_choices
 from ..stale import cleared
 from .lanes import (
-    LANE_FIELDS, MAX_LANES, RUN_KNOBS, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config,
+    DONE, FAILED, LANE_FIELDS, MAX_LANES, RUN_KNOBS, RUNNING, STOPPED, WAITING, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config,
     lane_name, remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
 )
 from .layout import LaneWidgets, Page, summary_of
@@ -56,25 +57,34 @@ def render_specs(page: Page, specs: Sequence[LaneSpec]) -> dict:
     return out
 
 
-def render_results(page: Page, session: CompareSession, count: int, raw: bool, running: int | None = None) -> dict:
-    """Every shown lane's status and text, the lane pickers, and (unless a lane is running) the
-    divergence, metrics and entropy chart."""
-    at = session.divergence() if running is None else None
+def lane_status(lane: LaneWidgets, i: int, session: CompareSession) -> str:
+    """Lane ``i``'s status line, drawn from its own phase, trace and error in ``session``."""
+    error = session.errors[i] if i < len(session.errors) else ""
+    if error:
+        return error_html(f"{lane_name(i)}: {error}")
+    trace = session.traces[i] if i < len(session.traces) else None
+    remote = trace.extra.get("remote") if trace is not None else None
+    on = f" · on {trace.model}" + (" (fast mode: its own sampler)" if remote["mode"] == "fast" else "") \
+        if remote else ""
+    why = "at the time limit" if session.stopped == "time_limit" else ""
+    return charts.lane_status(lane_name(i), trace, session.budget(i), session.phase(i), html.escape(on),
+                              session.made(i), why)
+
+
+def render_results(page: Page, session: CompareSession, count: int, raw: bool) -> dict:
+    """Every shown lane's status and text, the lane pickers, and (unless the run is under way)
+    the divergence, metrics and entropy chart."""
+    running = session.running
+    at = None if running else session.divergence()
     out: dict = {}
     for i, lane in enumerate(page.lanes[:count]):
         trace = session.traces[i] if i < len(session.traces) else None
         error = session.errors[i] if i < len(session.errors) else ""
-        if error:
-            out[lane.status] = error_html(f"{lane_name(i)}: {error}")
-        else:
-            remote = trace.extra.get("remote") if trace is not None else None
-            on = f" · on {trace.model}" + (" (fast mode: its own sampler)" if remote["mode"] == "fast" else "") \
-                if remote else ""
-            out[lane.status] = charts.lane_status(lane_name(i), trace, session.budget(i), running == i, html.escape(on))
+        out[lane.status] = lane_status(lane, i, session)
         out[lane.text] = charts.lane_highlights(trace.steps, None if error else at) if trace else []
     names = [lane_name(i) for i in range(count)]
     out |= {page.inspect.lane: gr.update(choices=names), page.sweep.lane: gr.update(choices=names)}
-    if running is not None:
+    if running:
         return out
     done = session.done()
     finished = [t for _, t in done]
@@ -115,12 +125,15 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
     when ``values`` carries them after the settings) move with their lanes."""
     specs = specs_from(values, count)
     models = list(values[len(LANE_FIELDS) * MAX_LANES:])
-    session = session or CompareSession()
+    # A copy: a run still under way keeps writing its own session, never this page's reshaped one.
+    session = dataclasses.replace(session) if session else CompareSession()
+    phases = [session.phase(k) for k in range(count)]
     rows = list(zip(specs, (session.traces + [None] * count)[:count], (session.errors + [""] * count)[:count],
-                    (models + [""] * count)[:count]))
+                    (models + [""] * count)[:count], phases, [session.made(k) for k in range(count)],
+                    [session.budget(k) for k in range(count)]))
     try:
         if op == "add":
-            rows = add_lane(rows, (default_spec(specs), None, "", ""))
+            rows = add_lane(rows, (default_spec(specs), None, "", "", WAITING, 0, 0))
         elif op == "duplicate":
             rows = duplicate_lane(rows, i)
         else:
@@ -128,6 +141,7 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
     except UserError as exc:
         return {page.status: error_html(str(exc))}
     specs, session.traces, session.errors = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    session.phases, session.progress, session.budgets = [r[4] for r in rows], [r[5] for r in rows], [r[6] for r in rows]
     moved = {lane.model: row[3] for lane, row in zip(page.lanes, rows)} if models else {}
     return ({page.count: len(rows), page.status: "", page.session: session} | render_specs(page, specs)
             | render_results(page, session, len(rows), kind == RAW_ENTROPY) | moved)
@@ -187,25 +201,41 @@ def lesson_outputs(page: Page) -> list:
 def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, quant: str, count: int, kind: str,
             values: Sequence[Any], control: RunControl) -> Iterator[dict]:
     """Run the first ``count`` lanes (their settings: the flat ``values``, then every lane's model
-    pick) at once, streaming each lane's status and text, then the divergence, metrics and entropy chart."""
+    pick) at once, streaming every lane's status and text, then the divergence, metrics and
+    entropy chart. A Stop or the time limit ends the run at once: every unfinished lane says
+    stopped with its tokens so far, and the results of the tokens made are drawn."""
     names = [lane_name(i) for i in range(count)]
     configs = [lane_config(spec, names[i]) for i, spec in enumerate(specs_from(values, count))]
     picks = list(values[len(LANE_FIELDS) * MAX_LANES:]) + [""] * count
     models = lane_models(shared, list(zip(names, picks)), model, quant, prompt, chat)
     session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens,
-                             [c.max_new_tokens for c in configs])
+                             [c.max_new_tokens for c in configs], [RUNNING] * count)
     raw = kind == RAW_ENTROPY
     note = status_html(f"running {count} lanes at once…")
     # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).
-    yield ({page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
+    yield ({page.status: note, page.session: session} | render_results(page, session, count, raw)
            | previous_run_cleared(page))
-    for i in run_lanes(shared, models, prompt, configs, chat, session, control):
-        yield {page.status: status_html(f"running: {names[i]} of {count} updated…")} | render_results(
-            page, session, count, raw, i)
+    try:
+        for _ in run_lanes(shared, models, prompt, configs, chat, session, control):
+            yield {page.status: status_html(run_note(session, count))} | render_results(page, session, count, raw)
+    except RunStopped as stopped:
+        early = sum(1 for i in range(count) if session.phase(i) == STOPPED)
+        said = f"{stopped} ({early} of {count} lanes stopped early; each keeps the tokens it had made)."
+        yield {page.status: status_html(said + " Click any token to open its step.")} | render_results(
+            page, session, count, raw)
+        return
     failed = sum(1 for e in session.errors if e)
     done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
     yield {page.status: status_html(done + ". Click any token to open its step.")} | render_results(
         page, session, count, raw)
+
+
+def run_note(session: CompareSession, count: int) -> str:
+    """The page's line while lanes run: how many are done, running and failed, from their phases."""
+    phases = [session.phase(i) for i in range(count)]
+    parts = [f"{phases.count(p)} {word}" for p, word in ((DONE, "done"), (RUNNING, "running"), (FAILED, "failed"))
+             if phases.count(p)]
+    return f"running {count} lanes at once: " + ", ".join(parts) + "…"
 
 
 def previous_run_cleared(page: Page) -> dict:
