@@ -72,8 +72,9 @@ def lane_status(lane: LaneWidgets, i: int, session: CompareSession) -> str:
 
 
 def render_results(page: Page, session: CompareSession, count: int, raw: bool) -> dict:
-    """Every shown lane's status and text, the lane pickers, and (unless the run is under way)
-    the divergence, metrics and entropy chart."""
+    """Every shown lane's status and text, and (unless the run is under way) the lane pickers,
+    the divergence, metrics and entropy chart. A run's updates carry no more than they change:
+    every update costs the browser a redraw of what it carries."""
     running = session.running
     at = None if running else session.divergence()
     out: dict = {}
@@ -82,18 +83,19 @@ def render_results(page: Page, session: CompareSession, count: int, raw: bool) -
         error = session.errors[i] if i < len(session.errors) else ""
         out[lane.status] = lane_status(lane, i, session)
         out[lane.text] = charts.lane_highlights(trace.steps, None if error else at) if trace else []
-    names = [lane_name(i) for i in range(count)]
-    out |= {page.inspect.lane: gr.update(choices=names), page.sweep.lane: gr.update(choices=names)}
     if running:
         return out
+    names = [lane_name(i) for i in range(count)]
+    out |= {page.inspect.lane: gr.update(choices=names), page.sweep.lane: gr.update(choices=names)}
     done = session.done()
     finished = [t for _, t in done]
     rows = charts.metrics_rows([lane_metrics(t, n) for n, t in done], [t.strategy for t in finished])
     figure = charts.entropy_chart([n for n, _ in done], [t.steps for t in finished], at, raw,
                                   [charts.picks_greedily(t) for t in finished]) if done else None
     names = [n for n, _ in done]
-    same = charts.same_text_note(names, finished) if done else ""
-    return out | {page.divergence: charts.divergence_markdown(names, finished, at) + (f"\n\n{same}" if same else ""),
+    said = (charts.divergence_markdown(names, finished, at), charts.same_text_note(names, finished),
+            charts.served_modes_note(names, finished))
+    return out | {page.divergence: "\n\n".join(s for s in said if s),
                   page.metrics: rows, page.entropy: figure}
 
 
@@ -307,4 +309,5 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
 def wire(shared: Shared, page: Page) -> None:
     wire_lanes(shared, page)
     wire_inspect(page)
-    stop_button(page.stop, page.status, [wire_run(shared, page), wire_sweep(shared, page)], status_html("stopped"))
+    stop_button(page.stop, page.status, [wire_run(shared, page), wire_sweep(shared, page)], status_html("stopped"),
+                run_says=True)  # the run's own last word says stopped, with each lane's tokens
