@@ -237,10 +237,10 @@ def _parting_line(step_name: str, fast_name: str, step: Trace, fast: Trace, at: 
                  + (", a near-tie)" if abs(a - b) < 0.05 else ")"))
     return (f"**{html.escape(step_name)} (step mode) and {html.escape(fast_name)} (fast mode) part ways at step {at}** "
             f"although both pick greedily with the same knobs on {html.escape(str(step.model))}: step mode took "
-            f"`{readable(ours.chosen_token)}`, fast mode `{readable(theirs.chosen_token)}`{probs}. Likely reason: the "
-            "server computes a token's numbers slightly differently when other requests share its batch (llama.cpp "
-            "with several slots, e.g. this page's lanes at once), and a near-tie flips; a server with one slot "
-            "(`-np 1`, as `make remote` starts it) gives both modes the same tokens.")
+            f"`{readable(ours.chosen_token)}`, fast mode `{readable(theirs.chosen_token)}`{probs}. Likely reason: "
+            "llama-server's default (4 slots sharing one KV cache) computes a request's probabilities differently "
+            "while other requests run beside it, as this page's lanes do, so greedy's pick can change; a server "
+            "started with one slot (`-np 1`, as `make remote` does) gives both modes the same tokens.")
 
 
 def sweep_markdown(lane: str, seeds: Sequence[int], spread: SweepSpread) -> str:

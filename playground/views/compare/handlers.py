@@ -18,12 +18,13 @@ from playground.charts import step as step_charts
 
 from ...events import stop_button
 from ...knobs import compact_knob_state
-from ...shared import Shared, UserError, error_html, status_html
+from ...shared import Shared, UserError, error_html, is_remote, status_html
 from ...user_presets import CUSTOM, preset_choices
 from ..stale import cleared
 from .lanes import (
-    DONE, FAILED, LANE_FIELDS, MAX_LANES, RUN_KNOBS, RUNNING, STOPPED, WAITING, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config,
-    lane_name, remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
+    DONE, FAILED, LANE_FIELDS, MAX_LANES, RUN_KNOBS, RUNNING, STOPPED, WAITING, CompareSession, LaneSpec, add_lane,
+    default_spec, duplicate_lane, lane_config, lane_name, remove_lane, served_words, spec_from_config, spec_from_preset,
+    sweep_seeds,
 )
 from .layout import LaneWidgets, Page, summary_of
 from .run import lane_models, run_lanes, run_sweep
@@ -63,12 +64,10 @@ def lane_status(lane: LaneWidgets, i: int, session: CompareSession) -> str:
     if error:
         return error_html(f"{lane_name(i)}: {error}")
     trace = session.traces[i] if i < len(session.traces) else None
-    remote = trace.extra.get("remote") if trace is not None else None
-    on = f" · on {trace.model}" + (" (fast mode: its own sampler)" if remote["mode"] == "fast" else "") \
-        if remote else ""
+    on = session.on(i)  # said from the start: a served lane that made no token yet names its server too
     why = "at the time limit" if session.stopped == "time_limit" else ""
-    return charts.lane_status(lane_name(i), trace, session.budget(i), session.phase(i), html.escape(on),
-                              session.made(i), why)
+    return charts.lane_status(lane_name(i), trace, session.budget(i), session.phase(i),
+                              html.escape(f" · {on}") if on else "", session.made(i), why)
 
 
 def render_results(page: Page, session: CompareSession, count: int, raw: bool) -> dict:
@@ -132,10 +131,10 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
     phases = [session.phase(k) for k in range(count)]
     rows = list(zip(specs, (session.traces + [None] * count)[:count], (session.errors + [""] * count)[:count],
                     (models + [""] * count)[:count], phases, [session.made(k) for k in range(count)],
-                    [session.budget(k) for k in range(count)]))
+                    [session.budget(k) for k in range(count)], [session.on(k) for k in range(count)]))
     try:
         if op == "add":
-            rows = add_lane(rows, (default_spec(specs), None, "", "", WAITING, 0, 0))
+            rows = add_lane(rows, (default_spec(specs), None, "", "", WAITING, 0, 0, ""))
         elif op == "duplicate":
             rows = duplicate_lane(rows, i)
         else:
@@ -144,6 +143,7 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
         return {page.status: error_html(str(exc))}
     specs, session.traces, session.errors = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
     session.phases, session.progress, session.budgets = [r[4] for r in rows], [r[5] for r in rows], [r[6] for r in rows]
+    session.served = [r[7] for r in rows]
     moved = {lane.model: row[3] for lane, row in zip(page.lanes, rows)} if models else {}
     return ({page.count: len(rows), page.status: "", page.session: session} | render_specs(page, specs)
             | render_results(page, session, len(rows), kind == RAW_ENTROPY) | moved)
@@ -211,7 +211,8 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
     picks = list(values[len(LANE_FIELDS) * MAX_LANES:]) + [""] * count
     models = lane_models(shared, list(zip(names, picks)), model, quant, prompt, chat)
     session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens,
-                             [c.max_new_tokens for c in configs], [RUNNING] * count)
+                             [c.max_new_tokens for c in configs], [RUNNING] * count,
+                             served=[served_words(m.lm.name, m.lm.mode) if is_remote(m.lm) else "" for m in models])
     raw = kind == RAW_ENTROPY
     note = status_html(f"running {count} lanes at once…")
     # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).

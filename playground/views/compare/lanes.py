@@ -162,6 +162,11 @@ def sweep_seeds(seed: int, count: Any) -> list[int]:
     return [(seed + k) % (top + 1) for k in range(count)]
 
 
+def served_words(model: str, mode: str) -> str:
+    """A served lane's model and mode in words, as its status line ends."""
+    return f"on {model}" + (" (fast mode: its own sampler)" if mode == "fast" else "")
+
+
 # A lane's phase in a run: each lane's status line is drawn from its own phase, never from which
 # lane the last update came from.
 WAITING, RUNNING, DONE, STOPPED, FAILED = "waiting", "running", "done", "stopped", "failed"
@@ -182,9 +187,17 @@ class CompareSession:
     phases: list[str] = field(default_factory=list)
     stopped: str = ""
     progress: list[int] = field(default_factory=list)  # while running: each lane's tokens (a beam: search steps) so far
+    served: list[str] = field(default_factory=list)  # each lane's served model in words ("" on our engine)
 
     def budget(self, i: int) -> int:
         return self.budgets[i] if i < len(self.budgets) else self.max_new_tokens
+
+    def on(self, i: int) -> str:
+        """Where lane ``i`` runs, in words: its served model (and mode), "" on our own engine."""
+        if i < len(self.served):
+            return self.served[i]
+        remote = self.traces[i].extra.get("remote") if i < len(self.traces) and self.traces[i] else None
+        return served_words(self.traces[i].model, remote["mode"]) if remote else ""
 
     def made(self, i: int) -> int:
         """Lane ``i``'s tokens so far (a beam search's: its search steps, its tokens come at the end)."""
