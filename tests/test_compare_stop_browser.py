@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from playground import events
 from playground.events import stop_runs
 from tests.conftest import open_tab
+from tests.test_remote_llamacpp import server_test
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -27,6 +29,7 @@ LANES_JS = """count => Array.from({length: count}, (_, i) => [
 RUNNING = re.compile(r"^Lane (\d): running… (\d+) / (\d+) tokens")
 DONE = re.compile(r"^Lane (\d): (\d+) tokens, stop: ")
 STOPPED = re.compile(r"^Lane (\d): stopped after (\d+) of (\d+) tokens")
+SERVER_FREE_S = 3.0  # the press reaching the server to its one slot idle (the fast stream closed)
 
 
 def set_lane(page, i: int, tokens: int) -> None:
@@ -115,3 +118,87 @@ def test_stop_says_stopped_in_every_lane_and_nothing_moves_after(page, live_app,
     assert status.startswith("stopped: the run was cancelled (2 of 2 lanes stopped early"), status
     page.locator("#cmp-lane-1-text .token").nth(2).click()  # the tokens made stay inspectable
     page.wait_for_selector("#cmp-inspect-chart .js-plotly-plot")
+
+
+# --- lanes on a served model (issue #35, Major 2) ---------------------------------------------------
+@pytest.fixture(scope="module")
+def served_app(llama_server, registry, embedded):
+    """The whole app, DP_REMOTE_MODELS listing the real llama-server (one slot); yields (URL, the
+    listed value, the server's URL)."""
+    from playground.app import build_app, launch_kwargs
+    from tests.conftest import free_port
+
+    listed = f"llamacpp:{llama_server}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DP_REMOTE_MODELS", listed)
+        demo = build_app(registry)
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
+                **launch_kwargs())
+    yield demo.local_url.rstrip("/"), listed, llama_server
+    demo.close()
+
+
+def pick(page, selector: str, option: str) -> None:
+    """Choose ``option`` in the dropdown ``selector`` as a person does."""
+    page.click(f"{selector} input")
+    page.locator("ul[role=listbox] li", has_text=option).first.click()
+
+
+@server_test
+def test_stop_with_an_embedded_a_step_and_a_fast_lane_stops_all_three_and_frees_the_server(page, served_app,
+                                                                                          monkeypatch):
+    """The room's case: embedded + step + fast lanes of 256 tokens took 13.2 s to say stopped and
+    the step lane stayed "running… 256 / 256". Now every lane says stopped, the server's one slot
+    is idle within SERVER_FREE_S of the press reaching it, and nothing moves after."""
+    from tests.test_remote_stream import busy
+
+    url, listed, server = served_app
+    received, idle = [], []
+
+    def watch_server() -> None:  # from the press reaching the server: when its slot is idle again
+        while busy(server) and time.time() - received[0] < 120:
+            time.sleep(0.05)
+        idle.append(time.time())
+
+    def noted(runs, session):
+        received.append(time.time())
+        threading.Thread(target=watch_server, daemon=True).start()
+        return stop_runs(runs, session)
+
+    monkeypatch.setattr(events, "stop_runs", noted)
+    page.goto(url)
+    open_tab(page, "Compare")
+    page.fill("#cmp-prompt textarea", "1, 2, 3, 4, 5, 6, 7, 8,")  # greedy counts on: no early end
+    page.click("#cmp-add")
+    page.wait_for_selector("#cmp-lane-2", state="visible")
+    pick(page, "#cmp-lane-1-model", f"{listed} · step mode")
+    pick(page, "#cmp-lane-2-model", f"{listed} · fast mode")
+    pick(page, "#cmp-lane-2-strategy", "greedy")  # the added lane's contrastive search needs the model itself
+    for i in (0, 1, 2):
+        set_lane(page, i, 256)
+    page.click("#cmp-run")
+    watch_until(page, 3, lambda shown: max(k for _, k in shown) >= 8, [256] * 3)
+    press(page, "#cmp-stop")
+    shown = watch_until(page, 3, lambda shown: all(STOPPED.search(s) or DONE.search(s) for s, _ in shown)
+                        and any(STOPPED.search(s) for s, _ in shown), [256] * 3, timeout_s=90)[-1]
+    assert len(received) == 1, received
+    print(f"all three lanes said stopped {time.time() - received[0]:.2f} s after the press reached the server "
+          f"(load {os.getloadavg()[0]:.0f}): {shown}")
+    while not idle:
+        time.sleep(0.05)
+    freed = idle[0] - received[0]
+    print(f"the server's slot idle {freed:.2f} s after the press reached it")
+    if shown[2][1] < 256:  # the fast lane was streaming: its request is closed at its next token
+        assert freed < SERVER_FREE_S, freed
+    else:  # it had streamed every token and waited on its second, whole request (raw top-N): not closable yet
+        assert freed < 120, freed
+    page.wait_for_timeout(300)
+    final = lanes(page, 3)
+    for _ in range(12):
+        page.wait_for_timeout(250)
+        assert lanes(page, 3) == final, (final, lanes(page, 3))
+    for i, (status, count) in enumerate(final):
+        m = STOPPED.search(status) or DONE.search(status)
+        assert m and int(m[1]) == i + 1 and int(m[2]) == count, final
+    assert STOPPED.search(final[1][0]), final  # the step lane: never "running… 256 / 256" after Stop
+    assert "fast mode: its own sampler" in final[2][0] and f"on {listed}" in final[1][0], final

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
 
@@ -218,9 +218,12 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
     # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).
     yield ({page.status: note, page.session: session} | render_results(page, session, count, raw)
            | previous_run_cleared(page))
+    fresh = changed_only()
     try:
         for _ in run_lanes(shared, models, prompt, configs, chat, session, control):
-            yield {page.status: status_html(run_note(session, count))} | render_results(page, session, count, raw)
+            if update := fresh({page.status: status_html(run_note(session, count))}
+                               | render_results(page, session, count, raw)):
+                yield update
     except RunStopped as stopped:
         early = sum(1 for i in range(count) if session.phase(i) == STOPPED)
         said = f"{stopped} ({early} of {count} lanes stopped early; each keeps the tokens it had made)."
@@ -231,6 +234,19 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
     done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
     yield {page.status: status_html(done + ". Click any token to open its step.")} | render_results(
         page, session, count, raw)
+
+
+def changed_only() -> Callable[[dict], dict]:
+    """A filter for a run's updates: each keeps only the components whose value differs from what
+    the filter passed last (a finished lane's text is not sent again at every redraw)."""
+    sent: dict = {}
+
+    def fresh(update: dict) -> dict:
+        out = {c: v for c, v in update.items() if not (c in sent and type(v) in (str, list) and sent[c] == v)}
+        sent.update(out)
+        return out
+
+    return fresh
 
 
 def run_note(session: CompareSession, count: int) -> str:

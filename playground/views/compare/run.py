@@ -30,7 +30,11 @@ from ...events import error_message
 from ...shared import Shared, UserError, is_remote
 from .lanes import DONE, FAILED, FAST_PREFIX, RUNNING, STOPPED, CompareSession
 
-STREAM_EVERY_S = 0.25  # at most this often a redraw while lanes run (a lane that ends redraws at once)
+# At most this often a redraw while lanes run (a lane that ends redraws at once). Every update costs
+# the browser work in proportion to the whole app's components (Gradio refreshes every loading status
+# per message: 0.6-0.9 s of main thread per update on a loaded 2-core machine), so a page updated
+# faster than it can draw lags the server, and a Stop pressed on it lands late.
+STREAM_EVERY_S = 0.5
 POLL_S = 0.05  # how often the run's thread looks at its control while waiting for the lanes
 
 
@@ -153,10 +157,14 @@ def run_lanes(shared: Shared, models: Sequence[LaneModel], prompt: str, configs:
     write = functools.partial(record, session, runs, drawn, lambda i, steps: runner.partial_trace(
         models[i].lm, prompt, models[i].prompt_ids, configs[i], steps, chat))
     session.phases, session.progress, session.stopped = [RUNNING] * len(runs), [0] * len(runs), ""
+    shown = None  # what the last redraw showed of every lane: a redraw with nothing new is not sent
     try:
         for _ in follow(runs, ended, control):
-            write("")
-            yield
+            now = [(len(run.steps), run.records, run.ended) for run in runs]
+            if now != shown:
+                shown = now
+                write("")
+                yield
     except RunStopped as stopped:
         write(stopped.reason)
         raise
