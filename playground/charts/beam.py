@@ -302,7 +302,8 @@ def hypotheses_rows(beam: BeamTrace, length_penalty: float) -> list[list]:
     rows = []
     for rank, (i, score) in enumerate(rerank(beam.hypotheses, length_penalty), start=1):
         h = beam.hypotheses[i]
-        rows.append([rank, i + 1, h.text, h.length, round(h.sum_logprobs, 4), round(h.score, 4), round(score, 4)])
+        rows.append([rank, i + 1, h.text, len(h.token_ids), round(h.sum_logprobs, 4), round(h.score, 4),
+                     round(score, 4)])
     return rows
 
 
@@ -320,11 +321,12 @@ def winner_note(beam: BeamTrace, length_penalty: float) -> str:
     best, score = rerank(beam.hypotheses, length_penalty)[0]
     h = beam.hypotheses[best]
     head = (f"With length penalty **{length_penalty:g}** the best is hypothesis **#{best + 1}** "
-            f"({h.length} tokens, score {score:.4f}).")
+            f"({len(h.token_ids)} tokens, score {score:.4f}).")
     if best == (beam.winner or 0):
         return head + f" Same winner as the search (length penalty {beam.length_penalty:g})."
     return (head + f" The search (length penalty {beam.length_penalty:g}) returned #{(beam.winner or 0) + 1}: "
-            f"{'longer' if h.length > beam.hypotheses[beam.winner or 0].length else 'shorter'} sequences win now. "
+            f"{'longer' if len(h.token_ids) > len(beam.hypotheses[beam.winner or 0].token_ids) else 'shorter'} "
+            "sequences win now. "
             "(Re-ranking only the finished hypotheses: a search run with this penalty could have kept other beams.)")
 
 
@@ -355,13 +357,15 @@ def ended_text(beam: BeamTrace) -> str:
 
 
 def greedy_note(greedy_ids: Sequence[int], greedy_text: str, greedy_logprobs: Sequence[float], beam: BeamTrace,
-                length_penalty: float) -> str:
+                length_penalty: float, length: int | None = None) -> str:
     """Markdown comparing the greedy continuation with the hypotheses under ``length_penalty``.
-    ``greedy_logprobs``: the log-prob of each greedy token (same processors as the search)."""
+    ``greedy_logprobs``: the log-prob of each greedy token (same processors as the search);
+    ``length``: what its score divides by, as the search's hypotheses' ``length`` (a remote search
+    counts the prompt too, engine.strategies.remote_beam); its token count otherwise. Both say generated tokens."""
     if not greedy_ids:
         return "Greedy: no tokens."
     total = float(sum(greedy_logprobs))
-    score = rescore(total, len(greedy_ids), length_penalty)
+    score = rescore(total, length or len(greedy_ids), length_penalty)
     better = sum(1 for _, s in rerank(beam.hypotheses, length_penalty) if s > score)
     same = next((i for i, h in enumerate(beam.hypotheses) if list(h.token_ids) == list(greedy_ids)), None)
     where = (f"it is hypothesis #{same + 1}" if same is not None

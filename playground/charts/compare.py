@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from engine.config import KNOBS, SAMPLING_ONLY_STAGES, DecodingConfig
 from engine.strategies.contrastive import ContrastStep, SearchStep
-from engine.reports.metrics import LaneMetrics, SweepSpread, entropy_series
+from engine.reports.metrics import LaneMetrics, SweepSpread, entropy_series, first_divergence
 from engine.trace import StepTrace, Trace
 
 from . import glossary
@@ -157,14 +157,22 @@ def divergence_markdown(names: Sequence[str], traces: Sequence[Trace], at: int |
     return f"**Lanes diverge at step {at}**{prefix}: " + " · ".join(picks)
 
 
-def lane_status(name: str, trace: Trace | None, max_new_tokens: int, running: bool = False, note: str = "") -> str:
-    """A lane's one-line progress note (HTML-escaped where it carries user text)."""
-    if running:
-        done = len(trace.steps) if trace else 0
-        return f'<div class="dp-status">{html.escape(name)}: running… {done} / {max_new_tokens} tokens{note}</div>'
-    if trace is None:
-        return f'<div class="dp-status">{html.escape(name)}: waiting{note}</div>'
-    return (f'<div class="dp-status">{html.escape(name)}: {len(trace.steps)} tokens, stop: {stop_text(trace.stop_reason)}, '
+def lane_status(name: str, trace: Trace | None, max_new_tokens: int, phase: str = "", note: str = "",
+                made: int | None = None, why: str = "") -> str:
+    """A lane's one-line status from its own ``phase`` ("waiting", "running", "done", "stopped";
+    "" reads as done with a trace, waiting without): running… with its tokens so far (``made``,
+    else its trace's), stopped after them (``why``: a reason other than the Stop button, e.g.
+    "at the time limit"), or done with its stop reason and speed. ``note`` is HTML already."""
+    made = made if made is not None else len(trace.steps) if trace else 0
+    label = html.escape(name)
+    if phase == "running":
+        return f'<div class="dp-status">{label}: running… {made} / {max_new_tokens} tokens{note}</div>'
+    if phase == "stopped":
+        why = f" {html.escape(why)}" if why else ""
+        return f'<div class="dp-status">{label}: stopped{why} after {made} of {max_new_tokens} tokens{note}</div>'
+    if trace is None or phase == "waiting":
+        return f'<div class="dp-status">{label}: waiting{note}</div>'
+    return (f'<div class="dp-status">{label}: {len(trace.steps)} tokens, stop: {stop_text(trace.stop_reason)}, '
             f'{trace.timing.tokens_per_s:.1f} tok/s{note}</div>')
 
 
@@ -190,6 +198,49 @@ def same_text_note(names: Sequence[str], traces: Sequence[Trace]) -> str:
                        f"({single} of {len(a.steps)} steps had only one token left); try another seed")
             notes.append(f"**{pair} wrote the same text although their knobs differ:** {why}.")
     return "\n\n".join(notes)
+
+
+def served_modes_note(names: Sequence[str], traces: Sequence[Trace]) -> str:
+    """When a step-mode lane and a fast-mode lane on one server, both picking greedily with the
+    same knobs (the seed aside), part ways: one line per such pair naming the step, both picks,
+    the server's p of each in step mode (its raw top-N) and the likely reason. "" when none do."""
+    notes = []
+    for i in range(len(traces)):
+        for j in range(i + 1, len(traces)):
+            at = parting_step(traces[i], traces[j])
+            if at is not None:
+                step, fast = (i, j) if traces[i].extra["remote"]["mode"] == "step" else (j, i)
+                notes.append(_parting_line(names[step], names[fast], traces[step], traces[fast], at))
+    return "\n\n".join(notes)
+
+
+def parting_step(a: Trace, b: Trace) -> int | None:
+    """The step where two greedy lanes with the same knobs on one server, one in step mode and
+    one in fast mode, part ways while both ran; None when they do not (or are no such pair)."""
+    ra, rb = a.extra.get("remote"), b.extra.get("remote")
+    if not ra or not rb or ra.get("url") != rb.get("url") or {ra.get("mode"), rb.get("mode")} != {"step", "fast"}:
+        return None
+    knobs = [{k: v for k, v in t.config.items() if k != "seed"} for t in (a, b)]
+    if a.strategy != b.strategy or knobs[0] != knobs[1] or not (picks_greedily(a) and picks_greedily(b)):
+        return None
+    at = first_divergence([a.generated_token_ids, b.generated_token_ids])
+    return at if at is not None and at < min(len(a.steps), len(b.steps)) else None  # not: one ended first
+
+
+def _parting_line(step_name: str, fast_name: str, step: Trace, fast: Trace, at: int) -> str:
+    ours, theirs = step.steps[at], fast.steps[at]
+    raw = {t.token_id: t.prob for t in ours.stages[0].top} if ours.stages else {}
+    probs = ""
+    if ours.chosen_token_id in raw and theirs.chosen_token_id in raw:
+        a, b = raw[ours.chosen_token_id], raw[theirs.chosen_token_id]
+        probs = (f" (the server's p in step mode: {100 * a:.3g}% vs {100 * b:.3g}%"
+                 + (", a near-tie)" if abs(a - b) < 0.05 else ")"))
+    return (f"**{html.escape(step_name)} (step mode) and {html.escape(fast_name)} (fast mode) part ways at step {at}** "
+            f"although both pick greedily with the same knobs on {html.escape(str(step.model))}: step mode took "
+            f"`{readable(ours.chosen_token)}`, fast mode `{readable(theirs.chosen_token)}`{probs}. Likely reason: "
+            "llama-server's default (4 slots sharing one KV cache) computes a request's probabilities differently "
+            "while other requests run beside it, as this page's lanes do, so greedy's pick can change; a server "
+            "started with one slot (`-np 1`, as `make remote` does) gives both modes the same tokens.")
 
 
 def sweep_markdown(lane: str, seeds: Sequence[int], spread: SweepSpread) -> str:

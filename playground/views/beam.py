@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine.strategies import beam
+from engine.strategies import beam, remote_beam
 from engine.config import KNOBS, DecodingConfig
 from engine.control import RunControl
 from engine.backends.local import LoadedModel
@@ -97,7 +97,17 @@ def _greedy_markdown(session: BeamSession, length_penalty: float) -> str:
     if g is None:
         return ""
     logprobs = [math.log(max(s.chosen_prob, 1e-45)) for s in g.steps]
-    return charts.greedy_note(g.generated_token_ids, g.text, logprobs, session.beam(), length_penalty)
+    return charts.greedy_note(g.generated_token_ids, g.text, logprobs, session.beam(), length_penalty,
+                              _score_length(session.trace, g))
+
+
+def _score_length(search: Trace | None, greedy: Trace) -> int | None:
+    """What greedy's score divides by to stand beside the search's hypotheses: a remote search's
+    (vLLM's) length counts the prompt too; None (its token count) for our own search."""
+    if search is None or not search.extra.get("remote"):
+        return None
+    eos = greedy.generated_token_ids[-1:] if greedy.stop_reason == "eos" else []
+    return remote_beam.sequence_length(len(search.prompt_token_ids), greedy.generated_token_ids, eos)
 
 
 def _partial(lm: LoadedModel, config: DecodingConfig, steps: list[beam.BeamStep]) -> beam.BeamTrace:
