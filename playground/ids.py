@@ -28,6 +28,8 @@ PRESENT_NEXT = "present-next"
 PRESENT_EXIT = "present-exit"
 LESSONS_PRESENT = "lessons-present"  # the Lessons tab's presenter toggle (Exit unticks it)
 LESSONS_RUN = "lessons-run"  # the Lessons tab's Run and check (the presenter's Run presses it)
+LESSONS_OPEN = "lessons-open"  # the Lessons tab's Open in its view (held while a link's lesson loads)
+PRESENT_RUN = "present-run"  # the presenter's Run the lesson (held too)
 
 # The other views' prompts and run buttons (Ctrl/Cmd+Enter, a lesson's "Open in its view")
 CMP_PROMPT = "cmp-prompt"
@@ -38,6 +40,8 @@ SPEC_PROMPT = "spec-prompt"
 SPEC_GENERATE = "spec-generate"
 QUANT_PROMPT = "quant-prompt"
 QUANT_MEASURE = "quant-measure"
+KV_MEASURE = "kv-measure"  # the KV cache section's run button (a lesson's Open presses it)
+KV_SECTION = "kv-section"  # the KV cache section's heading (Open scrolls it into view: page_js.RUN_LANDINGS)
 
 # Every id above by its name (the ``__ID_<NAME>__`` placeholders).
 IDS: dict[str, str] = {name: value for name, value in dict(globals()).items()

@@ -5,6 +5,18 @@
   // The element ``selector`` names inside element ``id`` (an id from playground/ids.py).
   const inside = (id, selector) => document.querySelector('#' + id + ' ' + selector);
   const visible = el => el && el.offsetParent !== null;
+  // A lesson link (?lesson=...): the page is built with the first lesson in the Lessons tab, and the
+  // link's lesson comes with the page's load event (views/lessons.py on_query; its answer removes
+  // this class). Until then no lesson's text shows (page.css) and Open, Run and the presenter's Run
+  // ignore clicks and keys, so the only lesson shown or run is the link's.
+  if (new URLSearchParams(window.location.search).has(__LESSON_PARAM__)) {
+    document.documentElement.classList.add('dp-lesson-pending');
+    document.addEventListener('click', e => {
+      if (!document.documentElement.classList.contains('dp-lesson-pending')) return;
+      const held = [__ID_LESSONS_OPEN__, __ID_LESSONS_RUN__, __ID_PRESENT_RUN__].map(id => '#' + id).join(', ');
+      if (e.target.closest && e.target.closest(held)) { e.preventDefault(); e.stopImmediatePropagation(); }
+    }, true);
+  }
   document.addEventListener('keydown', e => {
     const t = e.target;
     if ((e.ctrlKey || e.metaKey) && e.key === 'Enter' && t.tagName === 'TEXTAREA') {

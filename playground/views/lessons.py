@@ -30,7 +30,7 @@ from engine.control import RunControl
 from engine.drift import DriftReport, KVReport
 from engine.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.speculative import rounds_of
-from engine.trace import Trace
+from engine.trace import StepTrace, Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
 from playground.charts import quantization as quant_charts
@@ -39,7 +39,8 @@ from playground.charts.tokens import render as readable
 
 from ..events import data_api, stop_button
 from ..assets import static_text
-from ..page_js import OPEN_RUN_JS, RUN_BUTTONS
+from .. import ids
+from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS, RUN_BUTTONS
 from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, is_remote, status_html
 from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
@@ -49,7 +50,6 @@ from .stale import cleared
 from .step import StepView
 from ..whatif_service import KeptLogits, Registered, register
 
-LESSON_PARAM = "lesson"
 TOKEN_PREFIX = "l1."
 MAX_TOKEN_CHARS = 6_000
 MAX_LESSON_BYTES = 32_768
@@ -128,6 +128,11 @@ class LessonSession(Registered):
         """The trace the presenter's what-if redraws: the shown run."""
         return self.shown_trace()
 
+    def lesson_step(self) -> int | None:
+        """The step of the shown run the lesson's chart shows (``lessons.selected_step``), if any."""
+        trace = self.shown_trace()
+        return None if trace is None else engine_lessons.selected_step(trace, self.lesson.select_step)
+
 
 def outcome_html(outcome: Outcome) -> str:
     mark, cls = ("✓", "dp-status") if outcome.ok else ("✗ not shown on this run:", "dp-error")
@@ -143,12 +148,16 @@ def runs_html(lesson: Lesson, traces: Sequence[Trace]) -> str:
 NEUTRAL_PANELS = ("raw", "final")
 
 
-def shown_run(traces: Sequence[Trace], select: str | int) -> int:
-    """The run whose chart shows the stage the lesson teaches: a contrastive run (its scores are the
-    lesson), else the one with the most stages at its selected step that not every run has
-    (temperature in a temperature lesson, the penalty in a penalties lesson, top-k in a truncation
-    lesson), else the first with a draw (sampling), else the first. A stage every run shares
-    (min_new_tokens on both lanes) teaches nothing."""
+def shown_run(traces: Sequence[Trace], select: str | int, taught: int | None = None) -> int:
+    """The run whose chart shows the stage the lesson teaches: ``taught``, the run its check is
+    about (``lessons.taught_run``: the truncation lesson's top-p lane), where that run has stage
+    panels; else a contrastive run (its scores are the lesson), else the one with the most stages at
+    its selected step that not every run has (temperature in a temperature lesson, the penalty in a
+    penalties lesson), else the first with a draw (sampling), else the first. A stage every run
+    shares (min_new_tokens on both lanes) teaches nothing."""
+    if taught is not None and 0 <= taught < len(traces) and traces[taught].steps and traces[taught].steps[0].stages:
+        return taught
+
     def names(trace: Trace) -> set[str]:
         if not trace.steps:
             return set()
@@ -192,24 +201,53 @@ def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
     rounds, contrastive search's scores, or the step's stage panels, legible as in Compare's
     inspector (``legible_stage_chart``: T = 5's flat temperature panel on its own scale, the chosen
     token's p written where the trace records it). None: nothing to draw yet (a Quantization & KV
-    cache lesson draws its check's report, ``report_chart``)."""
+    cache lesson draws its check's report, ``report_chart``). Each fits a projector's first screen
+    (``first_screen``) but the beam tree, whose nodes need their room (its top row, the winner's
+    path, is on the first screen, and it pans)."""
     if trace.beam is not None:
         return beam_charts.tree_figure(trace.beam)
     if trace.rounds:
-        return spec_charts.accepted_length_figure(rounds_of(trace))
+        return first_screen(spec_charts.accepted_length_figure(rounds_of(trace)))
     if trace.strategy == "contrastive_search":
-        return contrastive_figure(trace, at)
+        figure = contrastive_figure(trace, at)
+        return None if figure is None else first_screen(figure)
     if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
         return None
-    return compare_charts.legible_stage_chart(trace.steps[at])
+    return lesson_stage_chart(trace.steps[at])
+
+
+# A one-row stage chart's height and bottom margin (x ticks and legend): its title, panel titles,
+# 10-12 bars and legend fit a projector's first screen (1280x720) below the page's header.
+LESSON_ROW_PX, LESSON_TOP_PX, LESSON_BOTTOM_PX = 370, 100, 45
+LESSON_TITLE_PX = 18  # the title's top anchor below the chart's top: its first line is not clipped
+
+
+def first_screen(fig: go.Figure) -> go.Figure:
+    """``fig`` at most LESSON_ROW_PX tall: below the page's header on a projector's first screen."""
+    if fig.layout.height is None or fig.layout.height > LESSON_ROW_PX:
+        fig.update_layout(height=LESSON_ROW_PX)
+    return fig
+
+
+def lesson_stage_chart(step: StepTrace) -> go.Figure:
+    """Step ``step``'s ``legible_stage_chart``, up to four panels in one row (the panels a lesson
+    compares side by side, and short enough for a projector's first screen below the page header)."""
+    panels = len(step.stages) + (1 if step.draw is not None else 0)
+    fig = compare_charts.legible_stage_chart(step, columns=min(4, panels))
+    if panels <= 4:
+        # (the title's place is kept in pixels from the top: the figure set it for its own height)
+        fig.update_layout(height=LESSON_ROW_PX, margin_t=LESSON_TOP_PX, margin_b=LESSON_BOTTOM_PX,
+                          title_y=1 - LESSON_TITLE_PX / LESSON_ROW_PX)
+        fig.update_yaxes(tickmode="linear", dtick=1)  # every bar keeps its token label (~17 px a row)
+    return fig
 
 
 def report_chart(outcome: Outcome) -> go.Figure | None:
     """The check's own measurement, where it made one: drift (KL per step) or the KV cache report."""
     if isinstance(outcome.report, DriftReport):
-        return quant_charts.kl_figure(outcome.report)
+        return first_screen(quant_charts.kl_figure(outcome.report))
     if isinstance(outcome.report, KVReport):
-        return quant_charts.kv_figure(outcome.report)
+        return first_screen(quant_charts.kv_figure(outcome.report))
     return None
 
 
@@ -257,10 +295,10 @@ class LessonsTab:
         yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: "", self.texts: "",
                self.chart: None, self.presenter.chart: None, self.presenter.text: ""}
         lm = self.shared.lm(model, quant)
-        ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
-        traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=ids, control=control)
-                  for p in lesson.runs]
-        shown = shown_run(traces, lesson.select_step)
+        prompt_ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
+        traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=prompt_ids,
+                                  control=control) for p in lesson.runs]
+        shown = shown_run(traces, lesson.select_step, engine_lessons.taught_run(lesson))
         session = LessonSession(lesson, traces, shown=shown)
         trace = traces[shown]
         at = engine_lessons.selected_step(trace, lesson.select_step)
@@ -268,8 +306,8 @@ class LessonsTab:
         updates = {self.texts: runs_html(lesson, traces), self.session: session,
                    self.presenter.key: session.whatif_key, self.chart: run_chart(lesson, trace, at),
                    self.status: status_html(f"step {at} of {which} selected; checking the claim…")}
-        if session.shown_trace() is not None:
-            updates |= self.presenter.show(trace, at, False)
+        if session.shown_trace() is not None:  # the presenter starts at the run's first token; Next walks on
+            updates |= self.presenter.show(trace, 0, False, lesson_step=at)
         else:
             updates |= {self.presenter.text: NO_PRESENTER_STEPS, self.presenter.chart: None, self.presenter.index: 0}
         yield updates
@@ -332,7 +370,8 @@ class LessonsTab:
         if self.stop_btn is not None:
             stop_button(self.stop_btn, self.status, [run], status_html("stopped"))
         self.presenter.wire(lambda s: s.shown_trace() if isinstance(s, LessonSession) else None, self.session,
-                            self.shared.model, self.shared.quantization)
+                            self.shared.model, self.shared.quantization,
+                            step_of=lambda s: s.lesson_step() if isinstance(s, LessonSession) else None)
         data_api(list_lessons, "lessons")
 
     def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None,
@@ -345,8 +384,12 @@ class LessonsTab:
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
         link_io = ([self.pick, self.session, self.custom, self.base_url], [self.link, self.presenter.qr, self.status])
         # The link and QR code follow the lesson the page opened with (a shared one has no pasted text).
-        demo.load(self.on_query, None, [self.session, self.pick, self.steps, self.present, self.status],
-                  api_visibility="private").then(self.on_link, *link_io, api_visibility="private", queue=False)
+        # Not queued: a link's lesson replaces the first one as soon as the page is up; until then
+        # page.js hides the lessons' text and holds Open and Run (LESSON_READY_JS ends the hold).
+        query = demo.load(self.on_query, None, [self.session, self.pick, self.steps, self.present, self.status],
+                          api_visibility="private", queue=False)
+        query.then(None, js=LESSON_READY_JS, api_visibility="private", queue=False)
+        query.then(self.on_link, *link_io, api_visibility="private", queue=False)
         handles = {v.name: v for v in views if isinstance(v, PanelView)}
         targets = [tabs, self.status, self.open_run]
         for view in handles.values():
@@ -438,17 +481,18 @@ def build_tab(shared: Shared) -> LessonsTab:
     """The Lessons tab: pick, read, run and check a lesson; the presenter view lives here too."""
     lessons = engine_lessons.builtin_lessons()
     first = next(iter(lessons.values()))
-    gr.Markdown("Short guided tours of one decoding idea each. Pick a lesson, read its steps, press **Run and check** "
-                "(or **Open in its view** to explore it there).", elem_id="lessons-intro")
+    # The intro heads the left column, so the right one (the chart) starts at the tab's top.
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
+            gr.Markdown("Short guided tours of one decoding idea each. Pick a lesson, read its steps, press **Run and "
+                        "check** (or **Open in its view** to explore it there).", elem_id="lessons-intro")
             pick = gr.Dropdown([(l.title, l.id) for l in lessons.values()], value=first.id, label="Lesson",
                                elem_id="lessons-pick")
             # The buttons sit above the steps, so Run and check is on the first screen whatever the lesson's length.
             with gr.Row():
-                run_btn = gr.Button("Run and check", variant="primary", elem_id="lessons-run", min_width=120)
+                run_btn = gr.Button("Run and check", variant="primary", elem_id=ids.LESSONS_RUN, min_width=120)
                 stop_btn = gr.Button("Stop", elem_id="lessons-stop", min_width=70, scale=0)
-                open_btn = gr.Button("Open in its view", elem_id="lessons-open", min_width=120)
+                open_btn = gr.Button("Open in its view", elem_id=ids.LESSONS_OPEN, min_width=120)
             status = gr.HTML("", elem_id="lessons-status")
             steps = gr.HTML(steps_html(first), elem_id="lessons-steps")
             present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id="lessons-present")
@@ -460,9 +504,11 @@ def build_tab(shared: Shared) -> LessonsTab:
             open_run = gr.Textbox(visible=False, elem_id="lessons-open-run")
         with gr.Column(scale=2, min_width=300):
             presenter = PresenterPanel.build()
+            # The chart first, with no label above it (its title says what it shows): on a
+            # projector's first screen (1280x720) whatever the length of the runs' texts.
+            chart = gr.Plot(label="What the lesson shows", show_label=False, elem_id="lessons-chart")
             outcome = gr.HTML("", elem_id="lessons-outcome")
             texts = gr.HTML(elem_id="lessons-texts")
-            chart = gr.Plot(label="What the lesson shows", elem_id="lessons-chart")
     tab = LessonsTab(shared, pick, steps, open_btn, run_btn, status, outcome, texts, chart, custom, load_btn, link,
                      present, base_url, presenter, gr.State(None), open_run, stop_btn)
     tab.wire()
