@@ -28,6 +28,9 @@ PRESENT_NEXT = "present-next"
 PRESENT_EXIT = "present-exit"
 LESSONS_PRESENT = "lessons-present"  # the Lessons tab's presenter toggle (Exit unticks it)
 LESSONS_RUN = "lessons-run"  # the Lessons tab's Run and check (the presenter's Run presses it)
+LESSONS_CHART = "lessons-chart"  # what the lesson shows (laid out for the page width)
+LESSONS_WIDTH = "lessons-width"  # hidden: the page width the script writes
+LESSONS_REDRAW = "lessons-redraw"  # hidden: pressed when the chart was laid out for another width
 LESSONS_OPEN = "lessons-open"  # the Lessons tab's Open in its view (held while a link's lesson loads)
 PRESENT_RUN = "present-run"  # the presenter's Run the lesson (held too)
 

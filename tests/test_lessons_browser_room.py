@@ -202,3 +202,26 @@ def test_lessons_buttons_fit_a_phone(browser, live_app):
             box = page.locator(selector).bounding_box()
             assert box["x"] >= 0 and box["x"] + box["width"] <= 390 + 1, (selector, box)
         assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth + 1")
+
+
+@pytest.mark.slow
+def test_the_lessons_chart_follows_the_page_width(room_page, live_app):
+    """Issue #35: the lesson chart is one row on a projector's first screen; narrowed to a phone the
+    page asks for it again, one panel a row within the page width, no chart text over another."""
+    from test_screenshots_browser import phone_problems
+
+    page = room_page
+    open_lesson(page, live_app, "truncation", builtin_lessons()["truncation"].title)
+    page.click("#lessons-run")
+    page.wait_for_selector("#lessons-status:has-text('done')", timeout=300_000)
+    meta = "() => document.querySelector('#lessons-chart .js-plotly-plot')?.layout?.meta || {}"
+    page.wait_for_function(f"() => ({meta})().columns === 4")
+    assert_chart_on_the_first_screen(page, "truncation")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_function(f"() => ({meta})().phone === true && ({meta})().columns === 1", timeout=60_000)
+    page.wait_for_timeout(400)
+    chart = page.locator("#lessons-chart .js-plotly-plot").bounding_box()
+    assert chart["x"] >= 0 and chart["x"] + chart["width"] <= 390 + 1, chart
+    assert [p for p in phone_problems(page, "lessons") if "lessons-chart" in p] == []
+    page.set_viewport_size({"width": 1280, "height": 720})  # back on the projector: one row again
+    page.wait_for_function(f"() => ({meta})().columns === 4", timeout=60_000)

@@ -40,7 +40,7 @@
       if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
     }
   }, true);
-  // Presenter and Step through: the page width goes into a hidden width box (its change redraws the
+  // Presenter, Step through and Lessons: the page width goes into a hidden width box (its change redraws the
   // chart for that width); a chart laid out for the other width (e.g. the lesson's run draws it wide)
   // is redrawn once, by the hidden redraw button.
   const setValue = (box, value) => {
@@ -65,6 +65,7 @@
   const presentWidth = () => {
     fitWidth(__ID_PRESENT_WIDTH__, __ID_PRESENT_CHART__, __ID_PRESENT_REDRAW__);
     fitWidth(__ID_STEP_WIDTH__, __ID_STEP_CHART__, __ID_STEP_REDRAW__);
+    fitWidth(__ID_LESSONS_WIDTH__, __ID_LESSONS_CHART__, __ID_LESSONS_REDRAW__);
   };
   window.addEventListener('resize', presentWidth);
   // Step through's selected step: its token is outlined (the step box holds the selected index).

@@ -35,13 +35,14 @@ from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
+from playground.charts.step import NARROW_PX, PHONE_GAP_PX, PHONE_PX
 from playground.charts.tokens import render as readable
 
 from ..events import data_api, stop_button
 from ..assets import static_text
 from .. import ids
 from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS, RUN_BUTTONS
-from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, is_remote, status_html
+from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, is_remote, page_width, status_html
 from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
@@ -128,6 +129,15 @@ class LessonSession(Registered):
         """The trace the presenter's what-if redraws: the shown run."""
         return self.shown_trace()
 
+    def chart(self, width: float | None = None) -> go.Figure | None:
+        """What the tab's chart shows once the lesson ran: the check's report where it made one,
+        else the shown run's chart at the lesson's step (``run_chart``), for a page ``width`` px wide."""
+        report = report_chart(self.outcome) if self.outcome is not None else None
+        if report is not None or not self.traces:
+            return report
+        trace = self.traces[self.shown]
+        return run_chart(self.lesson, trace, engine_lessons.selected_step(trace, self.lesson.select_step), width)
+
     def lesson_step(self) -> int | None:
         """The step of the shown run the lesson's chart shows (``lessons.selected_step``), if any."""
         trace = self.shown_trace()
@@ -196,14 +206,14 @@ def contrastive_figure(trace: Trace, at: int) -> go.Figure | None:
     return fig
 
 
-def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
+def run_chart(lesson: Lesson, trace: Trace, at: int, width: float | None = None) -> go.Figure | None:
     """The chart of what the lesson teaches, from its shown run: the beam tree, the speculative
     rounds, contrastive search's scores, or the step's stage panels, legible as in Compare's
     inspector (``legible_stage_chart``: T = 5's flat temperature panel on its own scale, the chosen
-    token's p written where the trace records it). None: nothing to draw yet (a Quantization & KV
-    cache lesson draws its check's report, ``report_chart``). Each fits a projector's first screen
-    (``first_screen``) but the beam tree, whose nodes need their room (its top row, the winner's
-    path, is on the first screen, and it pans)."""
+    token's p written where the trace records it), laid out for a page ``width`` px wide (None:
+    not known, wide). None: nothing to draw yet (a Quantization & KV cache lesson draws its check's
+    report, ``report_chart``). Each fits a projector's first screen (``first_screen``) but the beam
+    tree, whose nodes need their room (its top row, the winner's path, is on the first screen, and it pans)."""
     if trace.beam is not None:
         return beam_charts.tree_figure(trace.beam)
     if trace.rounds:
@@ -213,7 +223,7 @@ def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
         return None if figure is None else first_screen(figure)
     if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
         return None
-    return lesson_stage_chart(trace.steps[at])
+    return lesson_stage_chart(trace.steps[at], width)
 
 
 # A one-row stage chart's height and bottom margin (x ticks and legend): its title, panel titles,
@@ -229,12 +239,18 @@ def first_screen(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def lesson_stage_chart(step: StepTrace) -> go.Figure:
-    """Step ``step``'s ``legible_stage_chart``, up to four panels in one row (the panels a lesson
-    compares side by side, and short enough for a projector's first screen below the page header)."""
+def lesson_stage_chart(step: StepTrace, width: float | None = None) -> go.Figure:
+    """Step ``step``'s ``legible_stage_chart`` for a page ``width`` px wide (None: not known, wide):
+    up to four panels in one row on a wide page (the panels a lesson compares side by side, short
+    enough for a projector's first screen below the page's header); as Step through's chart below
+    NARROW_PX, two a row, and one a row on a phone. ``layout.meta`` says which layout it is, so the
+    page asks for the other one after a resize (page_js)."""
     panels = len(step.stages) + (1 if step.draw is not None else 0)
-    fig = compare_charts.legible_stage_chart(step, columns=min(4, panels))
-    if panels <= 4:
+    narrow, phone = width is not None and width < NARROW_PX, width is not None and width < PHONE_PX
+    columns = 1 if phone else min(2 if narrow else 4, panels)
+    meta = {"narrow": narrow, "phone": phone, "columns": columns}
+    fig = compare_charts.legible_stage_chart(step, columns=columns, gap_px=PHONE_GAP_PX if phone else None, meta=meta)
+    if not narrow and panels <= 4:
         # (the title's place is kept in pixels from the top: the figure set it for its own height)
         fig.update_layout(height=LESSON_ROW_PX, margin_t=LESSON_TOP_PX, margin_b=LESSON_BOTTOM_PX,
                           title_y=1 - LESSON_TITLE_PX / LESSON_ROW_PX)
@@ -282,14 +298,18 @@ class LessonsTab:
     session: gr.State = None
     open_run: gr.Textbox = None  # hidden: the run button "Open in its view" presses ("" none)
     stop_btn: gr.Button = None
+    width: gr.Number = None  # hidden: the page width (px) the page's script writes (the chart's layout)
+    redraw: gr.Button = None  # hidden: pressed by the page's script when the chart was laid out for another width
 
     def current(self, session: LessonSession | None, choice: str) -> Lesson:
         if session is not None and (choice == session.lesson.id or choice is None):
             return session.lesson
         return lesson_from_token(choice or "")
 
-    def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, *,
+    def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, width: Any = None, *,
                control: RunControl) -> Iterator[dict]:
+        """Run the lesson's runs, draw its chart (for a page ``width`` px wide) and the presenter's
+        first step, then run its check."""
         lesson = self.current(session, choice)
         # The previous lesson's chart and texts go at once: a Stop or an error must not leave them as this run's.
         yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: "", self.texts: "",
@@ -304,7 +324,7 @@ class LessonsTab:
         at = engine_lessons.selected_step(trace, lesson.select_step)
         which = f"the run {lesson.runs[shown].name!r}" if len(traces) > 1 else "the run"
         updates = {self.texts: runs_html(lesson, traces), self.session: session,
-                   self.presenter.key: session.whatif_key, self.chart: run_chart(lesson, trace, at),
+                   self.presenter.key: session.whatif_key, self.chart: session.chart(page_width(width)),
                    self.status: status_html(f"step {at} of {which} selected; checking the claim…")}
         if session.shown_trace() is not None:  # the presenter starts at the run's first token; Next walks on
             updates |= self.presenter.show(trace, 0, False, lesson_step=at)
@@ -321,6 +341,13 @@ class LessonsTab:
         done = {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
         report = report_chart(session.outcome)
         yield done | ({self.chart: report} if report is not None else {})
+
+    def on_width(self, session: LessonSession | None, width: Any) -> dict:
+        """The page crossed a layout width (or the chart was laid out for another one): the lesson's
+        chart again, for this width."""
+        if not isinstance(session, LessonSession) or not session.traces:
+            return {self.chart: gr.skip()}
+        return {self.chart: session.chart(page_width(width))}
 
     # --- wiring -----------------------------------------------------------------------------------
     def on_pick(self, choice: str, session: LessonSession | None) -> dict:
@@ -365,8 +392,9 @@ class LessonsTab:
         outputs = [self.status, self.outcome, self.texts, self.chart, self.session, self.presenter.text,
                    self.presenter.chart, self.presenter.index, self.presenter.temperature, self.presenter.key]
         run = self.shared.events.on([self.run_btn.click], self.on_run,
-                                     [self.pick, self.session, self.shared.model, self.shared.quantization], outputs,
-                                     on_error=cleared(self.status, outputs), what="lesson")
+                                     [self.pick, self.session, self.shared.model, self.shared.quantization, self.width],
+                                     outputs, on_error=cleared(self.status, outputs), what="lesson")
+        gr.on([self.width.change, self.redraw.click], self.on_width, [self.session, self.width], [self.chart], **local)
         if self.stop_btn is not None:
             stop_button(self.stop_btn, self.status, [run], status_html("stopped"))
         self.presenter.wire(lambda s: s.shown_trace() if isinstance(s, LessonSession) else None, self.session,
@@ -506,10 +534,12 @@ def build_tab(shared: Shared) -> LessonsTab:
             presenter = PresenterPanel.build()
             # The chart first, with no label above it (its title says what it shows): on a
             # projector's first screen (1280x720) whatever the length of the runs' texts.
-            chart = gr.Plot(label="What the lesson shows", show_label=False, elem_id="lessons-chart")
+            chart = gr.Plot(label="What the lesson shows", show_label=False, elem_id=ids.LESSONS_CHART)
+            width = gr.Number(None, show_label=False, elem_id=ids.LESSONS_WIDTH, elem_classes=["dp-hidden"])
+            redraw = gr.Button("redraw", elem_id=ids.LESSONS_REDRAW, elem_classes=["dp-hidden"])
             outcome = gr.HTML("", elem_id="lessons-outcome")
             texts = gr.HTML(elem_id="lessons-texts")
     tab = LessonsTab(shared, pick, steps, open_btn, run_btn, status, outcome, texts, chart, custom, load_btn, link,
-                     present, base_url, presenter, gr.State(None), open_run, stop_btn)
+                     present, base_url, presenter, gr.State(None), open_run, stop_btn, width, redraw)
     tab.wire()
     return tab
