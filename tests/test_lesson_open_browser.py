@@ -157,6 +157,7 @@ SLOW_LOAD_JS = """(() => {
 })()"""
 
 
+PENDING = "() => document.documentElement.classList.contains('dp-lesson-pending')"
 # A person pressing ``selector`` from the first paint, every frame, as fast as a page can: a mouse
 # click where the button is drawn (what is under the pointer gets it) and the button's own click
 # (Enter on it focused), until ``stop`` (a selector) is shown. ``window.dpEarly`` counts the presses
@@ -224,5 +225,27 @@ def test_run_and_check_pressed_early_runs_the_links_lesson(browser, live_app):
         assert "T 0.8, top-k 20" in page.locator("#lessons-texts").inner_text()
         assert page.locator("#lessons-steps h3").inner_text() == LESSON["title"]
         assert early >= 3, early  # pressed (and held) while the link's lesson was on its way
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("token", ["no-such-lesson", "l1.$$$damaged", "<img src=x onerror=alert(1)>", "l1." + "A" * 7000])
+def test_a_bad_lesson_link_ends_the_wait_with_one_line(browser, live_app, token):
+    """A link whose lesson cannot be opened (unknown, damaged, markup, too long) ends the page's wait
+    for it: the one-line reason shows, the lessons' text comes back and Open works again."""
+    from urllib.parse import quote
+
+    context = browser.new_context(viewport={"width": 1280, "height": 720})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        page.goto(f"{live_app}/?lesson={quote(token)}")
+        page.wait_for_selector("#lessons-status .dp-error:has-text('This lesson link could not be opened')",
+                               timeout=120_000)
+        page.wait_for_function(f"() => !({PENDING})()")
+        assert page.locator("#lessons-steps h3").is_visible()
+        assert page.locator("#lessons-status img").count() == 0  # the markup is text
+        page.click("#lessons-open")
+        page.wait_for_selector("[role=tab][aria-selected=true]:not(:has-text('Lessons'))")
     finally:
         context.close()
