@@ -186,6 +186,28 @@ def whatif_explain(original: StepTrace, changed: StepTrace, knobs: dict, config:
             + charts.explain_step(changed, pick=whatif_pick(original, changed, is_greedy(knobs, config))))
 
 
+def stage_axis_spans(fig: Any, panels: int) -> list[tuple[float, float] | None]:
+    """The probability axis of each of the first ``panels`` panels (x, x2, x3...: the stage panels;
+    the draw's panel follows them) as the figure sets it: its range, or None where plotly picks
+    the range itself from that panel's bars (autorange)."""
+    spans = []
+    for i in range(panels):
+        axis = fig.layout[f"xaxis{i + 1 if i else ''}"]
+        rng = axis.range if axis is not None else None
+        spans.append((float(rng[0]), float(rng[1])) if rng is not None and axis.autorange in (None, False) else None)
+    return spans
+
+
+def axis_note(fig: Any, panels: int) -> str:
+    """What the probability axes of ``fig``'s ``panels`` stage panels are, read from the figure:
+    one shared axis (every panel set to the same range, named) or each panel on its own scale."""
+    spans = stage_axis_spans(fig, panels)
+    if spans and all(s is not None and s == spans[0] for s in spans):
+        low, high = spans[0]
+        return f"one probability axis for all stages, {'0' if low == 0 else pct(low)} to {pct(high)}"
+    return "each panel on its own scale"  # the words of the run's own chart (charts.step.stage_chart)
+
+
 def whatif_figure(chart: Callable, trace: Trace, at: int, changed: StepTrace, knobs: dict, width: float | None) -> Any:
     """``chart(changed, width)`` titled with what the what-if would choose and what the run chose
     (the run's own knobs: the run's own step and title), stamped with its step (the page draws it
@@ -197,7 +219,7 @@ def whatif_figure(chart: Callable, trace: Trace, at: int, changed: StepTrace, kn
         fig = chart(changed, width)
         fig.layout.title.text = (f"step {at}: what if, {whatif_headline(changed, is_greedy(knobs, trace.config))}"
                                  f"<br><sup>the run chose {html.escape(charts.readable(original.chosen_token))} "
-                                 f"(p = {pct(original.chosen_prob)}) · one probability axis for all stages</sup>")
+                                 f"(p = {pct(original.chosen_prob)}) · {axis_note(fig, len(changed.stages))}</sup>")
     fig.layout.meta = {**fig.layout.meta, "step": at}
     return fig
 

@@ -135,7 +135,7 @@ def test_presenter_at_desktop_and_phone_width(browser, live_app):
     context = browser.new_context(viewport=DESKTOP)
     page = context.new_page()
     page.set_default_timeout(60_000)
-    page.goto(f"{live_app}/?lesson=truncation&present=1")  # its first run: top-k 40, sampled (4 panels)
+    page.goto(f"{live_app}/?lesson=truncation&present=1")  # its top-p lane, sampled (4 panels), from step 0
     page.click("#present-run")
     page.wait_for_selector("#present-text .dp-present-label:has-text('Step ')", timeout=RUN_TIMEOUT)
     page.wait_for_selector("#present-chart .gtitle")

@@ -252,6 +252,16 @@ def selected_step(trace: Trace, select: str | int) -> int:
     return pick(range(len(trace.steps)), key=key)
 
 
+def taught_run(lesson: Lesson) -> int | None:
+    """The run whose chart shows what the lesson's check is about, where the check names one: a
+    truncation_shapes check's top-p lane (its few tokens at the peaked step, its many at the flat
+    one: the adaptive rule the lesson teaches); None for every other check (the view picks)."""
+    check = lesson.check or {}
+    if check.get("kind") == "truncation_shapes":
+        return check.get("lanes", {}).get("top_p", 1)  # validated by _lanes: a run index
+    return None
+
+
 def evaluate(lm: LoadedModel, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None) -> Outcome:
     """Run the lesson's check over its traces."""
     if lesson.check is None:
@@ -418,4 +428,4 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
 }
 
 __all__ = ["NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "builtin_lessons", "evaluate", "parse_lesson", "parse_lesson_json",
-           "run_lesson", "selected_step"]
+           "run_lesson", "selected_step", "taught_run"]

@@ -5,6 +5,18 @@
   // The element ``selector`` names inside element ``id`` (an id from playground/ids.py).
   const inside = (id, selector) => document.querySelector('#' + id + ' ' + selector);
   const visible = el => el && el.offsetParent !== null;
+  // A lesson link (?lesson=...): the page is built with the first lesson in the Lessons tab, and the
+  // link's lesson comes with the page's load event (views/lessons.py on_query; its answer removes
+  // this class). Until then no lesson's text shows (page.css) and Open, Run and the presenter's Run
+  // ignore clicks and keys, so the only lesson shown or run is the link's.
+  if (new URLSearchParams(window.location.search).has(__LESSON_PARAM__)) {
+    document.documentElement.classList.add('dp-lesson-pending');
+    document.addEventListener('click', e => {
+      if (!document.documentElement.classList.contains('dp-lesson-pending')) return;
+      const held = [__ID_LESSONS_OPEN__, __ID_LESSONS_RUN__, __ID_PRESENT_RUN__].map(id => '#' + id).join(', ');
+      if (e.target.closest && e.target.closest(held)) { e.preventDefault(); e.stopImmediatePropagation(); }
+    }, true);
+  }
   document.addEventListener('keydown', e => {
     const t = e.target;
     if ((e.ctrlKey || e.metaKey) && e.key === 'Enter' && t.tagName === 'TEXTAREA') {
@@ -28,7 +40,7 @@
       if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
     }
   }, true);
-  // Presenter and Step through: the page width goes into a hidden width box (its change redraws the
+  // Presenter, Step through and Lessons: the page width goes into a hidden width box (its change redraws the
   // chart for that width); a chart laid out for the other width (e.g. the lesson's run draws it wide)
   // is redrawn once, by the hidden redraw button.
   const setValue = (box, value) => {
@@ -53,6 +65,7 @@
   const presentWidth = () => {
     fitWidth(__ID_PRESENT_WIDTH__, __ID_PRESENT_CHART__, __ID_PRESENT_REDRAW__);
     fitWidth(__ID_STEP_WIDTH__, __ID_STEP_CHART__, __ID_STEP_REDRAW__);
+    fitWidth(__ID_LESSONS_WIDTH__, __ID_LESSONS_CHART__, __ID_LESSONS_REDRAW__);
   };
   window.addEventListener('resize', presentWidth);
   // Step through's selected step: its token is outlined (the step box holds the selected index).

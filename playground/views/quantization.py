@@ -26,7 +26,7 @@ from playground.charts import memory as memory_charts
 from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as charts
 
-from .. import downloads
+from .. import downloads, ids
 from ..events import data_api, stop_button
 from ..shared import OutputSet, Shared, UserError, error_html, refuse_remote, status_html
 from .stale import cleared
@@ -129,7 +129,7 @@ class QuantPage:
         low, high, _ = KV_TOKENS if kv else DRIFT_TOKENS
         budget = min(max(int(max_new_tokens), low), high)
         updates = {self.prompt: prompt, self.chat: chat, (self.kv_tokens if kv else self.tokens): budget}
-        return updates, {"kv": "kv-measure", "methods": "methods-measure"}.get(section, "quant-measure")
+        return updates, {"kv": ids.KV_MEASURE, "methods": ids.METHODS_MEASURE}.get(section, ids.QUANT_MEASURE)
 
 
 def build_tab(shared: Shared) -> QuantPage:
@@ -180,12 +180,12 @@ class QuantInputs:
 
 def _kv_section() -> dict[str, Any]:
     gr.Markdown("### KV cache\nGreedy decoding of the header's model with the KV cache (one new position per forward) "
-                "against recomputing the whole sequence at every step, and the cache's size.")
+                "against recomputing the whole sequence at every step, and the cache's size.", elem_id=ids.KV_SECTION)
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             low, high, default = KV_TOKENS
             tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens", elem_id="kv-tokens")
-            run = gr.Button("Measure KV cache", variant="primary", elem_id="kv-measure")
+            run = gr.Button("Measure KV cache", variant="primary", elem_id=ids.KV_MEASURE)
             status = gr.HTML("", elem_id="kv-status")
         with gr.Column(scale=2, min_width=480):
             summary = gr.HTML(elem_id="kv-summary")
@@ -456,12 +456,12 @@ def _whole(value: Any) -> Any:
 
 def _methods_section(shared: Shared) -> list[tuple[Any, Any]]:
     """The 4-bit methods' comparison and the inside-one-layer section, with their API endpoints."""
-    gr.Markdown(METHODS_INTRO, elem_id="methods-intro")
+    gr.Markdown(METHODS_INTRO, elem_id=ids.METHODS_SECTION)
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             picked = gr.CheckboxGroup(list(QUANTIZATIONS[1:]), value=list(quant_report.COMPARED[1:]),
                                       label="Variants (fp32 is always the reference)", elem_id="methods-variants")
-            run = gr.Button("Compare methods", variant="primary", elem_id="methods-measure")
+            run = gr.Button("Compare methods", variant="primary", elem_id=ids.METHODS_MEASURE)
             status = gr.HTML("", elem_id="methods-status")
         with gr.Column(scale=2, min_width=480):
             sentence = gr.HTML(elem_id="methods-sentence")
