@@ -201,7 +201,7 @@ def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
         return contrastive_figure(trace, at)
     if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
         return None
-    return compare_charts.legible_stage_chart(trace.steps[at])
+    return compare_charts.legible_stage_chart(trace.steps[at], source=compare_charts.source_of(trace, at))
 
 
 def report_chart(outcome: Outcome) -> go.Figure | None:

@@ -193,8 +193,9 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
     }
     if full:
         step = trace.steps[sel]
-        explain = "\n\n".join(filter(None, [charts.explain_step(step), charts.tail_note(trace, sel)]))
-        chart = charts.fitted_stage_chart(step, width, charts.step_tail(trace, sel))
+        source = charts.source_of(trace, sel)
+        explain = "\n\n".join(filter(None, [charts.explain_step(step, source=source), charts.tail_note(trace, sel)]))
+        chart = charts.fitted_stage_chart(step, width, source)
         updates |= {out.explain: explain, out.chart: revised(chart),
                     out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
                     out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
@@ -528,7 +529,7 @@ class Handlers:
                 return {out.chart: gr.skip()}  # an empty dict would read as the chart's value
             at = max(0, min(int(index or 0), len(trace.steps) - 1))
             return {out.chart: revised(charts.fitted_stage_chart(trace.steps[at], page_width(width),
-                                                                 charts.step_tail(trace, at)))}
+                                                                 charts.source_of(trace, at)))}
 
         mine, width = [out.session, out.owner], self.view.width
         out.text.select(on_select, [*mine, self.colour_by, width], out.all(), **local)
