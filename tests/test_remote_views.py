@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from engine.models import ModelLoadError, ModelPolicy
+from engine.numbers import percent
 from tests.test_continue_compare import Page, branch
 from tests.test_remote_llamacpp import server_test
 
@@ -149,9 +150,10 @@ def test_step_through_on_a_remote_model_generates_branches_and_continues(served,
     page.set("step-index", 2)
     page.fire("redraw", "step-text")
     tail = remote["tail_mass"][2]
-    assert f"held {1 - tail:.2%} of the raw probability here; the other {tail:.2%}" in page.shown("step-explain")
+    assert f"Outside the server's top 100 lay {percent(tail)} of the raw probability here (the tail)" in \
+        page.shown("step-explain")
     chart = page.shown("step-chart")
-    assert f"server's top 100; tail {tail:.1%} not drawn" in (chart if isinstance(chart, str) else chart.to_json())
+    assert f"server's top 100; tail {percent(tail)} not drawn" in (chart if isinstance(chart, str) else chart.to_json())
     assert [s.name for s in original.steps[2].stages][0] == "raw" and original.steps[2].stages[-1].name == "final"
     last = len(original.steps) - 1
     k = {"first": 0, "middle": last // 2, "last": last}[where]

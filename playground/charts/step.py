@@ -459,8 +459,8 @@ def tail_note(trace: Trace, index: int) -> str:
     tail = step_tail(trace, index)
     if tail is None:
         return ""
-    return (f"The server's top {tail[0]} held {percent(1 - tail[1])} of the raw probability here; the other "
-            f"{percent(tail[1])} (the tail) is outside every chart, and no token there could be picked.")
+    return (f"Outside the server's top {tail[0]} lay {percent(tail[1])} of the raw probability here (the tail): "
+            "it is outside every chart, and no token there could be picked.")
 
 
 def alternatives(step: StepTrace, limit: int = 10) -> list[tuple[str, int]]:
