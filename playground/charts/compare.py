@@ -17,7 +17,7 @@ from engine.trace import StepTrace, Trace
 
 from . import glossary
 from .explain import LOCAL, Source, source_of  # noqa: F401 (the Lessons view's chart reads it here)
-from .step import FONT, readable, stage_chart, stop_text, token_highlights
+from .step import FONT, PHONE_GAP_PX, panel_rows, readable, stage_chart, stop_text, token_highlights
 
 LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c")  # each >= 4.5:1 on white
 METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
@@ -274,7 +274,41 @@ def legible_stage_chart(step: StepTrace, source: Source = LOCAL, **layout: Any) 
     return fig
 
 
-inspect_chart = legible_stage_chart  # the stage chart of one lane's step in Compare's inspector
+PHONE_LAYOUT_PX = 560  # a chart box narrower than this (a phone's 390 px page) shows the phone layout
+PHONE_BAR_PX = 24  # px a bar in the phone layout: every token label fits, one per bar
+
+
+def with_phone_layout(wide: go.Figure, phone: go.Figure) -> go.Figure:
+    """``wide`` carrying ``phone``'s layout for a box narrower than PHONE_LAYOUT_PX: the page's
+    script (static/page.js, ``fitLayouts``) swaps the one its box's width needs, so a view that
+    does not know the page's width (the Lessons tab, Compare's inspector) still lays a chart out
+    for a phone. ``layout.meta``: ``layouts`` (both, without their template) and ``shown``."""
+    def bare(fig: go.Figure) -> dict:
+        layout = fig.to_plotly_json()["layout"]
+        layout.pop("template", None)
+        layout.pop("meta", None)
+        return layout
+
+    layouts = {"below": PHONE_LAYOUT_PX, "phone": bare(phone), "wide": bare(wide)}
+    wide.layout.meta = {**(wide.layout.meta or {}), "shown": "wide", "layouts": layouts}
+    return wide
+
+
+def responsive_stage_chart(step: StepTrace, source: Source = LOCAL) -> go.Figure:
+    """``legible_stage_chart`` of a step, three panels a row, with a phone layout (one panel a row,
+    PHONE_BAR_PX a bar, every bar labelled, titles on full-width lines): Compare's inspector and
+    the Lessons tab draw steps with it."""
+    bars = max(panel_rows(step), default=1)
+    phone = legible_stage_chart(step, source, columns=1, gap_px=PHONE_GAP_PX, panel_px=max(160, bars * PHONE_BAR_PX))
+    phone.update_yaxes(tickmode="linear", dtick=1)  # plotly would label every other bar of a crowded panel
+    phone.update_layout(margin=dict(l=4, r=12, t=110, b=70))
+    wide = legible_stage_chart(step, source)
+    for fig in (wide, phone):  # turned 90°, "0.05%" reaches into the next panel's title; plotly keeps the
+        fig.update_xaxes(tickangle=0)  # angle it chose for one layout in the other, so neither may turn
+    return with_phone_layout(wide, phone)
+
+
+inspect_chart = responsive_stage_chart  # the stage chart of one lane's step in Compare's inspector
 
 
 DIVERGE_MARK = "⟶ lanes differ from here:"

@@ -50,9 +50,25 @@
       document.getElementById(redrawId)?.click();
     }
   };
+  // A chart that carries a phone layout (layout.meta.layouts: playground/charts/compare.py's
+  // with_phone_layout; the Lessons tab's and Compare's inspector's, whose views do not know the
+  // page width) gets the layout its box's width needs, swapped in place (no request).
+  const fitLayouts = () => {
+    if (!window.Plotly) return;
+    document.querySelectorAll('.js-plotly-plot').forEach(plot => {
+      const meta = plot.layout && plot.layout.meta;
+      const layouts = meta && meta.layouts;
+      const width = plot.getBoundingClientRect().width;
+      if (!layouts || !width) return;  // a hidden tab's chart has no width yet
+      const want = width < layouts.below ? 'phone' : 'wide';
+      if (meta.shown === want) return;
+      window.Plotly.react(plot, plot.data, {...layouts[want], template: plot.layout.template, meta: {...meta, shown: want}});
+    });
+  };
   const presentWidth = () => {
     fitWidth(__ID_PRESENT_WIDTH__, __ID_PRESENT_CHART__, __ID_PRESENT_REDRAW__);
     fitWidth(__ID_STEP_WIDTH__, __ID_STEP_CHART__, __ID_STEP_REDRAW__);
+    fitLayouts();
   };
   window.addEventListener('resize', presentWidth);
   // Step through's selected step: its token is outlined (the step box holds the selected index).

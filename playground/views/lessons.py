@@ -190,8 +190,8 @@ def contrastive_figure(trace: Trace, at: int) -> go.Figure | None:
 def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
     """The chart of what the lesson teaches, from its shown run: the beam tree, the speculative
     rounds, contrastive search's scores, or the step's stage panels, legible as in Compare's
-    inspector (``legible_stage_chart``: T = 5's flat temperature panel on its own scale, the chosen
-    token's p written where the trace records it). None: nothing to draw yet (a Quantization & KV
+    inspector (``responsive_stage_chart``: T = 5's flat temperature panel on its own scale, the chosen
+    token's p written where the trace records it, a phone layout for a narrow box). None: nothing to draw yet (a Quantization & KV
     cache lesson draws its check's report, ``report_chart``)."""
     if trace.beam is not None:
         return beam_charts.tree_figure(trace.beam)
@@ -201,7 +201,7 @@ def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
         return contrastive_figure(trace, at)
     if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
         return None
-    return compare_charts.legible_stage_chart(trace.steps[at], source=compare_charts.source_of(trace, at))
+    return compare_charts.responsive_stage_chart(trace.steps[at], compare_charts.source_of(trace, at))
 
 
 def report_chart(outcome: Outcome) -> go.Figure | None:
