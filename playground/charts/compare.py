@@ -18,13 +18,17 @@ from engine.trace import StepTrace, Trace
 from . import glossary
 from .explain import LOCAL, Source, source_of  # noqa: F401 (the Lessons view's chart reads it here)
 from .step import FONT, PHONE_GAP_PX, panel_rows, readable, stage_chart, stop_text, token_highlights
+from .tables import column_widths
 
 LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c")  # each >= 4.5:1 on white
 METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
                   "rep-4", "first token (ms)", "tokens/s", "stop"]
-# Shares of the table's width: each column holds its longest word (header or cell: "perplexity",
-# "contrastive", "max_new_tokens") whole at 1280 px, so headers wrap at spaces only, never mid-word.
-METRIC_COLUMN_WIDTHS = ["7%", "12%", "7%", "11%", "9%", "9%", "9%", "6%", "8%", "8%", "14%"]
+# The widest cell each column can hold ("contrastive", "no_tokens_left", a 6-digit perplexity): the
+# column widths hold them and the headers' words whole (1,093 px: the table fits 1280 px, and scrolls
+# sideways in a phone's 390 px, saying so), so nothing wraps mid-word.
+METRIC_WIDEST = ["Lane 6", "contrastive search", "1024", "-12.345", "123456.78", "0.123", "0.123", "0.123", "12345",
+                 "123.4", "no_tokens_left"]
+METRIC_COLUMN_WIDTHS = column_widths(METRIC_HEADERS, [METRIC_WIDEST])
 SWEEP_HEADERS = ["seed", "tokens", "mean log-prob (raw)", "text"]
 
 

@@ -65,10 +65,21 @@
       window.Plotly.react(plot, plot.data, {...layouts[want], template: plot.layout.template, meta: {...meta, shown: want}});
     });
   };
+  // A table wider than its box scrolls sideways inside it (app.css says so above it and shades the
+  // right edge while more columns lie beyond it).
+  const flag = (el, name, on) => { if (el.hasAttribute(name) !== on) el.toggleAttribute(name, on); };
+  const markTables = () => document.querySelectorAll('.table-wrap').forEach(wrap => {
+    const view = wrap.querySelector('.virtual-table-viewport');
+    if (!view || !view.clientWidth) return;
+    flag(wrap, 'data-dp-scrolls', view.scrollWidth > view.clientWidth + 1);
+    flag(wrap, 'data-dp-end', view.scrollLeft + view.clientWidth >= view.scrollWidth - 1);
+  });
+  document.addEventListener('scroll', markTables, true);
   const presentWidth = () => {
     fitWidth(__ID_PRESENT_WIDTH__, __ID_PRESENT_CHART__, __ID_PRESENT_REDRAW__);
     fitWidth(__ID_STEP_WIDTH__, __ID_STEP_CHART__, __ID_STEP_REDRAW__);
     fitLayouts();
+    markTables();
   };
   window.addEventListener('resize', presentWidth);
   // Step through's selected step: its token is outlined (the step box holds the selected index).
