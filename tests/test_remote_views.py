@@ -324,7 +324,7 @@ def test_the_what_if_on_a_remote_step_is_step_mode_over_the_server_s_top_n(serve
     note = shown(page, "step-whatif-note")
     assert page.shown("step-whatif-figure") and "temperature = 1.6" in note, text_of(answer)
     tail = trace.extra["remote"]["tail_mass"][k]
-    assert f"Over the server's top 100 at this step, as the run was (the tail, {tail:.1%}, left out)." in note, note
+    assert f"Over the server's top 100 at this step, as the run was (the tail, {percent(tail)}, left out)." in note, note
     assert Trace.from_json(trace.to_json()).generated_token_ids == trace.generated_token_ids
 
 
@@ -396,7 +396,7 @@ def test_speculative_runs_on_a_remote_target_round_by_round(served):
         assert explain and "Traceback" not in explain, explain
         assert page.shown("spec-position") == f"{index}:0" and page.shown("spec-pq") is not None
     counters = shown(page, "spec-counters")  # the counters show the run's rate and the speed-up vs the server alone
-    assert f">{summary['acceptance_rate']:.0%}<" in counters and f">{summary['speedup']:.2f}×<" in counters, counters
+    assert f">{percent(summary['acceptance_rate'])}<" in counters and f">{summary['speedup']:.2f}×<" in counters, counters
 
 
 @server_test

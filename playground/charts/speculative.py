@@ -337,9 +337,11 @@ def accepted_length_figure(rounds: Sequence[SpecRound]) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Bar(x=xs, y=[r.num_accepted for r in rounds], name="accepted drafts", marker_color=KINDS["accepted"][0],
                          hovertemplate="round %{x}: %{y} accepted<extra></extra>"))
-    extra_colour = [KINDS["bonus" if r.bonus is not None else "resampled"][0] for r in rounds]
-    fig.add_trace(go.Bar(x=xs, y=[1 if r.extra is not None else 0 for r in rounds], name="target token (resampled / bonus)",
-                         marker_color=extra_colour, hovertemplate="round %{x}: +1 from the target<extra></extra>"))
+    for kind in ("resampled", "bonus"):  # one trace (and legend entry) per colour drawn
+        colour, _, label = KINDS[kind]
+        fig.add_trace(go.Bar(x=xs, y=[1 if r.extra is not None and (r.bonus is not None) == (kind == "bonus") else 0
+                                      for r in rounds], name=label, marker_color=colour,
+                             hovertemplate="round %{x}: +1 from the target (" + kind + ")<extra></extra>"))
     fig.add_trace(go.Scatter(x=xs, y=[len(r.drafted) for r in rounds], mode="markers", name="drafted",
                              marker=dict(symbol="line-ew-open", size=14, color="#333", line=dict(width=2)),
                              hovertemplate="round %{x}: %{y} drafted<extra></extra>"))
