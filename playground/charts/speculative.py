@@ -154,7 +154,7 @@ def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = 
     note = f'<div style="color:#555;font-size:{FONT}px">{hidden} earlier rounds not shown</div>' if hidden else ""
     special = special_drafts_note(rounds, drafter)
     if special:
-        note += f'<div class="spec-special-note" style="color:#333;font-size:{FONT}px">ⓘ {html.escape(special)}</div>'
+        note += f'<div class="spec-special-note" style="color:#333;font-size:{FONT}px">ℹ {html.escape(special)}</div>'
     rows = "".join(round_chips(r, selected) for r in shown)
     return f'<div class="spec-rounds">{legend_html()}{note}{rows}</div>'
 
