@@ -253,3 +253,53 @@ def test_compare_s_inspector_chart_fits_a_phone_and_a_projector(browser, live_ap
                                  for p in chart_text_problems(page, "#cmp-inspect-chart", width)]
             page.locator("#cmp-inspect-chart").screenshot(path=str(artifacts / f"layout-compare-inspect-{width}.png"))
         assert problems == []
+
+
+# The beam tree's box: its scroll state, the hint over it, and where the winning path ends on screen.
+TREE_BOX_JS = """() => {
+  const block = document.querySelector('#beam-tree');
+  const views = [...block.querySelectorAll('[data-testid=plotly], [data-testid=plotly] .plot-container')];
+  const view = views.find(v => v.scrollWidth > v.clientWidth + 1) || views[0];  // a phone scrolls the inner one
+  const plot = view.closest('.js-plotly-plot') || view.querySelector('.js-plotly-plot');  // Gradio's box is the plot
+  const path = plot.data.findIndex(t => t.name === 'winning path');
+  const traces = plot.querySelectorAll('.scatterlayer .trace');
+  const points = [...traces[path].querySelectorAll('.point')].map(p => p.getBoundingClientRect());
+  const end = points.reduce((a, b) => (b.left > a.left ? b : a));
+  const box = view.getBoundingClientRect();
+  return {scroll: view.scrollLeft, wide: view.scrollWidth > view.clientWidth + 1, flagged: block.hasAttribute('data-dp-scrolls'),
+          hint: getComputedStyle(block, '::before').content, end: block.hasAttribute('data-dp-end'),
+          winner: [end.left, end.right], box: [box.left, box.right]};
+}"""
+
+
+SCROLL_TREE_JS = """(to) => {
+  const views = [...document.querySelectorAll('#beam-tree [data-testid=plotly], #beam-tree [data-testid=plotly] .plot-container')];
+  const view = views.find(v => v.scrollWidth > v.clientWidth + 1);
+  view.scrollLeft = to === 'end' ? view.scrollWidth : 0;
+}"""
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["phone", "projector"])
+def test_a_wide_beam_tree_says_it_scrolls_and_opens_at_the_winner_s_end(browser, live_app, artifacts, size):
+    """The default 64-step search is ~3,800 px wide: its box says it scrolls sideways, opens scrolled
+    to where the winning path ends (the finished hypotheses), and the shade goes at the far end."""
+    for page in browser_page(browser, *size, timeout_ms=300_000):
+        page.goto(live_app)
+        page.wait_for_selector("#lessons-pick")
+        if size[0] < 600:  # a phone folds the tabs into a menu, whose items are plain buttons
+            page.click("button[aria-label='More tabs']")
+            page.locator("button:not([role=tab]):not([tabindex='-1']):visible", has_text="Beam search").first.click()
+        else:
+            open_tab(page, "Beam search")
+        page.wait_for_selector("#beam-tree .js-plotly-plot .textpoint")  # the example search
+        page.wait_for_function("() => document.querySelector('#beam-tree')?.hasAttribute('data-dp-scrolls')")
+        page.wait_for_timeout(500)
+        seen = page.evaluate(TREE_BOX_JS)
+        page.locator("#beam-tree").screenshot(path=str(artifacts / f"layout-beam-scroll-{size[0]}.png"))
+        assert seen["wide"] and seen["flagged"] and "scroll sideways" in seen["hint"], seen
+        assert seen["scroll"] > 0 and seen["box"][0] <= seen["winner"][0] and seen["winner"][1] <= seen["box"][1], seen
+        page.evaluate(SCROLL_TREE_JS, "end")
+        page.wait_for_function("() => document.querySelector('#beam-tree').hasAttribute('data-dp-end')")
+        page.evaluate(SCROLL_TREE_JS, "start")
+        page.wait_for_timeout(600)  # a person's scrolling stays: the tree is not pulled back to the winner
+        assert page.evaluate(TREE_BOX_JS)["scroll"] == 0

@@ -205,6 +205,9 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
         xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee", "tickfont": {"size": FONT}},
         **_frame(nodes),
     )
+    box, end = frame(nodes), max(path, key=lambda n: n.step, default=None)
+    if end is not None and box.width > FIT_WIDTH:  # its box scrolls: the page shows the path's end first
+        fig.update_layout(meta={"scroll_to": round(MARGIN["l"] + box.px(end.step, end.y)[0])})
     return fig
 
 
