@@ -39,6 +39,7 @@ CMP_PROMPT = "cmp-prompt"
 CMP_RUN = "cmp-run"
 BEAM_PROMPT = "beam-prompt"
 BEAM_RUN = "beam-run"
+BEAM_TREE = "beam-tree"  # the search tree: its box scrolls sideways to the winner's end (page.js)
 SPEC_PROMPT = "spec-prompt"
 SPEC_GENERATE = "spec-generate"
 QUANT_PROMPT = "quant-prompt"

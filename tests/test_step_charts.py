@@ -100,7 +100,7 @@ def test_token_highlights_scores():
 
 def test_explain_step_names_stage_effects_and_draw():
     text = charts.explain_step(make_step())
-    assert "Top-k 2 kept 2 tokens covering 80.0% of the mass" in text
+    assert "Top-k 2 kept 2 tokens and removed 20.0% of the mass" in text  # the panel's subtitle says −20.0%
     assert "u = 0.700 fell in “␣a”" in text and "[0.625, 1.000)" in text
     # one line per stage from stage_notes, the same words the stage's own note gives
     from playground.charts.stage_notes import stage_note

@@ -19,6 +19,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from engine.strategies.beam import BeamHypothesis, BeamTrace
+from engine.numbers import decimal
 
 from . import glossary
 from .step import FONT, readable
@@ -94,7 +95,7 @@ def _slot_maps(beam: BeamTrace) -> list[dict[int, int]]:
 def _hover(step: int, c, length_penalty: float) -> str:
     finish = f"<br>finished by {c.finish_reason}" if c.finish_reason else ""
     return (f"step {step} · <b>{html.escape(readable(c.token))}</b> (id {c.token_id})<br>"
-            f"log-prob {c.logprob:.3f} (p={math.exp(max(c.logprob, -700)):.3f})<br>"
+            f"log-prob {c.logprob:.3f} (p={decimal(math.exp(max(c.logprob, -700)))})<br>"
             f"cumulative {c.score:.3f}<br>normalised {c.normalized_score:.3f} (÷ {step + 1}^{length_penalty:g})<br>"
             f"{c.status}, from beam {c.parent}{finish}")
 
@@ -204,6 +205,9 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
         xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee", "tickfont": {"size": FONT}},
         **_frame(nodes),
     )
+    box, end = frame(nodes), max(path, key=lambda n: n.step, default=None)
+    if end is not None and box.width > FIT_WIDTH:  # its box scrolls: the page shows the path's end first
+        fig.update_layout(meta={"scroll_to": round(MARGIN["l"] + box.px(end.step, end.y)[0])})
     return fig
 
 

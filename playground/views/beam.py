@@ -24,7 +24,7 @@ from engine.trace import Trace
 from playground.charts import beam as charts
 from playground.charts.remote import remote_markdown
 
-from .. import downloads, examples
+from .. import downloads, examples, ids
 from ..events import stop_button
 from ..knobs import PENALTY_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
@@ -171,7 +171,7 @@ def build_tab(shared: Shared) -> PanelView:
         with gr.Column(scale=2, min_width=480):
             collapse = gr.Checkbox(True, label="Collapse pruned candidates into one marker per beam",
                                    elem_id="beam-collapse")
-            tree = gr.Plot(label="Search tree: drag to pan, box or scroll to zoom, hover a node", elem_id="beam-tree")
+            tree = gr.Plot(label="Search tree: drag to pan, box or scroll to zoom, hover a node", elem_id=ids.BEAM_TREE)
             summary = gr.Markdown(EMPTY_SUMMARY, elem_id="beam-summary")
             slider = gr.Slider(lp.low, lp.high, value=lp.neutral, step=lp.step, label="Re-rank with length penalty",
                                info="score = sum log-prob / length ^ penalty; > 0 favours longer hypotheses",

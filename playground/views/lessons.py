@@ -37,7 +37,8 @@ from playground.charts import compare as compare_charts
 from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
-from playground.charts.step import NARROW_PX, PHONE_GAP_PX, PHONE_PX
+from playground.charts.explain import LOCAL, Source
+from playground.charts.step import NARROW_PX, PHONE_GAP_PX, PHONE_PX, panel_rows
 from playground.charts.tokens import render as readable
 
 from ..events import data_api, stop_button
@@ -212,7 +213,8 @@ def run_chart(lesson: Lesson, trace: Trace, at: int, width: float | None = None)
     """The chart of what the lesson teaches, from its shown run: the beam tree, the speculative
     rounds, contrastive search's scores, or the step's stage panels, legible as in Compare's
     inspector (``legible_stage_chart``: T = 5's flat temperature panel on its own scale, the chosen
-    token's p written where the trace records it), laid out for a page ``width`` px wide (None:
+    token's p written where the trace records it, the served model's numbers as its mode has them:
+    ``source_of``), laid out for a page ``width`` px wide (None:
     not known, wide). None: nothing to draw yet (a Quantization & KV cache lesson draws its check's
     report, ``report_chart``). Each fits a projector's first screen (``first_screen``) but the beam
     tree, whose nodes need their room (its top row, the winner's path, is on the first screen, and it pans)."""
@@ -225,7 +227,7 @@ def run_chart(lesson: Lesson, trace: Trace, at: int, width: float | None = None)
         return None if figure is None else first_screen(figure)
     if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
         return None
-    return lesson_stage_chart(trace.steps[at], width)
+    return lesson_stage_chart(trace.steps[at], width, compare_charts.source_of(trace, at))
 
 
 # A one-row stage chart's height and bottom margin (x ticks and legend): its title, panel titles,
@@ -241,22 +243,27 @@ def first_screen(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def lesson_stage_chart(step: StepTrace, width: float | None = None) -> go.Figure:
+def lesson_stage_chart(step: StepTrace, width: float | None = None, source: Source = LOCAL) -> go.Figure:
     """Step ``step``'s ``legible_stage_chart`` for a page ``width`` px wide (None: not known, wide):
     up to four panels in one row on a wide page (the panels a lesson compares side by side, short
     enough for a projector's first screen below the page's header); as Step through's chart below
     NARROW_PX, two a row, and one a row on a phone. ``layout.meta`` says which layout it is, so the
-    page asks for the other one after a resize (page_js)."""
+    page asks for the other one after a resize (page_js). ``source``: see ``legible_stage_chart``."""
     panels = len(step.stages) + (1 if step.draw is not None else 0)
     narrow, phone = width is not None and width < NARROW_PX, width is not None and width < PHONE_PX
     columns = 1 if phone else min(2 if narrow else 4, panels)
     meta = {"narrow": narrow, "phone": phone, "columns": columns}
-    fig = compare_charts.legible_stage_chart(step, columns=columns, gap_px=PHONE_GAP_PX if phone else None, meta=meta)
+    # A phone's panels get PHONE_BAR_PX a bar, so every token label fits (compare_charts' phone layout).
+    panel_px = max(160, max(panel_rows(step), default=1) * compare_charts.PHONE_BAR_PX) if phone else 260
+    fig = compare_charts.legible_stage_chart(step, source, columns=columns, gap_px=PHONE_GAP_PX if phone else None,
+                                             meta=meta, panel_px=panel_px)
+    fig.update_xaxes(tickangle=0)  # turned 90°, "0.05%" reaches into the next panel's title
+    if phone or (not narrow and panels <= 4):
+        fig.update_yaxes(tickmode="linear", dtick=1)  # every bar keeps its token label (plotly skips every other)
     if not narrow and panels <= 4:
         # (the title's place is kept in pixels from the top: the figure set it for its own height)
         fig.update_layout(height=LESSON_ROW_PX, margin_t=LESSON_TOP_PX, margin_b=LESSON_BOTTOM_PX,
                           title_y=1 - LESSON_TITLE_PX / LESSON_ROW_PX)
-        fig.update_yaxes(tickmode="linear", dtick=1)  # every bar keeps its token label (~17 px a row)
     return fig
 
 

@@ -20,9 +20,11 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from engine.config import KNOBS
+from engine.numbers import percent
 from engine.trace import Trace
 from playground import ids, qr
 from playground.charts import step as charts
+from playground.charts.explain import source_of
 from playground.charts.presenter import step_chart  # the what-if service draws the slider's chart with it too
 from playground.charts.step import revised
 
@@ -43,7 +45,7 @@ RUN_JS = static_text("presenter_run.js")
 
 def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.Figure:
     """Step ``index``'s stage chart at projector size (``step_chart``)."""
-    return step_chart(trace.steps[index], width)
+    return step_chart(trace.steps[index], width, source_of(trace, index))
 
 
 def temperature_slider() -> gr.Slider:
@@ -70,7 +72,7 @@ def context_html(trace: Trace, index: int, hidden: bool, lesson_step: int | None
     before = html.escape("".join(s.chosen_token for s in trace.steps[:index]))
     step = trace.steps[index]
     token = "?" if hidden else html.escape(charts.readable(step.chosen_token))
-    prob = "" if hidden else f' <small>p = {step.chosen_prob:.1%}</small>'
+    prob = "" if hidden else f' <small>p = {percent(step.chosen_prob)}</small>'
     label = "Guess the next token, then press Reveal." if hidden else f"Step {index} of {len(trace.steps) - 1}"
     if lesson_step is not None and not hidden:
         label += " · the lesson's step" if lesson_step == index else f" · the lesson's step is {lesson_step}"

@@ -199,7 +199,7 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
     } | no_whatif
     if full:
         step = trace.steps[sel]
-        chart = charts.fitted_stage_chart(step, width, charts.step_tail(trace, sel))
+        chart = charts.fitted_stage_chart(step, width, charts.source_of(trace, sel))
         updates |= {out.explain: own_explain(trace, sel), out.chart: revised(chart),
                     out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
                     out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
@@ -209,7 +209,8 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
 
 def own_explain(trace: Trace, at: int) -> str:
     """The explanation of step ``at`` as the run made it (no what-if)."""
-    return "\n\n".join(filter(None, [charts.explain_step(trace.steps[at]), charts.tail_note(trace, at)]))
+    explain = charts.explain_step(trace.steps[at], source=charts.source_of(trace, at))
+    return "\n\n".join(filter(None, [explain, charts.tail_note(trace, at)]))
 
 
 def shared_prefix(a: Trace, b: Trace) -> int:
@@ -541,7 +542,7 @@ class Handlers:
             if trace is None or not trace.steps:
                 return {out.chart: gr.skip()}  # an empty dict would read as the chart's value
             at = max(0, min(int(index or 0), len(trace.steps) - 1))
-            chart = charts.fitted_stage_chart(trace.steps[at], page_width(width), charts.step_tail(trace, at))
+            chart = charts.fitted_stage_chart(trace.steps[at], page_width(width), charts.source_of(trace, at))
             return {out.chart: revised(chart), out.explain: own_explain(trace, at), out.whatif_note: WHATIF_INTRO,
                     out.whatif_figure: ""}
 

@@ -110,7 +110,8 @@ def render_inspect(page: Page, session: CompareSession | None, lane: str | None,
     index = max(0, min(int(step or 0), last))
     chosen = trace.steps[index]
     if chosen.stages:
-        explain, figure = step_charts.explain_step(chosen), charts.inspect_chart(chosen)
+        source = step_charts.source_of(trace, index)
+        explain, figure = step_charts.explain_step(chosen, source=source), charts.inspect_chart(chosen, source=source)
     else:
         explain, figure = f"{trace.strategy} keeps no per-stage record of its tokens; see its own tab.", None
     records = contrastive.records(trace) if trace.strategy in contrastive.STRATEGIES else []
