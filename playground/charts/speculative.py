@@ -18,6 +18,7 @@ from engine.numbers import decimal, percent
 from engine.trace import TokenProb
 
 from . import glossary
+from .step import tick_format
 from .tokens import is_special, render_html
 from .tokens import render as readable
 
@@ -320,7 +321,8 @@ def residual_figure(r: SpecRound, pos: int) -> go.Figure | None:
 def _bars_layout(fig: go.Figure, title: str, n: int) -> go.Figure:
     """Shared look: 14 px text, the title wrapped onto short lines, the legend below the bars."""
     fig.update_yaxes(autorange="reversed", automargin=True, tickfont=dict(size=FONT))
-    fig.update_xaxes(rangemode="tozero", tickformat=".0%", tickfont=dict(size=FONT))
+    top = max((x for bar in fig.data for x in (bar.x or []) if isinstance(x, (int, float))), default=1.0)
+    fig.update_xaxes(rangemode="tozero", tickformat=tick_format(top), tickfont=dict(size=FONT))  # 0.2%: not "0%, 0%"
     wrapped = "<br>".join(textwrap.wrap(title, 44, break_long_words=False))  # fits 390 px at 16 px
     lines = wrapped.count("<br>") + 1
     fig.update_layout(title=dict(text=wrapped, x=0.01, font=dict(size=FONT + 2)), barmode="group", template="plotly_white",

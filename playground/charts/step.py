@@ -214,6 +214,14 @@ def _grid(rows: int, cols: int, vertical_spacing: float,
     return json.dumps(axes), tuple((a["x"], a["y"]) for a in layout["annotations"])
 
 
+def tick_format(top: float) -> str:
+    """A probability axis's tick format for an axis from 0 to ``top``: whole percent from 5% up,
+    else the decimals its ticks need (a 0-0.2% axis read "0%, 0%, 0%")."""
+    if not 0 < top < 0.05:
+        return ".0%"
+    return f".{min(4, max(1, 1 - math.floor(math.log10(top * 100))))}%"
+
+
 def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
     """The largest probability any stage panel shows (the shared axis runs 0 to a bit above it;
     an unknown p, NaN, shows no bar)."""
@@ -268,7 +276,7 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     if shared_axis:
         top = _shared_range(panels, step)
         for i in range(len(panels)):
-            layout[f"xaxis{suffix[i]}"]["range"] = [0, top]
+            layout[f"xaxis{suffix[i]}"].update(range=[0, top], tickformat=tick_format(top))
     axis_note = "one probability axis for all stages" if shared_axis else "each panel on its own scale"
     layout.update(
         annotations=annotations, height=height, margin=dict(l=10, r=10, t=110, b=70), bargap=0.25, barmode="overlay",
