@@ -108,6 +108,13 @@ VIEWS = (
 )
 
 
+# Every shown chart that says which layout it has (layout.meta: "phone" from the server's layouts
+# by page width, "shown" from the page's own swap) has its phone layout.
+PHONE_LAID_OUT_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.getClientRects().length)
+  .every(p => { const m = (p.layout && p.layout.meta) || {};
+                return (m.phone === undefined || m.phone === true) && (m.shown === undefined || m.shown === 'phone'); })"""
+
+
 def phone_problems(page, name: str) -> list[str]:
     """What is wrong at the current (phone) width: a sideways page scroll, overlapping chart texts."""
     width = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
@@ -136,6 +143,7 @@ def test_every_view_at_desktop_and_phone_width(browser, live_app):
             run(page)
         shoot(page, anchor, DOCS / f"{name}.png")
         page.set_viewport_size(PHONE)  # the same page and results, relaid out
+        page.wait_for_function(PHONE_LAID_OUT_JS)  # a chart the server lays out for the width: redrawn
         shoot(page, phone_anchor, DOCS / f"{name}-phone.png")  # first, so a failure can be looked at
         problems += phone_problems(page, name)
     context.close()

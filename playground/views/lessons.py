@@ -252,7 +252,8 @@ def lesson_stage_chart(step: StepTrace, width: float | None = None, source: Sour
     panels = len(step.stages) + (1 if step.draw is not None else 0)
     narrow, phone = width is not None and width < NARROW_PX, width is not None and width < PHONE_PX
     columns = 1 if phone else min(2 if narrow else 4, panels)
-    meta = {"narrow": narrow, "phone": phone, "columns": columns}
+    # ("shown": which layout, named as compare_charts.with_phone_layout names its own)
+    meta = {"narrow": narrow, "phone": phone, "columns": columns, "shown": "phone" if phone else "wide"}
     # A phone's panels get PHONE_BAR_PX a bar, so every token label fits (compare_charts' phone layout).
     panel_px = max(160, max(panel_rows(step), default=1) * compare_charts.PHONE_BAR_PX) if phone else 260
     fig = compare_charts.legible_stage_chart(step, source, columns=columns, gap_px=PHONE_GAP_PX if phone else None,
