@@ -45,7 +45,7 @@ from ..events import data_api, stop_button
 from ..assets import static_text
 from .. import ids
 from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS, RUN_BUTTONS
-from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, is_remote, page_width, status_html
+from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, page_width, status_html
 from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
@@ -344,8 +344,8 @@ class LessonsTab:
             updates |= {self.presenter.text: NO_PRESENTER_STEPS, self.presenter.chart: None, self.presenter.index: 0}
         yield updates
         kind = (lesson.check or {}).get("kind")
-        if is_remote(lm) and kind in engine_lessons.NEEDS_MODEL:
-            yield {self.status: status_html(f"done; lesson check: not available for a remote model "
+        if lm.capabilities.served and kind in engine_lessons.NEEDS_MODEL:
+            yield {self.status: status_html(f"done; lesson check: not available for a served model "
                                             f"({engine_lessons.NEEDS_MODEL[kind]})")}
             return
         registry = CheckedRegistry(self.shared.registry, self.shared.policy)

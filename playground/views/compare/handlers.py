@@ -18,7 +18,7 @@ from playground.charts import step as step_charts
 
 from ...events import stop_button
 from ...knobs import compact_knob_state
-from ...shared import Shared, UserError, error_html, is_remote, status_html
+from ...shared import Shared, UserError, error_html, status_html
 from ...user_presets import CUSTOM, preset_choices
 from ..stale import cleared
 from .lanes import (
@@ -213,7 +213,7 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
     models = lane_models(shared, list(zip(names, picks)), model, quant, prompt, chat)
     session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens,
                              [c.max_new_tokens for c in configs], [RUNNING] * count,
-                             served=[served_words(m.lm.name, m.lm.mode) if is_remote(m.lm) else "" for m in models])
+                             served=[served_words(m.lm.name, m.lm.mode) if m.lm.capabilities.served else "" for m in models])
     raw = kind == RAW_ENTROPY
     note = status_html(f"running {count} lanes at once…")
     # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).
