@@ -126,6 +126,8 @@ def shoot(page, anchor: str, path: Path) -> None:
     """The viewport with ``anchor`` (the view's result) scrolled to its top."""
     page.wait_for_timeout(400)  # plotly relays out on the resize / tab switch
     page.evaluate("(sel) => document.querySelector(sel)?.scrollIntoView({block: 'start'})", anchor)
+    page.mouse.move(0, 0)  # a pointer left over a chart shows plotly's hover toolbar on its title
+    page.wait_for_timeout(200)
     page.screenshot(path=str(path))
 
 

@@ -192,3 +192,21 @@ def test_fast_mode_what_if_is_cleared_by_the_next_run(served, where):  # noqa: F
     page.set("step-index", step_at(trace, where))
     page.fire("redraw", "step-text")
     assert_no_whatif(page, trace, step_at(trace, where))
+
+
+@pytest.mark.parametrize("name", ["on_select", "redraw", "on_pick_run"])
+def test_a_token_clicked_on_a_page_without_its_run_changes_nothing_and_raises_nothing(demo, name):
+    """A click that reaches the server before (or without) the page's own run, or from another
+    page's owner: no update, in a shape Gradio accepts (it refuses an empty dict: 'didn't return
+    enough output values', seen in the screenshot test)."""
+    dep = Page(demo).event(name, "step-text")
+    args = {"on_select": (None, "o" * 32, "probability", None, _Select()),
+            "redraw": (None, "o" * 32, 0, "probability", None),
+            "on_pick_run": (None, "o" * 32, 0, "probability", None)}[name]
+    update = dep.fn(*args)
+    assert update and set(update) <= set(dep.outputs), update
+    assert all(value == {"__type__": "update"} for value in update.values())  # gr.skip(): nothing changes
+
+
+class _Select:
+    index = 1

@@ -524,12 +524,13 @@ class Handlers:
 
         def redraw(state: StepSession | None, owner: str, index: Any, colour: str, width: Any) -> dict:
             state = own(state, owner)
-            return {} if state is None else render(out, state, index, colour, width=page_width(width))
+            # (an empty dict would read as one value for all the outputs: Gradio refuses it)
+            return {out.chart: gr.skip()} if state is None else render(out, state, index, colour, width=page_width(width))
 
         def on_pick_run(state: StepSession | None, owner: str, index: Any, colour: str, width: Any) -> dict:
             state = own(state, owner)
             if state is None or index is None or not 0 <= int(index) < len(state.runs):
-                return {}
+                return {out.chart: gr.skip()}
             state.current = int(index)
             return render(out, state, state.trace().branch_of or 0, colour, width=page_width(width))
 
