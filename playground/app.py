@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from engine.backends.local import EMBEDDED
 from engine.backends.registry import ModelRegistry, model_policy
@@ -12,7 +13,7 @@ from . import downloads, events, examples, page_js, share_links, whatif_service
 from .assets import static_text
 from .events import ModelEvents
 from .shared import PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state, wire_model_check
-from .views import beam, compare, lessons, presets, quantization, search, speculative, step
+from .views import beam, compare, lessons, presets, quantization, search, serving, speculative, step
 from .whatif_service import WhatIfService
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
@@ -24,6 +25,7 @@ VIEWS = (
     ("Speculative", speculative, "speculative"),
     ("Search & heads", search, "search"),
     ("Quantization & KV cache", quantization, "quantization"),
+    ("Serving", serving, "serving"),
     ("Presets", presets, "presets"),
 )
 DEFAULT_QUEUE_SIZE = 64
@@ -76,5 +78,9 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
 
 
 def launch_kwargs() -> dict:
+    """``demo.launch``'s arguments; ``max_threads``: Gradio's worker pool holds both model-slot
+    pools (``events.thread_budget``), so runs stuck on a served model never starve local ones."""
     return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD,
-            "state_session_capacity": events.session_capacity(), "app_kwargs": {"routes": whatif_service.routes()}}
+            "state_session_capacity": events.session_capacity(),
+            "app_kwargs": {"routes": whatif_service.routes(), "middleware": [Middleware(share_links.LinkTooLong)]},
+            "max_threads": events.thread_budget(events.default_concurrency(), events.served_concurrency())}
