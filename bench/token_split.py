@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.chain_capture import CONFIGS, row_logits  # noqa: E402
+from bench.chain_capture import CONFIGS  # noqa: E402
 from engine.backends.local import ModelSpec, load_model  # noqa: E402
 from engine.cache import KVCache  # noqa: E402
 from engine.core import RunState, advance_rows  # noqa: E402
