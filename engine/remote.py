@@ -66,14 +66,17 @@ class RemoteError(RuntimeError):
 # --- the operator's list ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RemoteSpec:
-    """``backend:url[#vocab=V&eos=A+B]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
+    """``backend:url[#vocab=V&eos=A+B&top=N]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
     ``openai:http://gpu1:8000/v1#vocab=128256&eos=128001+128009``: vLLM's API reports neither its
-    vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options)."""
+    vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options).
+    ``top``: step mode's tokens per step (default STEP_TOP_N), for a vLLM started with a lower
+    ``--max-logprobs`` (its default is 20)."""
 
     backend: str
     url: str
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    top_n: int | None = None
 
     @classmethod
     def parse(cls, text: str, key: str = "model") -> "RemoteSpec":
@@ -81,23 +84,22 @@ class RemoteSpec:
         backend, _, url = base.partition(":")
         if backend not in BACKENDS or not url.startswith(("http://", "https://")):
             raise ValueError(f"{key}: expected {' | '.join(BACKENDS)}:http://host:port, got {text[:80]!r}")
-        vocab, eos = None, ()
+        found: dict[str, tuple[int, ...]] = {}
         for option in filter(None, options.split("&")):
             name, _, value = option.partition("=")
             numbers = value.split("+")
-            if backend != "openai" or name not in ("vocab", "eos") or not all(n.isdigit() for n in numbers) \
-                    or (name == "vocab" and len(numbers) != 1):
+            if backend != "openai" or name not in ("vocab", "eos", "top") or not all(n.isdigit() for n in numbers) \
+                    or (name != "eos" and len(numbers) != 1) or (name == "top" and not 1 <= int(value) <= 1000):
                 raise ValueError(f"{key}: option {option[:40]!r} in {text[:80]!r}: expected openai:...#vocab=<n>"
-                                 "&eos=<id>+<id> (llamacpp reports both itself)")
-            if name == "vocab":
-                vocab = int(value)
-            else:
-                eos = tuple(int(n) for n in numbers)
-        return cls(backend, url.rstrip("/"), vocab, eos)
+                                 "&eos=<id>+<id>[&top=<1..1000>] (llamacpp reports both itself)")
+            found[name] = tuple(int(n) for n in numbers)
+        return cls(backend, url.rstrip("/"), *found.get("vocab", (None,)), found.get("eos", ()),
+                   *found.get("top", (None,)))
 
     def __str__(self) -> str:
         options = ([f"vocab={self.vocab_size}"] if self.vocab_size else []) + \
-            ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else [])
+            ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else []) + \
+            ([f"top={self.top_n}"] if self.top_n else [])
         return f"{self.backend}:{self.url}" + ("#" + "&".join(options) if options else "")
 
 
@@ -236,6 +238,7 @@ class FastToken:
     prob: float
     final: list[Entry] | None
     raw: list[Entry] | None
+    raw_prob: float | None = None  # its raw p when it lies outside ``raw`` (vLLM sends it as an N+1st entry)
 
 
 @dataclass
@@ -501,8 +504,46 @@ def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") 
     props = client.get("/props")
     eos_text = props.get("eos_token") or ""
     eos = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
-    return RemoteModel(f"llamacpp:{client.url}", api, tokenizer, vocab, eos if len(eos) == 1 else (), context,
-                       bool(props.get("chat_template")), mode=mode)
+    return check_served(RemoteModel(f"llamacpp:{client.url}", api, tokenizer, vocab, eos if len(eos) == 1 else (),
+                                    context, bool(props.get("chat_template")), mode=mode))
+
+
+# --- is it a model? --------------------------------------------------------------------------------
+PROBE_TEXT = "The capital of France is"  # one request at connect: the answer after it must not be flat
+FLAT_SPREAD = 1e-4  # nats: a model's top-N spans several; a model whose weights did not load answers all equal
+
+
+def check_served(model: RemoteModel) -> RemoteModel:
+    """``model`` when its server answers like a model that fits its tokenizer, else RemoteError in one
+    line: every EOS id inside the vocabulary and read back by the tokenizer as itself; the tokenizer's
+    ids inside the vocabulary; and, from one request after PROBE_TEXT, a top-N that is not flat (a
+    checkpoint vLLM loads without the weights it reads answers every token at log 1/V) and inside the
+    vocabulary. The request asks step mode's top-N, so a server whose logprobs limit is lower says so here."""
+    where = f"{model.client.server} {model.url}"
+    for eos in model.eos_token_ids:
+        text = model.tokenizer.decode([eos]) if eos < model.vocab_size else ""
+        again = model.tokenizer.encode(text, add_special_tokens=True) if text else []
+        if again[-1:] != [eos]:
+            raise RemoteError(f"{where}: EOS {eos} does not fit the tokenizer (it reads {text!r}, which tokenises as "
+                              f"{again[:4]}; vocabulary {model.vocab_size}): give the model's own EOS ids (#eos=)")
+    ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
+    try:
+        top = model.api.next_top(ids, model.top_n)
+    except RemoteError as exc:
+        hint = f" (step mode asks the top {model.top_n}: start vLLM with --max-logprobs {model.top_n}" \
+               ", or list it with #top=<its limit>)" if "max allowed" in str(exc) else ""
+        raise RemoteError(f"{exc}{hint}") from None
+    outside = [t for t in ids + [t for t, _, _ in top] if t >= model.vocab_size]
+    if outside:
+        raise RemoteError(f"{where}: token {outside[0]} is outside the vocabulary of {model.vocab_size}: the "
+                          "vocabulary does not fit the tokenizer (give the model's own size, #vocab=)")
+    logprobs = [lp for _, lp, _ in top if math.isfinite(lp)]
+    if len(logprobs) > 1 and max(logprobs) - min(logprobs) < FLAT_SPREAD:
+        raise RemoteError(f"{where}: the served model answers a uniform distribution (its top {len(logprobs)} "
+                          f"log-probabilities are all {logprobs[0]:.4f} = log 1/{round(math.exp(-logprobs[0]))}): "
+                          "its weights did not load")
+    model.learn_pieces(top)
+    return model
 
 
 # --- the OpenAI-compatible API (vLLM, SGLang, llama-server's /v1) ---------------------------------
@@ -514,18 +555,25 @@ OPENAI_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p
                  "presence_penalty": "presence_penalty"}
 
 
-def _openai_tokens(choice: dict[str, Any]) -> list[tuple[int, float, list[Entry]]]:
-    """Each generated token of a /v1/completions choice as (id, logprob, its top-N), from either
-    logprobs format: vLLM's (OpenAI's legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs``,
+def _openai_tokens(choice: dict[str, Any], n: int) -> list[tuple[int, float, list[Entry]]]:
+    """Each generated token of a /v1/completions choice as (id, logprob, its top-N, best first), from
+    either logprobs format: vLLM's (OpenAI's legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs``,
     with ``return_tokens_as_token_ids``: keys ``token_id:<id>``) or llama-server's (``content``:
-    ``[{id, logprob, bytes, top_logprobs}]``)."""
+    ``[{id, logprob, bytes, top_logprobs}]``). ``n``: the N asked; vLLM's top list puts the sampled
+    token first, and holds N + 1 entries when it lies outside the top N: that entry is left out of
+    the top-N (its log-probability is the token's own)."""
     logprobs = choice.get("logprobs") or {}
     if "content" in logprobs:
         return [(int(e["id"]), float(e["logprob"]), _llama_entries(e.get("top_logprobs") or []))
                 for e in logprobs["content"]]
-    tops = logprobs.get("top_logprobs") or []
-    return [(_token_id(token), float(lp), [(_token_id(k), float(v), None) for k, v in (top or {}).items()])
-            for token, lp, top in zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [], tops)]
+    out = []
+    for token, lp, top in zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [],
+                              logprobs.get("top_logprobs") or []):
+        entries = [(_token_id(k), float(v), None) for k, v in (top or {}).items()]
+        if len(entries) == n + 1 and entries[0][0] == _token_id(token):
+            entries = entries[1:]  # the sampled token, outside the top N
+        out.append((_token_id(token), float(lp), sorted(entries, key=lambda e: -e[1])))
+    return out
 
 
 def _token_id(key: str) -> int:
@@ -547,6 +595,7 @@ class OpenAIApi:
     model_id: str
     dialect: str = "vllm"  # "vllm" | "llamacpp": how its root tokenises, and whether prompt_logprobs exist
     backend: str = "openai"
+    stop_token_ids: tuple[int, ...] = ()  # the operator's EOS ids: fast mode stops on each, as step mode does
 
     def tokenize(self, text: str, special: bool) -> list[int]:
         body = {"content": text, "add_special": special, "parse_special": special} if self.dialect == "llamacpp" \
@@ -588,7 +637,7 @@ class OpenAIApi:
         returns the raw model's under its default ``--logprobs-mode raw_logprobs``)."""
         choice = self._complete({"prompt": list(ids), "max_tokens": 1, "logprobs": top_n, "temperature": 0})
         try:
-            return _openai_tokens(choice)[0][2]
+            return _openai_tokens(choice, top_n)[0][2]
         except (IndexError, KeyError, TypeError, ValueError) as exc:
             raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: no top logprobs in the "
                               f"answer ({exc})") from None
@@ -609,7 +658,7 @@ class OpenAIApi:
         if rows is None:
             raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: prompt_logprobs: "
                               f"{top_n} asked, none in the answer")
-        last = _openai_tokens(choice)[0][2]
+        last = _openai_tokens(choice, top_n)[0][2]
         return [None if row is None else {int(k): float(v["logprob"]) for k, v in row.items()} for row in rows], last
 
     def positions(self, ids: Sequence[int], start: int, top_n: int) -> list[list[Entry]]:
@@ -632,6 +681,8 @@ class OpenAIApi:
         body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
                 "prompt": list(ids), "stream": True, "max_tokens": config.max_new_tokens, "logprobs": config.top_n,
                 "seed": config.seed, "stop": list(config.stop), **fields}
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
         with closing(self.client.stream_post("/completions", body)) as chunks:  # closed: the server stops too
             for chunk in chunks:
                 choices = chunk.get("choices") if isinstance(chunk, dict) else None
@@ -639,16 +690,16 @@ class OpenAIApi:
                     raise RemoteError(f"{where}: a streamed chunk without choices")
                 for choice in choices[:1]:  # a usage-only chunk has none
                     try:
-                        tokens = _openai_tokens(choice)
+                        tokens = _openai_tokens(choice, config.top_n)
                     except (KeyError, TypeError, ValueError) as exc:
                         raise RemoteError(f"{where}: a streamed chunk without token logprobs ({exc})") from None
                     for token, lp, top in tokens:
-                        yield FastToken(token, math.exp(lp), None, top)
+                        yield FastToken(token, math.exp(lp), None, top, raw_prob=math.exp(lp))
                     finish = choice.get("finish_reason") or finish
                     stop_reason = choice.get("stop_reason", stop_reason)
         reason = {"stop": "eos", "length": "max_new_tokens"}.get(finish, "max_new_tokens")
         if reason == "eos" and isinstance(stop_reason, str):  # vLLM: the stop string that ended it
-            reason = "stop_string"
+            reason = "stop_string"  # (an int stop_reason is the stop token that ended it: one of our EOS ids)
         approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
                           "the top-N per token are the server's logprobs: the raw model's on llama-server and "
                           "under vLLM's default --logprobs-mode raw_logprobs, processed under processed_logprobs",
@@ -676,11 +727,13 @@ def _openai_fields(config: DecodingConfig) -> tuple[dict[str, Any], dict[str, li
 
 
 def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step", *,
-                   vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> RemoteModel:
+                   vocab_size: int | None = None, eos_token_ids: Sequence[int] = (),
+                   top_n: int | None = None) -> RemoteModel:
     """A RemoteModel over an OpenAI-compatible server whose API is at ``url`` (``.../v1``). Its
     first model is used; a llama-server (its /v1/models carries ``meta``) also tells its vocabulary
     and EOS, a vLLM does not: give ``vocab_size`` and ``eos_token_ids`` (else ids up to
-    VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string)."""
+    VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string). ``top_n``: step
+    mode's tokens per step (default STEP_TOP_N). Checked by ``check_served`` (one request)."""
     client = JsonClient(url, timeout_s, "OpenAI-compatible server")
     root = JsonClient(url[:-3] if url.rstrip("/").endswith("/v1") else url, timeout_s, "OpenAI-compatible server")
     try:
@@ -689,7 +742,8 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
     except (KeyError, IndexError, TypeError):
         raise RemoteError(f"OpenAI-compatible server {client.url}/models: no model in the answer") from None
     meta = info.get("meta") if isinstance(info.get("meta"), dict) else None
-    api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm")
+    api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm",
+                    stop_token_ids=() if meta else tuple(eos_token_ids))
     tokenizer = RemoteTokenizer(api)
     context = int((meta or {}).get("n_ctx") or info.get("max_model_len") or 4096)
     vocab = vocab_size or int((meta or {}).get("n_vocab") or VOCAB_BOUND)
@@ -700,13 +754,15 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
         found = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
         eos_token_ids = eos_token_ids or (found if len(found) == 1 else ())
         chat = bool(props.get("chat_template"))
-    return RemoteModel(f"openai:{client.url}", api, tokenizer, vocab, tuple(eos_token_ids), context, chat, mode=mode)
+    return check_served(RemoteModel(f"openai:{client.url}", api, tokenizer, vocab, tuple(eos_token_ids), context, chat,
+                                    mode=mode, top_n=top_n or STEP_TOP_N))
 
 
 def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
     """The RemoteModel an operator's ``backend:url`` names (with its vocabulary and EOS options)."""
     if spec.backend == "openai":
-        return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids)
+        return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
+                              top_n=spec.top_n)
     return connect(spec.url, timeout_s, mode)
 
 
@@ -985,6 +1041,8 @@ def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: flo
             model.learn_pieces(entries)
             stages.append(_stage(name, entries, model.vocab_size))
     raw_prob = _prob_of(token.token, token.raw) if token.raw is not None else math.nan
+    if math.isnan(raw_prob) and token.raw_prob is not None:
+        raw_prob = token.raw_prob
     return StepTrace(index, token.token, model.token_text(token.token), token.prob, raw_prob, None, None, None,
                      stages[-1].entropy if stages else math.nan, stages[0].entropy if stages else math.nan,
                      stages, elapsed_ms=elapsed_ms)

@@ -189,9 +189,11 @@ LLAMA_BUILD_LOG = Path(tempfile.gettempdir()) / "llama-server-build-pytest.log"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `remote` run last, so the llama-server build `make test` started in the
-    background overlaps everything else (a stable sort keeps every other order)."""
-    items.sort(key=lambda item: item.get_closest_marker("remote") is not None)
+    """Tests marked `remote` run last, then those marked `vllm`, so the llama-server build and the
+    vLLM install `make test` started in the background overlap everything else (a stable sort keeps
+    every other order)."""
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None,
+                                 item.get_closest_marker("remote") is not None))
 
 
 @pytest.fixture(scope="session")
@@ -267,3 +269,53 @@ def server_model(llama_server):
     from engine import remote
 
     return remote.connect(llama_server, timeout_s=60)
+
+
+# --- vLLM (issue #37): tests marked `vllm` --------------------------------------------------------
+VLLM_INSTALL_WAIT_S = 1800  # `make test` starts the install in the background; a cold one takes minutes
+VLLM_INSTALL_LOG = Path(tempfile.gettempdir()) / "vllm-install-pytest.log"
+# Flags the live tests add to deploy/vllm_serve.py's: a keep-alive comment after 1 s idle (a long
+# prefill sends some), so the client is seen reading past them.
+VLLM_TEST_ARGS = ("--sse-keep-alive-interval", "1")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The cached vLLM environment's python, installed (or waited for, when `make test`'s background
+    install runs) by deploy/vllm.sh; fails with one line, never skips, when it cannot be had."""
+    from deploy.vllm_serve import VllmError, install
+
+    try:
+        return install(sys.executable, VLLM_INSTALL_LOG, VLLM_INSTALL_WAIT_S)
+    except VllmError as exc:
+        pytest.fail(f"vllm: the install failed ({exc}; log: {VLLM_INSTALL_LOG})", pytrace=False)
+
+
+@contextlib.contextmanager
+def serve_vllm(python: str, *extra: str, log_name: str = "vllm-server.log") -> Iterator[str]:
+    """A real vLLM server over the embedded model's folder on a free 127.0.0.1 port (deploy.vllm_serve's
+    flags, then ``extra``); yields its URL once /v1/models answers, stops its process group after."""
+    from deploy.vllm_serve import VllmError, serving
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        with serving(python, (*VLLM_TEST_ARGS, *extra), log=ARTIFACTS / log_name) as url:
+            yield url
+    except VllmError as exc:
+        pytest.fail(f"{exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python) -> Iterator[str]:
+    """A real vLLM serving the embedded model (float32) on a free loopback port for the session; its URL."""
+    with serve_vllm(vllm_python) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_server):
+    """The real vLLM as a RemoteModel (step mode), connected once as the operator lists it."""
+    from deploy.vllm_serve import remote_spec
+    from engine import remote
+
+    return remote.connect_spec(remote.RemoteSpec.parse(remote_spec(vllm_server)), timeout_s=120)
