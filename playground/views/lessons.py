@@ -72,7 +72,7 @@ def lesson_from_token(token: Any) -> Lesson:
     """A built-in lesson id, or a token from ``lesson_token``, as a validated Lesson (LessonError if bad)."""
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
         raise LessonError("lesson: the link's lesson is not text or is too long")
-    builtin = engine_lessons.builtin_lessons()
+    builtin = engine_lessons.available_lessons()
     if token in builtin:
         return builtin[token]
     if not token.startswith(TOKEN_PREFIX):
@@ -218,8 +218,9 @@ NO_PRESENTER_STEPS = ('<p class="dp-status">This lesson\'s chart is not a token\
 
 
 def list_lessons() -> list[dict]:
-    """Every built-in lesson as ``Lesson.to_dict()`` (id, title, view, preset, prompt, steps...)."""
-    return [lesson.to_dict() for lesson in engine_lessons.builtin_lessons().values()]
+    """Every lesson offered here as ``Lesson.to_dict()`` (id, title, view, preset, prompt, steps...): the
+    built-in ones, and those whose servers the operator lists (engine.lessons.available_lessons)."""
+    return [lesson.to_dict() for lesson in engine_lessons.available_lessons().values()]
 
 
 @dataclass
@@ -257,9 +258,9 @@ class LessonsTab:
         yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: "", self.texts: "",
                self.chart: None, self.presenter.chart: None, self.presenter.text: ""}
         lm = self.shared.lm(model, quant)
-        ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
-        traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=ids, control=control)
-                  for p in lesson.runs]
+        traces = [self.shared.run(run_lm, lesson.prompt, p.config, chat=lesson.chat, control=control,
+                                  prompt_ids=self.shared.encode_prompt(run_lm, lesson.prompt, lesson.chat))
+                  for p, run_lm in zip(lesson.runs, self.run_models(lesson, lm, model, quant))]
         shown = shown_run(traces, lesson.select_step)
         session = LessonSession(lesson, traces, shown=shown)
         trace = traces[shown]
@@ -283,6 +284,18 @@ class LessonsTab:
         done = {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
         report = report_chart(session.outcome)
         yield done | ({self.chart: report} if report is not None else {})
+
+    def run_models(self, lesson: Lesson, lm: Any, model: str, quant: str) -> list[Any]:
+        """The model of each run: ``lm`` (the page's), or the operator's server a lesson's ``models``
+        name (through the policy; fast mode after ``fast:``). UserError when one is not listed."""
+        try:
+            sources = engine_lessons.run_sources(lesson, model)
+        except LessonError as exc:
+            raise UserError(str(exc)) from None
+        picked = {source: self.shared.lm(source.removeprefix(engine_lessons.FAST), quant)
+                  for source in set(sources) if source != model}
+        return [lm if source == model else picked[source].with_mode("fast") if source.startswith(engine_lessons.FAST)
+                else picked[source] for source in sources]
 
     # --- wiring -----------------------------------------------------------------------------------
     def on_pick(self, choice: str, session: LessonSession | None) -> dict:
@@ -377,7 +390,12 @@ class LessonsTab:
         note = status_html(f"opened in {lesson.view} and running it: prompt {lesson.prompt!r}; runs: {runs}")
         button = RUN_BUTTONS.get(lesson.view, "")
         if lesson.view == "compare" and compare_page is not None:
-            updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored))
+            try:
+                sources = engine_lessons.run_sources(lesson, "") if lesson.models else ()
+            except LessonError as exc:
+                return {self.status: error_html(str(exc)), self.open_run: ""}
+            updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored),
+                                          sources)
         elif lesson.view == "quantization" and quant_page is not None:
             updates, button = quant_updates(lesson, quant_page)
         else:
@@ -396,7 +414,7 @@ class LessonsTab:
             lesson = lesson_from_token(params[LESSON_PARAM])
         except LessonError as exc:
             return updates | {self.status: error_html(f"This lesson link could not be opened ({exc}).")}
-        choices = [(l.title, l.id) for l in engine_lessons.builtin_lessons().values()]
+        choices = [(l.title, l.id) for l in engine_lessons.available_lessons().values()]
         if lesson.id not in dict((v, k) for k, v in choices):
             choices.append((f"{lesson.title} (shared)", lesson.id))
         return updates | {self.session: LessonSession(lesson), self.steps: steps_html(lesson),
@@ -436,7 +454,7 @@ def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
 
 def build_tab(shared: Shared) -> LessonsTab:
     """The Lessons tab: pick, read, run and check a lesson; the presenter view lives here too."""
-    lessons = engine_lessons.builtin_lessons()
+    lessons = engine_lessons.available_lessons()
     first = next(iter(lessons.values()))
     gr.Markdown("Short guided tours of one decoding idea each. Pick a lesson, read its steps, press **Run and check** "
                 "(or **Open in its view** to explore it there).", elem_id="lessons-intro")
