@@ -127,20 +127,33 @@ def test_remote_beam_is_vllm_s_own_beam_search(vllm_model, vllm_server):
     order. Where they part: vLLM leaves the EOS out of a hypothesis' tokens and text (its stop_reason
     is the EOS id, an int) and we keep it as the last token; its per-beam requests run batched, so a
     log-probability may differ in the 5th decimal (the tolerance below)."""
-    width, tokens = 3, 8
-    config = DecodingConfig(strategy="beam", num_beams=width, max_new_tokens=tokens, length_penalty=1.0)
-    ours = runner.run(vllm_model, PROMPT, config).beam.hypotheses[:width]
-    theirs = post(vllm_server, "/v1/completions", {
-        "prompt": vllm_model.encode(PROMPT), "use_beam_search": True, "n": width, "max_tokens": tokens,
-        "length_penalty": 1.0, "temperature": 0, "logprobs": 1, "return_token_ids": True})["choices"]
+    width = 3
+    ended = 0
+    for prompt, chat, tokens in ((PROMPT, False, 8), (CAPITAL, True, 10)):  # the second: beams that end with EOS
+        config = DecodingConfig(strategy="beam", num_beams=width, max_new_tokens=tokens, length_penalty=1.0)
+        ours = runner.run(vllm_model, prompt, config, chat=chat).beam.hypotheses[:width]
+        theirs = post(vllm_server, "/v1/completions", {
+            "prompt": vllm_model.encode(prompt, chat), "use_beam_search": True, "n": width, "max_tokens": tokens,
+            "length_penalty": 1.0, "temperature": 0, "logprobs": 1, "return_token_ids": True})["choices"]
+        ended += same_hypotheses(vllm_model, vllm_model.encode(prompt, chat), ours, theirs)
+    assert ended >= 1  # the EOS path was compared too
+
+
+def same_hypotheses(model: remote.RemoteModel, ids: list[int], ours: list, theirs: list[dict]) -> int:
+    """Assert ``ours`` (remote_beam's best, in order) are vLLM's choices, cumulative log-probabilities
+    included (vLLM's token_logprobs leave the EOS out: its log p is asked after the choice's tokens);
+    how many ended with EOS."""
+    ended_count = 0
     for hypothesis, choice in zip(ours, theirs, strict=True):
         ended = hypothesis.finish_reason == "eos"
         assert hypothesis.token_ids[:-1 if ended else None] == choice["token_ids"]
         assert (choice["finish_reason"], choice["stop_reason"]) == (("stop", EOS) if ended else ("length", None))
-        eos_logprob = hypothesis.sum_logprobs - sum(choice["logprobs"]["token_logprobs"]) if ended else 0.0
-        assert eos_logprob <= 0 and abs(hypothesis.sum_logprobs - eos_logprob
-                                        - sum(choice["logprobs"]["token_logprobs"])) < 1e-3
+        eos_logprob = dict((t, lp) for t, lp, _ in model.api.next_top(ids + choice["token_ids"], 6))[EOS] \
+            if ended else 0.0
+        assert abs(hypothesis.sum_logprobs - eos_logprob - sum(choice["logprobs"]["token_logprobs"])) < 1e-3
         print(f"{hypothesis.score:.4f} {hypothesis.text!r} | vLLM {choice['text']!r} ({choice['finish_reason']})")
+        ended_count += ended
+    return ended_count
 
 
 # --- what vLLM sends, read right ------------------------------------------------------------------------
@@ -265,3 +278,43 @@ def test_a_page_user_in_public_mode_cannot_name_a_server(vllm_server, registry, 
         status = shown(page, "dp-model-status")
         assert f"model: {named[:60]!r} is not a remote model offered here" in status, status
         assert "DP_REMOTE_MODELS" not in status and "\n" not in status and page.shown("dp-model") == listed
+
+
+# --- three engines, one model ------------------------------------------------------------------------
+@pytest.mark.remote
+def test_three_engines_one_model_on_the_lessons_tab_and_in_compare(vllm_server, llama_server, registry, embedded):
+    """The served lesson (presets/lessons/served/10-three-engines.json), with both servers listed: run and
+    checked on the Lessons tab (our engine = vLLM's tokens within 1e-3; llama.cpp's Q4_1 further off, and
+    the seeded fast lanes part), then opened in Compare, whose lanes run on the servers it names."""
+    from tests.test_remote_views import shown
+
+    vllm, llama = remote_spec(vllm_server), f"llamacpp:{llama_server}"
+    page = page_over(registry, f"{vllm},{llama}")
+    assert "three-engines" in [c[1] for c in page.block("lessons-pick").choices]
+    page.set("lessons-pick", "three-engines")
+    page.fire("on_run", "lessons-status")
+    outcome, status = shown(page, "lessons-outcome"), shown(page, "lessons-status")
+    assert status.endswith("done</div>") and "✓" in outcome, (status, outcome)
+    assert "Our engine and vLLM (the same float32 weights) pick the same 24 of 24 tokens" in outcome, outcome
+    assert "a server in fast mode draws with its own generator" in outcome
+    traces = page.get(next(b for b in page.event("on_run", "lessons-status").outputs
+                           if type(b).__name__ == "State")).traces
+    assert [t.extra.get("remote", {}).get("mode") for t in traces] == [None, "step", "step", None, "fast", "fast"]
+    print(outcome)
+    opener = next(f for f in page.demo.fns.values() if getattr(getattr(f.fn, "func", None), "__name__", "") == "on_open")
+    page.apply(opener, opener.fn(*[page.get(b) for b in opener.inputs]))  # "Open in its view", as the button does
+    assert [page.shown(f"cmp-lane-{i}-model") for i in range(6)] == ["", vllm, llama, "", "fast:" + vllm,
+                                                                      "fast:" + llama]
+    page.fire("on_run", "cmp-status")
+    assert "done" in page.shown("cmp-status")
+    statuses = [html_text(page.shown(f"cmp-lane-{i}-status")) for i in range(6)]
+    assert f"on openai:{vllm_server}/v1" in statuses[1] and f"on llamacpp:{llama_server}" in statuses[2]
+    assert "(fast mode: its own sampler)" in statuses[4] and "(fast mode: its own sampler)" in statuses[5]
+    print(html_text(page.shown("cmp-divergence")))
+
+
+def html_text(value: str) -> str:
+    import html
+    import re
+
+    return html.unescape(re.sub(r"<[^>]+>", "", value or ""))
