@@ -274,29 +274,34 @@ def served_lessons() -> dict[str, Lesson]:
     return {lesson.id: lesson for lesson in _served()}
 
 
-def listed_roles(environ: Any = None) -> dict[str, str]:
-    """Each server role the operator's DP_REMOTE_MODELS fills: the first listed server of its backend
-    (``{"vllm": "openai:http://...#vocab=...", "llamacpp": "llamacpp:http://..."}``)."""
-    from .remote import allowed_remote_models
+def listed_roles(environ: Any = None, offered: Sequence[str] | None = None) -> dict[str, str]:
+    """Each server role the operator's list fills: the first listed server of its backend
+    (``{"vllm": "openai:http://...#vocab=...", "llamacpp": "llamacpp:http://..."}``). ``offered``: the
+    app's allowed sources (its model policy's, fixed when it started); else DP_REMOTE_MODELS."""
+    from .models import is_remote_source
+    from .remote import RemoteSpec, allowed_remote_models
 
+    specs = allowed_remote_models(environ) if offered is None else \
+        [RemoteSpec.parse(s) for s in offered if is_remote_source(s)]
     found: dict[str, str] = {}
-    for spec in allowed_remote_models(environ):
+    for spec in specs:
         for role, backend in ROLES.items():
             if spec.backend == backend:
                 found.setdefault(role, str(spec))
     return found
 
 
-def available_lessons(environ: Any = None) -> dict[str, Lesson]:
+def available_lessons(environ: Any = None, offered: Sequence[str] | None = None) -> dict[str, Lesson]:
     """The built-in lessons, then the served ones whose servers the operator lists."""
-    roles = listed_roles(environ)
+    roles = listed_roles(environ, offered)
     return builtin_lessons() | {k: v for k, v in served_lessons().items() if v.roles <= set(roles)}
 
 
-def run_sources(lesson: Lesson, page_model: str, environ: Any = None) -> list[str]:
+def run_sources(lesson: Lesson, page_model: str, environ: Any = None, offered: Sequence[str] | None = None
+                ) -> list[str]:
     """The model source of each run: ``page_model`` or the listed server of its role (``fast:`` kept
     in front: that server in fast mode). LessonError naming the role when it is not listed."""
-    roles = listed_roles(environ)
+    roles = listed_roles(environ, offered)
     out = []
     for model in lesson.models or ("",) * len(lesson.runs):
         role = model.removeprefix(FAST)
@@ -482,9 +487,11 @@ def _apart(ours: Trace, theirs: Trace, positions: int) -> float:
 
 
 def _engines_agree(lm, lesson, traces, registry) -> Outcome:
-    """Runs 0-2: greedy on our engine, vLLM and llama.cpp (the same model; vLLM its float32 weights,
-    llama.cpp the Q4_1 GGUF). vLLM picks our tokens with log-probabilities within 1e-3; llama.cpp's
-    quantized weights move them further (and may part). Seeded runs after them: texts compared."""
+    """Runs 0-2: greedy on our engine, vLLM and llama.cpp (the same model: our float32 folder is the
+    Q4_1 GGUF dequantized; vLLM serves that folder, llama.cpp the GGUF, computing on its 4-bit blocks
+    with each activation rounded to 8 bits, Q8_1, for the products). vLLM picks our tokens with
+    log-probabilities within 1e-3; llama.cpp's quantized arithmetic moves them further (and may part).
+    Seeded runs after them: texts compared."""
     ours, vllm, llama = (t.generated_token_ids for t in traces[:3])
     agree = metrics.common_prefix(ours, vllm)
     parts = metrics.first_divergence([ours, llama])
@@ -492,8 +499,8 @@ def _engines_agree(lm, lesson, traces, registry) -> Outcome:
     d_llama = _apart(traces[0], traces[2], len(ours) if parts is None else parts + 1)
     ok = ours == vllm and d_vllm < 1e-3 and d_llama > d_vllm
     text = (f"Our engine and vLLM (the same float32 weights) pick the same {agree} of {len(ours)} tokens, their "
-            f"log-probabilities at most {d_vllm:.1e} apart; llama.cpp's 4-bit Q4_1 weights move them up to "
-            f"{d_llama:.2f} apart")
+            f"log-probabilities at most {d_vllm:.1e} apart; llama.cpp, multiplying the Q4_1 blocks by activations "
+            f"rounded to 8 bits, moves them up to {d_llama:.2f} apart")
     text += ", yet it picks the same tokens here." if parts is None else (
         f" and it parts at token {parts + 1}: {_piece(traces[2], parts)!r} where ours picks {_piece(traces[0], parts)!r}.")
     seeded = traces[3:]

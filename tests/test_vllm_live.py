@@ -296,6 +296,7 @@ def test_three_engines_one_model_on_the_lessons_tab_and_in_compare(vllm_server, 
     outcome, status = shown(page, "lessons-outcome"), shown(page, "lessons-status")
     assert status.endswith("done</div>") and "✓" in outcome, (status, outcome)
     assert "Our engine and vLLM (the same float32 weights) pick the same 24 of 24 tokens" in outcome, outcome
+    assert "and it parts at token" in outcome  # on this prompt llama.cpp's arithmetic changes the answer
     assert "a server in fast mode draws with its own generator" in outcome
     traces = page.get(next(b for b in page.event("on_run", "lessons-status").outputs
                            if type(b).__name__ == "State")).traces

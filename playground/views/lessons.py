@@ -68,11 +68,12 @@ def lesson_token(text: str) -> str:
     return token
 
 
-def lesson_from_token(token: Any) -> Lesson:
-    """A built-in lesson id, or a token from ``lesson_token``, as a validated Lesson (LessonError if bad)."""
+def lesson_from_token(token: Any, offered: Mapping[str, Lesson] | None = None) -> Lesson:
+    """A lesson id (``offered``: the lessons this app offers; default the built-in ones and those the
+    environment's servers allow), or a token from ``lesson_token``, as a validated Lesson (LessonError if bad)."""
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
         raise LessonError("lesson: the link's lesson is not text or is too long")
-    builtin = engine_lessons.available_lessons()
+    builtin = engine_lessons.available_lessons() if offered is None else offered
     if token in builtin:
         return builtin[token]
     if not token.startswith(TOKEN_PREFIX):
@@ -246,10 +247,21 @@ class LessonsTab:
     open_run: gr.Textbox = None  # hidden: the run button "Open in its view" presses ("" none)
     stop_btn: gr.Button = None
 
+    @property
+    def offered(self) -> dict[str, Lesson]:
+        """The lessons this app offers: the built-in ones and those its listed servers allow (the model
+        policy's list, fixed when the app was built; the environment's where there is none)."""
+        return engine_lessons.available_lessons(offered=self.allowed)
+
+    @property
+    def allowed(self) -> Sequence[str] | None:
+        policy = getattr(self.shared, "policy", None)
+        return policy.allowed if policy is not None else None
+
     def current(self, session: LessonSession | None, choice: str) -> Lesson:
         if session is not None and (choice == session.lesson.id or choice is None):
             return session.lesson
-        return lesson_from_token(choice or "")
+        return lesson_from_token(choice or "", self.offered)
 
     def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, *,
                control: RunControl) -> Iterator[dict]:
@@ -289,7 +301,7 @@ class LessonsTab:
         """The model of each run: ``lm`` (the page's), or the operator's server a lesson's ``models``
         name (through the policy; fast mode after ``fast:``). UserError when one is not listed."""
         try:
-            sources = engine_lessons.run_sources(lesson, model)
+            sources = engine_lessons.run_sources(lesson, model, offered=self.allowed)
         except LessonError as exc:
             raise UserError(str(exc)) from None
         picked = {source: self.shared.lm(source.removeprefix(engine_lessons.FAST), quant)
@@ -391,7 +403,8 @@ class LessonsTab:
         button = RUN_BUTTONS.get(lesson.view, "")
         if lesson.view == "compare" and compare_page is not None:
             try:
-                sources = engine_lessons.run_sources(lesson, "") if lesson.models else ()
+                sources = engine_lessons.run_sources(lesson, "", offered=self.allowed) \
+                    if lesson.models else ()
             except LessonError as exc:
                 return {self.status: error_html(str(exc)), self.open_run: ""}
             updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored),
@@ -411,10 +424,10 @@ class LessonsTab:
         if LESSON_PARAM not in params:
             return updates
         try:
-            lesson = lesson_from_token(params[LESSON_PARAM])
+            lesson = lesson_from_token(params[LESSON_PARAM], self.offered)
         except LessonError as exc:
             return updates | {self.status: error_html(f"This lesson link could not be opened ({exc}).")}
-        choices = [(l.title, l.id) for l in engine_lessons.available_lessons().values()]
+        choices = [(l.title, l.id) for l in self.offered.values()]
         if lesson.id not in dict((v, k) for k, v in choices):
             choices.append((f"{lesson.title} (shared)", lesson.id))
         return updates | {self.session: LessonSession(lesson), self.steps: steps_html(lesson),
@@ -454,7 +467,7 @@ def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
 
 def build_tab(shared: Shared) -> LessonsTab:
     """The Lessons tab: pick, read, run and check a lesson; the presenter view lives here too."""
-    lessons = engine_lessons.available_lessons()
+    lessons = engine_lessons.available_lessons(offered=shared.policy.allowed)
     first = next(iter(lessons.values()))
     gr.Markdown("Short guided tours of one decoding idea each. Pick a lesson, read its steps, press **Run and check** "
                 "(or **Open in its view** to explore it there).", elem_id="lessons-intro")
