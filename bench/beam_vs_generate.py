@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import beam, runner
+from engine.strategies import beam
+from engine import runner
 from engine.config import DecodingConfig
-from engine.models import LoadedModel, ModelRegistry, ModelSpec
+from engine.backends.local import LoadedModel, ModelSpec
+from engine.backends.registry import ModelRegistry
 
 PROMPT = "The history of the Roman Empire begins with"
 TARGET = 0.8

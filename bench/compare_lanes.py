@@ -5,7 +5,7 @@ over rounds in one process. Target on a 2-core CPU with the embedded model: 4 la
 
     python -m bench.compare_lanes [--tokens 32] [--rounds 3] [--lanes 4] [--plain-head]
 
-``--plain-head`` also runs every round with the LM head as one product (engine.models.slice_lm_head
+``--plain-head`` also runs every round with the LM head as one product (engine.backends.local.slice_lm_head
 undone), so the sliced head's gain is measured in the same process.
 """
 
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.config import DecodingConfig
-    from engine.models import ModelRegistry, ModelSpec
+    from engine.backends.registry import ModelRegistry
+    from engine.backends.local import ModelSpec
     from playground.shared import Shared
 
     set_threads(args.threads)

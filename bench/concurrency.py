@@ -201,7 +201,7 @@ def main() -> None:
     else:
         import torch
 
-        from engine.models import ModelSpec, load_model
+        from engine.backends.local import ModelSpec, load_model
         from engine.scheduler import scheduler_for
 
         lm = load_model(ModelSpec(args.model))

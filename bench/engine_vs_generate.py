@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import interleaved, report  # noqa: E402
-from engine import decode  # noqa: E402
+from engine.strategies import decode  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
-from engine.models import ModelSpec, load_model  # noqa: E402
+from engine.backends.local import ModelSpec, load_model  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -13,8 +13,10 @@ import time
 import torch
 
 from engine import explore, runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
-from engine.models import EMBEDDED, ModelRegistry, ModelSpec
+from engine.backends.local import EMBEDDED, ModelSpec
+from engine.backends.registry import ModelRegistry
 
 KNOB_MOVES = [{"temperature": t} for t in (0.3, 0.7, 1.0, 1.5, 2.5)] + [{"top_p": 0.5}, {"top_k": 5}, {"min_p": 0.1}]
 
@@ -36,8 +38,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     lm = ModelRegistry().get(ModelSpec(source=EMBEDDED))
-    trace = runner.run(lm, "Explain why the sky is blue, briefly.", DecodingConfig(strategy="sample", seed=1,
-                       max_new_tokens=args.steps), chat=True)
+    trace = runner.run(RunRequest(lm, "Explain why the sky is blue, briefly.", DecodingConfig(strategy="sample", seed=1,
+                       max_new_tokens=args.steps), chat=True))
     step = len(trace.steps) - 1
     logits = explore.raw_logits(lm, trace, step)
     moves = iter(KNOB_MOVES * args.repeats)

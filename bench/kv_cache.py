@@ -12,7 +12,7 @@
    after that prompt: the prefill processes its tokens in parallel (compute-bound), decoding
    reads the whole cache and the weights for every single token (memory-bound).
 3. the quantized KV cache: bytes per token measured from the cache tensors vs the formula, and
-   its drift against the full-precision cache (engine.drift.kv_drift_report).
+   its drift against the full-precision cache (engine.reports.drift.kv_drift_report).
 4. the self-kv drafters (QuantSpec-style): acceptance rate and speed-up against target-only greedy.
 
     python -m bench.kv_cache [--tokens 128 512 1024] [--prompt-lengths 128 512 1024 2048]
@@ -30,10 +30,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import drift, runner  # noqa: E402
+from engine.reports import drift  # noqa: E402
+from engine import runner
+from engine.runner import RunRequest
 from engine.cache import KVCache  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
-from engine.models import ModelSpec, load_model  # noqa: E402
+from engine.backends.local import ModelSpec, load_model  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 FILLER = ("The lighthouse stood on a rock at the edge of the bay, and every night its keeper climbed the stairs "
@@ -111,7 +113,7 @@ def prefill(lm, lengths: list[int]) -> None:
 
 
 def kv_drift(lm, tokens: int, residual: int) -> None:
-    print(f"\n## quantized KV cache: {tokens} greedy tokens, residual {residual} (engine.drift.kv_drift_report)")
+    print(f"\n## quantized KV cache: {tokens} greedy tokens, residual {residual} (engine.reports.drift.kv_drift_report)")
     report = drift.kv_drift_report(lm, PROMPT, True, tokens, ["dynamic", "quantized-int8", "quantized-int4"],
                                    residual_length=residual)
     print(f"{'kind':>15} {'bytes/token':>12} {'formula':>9} {'cache bytes':>12} {'= formula':>9} {'tok/s':>6} "
@@ -130,7 +132,7 @@ def self_kv(lm, tokens: int) -> None:
     for drafter in ("self-kv8", "self-kv4"):
         config = DecodingConfig(strategy="speculative", temperature=0.0, max_new_tokens=tokens, drafter=drafter,
                                 num_draft_tokens=4, kv_residual_length=16, top_n=1)
-        trace = runner.run(lm, PROMPT, config, chat=True, compare_baseline=True)
+        trace = runner.run(RunRequest(lm, PROMPT, config, chat=True, compare_baseline=True))
         s = trace.summary
         print(f"{drafter:>9}: accept {s['acceptance_rate']:.1%}, {s['tokens_per_target_forward']:.2f} tokens per "
               f"target forward, speed-up {s['speedup']:.2f}× (same tokens as target-only: {s['baseline_same_tokens']})",

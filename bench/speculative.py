@@ -32,9 +32,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import decode, runner, speculative  # noqa: E402
+from engine.strategies import decode, speculative  # noqa: E402
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig  # noqa: E402
-from engine.models import LoadedModel, ModelRegistry, ModelSpec  # noqa: E402
+from engine.backends.local import LoadedModel, ModelSpec  # noqa: E402
+from engine.backends.registry import ModelRegistry
 
 TARGET_SPEEDUP = 1.3
 PARAGRAPH = (
@@ -71,7 +74,7 @@ def bench_drafter(lm: LoadedModel, registry: ModelRegistry, drafter: str, k: int
                             num_draft_tokens=k)
     base_config = speculative.baseline_config(config)
     warm = {"max_new_tokens": 8}  # warm-up: loads the drafter, first-call kernel setup
-    runner.run(lm, PROMPT, config.replace(**warm), chat=True, registry=registry)
+    runner.run(RunRequest(lm, PROMPT, config.replace(**warm), chat=True, registry=registry))
     decode.run(lm, PROMPT, base_config.replace(**warm), chat=True)
     spec_ms, base_ms, trace, base = [], [], None, None
     for i in range(repeats):
@@ -79,7 +82,7 @@ def bench_drafter(lm: LoadedModel, registry: ModelRegistry, drafter: str, k: int
         for which in order:
             start = time.perf_counter()
             if which == "spec":
-                trace = runner.run(lm, PROMPT, config, chat=True, registry=registry)
+                trace = runner.run(RunRequest(lm, PROMPT, config, chat=True, registry=registry))
                 spec_ms.append((time.perf_counter() - start) * 1000)
             else:
                 base = decode.run(lm, PROMPT, base_config, chat=True)

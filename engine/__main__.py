@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, DecodingConfig, check_text, parse_set_value
-from .models import DTYPES, QUANTIZATIONS, ModelLoadError, ModelRegistry, ModelSpec
-from .presets import PresetError, load_preset
+from engine.config import ConfigError, DecodingConfig, check_text, parse_set_value
+from engine.backends.local import DTYPES, QUANTIZATIONS, ModelLoadError, ModelSpec
+from engine.backends.registry import ModelRegistry
+from engine.presets import PresetError, load_preset
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,7 +58,8 @@ def render(trace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import runner
+    from engine import runner
+    from engine.runner import RunRequest
 
     args = build_parser().parse_args(argv)
     try:
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         registry = ModelRegistry()
         lm = registry.get(spec)
-        trace = runner.run(lm, args.prompt, config, chat=args.chat, registry=registry)
+        trace = runner.run(RunRequest(lm, args.prompt, config, chat=args.chat, registry=registry))
     except (ModelLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from . import kv_quant
-from .metrics import common_prefix
+from engine import kv_quant
+from engine.reports.metrics import common_prefix
 
 
 class KVCache:

@@ -11,9 +11,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import DecodingConfig
-from .processors import Stage, build_stage, share_key
-from .trace import StageTrace, TokenProb
+from engine.config import DecodingConfig
+from engine.stages import Stage, build_stage, share_key
+from engine.trace import StageTrace, TokenProb
 
 
 @dataclass

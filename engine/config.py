@@ -1,7 +1,7 @@
 """DecodingConfig: the strategy, every knob, and the stage order, validated in ONE place.
 
 Every knob is declared once with its type, bounds and neutral value: the run and strategy knobs
-here, each stage's knobs in its spec (engine/processors.py, one ``StageSpec`` per stage), and all of
+here, each stage's knobs in its spec (engine/stages/, one ``StageSpec`` per stage), and all of
 them collected in ``KNOBS``. The CLI, the preset schema and the UI sliders all read their ranges from
 ``KNOBS``; nothing else hard-codes a bound. A neutral value means "this stage does nothing", so
 presets can be sparse. The stage order, names and sampling-only set are derived from the specs.
@@ -19,22 +19,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import processors  # noqa: F401  (declares every stage; it imports no config)
-from .stages import (MAX_BIAS_ENTRIES, MAX_STRING_LEN, STAGES, ConfigError, Knob, StageSpec, declared,  # noqa: F401
-                     on_change)
+from engine.backends.quant_methods import WEIGHT_METHODS
+from engine.strategies.spec import STRATEGIES as STRATEGY_SPECS
+from engine.strategies.spec import on_change as on_strategies_change
+# Importing engine.stages registers every stage (its families import no config). The strategies
+# register themselves when engine.strategies is imported (engine/__init__.py does).
+from engine.stages import (MAX_BIAS_ENTRIES, MAX_STRING_LEN, STAGES, ConfigError, Knob, StageSpec,  # noqa: F401
+                           declared, on_change)
 
-STRATEGIES = (
-    "greedy",
-    "sample",
-    "beam",
-    "speculative",
-    "contrastive_search",
-    "contrastive_decoding",
-    "mcts",
-    "medusa",
-)
+# Every strategy, by its spec (engine/strategies/spec.py): the registry itself, so a module that
+# imported it sees every strategy registered since (``name in STRATEGIES``, ``list(STRATEGIES)``).
+STRATEGIES = STRATEGY_SPECS
 
-# The stages are declared in engine/processors.py, one StageSpec each (engine/stages.py); the tables
+# The stages are declared in engine/stages/, one StageSpec each (engine/stages/spec.py); the tables
 # below are derived from them (``_derive``). The default order is transformers' own
 # (generation/utils.py `_get_logits_processor`): processors first (repetition penalty,
 # no-repeat-n-gram), then the sampling warpers. Frequency and presence penalties (OpenAI's rule)
@@ -49,7 +46,10 @@ STAGE_NAMES: tuple[str, ...] = ()  # the same names
 # transformers' generate(do_sample=False) does.
 SAMPLING_ONLY_STAGES: frozenset[str] = frozenset()
 
-DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4")  # plus "model:<id or dir>"
+# A quantized copy of the target as drafter or amateur: bitsandbytes, or a 4-bit checkpoint made here
+# (engine.backends.quant_methods)
+SELF_WEIGHT_VARIANTS = ("self-int8", "self-nf4") + tuple(f"self-{name}" for name in WEIGHT_METHODS)
+DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4") + SELF_WEIGHT_VARIANTS[2:]  # plus "model:<id or dir>"
 # KV cache kinds (engine/kv_quant.py builds them), plus "sliding-<N>": a window of the last N positions.
 KV_CACHE_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
 SLIDING_WINDOW_RANGE = (2, 65_536)  # transformers keeps N - 1 cached positions, so N >= 2
@@ -58,7 +58,7 @@ EARLY_STOPPING_CHOICES = (True, False, "never")
 
 MAX_SEED = 2**32 - 1
 
-# Run and strategy knobs; each stage's knobs are in its spec (engine/processors.py).
+# Run knobs; each stage's knobs are in its spec (engine/stages/), each strategy's in its own (engine/strategies/).
 _RUN_KNOBS = [
     Knob("seed", "int", 0, 0, MAX_SEED, doc="Seed of the per-run random generator; same seed, same output.", step=1,
          widget="number"),
@@ -66,38 +66,13 @@ _RUN_KNOBS = [
     Knob("stop", "str_list", [], 0, 8, doc="Stop when the generated text contains any of these strings."),
     Knob("top_n", "int", 10, 1, 100, doc="How many tokens per stage the trace stores (statistics use the whole vocabulary).", step=1),
 ]
-_STRATEGY_KNOBS = [
-    # --- beam search
-    Knob("num_beams", "int", 1, 1, 8, doc="Beams kept per step.", step=1),
-    Knob("length_penalty", "float", 1.0, -5.0, 5.0, doc="Score = sum logprob / length^alpha. 1 = neutral.", step=0.1),
-    Knob("early_stopping", "choice", False, choices=EARLY_STOPPING_CHOICES, doc="As transformers: true, false (heuristic) or never."),
-    Knob("num_return_sequences", "int", 1, 1, 8, doc="Finished hypotheses returned (at most num_beams).", step=1),
-    Knob("num_beam_groups", "int", 1, 1, 8, doc="Diverse beam search groups (must divide num_beams).", step=1),
-    Knob("diversity_penalty", "float", 0.0, 0.0, 10.0, doc="Penalty for tokens picked by earlier groups at the same step.", step=0.1),
-    # --- speculative decoding
-    Knob("drafter", "str", "self-int8", doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>; for a served "
-         "target: ngram or model:<a server the operator lists>."),
-    Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
-    Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
-    Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),
-    # --- contrastive search / contrastive decoding
-    Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.", step=0.05),
-    Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.", step=0.01),
-    Knob("amateur", "str", "self-nf4", doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
-    # --- mcts / medusa
-    Knob("mcts_simulations", "int", 32, 1, 256, doc="MCTS: PUCT simulations per generated token.", step=1),
-    Knob("mcts_c_puct", "float", 1.5, 0.0, 10.0, doc="MCTS: exploration weight c in Q + c * prior * sqrt(N_parent) / (1 + N_child).", step=0.1),
-    Knob("mcts_expand_k", "int", 4, 1, 16, doc="MCTS: children per expanded node (the top-k of its processed prior).", step=1),
-    Knob("mcts_rollout_tokens", "int", 4, 0, 16, doc="MCTS: greedy rollout length scoring a new leaf (mean raw log-prob of path + rollout; 0 = the path alone).", step=1),
-    Knob("medusa_heads", "int", 3, 1, 4, doc="Medusa: heads whose candidates are verified per forward (the tree's depth).", step=1),
-    Knob("medusa_tree_width", "int", 3, 1, 8, doc="Medusa: candidates per head in the verified tree (1 = the chain of each head's top-1).", step=1),
-    Knob("medusa_tree_nodes", "int", 6, 1, 64, doc="Medusa: tree nodes verified in one forward (the best paths by product of head probabilities).", step=1),
-    Knob("medusa_tree_min_score", "float", 0.0, 0.0, 0.5, doc="Medusa: dynamic tree: verify only candidates whose path probability (product of head probabilities) is at least this; 0 = always the full tree.", step=0.005),
-    # --- KV cache
-    Knob("kv_cache", "str", "dynamic", doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
+# The KV cache, whatever the strategy (each strategy's own knobs are in its spec).
+_CACHE_KNOBS = [
+    Knob("kv_cache", "str", "dynamic", check=lambda key, value: check_kv_cache(key, value),
+         doc="KV cache: dynamic | quantized-int8 | quantized-int4 (HQQ) | sliding-<N> (last N positions)."),
     Knob("kv_residual_length", "int", 32, 1, 1024, doc="Quantized KV cache: the most recent positions kept unquantized (flushed when full).", step=1),
 ]
-KNOBS: dict[str, Knob] = {}  # run knobs, every stage's knobs (in the order the stages are declared), strategy knobs
+KNOBS: dict[str, Knob] = {}  # run knobs, every stage's knobs (default stage order), every strategy's, the KV cache's
 CONFIG_KEYS: tuple[str, ...] = ()
 
 
@@ -108,11 +83,14 @@ def _derive() -> None:
     DEFAULT_STAGE_ORDER = STAGE_NAMES = tuple(STAGES)
     SAMPLING_ONLY_STAGES = frozenset(name for name, spec in STAGES.items() if spec.sampling_only)
     KNOBS.clear()
-    KNOBS.update((k.name, k) for k in [*_RUN_KNOBS, *(k for s in declared() for k in s.knobs), *_STRATEGY_KNOBS])
+    strategy_knobs = [k for s in STRATEGY_SPECS.values() for k in s.knobs]
+    KNOBS.update((k.name, k) for k in [*_RUN_KNOBS, *(k for s in declared() for k in s.knobs), *strategy_knobs,
+                                       *_CACHE_KNOBS])
     CONFIG_KEYS = ("strategy", *KNOBS, "stage_order")
 
 
 on_change(_derive)
+on_strategies_change(_derive)
 
 
 def _check_number(knob: Knob, value: Any) -> float | int:
@@ -138,10 +116,17 @@ def _check_number(knob: Knob, value: Any) -> float | int:
 
 
 def check_knob(name: str, value: Any) -> Any:
-    """Validate one knob value and return it normalised (ints as int, floats as float)."""
+    """Validate one knob value and return it normalised (ints as int, floats as float); a knob with
+    its own ``check`` (a drafter name, a KV cache kind) has it applied after its kind's."""
     knob = KNOBS.get(name)
     if knob is None:
         raise ConfigError(name, f"unknown key; allowed keys: {', '.join(CONFIG_KEYS)}")
+    value = _check_kind(knob, value)
+    return knob.check(name, value) if knob.check is not None else value
+
+
+def _check_kind(knob: Knob, value: Any) -> Any:
+    name = knob.name
     if knob.kind in ("float", "int"):
         return _check_number(knob, value)
     if knob.kind == "bool":
@@ -352,46 +337,26 @@ class DecodingConfig:
     directly (``DecodingConfig(strategy="sample", temperature=0.7)``); both validate. Field names
     follow transformers' GenerationConfig where one exists.
 
-    The run and strategy knobs are fields. Each stage's knobs are declared by its spec
-    (engine/processors.py), not here: their values live in ``stage_knobs`` and read as attributes
-    (``config.temperature``), so adding a stage adds its knobs without touching this class."""
+    The run knobs are fields. Each stage's and each strategy's knobs are declared by its spec
+    (engine/stages/, engine/strategies/), not here: their values live in ``spec_knobs`` and read
+    as attributes (``config.temperature``, ``config.num_beams``), so adding a stage or a strategy
+    adds its knobs without touching this class."""
 
     strategy: str = "sample"
     seed: int = 0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     top_n: int = 10
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_return_sequences: int = 1
-    num_beam_groups: int = 1
-    diversity_penalty: float = 0.0
-    drafter: str = "self-int8"
-    num_draft_tokens: int = 4
-    ngram_size: int = 3
-    adaptive_k: bool = False
-    penalty_alpha: float = 0.6
-    cd_alpha: float = 0.1
-    amateur: str = "self-nf4"
-    mcts_simulations: int = 32
-    mcts_c_puct: float = 1.5
-    mcts_expand_k: int = 4
-    mcts_rollout_tokens: int = 4
-    medusa_heads: int = 3
-    medusa_tree_width: int = 3
-    medusa_tree_nodes: int = 6
-    medusa_tree_min_score: float = 0.0
     kv_cache: str = "dynamic"
     kv_residual_length: int = 32
     stage_order: tuple[str, ...] = ()  # () or left out: the default order
-    stage_knobs: dict[str, Any] = field(default_factory=dict)  # every stage knob's value, by knob name
+    spec_knobs: dict[str, Any] = field(default_factory=dict)  # every stage and strategy knob's value, by name
 
     def __init__(self, strategy: str = "sample", **values: Any):
         """Keyword arguments: any config key (an unknown one is a TypeError, as for a dataclass);
-        ``stage_knobs``: stage knob values to start from (``dataclasses.replace`` passes it)."""
-        stage = {name: knob.neutral for name, knob in KNOBS.items() if knob.stage is not None}
-        stage.update((k, v) for k, v in (values.pop("stage_knobs", None) or {}).items() if k in stage)
+        ``spec_knobs``: stage and strategy knob values to start from (``dataclasses.replace`` passes it)."""
+        stage = {name: knob.neutral for name, knob in KNOBS.items() if _declared_by_spec(knob)}
+        stage.update((k, v) for k, v in (values.pop("spec_knobs", None) or {}).items() if k in stage)
         object.__setattr__(self, "strategy", strategy)
         for name, default in _FIELD_DEFAULTS.items():
             object.__setattr__(self, name, values.pop(name, default))
@@ -399,17 +364,17 @@ class DecodingConfig:
             if name not in stage:
                 raise TypeError(f"DecodingConfig.__init__() got an unexpected keyword argument {name!r}")
         stage.update(values)
-        object.__setattr__(self, "stage_knobs", stage)
+        object.__setattr__(self, "spec_knobs", stage)
         self._validate()
 
     def __getattr__(self, name: str) -> Any:
-        """A stage knob's value (only called when ``name`` is not a field)."""
-        stage = self.__dict__.get("stage_knobs")
+        """A stage or strategy knob's value (only called when ``name`` is not a field)."""
+        stage = self.__dict__.get("spec_knobs")
         if stage is not None:
             if name in stage:
                 return stage[name]
             knob = KNOBS.get(name)
-            if knob is not None and knob.stage is not None:  # a stage registered after this config was made
+            if knob is not None and _declared_by_spec(knob):  # registered after this config was made
                 return knob.neutral
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -424,20 +389,14 @@ class DecodingConfig:
             value = check_knob(name, getattr(self, name))
             if knob.kind == "str_list":
                 value = tuple(value)
-            if knob.stage is None:
-                object.__setattr__(self, name, value)
+            if _declared_by_spec(knob):
+                self.spec_knobs[name] = value
             else:
-                self.stage_knobs[name] = value
+                object.__setattr__(self, name, value)
         object.__setattr__(self, "stage_order", check_stage_order(self.stage_order or DEFAULT_STAGE_ORDER))
-        check_drafter("drafter", self.drafter, DRAFTER_CHOICES)
-        check_drafter("amateur", self.amateur, ("self-int8", "self-nf4"))
-        check_kv_cache("kv_cache", self.kv_cache)
-        if self.num_return_sequences > self.num_beams and self.strategy == "beam":
-            raise ConfigError("num_return_sequences", f"{self.num_return_sequences} exceeds num_beams={self.num_beams}")
-        if self.strategy == "beam" and self.num_beams % self.num_beam_groups != 0:
-            raise ConfigError("num_beam_groups", f"{self.num_beam_groups} does not divide num_beams={self.num_beams}")
-        if self.strategy == "contrastive_search" and self.top_k < 2:
-            raise ConfigError("top_k", f"contrastive search needs top_k >= 2 candidates, got {self.top_k}")
+        check = STRATEGIES[self.strategy].check
+        if check is not None:  # the strategy's knobs together (beam: num_return_sequences <= num_beams, ...)
+            check(self)
 
     # --- construction and serialisation -------------------------------------------------------
     @classmethod
@@ -488,9 +447,14 @@ class DecodingConfig:
         return tuple(name for name in self.stage_order if _stage_is_active(self, name))
 
 
-# The fields other than strategy and stage_knobs, with their defaults (DecodingConfig.__init__).
+# The fields other than strategy and spec_knobs, with their defaults (DecodingConfig.__init__).
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodingConfig)
-                   if f.name not in ("strategy", "stage_knobs")}
+                   if f.name not in ("strategy", "spec_knobs")}
+
+
+def _declared_by_spec(knob: Knob) -> bool:
+    """A stage's or a strategy's knob (kept in ``spec_knobs``), not a field of DecodingConfig."""
+    return knob.stage is not None or knob.strategy is not None
 
 
 def _stage_is_active(cfg: DecodingConfig, stage: str) -> bool:

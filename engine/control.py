@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .settings import env_seconds
+from engine.settings import env_seconds
 
 DEFAULT_REQUEST_SECONDS = 120.0
 

@@ -13,17 +13,53 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import sampling
-from .cache import KVCache
-from .config import DecodingConfig
-from .metrics import common_prefix, mean_logprob, perplexity
-from .models import LoadedModel
-from .chain import Chain, Traced, traced_rows
-from .trace import StageTrace, StepTrace, Timing, Trace
+from engine import sampling
+from engine.cache import KVCache
+from engine.config import DecodingConfig
+from engine.control import RunControl, check
+from engine.reports.metrics import common_prefix, mean_logprob, perplexity
+from engine.backends.seam import Model
+from engine.chain import Chain, Traced, traced_rows
+from engine.trace import StageTrace, StepTrace, Timing, Trace
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Everything a strategy's ``stream`` gets (``engine.runner.stream`` builds it from a
+    RunRequest): the model, the prompt (text and encoded ids), the knobs, where drafters and
+    amateurs load from (a ModelRegistry), the run's control, whether to time a target-only
+    baseline, the batched scheduler greedy/sampling runs may join, and for a continuation (a
+    strategy whose spec ``continues``) the tokens it continues after, the token it is forced to
+    and the stage records to resume from."""
+
+    lm: Model  # loaded here (LoadedModel) or served (RemoteModel): engine.backends.seam
+    prompt: str
+    ids: list[int]
+    config: DecodingConfig
+    chat: bool = False
+    registry: Any = None  # engine.backends.registry.ModelRegistry
+    control: RunControl | None = None
+    compare_baseline: bool = False
+    scheduler: Any = None
+    prefix: tuple[int, ...] = ()  # tokens already generated: the run continues after them
+    force: int | None = None  # the token taken at the first new step instead of a pick
+    resume: tuple[StageTrace, ...] | None = None  # the run's stage records at the step after prefix (same knobs)
+
+
+def checked(source: Iterator, control: RunControl | None) -> Iterator:
+    """Items of ``source``, checking ``control`` before each one is computed (a cancelled or
+    timed-out run stops within one step)."""
+    while True:
+        check(control)
+        try:
+            item = next(source)
+        except StopIteration:
+            return
+        yield item
 
 
 def check_prompt(prompt_ids: Sequence[int]) -> None:
@@ -44,7 +80,7 @@ class StopCheck:
     """EOS, stop strings and the token budget. ``text`` is the generated text cut before a stop
     string (stop strings are not part of the returned text, as in OpenAI's API)."""
 
-    lm: LoadedModel
+    lm: Model
     config: DecodingConfig
 
     def reason(self, generated: Sequence[int]) -> str | None:
@@ -132,7 +168,7 @@ def draw_at(probs: torch.Tensor, u: float) -> sampling.Pick:
     return sampling.Pick(int(order[at]), prob, u, high - prob, high)
 
 
-def step_trace(lm: LoadedModel, traced: Traced, chosen: sampling.Pick, index: int, elapsed_ms: float, *,
+def step_trace(lm: Model, traced: Traced, chosen: sampling.Pick, index: int, elapsed_ms: float, *,
                forced: bool = False, finish_reason: str | None = None) -> StepTrace:
     """The StepTrace of token ``chosen`` picked from ``traced`` (its stages: raw first, final last;
     a stage between them whose top-N misses the token records the token's p there)."""
@@ -160,7 +196,7 @@ class RunState:
     records, valid only under the run's own knobs; the draws before it are skipped) or must see the
     prefix positions' logits first: ``needs_replay``, then ``replay(rows)``."""
 
-    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+    def __init__(self, lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, *,
                  prefix: Sequence[int] = (), force: int | None = None, resume: Sequence[StageTrace] | None = None):
         check_prompt(prompt_ids)
         self.start = time.perf_counter()
@@ -276,7 +312,7 @@ def timing(steps: Sequence[StepTrace]) -> Timing:
 
 def run_summary(steps: Sequence[StepTrace]) -> dict:
     """Mean log-prob (under the final, processed distribution and the raw model), perplexity of the
-    raw model along the text, and mean entropy (``engine.metrics`` computes them)."""
+    raw model along the text, and mean entropy (``engine.reports.metrics`` computes them)."""
     if not steps:
         return {"tokens": 0}
     raw = [s.raw_prob for s in steps]
@@ -289,7 +325,7 @@ def run_summary(steps: Sequence[StepTrace]) -> dict:
     }
 
 
-def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+def assemble(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
              steps: list[StepTrace], chat: bool, branch_of: int | None = None) -> Trace:
     """A Trace from collected steps (also used while streaming, for partial traces)."""
     generated = [s.chosen_token_id for s in steps]

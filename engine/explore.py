@@ -10,7 +10,7 @@ state the stage used (StageTrace.state), loaded into the new chain's stage of th
 stage the run did not have starts fresh (mirostat at μ = 2τ); an XTC the run did not have draws
 its coin from a generator seeded by the run's seed and the step, so a what-if is repeatable.
 
-On a served model (engine.remote) the raw logits are the server's top-N at the step (one request),
+On a served model (engine.backends) the raw logits are the server's top-N at the step (one request),
 as step mode read them: a what-if there is exact up to the same truncation as the run.
 
 Shapes: logits [1, V] float32; ids [1, S].
@@ -22,12 +22,12 @@ from typing import Any, Sequence
 
 import torch
 
-from . import remote
-from .cache import KVCache
-from .config import ConfigError, DecodingConfig
-from .models import LoadedModel
-from .chain import Chain
-from .trace import StageTrace, Trace
+from engine.backends import remote, served
+from engine.cache import KVCache
+from engine.config import ConfigError, DecodingConfig
+from engine.backends.local import LoadedModel
+from engine.chain import Chain
+from engine.trace import StageTrace, Trace
 
 
 def step_context(trace: Trace, step: int) -> list[int]:
@@ -39,12 +39,12 @@ def step_context(trace: Trace, step: int) -> list[int]:
 
 def raw_logits(lm: LoadedModel, trace: Trace, step: int, cache: KVCache | None = None) -> torch.Tensor:
     """Step ``step``'s raw next-token logits [1, V]: one forward over what ``cache`` lacks of the
-    step's context (a fresh cache costs one prefill of it). A served model (engine.remote): the
+    step's context (a fresh cache costs one prefill of it). A served model (engine.backends): the
     server's top-N there, one request, as step mode reads it (log p inside the top-N, -inf outside;
     N: the run's own in step mode, so its own knobs give its own stages back)."""
-    if isinstance(lm, remote.RemoteModel):
+    if lm.capabilities.served:
         label = trace.extra.get("remote") or {}
-        top_n = int(label["top_n"]) if label.get("mode") == "step" else remote.STEP_TOP_N
+        top_n = int(label["top_n"]) if label.get("mode") == "step" else served.STEP_TOP_N
         return remote.top_logits(lm, step_context(trace, step), top_n)[0]
     cache = cache or KVCache(lm.model)
     return cache.sync(step_context(trace, step))

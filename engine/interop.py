@@ -9,7 +9,7 @@ The YAML is written by hand: numbers, booleans and a fixed list of sampler names
 text ever lands in a value.
 
 What each stage is called there, which of its knobs carry over, and why the others do not, is in
-the stage's spec (``StageSpec.interop``, engine/processors.py); this module holds the tools' own
+the stage's spec (``StageSpec.interop``, engine/stages/); this module holds the tools' own
 rules (strategies, run knobs, their sampler lists) and writes the files.
 """
 
@@ -18,27 +18,13 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from .config import KNOBS, DecodingConfig
-from .presets import Preset
-from .stages import STAGES, Export, ExportView, StageSpec, number
+from engine.config import KNOBS, STRATEGIES, DecodingConfig
+from engine.presets import Preset
+from engine.stages import STAGES, Export, ExportView, StageSpec, number
 
 __all__ = ["InteropExport", "Note", "effective_knobs", "number", "to_llama_cpp", "to_textgen_webui"]
 
 # Knobs that only matter under one strategy.
-STRATEGY_KNOBS = {
-    "beam": ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",
-             "diversity_penalty"),
-    "speculative": ("drafter", "num_draft_tokens", "ngram_size", "adaptive_k"),
-    "contrastive_search": ("penalty_alpha",),
-    "contrastive_decoding": ("cd_alpha", "amateur"),
-}
-# Settings a strategy runs on even at their neutral value.
-STRATEGY_IN_USE = {
-    "beam": ("num_beams",),
-    "speculative": ("drafter", "num_draft_tokens"),
-    "contrastive_search": ("penalty_alpha",),
-    "contrastive_decoding": ("cd_alpha", "amateur"),
-}
 TRACE_ONLY = "a playground trace setting; it does not change the text"
 
 
@@ -69,8 +55,9 @@ def effective_knobs(config: DecodingConfig) -> list[str]:
     strategies (and sampling-only ones under greedy), plus the settings the strategy itself runs on
     even at their neutral value (e.g. penalty_alpha 0.6 for contrastive search). A stage whose spec
     says ``export_all_knobs`` brings every knob while it is active and none while it is not."""
-    inert = {k for strategy, keys in STRATEGY_KNOBS.items() if strategy != config.strategy for k in keys}
-    in_use = set(STRATEGY_IN_USE.get(config.strategy, ()))
+    # a strategy's knobs are inert under another strategy; its ``in_use`` ones run even at neutral
+    inert = {k.name for name, spec in STRATEGIES.items() if name != config.strategy for k in spec.knobs}
+    in_use = set(STRATEGIES[config.strategy].in_use)
     active = set(config.active_stages())
     for name, spec in STAGES.items():
         knobs = {k.name for k in spec.knobs}
@@ -95,8 +82,9 @@ def active_order(config: DecodingConfig) -> list[str]:
 
 
 def _greedy_like(config: DecodingConfig) -> bool:
-    """Strategies other tools lack are exported as greedy decoding, their nearest relative."""
-    return config.is_greedy or config.strategy in ("beam", "contrastive_search", "contrastive_decoding")
+    """Strategies other tools lack are exported as greedy decoding, their nearest relative (their
+    spec's ``exported_as``)."""
+    return config.is_greedy or STRATEGIES[config.strategy].exported_as == "greedy"
 
 
 def _view(config: DecodingConfig, keys: list[str]) -> ExportView:
@@ -143,13 +131,12 @@ def _common_unmapped(config: DecodingConfig, keys: list[str], tool: str, key: st
     if "top_n" in keys:
         out.append(Note("top_n", TRACE_ONLY))
     out += _stage_unmapped(config, keys, key)
-    if config.strategy == "contrastive_decoding":
-        out.append(Note("strategy", f"contrastive decoding (expert vs amateur) has no {tool} equivalent; "
-                                    "exported as greedy"))
-        out += [Note(k, "contrastive decoding only") for k in ("cd_alpha", "amateur") if k in keys]
-    if config.strategy == "beam":
-        out.append(Note("strategy", f"{tool} has no beam search setting here; exported as greedy decoding"))
-        out += [Note(k, "a beam-search setting") for k in STRATEGY_KNOBS["beam"] if k in keys]
+    strategy = STRATEGIES[config.strategy]
+    exported = strategy.exports.get(key)  # a strategy the tool lacks: its spec says what the export says
+    if exported is not None:
+        out.append(Note("strategy", exported.note.format(tool=tool)))
+        names = [k.name for k in strategy.knobs] + list(exported.also)
+        out += [Note(k, exported.knob_note) for k in names if k in keys]
     if _greedy_like(config) and not config.is_greedy:
         dropped = [k for k in keys if (spec := _spec_of_knob(k)) is not None and spec.sampling_only and k != "top_k"]
         out += [Note(k, "dropped: exported as greedy decoding") for k in dropped]
@@ -203,9 +190,10 @@ def to_textgen_webui(preset: Preset) -> InteropExport:
     unmapped = _common_unmapped(config, keys, "text-generation-webui", "webui")
     unmapped += [Note(k, reason) for k, reason in TGW_NOT_IN_PRESET.items() if k in keys]
     if config.strategy == "speculative":
+        speculative = [k.name for k in STRATEGIES["speculative"].knobs]
         unmapped += [Note(k, "speculative decoding is set up when loading the model in text-generation-webui (a draft "
                              "model, or prompt_lookup_num_tokens); the preset keeps the sampling settings, which give "
-                             "the same distribution") for k in STRATEGY_KNOBS["speculative"] if k in keys]
+                             "the same distribution") for k in speculative if k in keys]
     caveats = _stage_caveats(config, keys, "webui")
     if config.strategy == "contrastive_search":
         caveats.append(Note("penalty_alpha", "contrastive search works with the Transformers loader only"))
@@ -222,7 +210,7 @@ def _comment(text: str) -> str:
 
 # --- llama.cpp -------------------------------------------------------------------------------------
 # Each stage's llama.cpp sampler, flag and reasons are in its spec (``StageSpec.interop.llama``).
-# Views of them for other modules (engine/remote.py): our stage -> (llama.cpp sampler name, flag for
+# Views of them for other modules (engine/backends/llamacpp.py): our stage -> (llama.cpp sampler name, flag for
 # its main knob); the knobs llama.cpp has no sampler for -> why; the stages that are its one
 # "penalties" sampler.
 LLAMA_SAMPLER = {name: (s.interop.llama.sampler, s.interop.llama.flag) for name, s in STAGES.items()
@@ -245,9 +233,6 @@ def to_llama_cpp(preset: Preset) -> InteropExport:
     flags.append(f"--n-predict {config.max_new_tokens}")
     flags += [f"--reverse-prompt {shlex.quote(s)}" for s in config.stop]
     unmapped = _common_unmapped(config, keys, "llama.cpp", "llama")
-    if config.strategy == "contrastive_search":
-        unmapped.append(Note("strategy", "llama.cpp has no contrastive search; exported as greedy decoding"))
-        unmapped += [Note(k, "a contrastive-search setting") for k in ("penalty_alpha", "top_k") if k in keys]
     if config.strategy == "speculative":
         spec_flags, spec_notes = _llama_speculative(config)
         flags += spec_flags

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, QuantizedLayer
 
-from .config import check_kv_cache
+from engine.config import check_kv_cache
 
 BACKEND = "hqq"
 # HQQ's axis 1 groups contiguous values: with a group dividing head_dim, each group is a slice of

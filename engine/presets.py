@@ -16,9 +16,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .config import (
-    CONFIG_KEYS, KNOBS, STAGE_NAMES, STRATEGIES, ConfigError, DecodingConfig, check_knob, check_stage_order, check_text,
-)
+from engine import config as engine_config
+from engine.config import (KNOBS, STAGE_NAMES, STRATEGIES, ConfigError, DecodingConfig, check_knob, check_stage_order,
+                           check_text)
 
 PRESET_VERSION = 1
 MAX_PRESET_BYTES = 16_384
@@ -27,7 +27,12 @@ MAX_FILE_PRESETS = 200
 MAX_NAME_LEN = 64
 MAX_DESCRIPTION_LEN = 500
 META_KEYS = ("version", "name", "description")
-PRESET_KEYS = (*META_KEYS, *CONFIG_KEYS)
+
+
+def preset_keys() -> tuple[str, ...]:
+    """Every key a preset may hold: its own and the config's (every registered stage's and
+    strategy's knobs: read at the call, so a strategy registered later counts)."""
+    return (*META_KEYS, *engine_config.CONFIG_KEYS)
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "presets"
 
 
@@ -117,9 +122,9 @@ def _check_meta(data: dict) -> tuple[str, str]:
 def _check_body(body: dict) -> None:
     """Validate key by key, so every message names its key even for values whose own repr fails."""
     for key, value in body.items():
-        if key not in CONFIG_KEYS:
+        if key not in engine_config.CONFIG_KEYS:
             suggestion = _suggest(key)  # a close match says enough; otherwise list every key
-            raise PresetError(f"{_key_label(key)}: unknown key" + (suggestion or f"; allowed keys: {', '.join(PRESET_KEYS)}"))
+            raise PresetError(f"{_key_label(key)}: unknown key" + (suggestion or f"; allowed keys: {', '.join(preset_keys())}"))
         try:
             if key == "stage_order":
                 check_stage_order(value)
@@ -139,7 +144,7 @@ def _key_label(key: str) -> str:
 
 
 def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key[:40], PRESET_KEYS, n=1)
+    close = difflib.get_close_matches(key[:40], preset_keys(), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -40,7 +40,6 @@ stepped one row at a time (``max_batch`` 1), still through the same queue.
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import threading
 import time
@@ -51,14 +50,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .cache import KVCache
-from .config import DecodingConfig
-from .control import RunControl, RunStopped
-from .core import RunState, advance_rows, check_prompt
-from .models import LoadedModel
-from .settings import env_int
-from .threads import step_threads
-from .trace import StageTrace, StepTrace
+from engine.cache import KVCache
+from engine.config import DecodingConfig
+from engine.control import RunControl, RunStopped
+from engine.core import RunState, advance_rows, check_prompt
+from engine.backends.local import LoadedModel
+from engine.settings import env_int
+from engine.threads import step_threads
+from engine.trace import StageTrace, StepTrace
 
 DEFAULT_MAX_BATCH_CPU = 16
 DEFAULT_MAX_BATCH_GPU = 32

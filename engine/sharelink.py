@@ -23,8 +23,8 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .config import ConfigError, check_knob, check_text
-from .presets import Preset, PresetError, loads_strict, parse_preset, short_repr
+from engine.config import ConfigError, check_knob, check_text
+from engine.presets import Preset, PresetError, loads_strict, parse_preset, short_repr
 
 SHARE_PARAM = "share"  # the URL query parameter: ?share=<token>
 TOKEN_PREFIX = "s2."  # format version 2: with a checksum

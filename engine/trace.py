@@ -24,7 +24,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import KNOBS, STAGE_NAMES, ConfigError
+from engine.config import KNOBS, STAGE_NAMES, ConfigError
+from engine.strategies.spec import STRATEGIES
 
 STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "no_tokens_left")
 
@@ -192,22 +193,10 @@ def to_dict(record: Any) -> Any:
 
 def record_fields(strategy: str) -> dict[str, Any]:
     """Where a ``strategy``'s trace keeps its typed records: ``beam`` / ``rounds`` (the Trace
-    fields) or a key of ``extra``, mapped to the record type (a dataclass or list[...] of one)."""
-    # the strategy modules import this one: their record types are looked up when a trace is read
-    from .beam import BeamTrace
-    from .contrastive import ContrastStep, SearchStep
-    from .mcts import MctsPosition
-    from .medusa import MedusaRound
-    from .speculative import SpecRound
-
-    return {
-        "beam": {"beam": BeamTrace},
-        "speculative": {"rounds": list[SpecRound]},
-        "medusa": {"rounds": list[MedusaRound]},
-        "contrastive_search": {"contrastive_search": list[SearchStep]},
-        "contrastive_decoding": {"contrastive_decoding": list[ContrastStep]},
-        "mcts": {"mcts": list[MctsPosition], "mcts_interrupted": MctsPosition},
-    }.get(strategy, {})
+    fields) or a key of ``extra``, mapped to the record type (a dataclass or list[...] of one):
+    its spec's ``records`` (engine.strategies.spec), {} for a strategy without records."""
+    spec = STRATEGIES.get(strategy)
+    return dict(spec.records) if spec is not None else {}
 
 
 def from_dict(cls: Any, data: Any) -> Any:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from engine.models import EMBEDDED, ModelRegistry, model_policy
+from engine.backends.local import EMBEDDED
+from engine.backends.registry import ModelRegistry, model_policy
 from engine.settings import env_int
 
 from . import downloads, events, examples, page_js, share_links, whatif_service

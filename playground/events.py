@@ -30,9 +30,9 @@ import torch
 
 from engine.config import ConfigError, check_arguments
 from engine.control import RunControl, RunStopped
-from engine.models import ModelLoadError
+from engine.backends.local import ModelLoadError
 from engine.presets import PresetError
-from engine.remote import RemoteError
+from engine.backends.client import RemoteError
 from engine.scheduler import default_max_batch
 from engine.settings import env_int, on_space
 from engine.sharelink import ShareLinkError
@@ -40,7 +40,7 @@ from engine.sharelink import ShareLinkError
 MODEL_CONCURRENCY_ID = "model"
 # Bad input and stopped runs: their message is shown as is. Anything else is a failure of ours.
 DEFAULT_RUNS_PER_SESSION = 3
-# A served model's RemoteError (engine.remote) names its server and what went wrong: shown as is too.
+# A served model's RemoteError (engine.backends) names its server and what went wrong: shown as is too.
 USER_ERRORS = (ValueError, ConfigError, ModelLoadError, PresetError, ShareLinkError, RunStopped, RemoteError)
 _DONE = object()
 SKIP = gr.skip()

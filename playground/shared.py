@@ -19,11 +19,14 @@ from typing import Any, Callable, Iterator, Sequence
 import gradio as gr
 
 from engine import runner
+from engine.runner import RunRequest
 from engine.config import ConfigError, DecodingConfig, check_flag, check_text
 from engine.control import RunControl
-from engine.models import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec
-from engine.models import is_remote_source, model_policy
-from engine.remote import RemoteError, RemoteModel
+from engine.backends.local import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
+from engine.backends.registry import ModelPolicy, ModelRegistry
+from engine.backends.registry import is_remote_source, model_policy
+from engine.backends.client import RemoteError
+from engine.backends.served import RemoteModel
 from engine.presets import load_preset
 from engine.scheduler import Scheduler, Schedulers
 from engine.settings import env_text
@@ -42,7 +45,7 @@ class UserError(ValueError):
     """Bad input from the page: shown next to the control, nothing else changes."""
 
 
-# What a served model (engine.remote) cannot give a view or strategy, by what the page calls it:
+# What a served model (engine.backends) cannot give a view or strategy, by what the page calls it:
 # the API hands out a top-N per token, not the model's logits, weights, hidden states or cache.
 REMOTE_UNAVAILABLE = {
     "contrastive_search": "needs the model's hidden states",
@@ -55,7 +58,7 @@ REMOTE_UNAVAILABLE = {
 
 
 def is_remote(lm: Any) -> bool:
-    """Whether ``lm`` is a served model (engine.remote.RemoteModel), not one loaded here."""
+    """Whether ``lm`` is a served model (engine.backends.served.RemoteModel), not one loaded here."""
     return isinstance(lm, RemoteModel)
 
 
@@ -99,7 +102,7 @@ class CheckedRegistry:
 class Shared:
     registry: ModelRegistry
     model: gr.Dropdown  # "embedded", or another source the model policy allows
-    quantization: gr.Radio  # none | int8 | nf4
+    quantization: gr.Dropdown  # engine.backends.local.QUANTIZATIONS: none | int8 | nf4 | rtn/gptq/awq-g64/g32 | ...
     user_presets: gr.BrowserState  # list of preset JSON objects (engine.presets format)
     events: ModelEvents = dataclasses.field(default_factory=ModelEvents)
     policy: ModelPolicy = dataclasses.field(default_factory=model_policy)
@@ -117,7 +120,7 @@ class Shared:
 
     def loaded_lm(self, source: Any, quantization: Any) -> LoadedModel | None:
         """The model the pickers name if the policy allows it and it is loaded already, else None
-        (a page route that must not load a model: engine.models.ModelRegistry.peek)."""
+        (a page route that must not load a model: engine.backends.registry.ModelRegistry.peek)."""
         try:
             spec = self.spec(source, quantization)
         except ModelLoadError as exc:
@@ -173,9 +176,9 @@ class Shared:
                 raise UserError(str(exc)) from None
         if config.strategy in REMOTE_UNAVAILABLE:
             refuse_remote(lm, config.strategy)
-        return runner.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids,
+        return runner.stream(RunRequest(lm, prompt, config, chat=chat, prompt_ids=prompt_ids,
                              registry=CheckedRegistry(self.registry, self.policy),
-                             control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm))
+                             control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm)))
 
     def run(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
             control: RunControl, compare_baseline: bool = False) -> Trace:
@@ -270,14 +273,16 @@ def status_html(message: str) -> str:
     return f'<div class="dp-status">{html.escape(message)}</div>'
 
 
-def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBEDDED,)) -> tuple[gr.Dropdown, gr.Radio]:
+def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBEDDED,)) -> tuple[gr.Dropdown, gr.Dropdown]:
     model = gr.Dropdown(
         choices=list(dict.fromkeys([*offered, default_model])), value=default_model, allow_custom_value=True, label="Model",
         info="'embedded' (SmolLM2-135M-Instruct, offline), a model the operator allows (DP_MODELS), or a server the "
              "operator lists (DP_REMOTE_MODELS: llamacpp:/openai: backend and URL)",
         elem_id="dp-model", scale=3,
     )
-    quant = gr.Radio(list(QUANTIZATIONS), value="none", label="Quantization (bitsandbytes)", elem_id="dp-quant", scale=2)
+    quant = gr.Dropdown(list(QUANTIZATIONS), value="none", label="Quantization",
+                        info="int8 / nf4: bitsandbytes at load; rtn / gptq / awq: 4-bit checkpoints made here (make quantize)",
+                        elem_id="dp-quant", scale=2)
     return model, quant
 
 

@@ -3,7 +3,7 @@ logits, without generating again, and drawn as the view's stage chart.
 
 ``WhatIfService`` (one per app: ``playground.app.build_app`` makes it and serves it) owns the three
 parts: each session's kept logits (``KeptLogits``: one step's raw logits, [1, V] float32, read and
-written only here, under the session's lock), the computation (engine.decode.whatif_step over them)
+written only here, under the session's lock), the computation (engine.strategies.decode.whatif_step over them)
 and the answer (the chart titled with what the new knobs would pick, the note, the explanation).
 
 One transport from the page: ``POST /dp/whatif`` (``ROUTE``; the page's script posts the knob
@@ -35,9 +35,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine import decode, explore
+from engine.strategies import decode
+from engine import explore
 from engine.config import ConfigError, DecodingConfig
-from engine.models import LoadedModel
+from engine.backends.local import LoadedModel
 from engine.settings import env_flag
 from engine.trace import StepTrace, Trace
 from playground.charts import step as charts
@@ -115,7 +116,7 @@ def keep(lm: LoadedModel, trace: Trace, step: int, kept: KeptLogits | None, key:
 def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict, kept: KeptLogits | None,
                 key: str) -> tuple[StepTrace, KeptLogits]:
     """Step ``step`` of ``trace`` re-processed under ``knobs``: its stages, and the token the new
-    knobs would pick with the run's own draw u (engine.decode.whatif_step); and the kept logits
+    knobs would pick with the run's own draw u (engine.strategies.decode.whatif_step); and the kept logits
     (``keep``)."""
     kept = keep(lm, trace, step, kept, key)
     return decode.whatif_step(lm, trace, step, knobs, kept.logits), kept

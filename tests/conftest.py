@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-from engine.models import LoadedModel, ModelRegistry, ModelSpec, embedded_model_dir  # noqa: E402
+from engine.backends.local import LoadedModel, ModelSpec, embedded_model_dir  # noqa: E402
+from engine.backends.registry import ModelRegistry
 from engine.threads import default_threads, set_threads  # noqa: E402
 
 set_threads(default_threads())  # engine.threads is the one place the thread count is set
@@ -189,11 +190,12 @@ LLAMA_BUILD_LOG = Path(tempfile.gettempdir()) / "llama-server-build-pytest.log"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `remote` run last, then those marked `vllm`, so the llama-server build and the
-    vLLM install `make test` started in the background overlap everything else (a stable sort keeps
-    every other order)."""
+    """Tests marked `quantized`, then those marked `remote`, then those marked `vllm`, run last, so the
+    checkpoints, the llama-server build and the vLLM install `make test` started in the background
+    overlap everything else (a stable sort keeps every other order)."""
     items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None,
-                                 item.get_closest_marker("remote") is not None))
+                                 item.get_closest_marker("remote") is not None,
+                                 item.get_closest_marker("quantized") is not None))
 
 
 @pytest.fixture(scope="session")
@@ -223,7 +225,7 @@ def serve_llama(binary: Path, *extra: str, log_name: str = "llama-server.log") -
     import time
     import urllib.request
 
-    from engine.models import gguf_path
+    from engine.backends.local import gguf_path
 
     port = free_port()
     ARTIFACTS.mkdir(exist_ok=True)
@@ -266,9 +268,33 @@ def llama_server(llama_server_binary) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def server_model(llama_server):
     """The real llama-server as a RemoteModel (step mode), connected once for the session."""
-    from engine import remote
+    from engine.backends import llamacpp
 
-    return remote.connect(llama_server, timeout_s=60)
+    return llamacpp.connect(llama_server, timeout_s=60)
+
+
+# --- the 4-bit checkpoints (issue #40): tests marked `quantized` ------------------------------------
+QUANTIZE_WAIT_S = 2400  # `make test` starts deploy/quantize.sh in the background; a cold run takes minutes
+QUANTIZE_LOG = Path(tempfile.gettempdir()) / "quantize-pytest.log"
+
+
+@pytest.fixture(scope="session")
+def quant_checkpoints() -> Path:
+    """The cache folder of the RTN / GPTQ / AWQ checkpoints, made (or waited for, when a run is going
+    on) by deploy/quantize.sh; fails with one line, never skips, when they cannot be had."""
+    import subprocess
+
+    with open(QUANTIZE_LOG, "w") as log:
+        try:
+            done = subprocess.run(["nice", "-n", "19", "sh", str(ROOT / "deploy" / "quantize.sh"), sys.executable],
+                                  stdout=subprocess.PIPE, stderr=log, text=True, timeout=QUANTIZE_WAIT_S, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"quantize: the checkpoints were not made within {QUANTIZE_WAIT_S} s (log: {QUANTIZE_LOG})",
+                        pytrace=False)
+    if done.returncode != 0:
+        last = (QUANTIZE_LOG.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+        pytest.fail(f"quantize: making the checkpoints failed ({last[:200]}; log: {QUANTIZE_LOG})", pytrace=False)
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 # --- vLLM (issue #37): tests marked `vllm` --------------------------------------------------------
@@ -316,6 +342,6 @@ def vllm_server(vllm_python) -> Iterator[str]:
 def vllm_model(vllm_server):
     """The real vLLM as a RemoteModel (step mode), connected once as the operator lists it."""
     from deploy.vllm_serve import remote_spec
-    from engine import remote
+    from engine.backends import remote, served
 
-    return remote.connect_spec(remote.RemoteSpec.parse(remote_spec(vllm_server)), timeout_s=120)
+    return remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server)), timeout_s=120)

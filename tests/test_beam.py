@@ -9,9 +9,11 @@ import math
 import pytest
 import torch
 
-from engine import beam, runner
+from engine.strategies import beam
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
-from engine.models import LoadedModel
+from engine.backends.local import LoadedModel
 from engine.trace import Trace
 
 from conftest import make_tiny_llama
@@ -173,7 +175,7 @@ def test_stop_strings_finish_beams(tiny_lm):
     third = tiny_lm.decode(free.hypotheses[0].token_ids[2:3])
     word = third.strip() or third
     config = beam_config(num_beams=2, max_new_tokens=6, stop=[word])
-    trace = runner.run(tiny_lm, "Stop strings", config)
+    trace = runner.run(RunRequest(tiny_lm, "Stop strings", config))
     stopped = [c for s in trace.beam.steps for c in s.candidates if c.finish_reason == "stop_string"]
     assert stopped
     for c in stopped:
@@ -213,7 +215,7 @@ def test_diversity_penalty_pushes_group_one_off_group_zeros_tokens(tiny64):
 # --- runner, trace JSON, CLI shape ---------------------------------------------------------------
 def test_runner_returns_the_winner_as_the_trace_text(tiny_lm):
     config = beam_config(num_beams=3, num_return_sequences=2, max_new_tokens=8)
-    trace = runner.run(tiny_lm, "Hello", config)
+    trace = runner.run(RunRequest(tiny_lm, "Hello", config))
     winner = trace.beam.hypotheses[trace.beam.winner]
     assert trace.strategy == "beam" and trace.generated_token_ids == winner.token_ids
     assert trace.text == tiny_lm.decode(winner.token_ids)
@@ -223,7 +225,7 @@ def test_runner_returns_the_winner_as_the_trace_text(tiny_lm):
 
 
 def test_trace_json_round_trip(tiny_lm):
-    trace = runner.run(tiny_lm, "Hello", beam_config(num_beams=2, max_new_tokens=4))
+    trace = runner.run(RunRequest(tiny_lm, "Hello", beam_config(num_beams=2, max_new_tokens=4)))
     data = json.loads(trace.to_json())
     cand = data["beam"]["steps"][0]["candidates"][0]
     assert set(cand) >= {"parent", "token", "token_id", "logprob", "score", "normalized_score", "status"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.beam import BeamHypothesis, BeamTrace
+from engine.strategies.beam import BeamHypothesis, BeamTrace
 from playground.charts import beam as charts
 
 
@@ -48,7 +48,7 @@ def long_search(steps: int, beams: int = 4, per_step: int = 8, seed: int = 0) ->
     beams finish at the last step."""
     import random
 
-    from engine.beam import BeamCandidate, BeamStep
+    from engine.strategies.beam import BeamCandidate, BeamStep
     rng = random.Random(seed)
     trace = BeamTrace(num_beams=beams, num_beam_groups=1, length_penalty=1.0, early_stopping=False,
                       candidates_per_step=per_step)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.beam import BeamCandidate, BeamHypothesis, BeamStep, BeamTrace, lineage_tokens
+from engine.strategies.beam import BeamCandidate, BeamHypothesis, BeamStep, BeamTrace, lineage_tokens
 from engine.trace import to_dict
 from playground.charts import beam as charts
 

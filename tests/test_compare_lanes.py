@@ -14,8 +14,8 @@ import pytest
 
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.lessons import builtin_lessons
-from engine.models import ModelRegistry
+from engine.reports.lessons import builtin_lessons
+from engine.backends.registry import ModelRegistry
 from playground.knobs import IGNORED_BY_GREEDY_SHORT, checked_values
 from playground.shared import Shared, UserError
 from playground.views import lessons as lessons_view

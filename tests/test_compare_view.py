@@ -9,8 +9,8 @@ import math
 import plotly.graph_objects as go
 import pytest
 
-from engine.contrastive import ContrastCandidate, ContrastStep, SearchCandidate, SearchStep
-from engine.metrics import lane_metrics
+from engine.strategies.contrastive import ContrastCandidate, ContrastStep, SearchCandidate, SearchStep
+from engine.reports.metrics import lane_metrics
 from engine.trace import StageTrace, StepTrace, Timing, Trace
 from playground.charts import compare as charts
 from playground.shared import UserError
@@ -113,7 +113,7 @@ def test_lane_status_and_sweep_text():
     assert "running… 1 / 8 tokens" in charts.lane_status("Lane 1", t, 8, running=True)
     assert "1 tokens, stop: max_new_tokens reached, 20.0 tok/s" in charts.lane_status("Lane 1", t, 8)
     assert "&lt;b&gt;" in charts.lane_status("<b>", None, 8)
-    from engine.metrics import sweep_spread
+    from engine.reports.metrics import sweep_spread
 
     spread = sweep_spread([[1, 2], [1, 3]])
     assert "**2** distinct outputs" in charts.sweep_markdown("Lane 2", [4, 5], spread)

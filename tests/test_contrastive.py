@@ -10,11 +10,14 @@ import torch
 import torch.nn.functional as F
 from transformers.generation import logits_process as tlp
 
-from engine import contrastive, decode, runner
+from engine.strategies import contrastive, decode
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import ConfigError, DecodingConfig
-from engine.models import LoadedModel, ModelRegistry
+from engine.backends.local import LoadedModel
+from engine.backends.registry import ModelRegistry
 from engine.chain import Chain
-from engine.processors import word_token_variants
+from engine.stages import word_token_variants
 from engine.trace import Trace
 from tests.conftest import make_tiny_llama
 
@@ -133,19 +136,19 @@ def test_search_matches_uncached_reference_on_tiny_model_with_penalty(tiny_lm):
 def test_search_with_alpha_zero_is_greedy(tiny_lm):
     cfg = DecodingConfig(strategy="contrastive_search", top_k=4, penalty_alpha=0.0, max_new_tokens=10)
     greedy = decode.run(tiny_lm, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=10))
-    assert runner.run(tiny_lm, PROMPT, cfg).generated_token_ids == greedy.generated_token_ids
+    assert runner.run(RunRequest(tiny_lm, PROMPT, cfg)).generated_token_ids == greedy.generated_token_ids
 
 
 def test_search_refuses_too_many_candidates(tiny_lm):
     cfg = DecodingConfig(strategy="contrastive_search", top_k=contrastive.MAX_SEARCH_CANDIDATES + 1)
     with pytest.raises(ConfigError, match=r"top_k: .*allowed \[2, 64\], got 65"):
-        runner.run(tiny_lm, PROMPT, cfg)
+        runner.run(RunRequest(tiny_lm, PROMPT, cfg))
 
 
 @pytest.mark.slow
 def test_search_matches_uncached_reference_on_embedded_model(embedded):
     cfg = DecodingConfig(strategy="contrastive_search", top_k=4, penalty_alpha=0.6, max_new_tokens=16)
-    trace = runner.run(embedded, PROMPT, cfg)
+    trace = runner.run(RunRequest(embedded, PROMPT, cfg))
     ref_ids, ref_scores = reference_contrastive_search(embedded.model, trace.prompt_token_ids, 4, 0.6, 16,
                                                        embedded.eos_token_ids)
     assert trace.generated_token_ids == ref_ids
@@ -223,7 +226,7 @@ def test_decoding_refuses_an_amateur_with_another_tokenizer(tiny_lm, tmp_path):
 @pytest.mark.slow
 def test_decoding_with_self_nf4_amateur_on_embedded_model(embedded, registry):
     cfg = DecodingConfig(strategy="contrastive_decoding", amateur="self-nf4", temperature=0.0, max_new_tokens=8)
-    trace = runner.run(embedded, PROMPT, cfg, registry=registry)
+    trace = runner.run(RunRequest(embedded, PROMPT, cfg, registry=registry))
     assert 1 <= len(trace.steps) <= 8 and trace.stop_reason in ("eos", "max_new_tokens")
     assert trace.extra["amateur"] == "self-nf4" and trace.text.strip()
     for step, record in zip(trace.steps, contrastive.records(trace)):
@@ -233,7 +236,7 @@ def test_decoding_with_self_nf4_amateur_on_embedded_model(embedded, registry):
 
 
 def test_run_rejects_other_strategies(tiny_lm):
-    with pytest.raises(ConfigError, match="strategy: engine.contrastive runs"):
+    with pytest.raises(ConfigError, match="strategy: engine.strategies.contrastive runs"):
         list(contrastive.stream(tiny_lm, PROMPT, [1, 2, 3], DecodingConfig(strategy="greedy")))
 
 

@@ -1,4 +1,4 @@
-"""engine.core (the pieces every strategy shares) and engine.models' variant helper.
+"""engine.core (the pieces every strategy shares) and engine.backends.registry's variant helper.
 
 Oracles: a 4-token distribution checked by hand, ``sampling.sample_probs`` with the same seed,
 an uncached loop (the whole sequence fed at every step) driving ``RunState``, and ``decode.stream``
@@ -12,9 +12,11 @@ import math
 import pytest
 import torch
 
-from engine import core, decode, sampling
+from engine import core, sampling
+from engine.strategies import decode
 from engine.config import ConfigError, DecodingConfig
-from engine.models import EMBEDDED, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec, resolve_variant, variant_spec
+from engine.backends.local import EMBEDDED, ModelLoadError, ModelSpec
+from engine.backends.registry import ModelPolicy, ModelRegistry, resolve_variant, variant_spec
 from engine.chain import Chain
 from engine.scheduler import Scheduler
 from engine.trace import StepTrace
@@ -211,7 +213,7 @@ def test_resolve_variant_loads_through_the_registry_and_checks_the_tokenizer(tin
 
 
 def test_resolve_variant_applies_the_registry_policy(tiny_lm, monkeypatch):
-    monkeypatch.setattr("engine.models.load_model", lambda spec, progress=None: pytest.fail("loaded"))
+    monkeypatch.setattr("engine.backends.registry.load_model", lambda spec, progress=None: pytest.fail("loaded"))
     registry = ModelRegistry(policy=ModelPolicy((EMBEDDED,)))
     with pytest.raises(ModelLoadError, match="^amateur: '/etc' is not offered here"):
         resolve_variant(tiny_lm, "model:/etc", registry, "amateur")
@@ -224,13 +226,14 @@ def test_a_middle_stage_records_the_picked_token_s_p_where_its_top_n_misses_it(t
     step's raw logits recomputed without a cache (explore.raw_logits), divided by T (after the
     temperature stage), then cut to the top 40 and renormalised (after top-k)."""
     from engine import explore, runner
+    from engine.runner import RunRequest
     from playground.charts.step import stage_chart
 
     config = DecodingConfig(strategy="sample", temperature=4.0, top_k=40, top_n=1, max_new_tokens=12, seed=2,
                             stage_order=("temperature", "top_k"))
     scheduler = Scheduler(tiny_lm, max_batch=4) if batched else None
     try:
-        trace = runner.run(tiny_lm, "The sea is", config, scheduler=scheduler)
+        trace = runner.run(RunRequest(tiny_lm, "The sea is", config, scheduler=scheduler))
     finally:
         if scheduler is not None:
             scheduler.close()

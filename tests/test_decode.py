@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engine import decode
+from engine.strategies import decode
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.trace import Trace

@@ -51,7 +51,7 @@ def test_space_front_matter(space):
 
 
 def test_space_files_and_requirements(space):
-    for name in ("app.py", "engine/models.py", "engine/__init__.py", "playground/app.py", "presets"):
+    for name in ("app.py", "engine/backends/local.py", "engine/__init__.py", "playground/app.py", "presets"):
         assert (space / name).exists(), name
     assert sorted(p.name for p in (space / "presets").glob("*.json")) == \
         sorted(p.name for p in (ROOT / "presets").glob("*.json"))
@@ -112,7 +112,8 @@ def test_local_run_is_not_public():
 
 
 def test_space_policy_refuses_paths_and_other_hub_ids(monkeypatch):
-    from engine.models import ModelLoadError, model_policy
+    from engine.backends.local import ModelLoadError
+    from engine.backends.registry import model_policy
 
     env = {"SPACE_ID": "x/y"}
     app.apply_deployment_defaults(env, has_gpu=False, has_embedded=True)
@@ -132,7 +133,7 @@ def test_space_policy_refuses_paths_and_other_hub_ids(monkeypatch):
 def test_preload_falls_back_to_embedded_when_the_hub_is_offline(monkeypatch):
     from huggingface_hub import constants
 
-    from engine.models import ModelRegistry
+    from engine.backends.registry import ModelRegistry
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     registry = ModelRegistry()

@@ -1,12 +1,13 @@
-"""engine.drift: distribution drift between model variants, and the KV cache against the uncached loop."""
+"""engine.reports.drift: distribution drift between model variants, and the KV cache against the uncached loop."""
 
 import math
 
 import pytest
 import torch
 
-from engine import decode, drift
-from engine.models import ModelLoadError, ModelSpec
+from engine.strategies import decode
+from engine.reports import drift
+from engine.backends.local import ModelLoadError, ModelSpec
 from engine.trace import from_dict, to_dict
 
 

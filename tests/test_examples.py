@@ -8,7 +8,7 @@ import gradio as gr
 import pytest
 
 from engine.control import RunControl
-from engine.models import ModelRegistry
+from engine.backends.registry import ModelRegistry
 from playground import examples
 from playground.knobs import STAGE_KNOBS, KnobPanel
 from playground.shared import PanelView, Shared, model_pickers, user_presets_state

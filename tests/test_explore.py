@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import explore, runner
+from engine.runner import RunRequest
 from engine.cache import KVCache
 from engine.config import ConfigError, DecodingConfig
 
@@ -16,7 +17,7 @@ CFG = DecodingConfig(strategy="sample", seed=3, max_new_tokens=12, temperature=0
 
 @pytest.fixture(scope="module")
 def trace(tiny_lm):
-    return runner.run(tiny_lm, "What if the knobs moved", CFG)
+    return runner.run(RunRequest(tiny_lm, "What if the knobs moved", CFG))
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -33,7 +34,7 @@ def test_new_knobs_equal_a_forced_run_with_those_knobs(tiny_lm, trace):
     stages = explore.explore_step(tiny_lm, trace, step, knobs)
     new_cfg = CFG.replace(**knobs)
     prefix = trace.generated_token_ids[:step]
-    from engine import decode
+    from engine.strategies import decode
 
     forced = next(decode.stream(tiny_lm, trace.prompt_token_ids, new_cfg, prefix=prefix[:-1], force=prefix[-1]))
     reference = next(decode.stream(tiny_lm, trace.prompt_token_ids, new_cfg, prefix=prefix))

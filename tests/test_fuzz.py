@@ -70,7 +70,7 @@ def random_config(rng: random.Random) -> dict:
         keys.append(rng.choice(["temprature", "<b>x</b>", "\ud800", "x" * 500]))
     data = {k: random_value(rng, k) for k in keys}
     if "strategy" in data and rng.random() < 0.7:
-        data["strategy"] = rng.choice(STRATEGIES)
+        data["strategy"] = rng.choice(list(STRATEGIES))
     if "stage_order" in data and rng.random() < 0.5:
         data["stage_order"] = rng.sample(STAGE_NAMES, rng.randrange(len(STAGE_NAMES)))
     return data

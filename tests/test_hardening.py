@@ -14,9 +14,11 @@ import torch
 
 from conftest import make_tiny_llama
 from engine import runner, sampling
+from engine.runner import RunRequest
 from engine.__main__ import main as cli_main
 from engine.config import ConfigError, DecodingConfig, check_text
-from engine.models import EMBEDDED, LoadedModel, ModelLoadError, ModelPolicy, ModelRegistry, ModelSpec, model_policy
+from engine.backends.local import EMBEDDED, LoadedModel, ModelLoadError, ModelSpec
+from engine.backends.registry import ModelPolicy, ModelRegistry, model_policy
 from engine.presets import PresetError, load_preset
 from engine.sharelink import ShareLinkError, ShareState, decode, encode
 from engine.presets import builtin_presets
@@ -121,7 +123,7 @@ def test_policy_from_environment(monkeypatch):
 
 def test_registry_with_a_policy_refuses_before_loading(monkeypatch):
     loads = []
-    monkeypatch.setattr("engine.models.load_model", lambda spec, progress=None: loads.append(spec))
+    monkeypatch.setattr("engine.backends.registry.load_model", lambda spec, progress=None: loads.append(spec))
     registry = ModelRegistry(policy=ModelPolicy((EMBEDDED,)))
     with pytest.raises(ModelLoadError, match="^amateur: '/etc' is not offered here"):
         registry.get(ModelSpec("/etc"), key="amateur")
@@ -206,7 +208,7 @@ STRATEGIES = [
 @pytest.mark.parametrize("base", STRATEGIES, ids=[s["strategy"] for s in STRATEGIES])
 def test_every_strategy_emits_strict_json(tiny_lm, tiny_amateur, base, masked):
     config = DecodingConfig.from_dict({**base, "max_new_tokens": 5, **(ALL_MASKED if masked else {})})
-    trace = runner.run(tiny_lm, PROMPT, config, registry=AmateurRegistry(tiny_amateur))
+    trace = runner.run(RunRequest(tiny_lm, PROMPT, config, registry=AmateurRegistry(tiny_amateur)))
     data = strict_loads(trace.to_json())
     assert data["stop_reason"] in STOP_REASONS
     if masked:  # token 0 is never picked from a NaN distribution: the run ends, saying why
@@ -221,7 +223,7 @@ def test_tokens_run_out_mid_run(tiny_lm, strategy):
     # Only the tokens of "cat" are allowed, none may repeat, EOS is masked: a few steps, then nothing.
     config = DecodingConfig(strategy=strategy, allowed_words=("cat",), no_repeat_ngram_size=1, min_new_tokens=50,
                             max_new_tokens=50)
-    trace = runner.run(tiny_lm, PROMPT, config)
+    trace = runner.run(RunRequest(tiny_lm, PROMPT, config))
     ids = trace.generated_token_ids
     assert trace.stop_reason == "no_tokens_left" and 1 <= len(ids) < 10 and len(set(ids)) == len(ids)
     assert trace.steps[-1].finish_reason == "no_tokens_left"
@@ -230,7 +232,7 @@ def test_tokens_run_out_mid_run(tiny_lm, strategy):
 
 
 def test_to_json_writes_non_finite_as_null(tiny_lm):
-    trace = runner.run(tiny_lm, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=2))
+    trace = runner.run(RunRequest(tiny_lm, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=2)))
     trace.summary["odd"] = [float("nan"), float("-inf"), 1.5]
     assert strict_loads(trace.to_json())["summary"]["odd"] == [None, None, 1.5]
 
@@ -242,11 +244,11 @@ def test_evicted_model_is_garbage_collected(tiny_lm, monkeypatch):
                            device=torch.device("cpu"), dtype=torch.float32, quantization="none",
                            source=spec.source, eos_token_ids=(2,), memory_bytes=0)
 
-    monkeypatch.setattr("engine.models.load_model", fake_load)
+    monkeypatch.setattr("engine.backends.registry.load_model", fake_load)
     registry = ModelRegistry(capacity=1)
     handle = registry.handle(ModelSpec("first"))  # what a session keeps
     lm = handle.get()
-    runner.run(lm, PROMPT, DecodingConfig(strategy="sample", max_new_tokens=3))  # leaves no cache behind
+    runner.run(RunRequest(lm, PROMPT, DecodingConfig(strategy="sample", max_new_tokens=3)))  # leaves no cache behind
     ref, model_ref = weakref.ref(lm), weakref.ref(lm.model)
     del lm
     gc.collect()
@@ -264,7 +266,7 @@ def test_dtype_is_validated_on_the_cli_and_in_the_environment(monkeypatch, capsy
         cli_main(["--prompt", "hi", "--dtype", "float64"])
     assert exc.value.code == 2
     assert "--dtype" in capsys.readouterr().err
-    from engine.models import ModelLoadError, resolve_dtype
+    from engine.backends.local import ModelLoadError, resolve_dtype
 
     monkeypatch.setenv("DP_DTYPE", "float64")
     with pytest.raises(ModelLoadError, match="DP_DTYPE: expected auto .* got 'float64'"):

@@ -1,10 +1,13 @@
-"""Issue #28: no import circle in playground/ (views import charts, whatif, presenter one way only).
-Every import of a playground module counts, at the top of a file or inside a function (an import
-put in a function to dodge a circle is still a circle)."""
+"""Issues #28 and #36: no import circle in playground/ or engine/ (views import charts, whatif,
+presenter one way only; the engine's rooms import the core and each other one way). Every import
+counts, at the top of a file or inside a function (an import put in a function to dodge a circle
+is still a circle); only imports under ``if TYPE_CHECKING:`` are left out: they never run (they
+name a type for the type checker)."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +22,12 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                 for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -39,10 +47,19 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def playground_graph() -> dict[str, set[str]]:
-    files = sorted((ROOT / "playground").rglob("*.py"))
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def package_graph(package: str) -> dict[str, set[str]]:
+    files = sorted((ROOT / package).rglob("*.py"))
     modules = {module_name(f) for f in files}
     return {module_name(f): imports_of(f, modules) for f in files}
+
+
+def playground_graph() -> dict[str, set[str]]:
+    return package_graph("playground")
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -68,6 +85,35 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_detector_sees_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_type_only_imports_are_left_out_and_function_imports_count(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import b\n"
+                              "def f():\n    from pkg import c\n")
+    (pkg / "b.py").write_text("")
+    (pkg / "c.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert imports_of(pkg / "a.py", {"pkg", "pkg.a", "pkg.b", "pkg.c"}) == {"pkg.c"}
+
+
+def test_no_import_circle_in_engine():
+    """#36: the engine's rooms (stages, strategies, backends, reports, the core) form no circle,
+    counting imports inside functions (the trace reads its records from the strategy specs; the
+    registry, not the loaded-model module, knows served models)."""
+    graph = package_graph("engine")
+    assert "engine.strategies.beam" in graph and "engine.backends.registry" in graph  # the rooms are real
+    assert cycles(graph) == []
+
+
+def test_the_engine_is_in_rooms():
+    """#36: stages, strategies, backends and reports each a package; the core stays a handful of files."""
+    rooms = {p.name for p in (ROOT / "engine").iterdir() if (p / "__init__.py").exists()}
+    assert {"stages", "strategies", "backends", "reports"} <= rooms
+    core = [p.name for p in (ROOT / "engine").glob("*.py")]
+    assert len(core) <= 20, sorted(core)
 
 
 def test_no_import_circle_in_playground():

@@ -1,11 +1,11 @@
-"""engine.kv_arith: KV cache and weight memory of real architectures, checked by hand."""
+"""engine.reports.kv_arith: KV cache and weight memory of real architectures, checked by hand."""
 
 import json
 
 import pytest
 
-from engine import kv_arith
-from engine.kv_arith import Architecture
+from engine.reports import kv_arith
+from engine.reports.kv_arith import Architecture
 
 ARCH = kv_arith.load_architectures()
 

@@ -6,11 +6,14 @@ import json
 import pytest
 import torch
 
-from engine import decode, drift, kv_quant, runner
+from engine.strategies import decode
+from engine.reports import drift
+from engine import kv_quant, runner
+from engine.runner import RunRequest
 from engine.cache import KVCache
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl, RunStopped
-from engine.models import ModelRegistry
+from engine.backends.registry import ModelRegistry
 from engine.trace import to_dict
 
 KINDS = ["dynamic", "quantized-int8", "quantized-int4", "sliding-8"]
@@ -157,7 +160,7 @@ def test_decode_uses_the_configured_kind(tiny_lm, kind):
 def test_sampling_with_a_quantized_cache_is_reproducible(tiny_lm):
     config = DecodingConfig(strategy="sample", seed=5, max_new_tokens=16, top_n=3, kv_cache="quantized-int4",
                             kv_residual_length=4)
-    first, second = (runner.run(tiny_lm, "The cat sat on", config) for _ in range(2))
+    first, second = (runner.run(RunRequest(tiny_lm, "The cat sat on", config)) for _ in range(2))
     assert first.generated_token_ids == second.generated_token_ids
     assert [s.chosen_prob for s in first.steps] == [s.chosen_prob for s in second.steps]
 
@@ -235,8 +238,8 @@ def test_an_odd_number_of_positions_and_heads_packs_in_4_bits():
 def test_greedy_self_kv_speculative_equals_target_greedy(tiny_lm, drafter):
     config = DecodingConfig(strategy="speculative", temperature=0.0, max_new_tokens=24, top_n=1, drafter=drafter,
                             num_draft_tokens=4, kv_residual_length=2)
-    trace = runner.run(tiny_lm, "Once upon a time there was", config, registry=ModelRegistry(capacity=1))
-    greedy = runner.run(tiny_lm, "Once upon a time there was", config.replace(strategy="greedy"))
+    trace = runner.run(RunRequest(tiny_lm, "Once upon a time there was", config, registry=ModelRegistry(capacity=1)))
+    greedy = runner.run(RunRequest(tiny_lm, "Once upon a time there was", config.replace(strategy="greedy")))
     assert trace.generated_token_ids == greedy.generated_token_ids
     assert trace.summary["drafter"].endswith(f"({kv_quant.SELF_KV_DRAFTERS[drafter]} KV)")
     assert trace.summary["acceptance_rate"] > 0.5  # the target drafting for itself agrees with itself mostly
@@ -248,7 +251,7 @@ def test_self_kv4_speculative_sampling_keeps_the_target_distribution(tiny_lm):
     # tokens over 1,000 seeded runs against the target's exact joint (test_speculative's helpers).
     import dataclasses
 
-    from engine.speculative import ModelDrafter, rounds
+    from engine.strategies.speculative import ModelDrafter, rounds
     from tests.conftest import make_tiny_llama
     from tests.test_speculative import chi_square_p, exact_two_token_joint, wrap
 

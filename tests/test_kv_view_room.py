@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from engine import drift
+from engine.reports import drift
 from playground.charts import memory
 from playground.charts import quantization as charts
 from playground.views import quantization as view

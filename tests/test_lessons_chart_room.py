@@ -13,7 +13,7 @@ import pytest
 
 from test_lessons_room import run, shown_chart, tab  # noqa: F401  (tab: the Lessons tab fixture)
 
-from engine.lessons import selected_step
+from engine.reports.lessons import selected_step
 from playground.charts.compare import NOT_RECORDED, chosen_prob_at
 
 VISIBLE = 0.3  # the tallest bar's least share of its own axis

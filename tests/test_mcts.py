@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import decode, mcts, runner
+from engine.strategies import decode, mcts
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.trace import Trace
@@ -80,7 +82,7 @@ def test_the_bigram_model_has_the_hand_table_as_logits(bigram):
 
 def test_lookahead_avoids_the_greedy_trap(bigram):
     greedy = [s.chosen_token_id for s in decode.stream(bigram, [0], DecodingConfig(strategy="greedy", max_new_tokens=4))]
-    trace = runner.run(bigram, "", CONFIG, prompt_ids=[0])
+    trace = runner.run(RunRequest(bigram, "", CONFIG, prompt_ids=[0]))
     assert greedy[0] == 1  # greedy walks into the flat branch
     assert trace.generated_token_ids == [2, 3, 4, 3]  # by hand: the 0.45 token then the 0.97 chain
     # log(0.45) + 3 log(0.97) ~ -0.89 vs log(0.55) + 3 log(1/3) ~ -3.89 for greedy
@@ -89,7 +91,7 @@ def test_lookahead_avoids_the_greedy_trap(bigram):
 
 
 def test_visit_counts_sum_to_the_simulations(bigram):
-    trace = runner.run(bigram, "", CONFIG, prompt_ids=[0])
+    trace = runner.run(RunRequest(bigram, "", CONFIG, prompt_ids=[0]))
     for position in mcts.positions_of(trace):
         nodes = position.nodes
         root = nodes[0]
@@ -106,7 +108,7 @@ def test_visit_counts_sum_to_the_simulations(bigram):
 def test_node_values_are_mean_raw_logprobs_of_path_and_rollout(bigram):
     """The first simulation visits the root's most probable child (1) and rolls out greedily
     among 5, 6, 7 (1/3 each); its value is the mean of the four raw log-probs."""
-    position = mcts.positions_of(runner.run(bigram, "", CONFIG.replace(max_new_tokens=1 + 3), prompt_ids=[0]))[0]
+    position = mcts.positions_of(runner.run(RunRequest(bigram, "", CONFIG.replace(max_new_tokens=1 + 3), prompt_ids=[0])))[0]
     first = position.nodes[position.nodes[0].children[0]]
     assert first.token_id == 1 and first.prior == pytest.approx(0.55, abs=1e-3)
     assert len(first.rollout) == 3 and set(first.rollout) <= {5, 6, 7}
@@ -120,12 +122,12 @@ def test_priors_come_from_the_stage_chain(bigram):
     config = CONFIG.replace(temperature=1.0, banned_words=[word]) if word.strip() else None
     if config is None:
         pytest.skip("token 2 has no text to ban")
-    trace = runner.run(bigram, "", config, prompt_ids=[0])
+    trace = runner.run(RunRequest(bigram, "", config, prompt_ids=[0]))
     assert 2 not in trace.generated_token_ids
 
 
 def test_seeded_runs_repeat_and_json_is_strict(bigram):
-    a, b = (runner.run(bigram, "", CONFIG.replace(temperature=1.0, seed=3), prompt_ids=[0]) for _ in range(2))
+    a, b = (runner.run(RunRequest(bigram, "", CONFIG.replace(temperature=1.0, seed=3), prompt_ids=[0])) for _ in range(2))
     assert a.generated_token_ids == b.generated_token_ids
     assert a.extra["mcts"][0].nodes == b.extra["mcts"][0].nodes
     text = a.to_json()
@@ -146,7 +148,7 @@ def test_the_cache_is_reused_not_rebuilt(bigram, monkeypatch):
 
     monkeypatch.setattr(mcts.KVCache, "forward", spy)
     prompt = [0, 3, 4, 3, 4, 3, 4, 0]
-    trace = runner.run(bigram, "", CONFIG.replace(max_new_tokens=2), prompt_ids=prompt)
+    trace = runner.run(RunRequest(bigram, "", CONFIG.replace(max_new_tokens=2), prompt_ids=prompt))
     assert fed[0] == len(prompt) and max(fed[1:]) <= CONFIG.max_new_tokens
     searched = sum(p.forwards for p in mcts.positions_of(trace))
     assert len(fed) == 1 + searched + 1  # prefill, the searches, one step after the first commit
@@ -172,7 +174,7 @@ class StopAfter(RunControl):
 def test_a_stop_before_the_first_simulation_gives_an_empty_partial_trace(bigram):
     control = RunControl()
     control.cancel()
-    trace = runner.run(bigram, "", CONFIG, prompt_ids=[0], control=control)
+    trace = runner.run(RunRequest(bigram, "", CONFIG, prompt_ids=[0], control=control))
     assert trace.generated_token_ids == [] and trace.summary["stopped"] == "cancelled"
     assert mcts.interrupted_of(trace).simulations == 0 and trace.stop_reason == ""
 
@@ -187,9 +189,9 @@ def test_positions_raises_a_search_stopped_holding_the_tree_so_far(bigram):
 @pytest.mark.parametrize("tokens, sims", [(0, 3), (2, 0), (3, 23)])  # the first, a middle, the last position
 @pytest.mark.parametrize("reason", ["cancelled", "time_limit"])
 def test_a_stopped_run_returns_the_tokens_and_trees_so_far(bigram, tokens, sims, reason):
-    full = runner.run(bigram, "", CONFIG, prompt_ids=[0])
+    full = runner.run(RunRequest(bigram, "", CONFIG, prompt_ids=[0]))
     control = StopAfter(tokens * CONFIG.mcts_simulations + sims, reason)
-    trace = runner.run(bigram, "", CONFIG, prompt_ids=[0], control=control)
+    trace = runner.run(RunRequest(bigram, "", CONFIG, prompt_ids=[0], control=control))
     assert trace.summary["stopped"] == reason
     assert ("time limit" in trace.summary["stopped_message"]) == (reason == "time_limit")
     assert trace.generated_token_ids == full.generated_token_ids[:tokens] and len(trace.steps) == tokens
@@ -214,7 +216,7 @@ def test_knobs_are_validated():
 def test_mcts_on_the_embedded_model_is_no_worse_than_greedy(embedded):
     ids = embedded.encode("The capital of France is", chat=False)
     config = DecodingConfig(strategy="mcts", temperature=0.0, max_new_tokens=6, mcts_simulations=12)
-    trace = runner.run(embedded, "", config, prompt_ids=ids)
+    trace = runner.run(RunRequest(embedded, "", config, prompt_ids=ids))
     greedy = decode.assemble(embedded, "", ids, config, list(decode.stream(embedded, ids, config.replace(strategy="greedy"))), False)
     assert len(trace.steps) == 6
     assert trace.summary["total_raw_logprob"] >= sum(math.log(s.raw_prob) for s in greedy.steps) - 1.0

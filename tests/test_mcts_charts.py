@@ -1,6 +1,6 @@
 """MCTS chart builders are pure functions of a hand-made search tree."""
 
-from engine.mcts import NOT_COMMITTED, MctsNode, MctsPosition
+from engine.strategies.mcts import NOT_COMMITTED, MctsNode, MctsPosition
 from playground.charts import mcts as charts
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine import mcts, runner
+from engine.strategies import mcts
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.models import ModelRegistry
+from engine.backends.registry import ModelRegistry
 from engine.presets import builtin_presets
 from playground.shared import Shared
 from playground.views import search
@@ -31,7 +33,7 @@ def request(lm, config: DecodingConfig = CONFIG) -> search.RunRequest:
 
 @pytest.fixture(scope="module")
 def full_tokens(tiny_lm) -> list[int]:
-    tokens = runner.run(tiny_lm, PROMPT, CONFIG).generated_token_ids
+    tokens = runner.run(RunRequest(tiny_lm, PROMPT, CONFIG)).generated_token_ids
     assert len(tokens) == CONFIG.max_new_tokens, "the tiny model ends too early for these tests"
     return tokens
 
@@ -140,8 +142,8 @@ def test_the_default_preset_fits_the_forward_budget(tiny_lm, shared):
     side_by_side = 2 * (1 + config.max_new_tokens)  # greedy, then beam (its beams in one forward per step)
     assert most_forwards(config) + side_by_side <= FORWARD_BUDGET
     ids = tiny_lm.encode(PROMPT, False)
-    counted = count_forwards(tiny_lm, lambda: runner.run(tiny_lm, PROMPT, config, prompt_ids=ids))
-    trace = runner.run(tiny_lm, PROMPT, config, prompt_ids=ids)
+    counted = count_forwards(tiny_lm, lambda: runner.run(RunRequest(tiny_lm, PROMPT, config, prompt_ids=ids)))
+    trace = runner.run(RunRequest(tiny_lm, PROMPT, config, prompt_ids=ids))
     assert len(trace.steps) == config.max_new_tokens  # the tiny model made every token: the bound is exercised
     assert counted == 1 + trace.summary["search_forwards"] + len(trace.steps) - 1 <= most_forwards(config)
     out = mcts_out()
@@ -156,4 +158,4 @@ def test_the_forward_bound_is_reached_when_no_leaf_ends_early(tiny_lm):
                             mcts_expand_k=2, mcts_rollout_tokens=2)
     assert most_forwards(config) == 9
     ids = tiny_lm.encode(PROMPT, False)
-    assert count_forwards(tiny_lm, lambda: runner.run(tiny_lm, PROMPT, config, prompt_ids=ids)) == 9
+    assert count_forwards(tiny_lm, lambda: runner.run(RunRequest(tiny_lm, PROMPT, config, prompt_ids=ids))) == 9

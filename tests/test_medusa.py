@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from engine import decode, medusa, runner
+from engine.strategies import decode, medusa
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import ConfigError, DecodingConfig
-from engine.medusa import (CHAIN, TREE, HeadProposal, MedusaHeads, TreeShape, build_tree, head_logits, load_heads,
-                           rounds_of, save_heads)
+from engine.strategies.medusa import (CHAIN, TREE, HeadProposal, MedusaHeads, TreeShape, build_tree, head_logits, load_heads, rounds_of, save_heads)
 from engine.trace import TokenProb, Trace
 from test_speculative import chi_square_p, exact_two_token_joint, wrap
 
@@ -281,7 +282,7 @@ def test_medusa_heads_knob_is_validated():
 def test_the_tree_knobs_choose_the_verified_tree(tiny_lm):
     """``medusa_tree_width`` / ``medusa_tree_nodes`` reach the verifier: the rounds' trees have that
     shape (width 1: the chain, one node per head), and the defaults are the engine's TREE."""
-    from engine.medusa import shape_of
+    from engine.strategies.medusa import shape_of
 
     assert shape_of(DecodingConfig(strategy="medusa")) == TREE
     assert shape_of(DecodingConfig(strategy="medusa", medusa_tree_width=1, medusa_tree_nodes=9)) == TreeShape(1, 3)
@@ -300,7 +301,7 @@ def test_the_dynamic_tree_knob_reaches_the_verifier_and_keeps_greedy_exact(tiny_
     """``medusa_tree_min_score``: every verified node's path score reaches it, trees shrink (to
     the root alone where no path does), the summary records it with the mean tree size, and the
     tokens are still target-only greedy's."""
-    from engine.medusa import shape_of
+    from engine.strategies.medusa import shape_of
 
     config = GREEDY.replace(max_new_tokens=12, medusa_tree_width=4, medusa_tree_nodes=24,
                             medusa_tree_min_score=min_score)
@@ -340,11 +341,11 @@ def test_trained_heads_greedy_equals_target_and_accept_drafts(embedded):
 
 # --- where a greedy run leaves target-only, and whether rounding explains it ------------------------------
 def test_first_difference_names_the_token_and_tells_a_rounding_tie_from_a_defect(tiny_lm):
-    """engine.speculative.first_difference (the bench's and the view's check): equal runs give
+    """engine.strategies.speculative.first_difference (the bench's and the view's check): equal runs give
     None; a token the target ranks far below its choice is a defect; a token whose LM-head row
     equals the chosen one's (so its logit ties exactly, in any dtype) is a rounding tie; a run
     that stops early is never a tie."""
-    from engine.speculative import first_difference
+    from engine.strategies.speculative import first_difference
 
     lm = dataclasses.replace(tiny_lm, model=make_tiny_llama())  # its LM head is edited below
     ids = lm.encode("The tide comes in", chat=False)
@@ -395,7 +396,7 @@ def test_bfloat16_medusa_equals_target_greedy_up_to_rounding_ties(tiny_lm, monke
     """The DP_DTYPE=bfloat16 path (mask, heads, read-out and kept cache rows in bfloat16): with an
     oracle proposer the rounds accept several tokens, and the run equals target-only greedy in
     bfloat16 or leaves it only at a rounding tie of the target (first_difference)."""
-    from engine.speculative import first_difference
+    from engine.strategies.speculative import first_difference
 
     lm = dataclasses.replace(tiny_lm, model=make_tiny_llama().to(torch.bfloat16), dtype=torch.bfloat16)
     for prompt in ("Once upon a time", "The tide comes in", "def f(x):"):
@@ -432,6 +433,6 @@ def test_nothing_left_to_pick_ends_the_run_saying_why(tiny_lm, strategy):
     if strategy == "medusa":
         trace = runner.collect(medusa.stream(tiny_lm, "hi", ids, config, heads=MedusaHeads(64, 3)))
     else:
-        trace = runner.run(tiny_lm, "hi", config, prompt_ids=ids)
+        trace = runner.run(RunRequest(tiny_lm, "hi", config, prompt_ids=ids))
     assert trace.stop_reason == "no_tokens_left" and trace.generated_token_ids == []
     assert json.loads(trace.to_json())["stop_reason"] == "no_tokens_left"

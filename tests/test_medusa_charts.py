@@ -1,7 +1,7 @@
 """Medusa chart builders are pure functions of hand-made rounds."""
 
-from engine.medusa import HeadProposal, MedusaRound
-from engine.speculative import DraftToken, ExtraToken
+from engine.strategies.medusa import HeadProposal, MedusaRound
+from engine.strategies.speculative import DraftToken, ExtraToken
 from engine.trace import TokenProb
 from playground.charts import medusa as charts
 
@@ -55,7 +55,7 @@ def test_accept_figure_stacks_heads_and_target():
 def test_tree_figure_draws_the_verified_tree_and_its_accepted_path():
     """A hand tree: root -> the (accepted) -> dog (accepted); root -> a (rejected); the -> cat
     (rejected). Leaves one apart depth-first: dog 0, cat -1, a -2; the at -0.5, root at -1.25."""
-    from engine.medusa import TreeNode
+    from engine.strategies.medusa import TreeNode
 
     r = hand_round()
     r.tree = [TreeNode(0, -1, 1, 0, 5, " the", 0.7, "accepted"), TreeNode(1, 0, 2, 1, 8, " dog", 0.21, "accepted"),

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import medusa_train
-from engine.medusa import MedusaHeads
-from engine.medusa_train import (Settings, cached_text, labels_for, parse, shortlist, teacher_logprobs, to_shortlist,
-                                 train)
+from engine.strategies import medusa_train
+from engine.strategies.medusa import MedusaHeads
+from engine.strategies.medusa_train import (Settings, cached_text, labels_for, parse, shortlist, teacher_logprobs, to_shortlist, train)
 
 PROMPTS = ["Say hi.", "Name a colour.", "Count to three.", "What is tea?"]
 

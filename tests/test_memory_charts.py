@@ -1,7 +1,7 @@
 """playground.charts.memory on hand-made reports: tables and figures a reader can check by hand."""
 
-from engine.drift import KVDriftReport, KVKindDrift, PositionDrift
-from engine.kv_arith import MemoryEstimate
+from engine.reports.drift import KVDriftReport, KVKindDrift, PositionDrift
+from engine.reports.kv_arith import MemoryEstimate
 from playground.charts import memory
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine.control import RunControl
-from engine.models import ModelRegistry
+from engine.backends.registry import ModelRegistry
 from playground.shared import Shared, UserError
 from playground.views import quantization as view
 

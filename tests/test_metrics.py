@@ -7,10 +7,7 @@ import math
 
 import pytest
 
-from engine.metrics import (
-    common_prefix, distinct_n, entropy_series, first_divergence, jaccard, lane_metrics, mean_logprob, ngrams,
-    perplexity, rep_n, sweep_spread,
-)
+from engine.reports.metrics import (common_prefix, distinct_n, entropy_series, first_divergence, jaccard, lane_metrics, mean_logprob, ngrams, perplexity, rep_n, sweep_spread)
 from engine.trace import StageTrace, StepTrace, Timing, Trace
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.models import (ModelLoadError, ModelRegistry, ModelSpec, SlicedLinear, embedded_model_dir, gguf_path,
-                           load_model)
+from engine.backends.local import ModelLoadError, ModelSpec, SlicedLinear, embedded_model_dir, gguf_path, load_model
+from engine.backends.registry import ModelRegistry
 
 
 def test_embedded_gguf_is_found_and_converted_once():
@@ -61,7 +61,7 @@ def test_embedded_model_facts(embedded):
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int8", "nf4"])
 def test_bitsandbytes_quantization_shrinks_memory_and_still_generates(registry, embedded, quantization):
-    from engine import decode
+    from engine.strategies import decode
     from engine.config import DecodingConfig
 
     lm = registry.get(ModelSpec(quantization=quantization))
@@ -87,14 +87,14 @@ def test_directory_without_config_and_bad_spec(tmp_path):
 
 
 def test_quantized_layer_detector_on_real_models(tiny_lm):
-    from engine.models import _has_quantized_layers
+    from engine.backends.local import _has_quantized_layers
 
     assert not _has_quantized_layers(tiny_lm.model)  # plain float Llama: nothing bitsandbytes replaced
 
 
 @pytest.mark.slow
 def test_quantized_layer_detector_sees_bitsandbytes_layers(registry):
-    from engine.models import _has_quantized_layers
+    from engine.backends.local import _has_quantized_layers
 
     assert _has_quantized_layers(registry.get(ModelSpec(quantization="nf4")).model)
 
@@ -138,7 +138,7 @@ def test_startup_examples_are_off_on_zerogpu(monkeypatch):
 
 
 def test_sliced_lm_head_gives_the_plain_product_bit_for_bit(embedded):
-    """engine.models.slice_lm_head: the embedded model's head on real hidden states, 1 to 33 rows
+    """engine.backends.local.slice_lm_head: the embedded model's head on real hidden states, 1 to 33 rows
     (2..32 are sliced), equals F.linear exactly, and the head still shares the embedding's weight."""
     model = embedded.model
     head = model.get_output_embeddings()
@@ -158,7 +158,7 @@ def test_sliced_lm_head_gives_the_plain_product_bit_for_bit(embedded):
 
 
 def test_lm_head_left_alone_where_slicing_does_not_apply():
-    from engine.models import slice_lm_head
+    from engine.backends.local import slice_lm_head
 
     small = torch.nn.Linear(8, 100, bias=False)
     holder = type("M", (), {"get_output_embeddings": lambda self: small})()
@@ -169,7 +169,7 @@ def test_lm_head_left_alone_where_slicing_does_not_apply():
 
 
 def test_a_sliced_head_with_a_bias_gives_the_plain_product():
-    from engine.models import slice_lm_head
+    from engine.backends.local import slice_lm_head
 
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 5000)  # 5 slices, the last one short

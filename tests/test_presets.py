@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import runner
+from engine.runner import RunRequest
 from engine.__main__ import build_parser, config_from_args
 from engine.config import CONFIG_KEYS, KNOBS, DecodingConfig
 from engine.presets import (
@@ -93,7 +94,7 @@ def test_cli_reads_the_same_object(tmp_path):
 
 def _run_preset(lm, stem: str, max_new_tokens: int):
     config = builtin_presets()[stem].config.replace(max_new_tokens=max_new_tokens)
-    return config, runner.run(lm, "The cat sat on the", config)
+    return config, runner.run(RunRequest(lm, "The cat sat on the", config))
 
 
 @pytest.mark.parametrize("stem", [s for s in REQUIRED if s != "speculative-self-int8"])

@@ -7,8 +7,7 @@ from transformers.generation import logits_process as tlp
 
 from engine.config import ConfigError, DecodingConfig
 from engine.chain import Chain
-from engine.processors import (Constraints, Epsilon, FrequencyPenalty, MinP, NoRepeatNGram, PresencePenalty,
-                               RepetitionPenalty, Temperature, TopK, TopP, TypicalP)
+from engine.stages import (Constraints, Epsilon, FrequencyPenalty, MinP, NoRepeatNGram, PresencePenalty, RepetitionPenalty, Temperature, TopK, TopP, TypicalP)
 
 V = 50
 
@@ -132,7 +131,7 @@ class _CountingOracle:
 
 
 def test_top_p_fast_path_equals_transformers_bit_for_bit():
-    from engine.processors import top_p_fast
+    from engine.stages import top_p_fast
 
     g = torch.Generator().manual_seed(11)
     vocab, fast_rows, rows = 49152, 0, 0
@@ -149,7 +148,7 @@ def test_top_p_fast_path_equals_transformers_bit_for_bit():
 
 
 def test_top_p_fast_path_hands_ambiguous_rows_to_transformers():
-    from engine.processors import top_p_fast
+    from engine.stages import top_p_fast
 
     vocab = 4096
     base = torch.full((vocab,), -20.0)

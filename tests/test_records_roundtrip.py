@@ -10,10 +10,12 @@ import json
 
 import pytest
 
-from engine import beam, contrastive, mcts, medusa, runner, speculative
+from engine.strategies import beam, contrastive, mcts, medusa, speculative
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.medusa import MedusaHeads
+from engine.strategies.medusa import MedusaHeads
 from engine.trace import Event, StepTrace, Trace, dumps_strict, from_dict, to_dict, untrusted_trace
 from tests.test_hardening import AmateurRegistry, tiny_amateur  # noqa: F401 (a fixture)
 
@@ -39,7 +41,7 @@ def events_of(lm, amateur, strategy: str, control: RunControl | None = None) -> 
     config = DecodingConfig.from_dict({"strategy": strategy, **SMALL, **knobs})
     if strategy == "medusa":
         return list(medusa.stream(lm, PROMPT, lm.encode(PROMPT, False), config, heads=MedusaHeads(64, 3)))
-    return list(runner.stream(lm, PROMPT, config, registry=AmateurRegistry(amateur), control=control))
+    return list(runner.stream(RunRequest(lm, PROMPT, config, registry=AmateurRegistry(amateur), control=control)))
 
 
 def strict_round_trip(record):

@@ -1,4 +1,4 @@
-"""Issue #29: llama.cpp's server as a remote backend (engine.remote).
+"""Issue #29: llama.cpp's server as a remote backend (engine.backends).
 
 The tests marked `remote` run against a real llama-server built from the llama.cpp in
 llama-cpp-python's sdist (deploy/llama_server.sh) serving the embedded Q4_1 GGUF; they run last and
@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from engine import remote
+from engine.backends import client, llamacpp, remote, served
 from engine.chain import Chain
 from engine.config import DecodingConfig
 from engine.settings import SettingsError
@@ -37,7 +37,7 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 def test_knobs_map_to_request_fields_in_the_stage_order_and_the_rest_is_named():
     config = DecodingConfig(strategy="sample", temperature=0.7, top_k=40, repetition_penalty=1.1,
                             epsilon_cutoff=0.01, top_a=0.2, seed=5)
-    request = remote.llamacpp_request(config)
+    request = llamacpp.llamacpp_request(config)
     fields = request.fields
     assert fields["samplers"] == ["penalties", "temperature", "top_k"]  # our default order: penalties, T, top-k
     assert (fields["temperature"], fields["top_k"], fields["repeat_penalty"], fields["seed"]) == (0.7, 40, 1.1, 5)
@@ -47,24 +47,24 @@ def test_knobs_map_to_request_fields_in_the_stage_order_and_the_rest_is_named():
 
 
 def test_greedy_maps_to_top_k_one_after_the_non_sampling_stages():
-    fields = remote.llamacpp_request(DecodingConfig(strategy="greedy", repetition_penalty=1.2, temperature=0.5)).fields
+    fields = llamacpp.llamacpp_request(DecodingConfig(strategy="greedy", repetition_penalty=1.2, temperature=0.5)).fields
     assert fields["samplers"] == ["penalties", "top_k"] and fields["top_k"] == 1 and fields["mirostat"] == 0
 
 
 def test_the_operator_lists_remote_models_and_a_bad_item_is_one_line():
     listed = "llamacpp:http://127.0.0.1:8080/, openai:http://h:8000/v1"
-    specs = remote.allowed_remote_models({"DP_REMOTE_MODELS": listed})
+    specs = served.allowed_remote_models({"DP_REMOTE_MODELS": listed})
     assert [str(s) for s in specs] == ["llamacpp:http://127.0.0.1:8080", "openai:http://h:8000/v1"]
-    assert remote.allowed_remote_models({}) == ()
+    assert served.allowed_remote_models({}) == ()
     with pytest.raises(SettingsError, match=r"DP_REMOTE_MODELS: expected llamacpp \| openai:http"):
-        remote.allowed_remote_models({"DP_REMOTE_MODELS": "vllm:http://h"})
+        served.allowed_remote_models({"DP_REMOTE_MODELS": "vllm:http://h"})
 
 
 def test_an_unreachable_server_is_one_line_naming_the_url():
     port = free_port()  # closed again: nothing listens there
     start = time.perf_counter()
-    with pytest.raises(remote.RemoteError) as caught:
-        remote.connect(f"http://127.0.0.1:{port}", timeout_s=2)
+    with pytest.raises(client.RemoteError) as caught:
+        llamacpp.connect(f"http://127.0.0.1:{port}", timeout_s=2)
     message = str(caught.value)
     assert time.perf_counter() - start < 2.5
     assert f"http://127.0.0.1:{port}/v1/models: cannot connect" in message and "\n" not in message
@@ -85,8 +85,8 @@ def test_a_slow_server_is_one_line_within_the_timeout():
     url = f"http://127.0.0.1:{server.server_address[1]}"
     start = time.perf_counter()
     try:
-        with pytest.raises(remote.RemoteError) as caught:
-            remote.connect(url, timeout_s=0.5)
+        with pytest.raises(client.RemoteError) as caught:
+            llamacpp.connect(url, timeout_s=0.5)
     finally:
         server.shutdown()
     elapsed = time.perf_counter() - start
@@ -95,7 +95,7 @@ def test_a_slow_server_is_one_line_within_the_timeout():
 
 
 # --- against the real server -----------------------------------------------------------------------
-def llamacpp_greedy(model: remote.RemoteModel, ids: list[int], n: int) -> list[int]:
+def llamacpp_greedy(model: served.RemoteModel, ids: list[int], n: int) -> list[int]:
     """llama.cpp's own greedy: its sampler chain reduced to top-k 1."""
     answer = model.client.post("/completion", {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1,
                                                "samplers": ["top_k"], "return_tokens": True, "cache_prompt": False})
@@ -165,7 +165,7 @@ def test_a_seeded_step_mode_run_is_reproducible_and_the_seed_matters(server_mode
     assert first.generated_token_ids != other.generated_token_ids
     assert all(s.draw is not None for s in first.steps)  # our own draw, with its u
     label = first.extra["remote"]
-    assert label["backend"] == "llamacpp" and label["top_n"] == remote.STEP_TOP_N
+    assert label["backend"] == "llamacpp" and label["top_n"] == served.STEP_TOP_N
     assert len(label["tail_mass"]) == len(first.steps) and all(0 <= t < 1 for t in label["tail_mass"])
     assert [s.name for s in first.steps[0].stages] == ["raw", "temperature", "top_k", "final"]
 
@@ -185,7 +185,7 @@ def test_our_chain_over_the_raw_top_n_gives_llamacpp_s_final_distribution(server
     config = DecodingConfig(strategy="sample", seed=1, **knobs)
     ids = server_model.encode(PROMPT + " Rome. My favourite city is")
     answer = server_model.client.post("/completion", {
-        **remote.llamacpp_request(config, server_model.context).fields, "prompt": ids, "n_predict": 1,
+        **llamacpp.llamacpp_request(config, server_model.context).fields, "prompt": ids, "n_predict": 1,
         "n_probs": 40, "post_sampling_probs": True})
     theirs = {t["id"]: t["prob"] for t in answer["completion_probabilities"][0]["top_probs"]}
     raw, _ = remote.top_logits(server_model, ids, 100)

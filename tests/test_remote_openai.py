@@ -1,4 +1,4 @@
-"""Issue #29 / #37: the OpenAI-compatible backend (engine.remote.OpenAIApi): against llama-server's own
+"""Issue #29 / #37: the OpenAI-compatible backend (engine.backends.openai.OpenAIApi): against llama-server's own
 /v1 endpoint (the real server of tests/conftest.py, marker `remote`) and against a real vLLM's answers
 replayed by a small local HTTP server from tests/data/vllm/ (recorded from vLLM 0.32.0 by
 tests/data/vllm/record.py: see its README). The live vLLM tests are tests/test_vllm_live.py."""
@@ -15,7 +15,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from engine import remote, runner
+from engine import runner
+from engine.backends import client, llamacpp, openai, remote, served
+from engine.config import DecodingConfig
+from engine.runner import RunRequest
 from tests.data.vllm.record import CAPITAL, FAST, GREEDY, HOT, PERIOD, SCORED_LENGTH, STEP_TOP, STORY
 from tests.test_remote_llamacpp import PROMPT, llamacpp_greedy, server_test
 
@@ -108,9 +111,9 @@ def broken_vllm() -> Iterator[tuple[str, dict]]:
     yield from replay("broken.json")
 
 
-def listed(url: str, *eos: int) -> remote.RemoteModel:
+def listed(url: str, *eos: int) -> served.RemoteModel:
     """The replayed server connected as the operator lists it (#vocab=49152&eos=2 by default)."""
-    return remote.connect_openai(url, timeout_s=5, vocab_size=VOCAB, eos_token_ids=eos or (EOS,))
+    return openai.connect_openai(url, timeout_s=5, vocab_size=VOCAB, eos_token_ids=eos or (EOS,))
 
 
 def top_of(answer: dict) -> dict[int, float]:
@@ -127,10 +130,10 @@ def step_tops() -> list[dict[int, float]]:
 # --- vLLM's answers ----------------------------------------------------------------------------------
 def test_connecting_reads_the_model_and_its_context(vllm):
     url, _ = vllm
-    model = remote.connect_openai(url, timeout_s=5)
+    model = openai.connect_openai(url, timeout_s=5)
     assert model.name == f"openai:{url}" and model.backend == "openai" and model.api.dialect == "vllm"
     assert model.api.model_id == NAME and model.context == 2048
-    assert model.vocab_size == remote.VOCAB_BOUND and model.eos_token_ids == ()  # vLLM reports neither
+    assert model.vocab_size == openai.VOCAB_BOUND and model.eos_token_ids == ()  # vLLM reports neither
     given = listed(url)
     assert (given.vocab_size, given.eos_token_ids, given.api.stop_token_ids) == (VOCAB, (EOS,), (EOS,))
 
@@ -138,7 +141,7 @@ def test_connecting_reads_the_model_and_its_context(vllm):
 def test_step_mode_parses_vllm_logprobs_and_records_the_tail_mass(vllm):
     url, state = vllm
     model = listed(url).with_mode("step", STEP_TOP)
-    trace = runner.run(model, CAPITAL, GREEDY, chat=True)
+    trace = runner.run(RunRequest(model, CAPITAL, GREEDY, chat=True))
     tops = step_tops()
     assert trace.generated_token_ids == [max(top, key=top.get) for top in tops]  # greedy: each top-1
     assert trace.generated_token_ids[-1] == EOS and trace.stop_reason == "eos" and len(tops) < GREEDY.max_new_tokens
@@ -160,7 +163,7 @@ def test_step_mode_parses_vllm_logprobs_and_records_the_tail_mass(vllm):
 def test_fast_mode_shows_the_server_s_tokens_and_top_n(vllm):
     url, state = vllm
     model = listed(url).with_mode("fast")
-    trace = runner.run(model, CAPITAL, FAST, chat=True)
+    trace = runner.run(RunRequest(model, CAPITAL, FAST, chat=True))
     streamed = [c["choices"][0] for c in chunks("fast")]
     assert trace.generated_token_ids == [c["token_ids"][0] for c in streamed]
     assert streamed[-1]["finish_reason"] == "length" and trace.stop_reason == "max_new_tokens"
@@ -175,7 +178,7 @@ def test_fast_mode_shows_the_server_s_tokens_and_top_n(vllm):
 
 def test_prompt_logprobs_are_read_per_position(vllm):
     url, _ = vllm
-    model = remote.connect_openai(url, timeout_s=5)
+    model = openai.connect_openai(url, timeout_s=5)
     [exchange] = recorded("prompt_logprobs")
     ids = exchange["body"]["prompt"]
     rows = model.api.prompt_logprobs(ids, SCORED_LENGTH)
@@ -196,10 +199,10 @@ def test_prompt_logprobs_are_read_per_position(vllm):
     (404, "error_404.json", f"The model `no-such-model` does not exist. Valid aliases: {NAME}.")])
 def test_an_error_reply_is_one_line_naming_the_url(vllm, status, name, message):
     url, state = vllm
-    model = remote.connect_openai(url, timeout_s=5)
+    model = openai.connect_openai(url, timeout_s=5)
     state["fail"] = (status, name)
-    with pytest.raises(remote.RemoteError) as caught:
-        runner.run(model, "The capital of France is", GREEDY.replace(max_new_tokens=2))
+    with pytest.raises(client.RemoteError) as caught:
+        runner.run(RunRequest(model, "The capital of France is", GREEDY.replace(max_new_tokens=2)))
     line = str(caught.value)
     assert line == f"OpenAI-compatible server {url}/completions: HTTP {status}: {message}"
     assert fixture(name)["body"]["error"]["message"] == message and "\n" not in line
@@ -207,10 +210,10 @@ def test_an_error_reply_is_one_line_naming_the_url(vllm, status, name, message):
 
 def test_a_slow_server_is_one_line_within_the_timeout(vllm):
     url, state = vllm
-    model = remote.connect_openai(url, timeout_s=0.5)
+    model = openai.connect_openai(url, timeout_s=0.5)
     state["delay"] = 2
     start = time.perf_counter()
-    with pytest.raises(remote.RemoteError) as caught:
+    with pytest.raises(client.RemoteError) as caught:
         model.api.next_top([785], 5)
     assert time.perf_counter() - start < 1.5
     assert str(caught.value) == f"OpenAI-compatible server {url}/completions: no answer within the 0.5 s timeout"
@@ -219,9 +222,9 @@ def test_a_slow_server_is_one_line_within_the_timeout(vllm):
 def test_a_server_without_tokenize_says_so_at_connect(vllm):
     url, state = vllm
     state["tokenize"] = False
-    with pytest.raises(remote.RemoteError, match=r"/tokenize: missing \(HTTP 404\); step mode needs the server's "
+    with pytest.raises(client.RemoteError, match=r"/tokenize: missing \(HTTP 404\); step mode needs the server's "
                                                  r"tokenizer"):
-        remote.connect_openai(url, timeout_s=5)
+        openai.connect_openai(url, timeout_s=5)
 
 
 # --- a served model that is no model (issue #37) ------------------------------------------------------
@@ -230,7 +233,7 @@ def test_a_model_whose_weights_did_not_load_is_named_at_connect(broken_vllm):
     [probe] = recorded("broken", name="broken.json")
     flat = top_of(probe["answer"]).values()  # vLLM's own answer: every one of its top 100 at log 1/V
     assert len(flat) == 100 and all(lp == pytest.approx(-math.log(VOCAB), abs=1e-4) for lp in flat)
-    with pytest.raises(remote.RemoteError) as caught:
+    with pytest.raises(client.RemoteError) as caught:
         listed(url)
     assert str(caught.value) == (f"OpenAI-compatible server {url}: the served model answers a uniform distribution "
                                  f"(its top 100 log-probabilities are all -10.8027 = log 1/{VOCAB}): its weights did "
@@ -244,8 +247,8 @@ def test_a_model_whose_weights_did_not_load_is_named_at_connect(broken_vllm):
                       f"{VOCAB}): give the model's own EOS ids (#eos=)")])
 def test_a_vocabulary_or_eos_that_does_not_fit_is_one_line_at_connect(vllm, vocab, eos, says):
     url, _ = vllm
-    with pytest.raises(remote.RemoteError) as caught:
-        remote.connect_openai(url, timeout_s=5, vocab_size=vocab, eos_token_ids=eos)
+    with pytest.raises(client.RemoteError) as caught:
+        openai.connect_openai(url, timeout_s=5, vocab_size=vocab, eos_token_ids=eos)
     assert str(caught.value) == f"OpenAI-compatible server {url}: {says}"
 
 
@@ -253,7 +256,7 @@ def test_a_top_list_of_n_plus_one_entries_is_read_right(vllm):
     """vLLM's top list puts the sampled token first and adds it as an N+1st entry when it lies outside
     the top N: the step's top-N are the N best, best first, and the token's own p is known."""
     url, _ = vllm
-    trace = runner.run(listed(url).with_mode("fast"), STORY, HOT)
+    trace = runner.run(RunRequest(listed(url).with_mode("fast"), STORY, HOT))
     streamed = [c["choices"][0]["logprobs"] for c in chunks("n_plus_one")]
     outside = 0
     for step, logprobs in zip(trace.steps, streamed, strict=True):
@@ -270,7 +273,7 @@ def test_an_int_stop_reason_is_an_eos_stop(vllm):
     """An operator's EOS ids go to vLLM as stop_token_ids; a stop on one of them comes back as an int
     stop_reason (a stop string's is the string): an EOS stop, as step mode stops there."""
     url, state = vllm
-    trace = runner.run(listed(url, EOS, PERIOD).with_mode("fast"), CAPITAL, GREEDY, chat=True)
+    trace = runner.run(RunRequest(listed(url, EOS, PERIOD).with_mode("fast"), CAPITAL, GREEDY, chat=True))
     last = chunks("eos_stop_token")[-1]["choices"][0]
     assert (last["finish_reason"], last["stop_reason"], last["token_ids"]) == ("stop", PERIOD, [PERIOD])
     assert trace.stop_reason == "eos" and trace.generated_token_ids[-1] == PERIOD
@@ -282,34 +285,34 @@ def test_an_int_stop_reason_is_an_eos_stop(vllm):
 # --- llama-server's own OpenAI endpoint ------------------------------------------------------------
 @server_test
 def test_greedy_step_mode_through_llama_server_s_openai_endpoint_equals_its_greedy(llama_server):
-    model = remote.connect_openai(llama_server + "/v1", timeout_s=60)
-    native = remote.connect(llama_server, timeout_s=60)
+    model = openai.connect_openai(llama_server + "/v1", timeout_s=60)
+    native = llamacpp.connect(llama_server, timeout_s=60)
     assert model.api.dialect == "llamacpp" and model.vocab_size == native.vocab_size
     assert model.eos_token_ids == native.eos_token_ids and model.encode(PROMPT) == native.encode(PROMPT)
     config = DecodingConfig(strategy="greedy", max_new_tokens=16)
     theirs = llamacpp_greedy(native, native.encode(PROMPT), 16)
-    step = runner.run(model, PROMPT, config)
+    step = runner.run(RunRequest(model, PROMPT, config))
     assert step.generated_token_ids == theirs
-    assert runner.run(model.with_mode("fast"), PROMPT, config).generated_token_ids == theirs
+    assert runner.run(RunRequest(model.with_mode("fast"), PROMPT, config)).generated_token_ids == theirs
     top, _ = remote.top_logits(model, native.encode(PROMPT), 20)
     same, _ = remote.top_logits(native, native.encode(PROMPT), 20)
     assert (top - same).nan_to_num().abs().max() < 1e-5  # the same raw top-N through both APIs
-    with pytest.raises(remote.RemoteError, match="prompt_logprobs: not supported by llama-server's OpenAI endpoint"):
+    with pytest.raises(client.RemoteError, match="prompt_logprobs: not supported by llama-server's OpenAI endpoint"):
         model.api.prompt_logprobs(native.encode(PROMPT), 2)
 
 
 def test_the_operator_spec_carries_vllm_s_vocabulary_and_eos(vllm):
     url, _ = vllm
     text = f"openai:{url}#vocab={VOCAB}&eos={EOS}+{PERIOD}"
-    spec = remote.RemoteSpec.parse(text)
+    spec = served.RemoteSpec.parse(text)
     assert (spec.vocab_size, spec.eos_token_ids, spec.top_n, str(spec)) == (VOCAB, (EOS, PERIOD), None, text)
-    [listed_spec] = remote.allowed_remote_models({"DP_REMOTE_MODELS": text})  # the list's commas stay separators
+    [listed_spec] = served.allowed_remote_models({"DP_REMOTE_MODELS": text})  # the list's commas stay separators
     model = remote.connect_spec(listed_spec, timeout_s=5)
     assert (model.vocab_size, model.eos_token_ids, model.backend, model.top_n) == (VOCAB, (EOS, PERIOD), "openai", 100)
-    topped = remote.RemoteSpec.parse(text + "&top=20")
+    topped = served.RemoteSpec.parse(text + "&top=20")
     assert topped.top_n == 20 and str(topped) == text + "&top=20"
     for bad in (f"openai:{url}#vocab=lots", f"openai:{url}#top=5+6", f"openai:{url}#top=0", f"openai:{url}#top=5000",
                 f"openai:{url}#best=5", "llamacpp:http://h:8080#vocab=5"):
         with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"
                                              r"\[&top=<1\.\.1000>\]"):
-            remote.RemoteSpec.parse(bad)
+            served.RemoteSpec.parse(bad)

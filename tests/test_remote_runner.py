@@ -6,22 +6,24 @@ from __future__ import annotations
 
 import pytest
 
-from engine import remote, runner
+from engine.backends import client, llamacpp, remote, served
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from tests.test_remote_llamacpp import PROMPT, llamacpp_greedy, server_test
 
 
-def offline_model() -> remote.RemoteModel:
+def offline_model() -> served.RemoteModel:
     """A RemoteModel that never connects (nothing listens on port 1)."""
-    api = remote.LlamaCppApi(remote.JsonClient("http://127.0.0.1:1", 1))
-    return remote.RemoteModel("llamacpp:http://127.0.0.1:1", api, remote.RemoteTokenizer(api), 100, (0,))
+    api = llamacpp.LlamaCppApi(client.JsonClient("http://127.0.0.1:1", 1))
+    return served.RemoteModel("llamacpp:http://127.0.0.1:1", api, served.RemoteTokenizer(api), 100, (0,))
 
 
 @pytest.mark.parametrize("strategy", ["mcts", "medusa", "contrastive_search"])
 def test_a_strategy_the_backend_lacks_is_one_value_error_naming_both(strategy):
     with pytest.raises(ValueError, match=rf"^strategy: '{strategy}' does not run on the llamacpp backend; "
                                          r"it runs beam, greedy, sample, speculative$"):
-        next(runner.stream(offline_model(), "hi", DecodingConfig(strategy=strategy, top_k=4)))
+        next(runner.stream(RunRequest(offline_model(), "hi", DecodingConfig(strategy=strategy, top_k=4))))
 
 
 def test_the_mode_is_checked():
@@ -30,8 +32,8 @@ def test_the_mode_is_checked():
 
 
 @pytest.fixture(scope="module")
-def server_model(llama_server) -> remote.RemoteModel:
-    return remote.connect(llama_server, timeout_s=60)
+def server_model(llama_server) -> served.RemoteModel:
+    return llamacpp.connect(llama_server, timeout_s=60)
 
 
 SAMPLE = DecodingConfig(strategy="sample", temperature=1.1, top_k=40, max_new_tokens=10, seed=7)
@@ -40,21 +42,21 @@ SAMPLE = DecodingConfig(strategy="sample", temperature=1.1, top_k=40, max_new_to
 @server_test
 def test_runner_run_on_a_remote_model_is_step_mode(server_model):
     greedy = DecodingConfig(strategy="greedy", max_new_tokens=12)
-    events = list(runner.stream(server_model, PROMPT, greedy))
+    events = list(runner.stream(RunRequest(server_model, PROMPT, greedy)))
     trace = events[-1].trace
     assert [e.steps[0] for e in events[:-1]] == trace.steps  # an Event per token, then the Trace
     assert trace.generated_token_ids == remote.run_step(server_model, PROMPT, greedy).generated_token_ids
     assert trace.generated_token_ids == llamacpp_greedy(server_model, server_model.encode(PROMPT), 12)
     assert trace.extra["remote"]["mode"] == "step" and len(trace.extra["remote"]["tail_mass"]) == 12
-    sampled = runner.run(server_model, PROMPT, SAMPLE)
+    sampled = runner.run(RunRequest(server_model, PROMPT, SAMPLE))
     assert sampled.generated_token_ids == remote.run_step(server_model, PROMPT, SAMPLE).generated_token_ids
-    fast = runner.run(server_model.with_mode("fast"), PROMPT, greedy)
+    fast = runner.run(RunRequest(server_model.with_mode("fast"), PROMPT, greedy))
     assert fast.generated_token_ids == trace.generated_token_ids and fast.extra["remote"]["mode"] == "fast"
 
 
 @server_test
 def test_branching_a_remote_run_at_a_middle_step(server_model):
-    parent = runner.run(server_model, PROMPT, SAMPLE)
+    parent = runner.run(RunRequest(server_model, PROMPT, SAMPLE))
     same = runner.collect(runner.branch(server_model, parent, 4, parent.generated_token_ids[4]))
     assert same.generated_token_ids == parent.generated_token_ids  # the draws after a kept step are the run's
     other = next(t.token_id for t in parent.steps[4].stages[0].top if t.token_id != parent.generated_token_ids[4])

@@ -1,4 +1,4 @@
-"""Issue #29: speculative decoding on a remote target (engine.remote_speculative): engine.speculative's
+"""Issue #29: speculative decoding on a remote target (engine.strategies.remote_speculative): engine.strategies.speculative's
 rounds with the target scored by the server (vLLM: prompt_logprobs, one request per round; llama-server:
 one request per position). Against the real llama-server (marker `remote`), a real vLLM's answers
 replayed from tests/data/vllm/, and without a server for the refusals. Live vLLM: tests/test_vllm_live.py."""
@@ -10,10 +10,13 @@ import math
 import pytest
 import torch
 
-from engine import remote, remote_speculative, runner
+from engine.backends import openai
+from engine.strategies import remote_speculative
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
-from engine.models import ModelRegistry
-from engine.speculative import SpecRound
+from engine.backends.registry import ModelRegistry
+from engine.strategies.speculative import SpecRound
 from engine.trace import Trace
 from tests.test_remote_llamacpp import server_test
 from tests.data.vllm.record import SCORED_LENGTH
@@ -33,7 +36,7 @@ def test_a_drafter_a_remote_target_cannot_use_is_one_line(drafter):
 
 def test_vllm_scores_every_drafted_position_in_one_request_exactly(vllm):  # noqa: F811
     url, state = vllm
-    model = remote.connect_openai(url, timeout_s=5, vocab_size=VOCAB)
+    model = openai.connect_openai(url, timeout_s=5, vocab_size=VOCAB)
     [exchange] = recorded("prompt_logprobs")
     ids, choice = exchange["body"]["prompt"], exchange["answer"]["choices"][0]
     before = len(state["requests"])
@@ -52,9 +55,9 @@ def test_vllm_scores_every_drafted_position_in_one_request_exactly(vllm):  # noq
 
 @server_test
 def test_greedy_speculative_with_ngram_drafts_is_remote_greedy(server_model):
-    greedy = runner.run(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=16))
-    events = list(runner.stream(server_model, PROMPT, DecodingConfig(strategy="speculative", drafter="ngram",
-                                                                     temperature=0.0, max_new_tokens=16)))
+    greedy = runner.run(RunRequest(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=16)))
+    events = list(runner.stream(RunRequest(server_model, PROMPT, DecodingConfig(strategy="speculative", drafter="ngram",
+                                                                     temperature=0.0, max_new_tokens=16))))
     trace = events[-1].trace
     assert all(isinstance(e.record, SpecRound) for e in events[:-1])
     assert trace.generated_token_ids == greedy.generated_token_ids
@@ -68,8 +71,8 @@ def test_a_listed_remote_drafter_equal_to_the_target_is_always_accepted(server_m
     monkeypatch.setenv("DP_REMOTE_MODELS", f"llamacpp:{server_model.url}")
     config = DecodingConfig(strategy="speculative", drafter=f"model:llamacpp:{server_model.url}", temperature=0.8,
                             max_new_tokens=12, seed=3)
-    trace = runner.run(server_model, PROMPT, config)
-    again = runner.run(server_model, PROMPT, config)
+    trace = runner.run(RunRequest(server_model, PROMPT, config))
+    again = runner.run(RunRequest(server_model, PROMPT, config))
     assert trace.generated_token_ids == again.generated_token_ids  # seeded: reproducible
     drafted = [d for r in trace.rounds for d in r.drafted]
     assert drafted and all(d.accepted and d.accept_prob == pytest.approx(1.0) for d in drafted)  # p = q
@@ -82,9 +85,9 @@ def test_the_target_only_baseline_runs_on_the_server_and_stops_with_the_run(serv
     from engine.control import RunControl, RunStopped
 
     config = DecodingConfig(strategy="speculative", drafter="ngram", temperature=0.0, max_new_tokens=12)
-    trace = runner.run(server_model, PROMPT, config, compare_baseline=True)
+    trace = runner.run(RunRequest(server_model, PROMPT, config, compare_baseline=True))
     summary = trace.summary
-    greedy = runner.run(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=12))
+    greedy = runner.run(RunRequest(server_model, PROMPT, DecodingConfig(strategy="greedy", max_new_tokens=12)))
     assert summary["baseline_same_tokens"] and summary["baseline_first_difference"] is None
     assert summary["baseline_tokens"] == len(greedy.generated_token_ids) == len(trace.generated_token_ids)
     assert summary["baseline_ms"] > 0 and math.isfinite(summary["speedup"]) and summary["speedup"] > 0

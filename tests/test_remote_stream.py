@@ -16,7 +16,9 @@ from typing import Iterator
 
 import pytest
 
-from engine import remote, runner
+from engine.backends import client, llamacpp, openai, remote, served
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from engine.trace import Event
 from tests.conftest import free_port
@@ -32,7 +34,7 @@ def timed(events: Iterator[Event]) -> list[tuple[float, Event]]:
     return [(time.perf_counter(), event) for event in events]
 
 
-def fast_events(model: remote.RemoteModel, config: DecodingConfig, prompt: str = PROMPT) -> Iterator[Event]:
+def fast_events(model: served.RemoteModel, config: DecodingConfig, prompt: str = PROMPT) -> Iterator[Event]:
     fast = model.with_mode("fast")
     return remote.stream(fast, prompt, fast.encode(prompt), config)
 
@@ -53,8 +55,8 @@ def test_streamed_greedy_equals_llamacpp_greedy_natively_and_through_v1(server_m
     assert native.extra["remote"]["streamed"] is True and native.extra["remote"]["mode"] == "fast"
     assert all([s.name for s in step.stages] == ["raw", "final"] for step in native.steps)
     assert native.steps[-1].finish_reason == "max_new_tokens" == native.stop_reason
-    openai = remote.connect_openai(llama_server + "/v1", timeout_s=60, mode="fast")
-    through_v1 = runner.run(openai, PROMPT, GREEDY)
+    v1 = openai.connect_openai(llama_server + "/v1", timeout_s=60, mode="fast")
+    through_v1 = runner.run(RunRequest(v1, PROMPT, GREEDY))
     assert through_v1.generated_token_ids == theirs and through_v1.extra["remote"]["streamed"] is True
     native.to_json(), through_v1.to_json()  # strict JSON
 
@@ -62,7 +64,7 @@ def test_streamed_greedy_equals_llamacpp_greedy_natively_and_through_v1(server_m
 @server_test
 @pytest.mark.parametrize("api", ["native", "v1"])
 def test_an_event_per_token_arrives_as_the_server_samples_it(server_model, llama_server, api):
-    model = server_model if api == "native" else remote.connect_openai(llama_server + "/v1", timeout_s=60)
+    model = server_model if api == "native" else openai.connect_openai(llama_server + "/v1", timeout_s=60)
     start = time.perf_counter()
     arrived = timed(fast_events(model, GREEDY))
     *tokens, (_, last) = arrived
@@ -114,7 +116,7 @@ def test_a_stop_string_ends_the_stream_with_the_token_that_completed_it(server_m
 def test_vllm_s_stream_gives_an_event_per_token_then_the_trace(vllm):  # noqa: F811 (the fixture)
     url, state = vllm
     model = listed(url).with_mode("fast")
-    events = list(runner.stream(model, CAPITAL, FAST, chat=True))
+    events = list(runner.stream(RunRequest(model, CAPITAL, FAST, chat=True)))
     trace = events[-1].trace
     streamed = [c["choices"][0] for c in chunks("fast")]
     assert [e.steps[0].chosen_token_id for e in events[:-1]] == trace.generated_token_ids == \
@@ -137,7 +139,7 @@ def test_keep_alive_comments_in_vllm_s_stream_are_read_past(vllm):  # noqa: F811
     assert stream["sse"].startswith(": keep-alive\n\n") and stream["sse"].count(": keep-alive") >= 2
     [tokenized] = recorded("keep_alive", "/tokenize")
     prompt = tokenized["body"]["prompt"]
-    trace = runner.run(listed(url).with_mode("fast"), prompt, DecodingConfig(strategy="greedy", max_new_tokens=3))
+    trace = runner.run(RunRequest(listed(url).with_mode("fast"), prompt, DecodingConfig(strategy="greedy", max_new_tokens=3)))
     assert trace.generated_token_ids == [c["choices"][0]["token_ids"][0] for c in chunks("keep_alive")]
     assert len(trace.steps) == 3 and trace.stop_reason == "max_new_tokens"
 
@@ -147,24 +149,24 @@ def test_an_error_chunk_in_vllm_s_stream_is_one_line(vllm):  # noqa: F811
     url, state = vllm
     model = listed(url).with_mode("fast")
     state["stream_error"] = True
-    with pytest.raises(remote.RemoteError) as caught:
-        runner.run(model, CAPITAL, FAST, chat=True)
+    with pytest.raises(client.RemoteError) as caught:
+        runner.run(RunRequest(model, CAPITAL, FAST, chat=True))
     assert str(caught.value) == (f"OpenAI-compatible server {url}/completions: the stream says: Requested sample "
                                  "logprobs of 500, which is greater than max allowed: 100 (parameter=logprobs, "
                                  "value=500)")
 
 
 # --- servers that fail -----------------------------------------------------------------------------
-def offline_fast(url: str, timeout_s: float) -> remote.RemoteModel:
+def offline_fast(url: str, timeout_s: float) -> served.RemoteModel:
     """A fast-mode RemoteModel at ``url`` that asks nothing when made (no /v1/models, no /props)."""
-    api = remote.LlamaCppApi(remote.JsonClient(url, timeout_s))
-    return remote.RemoteModel(f"llamacpp:{url}", api, remote.RemoteTokenizer(api), 100, (0,), mode="fast")
+    api = llamacpp.LlamaCppApi(client.JsonClient(url, timeout_s))
+    return served.RemoteModel(f"llamacpp:{url}", api, served.RemoteTokenizer(api), 100, (0,), mode="fast")
 
 
 def fail_fast(url: str, timeout_s: float = 0.5) -> tuple[str, float]:
     """The RemoteError line of a fast-mode run at ``url``, and how long it took."""
     start = time.perf_counter()
-    with pytest.raises(remote.RemoteError) as caught:
+    with pytest.raises(client.RemoteError) as caught:
         list(remote.stream(offline_fast(url, timeout_s), "hi", [1, 2], GREEDY))
     return str(caught.value), time.perf_counter() - start
 
@@ -238,7 +240,7 @@ def test_a_stream_that_stalls_is_one_line_within_the_timeout(sse):
     events = remote.stream(offline_fast(url, 0.5), "hi", [1, 2], GREEDY)
     assert next(events).steps[0].chosen_token_id == 5  # the first token is shown before the stall
     start = time.perf_counter()
-    with pytest.raises(remote.RemoteError) as caught:
+    with pytest.raises(client.RemoteError) as caught:
         next(events)
     assert time.perf_counter() - start < 1.5
     assert str(caught.value) == f"llama.cpp server {url}/completion: no answer within the 0.5 s timeout"
@@ -247,7 +249,7 @@ def test_a_stream_that_stalls_is_one_line_within_the_timeout(sse):
 @pytest.fixture(scope="module")
 def speculating_server(llama_server_binary) -> Iterator[str]:
     """A second real llama-server doing its own speculative decoding: the embedded GGUF drafts for itself."""
-    from engine.models import gguf_path
+    from engine.backends.local import gguf_path
     from tests.conftest import serve_llama
 
     with serve_llama(llama_server_binary, "-md", str(gguf_path()), "--spec-type", "draft-simple",
@@ -262,7 +264,7 @@ REPEATING = "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wedn
 def test_llama_server_s_own_speculation_is_reported_and_loses_nothing(speculating_server, server_model):
     from playground.charts.remote import remote_markdown
 
-    speculating = remote.connect(speculating_server, timeout_s=60)
+    speculating = llamacpp.connect(speculating_server, timeout_s=60)
     events = list(fast_events(speculating, GREEDY, REPEATING))
     trace = events[-1].trace
     assert len(events) == len(trace.steps) + 1  # every token streamed as it came, the drafts included

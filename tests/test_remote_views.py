@@ -15,7 +15,8 @@ import threading
 
 import pytest
 
-from engine.models import ModelLoadError, ModelPolicy
+from engine.backends.local import ModelLoadError
+from engine.backends.registry import ModelPolicy
 from tests.test_continue_compare import Page, branch
 from tests.test_remote_llamacpp import server_test
 
@@ -59,7 +60,7 @@ def test_the_policy_takes_only_the_operator_s_servers(public):
 
 
 def test_model_policy_lists_dp_remote_models(monkeypatch):
-    from engine.models import model_policy
+    from engine.backends.registry import model_policy
 
     monkeypatch.setenv("DP_REMOTE_MODELS", "llamacpp:http://127.0.0.1:8080/, openai:http://127.0.0.1:8000/v1")
     allowed = model_policy().allowed
@@ -296,7 +297,7 @@ def assert_same_stages(got, expected) -> None:
 @server_test
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_the_what_if_on_a_remote_step_is_step_mode_over_the_server_s_top_n(served, server_model, where):
-    from engine import remote
+    from engine.backends import llamacpp, remote
     from engine.config import DecodingConfig
     from engine.trace import Trace
     from tests.test_continue_compare import run_coroutine
@@ -404,10 +405,10 @@ def test_a_listed_server_drafts_for_the_remote_target(served, monkeypatch):
     page = remote_page(served)
     listed = served[1]
     monkeypatch.setenv("DP_REMOTE_MODELS", f"{listed},{DEAD}")
-    from engine import remote
+    from engine.backends import llamacpp, remote
 
     connects = []
-    real_connect = remote.connect
+    real_connect = llamacpp.connect
     monkeypatch.setattr(remote, "connect", lambda url, *a, **k: connects.append(url) or real_connect(url, *a, **k))
     for _ in range(2):  # the drafter is the app's connection to that server (the target's here): none made again
         spec_generate(page, drafter=f"model:{listed}", tokens=8, temperature=0.8, compare=False)
@@ -572,7 +573,7 @@ CHECKED_ON_THE_SERVER = ("greedy-vs-sampling", "temperature", "truncation", "pen
 @pytest.mark.parametrize("lesson", [*CHECKED_ON_THE_SERVER, "kv-cache", "quantization", "beam-search",
                                     "contrastive-search"])
 def test_a_lesson_runs_on_the_server_and_checks_its_claim_where_an_api_can(served, lesson):
-    from engine.lessons import NEEDS_MODEL, builtin_lessons
+    from engine.reports.lessons import NEEDS_MODEL, builtin_lessons
 
     page = remote_page(served)
     page.set("lessons-pick", lesson)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import drift
+from engine.reports import drift
 from engine.control import RunControl, RunStopped
-from engine.models import ModelRegistry
+from engine.backends.registry import ModelRegistry
 from playground.shared import Shared
 from playground.views import quantization as view
 from test_drift import OneModelRegistry

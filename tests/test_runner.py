@@ -1,11 +1,13 @@
-"""#28: branching and "continue from here" are ``runner.stream(..., prefix=, force=)``: one path with
+"""#28: branching and "continue from here" are ``runner.stream(RunRequest(..., prefix=, force=))``: one path with
 the runner's guards. ``runner.branch`` only validates, replays the kept steps and streams the rest."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine import decode, runner
+from engine.strategies import decode
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import STRATEGIES, DecodingConfig
 
 SAMPLE = DecodingConfig(strategy="sample", temperature=0.9, top_k=20, seed=5, max_new_tokens=8)
@@ -14,9 +16,9 @@ SAMPLE = DecodingConfig(strategy="sample", temperature=0.9, top_k=20, seed=5, ma
 @pytest.mark.parametrize("config", [SAMPLE.replace(strategy="greedy"), SAMPLE], ids=["greedy", "sample"])
 def test_stream_with_prefix_and_force_equals_decode(tiny_lm, config):
     ids = tiny_lm.encode("Once upon", False)
-    parent = runner.run(tiny_lm, "Once upon", config)
+    parent = runner.run(RunRequest(tiny_lm, "Once upon", config))
     prefix, forced = parent.generated_token_ids[:3], 7
-    events = list(runner.stream(tiny_lm, "Once upon", config, prefix=prefix, force=forced))
+    events = list(runner.stream(RunRequest(tiny_lm, "Once upon", config, prefix=prefix, force=forced)))
     steps = [s for e in events for s in e.steps]
     expected = list(decode.stream(tiny_lm, ids, config, prefix=prefix, force=forced))
     assert [s.chosen_token_id for s in steps] == [s.chosen_token_id for s in expected]
@@ -25,12 +27,12 @@ def test_stream_with_prefix_and_force_equals_decode(tiny_lm, config):
 
 
 def test_branch_is_the_kept_steps_then_the_stream(tiny_lm):
-    parent = runner.run(tiny_lm, "Once upon", SAMPLE)
+    parent = runner.run(RunRequest(tiny_lm, "Once upon", SAMPLE))
     events = list(runner.branch(tiny_lm, parent, 3, 7))
     assert events[0].steps == parent.steps[:3]
     new = [s for e in events[1:] for s in e.steps]
-    streamed = list(runner.stream(tiny_lm, parent.prompt, SAMPLE, prompt_ids=parent.prompt_token_ids,
-                                  prefix=parent.generated_token_ids[:3], force=7))
+    streamed = list(runner.stream(RunRequest(tiny_lm, parent.prompt, SAMPLE, prompt_ids=parent.prompt_token_ids,
+                                  prefix=parent.generated_token_ids[:3], force=7)))
     assert [s.chosen_token_id for s in new] == streamed[-1].trace.generated_token_ids
     trace = events[-1].trace
     assert trace.branch_of == 3 and trace.generated_token_ids[:4] == parent.generated_token_ids[:3] + [7]
@@ -38,18 +40,18 @@ def test_branch_is_the_kept_steps_then_the_stream(tiny_lm):
 
 
 def test_branch_with_the_runs_own_token_repeats_the_run(tiny_lm):
-    parent = runner.run(tiny_lm, "Once upon", SAMPLE)
+    parent = runner.run(RunRequest(tiny_lm, "Once upon", SAMPLE))
     again = runner.collect(runner.branch(tiny_lm, parent, 2, parent.generated_token_ids[2]))
     assert again.generated_token_ids == parent.generated_token_ids and again.stop_reason == parent.stop_reason
 
 
-@pytest.mark.parametrize("strategy", sorted(set(STRATEGIES) - runner.CONTINUABLE))
+@pytest.mark.parametrize("strategy", sorted(set(STRATEGIES) - {n for n, s in STRATEGIES.items() if s.continues}))
 @pytest.mark.parametrize("argument", ["prefix", "force"])
 def test_strategies_that_cannot_continue_refuse_prefix_and_force(tiny_lm, strategy, argument):
     kwargs = {"prefix": [1, 2]} if argument == "prefix" else {"force": 1}
     with pytest.raises(ValueError, match=rf"^{argument}: only greedy and sample runs continue from a step, "
                                          rf"not '{strategy}'$"):
-        next(runner.stream(tiny_lm, "hi", DecodingConfig(strategy=strategy, top_k=4), **kwargs))
+        next(runner.stream(RunRequest(tiny_lm, "hi", DecodingConfig(strategy=strategy, top_k=4), **kwargs)))
 
 
 @pytest.mark.parametrize("kwargs, message", [({"force": -1}, "force: token -1"),
@@ -57,7 +59,7 @@ def test_strategies_that_cannot_continue_refuse_prefix_and_force(tiny_lm, strate
                                              ({"force": True}, "force: token True")])
 def test_stream_refuses_tokens_outside_the_vocabulary(tiny_lm, kwargs, message):
     with pytest.raises(ValueError, match=f"^{message} is out of range"):
-        next(runner.stream(tiny_lm, "hi", SAMPLE, **kwargs))
+        next(runner.stream(RunRequest(tiny_lm, "hi", SAMPLE, **kwargs)))
 
 
 def test_a_branch_that_runs_out_of_tokens_says_so(tiny_lm):
@@ -65,7 +67,7 @@ def test_a_branch_that_runs_out_of_tokens_says_so(tiny_lm):
     nothing left to pick ("no_tokens_left" on the trace and its last step)."""
     config = DecodingConfig(strategy="greedy", allowed_words=("cat",), no_repeat_ngram_size=1, min_new_tokens=50,
                             max_new_tokens=50)
-    parent = runner.run(tiny_lm, "Once upon", config)
+    parent = runner.run(RunRequest(tiny_lm, "Once upon", config))
     assert parent.stop_reason == "no_tokens_left" and len(parent.steps) >= 2
     trace = runner.collect(runner.branch(tiny_lm, parent, 1, parent.generated_token_ids[1]))
     assert trace.generated_token_ids == parent.generated_token_ids and trace.branch_of == 1
@@ -85,7 +87,7 @@ def test_a_branch_under_the_runs_own_knobs_takes_its_recorded_state_without_repl
     from engine import core
     from engine.scheduler import Scheduler
 
-    parent = runner.run(tiny_lm, "A stateful run", STATEFUL)
+    parent = runner.run(RunRequest(tiny_lm, "A stateful run", STATEFUL))
     assert len(parent.steps) == 12 and any(s.stages[-2].state for s in parent.steps)
     scheduler = Scheduler(tiny_lm) if through == "scheduler" else None
     replayed = []
@@ -113,7 +115,7 @@ def test_a_branch_whose_records_lack_mirostat_s_state_replays_and_still_repeats_
 
     from engine import core
 
-    parent = runner.run(tiny_lm, "A stateful run", STATEFUL)
+    parent = runner.run(RunRequest(tiny_lm, "A stateful run", STATEFUL))
     stripped = dataclasses.replace(parent, steps=[
         dataclasses.replace(step, stages=[dataclasses.replace(s, state={}) for s in step.stages])
         for step in parent.steps])

@@ -14,11 +14,10 @@ import pytest
 import torch
 from transformers.generation import logits_process as tlp
 
-from engine import decode
+from engine.strategies import decode
 from engine.config import DEFAULT_STAGE_ORDER, ConfigError, DecodingConfig
 from engine.chain import Chain
-from engine.processors import (Dry, DynamicTemperature, Eta, LogitBias, MinNewTokens, Mirostat, Smoothing, TopA,
-                               TopH, TopNSigma, Xtc, word_token_variants)
+from engine.stages import (Dry, DynamicTemperature, Eta, LogitBias, MinNewTokens, Mirostat, Smoothing, TopA, TopH, TopNSigma, Xtc, word_token_variants)
 
 NEG = float("-inf")
 
@@ -353,10 +352,11 @@ NEW_PRESETS = {"dry-vs-repetition-penalty": "dry", "xtc-creative": "xtc", "min-p
 @pytest.mark.parametrize("stem", NEW_PRESETS)
 def test_new_preset_runs_and_shows_its_stage(tiny_lm, stem):
     from engine import runner
+    from engine.runner import RunRequest
     from engine.presets import builtin_presets
 
     config = builtin_presets()[stem].config.replace(max_new_tokens=3)
-    trace = runner.run(tiny_lm, "The cat sat on the", config)
+    trace = runner.run(RunRequest(tiny_lm, "The cat sat on the", config))
     assert 1 <= len(trace.steps) <= 3
     assert NEW_PRESETS[stem] in [s.name for s in trace.steps[0].stages]
 

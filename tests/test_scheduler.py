@@ -13,7 +13,9 @@ import weakref
 
 import pytest
 
-from engine import decode, runner
+from engine.strategies import decode
+from engine import runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.scheduler import Scheduler, SchedulerFull, scheduler_for
@@ -153,7 +155,7 @@ def test_isolation_marker_prompts(tiny_lm):
     traces: dict[str, object] = {}
 
     def go(marker):
-        traces[marker] = runner.run(tiny_lm, marker, config, scheduler=scheduler)
+        traces[marker] = runner.run(RunRequest(tiny_lm, marker, config, scheduler=scheduler))
 
     threads = [threading.Thread(target=go, args=(m,)) for m in markers]
     for t in threads:

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from engine import medusa
+from engine.strategies import medusa
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
-from engine.medusa import MedusaHeads
-from engine.models import ModelRegistry
+from engine.strategies.medusa import MedusaHeads
+from engine.backends.registry import ModelRegistry
 from playground.events import error_message
 from playground.shared import Shared
 from playground.views import search

@@ -28,7 +28,7 @@ import pytest
 
 import app
 from deploy.make_space import build_space
-from engine.models import embedded_model_dir
+from engine.backends.local import embedded_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 # Outside the checkout, so a fresh clone (CI) on the same machine reuses it.

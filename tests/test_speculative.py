@@ -13,15 +13,15 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import make_tiny_llama
-from engine import decode, runner
+from engine.strategies import decode
+from engine import runner
+from engine.runner import RunRequest
 from engine.cache import KVCache
 from engine.config import DecodingConfig
-from engine.models import LoadedModel, ModelRegistry
+from engine.backends.local import LoadedModel
+from engine.backends.registry import ModelRegistry
 from engine.chain import Chain
-from engine.speculative import (
-    DrafterError, ModelDrafter, NgramDrafter, acceptance_probability, assemble, next_k,
-    prompt_lookup, residual_distribution, rounds, rounds_of,
-)
+from engine.strategies.speculative import (DrafterError, ModelDrafter, NgramDrafter, acceptance_probability, assemble, next_k, prompt_lookup, residual_distribution, rounds, rounds_of)
 from engine.trace import Trace
 
 PROMPT = "The cat sat on the mat. The cat sat on the"
@@ -208,7 +208,7 @@ def test_engine_loop_samples_the_target_distribution(tiny8):
 def test_greedy_model_drafter_from_a_directory_equals_target_only(tiny_lm, tmp_path, knobs):
     draft_dir = save_model(perturbed(tiny_lm.model, 0.5), tiny_lm.tokenizer, tmp_path / "draft")
     config = GREEDY.replace(drafter=f"model:{draft_dir}", **knobs)
-    trace = runner.run(tiny_lm, PROMPT, config, registry=ModelRegistry(capacity=1))
+    trace = runner.run(RunRequest(tiny_lm, PROMPT, config, registry=ModelRegistry(capacity=1)))
     assert trace.generated_token_ids == target_only(tiny_lm, PROMPT, config)
     recorded = rounds_of(trace)
     drafted = [d for r in recorded for d in r.drafted]
@@ -220,12 +220,12 @@ def test_greedy_model_drafter_from_a_directory_equals_target_only(tiny_lm, tmp_p
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_lm, tmp_path):
     small = save_model(make_tiny_llama(vocab_size=1000, seed=3, layers=1, hidden=32), tiny_lm.tokenizer, tmp_path / "small")
     with pytest.raises(DrafterError, match="scores 1000 tokens"):
-        runner.run(tiny_lm, PROMPT, GREEDY.replace(drafter=f"model:{small}"), registry=ModelRegistry(capacity=1))
+        runner.run(RunRequest(tiny_lm, PROMPT, GREEDY.replace(drafter=f"model:{small}"), registry=ModelRegistry(capacity=1)))
     tokenizer = copy.deepcopy(tiny_lm.tokenizer)
     tokenizer.add_tokens(["<zebra-token>"])
     other = save_model(make_tiny_llama(vocab_size=49153, seed=3, layers=1, hidden=32), tokenizer, tmp_path / "other")
     with pytest.raises(DrafterError, match="different vocabulary"):
-        runner.run(tiny_lm, PROMPT, GREEDY.replace(drafter=f"model:{other}"), registry=ModelRegistry(capacity=1))
+        runner.run(RunRequest(tiny_lm, PROMPT, GREEDY.replace(drafter=f"model:{other}"), registry=ModelRegistry(capacity=1)))
 
 
 def test_stops_at_eos_inside_a_round_like_target_only(tiny_lm):
@@ -309,7 +309,7 @@ def test_trace_json_has_rounds_and_per_token_steps(tiny_lm):
 def test_ngram_drafter_is_a_point_mass(tiny_lm):
     config = SAMPLING.replace(drafter="ngram", max_new_tokens=16)
     prompt = "a b c d e f g a b c d e f g a b c"
-    trace = runner.run(tiny_lm, prompt, config, registry=ModelRegistry(capacity=1))
+    trace = runner.run(RunRequest(tiny_lm, prompt, config, registry=ModelRegistry(capacity=1)))
     drafted = [d for r in trace.rounds for d in r.drafted]
     assert drafted
     for d in drafted:
@@ -335,7 +335,7 @@ def embedded_reference(embedded):
 @pytest.mark.parametrize("drafter", ["ngram", "self-int8", "self-nf4"])
 def test_greedy_speculative_equals_target_only_on_the_embedded_model(embedded, registry, embedded_reference, drafter):
     config, reference = embedded_reference
-    trace = runner.run(embedded, GROUNDED, config.replace(drafter=drafter), chat=True, registry=registry)
+    trace = runner.run(RunRequest(embedded, GROUNDED, config.replace(drafter=drafter), chat=True, registry=registry))
     assert trace.generated_token_ids == reference
     assert trace.summary["accepted"] > 0
     assert trace.summary["target_forwards"] < len(reference)

@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from engine.config import DecodingConfig
-from engine.speculative import (
-    Draft, DraftToken, NgramDrafter, SpecRound, assemble, cut_at_eos, rounds, top_tokens,
-)
+from engine.strategies.speculative import (Draft, DraftToken, NgramDrafter, SpecRound, assemble, cut_at_eos, rounds, top_tokens)
 from engine.trace import TokenProb
 from playground.charts import speculative as charts
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from engine.speculative import DraftToken, ExtraToken, SpecRound, rounds_of
+from engine.strategies.speculative import DraftToken, ExtraToken, SpecRound, rounds_of
 from engine.trace import TokenProb
 from playground.charts import speculative as charts
 
@@ -92,12 +92,13 @@ def test_a_real_run_tells_the_truth(embedded, registry, temperature):
     note is its chip's; the greedy run's figures never mention the residual; the speed line names
     both token counts."""
     from engine import runner
+    from engine.runner import RunRequest
     from engine.presets import load_preset
     from playground.views.speculative import DEFAULT_PROMPT
 
     config = load_preset("speculative-ngram").config.replace(max_new_tokens=24, temperature=temperature, seed=5)
     greedy = config.is_greedy
-    trace = runner.run(embedded, DEFAULT_PROMPT, config, chat=True, registry=registry, compare_baseline=True)
+    trace = runner.run(RunRequest(embedded, DEFAULT_PROMPT, config, chat=True, registry=registry, compare_baseline=True))
     rounds = rounds_of(trace)
     note = charts.special_drafts_note(rounds, config.drafter)
     for r in rounds:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from engine.speculative import DraftToken, ExtraToken, SpecRound, rounds_of
+from engine.strategies.speculative import DraftToken, ExtraToken, SpecRound, rounds_of
 from engine.trace import Timing, TokenProb, Trace
 from playground.charts import speculative as charts
 

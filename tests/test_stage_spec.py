@@ -1,5 +1,5 @@
-"""Issue #28, one spec per stage: a stage is its class plus ONE ``StageSpec`` (engine/processors.py),
-and everything else reads the spec. A toy stage registered here (tail-free sampling, the README's
+"""Issue #28, one spec per stage: a stage is its class plus ONE ``StageSpec`` (engine/stages/spec.py),
+and everything else reads the spec. A toy stage registered here (tail-free sampling, docs/architecture.md's
 "Add a stage" example, verbatim) shows up in the config (knob, order, validation, active stages),
 the chain (built, recorded, shared across rows), the step chart's note and title, both exports and
 the knob panel, and leaves no trace once removed. Every built-in stage has a note, a title, an entry
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import config, processors, stages
+from engine import config, stages
 from engine.chain import Chain, traced_rows
 from engine.config import ConfigError, DecodingConfig
 from engine.interop import effective_knobs, to_llama_cpp, to_textgen_webui
 from engine.presets import Preset
-from engine.processors import Stage, _require
+from engine.stages import Stage, require
 from engine.stages import STAGES, Export, Interop, Knob, StageSpec, param, register, truncation_note, unregister
 from engine.trace import StageTrace, TokenProb
 from playground import knobs as knob_panel
@@ -28,7 +28,7 @@ from playground.charts.stage_notes import stage_heading, stage_note
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# --- the README's worked example: what a contributor adds to engine/processors.py -------------------
+# --- docs/architecture.md's worked example (tests/test_docs.py keeps them equal): what a contributor adds
 class TailFree(Stage):
     """Tail-free sampling (text-generation-webui's ``tfs``): sort the probabilities, take the absolute
     second differences of that curve and normalise them to sum to 1; keep the top tokens while the
@@ -37,7 +37,7 @@ class TailFree(Stage):
     name = "tail_free"
 
     def __init__(self, tfs: float):
-        _require(0 < tfs < 1, "tfs", tfs, "(0, 1) for a stage (1 = disabled)")
+        require(0 < tfs < 1, "tfs", tfs, "(0, 1) for a stage (1 = disabled)")
         super().__init__(tfs=tfs)
 
     def apply(self, input_ids, logits):  # -> (new logits, diagnostics: none here)
@@ -114,9 +114,9 @@ def test_a_registered_stage_is_built_recorded_and_shared():
         traced = chain.traced(torch.tensor([[0]]), logits, 5, str)
         record = traced.stages[2]
         assert (record.name, record.params) == ("tail_free", {"tfs": 0.9})
-        assert torch.equal(traced.logits, TailFree(0.9)(None, processors.TopK(4)(None, logits)))
+        assert torch.equal(traced.logits, TailFree(0.9)(None, stages.TopK(4)(None, logits)))
         # shareable: two rows with equal knobs share one call, with the same floats as alone
-        assert processors.share_key(chain.stages[1]) == processors.share_key(Chain.from_config(cfg).stages[1])
+        assert stages.share_key(chain.stages[1]) == stages.share_key(Chain.from_config(cfg).stages[1])
         rows = traced_rows([chain, Chain.from_config(cfg)], [torch.tensor([[0]])] * 2, logits.repeat(2, 1), [5, 5], str)
         assert all(torch.equal(r.logits, traced.logits) for r in rows)
         assert [s.kept for s in rows[1].stages] == [s.kept for s in traced.stages]
@@ -204,12 +204,15 @@ def test_no_other_module_keeps_a_per_stage_table():
                                  "presence_penalty"):
                     continue  # also names outside a stage table (top_k 1 for greedy, GenerationConfig fields...)
                 assert f'"{knob.name}"' not in text, (path, knob.name)
-    assert stages.declared()[0].name == "temperature"  # the declaration order: config.KNOBS' order
+    # config.KNOBS' order of stage knobs is the default stage order, whichever family module declares a stage
+    assert [s.name for s in stages.declared()] == list(STAGES) and stages.declared()[0].name == "constraints"
+    stage_knobs = [k for k in config.KNOBS.values() if k.stage is not None]
+    assert stage_knobs == [k for s in STAGES.values() for k in s.knobs]
 
 
 # --- diagnostics as values, state through the stage's own API ----------------------------------------
 def test_a_stage_returns_its_diagnostics_and_keeps_its_knobs():
-    dry = processors.Dry(1.0, 2.0, 1)
+    dry = stages.Dry(1.0, 2.0, 1)
     ids, logits = torch.tensor([[3, 4, 3]]), torch.zeros(1, 6)
     out, found = dry.apply(ids, logits)
     assert out[0, 4] == -1.0 and found["penalized"][0]["token_id"] == 4
@@ -223,7 +226,7 @@ def test_a_stage_returns_its_diagnostics_and_keeps_its_knobs():
 
 def test_mirostat_accept_reset_and_clone():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    stage = processors.Mirostat(2, 3.0, 0.5)
+    stage = stages.Mirostat(2, 3.0, 0.5)
     _, found = stage.run(None, logits)
     assert found == {"mu": 6.0, "kept": found["kept"], "mu_after": None} and stage.state() == {"mu": 6.0}
     learnt = stage.accept(None, 2)
@@ -240,7 +243,7 @@ def test_mirostat_accept_reset_and_clone():
 
 def test_xtc_reset_forgets_a_loaded_draw_and_clone_shares_the_generator():
     generator = torch.Generator().manual_seed(3)
-    stage = processors.Xtc(0.1, 0.5, generator)
+    stage = stages.Xtc(0.1, 0.5, generator)
     stage.load_state({"u": 0.25})
     assert stage.run(None, torch.tensor([[3.0, 2.9, 0.0]]))[1]["u"] == 0.25
     twin = stage.clone()

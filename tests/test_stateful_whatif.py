@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from engine import explore, runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from engine.chain import Chain
-from engine.processors import Xtc
+from engine.stages import Xtc
 from engine.trace import Trace
 
 PROMPT = "one two three one two three one two three one two"
@@ -35,7 +36,7 @@ def _strict(text: str):
 
 @pytest.fixture(scope="module")
 def traces(tiny_lm):
-    return {name: runner.run(tiny_lm, PROMPT, cfg) for name, cfg in CONFIGS.items()}
+    return {name: runner.run(RunRequest(tiny_lm, PROMPT, cfg)) for name, cfg in CONFIGS.items()}
 
 
 def _same(a, b):
@@ -111,9 +112,9 @@ def test_loaded_state_replaces_the_draw():
 
 @pytest.mark.parametrize("name", ["mirostat-v1", "mirostat-v2", "xtc"])
 def test_step_through_whatif_reproduces_the_step_and_its_pick(tiny_lm, traces, name):
-    """The page's what-if (engine.decode.whatif_step, from kept raw logits) with the run's own
+    """The page's what-if (engine.strategies.decode.whatif_step, from kept raw logits) with the run's own
     knobs: the run's stages and the run's token at the first, a middle and the last step."""
-    from engine import decode
+    from engine.strategies import decode
 
     trace = traces[name]
     for step in (0, len(trace.steps) // 2, len(trace.steps) - 1):

@@ -98,7 +98,7 @@ def test_a_missing_file_or_unfilled_placeholder_is_refused(tmp_path, monkeypatch
 
 def built_page_ids(monkeypatch) -> set[str]:
     """Every elem_id of the whole app, built with no model loaded (no startup examples)."""
-    from engine.models import ModelRegistry
+    from engine.backends.registry import ModelRegistry
 
     monkeypatch.setenv("DP_EXAMPLES", "0")
     demo = app.build_app(ModelRegistry())

@@ -1,18 +1,23 @@
 """#28, one point: one entry point for every strategy. ``runner.stream`` looks the strategy up in
-``runner.STRATEGY_STREAMS`` (each strategy registers ``fn(ctx: RunContext) -> Iterator[Event]``)
-instead of an if/elif over the modules."""
+its spec (``engine.strategies.spec.STRATEGIES``: each strategy registers a ``StrategySpec`` whose
+``stream`` is ``fn(ctx: RunContext) -> Iterator[Event]``) instead of an if/elif over the modules."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 
 from engine import runner
+from engine.core import RunContext
+from engine.strategies import spec as strategy_spec
+from engine.runner import RunRequest
 from engine.config import STRATEGIES, DecodingConfig
 
 
 def test_every_strategy_has_one_registered_stream():
-    assert set(runner.STRATEGY_STREAMS) == set(STRATEGIES)
+    assert set(strategy_spec.STRATEGIES) == set(STRATEGIES)
+    assert all(callable(spec.stream) for spec in strategy_spec.STRATEGIES.values())
 
 
 def test_stream_dispatches_through_the_registry_not_an_if_chain():
@@ -26,20 +31,20 @@ def test_a_registered_stream_is_what_runs(tiny_lm, monkeypatch):
     """Replacing a strategy's entry (as adding one would) changes what runner.run runs; the context
     carries the prompt, the encoded ids, the knobs and the control."""
     seen = []
-    real = runner.STRATEGY_STREAMS["greedy"]
+    real = strategy_spec.STRATEGIES["greedy"]
 
-    def spy(ctx: runner.RunContext):
+    def spy(ctx: RunContext):
         seen.append(ctx)
-        yield from real(ctx)
+        yield from real.stream(ctx)
 
-    monkeypatch.setitem(runner.STRATEGY_STREAMS, "greedy", spy)
+    monkeypatch.setitem(strategy_spec.STRATEGIES, "greedy", dataclasses.replace(real, stream=spy))
     config = DecodingConfig(strategy="greedy", max_new_tokens=3)
-    trace = runner.run(tiny_lm, "hello there", config)
+    trace = runner.run(RunRequest(tiny_lm, "hello there", config))
     [ctx] = seen
     assert ctx.prompt == "hello there" and ctx.ids == tiny_lm.encode("hello there", False) and ctx.config is config
     assert len(trace.generated_token_ids) == 3
-    monkeypatch.setitem(runner.STRATEGY_STREAMS, "greedy", real)
-    assert runner.run(tiny_lm, "hello there", config).generated_token_ids == trace.generated_token_ids
+    monkeypatch.setitem(strategy_spec.STRATEGIES, "greedy", real)
+    assert runner.run(RunRequest(tiny_lm, "hello there", config)).generated_token_ids == trace.generated_token_ids
 
 
 def test_branch_is_one_path_through_stream():

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from engine import lessons
-from engine.lessons import LessonError, parse_lesson
+from engine.reports import lessons
+from engine.reports.lessons import LessonError, parse_lesson
 from playground.views import lessons as lessons_view
 from playground.views.compare import handlers
 from tests.test_compare_lanes import fake_page

@@ -37,7 +37,7 @@ def test_every_special_token_of_the_embedded_tokenizer_and_no_ordinary_one():
     """The pattern matches exactly the embedded tokenizer's 17 added tokens among its 49,152."""
     from transformers import AutoTokenizer
 
-    from engine.models import embedded_model_dir
+    from engine.backends.local import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     added = {t.content for t in tok.added_tokens_decoder.values()}

@@ -16,8 +16,11 @@ import pytest
 import torch
 
 from deploy.vllm_serve import EOS, SERVED_NAME, VOCAB, remote_spec
-from engine import remote, runner
+from engine import runner
+from engine.backends import remote, served
+from engine.backends.client import JsonClient, RemoteError
 from engine.config import DecodingConfig
+from engine.runner import RunRequest
 from tests.data.vllm.record import CAPITAL, HOT, PERIOD, STORY, long_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -42,8 +45,8 @@ def vllm_greedy(url: str, ids: list[int], tokens: int, **more: Any) -> dict[str,
 
 
 @dataclass
-class CountingClient(remote.JsonClient):
-    """engine.remote's JsonClient, keeping every POST's path and body."""
+class CountingClient(JsonClient):
+    """engine.backends.client's JsonClient, keeping every POST's path and body."""
 
     posts: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
@@ -52,7 +55,7 @@ class CountingClient(remote.JsonClient):
         return super().post(path, body)
 
 
-def counted(model: remote.RemoteModel) -> tuple[remote.RemoteModel, CountingClient]:
+def counted(model: served.RemoteModel) -> tuple[served.RemoteModel, CountingClient]:
     """``model`` with its /v1 requests counted."""
     client = CountingClient(model.client.url, model.client.timeout_s, model.client.server)
     return replace(model, api=replace(model.api, client=client)), client
@@ -62,12 +65,12 @@ def counted(model: remote.RemoteModel) -> tuple[remote.RemoteModel, CountingClie
 def test_greedy_in_step_mode_fast_mode_and_through_the_chat_template_is_vllm_s_own(vllm_model, vllm_server):
     ids = vllm_model.encode(PROMPT)
     theirs = vllm_greedy(vllm_server, ids, 16)["token_ids"]
-    assert runner.run(vllm_model, PROMPT, GREEDY).generated_token_ids == theirs
-    fast = runner.run(vllm_model.with_mode("fast"), PROMPT, GREEDY)
+    assert runner.run(RunRequest(vllm_model, PROMPT, GREEDY)).generated_token_ids == theirs
+    fast = runner.run(RunRequest(vllm_model.with_mode("fast"), PROMPT, GREEDY))
     assert fast.generated_token_ids == theirs and fast.extra["remote"]["streamed"] is True
     chat = post(vllm_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": CAPITAL}],
                                                       "max_tokens": 16, "temperature": 0, "return_token_ids": True})
-    ours = runner.run(vllm_model, CAPITAL, GREEDY, chat=True)
+    ours = runner.run(RunRequest(vllm_model, CAPITAL, GREEDY, chat=True))
     assert ours.generated_token_ids == chat["choices"][0]["token_ids"] and ours.generated_token_ids[-1] == EOS
     assert ours.text == chat["choices"][0]["message"]["content"] and ours.stop_reason == "eos"
     print(f"greedy {theirs}; chat {ours.text!r}")
@@ -96,10 +99,10 @@ def test_seeded_step_mode_repeats_and_is_the_local_engine_s_draw(vllm_model, emb
     """Step mode draws with our generator: a seed repeats its text, and with top-k 50 (the whole chain
     inside the server's top 100) it is the local engine's seeded run, token for token."""
     config = DecodingConfig(strategy="sample", temperature=0.9, top_k=50, max_new_tokens=12, seed=5)
-    first = runner.run(vllm_model, STORY, config)
-    assert runner.run(vllm_model, STORY, config).generated_token_ids == first.generated_token_ids
-    assert first.generated_token_ids == runner.run(embedded, STORY, config).generated_token_ids
-    others = {tuple(runner.run(vllm_model, STORY, config.replace(seed=s)).generated_token_ids) for s in (6, 7)}
+    first = runner.run(RunRequest(vllm_model, STORY, config))
+    assert runner.run(RunRequest(vllm_model, STORY, config)).generated_token_ids == first.generated_token_ids
+    assert first.generated_token_ids == runner.run(RunRequest(embedded, STORY, config)).generated_token_ids
+    others = {tuple(runner.run(RunRequest(vllm_model, STORY, config.replace(seed=s))).generated_token_ids) for s in (6, 7)}
     assert others != {tuple(first.generated_token_ids)}
     print(f"seed 5 on vLLM in step mode = the local engine: {first.text!r}")
 
@@ -107,21 +110,21 @@ def test_seeded_step_mode_repeats_and_is_the_local_engine_s_draw(vllm_model, emb
 def test_speculative_scores_each_round_in_one_prompt_logprobs_request(vllm_model):
     model, client = counted(vllm_model)
     config = DecodingConfig(strategy="speculative", drafter="ngram", temperature=0.0, max_new_tokens=16)
-    trace = runner.run(model, REPEATING, config)
-    assert trace.generated_token_ids == runner.run(vllm_model, REPEATING, GREEDY).generated_token_ids
+    trace = runner.run(RunRequest(model, REPEATING, config))
+    assert trace.generated_token_ids == runner.run(RunRequest(vllm_model, REPEATING, GREEDY)).generated_token_ids
     completions = [body for path, body in client.posts if path == "/completions"]
     scoring = [body for body in completions if "prompt_logprobs" in body]
     assert len(scoring) == len(completions) == trace.extra["remote"]["scoring_calls"] == trace.summary["rounds"] + 1
     assert trace.summary["accepted"] > 0  # the prompt repeats itself: drafts pass
     assert "prompt_logprobs (one request per round)" in trace.extra["remote"]["approximations"][-1]
-    timed = runner.run(vllm_model, REPEATING, config, compare_baseline=True).summary
+    timed = runner.run(RunRequest(vllm_model, REPEATING, config, compare_baseline=True)).summary
     print(f"speculative on vLLM: {trace.summary['rounds']} rounds, {len(scoring)} scoring requests for "
           f"{len(trace.generated_token_ids)} tokens; speed-up vs target-only step mode {timed['speedup']:.2f}x "
           "(bench.remote measures it properly)")
 
 
 def test_remote_beam_is_vllm_s_own_beam_search(vllm_model, vllm_server):
-    """engine.remote_beam runs vLLM's method (entrypoints/generate/beam_search: the top 2 x width per
+    """engine.strategies.remote_beam runs vLLM's method (entrypoints/generate/beam_search: the top 2 x width per
     beam, EOS candidates completed at once, the width best by cumulative log-probability run on, all
     ranked by cum / length ** length_penalty with the prompt counted): the same hypotheses in the same
     order. Where they part: vLLM leaves the EOS out of a hypothesis' tokens and text (its stop_reason
@@ -131,7 +134,7 @@ def test_remote_beam_is_vllm_s_own_beam_search(vllm_model, vllm_server):
     ended = 0
     for prompt, chat, tokens in ((PROMPT, False, 8), (CAPITAL, True, 10)):  # the second: beams that end with EOS
         config = DecodingConfig(strategy="beam", num_beams=width, max_new_tokens=tokens, length_penalty=1.0)
-        ours = runner.run(vllm_model, prompt, config, chat=chat).beam.hypotheses[:width]
+        ours = runner.run(RunRequest(vllm_model, prompt, config, chat=chat)).beam.hypotheses[:width]
         theirs = post(vllm_server, "/v1/completions", {
             "prompt": vllm_model.encode(prompt, chat), "use_beam_search": True, "n": width, "max_tokens": tokens,
             "length_penalty": 1.0, "temperature": 0, "logprobs": 1, "return_token_ids": True})["choices"]
@@ -139,7 +142,7 @@ def test_remote_beam_is_vllm_s_own_beam_search(vllm_model, vllm_server):
     assert ended >= 1  # the EOS path was compared too
 
 
-def same_hypotheses(model: remote.RemoteModel, ids: list[int], ours: list, theirs: list[dict]) -> int:
+def same_hypotheses(model: served.RemoteModel, ids: list[int], ours: list, theirs: list[dict]) -> int:
     """Assert ``ours`` (remote_beam's best, in order) are vLLM's choices, cumulative log-probabilities
     included (vLLM's token_logprobs leave the EOS out: its log p is asked after the choice's tokens);
     how many ended with EOS."""
@@ -160,12 +163,12 @@ def same_hypotheses(model: remote.RemoteModel, ids: list[int], ours: list, their
 def test_an_int_stop_reason_is_an_eos_stop(vllm_server):
     """An operator who lists "." (30) as a second EOS: vLLM stops there with stop_reason 30 (an int; a
     stop string's is the string); fast mode calls it an EOS stop, as step mode does."""
-    model = remote.connect_spec(remote.RemoteSpec.parse(remote_spec(vllm_server) + f"+{PERIOD}"), timeout_s=120)
+    model = remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server) + f"+{PERIOD}"), timeout_s=120)
     ids = model.encode(CAPITAL, chat=True)
     theirs = vllm_greedy(vllm_server, ids, 16, stop_token_ids=[PERIOD])
     assert (theirs["finish_reason"], theirs["stop_reason"]) == ("stop", PERIOD)
-    fast = runner.run(model.with_mode("fast"), CAPITAL, GREEDY, chat=True)
-    step = runner.run(model, CAPITAL, GREEDY, chat=True)
+    fast = runner.run(RunRequest(model.with_mode("fast"), CAPITAL, GREEDY, chat=True))
+    step = runner.run(RunRequest(model, CAPITAL, GREEDY, chat=True))
     assert fast.generated_token_ids == step.generated_token_ids == theirs["token_ids"]
     assert fast.stop_reason == step.stop_reason == "eos" and fast.generated_token_ids[-1] == PERIOD
 
@@ -173,7 +176,7 @@ def test_an_int_stop_reason_is_an_eos_stop(vllm_server):
 def test_a_top_list_of_n_plus_one_entries_is_read_right(vllm_model, vllm_server):
     """At T = 2 with top 2 the sampled token mostly lies outside the top 2: vLLM sends it first and
     as a third entry. Each step's top 2 are the two best, best first; the token's own p is kept."""
-    trace = runner.run(vllm_model.with_mode("fast"), STORY, HOT)
+    trace = runner.run(RunRequest(vllm_model.with_mode("fast"), STORY, HOT))
     theirs = vllm_greedy(vllm_server, vllm_model.encode(STORY), HOT.max_new_tokens, temperature=HOT.temperature,
                          seed=HOT.seed, logprobs=HOT.top_n, return_tokens_as_token_ids=True, stop_token_ids=[EOS],
                          top_p=1.0, top_k=-1, min_p=0.0)  # the same request, not streamed: the same seeded draw
@@ -194,7 +197,7 @@ def test_keep_alive_comments_and_an_error_chunk_in_a_stream(vllm_model, vllm_ser
     lines: list[bytes] = []
 
     @dataclass
-    class Teeing(remote.JsonClient):
+    class Teeing(JsonClient):
         def _read(self, read: Any, where: str) -> bytes:
             lines.append(super()._read(read, where))
             return lines[-1]
@@ -202,11 +205,11 @@ def test_keep_alive_comments_and_an_error_chunk_in_a_stream(vllm_model, vllm_ser
     tee = Teeing(vllm_model.client.url, 120, vllm_model.client.server)
     model = replace(vllm_model, api=replace(vllm_model.api, client=tee), mode="fast")
     prompt = long_text(f"live {time.time()}")  # new text: vLLM's prefix cache cannot skip the prefill
-    trace = runner.run(model, prompt, GREEDY.replace(max_new_tokens=3))
+    trace = runner.run(RunRequest(model, prompt, GREEDY.replace(max_new_tokens=3)))
     assert b": keep-alive\n" in lines, lines[:3]
     assert trace.generated_token_ids == vllm_greedy(vllm_server, model.encode(prompt), 3)["token_ids"]
     body = {"model": SERVED_NAME, "prompt": [504, 3575], "max_tokens": 2, "logprobs": 500, "stream": True}
-    with pytest.raises(remote.RemoteError) as caught:
+    with pytest.raises(RemoteError) as caught:
         list(vllm_model.client.stream_post("/completions", body))
     assert str(caught.value) == (f"OpenAI-compatible server {vllm_server}/v1/completions: the stream says: Requested "
                                  "sample logprobs of 500, which is greater than max allowed: 100 (parameter=logprobs, "
@@ -217,7 +220,7 @@ def test_keep_alive_comments_and_an_error_chunk_in_a_stream(vllm_model, vllm_ser
 def test_a_folder_whose_weights_vllm_cannot_find_is_named_at_connect(vllm_python, vllm_server, tmp_path):
     """The converted folder as it was before layout 2 (the tied embedding under lm_head.weight only):
     vLLM serves it without an error and answers every token at log 1/49152; connecting says so."""
-    from engine.models import embedded_model_dir
+    from engine.backends.local import embedded_model_dir
     from tests.conftest import serve_vllm
     from tests.data.vllm.record import tied_only_folder
 
@@ -225,8 +228,8 @@ def test_a_folder_whose_weights_vllm_cannot_find_is_named_at_connect(vllm_python
     with serve_vllm(vllm_python, "--model", str(folder), log_name="vllm-server-tied-only.log") as url:
         flat = vllm_greedy(url, [504, 3575], 1, logprobs=20)["logprobs"]["top_logprobs"][0]
         assert all(abs(lp + math.log(VOCAB)) < 1e-4 for lp in flat.values())  # vLLM's own answer: uniform
-        with pytest.raises(remote.RemoteError) as caught:
-            remote.connect_spec(remote.RemoteSpec.parse(remote_spec(url)), timeout_s=120)
+        with pytest.raises(RemoteError) as caught:
+            remote.connect_spec(served.RemoteSpec.parse(remote_spec(url)), timeout_s=120)
     assert str(caught.value) == (f"OpenAI-compatible server {url}/v1: the served model answers a uniform distribution"
                                  f" (its top 100 log-probabilities are all -10.8027 = log 1/{VOCAB}): its weights did"
                                  " not load")

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from engine import explore, runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from playground.charts import step as charts
 from playground.views import step as step_view
@@ -32,7 +33,7 @@ def route(registry, embedded):
 
 @pytest.fixture(scope="module")
 def trace(embedded):
-    return runner.run(embedded, "Name a colour of the sea.", CFG, chat=True)
+    return runner.run(RunRequest(embedded, "Name a colour of the sea.", CFG, chat=True))
 
 
 def values(route, **knobs):
@@ -52,8 +53,8 @@ def ask(route, session, step, width=1400, model="embedded", **knobs) -> dict:
 
 def expected_figure(lm, trace, at, knobs, width=1400, chart=charts.fitted_stage_chart) -> dict:
     """The oracle: engine.explore's stages for the step under the knobs (with the token the knobs
-    would pick: engine.decode.whatif_step, from a fresh forward), drawn and titled by the view's builder."""
-    from engine import decode
+    would pick: engine.strategies.decode.whatif_step, from a fresh forward), drawn and titled by the view's builder."""
+    from engine.strategies import decode
 
     changed = decode.whatif_step(lm, trace, at, knobs, explore.raw_logits(lm, trace, at))
     assert explore.stages_match(changed.stages, explore.explore_step(lm, trace, at, knobs))
@@ -83,7 +84,7 @@ def test_later_changes_reuse_the_kept_logits_and_prepare_keeps_them_first(route,
 
 
 def test_two_sessions_at_once_get_their_own_runs(route, embedded, trace):
-    other = runner.run(embedded, "Write the word MARKER twice.", CFG, chat=True)
+    other = runner.run(RunRequest(embedded, "Write the word MARKER twice.", CFG, chat=True))
     sessions = {"a": step_view.StepSession(runs=[trace], owner="a" * 32),
                 "b": step_view.StepSession(runs=[other], owner="b" * 32)}
     assert sessions["a"].whatif_key != sessions["b"].whatif_key
@@ -198,7 +199,7 @@ def presenter_ask(route, session, step, knobs, width=1280) -> dict:
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_presenter_slider_draws_the_lessons_step_at_that_temperature(route, embedded, trace, where):
-    from engine.lessons import builtin_lessons
+    from engine.reports.lessons import builtin_lessons
     from playground.views.lessons import LessonSession
     from playground.views.presenter import step_chart
 
@@ -210,10 +211,10 @@ def test_presenter_slider_draws_the_lessons_step_at_that_temperature(route, embe
 
 
 def test_presenter_slider_on_a_greedy_run_shows_sampling_and_refuses_other_knobs(route, embedded):
-    from engine.lessons import builtin_lessons
+    from engine.reports.lessons import builtin_lessons
     from playground.views.lessons import LessonSession
 
-    greedy = runner.run(embedded, "Name a colour of the sea.", CFG.replace(strategy="greedy"), chat=True)
+    greedy = runner.run(RunRequest(embedded, "Name a colour of the sea.", CFG.replace(strategy="greedy"), chat=True))
     session = LessonSession(next(iter(builtin_lessons().values())), [greedy])
     reply = presenter_ask(route, session, 1, {"temperature": 3.0})
     stages = explore.explore_step(embedded, greedy, 1, {"temperature": 3.0, "strategy": "sample"})
@@ -230,7 +231,7 @@ def test_presenter_slider_on_a_greedy_run_shows_sampling_and_refuses_other_knobs
 def test_a_session_unpickled_from_a_zerogpu_worker_is_found_by_its_key(route, trace):
     import pickle  # what ZeroGPU's worker does to a handler's result; the app itself never unpickles
 
-    from engine.lessons import builtin_lessons
+    from engine.reports.lessons import builtin_lessons
     from playground.views.lessons import LessonSession
 
     for made in (step_view.StepSession(runs=[trace], owner="o" * 32),

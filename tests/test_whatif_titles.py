@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import explore, runner
+from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from engine.chain import Chain
 from playground.charts import step as charts
@@ -39,7 +40,7 @@ def route(demo):
 
 @pytest.fixture(scope="module")
 def trace(embedded):
-    return runner.run(embedded, "Name a colour of the sea.", CFG, chat=True)
+    return runner.run(RunRequest(embedded, "Name a colour of the sea.", CFG, chat=True))
 
 
 def values(route, **knobs):
@@ -145,7 +146,7 @@ def test_fallback_event_sends_the_same_title_and_explanation(demo, route, embedd
 
 
 def test_two_sessions_get_their_own_titles(route, embedded, trace):
-    other = runner.run(embedded, "Write the word MARKER twice.", CFG.replace(seed=11), chat=True)
+    other = runner.run(RunRequest(embedded, "Write the word MARKER twice.", CFG.replace(seed=11), chat=True))
     sessions = {"a": (step_view.StepSession(runs=[trace], owner="a" * 32), trace, 1.5),
                 "b": (step_view.StepSession(runs=[other], owner="b" * 32), other, 3.0)}
     replies: dict = {}

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine import explore, runner
+from engine.runner import RunRequest
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
-from engine.lessons import builtin_lessons, parse_lesson
+from engine.reports.lessons import builtin_lessons, parse_lesson
 from engine.scheduler import scheduler_for
 from engine.trace import StageTrace, from_dict
 from playground import whatif_service
@@ -38,7 +39,7 @@ class StubShared:
 
 @pytest.fixture(scope="module")
 def trace(tiny_lm):
-    return runner.run(tiny_lm, "Workshop what if", CFG)
+    return runner.run(RunRequest(tiny_lm, "Workshop what if", CFG))
 
 
 def _step(trace, where):
@@ -75,7 +76,7 @@ def test_whatif_key_changes_with_the_step_and_the_model(trace):
 
 
 def test_two_sessions_at_once_keep_their_own_logits(tiny_lm, trace):
-    other = runner.run(tiny_lm, "Another session entirely", CFG.replace(seed=9))
+    other = runner.run(RunRequest(tiny_lm, "Another session entirely", CFG.replace(seed=9)))
     results: dict = {}
 
     def session(name, tr, at):
@@ -112,8 +113,8 @@ def test_continue_with_new_knobs_keeps_the_prefix_and_uses_the_new_config(tiny_l
     assert branch.branch_of == at and branch.config["strategy"] == "greedy"
     assert branch.generated_token_ids[:at] == trace.generated_token_ids[:at]
     # The oracle: a greedy run alone over prompt + the parent's first 4 tokens picks the same rest.
-    reference = runner.run(tiny_lm, trace.prompt, greedy.replace(max_new_tokens=CFG.max_new_tokens),
-                           prompt_ids=trace.prompt_token_ids + trace.generated_token_ids[:at])
+    reference = runner.run(RunRequest(tiny_lm, trace.prompt, greedy.replace(max_new_tokens=CFG.max_new_tokens),
+                           prompt_ids=trace.prompt_token_ids + trace.generated_token_ids[:at]))
     assert branch.generated_token_ids[at:] == reference.generated_token_ids[:len(branch.steps) - at]
 
 
@@ -166,7 +167,7 @@ def test_a_shared_lessons_link_and_qr_carry_that_lesson():
 
 
 def test_pasted_lesson_with_a_bad_key_is_refused_by_name():
-    from engine.lessons import LessonError, parse_lesson_json
+    from engine.reports.lessons import LessonError, parse_lesson_json
 
     with pytest.raises(LessonError, match="^steps:"):
         parse_lesson_json(json.dumps({"version": 1, "id": "x", "title": "t", "view": "step", "prompt": "p",
@@ -238,7 +239,7 @@ def test_a_pasted_quantization_lessons_budget_is_checked_at_parse_and_opens_in_r
     """A pasted lesson's check budget out of range or not a number is refused when the lesson is
     parsed (one line naming check.max_new_tokens; it used to be clamped or ignored at Open); one in
     range opens the drift section with it."""
-    from engine.lessons import LessonError, parse_lesson
+    from engine.reports.lessons import LessonError, parse_lesson
     from playground.views import lessons
     from playground.views.quantization import DRIFT_TOKENS, QuantPage
 

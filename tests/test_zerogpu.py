@@ -114,7 +114,7 @@ def simulate() -> dict:
 
     sys.path.insert(0, str(ROOT))
     import app
-    from engine.models import ModelRegistry
+    from engine.backends.registry import ModelRegistry
     from playground.app import build_app, launch_kwargs
 
     app.apply_deployment_defaults(os.environ, torch.cuda.is_available(), app.embedded_installed())

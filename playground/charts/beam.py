@@ -18,7 +18,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.beam import BeamHypothesis, BeamTrace
+from engine.strategies.beam import BeamHypothesis, BeamTrace
 
 from . import glossary
 from .step import FONT, readable

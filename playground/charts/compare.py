@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import plotly.graph_objects as go
 
 from engine.config import KNOBS, SAMPLING_ONLY_STAGES, DecodingConfig
-from engine.contrastive import ContrastStep, SearchStep
-from engine.metrics import LaneMetrics, SweepSpread, entropy_series
+from engine.strategies.contrastive import ContrastStep, SearchStep
+from engine.reports.metrics import LaneMetrics, SweepSpread, entropy_series
 from engine.trace import StepTrace, Trace
 
 from . import glossary

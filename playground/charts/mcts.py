@@ -1,4 +1,4 @@
-"""MCTS charts: pure functions of MctsPosition records (engine.mcts) -> layout and plotly figures.
+"""MCTS charts: pure functions of MctsPosition records (engine.strategies.mcts) -> layout and plotly figures.
 
 The search tree of one committed position: the root (the text so far) on the left, a column per
 depth; node size grows with visits, colour is Q (the mean raw log-prob of the simulations through
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.mcts import NOT_COMMITTED, MctsNode, MctsPosition
+from engine.strategies.mcts import NOT_COMMITTED, MctsNode, MctsPosition
 
 from .step import ACCENT, readable
 

@@ -1,4 +1,4 @@
-"""Medusa charts: pure functions of MedusaRound records (engine.medusa) -> plotly figures.
+"""Medusa charts: pure functions of MedusaRound records (engine.strategies.medusa) -> plotly figures.
 
 ``round_figure``: a round with a verified ``tree`` is drawn by ``tree_figure``: the nodes by depth
 (column d: head d's candidates placed under their parent), edges parent -> child, each node coloured
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.medusa import MedusaRound, TreeNode
+from engine.strategies.medusa import MedusaRound, TreeNode
 
 from .step import readable
 

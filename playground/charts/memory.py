@@ -1,4 +1,4 @@
-"""Memory charts: pure functions of engine.drift.KVDriftReport and engine.kv_arith estimates ->
+"""Memory charts: pure functions of engine.reports.drift.KVDriftReport and engine.reports.kv_arith estimates ->
 table rows and plotly figures. No gradio here; unit-tested on hand-made data.
 
 - ``kind_rows`` / ``KIND_HEADERS``: the KV-kind table (bytes per token measured vs formula, drift).
@@ -15,8 +15,8 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.drift import KVDriftReport, KVKindDrift
-from engine.kv_arith import MemoryEstimate
+from engine.reports.drift import KVDriftReport, KVKindDrift
+from engine.reports.kv_arith import MemoryEstimate
 
 from .quantization import measured_vs_formula as compare_numbers
 

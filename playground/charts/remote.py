@@ -1,5 +1,5 @@
 """A served model's run in words (issue #29): which server, which mode, and every approximation
-its trace labels (``extra["remote"]``, engine.remote). Step through, Speculative and Beam show it
+its trace labels (``extra["remote"]``, engine.backends). Step through, Speculative and Beam show it
 under their runs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from engine.trace import Trace
 
 
 def remote_markdown(trace: Trace | None) -> str:
-    """A served model's run (``extra["remote"]``, engine.remote): which server, which mode, and
+    """A served model's run (``extra["remote"]``, engine.backends): which server, which mode, and
     every approximation the trace labels, on one line; "" for a model loaded here (or no run)."""
     remote = trace.extra.get("remote") if trace is not None else None
     if not remote:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.speculative import DraftToken, ExtraToken, SpecRound
+from engine.strategies.speculative import DraftToken, ExtraToken, SpecRound
 from engine.trace import TokenProb
 
 from . import glossary

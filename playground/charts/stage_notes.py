@@ -2,7 +2,7 @@
 
 ``stage_note(stage)`` reads a ``StageTrace`` (its params, kept count, removed mass and tokens) and
 returns a sentence for the step chart, e.g. "XTC fired (u=0.21 < 0.5): removed 'the', 'a'; kept 'an'".
-Each stage's words are in its spec (``StageSpec.note`` / ``heading`` / ``label``, engine/processors.py);
+Each stage's words are in its spec (``StageSpec.note`` / ``heading`` / ``label``, engine/stages/);
 this module adds the rows that are not stages (raw, final, contrastive decoding's contrast).
 Pure: no model, no tokenizer, no plotting.
 """
@@ -44,7 +44,7 @@ def _contrast_heading(stage: StageTrace) -> str:
 
 
 # Rows of a step that are not stages, (note, title) each: the model's distribution, the one drawn
-# from, and contrastive decoding's contrast (engine/contrastive.py records it as a stage row).
+# from, and contrastive decoding's contrast (engine/strategies/contrastive.py records it as a stage row).
 NOT_STAGES: dict[str, tuple[Callable[[StageTrace], str], Callable[[StageTrace], str]]] = {
     "raw": (_raw, lambda s: "raw model"),
     "final": (_final, lambda s: "final"),

@@ -16,10 +16,10 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine import beam
+from engine.strategies import beam
 from engine.config import KNOBS, DecodingConfig
 from engine.control import RunControl
-from engine.models import LoadedModel
+from engine.backends.local import LoadedModel
 from engine.trace import Trace
 from playground.charts import beam as charts
 from playground.charts.remote import remote_markdown

@@ -1,4 +1,4 @@
-"""Lessons (the first tab): the guided lessons of engine.lessons, each 2-5 steps of text and a ready
+"""Lessons (the first tab): the guided lessons of engine.reports.lessons, each 2-5 steps of text and a ready
 configuration. "Run and check" runs the lesson on the model, selects its step
 (``lessons.selected_step``) and shows the outcome sentence its check verifies
 (``lessons.evaluate``); "Open in its view" puts the prompt and preset into the lesson's view
@@ -23,16 +23,18 @@ import gradio as gr
 
 import plotly.graph_objects as go
 
-from engine import contrastive
-from engine import lessons as engine_lessons
+from engine.strategies import contrastive
+from engine.reports import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.drift import DriftReport, KVReport
-from engine.lessons import Lesson, LessonError, Outcome, parse_lesson_json
-from engine.speculative import rounds_of
+from engine.reports.drift import DriftReport, KVReport
+from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
+from engine.strategies.speculative import rounds_of
+from engine.reports.quant_report import MethodComparison
 from engine.trace import Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
+from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
 from playground.charts.tokens import render as readable
@@ -211,6 +213,8 @@ def report_chart(outcome: Outcome) -> go.Figure | None:
         return quant_charts.kl_figure(outcome.report)
     if isinstance(outcome.report, KVReport):
         return quant_charts.kv_figure(outcome.report)
+    if isinstance(outcome.report, MethodComparison):
+        return method_charts.comparison_figure(outcome.report)
     return None
 
 
@@ -220,7 +224,7 @@ NO_PRESENTER_STEPS = ('<p class="dp-status">This lesson\'s chart is not a token\
 
 def list_lessons() -> list[dict]:
     """Every lesson offered here as ``Lesson.to_dict()`` (id, title, view, preset, prompt, steps...): the
-    built-in ones, and those whose servers the operator lists (engine.lessons.available_lessons)."""
+    built-in ones, and those whose servers the operator lists (engine.reports.lessons.available_lessons)."""
     return [lesson.to_dict() for lesson in engine_lessons.available_lessons().values()]
 
 
@@ -442,12 +446,14 @@ def lane_configs(lesson: Lesson, stored: Any) -> list[tuple[DecodingConfig, str]
 
 def quant_updates(lesson: Lesson, page: QuantPage) -> tuple[dict, str]:
     """A Quantization & KV cache lesson: its prompt, chat and budget (the check's, else the preset's)
-    in the section it teaches (the KV cache one for a ``kv_cache_same`` check), and that section's button."""
+    in the section it teaches (the KV cache one for a ``kv_cache_same`` check, the 4-bit methods' one for
+    ``gptq_vs_awq``), and that section's button."""
     check = lesson.check or {}
     budget = check.get("max_new_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool):  # a pasted lesson's check may say anything
         budget = lesson.runs[0].config.max_new_tokens
-    return page.open_lesson(lesson.prompt, lesson.chat, budget, check.get("kind") == "kv_cache_same")
+    section = {"kv_cache_same": "kv", "gptq_vs_awq": "methods"}.get(check.get("kind"), "drift")
+    return page.open_lesson(lesson.prompt, lesson.chat, budget, section)
 
 
 def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:

@@ -24,9 +24,9 @@ import gradio as gr
 
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
-from engine.mcts import NOT_COMMITTED, MctsPosition, interrupted_of, positions_of, raw_logprob
-from engine.medusa import MedusaRound, rounds_of
-from engine.models import LoadedModel
+from engine.strategies.mcts import NOT_COMMITTED, MctsPosition, interrupted_of, positions_of, raw_logprob
+from engine.strategies.medusa import MedusaRound, rounds_of
+from engine.backends.local import LoadedModel
 from engine.trace import Trace
 from playground.charts import mcts as mcts_charts
 from playground.charts import medusa as medusa_charts
@@ -284,7 +284,7 @@ def _number(value: Any, fmt: str) -> str:
 
 
 def _difference(summary: dict) -> str:
-    """Why a Medusa run's tokens differ from target-only's (engine.speculative.first_difference)."""
+    """Why a Medusa run's tokens differ from target-only's (engine.strategies.speculative.first_difference)."""
     n = summary.get("baseline_first_difference")
     if n is None:
         return "no (sampling: the same distribution, other draws)"

@@ -17,8 +17,8 @@ import gradio as gr
 
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.models import LoadedModel
-from engine.speculative import SpecRound, rounds_of
+from engine.backends.local import LoadedModel
+from engine.strategies.speculative import SpecRound, rounds_of
 from engine.trace import Trace
 from playground.charts import speculative as charts
 from playground.charts.remote import remote_markdown

@@ -22,10 +22,11 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine import lessons as engine_lessons
+from engine.reports import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
-from engine.models import LoadedModel, is_remote_source
+from engine.backends.local import LoadedModel
+from engine.backends.registry import is_remote_source
 from engine import runner
 from engine.trace import Trace
 from playground.charts import step as charts
@@ -237,7 +238,7 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
                select: str | int | None = None, width: float | None = None) -> Iterator[dict]:
     """Run ``req`` (or branch ``(parent, at, token)``) and yield throttled updates; the last one has
     every chart, on the branch's step, else on ``select`` (a lesson's: "max_entropy" | "min_entropy"
-    | an int, see engine.lessons.selected_step), else on the most uncertain step."""
+    | an int, see engine.reports.lessons.selected_step), else on the most uncertain step."""
     at = branch[1] if branch else None
     if events is not None:
         pass  # a what-if continuation (whatif.continue_events): the caller made the run's events

@@ -27,7 +27,7 @@ import torch
 from engine import explore, runner
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
-from engine.models import LoadedModel
+from engine.backends.local import LoadedModel
 from engine.trace import Event, StageTrace, Trace, to_dict
 
 from .. import ids

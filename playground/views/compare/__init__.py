@@ -5,7 +5,7 @@ top-p, min-p, seed and max_new_tokens (greyed where greedy ignores them, as in t
 a JSON object of any other knob; its header says them in words. Picking a preset fills the lane
 but keeps its seed and budget; a new lane copies the last lane's. "Run all" runs the lanes at once
 through the runner, streaming each lane's text; then the metrics table
-(engine.metrics), the per-step entropy chart and the first divergent step appear. Clicking a token
+(engine.reports.metrics), the per-step entropy chart and the first divergent step appear. Clicking a token
 opens its step chart. "Seed sweep" runs one lane over several seeds.
 
 Modules: ``lanes`` (lane settings and results as data), ``run`` (lanes through the runner),

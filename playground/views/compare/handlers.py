@@ -8,10 +8,10 @@ from typing import Any, Iterator, Sequence
 
 import gradio as gr
 
-from engine import contrastive
+from engine.strategies import contrastive
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.metrics import lane_metrics, mean_logprob, sweep_spread
+from engine.reports.metrics import lane_metrics, mean_logprob, sweep_spread
 from playground.charts import compare as charts
 from playground.charts import step as step_charts
 

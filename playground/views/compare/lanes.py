@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from engine.config import KNOBS, ConfigError, DecodingConfig, check_knob
-from engine.metrics import first_divergence
+from engine.reports.metrics import first_divergence
 from engine.trace import Trace
 
 from ...knobs import checked_values, display_value, knob_errors_text

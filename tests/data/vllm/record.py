@@ -1,5 +1,5 @@
 """Record a real vLLM's answers for the offline tests (tests/test_remote_openai.py, test_remote_stream.py,
-test_remote_speculative.py): each scenario below runs engine.remote's own code against the server through
+test_remote_speculative.py): each scenario below runs engine.backends' own code against the server through
 a recording client, so the files hold exactly the requests the tests make and what vLLM answered.
 
     python -m tests.data.vllm.record [--url http://127.0.0.1:8000]
@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
@@ -34,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from deploy import vllm_serve  # noqa: E402
-from engine import remote, runner  # noqa: E402
+from engine import runner  # noqa: E402
+from engine.backends import client, openai, remote, served  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
+from engine.runner import RunRequest  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # The prompts and knobs the offline tests run (they import them from here).
@@ -57,8 +59,8 @@ def long_text(nonce: str) -> str:
 
 
 @dataclass
-class RecordingClient(remote.JsonClient):
-    """engine.remote's JsonClient, keeping every exchange in ``log`` (the scenario named in ``scenario``)."""
+class RecordingClient(client.JsonClient):
+    """engine.backends.client's JsonClient, keeping every exchange in ``log`` (the scenario named in ``scenario``)."""
 
     log: ClassVar[list[dict[str, Any]]] = []
     scenario: ClassVar[str] = ""
@@ -93,17 +95,17 @@ class RecordingClient(remote.JsonClient):
 
 @contextlib.contextmanager
 def recording(scenario: str) -> Iterator[None]:
-    """engine.remote builds RecordingClients inside the block, the exchanges labelled ``scenario``."""
-    real = remote.JsonClient
-    remote.JsonClient, RecordingClient.scenario = RecordingClient, scenario  # type: ignore[misc]
+    """engine.backends.openai builds RecordingClients inside the block, the exchanges labelled ``scenario``."""
+    real = openai.JsonClient
+    openai.JsonClient, RecordingClient.scenario = RecordingClient, scenario  # type: ignore[misc]
     try:
         yield
     finally:
-        remote.JsonClient = real  # type: ignore[misc]
+        openai.JsonClient = real  # type: ignore[misc]
 
 
-def spec(url: str, *eos: int) -> remote.RemoteSpec:
-    return remote.RemoteSpec(
+def spec(url: str, *eos: int) -> served.RemoteSpec:
+    return served.RemoteSpec(
         "openai", url + "/v1", vllm_serve.VOCAB, eos or (vllm_serve.EOS,))
 
 
@@ -111,29 +113,31 @@ def record_good(url: str) -> None:
     """Every scenario of the offline tests against the server over the converted folder."""
     with recording("connect"):
         model = remote.connect_spec(spec(url), timeout_s=120)
-        remote.connect_openai(url + "/v1", timeout_s=120)  # no options: the same probe, no EOS check
+        openai.connect_openai(url + "/v1", timeout_s=120)  # no options: the same probe, no EOS check
     with recording("step"):
-        greedy = runner.run(model.with_mode("step", STEP_TOP), CAPITAL, GREEDY, chat=True).generated_token_ids
+        step = model.with_mode("step", STEP_TOP)
+        greedy = runner.run(RunRequest(step, CAPITAL, GREEDY, chat=True)).generated_token_ids
     with recording("fast"):
-        runner.run(model.with_mode("fast"), CAPITAL, FAST, chat=True)
+        runner.run(RunRequest(model.with_mode("fast"), CAPITAL, FAST, chat=True))
     with recording("n_plus_one"):
-        runner.run(model.with_mode("fast"), STORY, HOT)
+        runner.run(RunRequest(model.with_mode("fast"), STORY, HOT))
     with recording("prompt_logprobs"):
         ids = model.encode(CAPITAL, chat=True)
         model.api.prompt_logprobs(ids + greedy[:3], SCORED_LENGTH)
     with recording("eos_stop_token"):
         stopper = remote.connect_spec(spec(url, vllm_serve.EOS, PERIOD), timeout_s=120, mode="fast")
-        trace = runner.run(stopper, CAPITAL, GREEDY, chat=True)
+        trace = runner.run(RunRequest(stopper, CAPITAL, GREEDY, chat=True))
         assert trace.generated_token_ids[-1] == PERIOD, trace.generated_token_ids
     record_keep_alive(model)
 
 
-def record_keep_alive(model: remote.RemoteModel, tries: int = 3) -> None:
+def record_keep_alive(model: served.RemoteModel, tries: int = 3) -> None:
     """A fast-mode stream whose prefill is long enough for a keep-alive comment (1 s idle)."""
     for attempt in range(tries):
         before = len(RecordingClient.log)
         with recording("keep_alive"):
-            runner.run(model.with_mode("fast"), long_text(f"{time.time():.0f}-{attempt}"), GREEDY.replace(max_new_tokens=3))
+            runner.run(RunRequest(model.with_mode("fast"), long_text(f"{time.time():.0f}-{attempt}"),
+                                  GREEDY.replace(max_new_tokens=3)))
         if any(": keep-alive" in e.get("sse", "") for e in RecordingClient.log[before:]):
             return
         del RecordingClient.log[before:]  # try a new prompt
@@ -186,7 +190,7 @@ def record_broken(url: str) -> None:
     with recording("broken"):
         try:
             remote.connect_spec(spec(url), timeout_s=120)
-        except remote.RemoteError as exc:
+        except client.RemoteError as exc:
             print(f"record: the old folder, as expected: {exc}")
         else:
             raise SystemExit("record: the server over the old folder answered like a model")
@@ -216,7 +220,7 @@ def main() -> None:
         record_errors(url)
         write("exchanges.json", server_version(url))
     with tempfile.TemporaryDirectory() as tmp:
-        from engine.models import embedded_model_dir
+        from engine.backends.local import embedded_model_dir
 
         folder = tied_only_folder(embedded_model_dir(), Path(tmp) / "tied-only")
         broken = contextlib.nullcontext(args.broken_url) if args.broken_url else \

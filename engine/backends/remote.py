@@ -1,0 +1,271 @@
+"""Running a served model (issue #29): llama.cpp's ``llama-server`` (its native ``/completion``)
+or any OpenAI-compatible server (vLLM, SGLang, llama-server's own ``/v1``).
+
+One implementation of the modes, two small API classes for the requests (``LlamaCppApi``,
+``OpenAIApi``: tokenize, detokenize, chat ids, ``next_top`` = the raw top-N after some ids,
+``generate`` = fast mode's streamed answer). Both modes end in an ordinary engine ``Trace``, run
+through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend``;
+``RemoteModel.mode`` picks the mode):
+
+- **step mode** (``stream_step``, the default): one request per token (one token generated, top-N
+  log-probabilities; the server's prefix cache re-reads only the new token). The raw top-N become
+  logits (log p inside the top-N, -inf outside); our own stage chain and our own seeded draw
+  (``engine.core.RunState``, the local engine's loop body) pick the token. Exact up to the
+  truncation to the top-N, which the trace labels (the tail mass per step).
+- **fast mode**: one streamed request for the whole text (Server-Sent Events: a step is shown as
+  its token arrives); the server's sampler picks (its own random generator: the same seed gives a
+  different text than ours). Each step shows the server's top-N (llama.cpp: final and, from a
+  second request with the same seed after the stream, raw; OpenAI: its ``logprobs``).
+
+``RemoteModel`` quacks like ``engine.backends.local.LoadedModel`` where the decoding loop needs it
+(tokenizer, EOS ids, vocabulary size, token text, decode). Every request has a timeout; a server
+that is down, slow or answers an error raises ``RemoteError`` with one line naming the URL.
+
+Which of our knobs a server's sampler cannot express is listed per fast-mode run (``unmapped``),
+with the knobs that map with a difference (``caveats``); llama.cpp's ``samplers`` list follows our
+stage order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import closing
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from engine.backends.client import DEFAULT_TIMEOUT_S, RemoteError
+from engine.backends.llamacpp import connect
+from engine.backends.openai import connect_openai
+from engine.backends.served import STEP_TOP_N, Entry, FastAnswer, FastToken, RemoteModel, RemoteSpec
+from engine.config import DecodingConfig
+from engine.core import RunState, assemble, checked
+from engine.sampling import NoTokensLeft
+from engine.stages import STAGES
+from engine.trace import Event, StageTrace, StepTrace, TokenProb, Trace
+
+STRATEGIES = ("greedy", "sample")  # what a remote model runs so far
+
+def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
+    """The RemoteModel an operator's ``backend:url`` names (with its vocabulary and EOS options)."""
+    if spec.backend == "openai":
+        return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
+                              top_n=spec.top_n)
+    return connect(spec.url, timeout_s, mode)
+
+
+def check_strategy(config: DecodingConfig) -> None:
+    if config.strategy not in STRATEGIES:
+        raise ValueError(f"strategy: {config.strategy!r} does not run on a remote model yet; "
+                         f"use {' or '.join(STRATEGIES)}")
+
+
+# --- step mode -------------------------------------------------------------------------------------
+def top_logits(model: RemoteModel, ids: Sequence[int], top_n: int) -> tuple[torch.Tensor, float]:
+    """The server's raw next-token distribution after ``ids``, truncated to its top ``top_n``
+    (``model.api.next_top``: one request): logits [1, V] (log p inside the top-N, -inf outside) and
+    the tail mass 1 - sum(top-N)."""
+    return entries_logits(model, model.api.next_top(ids, top_n))
+
+
+def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, float]:
+    """A server's top-N as logits [1, V] (log p inside, -inf outside) and the tail mass."""
+    model.learn_pieces(top)
+    token_ids = torch.tensor([t for t, _, _ in top], dtype=torch.long)
+    logprobs = torch.tensor([lp for _, lp, _ in top], dtype=torch.float32)
+    if len(top) and int(token_ids.max()) >= model.vocab_size:
+        raise RemoteError(f"{model.client.server} {model.url}: token {int(token_ids.max())} is outside the "
+                          f"vocabulary of {model.vocab_size} (vocab_size)")
+    logits = torch.full((1, model.vocab_size), -math.inf)
+    logits[0, token_ids] = logprobs
+    return logits, max(0.0, 1.0 - float(logprobs.double().exp().sum()))
+
+
+def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+                top_n: int = STEP_TOP_N, tails: list[float] | None = None, prefix: Sequence[int] = (),
+                force: int | None = None) -> Iterator[StepTrace]:
+    """Step mode: a StepTrace per token, each from one request (``tails`` collects each step's
+    tail mass). ``prefix`` / ``force`` continue a run as ``decode.stream`` does: the kept tokens
+    are just a longer prompt to the server (a stateful chain first replays their positions, one
+    request each)."""
+    check_strategy(config)
+    state = RunState(model, prompt_ids, config, prefix=prefix, force=force)
+    if state.needs_replay:
+        start = len(prompt_ids)
+        state.replay(torch.cat([top_logits(model, state.sequence[:start + i], top_n)[0] for i in range(len(prefix))]))
+    while True:
+        logits, tail = top_logits(model, state.ids[0].tolist(), top_n)
+        if tails is not None:
+            tails.append(tail)
+        step = state.advance(logits)
+        yield step
+        if step.finish_reason is not None:
+            return
+
+
+def step_approximations(config: DecodingConfig, top_n: int) -> list[str]:
+    """What step mode cannot do exactly for ``config``, in words (the trace carries them)."""
+    caveats = dict.fromkeys(text for name in config.active_stages() for text in STAGES[name].served.step_caveats)
+    return [f"the raw distribution is the server's top {top_n}, renormalised; the tail mass (1 - their sum) is "
+            "recorded per step and no token outside them can be picked", *caveats]
+
+
+def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
+           chat: bool = False, prefix: Sequence[int] = (), force: int | None = None) -> Iterator[Event]:
+    """What ``engine.runner.stream`` runs for a remote model: an Event per token, then one holding
+    the Trace (labelled: ``extra["remote"]``), in the model's ``mode``. Fast mode cannot continue
+    from a step (the server samples the whole text): ``prefix`` / ``force`` raise ValueError."""
+    if model.mode == "fast":
+        if prefix or force is not None:
+            raise ValueError(f"{'prefix' if prefix else 'force'}: a fast-mode run of {model.url} cannot continue "
+                             "from a step (the server samples); use step mode")
+        yield from _stream_fast(model, prompt, prompt_ids, config, chat)
+        return
+    tails: list[float] = []
+    steps: list[StepTrace] = []
+    ended = False
+    try:
+        for step in stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force):
+            steps.append(step)
+            yield Event(steps=[step])
+    except NoTokensLeft:  # a step with nothing left to pick ends the run, saying why
+        ended = True
+    trace = assemble(model, prompt, prompt_ids, config, steps, chat)
+    if ended:
+        trace.end_with_no_tokens_left()
+    trace.extra["remote"] = _label(model, "step", model.top_n, step_approximations(config, model.top_n)) | {
+        "tail_mass": tails}
+    yield Event(trace=trace)
+
+
+def _collect(events: Iterator[Event]) -> Trace:
+    return next(e.trace for e in events if e.trace is not None)
+
+
+def run_step(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
+             top_n: int = STEP_TOP_N) -> Trace:
+    """A whole step-mode run as a Trace, labelled (``extra["remote"]``)."""
+    stepper = model.with_mode("step", top_n)
+    return _collect(stream(stepper, prompt, stepper.encode(prompt, chat), config, chat=chat))
+
+
+def _label(model: RemoteModel, mode: str, top_n: int, approximations: list[str],
+           notes: dict[str, list] | None = None) -> dict:
+    """``extra["remote"]``; ``notes``: in fast mode, the knobs the server's sampler did not run as
+    ours (step mode runs our own chain: nothing unmapped)."""
+    return {"backend": model.backend, "url": model.url, "mode": mode, "top_n": top_n,
+            "approximations": approximations} | (notes or {"unmapped": [], "caveats": []})
+
+
+# --- fast mode -------------------------------------------------------------------------------------
+def _stage(name: str, entries: list[Entry], vocab_size: int) -> StageTrace:
+    """A stage record from the server's top-N; entropy over the top-N only, kept = the whole
+    vocabulary for raw, the non-zero top-N for final."""
+    probs = [math.exp(lp) if math.isfinite(lp) else 0.0 for _, lp, _ in entries]
+    top = [TokenProb(token, piece or "", p) for (token, _, piece), p in zip(entries, probs)]
+    entropy = -sum(p * math.log(p) for p in probs if p > 0)
+    kept = vocab_size if name == "raw" else sum(1 for p in probs if p > 0)
+    return StageTrace(name, kept, 0.0, entropy, 0.0, top)
+
+
+def run_fast(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
+             raw: bool = True) -> Trace:
+    """Fast mode: the server generates the whole text in one streamed request (its top-N per
+    token, raw and final as the backend gives them; ``raw``: llama.cpp, a second request for the
+    raw top-N)."""
+    fast = model.with_mode("fast")
+    return _collect(_stream_fast(fast, prompt, fast.encode(prompt, chat), config, chat, raw=raw))
+
+
+def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, chat: bool,
+                 raw: bool = True) -> Iterator[Event]:
+    """Fast mode's Events: one streamed request (``api.generate``), an Event per token as it
+    arrives (its ``elapsed_ms`` since the request began), then the labelled Trace. llama.cpp's raw
+    top-N come from a second request after the stream: the Events show the final stage only,
+    the Trace's steps raw and final."""
+    check_strategy(config)
+    start = time.perf_counter()
+    steps: list[StepTrace] = []
+    answer: FastAnswer | None = None
+    with closing(model.api.generate(prompt_ids, config, raw)) as generated:  # a Stop closes the request
+        for item in generated:
+            if isinstance(item, FastAnswer):
+                answer = item
+                continue
+            step = _fast_step(model, len(steps), item, (time.perf_counter() - start) * 1000)
+            steps.append(step)
+            yield Event(steps=[step])
+    assert answer is not None, "api.generate ends with its FastAnswer"
+    if answer.final:
+        steps = [_with_final(model, step, p, top) if not step.stages else step
+                 for step, (p, top) in zip(steps, answer.final)] + steps[len(answer.final):]
+    if answer.raw:
+        steps = [_with_raw(model, step, top) for step, top in zip(steps, answer.raw)] + steps[len(answer.raw):]
+    if steps:
+        steps[-1] = replace(steps[-1], finish_reason=answer.finish_reason)
+    trace = assemble(model, prompt, prompt_ids, config, steps, chat)
+    approximations = list(answer.approximations)
+    outside = sum(1 for s in steps if math.isnan(s.raw_prob))
+    if outside and answer.raw:
+        approximations.append(f"{outside} of the {len(steps)} tokens lie outside the raw top {config.top_n}, so their "
+                              "raw p is unknown and so are the raw mean log-prob and perplexity")
+    trace.extra["remote"] = _label(model, "fast", config.top_n, approximations, answer.notes) | {
+        "timings": answer.timings, "streamed": True} | server_speculative(answer.timings)
+    yield Event(trace=trace)
+
+
+def server_speculative(timings: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's own speculative decoding in a fast-mode answer (a server started with a draft
+    model, ``-md``, or ``--spec-type ngram-*``): ``{"server_speculative": {"drafted", "accepted",
+    "acceptance_rate"}}`` from its ``timings.draft_n`` / ``draft_n_accepted``; {} when it did not draft."""
+    try:
+        drafted, accepted = int(timings["draft_n"]), int(timings["draft_n_accepted"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    if drafted <= 0:
+        return {}
+    return {"server_speculative": {"drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted}}
+
+
+def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: float) -> StepTrace:
+    """A streamed token as a step: its stages are the top-N the backend sent (raw, final)."""
+    stages = []
+    for name, entries in (("raw", token.raw), ("final", token.final)):
+        if entries is not None:
+            model.learn_pieces(entries)
+            stages.append(_stage(name, entries, model.vocab_size))
+    raw_prob = _prob_of(token.token, token.raw) if token.raw is not None else math.nan
+    if math.isnan(raw_prob) and token.raw_prob is not None:
+        raw_prob = token.raw_prob
+    return StepTrace(index, token.token, model.token_text(token.token), token.prob, raw_prob, None, None, None,
+                     stages[-1].entropy if stages else math.nan, stages[0].entropy if stages else math.nan,
+                     stages, elapsed_ms=elapsed_ms)
+
+
+def _with_final(model: RemoteModel, step: StepTrace, prob: float, final: list[Entry]) -> StepTrace:
+    """``step`` (streamed without probabilities) with its p and final top-N from a whole request."""
+    model.learn_pieces(final)
+    stage = _stage("final", final, model.vocab_size)
+    return replace(step, chosen_prob=prob, stages=[stage], entropy=stage.entropy, raw_entropy=stage.entropy)
+
+
+def _with_raw(model: RemoteModel, step: StepTrace, raw: list[Entry]) -> StepTrace:
+    """``step`` with the raw top-N of a later request as its first stage."""
+    model.learn_pieces(raw)
+    stage = _stage("raw", raw, model.vocab_size)
+    return replace(step, stages=[stage, *step.stages], raw_prob=_prob_of(step.chosen_token_id, raw),
+                   raw_entropy=stage.entropy)
+
+
+def _prob_of(token: int, entries: list[Entry]) -> float:
+    """``token``'s probability in a top-N; NaN outside it (unknown: below the N-th, not 0)."""
+    return next((math.exp(lp) for t, lp, _ in entries if t == token), math.nan)
+
+
+def stepwise(ctx: Any) -> Iterator[Event]:
+    """Greedy and sampling on a served model (``engine.core.RunContext``): ``stream`` in the
+    model's mode, checking the run's control before each request."""
+    yield from checked(stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, prefix=ctx.prefix,
+                              force=ctx.force), ctx.control)

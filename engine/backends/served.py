@@ -1,0 +1,234 @@
+"""A served model as a model: ``RemoteModel`` (what the decoding loop reads of a model: its
+tokenizer, EOS ids, vocabulary, token texts), the operator's list (``RemoteSpec``,
+``allowed_remote_models``) and what a backend's API returns (``Entry``, ``FastToken``,
+``FastAnswer``). The backends' requests are in ``engine.backends.llamacpp`` and
+``engine.backends.openai``; the modes that run a served model in ``engine.backends.remote``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+
+from engine.backends.client import JsonClient, RemoteError
+from engine.backends.seam import Capabilities, served_capabilities
+from engine.settings import SettingsError, env_list
+
+BACKENDS = ("llamacpp", "openai")
+MODES = ("step", "fast")
+STEP_TOP_N = 100  # step mode: tokens per step the server returns (our chain works over these)
+
+# --- the operator's list ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteSpec:
+    """``backend:url[#vocab=V&eos=A+B&top=N]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
+    ``openai:http://gpu1:8000/v1#vocab=128256&eos=128001+128009``: vLLM's API reports neither its
+    vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options).
+    ``top``: step mode's tokens per step (default STEP_TOP_N), for a vLLM started with a lower
+    ``--max-logprobs`` (its default is 20)."""
+
+    backend: str
+    url: str
+    vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    top_n: int | None = None
+
+    @classmethod
+    def parse(cls, text: str, key: str = "model") -> "RemoteSpec":
+        base, _, options = text.partition("#")
+        backend, _, url = base.partition(":")
+        if backend not in BACKENDS or not url.startswith(("http://", "https://")):
+            raise ValueError(f"{key}: expected {' | '.join(BACKENDS)}:http://host:port, got {text[:80]!r}")
+        found: dict[str, tuple[int, ...]] = {}
+        for option in filter(None, options.split("&")):
+            name, _, value = option.partition("=")
+            numbers = value.split("+")
+            if backend != "openai" or name not in ("vocab", "eos", "top") or not all(n.isdigit() for n in numbers) \
+                    or (name != "eos" and len(numbers) != 1) or (name == "top" and not 1 <= int(value) <= 1000):
+                raise ValueError(f"{key}: option {option[:40]!r} in {text[:80]!r}: expected openai:...#vocab=<n>"
+                                 "&eos=<id>+<id>[&top=<1..1000>] (llamacpp reports both itself)")
+            found[name] = tuple(int(n) for n in numbers)
+        return cls(backend, url.rstrip("/"), *found.get("vocab", (None,)), found.get("eos", ()),
+                   *found.get("top", (None,)))
+
+    def __str__(self) -> str:
+        options = ([f"vocab={self.vocab_size}"] if self.vocab_size else []) + \
+            ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else []) + \
+            ([f"top={self.top_n}"] if self.top_n else [])
+        return f"{self.backend}:{self.url}" + ("#" + "&".join(options) if options else "")
+
+
+def allowed_remote_models(environ: Any = None) -> tuple[RemoteSpec, ...]:
+    """The remote models the operator allows (``DP_REMOTE_MODELS``); a malformed item raises
+    SettingsError naming it. A page user can never add one."""
+    try:
+        return tuple(RemoteSpec.parse(item, "DP_REMOTE_MODELS") for item in env_list("DP_REMOTE_MODELS", environ))
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+# --- the model -------------------------------------------------------------------------------------
+# A token of a server's top-N: (id, log-probability, its text when the server sent it, else None).
+Entry = tuple[int, float, "str | None"]
+
+
+@dataclass
+class FastToken:
+    """One token of a fast-mode generation as it streams in: its id, the probability the server
+    picked it with, and the server's top-N (``final``: after its sampler; ``raw``: the model's),
+    either None when the backend does not send it."""
+
+    token: int
+    prob: float
+    final: list[Entry] | None
+    raw: list[Entry] | None
+    raw_prob: float | None = None  # its raw p when it lies outside ``raw`` (vLLM sends it as an N+1st entry)
+
+
+@dataclass
+class FastAnswer:
+    """How a fast-mode generation ended (after its FastTokens): why it stopped, what the run
+    approximates, the knobs the server did not run as ours (``notes``), the server's timings, and
+    ``raw``: the raw top-N per token from llama.cpp's second request (None when not asked or left
+    out; it may cover fewer tokens than were streamed, see ``LlamaCppApi.generate``); ``final``:
+    (probability, top-N after the sampler) per token from a whole request, for tokens the stream
+    sent without them (llama-server's own speculation; None when none lacked them)."""
+
+    finish_reason: str
+    approximations: list[str]
+    notes: dict[str, list[dict[str, str]]]
+    timings: dict[str, Any] = field(default_factory=dict)
+    raw: list[list[Entry]] | None = None
+    final: list[tuple[float, list[Entry]]] | None = None
+
+
+@dataclass
+class RemoteTokenizer:
+    """The server's tokenizer, as the stages call a tokenizer (``encode`` without special tokens,
+    ``decode`` of one token for DRY's breakers); answers are memoised."""
+
+    api: Any  # LlamaCppApi | OpenAIApi
+    _pieces: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.api.tokenize(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        if len(ids) == 1 and ids[0] in self._pieces:
+            return self._pieces[ids[0]]
+        text = self.api.detokenize(ids) if ids else ""
+        if len(ids) == 1:
+            self._pieces[ids[0]] = text
+        return text
+
+
+@dataclass
+class RemoteModel:
+    """A served model (``engine.backends.seam.Model``: what the decoding loop reads of a model);
+    ``api`` speaks its backend's requests (LlamaCppApi, OpenAIApi), everything else is shared."""
+
+    name: str
+    api: Any  # LlamaCppApi | OpenAIApi
+    tokenizer: RemoteTokenizer
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    context: int = 4096  # the server's context length (n_ctx)
+    chat_template: bool = True  # the server has one (its /props)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    quantization: str = "server"
+    mode: str = "step"  # how runner.stream runs greedy/sample on it: "step" (our chain) or "fast" (it samples)
+    top_n: int = STEP_TOP_N  # step mode: tokens per step the server returns
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected {' or '.join(MODES)}, got {self.mode!r}")
+        if not 1 <= self.top_n <= 1000:
+            raise ValueError(f"top_n: expected 1..1000 tokens per step, got {self.top_n!r}")
+
+    def with_mode(self, mode: str, top_n: int | None = None) -> "RemoteModel":
+        """The same server (client and memoised token texts shared) run in ``mode``."""
+        return replace(self, mode=mode, top_n=self.top_n if top_n is None else top_n)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """A top-N per position (step mode asks ``top_n``), streamed generations; no logits,
+        hidden states, cache or weights (engine.backends.seam)."""
+        return served_capabilities(self.top_n)
+
+    @property
+    def backend(self) -> str:
+        """Which API it speaks; engine.runner looks its strategies up by this."""
+        return self.api.backend
+
+    @property
+    def client(self) -> JsonClient:
+        return self.api.client
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """The prompt's ids as the server reads a text prompt (its chat template when ``chat``)."""
+        if chat:
+            if not self.chat_template:
+                raise ValueError(f"chat: the model at {self.url} has no chat template; turn the chat template off")
+            return self.api.chat_ids(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.eos_token_ids])
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def learn_pieces(self, entries: Sequence[Entry]) -> None:
+        """Memoise token texts the server sent with its probabilities."""
+        for token, _, piece in entries:
+            if piece is not None:
+                self.tokenizer._pieces.setdefault(token, piece)
+
+
+# --- is it a model? --------------------------------------------------------------------------------
+PROBE_TEXT = "The capital of France is"  # one request at connect: the answer after it must not be flat
+FLAT_SPREAD = 1e-4  # nats: a model's top-N spans several; a model whose weights did not load answers all equal
+
+
+def check_served(model: RemoteModel) -> RemoteModel:
+    """``model`` when its server answers like a model that fits its tokenizer, else RemoteError in one
+    line: every EOS id inside the vocabulary and read back by the tokenizer as itself; the tokenizer's
+    ids inside the vocabulary; and, from one request after PROBE_TEXT, a top-N that is not flat (a
+    checkpoint vLLM loads without the weights it reads answers every token at log 1/V) and inside the
+    vocabulary. The request asks step mode's top-N, so a server whose logprobs limit is lower says so here."""
+    where = f"{model.client.server} {model.url}"
+    for eos in model.eos_token_ids:
+        text = model.tokenizer.decode([eos]) if eos < model.vocab_size else ""
+        again = model.tokenizer.encode(text, add_special_tokens=True) if text else []
+        if again[-1:] != [eos]:
+            raise RemoteError(f"{where}: EOS {eos} does not fit the tokenizer (it reads {text!r}, which tokenises as "
+                              f"{again[:4]}; vocabulary {model.vocab_size}): give the model's own EOS ids (#eos=)")
+    ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
+    try:
+        top = model.api.next_top(ids, model.top_n)
+    except RemoteError as exc:
+        hint = f" (step mode asks the top {model.top_n}: start vLLM with --max-logprobs {model.top_n}" \
+               ", or list it with #top=<its limit>)" if "max allowed" in str(exc) else ""
+        raise RemoteError(f"{exc}{hint}") from None
+    outside = [t for t in ids + [t for t, _, _ in top] if t >= model.vocab_size]
+    if outside:
+        raise RemoteError(f"{where}: token {outside[0]} is outside the vocabulary of {model.vocab_size}: the "
+                          "vocabulary does not fit the tokenizer (give the model's own size, #vocab=)")
+    logprobs = [lp for _, lp, _ in top if math.isfinite(lp)]
+    if len(logprobs) > 1 and max(logprobs) - min(logprobs) < FLAT_SPREAD:
+        raise RemoteError(f"{where}: the served model answers a uniform distribution (its top {len(logprobs)} "
+                          f"log-probabilities are all {logprobs[0]:.4f} = log 1/{round(math.exp(-logprobs[0]))}): "
+                          "its weights did not load")
+    model.learn_pieces(top)
+    return model
