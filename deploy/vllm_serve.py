@@ -126,20 +126,31 @@ def serving(python: str, extra: Sequence[str] = (), port: int | None = None, log
             timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
     """A vLLM server over the embedded model on a (free) loopback port, in its own process group;
     yields its URL once it answers, and stops the whole group (API server, engine, worker) after."""
+    with serving_all(python, [(extra, log)], port, timeout_s) as (url,):
+        yield url
+
+
+@contextlib.contextmanager
+def serving_all(python: str, servers: Sequence[tuple[Sequence[str], Path | None]], port: int | None = None,
+                timeout_s: float = START_TIMEOUT_S) -> Iterator[list[str]]:
+    """One vLLM server per (extra flags, log) of ``servers``, all started at once, so their starts (about a
+    minute each on 2 cores, mostly imports) overlap; yields their URLs once each answers and stops every
+    process group after. ``port``: the first server's (free ones otherwise)."""
     from engine.backends.local import embedded_model_dir
 
-    port = port or free_port()
-    out = open(log, "w") if log else subprocess.DEVNULL
-    process = subprocess.Popen(server_command(python, str(embedded_model_dir()), port, extra), env=server_env(),
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url, process, timeout_s, log)
-        yield url
-    finally:
-        stop(process)
-        if log:
-            out.close()
+    model_dir = str(embedded_model_dir())
+    started: list[tuple[subprocess.Popen, str, Path | None]] = []
+    with contextlib.ExitStack() as stack:
+        for i, (extra, log) in enumerate(servers):
+            chosen = (port if i == 0 else None) or free_port()
+            out = stack.enter_context(open(log, "w")) if log else subprocess.DEVNULL
+            process = subprocess.Popen(server_command(python, model_dir, chosen, extra), env=server_env(),
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            stack.callback(stop, process)
+            started.append((process, f"http://127.0.0.1:{chosen}", log))
+        for process, url, log in started:
+            wait_until_up(url, process, timeout_s, log)
+        yield [url for _, url, _ in started]
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -317,25 +317,31 @@ def vllm_python() -> str:
         pytest.fail(f"vllm: the install failed ({exc}; log: {VLLM_INSTALL_LOG})", pytrace=False)
 
 
-@contextlib.contextmanager
-def serve_vllm(python: str, *extra: str, log_name: str = "vllm-server.log") -> Iterator[str]:
-    """A real vLLM server over the embedded model's folder on a free 127.0.0.1 port (deploy.vllm_serve's
-    flags, then ``extra``); yields its URL once /v1/models answers, stops its process group after."""
-    from deploy.vllm_serve import VllmError, serving
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_python, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The two real vLLM servers of the live tests on free 127.0.0.1 ports, started at once so their
+    starts (about a minute each, mostly imports) overlap: ``good`` over the embedded model's folder,
+    ``tied_only`` over that folder in the conversion's old layout (tests/data/vllm/record.py's
+    tied_only_folder: the weights vLLM reads are missing). Their URLs; fails in one line if one does not start."""
+    from deploy.vllm_serve import VllmError, serving_all
+    from engine.backends.local import embedded_model_dir
+    from tests.data.vllm.record import tied_only_folder
 
     ARTIFACTS.mkdir(exist_ok=True)
+    folder = tied_only_folder(embedded_model_dir(), tmp_path_factory.mktemp("vllm") / "tied-only")
+    servers = [(VLLM_TEST_ARGS, ARTIFACTS / "vllm-server.log"),
+               ((*VLLM_TEST_ARGS, "--model", str(folder)), ARTIFACTS / "vllm-server-tied-only.log")]
     try:
-        with serving(python, (*VLLM_TEST_ARGS, *extra), log=ARTIFACTS / log_name) as url:
-            yield url
+        with serving_all(vllm_python, servers) as (good, tied_only):
+            yield {"good": good, "tied_only": tied_only}
     except VllmError as exc:
         pytest.fail(f"{exc}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_python) -> Iterator[str]:
-    """A real vLLM serving the embedded model (float32) on a free loopback port for the session; its URL."""
-    with serve_vllm(vllm_python) as url:
-        yield url
+def vllm_server(vllm_servers) -> str:
+    """The real vLLM serving the embedded model (float32) for the session; its URL."""
+    return vllm_servers["good"]
 
 
 @pytest.fixture(scope="session")
