@@ -241,15 +241,15 @@ def test_a_model_whose_weights_did_not_load_is_named_at_connect(broken_vllm):
 
 
 @pytest.mark.parametrize("vocab, eos, says", [
-    (1000, (EOS,), "token 3575 is outside the vocabulary of 1000: the vocabulary does not fit the tokenizer "
-                   "(give the model's own size, #vocab=)"),
-    (VOCAB, (50000,), "EOS 50000 does not fit the tokenizer (it reads '', which tokenises as []; vocabulary "
+    (1000, (EOS,), "{root}/tokenize: tokens[1]: expected a token id in [0, 1000), got 3575 (the vocabulary of 1000 "
+                   "does not fit the tokenizer: give the model's own size, #vocab=)"),
+    (VOCAB, (50000,), "{url}: EOS 50000 does not fit the tokenizer (it reads '', which tokenises as []; vocabulary "
                       f"{VOCAB}): give the model's own EOS ids (#eos=)")])
 def test_a_vocabulary_or_eos_that_does_not_fit_is_one_line_at_connect(vllm, vocab, eos, says):
     url, _ = vllm
     with pytest.raises(client.RemoteError) as caught:
         openai.connect_openai(url, timeout_s=5, vocab_size=vocab, eos_token_ids=eos)
-    assert str(caught.value) == f"OpenAI-compatible server {url}: {says}"
+    assert str(caught.value) == "OpenAI-compatible server " + says.format(url=url, root=url.removesuffix("/v1"))
 
 
 def test_a_top_list_of_n_plus_one_entries_is_read_right(vllm):

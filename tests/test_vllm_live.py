@@ -198,8 +198,8 @@ def test_keep_alive_comments_and_an_error_chunk_in_a_stream(vllm_model, vllm_ser
 
     @dataclass
     class Teeing(JsonClient):
-        def _read(self, read: Any, where: str) -> bytes:
-            lines.append(super()._read(read, where))
+        def _read(self, exchange: Any, read: Any, where: str) -> bytes:
+            lines.append(super()._read(exchange, read, where))
             return lines[-1]
 
     tee = Teeing(vllm_model.client.url, 120, vllm_model.client.server)

@@ -204,27 +204,17 @@ FLAT_SPREAD = 1e-4  # nats: a model's top-N spans several; a model whose weights
 def check_served(model: RemoteModel) -> RemoteModel:
     """``model`` when its server answers like a model that fits its tokenizer, else RemoteError in one
     line: every EOS id inside the vocabulary and read back by the tokenizer as itself; the tokenizer's
-    ids inside the vocabulary; and, from one request after PROBE_TEXT, a top-N that is not flat (a
-    checkpoint vLLM loads without the weights it reads answers every token at log 1/V) and inside the
-    vocabulary. The request asks step mode's top-N, so a server whose logprobs limit is lower says so here."""
+    ids inside the vocabulary (the answers' schema checks every id; a misfit gets the #vocab= hint);
+    and, from one request after PROBE_TEXT, a top-N that is not flat (a checkpoint vLLM loads without
+    the weights it reads answers every token at log 1/V). The request asks step mode's top-N, so a
+    server whose logprobs limit is lower says so here."""
     where = f"{model.client.server} {model.url}"
-    for eos in model.eos_token_ids:
-        text = model.tokenizer.decode([eos]) if eos < model.vocab_size else ""
-        again = model.tokenizer.encode(text, add_special_tokens=True) if text else []
-        if again[-1:] != [eos]:
-            raise RemoteError(f"{where}: EOS {eos} does not fit the tokenizer (it reads {text!r}, which tokenises as "
-                              f"{again[:4]}; vocabulary {model.vocab_size}): give the model's own EOS ids (#eos=)")
-    ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
     try:
+        _check_eos(model, where)
+        ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
         top = model.api.next_top(ids, model.top_n)
     except RemoteError as exc:
-        hint = f" (step mode asks the top {model.top_n}: start vLLM with --max-logprobs {model.top_n}" \
-               ", or list it with #top=<its limit>)" if "max allowed" in str(exc) else ""
-        raise RemoteError(f"{exc}{hint}") from None
-    outside = [t for t in ids + [t for t, _, _ in top] if t >= model.vocab_size]
-    if outside:
-        raise RemoteError(f"{where}: token {outside[0]} is outside the vocabulary of {model.vocab_size}: the "
-                          "vocabulary does not fit the tokenizer (give the model's own size, #vocab=)")
+        raise RemoteError(f"{exc}{_connect_hint(model, str(exc))}") from None
     logprobs = [lp for _, lp, _ in top if math.isfinite(lp)]
     if len(logprobs) > 1 and max(logprobs) - min(logprobs) < FLAT_SPREAD:
         raise RemoteError(f"{where}: the served model answers a uniform distribution (its top {len(logprobs)} "
@@ -232,3 +222,24 @@ def check_served(model: RemoteModel) -> RemoteModel:
                           "its weights did not load")
     model.learn_pieces(top)
     return model
+
+
+def _check_eos(model: RemoteModel, where: str) -> None:
+    """Each EOS id inside the vocabulary, and its text tokenised back as itself."""
+    for eos in model.eos_token_ids:
+        text = model.tokenizer.decode([eos]) if eos < model.vocab_size else ""
+        again = model.tokenizer.encode(text, add_special_tokens=True) if text else []
+        if again[-1:] != [eos]:
+            raise RemoteError(f"{where}: EOS {eos} does not fit the tokenizer (it reads {text!r}, which tokenises as "
+                              f"{again[:4]}; vocabulary {model.vocab_size}): give the model's own EOS ids (#eos=)")
+
+
+def _connect_hint(model: RemoteModel, line: str) -> str:
+    """What the operator can change when connecting failed with ``line``: the logprobs limit (vLLM's 400)
+    or the vocabulary they gave (an id outside it: engine.backends.schema's line)."""
+    if "max allowed" in line:
+        return (f" (step mode asks the top {model.top_n}: start vLLM with --max-logprobs {model.top_n}, "
+                "or list it with #top=<its limit>)")
+    if f"expected a token id in [0, {model.vocab_size})" in line:
+        return f" (the vocabulary of {model.vocab_size} does not fit the tokenizer: give the model's own size, #vocab=)"
+    return ""

@@ -85,7 +85,8 @@ class RecordingClient(client.JsonClient):
     def stream_post(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
         lines: list[bytes] = []
         read = self._read
-        self._read = lambda reader, where: lines.append(read(reader, where)) or lines[-1]  # type: ignore[method-assign]
+        self._read = lambda exchange, reader, where: (  # type: ignore[method-assign]
+            lines.append(read(exchange, reader, where)) or lines[-1])
         try:
             yield from super().stream_post(path, body)
         finally:
