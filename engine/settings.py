@@ -116,7 +116,8 @@ SETTINGS = (
     Setting("DP_DOWNLOAD_DIR", "text", "", "where the private download folder is made", shown="the system temp folder"),
     Setting("DP_BROWSER_SECRET", "text", "decoding-playground-presets-v1", "the key the browser encrypts stored "
             "presets and the page's owner secret with"),
-    Setting("DECODING_PLAYGROUND_CACHE", "text", "", "where the embedded model's safetensors conversion and the llama-server build are kept",
+    Setting("DECODING_PLAYGROUND_CACHE", "text", "", "where the embedded model's safetensors conversion, the "
+            "llama-server build and the vLLM environment are kept",
             shown="`~/.cache/decoding-playground`"),
     # Set by Hugging Face.
     Setting("SPACE_ID", "platform", None, "a Hugging Face Space: public mode, listen on 0.0.0.0", shown="unset"),

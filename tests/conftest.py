@@ -190,10 +190,11 @@ LLAMA_BUILD_LOG = Path(tempfile.gettempdir()) / "llama-server-build-pytest.log"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `quantized`, then those marked `remote`, run last, so the checkpoints and the
-    llama-server build `make test` started in the background overlap everything else (a stable sort
-    keeps every other order)."""
-    items.sort(key=lambda item: (item.get_closest_marker("remote") is not None,
+    """Tests marked `quantized`, then those marked `remote`, then those marked `vllm`, run last, so the
+    checkpoints, the llama-server build and the vLLM install `make test` started in the background
+    overlap everything else (a stable sort keeps every other order)."""
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None,
+                                 item.get_closest_marker("remote") is not None,
                                  item.get_closest_marker("quantized") is not None))
 
 
@@ -294,3 +295,59 @@ def quant_checkpoints() -> Path:
         last = (QUANTIZE_LOG.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
         pytest.fail(f"quantize: making the checkpoints failed ({last[:200]}; log: {QUANTIZE_LOG})", pytrace=False)
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+# --- vLLM (issue #37): tests marked `vllm` --------------------------------------------------------
+VLLM_INSTALL_WAIT_S = 1800  # `make test` starts the install in the background; a cold one takes minutes
+VLLM_INSTALL_LOG = Path(tempfile.gettempdir()) / "vllm-install-pytest.log"
+# Flags the live tests add to deploy/vllm_serve.py's: a keep-alive comment after 1 s idle (a long
+# prefill sends some), so the client is seen reading past them.
+VLLM_TEST_ARGS = ("--sse-keep-alive-interval", "1")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The cached vLLM environment's python, installed (or waited for, when `make test`'s background
+    install runs) by deploy/vllm.sh; fails with one line, never skips, when it cannot be had."""
+    from deploy.vllm_serve import VllmError, install
+
+    try:
+        return install(sys.executable, VLLM_INSTALL_LOG, VLLM_INSTALL_WAIT_S)
+    except VllmError as exc:
+        pytest.fail(f"vllm: the install failed ({exc}; log: {VLLM_INSTALL_LOG})", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_python, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The two real vLLM servers of the live tests on free 127.0.0.1 ports, started at once so their
+    starts (about a minute each, mostly imports) overlap: ``good`` over the embedded model's folder,
+    ``tied_only`` over that folder in the conversion's old layout (tests/data/vllm/record.py's
+    tied_only_folder: the weights vLLM reads are missing). Their URLs; fails in one line if one does not start."""
+    from deploy.vllm_serve import VllmError, serving_all
+    from engine.backends.local import embedded_model_dir
+    from tests.data.vllm.record import tied_only_folder
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    folder = tied_only_folder(embedded_model_dir(), tmp_path_factory.mktemp("vllm") / "tied-only")
+    servers = [(VLLM_TEST_ARGS, ARTIFACTS / "vllm-server.log"),
+               ((*VLLM_TEST_ARGS, "--model", str(folder)), ARTIFACTS / "vllm-server-tied-only.log")]
+    try:
+        with serving_all(vllm_python, servers) as (good, tied_only):
+            yield {"good": good, "tied_only": tied_only}
+    except VllmError as exc:
+        pytest.fail(f"{exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_servers) -> str:
+    """The real vLLM serving the embedded model (float32) for the session; its URL."""
+    return vllm_servers["good"]
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_server):
+    """The real vLLM as a RemoteModel (step mode), connected once as the operator lists it."""
+    from deploy.vllm_serve import remote_spec
+    from engine.backends import remote, served
+
+    return remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server)), timeout_s=120)

@@ -247,7 +247,8 @@ class FakeServer:
             text = body.get("content", body.get("prompt", ""))
             return {"tokens": [EOS] if text == "</s>" else [3 + ord(c) % 900 for c in str(text)]}
         if path == "/detokenize":
-            text = "".join(piece(t) for t in body.get("tokens", []))
+            # EOS reads back as the text /props names and /tokenize maps to it (connecting checks both)
+            text = "".join("</s>" if t == EOS else piece(t) for t in body.get("tokens", []))
             return {"content": text} if self.backend == "llamacpp" else {"prompt": text}
         if path == "/apply-template":
             return {"prompt": "User: " + str(body["messages"][0]["content"])}

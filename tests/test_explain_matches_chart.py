@@ -290,17 +290,14 @@ def test_vllm_s_answers_in_step_and_fast_mode_explain_what_their_charts_show(vll
     """vLLM's response schema (tests/data/vllm's recordings on loopback): fast mode's steps hold
     only the raw top-N its logprobs give; step mode's our chain over its top-5."""
     from engine import runner
-    from engine.backends.openai import connect_openai
     from engine.runner import RunRequest
-    from engine.config import DecodingConfig
-    from tests.test_remote_openai import EOS
+    from tests.data.vllm.record import CAPITAL, FAST, GREEDY, STEP_TOP
+    from tests.test_remote_openai import listed
 
     url, _ = vllm
-    fast = connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS], mode="fast")
-    config = DecodingConfig(strategy="sample", temperature=0.7, top_p=0.9, max_new_tokens=3, top_n=5)
-    stepped = connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS]).with_mode("step", 5)
-    for trace in (runner.run(RunRequest(fast, "The capital of France is", config)),
-                  runner.run(RunRequest(stepped, "The capital of France is", config.replace(strategy="greedy")))):
+    model = listed(url)  # the recordings' exchanges, in their order (step mode first: it learns the pieces)
+    for trace in (runner.run(RunRequest(model.with_mode("step", STEP_TOP), CAPITAL, GREEDY, chat=True)),
+                  runner.run(RunRequest(model.with_mode("fast"), CAPITAL, FAST, chat=True))):
         for at in range(len(trace.steps)):
             check_every_chart(trace, at)
         assert charts.source_of(trace, 0).mode == trace.extra["remote"]["mode"]

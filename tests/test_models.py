@@ -13,6 +13,41 @@ def test_embedded_gguf_is_found_and_converted_once():
     assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
     assert embedded_model_dir() == folder  # keyed by size + hash: no second conversion
     assert folder.name.startswith(f"smollm2-135m-instruct-{gguf_path().stat().st_size}-")
+    assert folder.name.endswith("-layout2")  # a new layout is a new folder: an older conversion is never trusted
+
+
+def test_the_converted_folder_holds_the_tied_embedding_under_both_names():
+    """Issue #37: vLLM reads ``model.embed_tokens.weight`` (and skips ``lm_head.weight`` when tied); a
+    folder without it served a uniform distribution. Both names are in the file, the same tensor."""
+    import json
+
+    from safetensors import safe_open
+
+    folder = embedded_model_dir()
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(weights.keys())
+        embed, head = weights.get_tensor("model.embed_tokens.weight"), weights.get_tensor("lm_head.weight")
+    assert embed.shape == (49152, 576) and embed.dtype == torch.float32 and torch.equal(embed, head)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+
+
+@pytest.mark.slow
+def test_transformers_reads_the_converted_folder_with_the_logits_of_before(embedded, tmp_path):
+    """The folder as the conversion wrote it before (one name, no architectures: tests/data/vllm/record.py's
+    tied_only_folder) and the GGUF itself give transformers the very logits the new folder gives."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.data.vllm.record import tied_only_folder
+
+    ids = torch.tensor([embedded.encode("The capital of France is")])
+    with torch.no_grad():
+        now = embedded.model(ids).logits
+        old = AutoModelForCausalLM.from_pretrained(tied_only_folder(embedded_model_dir(), tmp_path / "old"),
+                                                   dtype=torch.float32)
+        from_gguf = AutoModelForCausalLM.from_pretrained(gguf_path().parent, gguf_file=gguf_path().name,
+                                                         dtype=torch.float32)
+        assert torch.equal(old(ids).logits, now) and torch.equal(from_gguf(ids).logits, now)
 
 
 @pytest.mark.slow

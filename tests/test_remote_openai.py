@@ -1,6 +1,7 @@
-"""Issue #29: the OpenAI-compatible backend (engine.backends.openai.OpenAIApi): against llama-server's own
-/v1 endpoint (the real server of tests/conftest.py, marker `remote`) and against vLLM's response
-schema served by a small local HTTP server from tests/data/vllm/ (see its README)."""
+"""Issue #29 / #37: the OpenAI-compatible backend (engine.backends.openai.OpenAIApi): against llama-server's own
+/v1 endpoint (the real server of tests/conftest.py, marker `remote`) and against a real vLLM's answers
+replayed by a small local HTTP server from tests/data/vllm/ (recorded from vLLM 0.32.0 by
+tests/data/vllm/record.py: see its README). The live vLLM tests are tests/test_vllm_live.py."""
 
 from __future__ import annotations
 
@@ -14,26 +15,42 @@ from typing import Any, Iterator
 
 import pytest
 
-from engine.backends import client, llamacpp, openai, remote, served
 from engine import runner
-from engine.runner import RunRequest
+from engine.backends import client, llamacpp, openai, remote, served
 from engine.config import DecodingConfig
+from engine.runner import RunRequest
+from tests.data.vllm.record import CAPITAL, FAST, GREEDY, HOT, PERIOD, SCORED_LENGTH, STEP_TOP, STORY
 from tests.test_remote_llamacpp import PROMPT, llamacpp_greedy, server_test
 
 VLLM = Path(__file__).parent / "data" / "vllm"
-EOS = 151643
+EOS, VOCAB = 2, 49152  # SmolLM2's, as the operator lists them (#vocab=49152&eos=2)
+NAME = "SmolLM2-135M-Instruct"
 
 
 def fixture(name: str) -> Any:
     return json.loads((VLLM / name).read_text())
 
 
+def recorded(scenario: str, path: str = "/v1/completions", name: str = "exchanges.json") -> list[dict]:
+    """The recorded exchanges of ``scenario`` at ``path``, in the order they were made."""
+    return [e for e in fixture(name)["exchanges"] if e["scenario"] == scenario and e["path"] == path]
+
+
+def chunks(scenario: str) -> list[dict]:
+    """The JSON chunks of ``scenario``'s recorded stream (keep-alive comments and [DONE] left out)."""
+    [stream] = [e for e in recorded(scenario) if "sse" in e]
+    lines = [line[len("data: "):] for line in stream["sse"].splitlines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
 class VllmHandler(http.server.BaseHTTPRequestHandler):
-    """Answers as vLLM would from the recordings; ``server.state`` holds the bodies received, an
-    error to reply (``fail``: (status, file)), a delay, and whether /tokenize exists."""
+    """Answers as the recorded vLLM answered the same request (``server.exchanges``: the method, path
+    and body must match; an unrecorded request is a 404 saying so). ``server.state`` holds the bodies
+    received, an error to reply to completions (``fail``: (status, file)), a stream error
+    (``stream_error``), a delay, and whether /tokenize exists."""
 
     def do_GET(self):  # noqa: N802 (http.server's name)
-        self._reply(200, fixture("models.json") if self.path == "/v1/models" else None)
+        self._answer(None)
 
     def do_POST(self):  # noqa: N802
         state = self.server.state
@@ -42,120 +59,153 @@ class VllmHandler(http.server.BaseHTTPRequestHandler):
         time.sleep(state.get("delay", 0))
         if state.get("fail") and self.path == "/v1/completions":
             status, name = state["fail"]
-            return self._reply(status, fixture(name))
-        if self.path == "/tokenize" and state.get("tokenize", True):
-            return self._reply(200, fixture("tokenize.json"))
-        if self.path == "/detokenize":
-            vocab = fixture("vocab.json")
-            return self._reply(200, {"prompt": "".join(vocab[str(t)] for t in body["tokens"])})
-        if self.path == "/v1/completions":
-            if body.get("stream"):
-                return self._stream("completions_stream.sse")
-            if body.get("prompt_logprobs"):
-                return self._reply(200, fixture("completions_prompt_logprobs.json"))
-            if body["max_tokens"] == 1:
-                return self._reply(200, fixture("completions_step.json")["by_prompt_length"][str(len(body["prompt"]))])
-            return self._reply(200, fixture("completions_fast.json"))
-        self._reply(404, None)
+            return self._reply(status, fixture(name)["body"])
+        if self.path == "/tokenize" and not state.get("tokenize", True):
+            return self._reply(404, {"detail": "Not Found"})
+        if state.get("stream_error") and body.get("stream"):
+            return self._stream(recorded("stream_error")[0]["sse"])
+        self._answer(body)
+
+    def _answer(self, body: Any) -> None:
+        for exchange in self.server.exchanges:
+            if (exchange["method"], exchange["path"], exchange["body"]) == (self.command, self.path, body):
+                return self._stream(exchange["sse"]) if "sse" in exchange else self._reply(200, exchange["answer"])
+        self._reply(404, {"detail": f"not recorded: {self.command} {self.path} {json.dumps(body)[:200]}"})
 
     def _reply(self, status: int, data: Any) -> None:
-        text = json.dumps(data if data is not None else {"detail": "Not Found"}).encode()
+        text = json.dumps(data).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(text)))
         self.end_headers()
         self.wfile.write(text)
 
-    def _stream(self, name: str) -> None:
-        """Server-Sent Events from a recording, then the connection closes (HTTP/1.0)."""
+    def _stream(self, sse: str) -> None:
+        """Server-Sent Events as recorded, then the connection closes (HTTP/1.0)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        self.wfile.write((VLLM / name).read_bytes())
+        self.wfile.write(sse.encode())
 
     def log_message(self, *args):
         pass
 
 
-@pytest.fixture
-def vllm() -> Iterator[tuple[str, dict]]:
+def replay(name: str) -> Iterator[tuple[str, dict]]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), VllmHandler)
-    server.state = {"requests": []}
+    server.state, server.exchanges = {"requests": []}, fixture(name)["exchanges"]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/v1", server.state
     server.shutdown()
 
 
-def step_tops() -> list[dict[str, float]]:
-    answers = fixture("completions_step.json")["by_prompt_length"]
-    return [answers[k]["choices"][0]["logprobs"]["top_logprobs"][0] for k in ("5", "6", "7")]
+@pytest.fixture
+def vllm() -> Iterator[tuple[str, dict]]:
+    """(the /v1 URL, the state) of a local server replaying the real vLLM over the converted folder."""
+    yield from replay("exchanges.json")
 
 
-# --- vLLM's schema ---------------------------------------------------------------------------------
+@pytest.fixture
+def broken_vllm() -> Iterator[tuple[str, dict]]:
+    """The same, replaying the real vLLM over the folder in the old layout (tied embedding under one name)."""
+    yield from replay("broken.json")
+
+
+def listed(url: str, *eos: int) -> served.RemoteModel:
+    """The replayed server connected as the operator lists it (#vocab=49152&eos=2 by default)."""
+    return openai.connect_openai(url, timeout_s=5, vocab_size=VOCAB, eos_token_ids=eos or (EOS,))
+
+
+def top_of(answer: dict) -> dict[int, float]:
+    """A recorded one-token answer's top list: {token id: log-probability}."""
+    [top] = answer["choices"][0]["logprobs"]["top_logprobs"]
+    return {int(k.split(":")[1]): v for k, v in top.items()}
+
+
+def step_tops() -> list[dict[int, float]]:
+    """The top-5 of each recorded step-mode answer, in order."""
+    return [top_of(e["answer"]) for e in recorded("step")]
+
+
+# --- vLLM's answers ----------------------------------------------------------------------------------
 def test_connecting_reads_the_model_and_its_context(vllm):
     url, _ = vllm
     model = openai.connect_openai(url, timeout_s=5)
     assert model.name == f"openai:{url}" and model.backend == "openai" and model.api.dialect == "vllm"
-    assert model.api.model_id == "Qwen/Qwen2.5-0.5B-Instruct" and model.context == 32768
+    assert model.api.model_id == NAME and model.context == 2048
     assert model.vocab_size == openai.VOCAB_BOUND and model.eos_token_ids == ()  # vLLM reports neither
-    given = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS])
-    assert (given.vocab_size, given.eos_token_ids) == (151936, (EOS,))
+    given = listed(url)
+    assert (given.vocab_size, given.eos_token_ids, given.api.stop_token_ids) == (VOCAB, (EOS,), (EOS,))
 
 
 def test_step_mode_parses_vllm_logprobs_and_records_the_tail_mass(vllm):
     url, state = vllm
-    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS]).with_mode("step", 5)
-    trace = runner.run(RunRequest(model, "The capital of France is", DecodingConfig(strategy="greedy", max_new_tokens=8)))
-    assert trace.generated_token_ids == [12095, 13, EOS] and trace.stop_reason == "eos"
-    assert trace.text == " Paris."
-    tails = [1 - sum(math.exp(lp) for lp in top.values()) for top in step_tops()]
+    model = listed(url).with_mode("step", STEP_TOP)
+    trace = runner.run(RunRequest(model, CAPITAL, GREEDY, chat=True))
+    tops = step_tops()
+    assert trace.generated_token_ids == [max(top, key=top.get) for top in tops]  # greedy: each top-1
+    assert trace.generated_token_ids[-1] == EOS and trace.stop_reason == "eos" and len(tops) < GREEDY.max_new_tokens
+    assert trace.text == "The capital of France is Paris."
+    tails = [1 - sum(math.exp(lp) for lp in top.values()) for top in tops]
     assert trace.extra["remote"]["tail_mass"] == pytest.approx(tails, abs=1e-6)
-    assert trace.extra["remote"]["backend"] == "openai" and trace.extra["remote"]["top_n"] == 5
+    assert trace.extra["remote"]["backend"] == "openai" and trace.extra["remote"]["top_n"] == STEP_TOP
     raw = trace.steps[0].stages[0]
-    assert raw.name == "raw" and [t.token for t in raw.top[:2]] == [" Paris", " the"]
-    assert raw.top[0].prob == pytest.approx(math.exp(-0.2107) / (1 - tails[0]), rel=1e-5)  # renormalised over top-5
-    completions = [body for path, body in state["requests"] if path == "/v1/completions"]
-    assert [len(b["prompt"]) for b in completions] == [5, 6, 7]
-    assert all(b["max_tokens"] == 1 and b["logprobs"] == 5 and b["temperature"] == 0
-               and b["return_tokens_as_token_ids"] and b["model"] == "Qwen/Qwen2.5-0.5B-Instruct" for b in completions)
+    assert raw.name == "raw" and [t.token for t in raw.top[:2]] == ["The", "A"]
+    assert raw.top[0].prob == pytest.approx(math.exp(tops[0][504]) / (1 - tails[0]), rel=1e-5)  # renormalised
+    completions = [body for path, body in state["requests"] if path == "/v1/completions"][1:]  # after connect's
+    start = len(model.encode(CAPITAL, chat=True))
+    assert [len(b["prompt"]) for b in completions] == list(range(start, start + len(tops)))
+    assert all(b["max_tokens"] == 1 and b["logprobs"] == STEP_TOP and b["temperature"] == 0
+               and b["return_tokens_as_token_ids"] and b["model"] == NAME for b in completions)
     trace.to_json()  # strict JSON
 
 
 def test_fast_mode_shows_the_server_s_tokens_and_top_n(vllm):
     url, state = vllm
-    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS], mode="fast")
-    config = DecodingConfig(strategy="sample", temperature=0.7, top_p=0.9, typical_p=0.5, max_new_tokens=3, top_n=5)
-    trace = runner.run(RunRequest(model, "The capital of France is", config))
-    assert trace.generated_token_ids == [12095, 13, EOS] and trace.stop_reason == "eos"
+    model = listed(url).with_mode("fast")
+    trace = runner.run(RunRequest(model, CAPITAL, FAST, chat=True))
+    streamed = [c["choices"][0] for c in chunks("fast")]
+    assert trace.generated_token_ids == [c["token_ids"][0] for c in streamed]
+    assert streamed[-1]["finish_reason"] == "length" and trace.stop_reason == "max_new_tokens"
     assert [s.name for s in trace.steps[0].stages] == ["raw"]
-    assert trace.steps[1].chosen_prob == pytest.approx(math.exp(-0.3466))
+    assert trace.steps[1].chosen_prob == pytest.approx(math.exp(streamed[1]["logprobs"]["token_logprobs"][0]))
     assert [n["key"] for n in trace.extra["remote"]["unmapped"]] == ["typical_p"]
-    [body] = [b for p, b in state["requests"] if p == "/v1/completions"]
+    [body] = [b for p, b in state["requests"] if p == "/v1/completions" and b.get("stream")]
     assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"], body["logprobs"]) == \
-        (0.7, 0.9, -1, 3, 5)
+        (0.7, 0.9, -1, FAST.max_new_tokens, 5)
+    assert body["stop_token_ids"] == [EOS]  # the operator's EOS ids: fast mode stops where step mode does
 
 
 def test_prompt_logprobs_are_read_per_position(vllm):
     url, _ = vllm
     model = openai.connect_openai(url, timeout_s=5)
-    rows = model.api.prompt_logprobs([785, 6722, 315, 9625, 374, 12095], 2)
-    assert rows[0] is None and len(rows) == 6
-    assert rows[1] == {6722: -7.1253, 374: -1.2040, 525: -2.0794}  # the prompt's own token, then the top 2
-    assert rows[5][12095] == -0.2107
+    [exchange] = recorded("prompt_logprobs")
+    ids = exchange["body"]["prompt"]
+    rows = model.api.prompt_logprobs(ids, SCORED_LENGTH)
+    assert rows[0] is None and len(rows) == len(ids)
+    answer = exchange["answer"]["choices"][0]["prompt_logprobs"]
+    for i in range(1, len(ids)):  # the prompt's own token, then the top 2 (3 entries when it is not among them)
+        assert ids[i] in rows[i] and len(rows[i]) in (2, 3)
+        assert rows[i] == {int(k): v["logprob"] for k, v in answer[i].items()}
+    assert rows[1][ids[1]] < min(v for k, v in rows[1].items() if k != ids[1])  # rank 133: outside the top 2, exact
+    start = len(model.encode(CAPITAL, chat=True))  # after the chat prompt: the step answer's top, one request apart
+    first = step_tops()[0]
+    assert all(abs(rows[start][t] - first[t]) < 1e-4 for t in rows[start])
 
 
 @pytest.mark.parametrize("status, name, message", [
-    (400, "error_400.json", "This model's maximum context length is 32768 tokens."),
-    (500, "error_500.json", "EngineCore encountered an issue.")])
+    (400, "error_400.json", "Requested sample logprobs of 101, which is greater than max allowed: 100 "
+                            "(parameter=logprobs, value=101)"),
+    (404, "error_404.json", f"The model `no-such-model` does not exist. Valid aliases: {NAME}.")])
 def test_an_error_reply_is_one_line_naming_the_url(vllm, status, name, message):
     url, state = vllm
     model = openai.connect_openai(url, timeout_s=5)
     state["fail"] = (status, name)
     with pytest.raises(client.RemoteError) as caught:
-        runner.run(RunRequest(model, "The capital of France is", DecodingConfig(strategy="greedy", max_new_tokens=2)))
+        runner.run(RunRequest(model, "The capital of France is", GREEDY.replace(max_new_tokens=2)))
     line = str(caught.value)
-    assert line.startswith(f"OpenAI-compatible server {url}/completions: HTTP {status}: {message}")
-    assert "\n" not in line and len(line) < 400
+    assert line == f"OpenAI-compatible server {url}/completions: HTTP {status}: {message}"
+    assert fixture(name)["body"]["error"]["message"] == message and "\n" not in line
 
 
 def test_a_slow_server_is_one_line_within_the_timeout(vllm):
@@ -169,13 +219,67 @@ def test_a_slow_server_is_one_line_within_the_timeout(vllm):
     assert str(caught.value) == f"OpenAI-compatible server {url}/completions: no answer within the 0.5 s timeout"
 
 
-def test_a_server_without_tokenize_says_so(vllm):
+def test_a_server_without_tokenize_says_so_at_connect(vllm):
     url, state = vllm
     state["tokenize"] = False
-    model = openai.connect_openai(url, timeout_s=5)
     with pytest.raises(client.RemoteError, match=r"/tokenize: missing \(HTTP 404\); step mode needs the server's "
                                                  r"tokenizer"):
-        model.encode("The capital of France is")
+        openai.connect_openai(url, timeout_s=5)
+
+
+# --- a served model that is no model (issue #37) ------------------------------------------------------
+def test_a_model_whose_weights_did_not_load_is_named_at_connect(broken_vllm):
+    url, _ = broken_vllm
+    [probe] = recorded("broken", name="broken.json")
+    flat = top_of(probe["answer"]).values()  # vLLM's own answer: every one of its top 100 at log 1/V
+    assert len(flat) == 100 and all(lp == pytest.approx(-math.log(VOCAB), abs=1e-4) for lp in flat)
+    with pytest.raises(client.RemoteError) as caught:
+        listed(url)
+    assert str(caught.value) == (f"OpenAI-compatible server {url}: the served model answers a uniform distribution "
+                                 f"(its top 100 log-probabilities are all -10.8027 = log 1/{VOCAB}): its weights did "
+                                 "not load")
+
+
+@pytest.mark.parametrize("vocab, eos, says", [
+    (1000, (EOS,), "{root}/tokenize: tokens[1]: expected a token id in [0, 1000), got 3575 (the vocabulary of 1000 "
+                   "does not fit the tokenizer: give the model's own size, #vocab=)"),
+    (VOCAB, (50000,), "{url}: EOS 50000 does not fit the tokenizer (it reads '', which tokenises as []; vocabulary "
+                      f"{VOCAB}): give the model's own EOS ids (#eos=)")])
+def test_a_vocabulary_or_eos_that_does_not_fit_is_one_line_at_connect(vllm, vocab, eos, says):
+    url, _ = vllm
+    with pytest.raises(client.RemoteError) as caught:
+        openai.connect_openai(url, timeout_s=5, vocab_size=vocab, eos_token_ids=eos)
+    assert str(caught.value) == "OpenAI-compatible server " + says.format(url=url, root=url.removesuffix("/v1"))
+
+
+def test_a_top_list_of_n_plus_one_entries_is_read_right(vllm):
+    """vLLM's top list puts the sampled token first and adds it as an N+1st entry when it lies outside
+    the top N: the step's top-N are the N best, best first, and the token's own p is known."""
+    url, _ = vllm
+    trace = runner.run(RunRequest(listed(url).with_mode("fast"), STORY, HOT))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks("n_plus_one")]
+    outside = 0
+    for step, logprobs in zip(trace.steps, streamed, strict=True):
+        sent = {int(k.split(":")[1]): v for k, v in logprobs["top_logprobs"][0].items()}
+        best = sorted(sent.items(), key=lambda kv: -kv[1])[:HOT.top_n]
+        [raw] = step.stages
+        assert [(t.token_id, t.prob) for t in raw.top] == [(t, pytest.approx(math.exp(lp))) for t, lp in best]
+        assert step.raw_prob == pytest.approx(math.exp(logprobs["token_logprobs"][0]))
+        outside += len(sent) == HOT.top_n + 1 and step.chosen_token_id not in [t.token_id for t in raw.top]
+    assert outside >= 3  # at T = 2 most picks lie outside the raw top 2 (the recording: 8 of 8)
+
+
+def test_an_int_stop_reason_is_an_eos_stop(vllm):
+    """An operator's EOS ids go to vLLM as stop_token_ids; a stop on one of them comes back as an int
+    stop_reason (a stop string's is the string): an EOS stop, as step mode stops there."""
+    url, state = vllm
+    trace = runner.run(RunRequest(listed(url, EOS, PERIOD).with_mode("fast"), CAPITAL, GREEDY, chat=True))
+    last = chunks("eos_stop_token")[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"], last["token_ids"]) == ("stop", PERIOD, [PERIOD])
+    assert trace.stop_reason == "eos" and trace.generated_token_ids[-1] == PERIOD
+    assert trace.text == "The capital of France is Paris"  # an EOS is not text
+    [body] = [b for p, b in state["requests"] if b.get("stream")]
+    assert body["stop_token_ids"] == [EOS, PERIOD]
 
 
 # --- llama-server's own OpenAI endpoint ------------------------------------------------------------
@@ -199,12 +303,16 @@ def test_greedy_step_mode_through_llama_server_s_openai_endpoint_equals_its_gree
 
 def test_the_operator_spec_carries_vllm_s_vocabulary_and_eos(vllm):
     url, _ = vllm
-    text = f"openai:{url}#vocab=151936&eos={EOS}+151645"
+    text = f"openai:{url}#vocab={VOCAB}&eos={EOS}+{PERIOD}"
     spec = served.RemoteSpec.parse(text)
-    assert (spec.vocab_size, spec.eos_token_ids, str(spec)) == (151936, (EOS, 151645), text)
-    [listed] = served.allowed_remote_models({"DP_REMOTE_MODELS": text})  # the list's commas stay separators
-    model = remote.connect_spec(listed, timeout_s=5)
-    assert (model.vocab_size, model.eos_token_ids, model.backend) == (151936, (EOS, 151645), "openai")
-    for bad in (f"openai:{url}#vocab=lots", f"openai:{url}#top=5", "llamacpp:http://h:8080#vocab=5"):
-        with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"):
+    assert (spec.vocab_size, spec.eos_token_ids, spec.top_n, str(spec)) == (VOCAB, (EOS, PERIOD), None, text)
+    [listed_spec] = served.allowed_remote_models({"DP_REMOTE_MODELS": text})  # the list's commas stay separators
+    model = remote.connect_spec(listed_spec, timeout_s=5)
+    assert (model.vocab_size, model.eos_token_ids, model.backend, model.top_n) == (VOCAB, (EOS, PERIOD), "openai", 100)
+    topped = served.RemoteSpec.parse(text + "&top=20")
+    assert topped.top_n == 20 and str(topped) == text + "&top=20"
+    for bad in (f"openai:{url}#vocab=lots", f"openai:{url}#top=5+6", f"openai:{url}#top=0", f"openai:{url}#top=5000",
+                f"openai:{url}#best=5", "llamacpp:http://h:8080#vocab=5"):
+        with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"
+                                             r"\[&top=<1\.\.1000>\]"):
             served.RemoteSpec.parse(bad)

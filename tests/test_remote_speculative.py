@@ -1,7 +1,7 @@
 """Issue #29: speculative decoding on a remote target (engine.strategies.remote_speculative): engine.strategies.speculative's
 rounds with the target scored by the server (vLLM: prompt_logprobs, one request per round; llama-server:
-one request per position). Against the real llama-server (marker `remote`), vLLM's schema from
-tests/data/vllm/, and without a server for the refusals."""
+one request per position). Against the real llama-server (marker `remote`), a real vLLM's answers
+replayed from tests/data/vllm/, and without a server for the refusals. Live vLLM: tests/test_vllm_live.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from engine.backends.registry import ModelRegistry
 from engine.strategies.speculative import SpecRound
 from engine.trace import Trace
 from tests.test_remote_llamacpp import server_test
-from tests.test_remote_openai import step_tops, vllm  # noqa: F401 (the fixture)
+from tests.data.vllm.record import SCORED_LENGTH
+from tests.test_remote_openai import VOCAB, recorded, vllm  # noqa: F401 (the fixture)
 from tests.test_remote_runner import offline_model
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of France is"
@@ -35,16 +36,21 @@ def test_a_drafter_a_remote_target_cannot_use_is_one_line(drafter):
 
 def test_vllm_scores_every_drafted_position_in_one_request_exactly(vllm):  # noqa: F811
     url, state = vllm
-    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936)
-    rows = model.api.positions([785, 6722, 315, 9625, 374, 12095], 1, 2)
-    assert len(rows) == 6 and len([p for p, _ in state["requests"] if p == "/v1/completions"]) == 1
-    assert dict((t, lp) for t, lp, _ in rows[0]) == {6722: -7.1253, 374: -1.2040, 525: -2.0794}  # rank 112 kept
-    # after the last token: the step answer's top list, the 2 asked (vLLM answers at most N + 1; #34 checks it)
-    assert [t for t, _, _ in rows[-1]] == [int(k.split(":")[1]) for k in step_tops()[1]][:2]
-    cache = remote_speculative.RemoteCache(model)  # as speculative feeds it: the rows after each fed token
-    logits = cache.forward(torch.tensor([[785, 6722, 315, 9625, 374, 12095]]), all_logits=True).logits
-    assert logits.shape == (1, 6, 151936) and cache.tokens == [785, 6722, 315, 9625, 374, 12095]
-    assert math.isclose(float(logits[0, 0, 6722]), -7.1253, rel_tol=1e-6)  # the next token's own p, rank 112
+    model = openai.connect_openai(url, timeout_s=5, vocab_size=VOCAB)
+    [exchange] = recorded("prompt_logprobs")
+    ids, choice = exchange["body"]["prompt"], exchange["answer"]["choices"][0]
+    before = len(state["requests"])
+    rows = model.api.positions(ids, 1, SCORED_LENGTH)
+    assert len(rows) == len(ids) and len(state["requests"]) == before + 1  # one request for every position
+    recorded_rows = choice["prompt_logprobs"]
+    assert dict((t, lp) for t, lp, _ in rows[0]) == {int(k): v["logprob"] for k, v in recorded_rows[1].items()}
+    assert dict((t, lp) for t, lp, _ in rows[0])[ids[1]] == recorded_rows[1][str(ids[1])]["logprob"]  # rank 133 kept
+    last = {int(k.split(":")[1]): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
+    assert [t for t, _, _ in rows[-1]] == sorted(last, key=last.get, reverse=True)  # after the last token
+    cache = remote_speculative.RemoteCache(model.with_mode("step", SCORED_LENGTH))  # as speculative feeds it
+    logits = cache.forward(torch.tensor([ids]), all_logits=True).logits
+    assert logits.shape == (1, len(ids), VOCAB) and cache.tokens == ids
+    assert math.isclose(float(logits[0, 0, ids[1]]), recorded_rows[1][str(ids[1])]["logprob"], rel_tol=1e-6)
 
 
 @server_test

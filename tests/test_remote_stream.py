@@ -1,7 +1,7 @@
 """Issue #29: fast mode is one streamed request (Server-Sent Events): an Event per token as the
 server samples it, then the Trace. Against the real llama-server of tests/conftest.py (native
-/completion and its /v1, marker `remote`), vLLM's stream schema replayed from
-tests/data/vllm/completions_stream.sse, and tiny local servers that fail in the ways a server can."""
+/completion and its /v1, marker `remote`), a real vLLM's streams replayed from tests/data/vllm/ (keep-alive
+comments and an error chunk included), and tiny local servers that fail in the ways a server can."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from engine.numbers import percent
 from engine.trace import Event
 from tests.conftest import free_port
 from tests.test_remote_llamacpp import PROMPT, llamacpp_greedy, server_test
-from tests.test_remote_openai import EOS, vllm  # noqa: F401 (the fixture)
+from tests.data.vllm.record import CAPITAL, FAST
+from tests.test_remote_openai import chunks, listed, recorded, vllm  # noqa: F401 (the fixture)
 
 GREEDY = DecodingConfig(strategy="greedy", max_new_tokens=24)
 
@@ -112,19 +113,48 @@ def test_a_stop_string_ends_the_stream_with_the_token_that_completed_it(server_m
     assert any("completed a stop string" in a for a in trace.extra["remote"]["approximations"])
 
 
-# --- vLLM's stream schema --------------------------------------------------------------------------
+# --- vLLM's streams ------------------------------------------------------------------------------------
 def test_vllm_s_stream_gives_an_event_per_token_then_the_trace(vllm):  # noqa: F811 (the fixture)
     url, state = vllm
-    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[EOS], mode="fast")
-    config = DecodingConfig(strategy="sample", temperature=0.7, max_new_tokens=3, top_n=5)
-    events = list(runner.stream(RunRequest(model, "The capital of France is", config)))
+    model = listed(url).with_mode("fast")
+    events = list(runner.stream(RunRequest(model, CAPITAL, FAST, chat=True)))
     trace = events[-1].trace
-    assert [e.steps[0].chosen_token_id for e in events[:-1]] == trace.generated_token_ids == [12095, 13, EOS]
-    assert trace.stop_reason == "eos" and trace.text == " Paris." and trace.extra["remote"]["streamed"] is True
-    assert trace.steps[1].chosen_prob == pytest.approx(math.exp(-0.3466))
-    assert [t.token_id for t in trace.steps[0].stages[0].top[:2]] == [12095, 279]
-    [body] = [b for p, b in state["requests"] if p == "/v1/completions"]
+    streamed = [c["choices"][0] for c in chunks("fast")]
+    assert [e.steps[0].chosen_token_id for e in events[:-1]] == trace.generated_token_ids == \
+        [c["token_ids"][0] for c in streamed]
+    assert trace.stop_reason == "max_new_tokens" and trace.text == "".join(c["text"] for c in streamed)
+    assert trace.extra["remote"]["streamed"] is True
+    assert trace.steps[1].chosen_prob == pytest.approx(math.exp(streamed[1]["logprobs"]["token_logprobs"][0]))
+    first = streamed[0]["logprobs"]["top_logprobs"][0]
+    assert [t.token_id for t in trace.steps[0].stages[0].top[:2]] == \
+        [int(k.split(":")[1]) for k, _ in sorted(first.items(), key=lambda kv: -kv[1])[:2]]
+    [body] = [b for p, b in state["requests"] if p == "/v1/completions" and b.get("stream")]
     assert body["stream"] is True and body["logprobs"] == 5
+
+
+def test_keep_alive_comments_in_vllm_s_stream_are_read_past(vllm):  # noqa: F811
+    """vLLM (--sse-keep-alive-interval) sends ``: keep-alive`` comment lines while a stream is idle (here a
+    1,500-token prefill): the run reads past them and shows the tokens that follow."""
+    url, _ = vllm
+    [stream] = [e for e in recorded("keep_alive") if "sse" in e]
+    assert stream["sse"].startswith(": keep-alive\n\n") and stream["sse"].count(": keep-alive") >= 2
+    [tokenized] = recorded("keep_alive", "/tokenize")
+    prompt = tokenized["body"]["prompt"]
+    trace = runner.run(RunRequest(listed(url).with_mode("fast"), prompt, DecodingConfig(strategy="greedy", max_new_tokens=3)))
+    assert trace.generated_token_ids == [c["choices"][0]["token_ids"][0] for c in chunks("keep_alive")]
+    assert len(trace.steps) == 3 and trace.stop_reason == "max_new_tokens"
+
+
+def test_an_error_chunk_in_vllm_s_stream_is_one_line(vllm):  # noqa: F811
+    """vLLM refuses a streamed request inside the stream (HTTP 200, an ``error`` chunk, then [DONE])."""
+    url, state = vllm
+    model = listed(url).with_mode("fast")
+    state["stream_error"] = True
+    with pytest.raises(client.RemoteError) as caught:
+        runner.run(RunRequest(model, CAPITAL, FAST, chat=True))
+    assert str(caught.value) == (f"OpenAI-compatible server {url}/completions: the stream says: Requested sample "
+                                 "logprobs of 500, which is greater than max allowed: 100 (parameter=logprobs, "
+                                 "value=500)")
 
 
 # --- servers that fail -----------------------------------------------------------------------------

@@ -47,15 +47,17 @@ def shown(page: Page, elem_id: str) -> str:
 # --- no server needed ------------------------------------------------------------------------------
 @pytest.mark.parametrize("public", [False, True])
 def test_the_policy_takes_only_the_operator_s_servers(public):
-    listed = "llamacpp:http://127.0.0.1:8080"
-    policy = ModelPolicy(("embedded", listed), public=public, allow_local=not public)
-    assert policy.check(listed) == listed
+    listed, vllm = "llamacpp:http://127.0.0.1:8080", "openai:http://127.0.0.1:8000/v1#vocab=49152&eos=2"
+    policy = ModelPolicy(("embedded", listed, vllm), public=public, allow_local=not public)
+    assert policy.check(listed) == listed and policy.check(vllm) == vllm
     hint = "" if public else r" \(the operator lists servers in DP_REMOTE_MODELS\)"
-    for typed in (UNLISTED, "openai:http://10.0.0.1:8000/v1", listed + "/"):
+    for typed in (UNLISTED, "openai:http://10.0.0.1:8000/v1", listed + "/", "openai:http://127.0.0.1:8000/v1",
+                  vllm + "&top=20", "openai:http://127.0.0.1:8000/v1#vocab=49152"):
         with pytest.raises(ModelLoadError, match=rf"^model: '{re.escape(typed)}' is not a remote model offered here{hint}$"):
             policy.check(typed)
-    with pytest.raises(ModelLoadError, match="^draft_model: a remote model cannot be a drafter or amateur"):
-        policy.check("model:" + listed, "draft_model")
+    for server in (listed, vllm):
+        with pytest.raises(ModelLoadError, match="^draft_model: a remote model cannot be a drafter or amateur"):
+            policy.check("model:" + server, "draft_model")
 
 
 def test_model_policy_lists_dp_remote_models(monkeypatch):

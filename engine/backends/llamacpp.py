@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 from engine.backends.client import DEFAULT_TIMEOUT_S, AnswerTooLarge, JsonClient, RemoteError
 from engine.backends.schema import MAX_PIECE_CHARS, VOCAB_BOUND, Schema
-from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
+from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer, check_served
 from engine.config import KNOBS, DecodingConfig
 from engine.interop import LLAMA_SAMPLER, LLAMA_UNMAPPED, PENALTY_STAGES, Note
 from engine.stages import STAGES
@@ -286,8 +286,8 @@ def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") 
     props = api.schema("/props").obj(client.get("/props"), "the answer")
     eos_text = api.schema("/props").optional_text(props.get("eos_token"), "eos_token", MAX_PIECE_CHARS) or ""
     eos = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
-    return RemoteModel(f"llamacpp:{client.url}", api, tokenizer, vocab, eos if len(eos) == 1 else (), context,
-                       bool(props.get("chat_template")), mode=mode)
+    return check_served(RemoteModel(f"llamacpp:{client.url}", api, tokenizer, vocab, eos if len(eos) == 1 else (),
+                                    context, bool(props.get("chat_template")), mode=mode))
 
 
 # --- our knobs -> its request ----------------------------------------------------------------------

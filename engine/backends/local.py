@@ -156,13 +156,18 @@ def _file_key(path: Path, size: int, mtime: float) -> str:
 
 
 _convert_lock = threading.Lock()
+# The converted folder's layout, part of its name: a new layout is a new folder, so an old one is never
+# trusted. 2: the tied embedding is written under both of its names (see _convert_gguf).
+CONVERTED_LAYOUT = 2
 
 
 def embedded_model_dir(progress: Progress | None = None) -> Path:
-    """The safetensors directory of the embedded model, converting the GGUF once if needed."""
+    """The safetensors directory of the embedded model, converting the GGUF once if needed. Any
+    loader can read it: vLLM, llama.cpp's converter and transformers find every weight they look for."""
     gguf = gguf_path()
     stat = gguf.stat()
-    target = cache_root() / f"smollm2-135m-instruct-{_file_key(gguf, stat.st_size, stat.st_mtime)}"
+    key = _file_key(gguf, stat.st_size, stat.st_mtime)
+    target = cache_root() / f"smollm2-135m-instruct-{key}-layout{CONVERTED_LAYOUT}"
     if (target / "model.safetensors").exists():
         return target
     with _convert_lock:
@@ -173,7 +178,6 @@ def embedded_model_dir(progress: Progress | None = None) -> Path:
 
 
 def _convert_gguf(gguf: Path, target: Path, progress: Progress | None) -> None:
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     say = progress or (lambda msg: logging.getLogger(__name__).warning(msg))
@@ -184,17 +188,36 @@ def _convert_gguf(gguf: Path, target: Path, progress: Progress | None) -> None:
     # float32 after dequantization, so write them with safetensors and drop the marker.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]  # a GGUF config has none; vLLM picks its model class by it
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
+        save_weights(model, tmp / "model.safetensors")
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"Cached the converted model in {target}")
+
+
+def save_weights(model: Any, path: Path) -> None:
+    """``model``'s weights as one safetensors file, a tied tensor under each of its names.
+
+    safetensors' ``save_model`` keeps one name of a shared tensor: for SmolLM2 (tied embeddings)
+    ``lm_head.weight`` and not ``model.embed_tokens.weight``. transformers re-ties them, but vLLM
+    (which reads ``model.embed_tokens.weight`` and skips ``lm_head.weight`` when tied) loaded that
+    file without an error and served a uniform distribution. Each name gets its own copy here."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, tensor in model.state_dict().items():
+        pointer = tensor.data_ptr()
+        tensors[name] = tensor.detach().clone().contiguous() if pointer in seen else tensor.detach().contiguous()
+        seen.setdefault(pointer, name)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def resolve_device(name: str) -> torch.device:

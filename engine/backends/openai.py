@@ -17,7 +17,8 @@ from typing import Any, Iterator, Sequence
 from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.llamacpp import MAX_CHUNK_TOKENS, MAX_TRAILING_CHUNKS, llama_entries
 from engine.backends.schema import MAX_CONTEXT, MAX_PIECE_CHARS, VOCAB_BOUND, Schema
-from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
+from engine.backends.served import (STEP_TOP_N, Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer,
+                                    check_served)
 from engine.config import KNOBS, DecodingConfig
 from engine.stages import STAGES
 
@@ -29,7 +30,9 @@ def _openai_tokens(choice: Any, s: Schema, field: str, most: int, top_n: int) ->
     logprobs format: vLLM's (OpenAI's legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs``,
     with ``return_tokens_as_token_ids``: keys ``token_id:<id>``) or llama-server's (``content``:
     ``[{id, logprob, bytes, top_logprobs}]``); every field checked (at most ``most`` tokens, each
-    top-N at most ``top_n`` + 1 entries)."""
+    top-N at most ``top_n`` + 1 entries). vLLM's top list puts the sampled token first, and holds
+    N + 1 entries when it lies outside the top N: that entry is left out of the token's top-N (its
+    log-probability is the token's own); the top-N come best first."""
     logprobs = s.obj(s.obj(choice, field).get("logprobs") or {}, f"{field}.logprobs")
     field = f"{field}.logprobs"
     if "content" in logprobs:
@@ -46,9 +49,14 @@ def _openai_tokens(choice: Any, s: Schema, field: str, most: int, top_n: int) ->
     if not len(tokens) == len(lps) == len(tops):
         raise s.fail(field, f"tokens, token_logprobs and top_logprobs differ in length "
                             f"({len(tokens)}, {len(lps)}, {len(tops)})")
-    return [(_token_id(token, s, f"{field}.tokens[{i}]"), s.logprob(lp, f"{field}.token_logprobs[{i}]"),
-             _top(top, s, f"{field}.top_logprobs[{i}]", top_n + 1))
-            for i, (token, lp, top) in enumerate(zip(tokens, lps, tops))]
+    out = []
+    for i, (token, lp, top) in enumerate(zip(tokens, lps, tops)):
+        token_id = _token_id(token, s, f"{field}.tokens[{i}]")
+        entries = _top(top, s, f"{field}.top_logprobs[{i}]", top_n + 1)
+        if len(entries) == top_n + 1 and entries[0][0] == token_id:
+            entries = entries[1:]  # the sampled token, outside the top N
+        out.append((token_id, s.logprob(lp, f"{field}.token_logprobs[{i}]"), sorted(entries, key=lambda e: -e[1])))
+    return out
 
 
 def _top(top: Any, s: Schema, field: str, most: int) -> list[Entry]:
@@ -93,6 +101,7 @@ class OpenAIApi:
     model_id: str
     dialect: str = "vllm"  # "vllm" | "llamacpp": how its root tokenises, and whether prompt_logprobs exist
     backend: str = "openai"
+    stop_token_ids: tuple[int, ...] = ()  # the operator's EOS ids: fast mode stops on each, as step mode does
     vocab_size: int = VOCAB_BOUND  # the ids its answers may hold (the operator's vocab=, or llama-server's n_vocab)
 
     def schema(self, path: str, root: bool = False) -> Schema:
@@ -196,10 +205,12 @@ class OpenAIApi:
         body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
                 "prompt": list(ids), "stream": True, "max_tokens": config.max_new_tokens, "logprobs": config.top_n,
                 "seed": config.seed, "stop": list(config.stop), **fields}
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
         stream = _Stream(self.schema("/completions"), config)
         with closing(stream.tokens(self.client.stream_post("/completions", body))) as streamed:  # a Stop closes it
             for token, lp, top in streamed:
-                yield FastToken(token, math.exp(lp), None, top)
+                yield FastToken(token, math.exp(lp), None, top, raw_prob=math.exp(lp))
         approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
                           "the top-N per token are the server's logprobs: the raw model's on llama-server and "
                           "under vLLM's default --logprobs-mode raw_logprobs, processed under processed_logprobs",
@@ -252,7 +263,7 @@ class _Stream:
     def stop_reason(self) -> str:
         reason = {"stop": "eos", "length": "max_new_tokens"}.get(self.finish or "", "max_new_tokens")
         if reason == "eos" and isinstance(self.stopped_by, str):  # vLLM: the stop string that ended it
-            reason = "stop_string"
+            reason = "stop_string"  # (an int stop_reason is the stop token that ended it: one of our EOS ids)
         return reason
 
 
@@ -279,11 +290,13 @@ def _openai_fields(config: DecodingConfig) -> tuple[dict[str, Any], dict[str, li
 
 
 def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step", *,
-                   vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> RemoteModel:
+                   vocab_size: int | None = None, eos_token_ids: Sequence[int] = (),
+                   top_n: int | None = None) -> RemoteModel:
     """A RemoteModel over an OpenAI-compatible server whose API is at ``url`` (``.../v1``). Its
     first model is used; a llama-server (its /v1/models carries ``meta``) also tells its vocabulary
     and EOS, a vLLM does not: give ``vocab_size`` and ``eos_token_ids`` (else ids up to
-    VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string)."""
+    VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string). ``top_n``: step
+    mode's tokens per step (default STEP_TOP_N). Checked by ``check_served`` (one request)."""
     client = JsonClient(url, timeout_s, "OpenAI-compatible server")
     root = JsonClient(url[:-3] if url.rstrip("/").endswith("/v1") else url, timeout_s, "OpenAI-compatible server")
     s = Schema(f"OpenAI-compatible server {client.url}/models")
@@ -295,7 +308,8 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
     meta = info.get("meta") if isinstance(info.get("meta"), dict) else None
     context = s.count((meta or {}).get("n_ctx") or info.get("max_model_len") or 4096, "data[0].max_model_len")
     vocab = vocab_size or s.count((meta or {}).get("n_vocab") or VOCAB_BOUND, "data[0].meta.n_vocab", 1, MAX_CONTEXT)
-    api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm", vocab_size=vocab)
+    api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm", vocab_size=vocab,
+                    stop_token_ids=() if meta else tuple(eos_token_ids))
     tokenizer = RemoteTokenizer(api)
     chat = True
     if meta:
@@ -305,4 +319,5 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
         found = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
         eos_token_ids = eos_token_ids or (found if len(found) == 1 else ())
         chat = bool(props.get("chat_template"))
-    return RemoteModel(f"openai:{client.url}", api, tokenizer, vocab, tuple(eos_token_ids), context, chat, mode=mode)
+    return check_served(RemoteModel(f"openai:{client.url}", api, tokenizer, vocab, tuple(eos_token_ids), context, chat,
+                                    mode=mode, top_n=top_n or STEP_TOP_N))

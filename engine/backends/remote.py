@@ -55,7 +55,8 @@ STRATEGIES = ("greedy", "sample")  # what a remote model runs so far
 def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
     """The RemoteModel an operator's ``backend:url`` names (with its vocabulary and EOS options)."""
     if spec.backend == "openai":
-        return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids)
+        return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
+                              top_n=spec.top_n)
     return connect(spec.url, timeout_s, mode)
 
 
@@ -248,7 +249,9 @@ def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: flo
             model.learn_pieces(entries)
             stages.append(_stage(name, entries, model.token_text))
     raw_prob = _prob_of(token.token, token.raw) if token.raw is not None else math.nan
-    if token.final is None and token.raw is not None and math.isfinite(token.prob):
+    if math.isnan(raw_prob) and token.raw_prob is not None:
+        raw_prob = token.raw_prob  # outside the top-N: vLLM sends the pick's own as an N+1st entry
+    elif token.final is None and token.raw is not None and math.isfinite(token.prob):
         raw_prob = token.prob  # an OpenAI-compatible server's: the pick's own log-prob is of the top-N's kind
     return StepTrace(index, token.token, model.token_text(token.token), token.prob, raw_prob, None, None, None,
                      stages[-1].entropy if stages else math.nan, stages[0].entropy if stages else math.nan,

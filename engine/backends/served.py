@@ -6,12 +6,13 @@ tokenizer, EOS ids, vocabulary, token texts), the operator's list (``RemoteSpec`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
 
-from engine.backends.client import JsonClient
+from engine.backends.client import JsonClient, RemoteError
 from engine.backends.seam import Capabilities, served_capabilities
 from engine.settings import SettingsError, env_list
 
@@ -22,14 +23,17 @@ STEP_TOP_N = 100  # step mode: tokens per step the server returns (our chain wor
 # --- the operator's list ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RemoteSpec:
-    """``backend:url[#vocab=V&eos=A+B]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
+    """``backend:url[#vocab=V&eos=A+B&top=N]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
     ``openai:http://gpu1:8000/v1#vocab=128256&eos=128001+128009``: vLLM's API reports neither its
-    vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options)."""
+    vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options).
+    ``top``: step mode's tokens per step (default STEP_TOP_N), for a vLLM started with a lower
+    ``--max-logprobs`` (its default is 20)."""
 
     backend: str
     url: str
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    top_n: int | None = None
 
     @classmethod
     def parse(cls, text: str, key: str = "model") -> "RemoteSpec":
@@ -37,23 +41,22 @@ class RemoteSpec:
         backend, _, url = base.partition(":")
         if backend not in BACKENDS or not url.startswith(("http://", "https://")):
             raise ValueError(f"{key}: expected {' | '.join(BACKENDS)}:http://host:port, got {text[:80]!r}")
-        vocab, eos = None, ()
+        found: dict[str, tuple[int, ...]] = {}
         for option in filter(None, options.split("&")):
             name, _, value = option.partition("=")
             numbers = value.split("+")
-            if backend != "openai" or name not in ("vocab", "eos") or not all(n.isdigit() for n in numbers) \
-                    or (name == "vocab" and len(numbers) != 1):
+            if backend != "openai" or name not in ("vocab", "eos", "top") or not all(n.isdigit() for n in numbers) \
+                    or (name != "eos" and len(numbers) != 1) or (name == "top" and not 1 <= int(value) <= 1000):
                 raise ValueError(f"{key}: option {option[:40]!r} in {text[:80]!r}: expected openai:...#vocab=<n>"
-                                 "&eos=<id>+<id> (llamacpp reports both itself)")
-            if name == "vocab":
-                vocab = int(value)
-            else:
-                eos = tuple(int(n) for n in numbers)
-        return cls(backend, url.rstrip("/"), vocab, eos)
+                                 "&eos=<id>+<id>[&top=<1..1000>] (llamacpp reports both itself)")
+            found[name] = tuple(int(n) for n in numbers)
+        return cls(backend, url.rstrip("/"), *found.get("vocab", (None,)), found.get("eos", ()),
+                   *found.get("top", (None,)))
 
     def __str__(self) -> str:
         options = ([f"vocab={self.vocab_size}"] if self.vocab_size else []) + \
-            ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else [])
+            ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else []) + \
+            ([f"top={self.top_n}"] if self.top_n else [])
         return f"{self.backend}:{self.url}" + ("#" + "&".join(options) if options else "")
 
 
@@ -81,6 +84,7 @@ class FastToken:
     prob: float
     final: list[Entry] | None
     raw: list[Entry] | None
+    raw_prob: float | None = None  # its raw p when it lies outside ``raw`` (vLLM sends it as an N+1st entry)
 
 
 @dataclass
@@ -190,3 +194,52 @@ class RemoteModel:
         for token, _, piece in entries:
             if piece is not None:
                 self.tokenizer._pieces.setdefault(token, piece)
+
+
+# --- is it a model? --------------------------------------------------------------------------------
+PROBE_TEXT = "The capital of France is"  # one request at connect: the answer after it must not be flat
+FLAT_SPREAD = 1e-4  # nats: a model's top-N spans several; a model whose weights did not load answers all equal
+
+
+def check_served(model: RemoteModel) -> RemoteModel:
+    """``model`` when its server answers like a model that fits its tokenizer, else RemoteError in one
+    line: every EOS id inside the vocabulary and read back by the tokenizer as itself; the tokenizer's
+    ids inside the vocabulary (the answers' schema checks every id; a misfit gets the #vocab= hint);
+    and, from one request after PROBE_TEXT, a top-N that is not flat (a checkpoint vLLM loads without
+    the weights it reads answers every token at log 1/V). The request asks step mode's top-N, so a
+    server whose logprobs limit is lower says so here."""
+    where = f"{model.client.server} {model.url}"
+    try:
+        _check_eos(model, where)
+        ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
+        top = model.api.next_top(ids, model.top_n)
+    except RemoteError as exc:
+        raise RemoteError(f"{exc}{_connect_hint(model, str(exc))}") from None
+    logprobs = [lp for _, lp, _ in top if math.isfinite(lp)]
+    if len(logprobs) > 1 and max(logprobs) - min(logprobs) < FLAT_SPREAD:
+        raise RemoteError(f"{where}: the served model answers a uniform distribution (its top {len(logprobs)} "
+                          f"log-probabilities are all {logprobs[0]:.4f} = log 1/{round(math.exp(-logprobs[0]))}): "
+                          "its weights did not load")
+    model.learn_pieces(top)
+    return model
+
+
+def _check_eos(model: RemoteModel, where: str) -> None:
+    """Each EOS id inside the vocabulary, and its text tokenised back as itself."""
+    for eos in model.eos_token_ids:
+        text = model.tokenizer.decode([eos]) if eos < model.vocab_size else ""
+        again = model.tokenizer.encode(text, add_special_tokens=True) if text else []
+        if again[-1:] != [eos]:
+            raise RemoteError(f"{where}: EOS {eos} does not fit the tokenizer (it reads {text!r}, which tokenises as "
+                              f"{again[:4]}; vocabulary {model.vocab_size}): give the model's own EOS ids (#eos=)")
+
+
+def _connect_hint(model: RemoteModel, line: str) -> str:
+    """What the operator can change when connecting failed with ``line``: the logprobs limit (vLLM's 400)
+    or the vocabulary they gave (an id outside it: engine.backends.schema's line)."""
+    if "max allowed" in line:
+        return (f" (step mode asks the top {model.top_n}: start vLLM with --max-logprobs {model.top_n}, "
+                "or list it with #top=<its limit>)")
+    if f"expected a token id in [0, {model.vocab_size})" in line:
+        return f" (the vocabulary of {model.vocab_size} does not fit the tokenizer: give the model's own size, #vocab=)"
+    return ""

@@ -10,7 +10,13 @@ Format (strict; unknown keys are refused)::
     {"version": 1, "id": "temperature", "title": "...", "view": "compare",
      "prompt": "...", "chat": true, "lanes": [<preset JSON>, ...] | "preset": <preset JSON>,
      "select_step": "max_entropy" | "min_entropy" | <int>, "steps": ["...", ...],
-     "check": {"kind": "<one of CHECKS>", ...}}
+     "check": {"kind": "<one of CHECKS>", ...}, "models": ["", "vllm", "fast:llamacpp", ...]}
+
+``models`` (optional, one per run): where each run goes: "" the page's model, ``vllm`` / ``llamacpp`` the
+first OpenAI-compatible / llama.cpp server the operator lists (DP_REMOTE_MODELS; a page user never
+names one), ``fast:<role>`` that server in fast mode (its own sampler). A lesson whose servers are not
+listed is not offered (``available_lessons``). The lessons that need servers live in
+``presets/lessons/served/``, apart from the built-in ones every model runs.
 """
 
 from __future__ import annotations
@@ -31,15 +37,19 @@ from engine.reports.drift import kv_cache_report, quantization_report
 from engine.reports.kv_arith import shown
 from engine.numbers import percent
 from engine.reports.quant_report import compare_methods
-from engine.backends.local import LoadedModel
+from engine.backends.local import LoadedModel, ModelSpec
 from engine.backends.registry import ModelRegistry
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from engine.trace import Trace
 
 LESSONS_DIR = Path(__file__).resolve().parents[2] / "presets" / "lessons"
+SERVED_DIR = LESSONS_DIR / "served"  # lessons whose runs go to the operator's servers (``models``)
+ROLES = {"vllm": "openai", "llamacpp": "llamacpp"}  # a lesson's server role -> the backend it is listed as
+FAST = "fast:"
 LESSON_VERSION = 1
 VIEWS = ("step", "compare", "beam", "speculative", "quantization")
-LESSON_KEYS = ("version", "id", "title", "view", "prompt", "chat", "preset", "lanes", "select_step", "steps", "check")
+LESSON_KEYS = ("version", "id", "title", "view", "prompt", "chat", "preset", "lanes", "select_step", "steps", "check",
+               "models")
 MAX_STEP_CHARS = 600
 MAX_PROMPT_CHARS = 2000
 
@@ -59,15 +69,24 @@ class Lesson:
     steps: tuple[str, ...]
     select_step: str | int = "max_entropy"
     check: dict[str, Any] | None = None
+    models: tuple[str, ...] = ()  # per run: "" (the page's model), a server role, or fast:<role>; () all ""
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``/lessons`` JSON: ``preset`` is the first run's preset object; ``lanes`` all of them."""
+        """The ``/lessons`` JSON: ``preset`` is the first run's preset object; ``lanes`` all of them;
+        ``models`` when runs go to servers."""
         out = {"id": self.id, "title": self.title, "view": self.view, "prompt": self.prompt, "chat": self.chat,
                "preset": self.runs[0].to_dict(), "steps": list(self.steps), "select_step": self.select_step,
                "check": self.check}
         if self.view == "compare":
             out["lanes"] = [p.to_dict() for p in self.runs]
+        if self.models:
+            out["models"] = list(self.models)
         return out
+
+    @property
+    def roles(self) -> set[str]:
+        """The server roles its runs need (``vllm``, ``llamacpp``)."""
+        return {m.removeprefix(FAST) for m in self.models if m}
 
     def to_file_dict(self) -> dict[str, Any]:
         """The lesson file's JSON (what ``parse_lesson`` reads back into an equal Lesson)."""
@@ -148,9 +167,21 @@ def parse_lesson(data: Any) -> Lesson:
         raise LessonError(f"chat: expected true or false, got {chat!r:.40}")
     title, prompt = _text(data, "title", 120), _text(data, "prompt", MAX_PROMPT_CHARS)
     runs = _runs(data, view)
+    models = _models(data.get("models"), len(runs))
     return Lesson(id=lesson_id, title=title, view=view, prompt=prompt, chat=chat, runs=runs,
                   steps=_steps(data.get("steps")), select_step=_select_step(data.get("select_step", "max_entropy")),
-                  check=_check(data.get("check"), runs))
+                  check=_check(data.get("check"), runs, models), models=models)
+
+
+def _models(value: Any, count: int) -> tuple[str, ...]:
+    """A lesson's ``models``: absent, or one of "" | <role> | fast:<role> per run."""
+    if value is None:
+        return ()
+    allowed = ["", *ROLES, *(FAST + r for r in ROLES)]
+    if not isinstance(value, list) or len(value) != count or not all(isinstance(m, str) and m in allowed for m in value):
+        raise LessonError(f"models: expected one of {' | '.join(repr(a) for a in allowed)} per run ({count}), "
+                          f"got {shown(value)}")
+    return tuple(value)
 
 
 # Each check's optional fields: (default, lowest, highest), whole numbers. ``lanes`` (truncation_shapes)
@@ -162,7 +193,9 @@ CHECK_FIELDS: dict[str, dict[str, tuple[int, int, int]]] = {
     "kv_cache_same": {"max_new_tokens": (24, 1, 256)},
     "quantization_order": {"max_new_tokens": (12, 1, 64)},
     "gptq_vs_awq": {},
+    "engines_agree": {},
 }
+ENGINE_RUNS = ("", "vllm", "llamacpp")  # engines_agree: runs 0-2, greedy, on our engine, vLLM and llama.cpp
 # What a check reads from the lesson's runs: how many it compares, or which strategy run 0 must be.
 CHECK_RUNS = {"sampling_varies": 2, "entropy_rises": 2, "truncation_shapes": 2, "less_repetition": 2}
 CHECK_STRATEGY = {"beam_beats_greedy": "beam", "speculative_exact": "speculative"}
@@ -174,7 +207,7 @@ def _whole(key: str, value: Any, low: int, high: int) -> int:
     return value
 
 
-def _check(check: Any, runs: Sequence[Preset]) -> dict[str, Any] | None:
+def _check(check: Any, runs: Sequence[Preset], models: Sequence[str] = ()) -> dict[str, Any] | None:
     """A lesson's ``check`` validated against its kind and its runs: every message names the field
     (``check.<key>``) and echoes at most ~200 characters of what it refuses."""
     if check is None:
@@ -198,6 +231,10 @@ def _check(check: Any, runs: Sequence[Preset]) -> dict[str, Any] | None:
         raise LessonError(f"check.kind: {kind} needs a {strategy} run; this lesson runs {runs[0].config.strategy}")
     if kind == "truncation_shapes":
         _lanes(check.get("lanes", {}), len(runs))
+    if kind == "engines_agree" and (tuple(models[:3]) != ENGINE_RUNS or
+                                    any(not p.config.is_greedy for p in runs[:3])):
+        raise LessonError(f"check.kind: engines_agree compares greedy runs on {', '.join(map(repr, ENGINE_RUNS))} "
+                          "first (models)")
     return dict(check)
 
 
@@ -235,11 +272,71 @@ def builtin_lessons() -> dict[str, Lesson]:
     return {lesson.id: lesson for lesson in _builtin()}
 
 
+@lru_cache(maxsize=1)
+def _served() -> tuple[Lesson, ...]:
+    return tuple(parse_lesson_json(p.read_bytes()) for p in sorted(SERVED_DIR.glob("*.json")))
+
+
+def served_lessons() -> dict[str, Lesson]:
+    """The shipped lessons whose runs go to the operator's servers, by id."""
+    return {lesson.id: lesson for lesson in _served()}
+
+
+def listed_roles(environ: Any = None, offered: Sequence[str] | None = None) -> dict[str, str]:
+    """Each server role the operator's list fills: the first listed server of its backend
+    (``{"vllm": "openai:http://...#vocab=...", "llamacpp": "llamacpp:http://..."}``). ``offered``: the
+    app's allowed sources (its model policy's, fixed when it started); else DP_REMOTE_MODELS."""
+    from engine.backends.registry import is_remote_source
+    from engine.backends.served import RemoteSpec, allowed_remote_models
+
+    specs = allowed_remote_models(environ) if offered is None else \
+        [RemoteSpec.parse(s) for s in offered if is_remote_source(s)]
+    found: dict[str, str] = {}
+    for spec in specs:
+        for role, backend in ROLES.items():
+            if spec.backend == backend:
+                found.setdefault(role, str(spec))
+    return found
+
+
+def available_lessons(environ: Any = None, offered: Sequence[str] | None = None) -> dict[str, Lesson]:
+    """The built-in lessons, then the served ones whose servers the operator lists."""
+    roles = listed_roles(environ, offered)
+    return builtin_lessons() | {k: v for k, v in served_lessons().items() if v.roles <= set(roles)}
+
+
+def run_sources(lesson: Lesson, page_model: str, environ: Any = None, offered: Sequence[str] | None = None
+                ) -> list[str]:
+    """The model source of each run: ``page_model`` or the listed server of its role (``fast:`` kept
+    in front: that server in fast mode). LessonError naming the role when it is not listed."""
+    roles = listed_roles(environ, offered)
+    out = []
+    for model in lesson.models or ("",) * len(lesson.runs):
+        role = model.removeprefix(FAST)
+        if role and role not in roles:
+            raise LessonError(f"models: this lesson needs a {role} server the operator lists in DP_REMOTE_MODELS")
+        out.append(model.replace(role, roles[role]) if role else page_model)
+    return out
+
+
+def run_model(registry: ModelRegistry, source: str, lm: LoadedModel) -> Any:
+    """The model a run's source names: ``lm`` itself, or the listed server (fast mode after ``fast:``)."""
+    if source == getattr(lm, "source", lm.name):
+        return lm
+    served = registry.get(ModelSpec(source.removeprefix(FAST)))
+    return served.with_mode("fast") if source.startswith(FAST) else served
+
+
 # --- running and checking --------------------------------------------------------------------
-def run_lesson(lm: LoadedModel, lesson: Lesson, registry: ModelRegistry | None = None) -> list[Trace]:
-    """Every run of the lesson (its lanes, or its one preset) on ``lm``."""
+def run_lesson(lm: LoadedModel, lesson: Lesson, registry: ModelRegistry | None = None,
+               environ: Any = None) -> list[Trace]:
+    """Every run of the lesson (its lanes, or its one preset) on ``lm``, or on the server its
+    ``models`` name."""
     registry = registry or ModelRegistry()
-    return [runner.run(RunRequest(lm, lesson.prompt, p.config, chat=lesson.chat, registry=registry)) for p in lesson.runs]
+    sources = run_sources(lesson, getattr(lm, "source", lm.name), environ)
+    return [runner.run(RunRequest(run_model(registry, source, lm), lesson.prompt, p.config, chat=lesson.chat,
+                                  registry=registry))
+            for p, source in zip(lesson.runs, sources)]
 
 
 def selected_step(trace: Trace, select: str | int) -> int:
@@ -416,6 +513,53 @@ NEEDS_MODEL = {
     "beam_beats_greedy": "a served beam search scores by vLLM's rule (the prompt's length counts), not the lesson's",
 }
 
+def _raw_top(trace: Trace, i: int) -> dict[int, float]:
+    """Step ``i``'s raw top tokens and their log p under the model's whole vocabulary (a step-mode run
+    on a server renormalised them over the server's top-N: its tail mass is put back)."""
+    tails = (trace.extra.get("remote") or {}).get("tail_mass") or []
+    keep = 1.0 - (tails[i] if i < len(tails) else 0.0)
+    raw = trace.steps[i].stages[0]
+    return {t.token_id: math.log(t.prob * keep) for t in raw.top if t.prob > 0}
+
+
+def _apart(ours: Trace, theirs: Trace, positions: int) -> float:
+    """The largest |log p difference| of a token both raw top lists hold, over the first ``positions``
+    steps (where both runs read the same context)."""
+    gaps = [abs(a[t] - b[t]) for i in range(min(positions, len(ours.steps), len(theirs.steps)))
+            for a, b in [(_raw_top(ours, i), _raw_top(theirs, i))] for t in a.keys() & b.keys()]
+    return max(gaps, default=0.0)
+
+
+def _engines_agree(lm, lesson, traces, registry) -> Outcome:
+    """Runs 0-2: greedy on our engine, vLLM and llama.cpp (the same model: our float32 folder is the
+    Q4_1 GGUF dequantized; vLLM serves that folder, llama.cpp the GGUF, computing on its 4-bit blocks
+    with each activation rounded to 8 bits, Q8_1, for the products). vLLM picks our tokens with
+    log-probabilities within 1e-3; llama.cpp's quantized arithmetic moves them further (and may part).
+    Seeded runs after them: texts compared."""
+    ours, vllm, llama = (t.generated_token_ids for t in traces[:3])
+    agree = metrics.common_prefix(ours, vllm)
+    parts = metrics.first_divergence([ours, llama])
+    d_vllm = _apart(traces[0], traces[1], agree + 1)  # the step after the last shared token still reads ours
+    d_llama = _apart(traces[0], traces[2], len(ours) if parts is None else parts + 1)
+    ok = ours == vllm and d_vllm < 1e-3 and d_llama > d_vllm
+    text = (f"Our engine and vLLM (the same float32 weights) pick the same {agree} of {len(ours)} tokens, their "
+            f"log-probabilities at most {d_vllm:.1e} apart; llama.cpp, multiplying the Q4_1 blocks by activations "
+            f"rounded to 8 bits, moves them up to {d_llama:.2f} apart")
+    text += ", yet it picks the same tokens here." if parts is None else (
+        f" and it parts at token {parts + 1}: {_piece(traces[2], parts)!r} where ours picks {_piece(traces[0], parts)!r}.")
+    seeded = traces[3:]
+    if seeded:
+        texts = {tuple(t.generated_token_ids) for t in seeded}
+        text += (f" With the same seed and knobs, the {len(seeded)} sampled runs give {len(texts)} different "
+                 f"text{'s' if len(texts) != 1 else ''}: a server in fast mode draws with its own generator.")
+    return Outcome(ok, text, {"same_tokens_vllm": float(agree), "logprob_apart_vllm": d_vllm,
+                              "logprob_apart_llamacpp": d_llama, "parts_at_llamacpp": float(-1 if parts is None else parts)})
+
+
+def _piece(trace: Trace, i: int) -> str:
+    return trace.steps[i].chosen_token if i < len(trace.steps) else "(the end)"
+
+
 CHECKS: dict[str, Callable[..., Outcome]] = {
     "sampling_varies": _sampling_varies,
     "entropy_rises": _entropy_rises,
@@ -426,7 +570,9 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
     "kv_cache_same": _kv_cache_same,
     "quantization_order": _quantization_order,
     "gptq_vs_awq": _gptq_vs_awq,
+    "engines_agree": _engines_agree,
 }
 
-__all__ = ["NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "builtin_lessons", "evaluate", "parse_lesson", "parse_lesson_json",
-           "run_lesson", "selected_step", "taught_run"]
+__all__ = ["NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "available_lessons", "builtin_lessons", "evaluate",
+           "parse_lesson", "parse_lesson_json", "run_lesson", "run_sources", "selected_step", "served_lessons",
+           "taught_run"]

@@ -72,11 +72,12 @@ def lesson_token(text: str) -> str:
     return token
 
 
-def lesson_from_token(token: Any) -> Lesson:
-    """A built-in lesson id, or a token from ``lesson_token``, as a validated Lesson (LessonError if bad)."""
+def lesson_from_token(token: Any, offered: Mapping[str, Lesson] | None = None) -> Lesson:
+    """A lesson id (``offered``: the lessons this app offers; default the built-in ones and those the
+    environment's servers allow), or a token from ``lesson_token``, as a validated Lesson (LessonError if bad)."""
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
         raise LessonError("lesson: the link's lesson is not text or is too long")
-    builtin = engine_lessons.builtin_lessons()
+    builtin = engine_lessons.available_lessons() if offered is None else offered
     if token in builtin:
         return builtin[token]
     if not token.startswith(TOKEN_PREFIX):
@@ -284,8 +285,9 @@ NO_PRESENTER_STEPS = ('<p class="dp-status">This lesson\'s chart is not a token\
 
 
 def list_lessons() -> list[dict]:
-    """Every built-in lesson as ``Lesson.to_dict()`` (id, title, view, preset, prompt, steps...)."""
-    return [lesson.to_dict() for lesson in engine_lessons.builtin_lessons().values()]
+    """Every lesson offered here as ``Lesson.to_dict()`` (id, title, view, preset, prompt, steps...): the
+    built-in ones, and those whose servers the operator lists (engine.reports.lessons.available_lessons)."""
+    return [lesson.to_dict() for lesson in engine_lessons.available_lessons().values()]
 
 
 @dataclass
@@ -313,10 +315,21 @@ class LessonsTab:
     width: gr.Number = None  # hidden: the page width (px) the page's script writes (the chart's layout)
     redraw: gr.Button = None  # hidden: pressed by the page's script when the chart was laid out for another width
 
+    @property
+    def offered(self) -> dict[str, Lesson]:
+        """The lessons this app offers: the built-in ones and those its listed servers allow (the model
+        policy's list, fixed when the app was built; the environment's where there is none)."""
+        return engine_lessons.available_lessons(offered=self.allowed)
+
+    @property
+    def allowed(self) -> Sequence[str] | None:
+        policy = getattr(self.shared, "policy", None)
+        return policy.allowed if policy is not None else None
+
     def current(self, session: LessonSession | None, choice: str) -> Lesson:
         if session is not None and (choice == session.lesson.id or choice is None):
             return session.lesson
-        return lesson_from_token(choice or "")
+        return lesson_from_token(choice or "", self.offered)
 
     def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, width: Any = None, *,
                control: RunControl) -> Iterator[dict]:
@@ -327,9 +340,9 @@ class LessonsTab:
         yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: "", self.texts: "",
                self.chart: None, self.presenter.chart: None, self.presenter.text: ""}
         lm = self.shared.lm(model, quant)
-        prompt_ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
-        traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=prompt_ids,
-                                  control=control) for p in lesson.runs]
+        traces = [self.shared.run(run_lm, lesson.prompt, p.config, chat=lesson.chat, control=control,
+                                  prompt_ids=self.shared.encode_prompt(run_lm, lesson.prompt, lesson.chat))
+                  for p, run_lm in zip(lesson.runs, self.run_models(lesson, lm, model, quant))]
         shown = shown_run(traces, lesson.select_step, engine_lessons.taught_run(lesson))
         session = LessonSession(lesson, traces, shown=shown)
         trace = traces[shown]
@@ -360,6 +373,18 @@ class LessonsTab:
         if not isinstance(session, LessonSession) or not session.traces:
             return {self.chart: gr.skip()}
         return {self.chart: session.chart(page_width(width))}
+
+    def run_models(self, lesson: Lesson, lm: Any, model: str, quant: str) -> list[Any]:
+        """The model of each run: ``lm`` (the page's), or the operator's server a lesson's ``models``
+        name (through the policy; fast mode after ``fast:``). UserError when one is not listed."""
+        try:
+            sources = engine_lessons.run_sources(lesson, model, offered=self.allowed)
+        except LessonError as exc:
+            raise UserError(str(exc)) from None
+        picked = {source: self.shared.lm(source.removeprefix(engine_lessons.FAST), quant)
+                  for source in set(sources) if source != model}
+        return [lm if source == model else picked[source].with_mode("fast") if source.startswith(engine_lessons.FAST)
+                else picked[source] for source in sources]
 
     # --- wiring -----------------------------------------------------------------------------------
     def on_pick(self, choice: str, session: LessonSession | None) -> dict:
@@ -460,7 +485,13 @@ class LessonsTab:
         note = status_html(f"opened in {lesson.view} and running it: prompt {lesson.prompt!r}; runs: {runs}")
         button = RUN_BUTTONS.get(lesson.view, "")
         if lesson.view == "compare" and compare_page is not None:
-            updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored))
+            try:
+                sources = engine_lessons.run_sources(lesson, "", offered=self.allowed) \
+                    if lesson.models else ()
+            except LessonError as exc:
+                return {self.status: error_html(str(exc)), self.open_run: ""}
+            updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored),
+                                          sources)
         elif lesson.view == "quantization" and quant_page is not None:
             updates, button = quant_updates(lesson, quant_page)
         else:
@@ -476,10 +507,10 @@ class LessonsTab:
         if LESSON_PARAM not in params:
             return updates
         try:
-            lesson = lesson_from_token(params[LESSON_PARAM])
+            lesson = lesson_from_token(params[LESSON_PARAM], self.offered)
         except LessonError as exc:
             return updates | {self.status: error_html(f"This lesson link could not be opened ({exc}).")}
-        choices = [(l.title, l.id) for l in engine_lessons.builtin_lessons().values()]
+        choices = [(l.title, l.id) for l in self.offered.values()]
         if lesson.id not in dict((v, k) for k, v in choices):
             choices.append((f"{lesson.title} (shared)", lesson.id))
         return updates | {self.session: LessonSession(lesson), self.steps: steps_html(lesson),
@@ -521,7 +552,7 @@ def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
 
 def build_tab(shared: Shared) -> LessonsTab:
     """The Lessons tab: pick, read, run and check a lesson; the presenter view lives here too."""
-    lessons = engine_lessons.builtin_lessons()
+    lessons = engine_lessons.available_lessons(offered=shared.policy.allowed)
     first = next(iter(lessons.values()))
     # The intro heads the left column, so the right one (the chart) starts at the tab's top.
     with gr.Row(equal_height=False):

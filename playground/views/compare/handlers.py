@@ -187,18 +187,23 @@ def fill_lane(lane: LaneWidgets, i: int, values: Sequence[Any], stored: list | N
     return {} if spec is None else lane_updates(lane, i, spec)
 
 
-def open_lesson(page: Page, prompt: str, chat: bool, configs: Sequence[tuple[DecodingConfig, str]]) -> dict:
-    """Updates filling the page with a lesson's prompt and lanes (config, preset label each); the
-    previous run's results are cleared."""
+def open_lesson(page: Page, prompt: str, chat: bool, configs: Sequence[tuple[DecodingConfig, str]],
+                models: Sequence[str] = ()) -> dict:
+    """Updates filling the page with a lesson's prompt and lanes (config, preset label each) and each
+    lane's model pick (``models``: "" the header's model, a listed server, ``fast:<server>``; none:
+    every lane on the header's); the previous run's results are cleared."""
     specs = [spec_from_config(cfg, label) for cfg, label in configs[:MAX_LANES]]
     session = CompareSession([None] * len(specs), [""] * len(specs), budgets=[c.max_new_tokens for c, _ in configs])
+    picks = list(models[:MAX_LANES]) + [""] * (MAX_LANES - len(models[:MAX_LANES]))
     return ({page.prompt: prompt, page.chat: chat, page.count: len(specs), page.session: session, page.status: ""}
-            | render_specs(page, specs) | render_results(page, session, len(specs), False))
+            | render_specs(page, specs) | render_results(page, session, len(specs), False)
+            | dict(zip(page.lane_models, picks)))
 
 
 def lesson_outputs(page: Page) -> list:
     """The components ``open_lesson`` updates."""
-    return [page.prompt, page.chat, page.count, page.session, page.status, *page.spec_outputs, *page.result_outputs]
+    return [page.prompt, page.chat, page.count, page.session, page.status, *page.spec_outputs, *page.result_outputs,
+            *page.lane_models]
 
 
 def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, quant: str, count: int, kind: str,
