@@ -43,7 +43,7 @@ class Knob:
     """One configuration key: its type, bounds, neutral value and a one-line doc for the UI."""
 
     name: str
-    kind: str  # "float" | "int" | "bool" | "str" | "str_list" | "choice" | "bias_map"
+    kind: str  # "float" | "int" | "bool" | "str" | "text" | "str_list" | "choice" | "bias_map"
     neutral: Any
     low: float | None = None
     high: float | None = None
@@ -76,6 +76,8 @@ class Knob:
                     f"[{self.low:g}, {self.high:g}]}}")
         if self.kind == "str":
             return f"a string of at most {MAX_STRING_LEN} characters"
+        if self.kind == "text":  # a longer text, lines and all (a grammar); empty is its neutral value
+            return f"a text of at most {int(self.high):,} characters"
         return "true | false"
 
 
