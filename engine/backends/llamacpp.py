@@ -14,11 +14,15 @@ from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
 from engine.config import KNOBS, DecodingConfig
 from engine.interop import LLAMA_SAMPLER, LLAMA_UNMAPPED, PENALTY_STAGES, Note
+from engine.stages.grammar import Grammar, server_fields
 
 STOP_TYPES = {"eos": "eos", "word": "stop_string", "limit": "max_new_tokens"}  # llama.cpp -> ours
 # Our stages llama.cpp has no sampler for (interop's reasons), plus the word constraints.
 UNMAPPED = {**LLAMA_UNMAPPED, "allowed_words": "llama.cpp has no word allow-list (a grammar would be needed)",
             "banned_words": "llama.cpp bans token ids (logit_bias false), not words"}
+# Stages llama.cpp runs from request fields rather than a ``samplers`` entry: the logit bias, mirostat
+# (it replaces the chain) and the grammar (``grammar`` / ``json_schema``: its own grammar sampler).
+SENT_AS_FIELDS = ("logit_bias", "mirostat", Grammar.name)
 
 
 def _piece(entry: dict[str, Any]) -> str | None:
@@ -227,7 +231,7 @@ def llamacpp_request(config: DecodingConfig, context: int = 4096) -> LlamaReques
         name = "penalties" if stage in PENALTY_STAGES else LLAMA_SAMPLER.get(stage, (None,))[0]
         if name and name not in samplers:
             samplers.append(name)
-        elif name is None and stage not in ("logit_bias", "mirostat"):  # sent as fields, not samplers
+        elif name is None and stage not in SENT_AS_FIELDS:
             knobs = [k.name for k in KNOBS.values() if k.stage == stage and getattr(c, k.name) != k.neutral]
             unmapped += [Note(k, UNMAPPED.get(k, "llama.cpp has no such sampler")) for k in knobs]
     if c.is_greedy:
@@ -236,6 +240,9 @@ def llamacpp_request(config: DecodingConfig, context: int = 4096) -> LlamaReques
     elif not samplers:
         samplers.append("temperature")  # T = 1: changes nothing, and the list is never empty
     fields["samplers"] = samplers
+    grammar, refused = server_fields(c, "llamacpp")  # its own grammar sampler constrains what it samples
+    fields.update(grammar)
+    unmapped += [Note(k, reason) for k, reason in refused]
     return LlamaRequest(fields, tuple(unmapped), tuple(_caveats(c, order)))
 
 

@@ -13,6 +13,7 @@ from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.llamacpp import llama_entries
 from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
 from engine.config import KNOBS, DecodingConfig
+from engine.stages.grammar import Grammar, server_fields
 
 VOCAB_BOUND = 262_144  # ids a server that does not report its vocabulary may send (Gemma 3's 262144 the largest)
 # Our knobs (each its stage's name) an OpenAI-compatible completion request expresses (vLLM's sampling
@@ -134,7 +135,7 @@ class OpenAIApi:
         (``OPENAI_FIELDS``): a FastToken (its top-N ``logprobs``: raw or processed, the server's
         ``--logprobs-mode``) as each token arrives, then the FastAnswer. ``raw`` changes nothing
         (the top-N are the only ones it sends)."""
-        fields, notes = _openai_fields(config)
+        fields, notes = _openai_fields(config, self.dialect)
         where = f"OpenAI-compatible server {self.client.url}/completions"
         finish, stop_reason = "", None
         body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
@@ -164,18 +165,22 @@ class OpenAIApi:
         yield FastAnswer(reason, approximations, notes)
 
 
-def _openai_fields(config: DecodingConfig) -> tuple[dict[str, Any], dict[str, list[dict[str, str]]]]:
-    """Our knobs as an OpenAI-compatible completion request's sampling fields (``OPENAI_FIELDS``),
-    and the notes: knobs it cannot express (``unmapped``), differences (``caveats``)."""
+def _openai_fields(config: DecodingConfig, dialect: str = "vllm") -> tuple[dict[str, Any], dict[str, list[dict[str, str]]]]:
+    """Our knobs as an OpenAI-compatible completion request's sampling fields (``OPENAI_FIELDS``;
+    the grammar as vLLM's ``structured_outputs`` or llama-server's ``grammar`` / ``json_schema``, by
+    ``dialect``), and the notes: knobs it cannot express (``unmapped``), differences (``caveats``)."""
     active = config.active_stages()
     # every field sent, neutral or not, so no server default (llama-server: top-k 40...) leaks in
     fields = {name: getattr(config, knob) for knob, name in OPENAI_FIELDS.items()}
     fields["top_k"] = fields["top_k"] or -1  # 0 is our "off"; -1 is theirs
     if config.is_greedy:
         fields["temperature"] = 0.0
+    grammar, refused = server_fields(config, "vllm" if dialect == "vllm" else "llamacpp")
+    fields |= grammar
     unmapped = [{"key": k.name, "reason": "the OpenAI-compatible API has no such sampling parameter"}
                 for k in KNOBS.values() if k.stage in active and k.stage not in OPENAI_FIELDS
-                and getattr(config, k.name) != k.neutral]
+                and k.stage != Grammar.name and getattr(config, k.name) != k.neutral]
+    unmapped += [{"key": k, "reason": reason} for k, reason in refused]
     caveats = [{"key": "stage_order", "reason": "the server applies its own fixed order, not ours"}]
     if not config.is_greedy:
         caveats.append({"key": "seed", "reason": "the server has its own random generator: the same seed "

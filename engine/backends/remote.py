@@ -44,6 +44,7 @@ from engine.config import DecodingConfig
 from engine.core import RunState, assemble, checked
 from engine.interop import PENALTY_STAGES
 from engine.sampling import NoTokensLeft
+from engine.stages.grammar import STEP_CAVEAT, Grammar
 from engine.trace import Event, StageTrace, StepTrace, TokenProb, Trace
 
 STRATEGIES = ("greedy", "sample")  # what a remote model runs so far
@@ -114,6 +115,7 @@ STEP_APPROXIMATIONS = (
     ({"repetition_penalty"}, "the repetition penalty (divide positive logits, multiply negative ones) sees "
                              "log-probabilities, all negative, not the model's logits"),
     ({*PENALTY_STAGES, "dry", "logit_bias"}, "penalties and biases cannot lift a token from outside the top-N"),
+    ({Grammar.name}, STEP_CAVEAT),
 )
 
 
@@ -138,18 +140,20 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
         return
     tails: list[float] = []
     steps: list[StepTrace] = []
-    ended = False
+    ended: NoTokensLeft | None = None
     try:
         for step in stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force):
             steps.append(step)
             yield Event(steps=[step])
-    except NoTokensLeft:  # a step with nothing left to pick ends the run, saying why
-        ended = True
+    except NoTokensLeft as exc:  # a step with nothing left to pick ends the run, saying why
+        ended = exc
     trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
-    if ended:
+    approximations = step_approximations(config, model.top_n)
+    if ended is not None:
         trace.end_with_no_tokens_left()
-    trace.extra["remote"] = _label(model, "step", model.top_n, step_approximations(config, model.top_n)) | {
-        "tail_mass": tails}
+        if type(ended) is not NoTokensLeft:  # a stage said why (the grammar: none of the top-N allowed)
+            approximations.append(str(ended))
+    trace.extra["remote"] = _label(model, "step", model.top_n, approximations) | {"tail_mass": tails}
     yield Event(trace=trace)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.stages import grammar_cost, grammar_facts
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
 from playground.page_js import PHONE_PX
 from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # the page's script compares against these too
@@ -387,7 +388,29 @@ def explain_step(step: StepTrace, pick: str | None = None) -> str:
         prev_top = top
     head = ("; ".join(parts) + ". ") if parts else "No stage changed the raw distribution. "
     notes = "".join(f"\n- {html.escape(stage_note(stage), quote=False)}" for stage in step.stages[1:-1])
-    return head[0].upper() + head[1:] + (pick or _run_pick(step)) + (f"\n\nStage by stage:{notes}" if notes else "")
+    grammar = grammar_sentence(step)
+    return (head[0].upper() + head[1:] + (pick or _run_pick(step)) + (f" {grammar}" if grammar else "")
+            + (f"\n\nStage by stage:{notes}" if notes else ""))
+
+
+def grammar_sentence(step: StepTrace) -> str:
+    """What the grammar did to the step's pick, from its records (``engine.stages.grammar_facts``):
+    the model's favourite it forbade, how many tokens it allowed and the mass it removed, and the
+    chosen token's p before and after the mask; "" without a grammar stage."""
+    facts = grammar_facts(step)
+    if facts is None:
+        return ""
+    if facts.off_grammar_at is not None:
+        return f"The grammar masked nothing: a forced token left it at step {facts.off_grammar_at}."
+    chosen = readable(step.chosen_token)
+    if facts.ended:
+        return f"The grammar was complete: only the end of text “{chosen}” was allowed."
+    wanted = f"The model wanted “{readable(facts.wanted[0])}” ({facts.wanted[1]:.1%}), which the grammar forbids; " \
+        if facts.wanted else "The model's favourite was allowed; "
+    prob = (lambda p: "not recorded" if p is None else f"{p:.1%}")
+    return (f"{wanted}the grammar allowed {tokens_word(facts.allowed)} and removed {facts.forbidden_mass:.1%} of the "
+            f"mass, so “{chosen}” went from p = {prob(facts.chosen_before)} before the mask to "
+            f"{prob(facts.chosen_after)} after it.")
 
 
 def _run_pick(step: StepTrace) -> str:
@@ -430,7 +453,20 @@ def summary_markdown(trace: Trace, running: bool = False) -> str:
         f"mean log-prob {number('mean_logprob', 3)} nats (raw model {number('mean_raw_logprob', 3)}) · "
         f"perplexity {number('perplexity', 2)} · time to first token {trace.timing.ttft_ms:.0f} ms · "
         f"{trace.timing.tokens_per_s:.1f} tokens/s · {trace.model} ({trace.quantization}, {trace.device})"
+        + grammar_cost_text(trace.steps)
     )
+
+
+def grammar_cost_text(steps: Sequence[StepTrace]) -> str:
+    """The run's grammar cost for the summary line (``engine.stages.grammar_cost``: the sum over steps
+    of ln(allowed mass)), with what it means for the text's probability; "" without a grammar."""
+    cost = grammar_cost(steps)
+    if cost is None:
+        return ""
+    factor = math.exp(-cost) if -cost < 700 else math.inf
+    times = f"{factor:,.3g}×" if math.isfinite(factor) else "more than 10^300×"
+    return (f" · grammar cost {cost:.2f} nats (Σ ln allowed mass: the mask made this text {times} as likely as the "
+            f"chain without it)")
 
 
 def step_tail(trace: Trace, index: int) -> tuple[int, float] | None:

@@ -27,12 +27,14 @@ from engine.strategies import contrastive
 from engine.reports import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl
+from engine.reports.distortion import DistortionReport
 from engine.reports.drift import DriftReport, KVReport
 from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.strategies.speculative import rounds_of
 from engine.trace import Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
+from playground.charts import grammar as grammar_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
 from playground.charts.tokens import render as readable
@@ -205,7 +207,10 @@ def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
 
 
 def report_chart(outcome: Outcome) -> go.Figure | None:
-    """The check's own measurement, where it made one: drift (KL per step) or the KV cache report."""
+    """The check's own measurement, where it made one: drift (KL per step), the KV cache report, or
+    the grammar's distortion (masked decoding against the model conditioned on the grammar)."""
+    if isinstance(outcome.report, DistortionReport):
+        return grammar_charts.distortion_figure(outcome.report)
     if isinstance(outcome.report, DriftReport):
         return quant_charts.kl_figure(outcome.report)
     if isinstance(outcome.report, KVReport):
