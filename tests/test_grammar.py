@@ -340,3 +340,29 @@ def test_a_grammar_string_survives_yaml_exactly(text):
                                                                  grammar_kind="gbnf"))
     data = yaml.safe_load(to_textgen_webui(preset).text)
     assert data["grammar_string"] == preset.config.grammar and set(data) <= {"grammar_string", "do_sample", "top_k"}
+
+
+def test_resuming_from_a_steps_records_continues_the_run(tiny_lm, json_trace):
+    """"Continue from here" under the run's own knobs resumes from the step's records: the grammar
+    carries nothing there (its state is the prefix), and the run goes on exactly."""
+    at = len(json_trace.steps) // 2
+    tokens = json_trace.generated_token_ids
+    resumed = list(decode.stream(tiny_lm, json_trace.prompt_token_ids, DecodingConfig.from_dict(JSON_RUN),
+                                 prefix=tokens[:at], resume=json_trace.steps[at].stages))
+    assert [s.chosen_token_id for s in resumed] == tokens[at:]
+    assert [grammar_params(s)["allowed"] for s in resumed] == [grammar_params(s)["allowed"] for s in json_trace.steps[at:]]
+
+
+def test_grammar_rows_in_the_batched_scheduler_equal_solo_runs(tiny_lm):
+    """Four grammar runs (two kinds, greedy and seeded) stepped together in one batch: each equals
+    the same run alone."""
+    from engine.scheduler import Scheduler
+    from tests.test_scheduler import assert_same_steps, run_concurrently
+
+    ids = tiny_lm.encode("Describe a person.")
+    jobs = [(ids, DecodingConfig.from_dict(JSON_RUN | {"max_new_tokens": 12, "seed": s})) for s in (1, 2)] + \
+        [(ids, DecodingConfig(strategy=k, seed=3, grammar=DATE, grammar_kind="regex", max_new_tokens=12))
+         for k in ("greedy", "sample")]
+    batched, _ = run_concurrently(Scheduler(tiny_lm, max_batch=4), jobs)
+    for i, ((prompt, config), steps) in enumerate(zip(jobs, batched)):
+        assert_same_steps(steps, list(decode.stream(tiny_lm, prompt, config)), f"run {i}")

@@ -1,0 +1,74 @@
+"""Issue #39 in a real browser (Debian chromium via Playwright), at a projector's 1280x720 and a
+phone's 390x844: a presenter picks the JSON example (the "json-object" preset), runs it, clicks the
+first step, where the model wanted prose, and sees the grammar's panel draw the prose removed (the
+hatched "removed" bars, like top-k's), the sentence naming what the model wanted, and the run's
+grammar cost in the summary; the knob panel shows the grammar the preset filled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.presets import builtin_presets
+
+from conftest import browser_page, open_tab
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+PROMPT = "Describe a fictional person."
+# The step chart's grammar panel, read from the plot: its title and the bars drawn as removed there.
+GRAMMAR_PANEL = """() => {
+  const plot = document.querySelector('#step-chart .js-plotly-plot');
+  if (!plot || !plot.layout) return null;
+  const titles = (plot.layout.annotations || []).map(a => a.text || '');
+  const at = titles.findIndex(t => t.startsWith('grammar'));
+  if (at < 0) return {titles};
+  const axis = at === 0 ? 'y' : 'y' + (at + 1);
+  const removed = plot.data.filter(t => t.name === 'removed' && t.yaxis === axis).flatMap(t => t.y);
+  const kept = plot.data.filter(t => t.name === 'grammar' && t.yaxis === axis).flatMap(t => t.y);
+  return {titles, title: titles[at], removed, kept, chart: plot.layout.title.text};
+}"""
+
+
+@pytest.fixture(params=[(1280, 720), (390, 844)], ids=["projector", "phone"])
+def sized_page(browser, request):
+    yield from browser_page(browser, *request.param)
+
+
+def test_a_presenter_sees_the_grammar_remove_the_prose(sized_page, live_app, artifacts):
+    page = sized_page
+    width = page.viewport_size["width"]
+    page.goto(live_app)
+    open_tab(page, "Step through")
+    page.locator("#step-prompt textarea").fill(PROMPT)
+    page.locator("#step-preset input").click()
+    page.locator("ul[role=listbox] li").filter(has_text="json-object").first.click()
+    schema = json.loads(builtin_presets()["json-object"].config.grammar)
+    page.click("#step-group-structured")  # the accordion holding the grammar knobs
+    page.wait_for_function("() => (document.querySelector('#step-knob-grammar textarea') || {}).value?.includes('mood')",
+                           timeout=30_000)
+    assert json.loads(page.locator("#step-knob-grammar textarea").input_value()) == schema
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done')", timeout=300_000)
+    page.locator("#step-text .token").first.click()
+    page.wait_for_function("() => (document.querySelector('#step-chart .gtitle')?.textContent || '').startsWith('step 0:')",
+                           timeout=60_000)
+    page.wait_for_function(f"() => ({GRAMMAR_PANEL})()?.title !== undefined", timeout=60_000)
+    panel = page.evaluate(GRAMMAR_PANEL)
+    assert "JSON" in panel["title"] and "masked" in panel["title"], panel["titles"]
+    # the prose the model wanted is drawn removed; what is left starts the object
+    assert panel["removed"] and all(label.startswith("✕ ") for label in panel["removed"])
+    assert any(any(c.isalpha() for c in label[2:]) for label in panel["removed"]), panel["removed"]
+    assert panel["kept"] and all(label.lstrip().startswith("{") for label in panel["kept"]), panel["kept"]
+    explain = page.locator("#step-explain").inner_text()
+    wanted = next(label[2:] for label in panel["removed"] if any(c.isalpha() for c in label[2:]))
+    assert "The model wanted" in explain and "which the grammar forbids" in explain, explain
+    assert "before the mask" in explain and "after it" in explain
+    summary = page.locator("#step-summary").inner_text()
+    assert "grammar cost" in summary and "nats" in summary, summary
+    chart = page.locator("#step-chart").bounding_box()
+    assert chart["x"] >= 0 and chart["x"] + chart["width"] <= width + 1  # the chart fits the screen
+    page.screenshot(path=str(artifacts / f"grammar-step0-{width}.png"), full_page=False)
+    if "…" not in wanted:  # named in the chart as removed, and in the sentence above it
+        assert f"“{wanted}”" in explain, (wanted, explain)
