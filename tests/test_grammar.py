@@ -366,3 +366,16 @@ def test_grammar_rows_in_the_batched_scheduler_equal_solo_runs(tiny_lm):
     batched, _ = run_concurrently(Scheduler(tiny_lm, max_batch=4), jobs)
     for i, ((prompt, config), steps) in enumerate(zip(jobs, batched)):
         assert_same_steps(steps, list(decode.stream(tiny_lm, prompt, config)), f"run {i}")
+
+
+def test_a_share_link_and_the_cli_carry_the_grammar():
+    from engine.__main__ import build_parser, config_from_args
+    from engine.sharelink import ShareState, decode as decode_link, encode
+
+    preset = builtin_presets()["json-object"]
+    state = decode_link(encode(ShareState("step", "Describe a person.", preset, seed=0, chat=True)))
+    assert state.preset.config.grammar == preset.config.grammar
+    assert state.preset.config.grammar_kind == "json_schema"
+    args = build_parser().parse_args(["--prompt", "x", "--set", "grammar=(Yes|No)", "--set", "grammar_kind=regex"])
+    config = config_from_args(args)
+    assert (config.grammar, config.grammar_kind, config.active_stages()) == ("(Yes|No)", "regex", ("grammar",))

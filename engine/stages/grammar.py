@@ -136,7 +136,8 @@ def llg_tokenizer(tokenizer: Any) -> Any:
 @dataclass(frozen=True)
 class Compiled:
     """A grammar compiled for a tokenizer: ``template`` is a matcher at the start (never fed; each
-    stage deep-copies it), ``vocab`` the tokenizer's vocabulary size, ``eos`` its end token."""
+    stage deep-copies it), ``vocab`` the tokenizer's vocabulary size, ``eos`` its end token,
+    ``table`` LLGuidance's table it was compiled for (held, so the cache's key, its id, stays its)."""
 
     kind: str
     text: str
@@ -144,6 +145,7 @@ class Compiled:
     vocab: int
     eos: int
     bytes_only: bool
+    table: Any = None
 
 
 _compiled: OrderedDict[tuple, Compiled] = OrderedDict()
@@ -206,7 +208,7 @@ def _compile(kind: str, text: str, table: Any, bytes_only: bool) -> Compiled:
     if not bool(allowed.any()):
         what = "matches only the empty text" if matcher.is_accepting() else "matches nothing"
         raise ConfigError(KEY, f"this {KIND_WORDS[kind]} {what}: no token can start it")
-    return Compiled(kind, text, matcher, table.vocab_size, table.eos_token, bytes_only)
+    return Compiled(kind, text, matcher, table.vocab_size, table.eos_token, bytes_only, table)
 
 
 def compile_grammar(kind: str, text: str, tokenizer: Any) -> Compiled:
