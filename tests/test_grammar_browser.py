@@ -72,3 +72,25 @@ def test_a_presenter_sees_the_grammar_remove_the_prose(sized_page, live_app, art
     page.screenshot(path=str(artifacts / f"grammar-step0-{width}.png"), full_page=False)
     if "…" not in wanted:  # named in the chart as removed, and in the sentence above it
         assert f"“{wanted}”" in explain, (wanted, explain)
+
+
+def test_the_distortion_lesson_draws_what_masking_costs(sized_page, live_app, artifacts):
+    """The lesson "JSON mode never breaks the format: what it costs": Run and check ends with its
+    claim checked (✓) and the chart of both exact distributions over the three answers."""
+    page = sized_page
+    width = page.viewport_size["width"]
+    page.goto(f"{live_app}/?lesson=grammar")
+    page.locator("#lessons-steps h3", has_text="JSON mode never breaks").wait_for()
+    page.click("#lessons-run")
+    page.wait_for_selector("#lessons-status:has-text('done'), #lessons-status .dp-error", timeout=600_000)
+    outcome = page.locator("#lesson-outcome-text").inner_text()
+    assert outcome.startswith("✓") and "Masked decoding picks" in outcome, outcome
+    bars = page.evaluate("""() => {
+        const plot = document.querySelector('#lessons-chart .js-plotly-plot');
+        return plot ? plot.data.map(t => ({name: t.name, y: t.y, x: t.x})) : [];
+    }""")
+    assert [b["name"].split(",")[0].split(" (")[0] for b in bars] == ["the model", "masked decoding"]
+    assert sorted(bars[0]["y"]) == ["Maybe", "No", "Yes"] and abs(sum(bars[1]["x"]) - 1) < 1e-3
+    chart = page.locator("#lessons-chart").bounding_box()
+    assert chart["x"] >= 0 and chart["x"] + chart["width"] <= width + 1
+    page.screenshot(path=str(artifacts / f"grammar-lesson-{width}.png"), full_page=False)
