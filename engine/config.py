@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.backends.quant_methods import WEIGHT_METHODS
 from engine.strategies.spec import STRATEGIES as STRATEGY_SPECS
 from engine.strategies.spec import on_change as on_strategies_change
 # Importing engine.stages registers every stage (its families import no config). The strategies
@@ -45,7 +46,10 @@ STAGE_NAMES: tuple[str, ...] = ()  # the same names
 # transformers' generate(do_sample=False) does.
 SAMPLING_ONLY_STAGES: frozenset[str] = frozenset()
 
-DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4")  # plus "model:<id or dir>"
+# A quantized copy of the target as drafter or amateur: bitsandbytes, or a 4-bit checkpoint made here
+# (engine.backends.quant_methods)
+SELF_WEIGHT_VARIANTS = ("self-int8", "self-nf4") + tuple(f"self-{name}" for name in WEIGHT_METHODS)
+DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4") + SELF_WEIGHT_VARIANTS[2:]  # plus "model:<id or dir>"
 # KV cache kinds (engine/kv_quant.py builds them), plus "sliding-<N>": a window of the last N positions.
 KV_CACHE_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
 SLIDING_WINDOW_RANGE = (2, 65_536)  # transformers keeps N - 1 cached positions, so N >= 2

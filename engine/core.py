@@ -22,7 +22,7 @@ from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.control import RunControl, check
 from engine.reports.metrics import common_prefix, mean_logprob, perplexity
-from engine.backends.local import LoadedModel
+from engine.backends.seam import Model
 from engine.chain import Chain, Traced, traced_rows
 from engine.trace import StageTrace, StepTrace, Timing, Trace
 
@@ -36,7 +36,7 @@ class RunContext:
     strategy whose spec ``continues``) the tokens it continues after, the token it is forced to
     and the stage records to resume from."""
 
-    lm: Any  # a model loaded here (LoadedModel) or a served one (engine.backends.served.RemoteModel)
+    lm: Model  # loaded here (LoadedModel) or served (RemoteModel): engine.backends.seam
     prompt: str
     ids: list[int]
     config: DecodingConfig
@@ -80,7 +80,7 @@ class StopCheck:
     """EOS, stop strings and the token budget. ``text`` is the generated text cut before a stop
     string (stop strings are not part of the returned text, as in OpenAI's API)."""
 
-    lm: LoadedModel
+    lm: Model
     config: DecodingConfig
 
     def reason(self, generated: Sequence[int]) -> str | None:
@@ -168,7 +168,7 @@ def draw_at(probs: torch.Tensor, u: float) -> sampling.Pick:
     return sampling.Pick(int(order[at]), prob, u, high - prob, high)
 
 
-def step_trace(lm: LoadedModel, traced: Traced, chosen: sampling.Pick, index: int, elapsed_ms: float, *,
+def step_trace(lm: Model, traced: Traced, chosen: sampling.Pick, index: int, elapsed_ms: float, *,
                forced: bool = False, finish_reason: str | None = None) -> StepTrace:
     """The StepTrace of token ``chosen`` picked from ``traced`` (its stages: raw first, final last;
     a stage between them whose top-N misses the token records the token's p there)."""
@@ -196,7 +196,7 @@ class RunState:
     records, valid only under the run's own knobs; the draws before it are skipped) or must see the
     prefix positions' logits first: ``needs_replay``, then ``replay(rows)``."""
 
-    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+    def __init__(self, lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, *,
                  prefix: Sequence[int] = (), force: int | None = None, resume: Sequence[StageTrace] | None = None):
         check_prompt(prompt_ids)
         self.start = time.perf_counter()
@@ -325,7 +325,7 @@ def run_summary(steps: Sequence[StepTrace]) -> dict:
     }
 
 
-def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+def assemble(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
              steps: list[StepTrace], chat: bool, branch_of: int | None = None) -> Trace:
     """A Trace from collected steps (also used while streaming, for partial traces)."""
     generated = [s.chosen_token_id for s in steps]

@@ -42,7 +42,7 @@ def raw_logits(lm: LoadedModel, trace: Trace, step: int, cache: KVCache | None =
     step's context (a fresh cache costs one prefill of it). A served model (engine.backends): the
     server's top-N there, one request, as step mode reads it (log p inside the top-N, -inf outside;
     N: the run's own in step mode, so its own knobs give its own stages back)."""
-    if isinstance(lm, served.RemoteModel):
+    if lm.capabilities.served:
         label = trace.extra.get("remote") or {}
         top_n = int(label["top_n"]) if label.get("mode") == "step" else served.STEP_TOP_N
         return remote.top_logits(lm, step_context(trace, step), top_n)[0]

@@ -131,13 +131,12 @@ def _common_unmapped(config: DecodingConfig, keys: list[str], tool: str, key: st
     if "top_n" in keys:
         out.append(Note("top_n", TRACE_ONLY))
     out += _stage_unmapped(config, keys, key)
-    if config.strategy == "contrastive_decoding":
-        out.append(Note("strategy", f"contrastive decoding (expert vs amateur) has no {tool} equivalent; "
-                                    "exported as greedy"))
-        out += [Note(k, "contrastive decoding only") for k in ("cd_alpha", "amateur") if k in keys]
-    if config.strategy == "beam":
-        out.append(Note("strategy", f"{tool} has no beam search setting here; exported as greedy decoding"))
-        out += [Note(k.name, "a beam-search setting") for k in STRATEGIES["beam"].knobs if k.name in keys]
+    strategy = STRATEGIES[config.strategy]
+    exported = strategy.exports.get(key)  # a strategy the tool lacks: its spec says what the export says
+    if exported is not None:
+        out.append(Note("strategy", exported.note.format(tool=tool)))
+        names = [k.name for k in strategy.knobs] + list(exported.also)
+        out += [Note(k, exported.knob_note) for k in names if k in keys]
     if _greedy_like(config) and not config.is_greedy:
         dropped = [k for k in keys if (spec := _spec_of_knob(k)) is not None and spec.sampling_only and k != "top_k"]
         out += [Note(k, "dropped: exported as greedy decoding") for k in dropped]
@@ -234,9 +233,6 @@ def to_llama_cpp(preset: Preset) -> InteropExport:
     flags.append(f"--n-predict {config.max_new_tokens}")
     flags += [f"--reverse-prompt {shlex.quote(s)}" for s in config.stop]
     unmapped = _common_unmapped(config, keys, "llama.cpp", "llama")
-    if config.strategy == "contrastive_search":
-        unmapped.append(Note("strategy", "llama.cpp has no contrastive search; exported as greedy decoding"))
-        unmapped += [Note(k, "a contrastive-search setting") for k in ("penalty_alpha", "top_k") if k in keys]
     if config.strategy == "speculative":
         spec_flags, spec_notes = _llama_speculative(config)
         flags += spec_flags

@@ -71,7 +71,7 @@ def backend_of(lm: Any) -> str:
 
 def is_served(lm: Any) -> bool:
     """Whether ``lm`` runs on a server (its strategies are the specs' ``served`` streams)."""
-    return backend_of(lm) != LOCAL
+    return lm.capabilities.served
 
 
 def runs_on(lm: Any) -> list[str]:

@@ -40,7 +40,6 @@ stepped one row at a time (``max_batch`` 1), still through the same queue.
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import threading
 import time

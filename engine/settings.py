@@ -19,6 +19,7 @@ the table's ``default`` says what they are.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -34,6 +35,10 @@ GPU_HUB_MODELS = (
     "Qwen/Qwen2.5-0.5B-Instruct",
     "Qwen/Qwen2.5-1.5B-Instruct",
 )
+
+# engine.backends.local.QUANTIZATIONS, spelled out here so that reading the settings imports no torch (a test keeps them equal)
+QUANTIZATION_CHOICES = ("none", "int8", "nf4", "rtn-g64", "gptq-g64", "awq-g64", "rtn-g32", "gptq-g32", "awq-g32",
+                        "gptq-g64-code", "awq-g64-code")
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -55,7 +60,7 @@ class Setting:
 
     @property
     def default_text(self) -> str:
-        """The default as the README's table shows it."""
+        """The default as docs/deployment.md's table shows it."""
         if self.shown:
             return self.shown
         if isinstance(self.default, bool):
@@ -80,7 +85,7 @@ SETTINGS = (
     Setting("DP_REMOTE_MODELS", "list", "", "remote models the operator allows, `backend:url` each "
             "(`llamacpp:http://127.0.0.1:8080`, `openai:http://host:8000/v1`); never typed by a page user"),
     Setting("DP_QUANTIZATION", "choice", "none", "the default model's quantization at start; "
-            "also `app.py --quantization`", choices=("none", "int8", "nf4")),
+            "also `app.py --quantization`", choices=QUANTIZATION_CHOICES),
     Setting("DP_DTYPE", "choice", "auto", "the models' dtype; `auto`: float32 on CPU, bfloat16/float16 on a GPU",
             choices=("auto", "float32", "bfloat16", "float16")),
     # Limits.
@@ -114,7 +119,7 @@ SETTINGS = (
             "startup examples", shown="unset"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
-# name -> smallest allowed value (read by the tests and the README table).
+# name -> smallest allowed value (read by the tests and docs/deployment.md's table).
 INTEGER_SETTINGS = {s.name: s.minimum for s in SETTINGS if s.kind == "int"}
 SECONDS_SETTINGS = {s.name for s in SETTINGS if s.kind == "seconds"}
 
@@ -226,3 +231,10 @@ def check_environment(environ: Environ | None = None) -> None:
             env_seconds(setting.name, 0.0, environ=environ)
         elif setting.kind in READERS:
             READERS[setting.kind](setting.name, environ)
+
+
+def cache_root() -> Path:
+    """Where slow one-off work is cached, outside the repo: the converted model, llama-server, vLLM's
+    environment, the 4-bit checkpoints (env ``DECODING_PLAYGROUND_CACHE``, default
+    ~/.cache/decoding-playground)."""
+    return Path(env_text("DECODING_PLAYGROUND_CACHE") or Path.home() / ".cache" / "decoding-playground")

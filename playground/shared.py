@@ -102,7 +102,7 @@ class CheckedRegistry:
 class Shared:
     registry: ModelRegistry
     model: gr.Dropdown  # "embedded", or another source the model policy allows
-    quantization: gr.Radio  # none | int8 | nf4
+    quantization: gr.Dropdown  # engine.backends.local.QUANTIZATIONS: none | int8 | nf4 | rtn/gptq/awq-g64/g32 | ...
     user_presets: gr.BrowserState  # list of preset JSON objects (engine.presets format)
     events: ModelEvents = dataclasses.field(default_factory=ModelEvents)
     policy: ModelPolicy = dataclasses.field(default_factory=model_policy)
@@ -273,14 +273,16 @@ def status_html(message: str) -> str:
     return f'<div class="dp-status">{html.escape(message)}</div>'
 
 
-def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBEDDED,)) -> tuple[gr.Dropdown, gr.Radio]:
+def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBEDDED,)) -> tuple[gr.Dropdown, gr.Dropdown]:
     model = gr.Dropdown(
         choices=list(dict.fromkeys([*offered, default_model])), value=default_model, allow_custom_value=True, label="Model",
         info="'embedded' (SmolLM2-135M-Instruct, offline), a model the operator allows (DP_MODELS), or a server the "
              "operator lists (DP_REMOTE_MODELS: llamacpp:/openai: backend and URL)",
         elem_id="dp-model", scale=3,
     )
-    quant = gr.Radio(list(QUANTIZATIONS), value="none", label="Quantization (bitsandbytes)", elem_id="dp-quant", scale=2)
+    quant = gr.Dropdown(list(QUANTIZATIONS), value="none", label="Quantization",
+                        info="int8 / nf4: bitsandbytes at load; rtn / gptq / awq: 4-bit checkpoints made here (make quantize)",
+                        elem_id="dp-quant", scale=2)
     return model, quant
 
 

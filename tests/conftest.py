@@ -190,9 +190,11 @@ LLAMA_BUILD_LOG = Path(tempfile.gettempdir()) / "llama-server-build-pytest.log"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `remote` run last, so the llama-server build `make test` started in the
-    background overlaps everything else (a stable sort keeps every other order)."""
-    items.sort(key=lambda item: item.get_closest_marker("remote") is not None)
+    """Tests marked `quantized`, then those marked `remote`, run last, so the checkpoints and the
+    llama-server build `make test` started in the background overlap everything else (a stable sort
+    keeps every other order)."""
+    items.sort(key=lambda item: (item.get_closest_marker("remote") is not None,
+                                 item.get_closest_marker("quantized") is not None))
 
 
 @pytest.fixture(scope="session")
@@ -268,3 +270,27 @@ def server_model(llama_server):
     from engine.backends import llamacpp
 
     return llamacpp.connect(llama_server, timeout_s=60)
+
+
+# --- the 4-bit checkpoints (issue #40): tests marked `quantized` ------------------------------------
+QUANTIZE_WAIT_S = 2400  # `make test` starts deploy/quantize.sh in the background; a cold run takes minutes
+QUANTIZE_LOG = Path(tempfile.gettempdir()) / "quantize-pytest.log"
+
+
+@pytest.fixture(scope="session")
+def quant_checkpoints() -> Path:
+    """The cache folder of the RTN / GPTQ / AWQ checkpoints, made (or waited for, when a run is going
+    on) by deploy/quantize.sh; fails with one line, never skips, when they cannot be had."""
+    import subprocess
+
+    with open(QUANTIZE_LOG, "w") as log:
+        try:
+            done = subprocess.run(["nice", "-n", "19", "sh", str(ROOT / "deploy" / "quantize.sh"), sys.executable],
+                                  stdout=subprocess.PIPE, stderr=log, text=True, timeout=QUANTIZE_WAIT_S, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"quantize: the checkpoints were not made within {QUANTIZE_WAIT_S} s (log: {QUANTIZE_LOG})",
+                        pytrace=False)
+    if done.returncode != 0:
+        last = (QUANTIZE_LOG.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+        pytest.fail(f"quantize: making the checkpoints failed ({last[:200]}; log: {QUANTIZE_LOG})", pytrace=False)
+    return Path(done.stdout.strip().splitlines()[-1])

@@ -129,7 +129,8 @@ def test_pasted_or_linked_lesson_text_fetches_nothing_and_shows_as_typed(room_pa
 
 # --- 8. every built-in lesson: Run and check draws the stage it teaches -------------------------------
 @pytest.mark.slow
-def test_every_lessons_run_and_check_draws_the_stage_it_teaches(room_page, live_app, artifacts):
+@pytest.mark.quantized  # the GPTQ vs AWQ lesson loads the 4-bit checkpoints: run last, waiting for them
+def test_every_lessons_run_and_check_draws_the_stage_it_teaches(room_page, live_app, artifacts, quant_checkpoints):
     page = room_page
     for lesson_id, lesson in builtin_lessons().items():
         open_lesson(page, live_app, lesson_id, lesson.title)

@@ -14,7 +14,7 @@ from tests.conftest import forwards_after_stop
 pytestmark = pytest.mark.slow
 
 # Memory budget for 100 sessions (each a /step_trace and a /branch): the server may grow by at most
-# this much over its warmed-up size (README "Limits and safety").
+# this much over its warmed-up size (docs/deployment.md, "Public mode and limits").
 RSS_BUDGET_MB = 300
 NAMED_ENDPOINTS = {"/step_trace", "/branch", "/compare", "/compare_sweep", "/beam_trace", "/speculative_trace",
                    "/quantization_report", "/kv_cache_report", "/preset_validate", "/preset_interop", "/share_link",

@@ -17,10 +17,11 @@ def report(variants) -> DriftReport:
 def test_int8_row_says_teacher_forced_and_free_running():
     """100% top-1 agreement next to a divergence is not a contradiction once both are labelled."""
     r = report([variant("none", None, 1.0, True), variant("int8", 1, 1.0, False)])
-    assert "teacher-forced" in charts.DRIFT_HEADERS[6] and "free-running" in charts.DRIFT_HEADERS[7]
+    assert "teacher-forced" in charts.DRIFT_HEADERS[6] and "free-running" in charts.DRIFT_HEADERS[8]
+    assert charts.DRIFT_HEADERS[7] == "held-out perplexity"  # issue #40; "—" where not measured
     rows = charts.drift_rows(r)
     assert rows[0][2] == "in memory (first load 2.0)" and rows[1][2] == "2.0"
-    assert rows[1][6:] == ["100%", "at step 1"]
+    assert rows[1][6:] == ["100%", "—", "at step 1"]
     page = charts.texts_html(r)
     assert "own text leaves fp32 at step 1 (free-running); top-1 agreement 100% is teacher-forced" in page
     assert "↵<br>" in page  # a newline token is visible

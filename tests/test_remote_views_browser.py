@@ -61,7 +61,7 @@ def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page,
     assert "raw" in texts and "final" in texts, texts  # raw -> each stage -> final, over the top-N
     assert "server's top 100; tail" in texts and "not drawn" in texts, texts  # the tail mass, under raw's title
     page.screenshot(path=str(artifacts / "remote-step.png"), full_page=True)
-    # the README's picture (section 6): the model box, the run and its chart, the approximations line
+    # docs/remote.md's picture: the model box, the run and its chart, the approximations line
     width = page.evaluate("document.documentElement.scrollWidth")
     page.screenshot(path=str(DOCS / "remote-step.png"), full_page=True, clip=dict(x=0, y=0, width=width, height=2760))
 
@@ -90,7 +90,7 @@ def test_speculative_on_the_server_click_a_round_s_chip(page, served_app, artifa
     page.wait_for_function(f"() => document.querySelector('#spec-explain')?.innerText.includes({expected!r})")
     assert page.locator("#spec-pq .js-plotly-plot").count() == 1
     page.screenshot(path=str(artifacts / "remote-speculative.png"), full_page=True)
-    # the README's picture (section 6): rounds, the clicked chip's p vs q, the remote summary
+    # docs/remote.md's picture: rounds, the clicked chip's p vs q, the remote summary
     bottom = page.evaluate("document.querySelector('#spec-summary').getBoundingClientRect().bottom + window.scrollY")
     width = page.evaluate("document.documentElement.scrollWidth")
     page.screenshot(path=str(DOCS / "remote-speculative.png"), full_page=True,

@@ -1,5 +1,5 @@
 """DP_* settings: one table and one reader per kind (engine.settings), every variable listed there
-and in the README, and a bad value refuses to start in one line."""
+and in docs/deployment.md, and a bad value refuses to start in one line."""
 
 import os
 import re
@@ -75,7 +75,7 @@ def test_the_app_refuses_to_start_with_a_bad_setting_in_one_line(name, value):
     assert "Traceback" not in result.stderr and "Running on" not in result.stdout
 
 
-# --- the table: every variable in the code, in SETTINGS and in the README ---------------------------
+# --- the table: every variable in the code, in SETTINGS and in docs/deployment.md -------------------
 SOURCES = [ROOT / "app.py", *(p for d in ("engine", "playground", "deploy") for p in (ROOT / d).rglob("*")
                               if p.suffix in (".py", ".sh", ".md") and p.is_file())]
 KINDS = {"flag": "flag", "text": "text", "list": "comma-separated list", "seconds": "seconds ≥ 0",
@@ -83,19 +83,19 @@ KINDS = {"flag": "flag", "text": "text", "list": "comma-separated list", "second
 
 
 def readme_row(setting: settings.Setting) -> str:
-    """The README's row for one setting ("Deployment", section 5), built from the table."""
+    """docs/deployment.md's row for one setting (section 5, "Every setting"), built from the table."""
     kind = (f"integer ≥ {setting.minimum}" if setting.kind == "int"
             else " / ".join(f"`{c}`" for c in setting.choices) if setting.kind == "choice" else KINDS[setting.kind])
     return f"| `{setting.name}` | {kind} | {setting.default_text} | {setting.does} |"
 
 
-def test_every_dp_variable_in_the_code_is_in_the_table_and_the_readme():
+def test_every_dp_variable_in_the_code_is_in_the_table_and_the_docs():
     used = {name for path in SOURCES for name in re.findall(r"\bDP_[A-Z][A-Z_]*[A-Z]\b", path.read_text("utf-8"))}
     assert {"DP_PUBLIC", "DP_MODELS", "DP_EXAMPLES", "DP_BROWSER_SECRET", "DP_MAX_BATCH"} <= used  # the scan works
     assert used - set(settings.BY_NAME) == set()
-    readme = (ROOT / "README.md").read_text("utf-8")
+    page = (ROOT / "docs" / "deployment.md").read_text("utf-8")
     for setting in settings.SETTINGS:
-        assert readme_row(setting) in readme, f"README 'Every setting' row of {setting.name} is stale"
+        assert readme_row(setting) in page, f"docs/deployment.md 'Every setting' row of {setting.name} is stale"
     assert len(settings.BY_NAME) == len(settings.SETTINGS)  # one entry per name
     rest = "".join(p.read_text("utf-8") for p in SOURCES if p.name != "settings.py")
     assert [s.name for s in settings.SETTINGS if s.name not in rest] == []  # no entry nothing reads
@@ -184,7 +184,9 @@ def test_text_list_and_choice_settings_read_as_before(monkeypatch, tmp_path):
     monkeypatch.setenv("DP_QUANTIZATION", "int8")
     assert (app.parse_args([]).model, app.parse_args([]).quantization) == ("org/a", "int8")
     monkeypatch.setenv("DP_QUANTIZATION", "int4")  # argparse never checked a default against its choices
-    with pytest.raises(SettingsError, match=r"^DP_QUANTIZATION: expected none \| int8 \| nf4, got 'int4'$"):
+    with pytest.raises(SettingsError, match=r"^DP_QUANTIZATION: expected none \| int8 \| nf4 \| rtn-g64 \| gptq-g64 \| "
+                                            r"awq-g64 \| rtn-g32 \| gptq-g32 \| awq-g32 \| gptq-g64-code \| "
+                                            r"awq-g64-code, got 'int4'$"):
         check_environment()
     monkeypatch.delenv("DP_QUANTIZATION")
     assert settings.env_text("DP_BROWSER_SECRET") == "decoding-playground-presets-v1"
@@ -215,5 +217,5 @@ def test_numeric_defaults_in_the_table_are_the_code_s(monkeypatch):
     assert control.request_seconds() == by_name["DP_REQUEST_SECONDS"].default
     assert events.max_batch() == scheduler.DEFAULT_MAX_BATCH_CPU
     assert by_name["DP_MAX_BATCH"].shown == "16 on CPU, 32 on GPU"
-    for name, value in app.PUBLIC_LIMITS.items():  # the README's default column names the public value
+    for name, value in app.PUBLIC_LIMITS.items():  # the docs' default column names the public value
         assert f"({value} in public mode)" in by_name[name].default_text, name

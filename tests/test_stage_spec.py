@@ -1,5 +1,5 @@
 """Issue #28, one spec per stage: a stage is its class plus ONE ``StageSpec`` (engine/stages/spec.py),
-and everything else reads the spec. A toy stage registered here (tail-free sampling, the README's
+and everything else reads the spec. A toy stage registered here (tail-free sampling, docs/architecture.md's
 "Add a stage" example, verbatim) shows up in the config (knob, order, validation, active stages),
 the chain (built, recorded, shared across rows), the step chart's note and title, both exports and
 the knob panel, and leaves no trace once removed. Every built-in stage has a note, a title, an entry
@@ -28,7 +28,7 @@ from playground.charts.stage_notes import stage_heading, stage_note
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# --- the README's worked example: what a contributor adds to engine/stages/ -------------------
+# --- docs/architecture.md's worked example (tests/test_docs.py keeps them equal): what a contributor adds
 class TailFree(Stage):
     """Tail-free sampling (text-generation-webui's ``tfs``): sort the probabilities, take the absolute
     second differences of that curve and normalise them to sum to 1; keep the top tokens while the

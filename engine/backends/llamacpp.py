@@ -14,15 +14,12 @@ from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
 from engine.config import KNOBS, DecodingConfig
 from engine.interop import LLAMA_SAMPLER, LLAMA_UNMAPPED, PENALTY_STAGES, Note
-from engine.stages.grammar import Grammar, server_fields
+from engine.stages import STAGES
 
 STOP_TYPES = {"eos": "eos", "word": "stop_string", "limit": "max_new_tokens"}  # llama.cpp -> ours
 # Our stages llama.cpp has no sampler for (interop's reasons), plus the word constraints.
 UNMAPPED = {**LLAMA_UNMAPPED, "allowed_words": "llama.cpp has no word allow-list (a grammar would be needed)",
             "banned_words": "llama.cpp bans token ids (logit_bias false), not words"}
-# Stages llama.cpp runs from request fields rather than a ``samplers`` entry: the logit bias, mirostat
-# (it replaces the chain) and the grammar (``grammar`` / ``json_schema``: its own grammar sampler).
-SENT_AS_FIELDS = ("logit_bias", "mirostat", Grammar.name)
 
 
 def _piece(entry: dict[str, Any]) -> str | None:
@@ -211,19 +208,10 @@ def llamacpp_request(config: DecodingConfig, context: int = 4096) -> LlamaReques
     server's defaults (temperature 0.8, top-k 40...) never leak in. ``context``: the server's
     context length, the window of "the whole context" (its request fields refuse -1)."""
     c = config
-    fields: dict[str, Any] = {
-        "temperature": c.temperature, "dynatemp_range": c.dynatemp_range, "dynatemp_exponent": c.dynatemp_exponent,
-        "top_k": c.top_k, "top_p": c.top_p, "min_p": c.min_p, "typical_p": c.typical_p,
-        "repeat_penalty": c.repetition_penalty, "frequency_penalty": c.frequency_penalty,
-        "presence_penalty": c.presence_penalty, "repeat_last_n": context,
-        "dry_multiplier": c.dry_multiplier, "dry_base": c.dry_base, "dry_allowed_length": c.dry_allowed_length,
-        "dry_penalty_last_n": context if c.dry_penalty_last_n == -1 else c.dry_penalty_last_n,
-        "dry_sequence_breakers": list(c.dry_sequence_breakers),
-        "xtc_probability": c.xtc_probability, "xtc_threshold": c.xtc_threshold, "top_n_sigma": c.top_n_sigma,
-        "mirostat": 0 if c.is_greedy else c.mirostat, "mirostat_tau": c.mirostat_tau,
-        "mirostat_eta": c.mirostat_eta, "seed": c.seed, "min_keep": 0,
-        "logit_bias": _bias_pairs(c.logit_bias),
-    }
+    fields: dict[str, Any] = {"seed": c.seed, "min_keep": 0}
+    for spec in STAGES.values():  # each stage's own fields (engine/stages: ``served.llamacpp``)
+        if spec.served.llamacpp is not None:
+            fields.update(spec.served.llamacpp(c, context))
     samplers: list[str] = []
     unmapped: list[Note] = []
     order = c.active_stages()
@@ -231,28 +219,17 @@ def llamacpp_request(config: DecodingConfig, context: int = 4096) -> LlamaReques
         name = "penalties" if stage in PENALTY_STAGES else LLAMA_SAMPLER.get(stage, (None,))[0]
         if name and name not in samplers:
             samplers.append(name)
-        elif name is None and stage not in SENT_AS_FIELDS:
+        elif name is None and STAGES[stage].served.llamacpp is None:  # else sent as fields (logit_bias, mirostat, grammar)
             knobs = [k.name for k in KNOBS.values() if k.stage == stage and getattr(c, k.name) != k.neutral]
             unmapped += [Note(k, UNMAPPED.get(k, "llama.cpp has no such sampler")) for k in knobs]
+        unmapped += [Note(k, reason) for k, reason in STAGES[stage].served.refusals(c, "llamacpp")]
     if c.is_greedy:
         samplers.append("top_k")
         fields["top_k"] = 1
     elif not samplers:
         samplers.append("temperature")  # T = 1: changes nothing, and the list is never empty
     fields["samplers"] = samplers
-    grammar, refused = server_fields(c, "llamacpp")  # its own grammar sampler constrains what it samples
-    fields.update(grammar)
-    unmapped += [Note(k, reason) for k, reason in refused]
     return LlamaRequest(fields, tuple(unmapped), tuple(_caveats(c, order)))
-
-
-def _bias_pairs(bias: dict[str, float]) -> list[list[Any]]:
-    """Our ``{token id or word: bias}`` as its ``[[id or text, bias]]``; a word as itself and with a
-    leading space, as our stage biases it (the server tokenises the text)."""
-    pairs: list[list[Any]] = []
-    for key, value in bias.items():
-        pairs += [[int(key), value]] if key.isdigit() else [[key, value], [" " + key, value]]
-    return pairs
 
 
 def _caveats(config: DecodingConfig, order: Sequence[str]) -> list[Note]:

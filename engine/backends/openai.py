@@ -1,6 +1,6 @@
 """An OpenAI-compatible server (vLLM, SGLang, llama-server's own /v1): /v1/completions with
 ``logprobs`` (vLLM adds ``prompt_logprobs``), /tokenize and /detokenize at the server root;
-``connect_openai``; our knobs as its sampling fields (``OPENAI_FIELDS``)."""
+``connect_openai``; our knobs as its sampling fields (each stage's ``served.openai``)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,9 @@ from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.llamacpp import llama_entries
 from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
 from engine.config import KNOBS, DecodingConfig
-from engine.stages.grammar import Grammar, server_fields
+from engine.stages import STAGES
 
 VOCAB_BOUND = 262_144  # ids a server that does not report its vocabulary may send (Gemma 3's 262144 the largest)
-# Our knobs (each its stage's name) an OpenAI-compatible completion request expresses (vLLM's sampling
-# parameters) -> the request field; fast mode only.
-OPENAI_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-                 "presence_penalty": "presence_penalty"}
-
 
 def _openai_tokens(choice: dict[str, Any]) -> list[tuple[int, float, list[Entry]]]:
     """Each generated token of a /v1/completions choice as (id, logprob, its top-N), from either
@@ -132,7 +126,7 @@ class OpenAIApi:
 
     def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> Iterator[FastToken | FastAnswer]:
         """Fast mode: one streamed request; the server samples with the knobs it has
-        (``OPENAI_FIELDS``): a FastToken (its top-N ``logprobs``: raw or processed, the server's
+        (each stage's ``served.openai``): a FastToken (its top-N ``logprobs``: raw or processed, the server's
         ``--logprobs-mode``) as each token arrives, then the FastAnswer. ``raw`` changes nothing
         (the top-N are the only ones it sends)."""
         fields, notes = _openai_fields(config, self.dialect)
@@ -166,21 +160,24 @@ class OpenAIApi:
 
 
 def _openai_fields(config: DecodingConfig, dialect: str = "vllm") -> tuple[dict[str, Any], dict[str, list[dict[str, str]]]]:
-    """Our knobs as an OpenAI-compatible completion request's sampling fields (``OPENAI_FIELDS``;
-    the grammar as vLLM's ``structured_outputs`` or llama-server's ``grammar`` / ``json_schema``, by
-    ``dialect``), and the notes: knobs it cannot express (``unmapped``), differences (``caveats``)."""
+    """Our knobs as an OpenAI-compatible completion request's sampling fields (each stage's ``served.openai``;
+    on llama-server's own endpoint, ``dialect`` "llamacpp", its ``served.openai_llamacpp`` where it has one),
+    and the notes: knobs it cannot express (``unmapped``), differences (``caveats``)."""
     active = config.active_stages()
-    # every field sent, neutral or not, so no server default (llama-server: top-k 40...) leaks in
-    fields = {name: getattr(config, knob) for knob, name in OPENAI_FIELDS.items()}
-    fields["top_k"] = fields["top_k"] or -1  # 0 is our "off"; -1 is theirs
+    # every field sent, neutral or not, so no server default (llama-server: top-k 40...) leaks in;
+    # each stage's own fields (engine/stages: ``served.openai``)
+    fields: dict[str, Any] = {}
+    mapped = [name for name, spec in STAGES.items() if spec.served.openai is not None]
+    for name in mapped:
+        served = STAGES[name].served
+        fields.update((served.openai_llamacpp if dialect == "llamacpp" and served.openai_llamacpp else served.openai)(config))
     if config.is_greedy:
         fields["temperature"] = 0.0
-    grammar, refused = server_fields(config, "vllm" if dialect == "vllm" else "llamacpp")
-    fields |= grammar
     unmapped = [{"key": k.name, "reason": "the OpenAI-compatible API has no such sampling parameter"}
-                for k in KNOBS.values() if k.stage in active and k.stage not in OPENAI_FIELDS
-                and k.stage != Grammar.name and getattr(config, k.name) != k.neutral]
-    unmapped += [{"key": k, "reason": reason} for k, reason in refused]
+                for k in KNOBS.values() if k.stage in active and k.stage not in mapped
+                and getattr(config, k.name) != k.neutral]
+    server = "llamacpp" if dialect == "llamacpp" else "vllm"
+    unmapped += [{"key": k, "reason": reason} for stage in active for k, reason in STAGES[stage].served.refusals(config, server)]
     caveats = [{"key": "stage_order", "reason": "the server applies its own fixed order, not ours"}]
     if not config.is_greedy:
         caveats.append({"key": "seed", "reason": "the server has its own random generator: the same seed "

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.backends import quant_methods
 from engine.backends.local import (EMBEDDED, LoadedModel, ModelLoadError, ModelSpec, Progress, load_model)
 from engine.backends.remote import connect_spec
 from engine.backends.served import BACKENDS, RemoteSpec, allowed_remote_models
@@ -158,12 +159,12 @@ class ModelHandle:
 
 
 # --- variants of a loaded model: drafters and amateurs --------------------------------------------------
-SELF_VARIANTS = ("self-int8", "self-nf4")
+SELF_VARIANTS = ("self-int8", "self-nf4") + tuple(f"self-{name}" for name in quant_methods.WEIGHT_METHODS)
 REMOTE_VARIANT = "a remote model cannot be a drafter or amateur of a model loaded here (it drafts only for a remote target)"
 
 
 def variant_spec(lm: LoadedModel, name: str, key: str) -> ModelSpec:
-    """The ModelSpec of ``self-int8 | self-nf4 | model:<id or dir>`` on ``lm``'s device and dtype
+    """The ModelSpec of ``self-int8 | self-nf4 | self-<checkpoint variant> | model:<id or dir>`` on ``lm``'s device and dtype
     (so a drafter and an amateur of one target share a registry entry). ConfigError naming ``key``
     for any other name."""
     if name in SELF_VARIANTS:
@@ -173,7 +174,7 @@ def variant_spec(lm: LoadedModel, name: str, key: str) -> ModelSpec:
         if is_remote_source(source):  # the registry would connect to it: a server has no weights to draft with here
             raise ConfigError(key, f"{REMOTE_VARIANT}, got {source[:60]!r}")
     else:
-        raise ConfigError(key, f"expected self-int8 | self-nf4 | model:<id or dir>, got {name!r}")
+        raise ConfigError(key, f"expected {' | '.join(SELF_VARIANTS)} | model:<id or dir>, got {name!r}")
     dtype = str(lm.dtype).removeprefix("torch.")
     return ModelSpec(source, quantization, device=str(lm.device),
                      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto")

@@ -42,9 +42,8 @@ from engine.backends.openai import connect_openai
 from engine.backends.served import STEP_TOP_N, Entry, FastAnswer, FastToken, RemoteModel, RemoteSpec
 from engine.config import DecodingConfig
 from engine.core import RunState, assemble, checked
-from engine.interop import PENALTY_STAGES
 from engine.sampling import NoTokensLeft
-from engine.stages.grammar import STEP_CAVEAT, Grammar
+from engine.stages import STAGES
 from engine.trace import Event, StageTrace, StepTrace, TokenProb, Trace
 
 STRATEGIES = ("greedy", "sample")  # what a remote model runs so far
@@ -91,7 +90,7 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
     are just a longer prompt to the server (a stateful chain first replays their positions, one
     request each)."""
     check_strategy(config)
-    state = RunState(model, prompt_ids, config, prefix=prefix, force=force)  # type: ignore[arg-type]
+    state = RunState(model, prompt_ids, config, prefix=prefix, force=force)
     if state.needs_replay:
         start = len(prompt_ids)
         state.replay(torch.cat([top_logits(model, state.sequence[:start + i], top_n)[0] for i in range(len(prefix))]))
@@ -105,26 +104,11 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
             return
 
 
-# Step mode's approximations, by the stages they touch (measured against llama.cpp's own samplers in
-# tests/test_remote_llamacpp.py: temperature, top-k, min-p, XTC, DRY and typical after a top-k agree exactly).
-STEP_APPROXIMATIONS = (
-    ({"top_p", "typical_p", "eta", "top_h", "mirostat", "epsilon", "top_a"},
-     "top-p, typical, eta, top-H, mirostat and the cutoffs weigh the top-N renormalised (the tail mass is left out)"),
-    ({"top_n_sigma", "dynamic_temperature"},
-     "top-nσ's σ and dynamic temperature's entropy are over the top-N, not the whole vocabulary"),
-    ({"repetition_penalty"}, "the repetition penalty (divide positive logits, multiply negative ones) sees "
-                             "log-probabilities, all negative, not the model's logits"),
-    ({*PENALTY_STAGES, "dry", "logit_bias"}, "penalties and biases cannot lift a token from outside the top-N"),
-    ({Grammar.name}, STEP_CAVEAT),
-)
-
-
 def step_approximations(config: DecodingConfig, top_n: int) -> list[str]:
     """What step mode cannot do exactly for ``config``, in words (the trace carries them)."""
-    stages = set(config.active_stages())
+    caveats = dict.fromkeys(text for name in config.active_stages() for text in STAGES[name].served.step_caveats)
     return [f"the raw distribution is the server's top {top_n}, renormalised; the tail mass (1 - their sum) is "
-            "recorded per step and no token outside them can be picked"] + \
-        [text for touched, text in STEP_APPROXIMATIONS if stages & touched]
+            "recorded per step and no token outside them can be picked", *caveats]
 
 
 def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
@@ -147,7 +131,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
             yield Event(steps=[step])
     except NoTokensLeft as exc:  # a step with nothing left to pick ends the run, saying why
         ended = exc
-    trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
+    trace = assemble(model, prompt, prompt_ids, config, steps, chat)
     approximations = step_approximations(config, model.top_n)
     if ended is not None:
         trace.end_with_no_tokens_left()
@@ -222,7 +206,7 @@ def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], con
         steps = [_with_raw(model, step, top) for step, top in zip(steps, answer.raw)] + steps[len(answer.raw):]
     if steps:
         steps[-1] = replace(steps[-1], finish_reason=answer.finish_reason)
-    trace = assemble(model, prompt, prompt_ids, config, steps, chat)  # type: ignore[arg-type]
+    trace = assemble(model, prompt, prompt_ids, config, steps, chat)
     approximations = list(answer.approximations)
     outside = sum(1 for s in steps if math.isnan(s.raw_prob))
     if outside and answer.raw:

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.backends.client import JsonClient
+from engine.backends.seam import Capabilities, served_capabilities
 from engine.settings import SettingsError, env_list
 
 BACKENDS = ("llamacpp", "openai")
@@ -122,8 +123,8 @@ class RemoteTokenizer:
 
 @dataclass
 class RemoteModel:
-    """A served model, shaped like ``LoadedModel`` where the decoding loop reads it; ``api`` speaks
-    its backend's requests (LlamaCppApi, OpenAIApi), everything else is shared."""
+    """A served model (``engine.backends.seam.Model``: what the decoding loop reads of a model);
+    ``api`` speaks its backend's requests (LlamaCppApi, OpenAIApi), everything else is shared."""
 
     name: str
     api: Any  # LlamaCppApi | OpenAIApi
@@ -146,6 +147,12 @@ class RemoteModel:
     def with_mode(self, mode: str, top_n: int | None = None) -> "RemoteModel":
         """The same server (client and memoised token texts shared) run in ``mode``."""
         return replace(self, mode=mode, top_n=self.top_n if top_n is None else top_n)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """A top-N per position (step mode asks ``top_n``), streamed generations; no logits,
+        hidden states, cache or weights (engine.backends.seam)."""
+        return served_capabilities(self.top_n)
 
     @property
     def backend(self) -> str:

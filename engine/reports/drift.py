@@ -1,7 +1,8 @@
 """What quantization and the KV cache change: distribution drift, memory and speed.
 
 ``stream_drift`` / ``quantization_report``: the fp32 model decodes greedily to get a reference
-continuation; each variant (none | int8 | nf4, loaded through the registry) then reads the whole
+continuation; each variant (none | int8 | nf4 | a 4-bit checkpoint made here, engine.backends.quant_methods;
+loaded through the registry) then reads the whole
 reference sequence in ONE teacher-forced forward, and per position we compare its next-token
 distribution q with the reference model's p: KL(p || q) in nats, total variation, whether q's
 top-1 token is the reference token, and the reference token's probability under both. Each
@@ -34,15 +35,15 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.strategies import decode
-
 from engine import kv_quant
+from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped, check
 from engine.core import StopCheck, check_prompt, timing
 from engine.reports.metrics import first_divergence
-from engine.backends.local import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
+from engine.reports.quant_report import heldout_perplexity
+from engine.strategies import decode
 from engine.trace import StepTrace
 
 REFERENCE = "none"  # the fp32 (unquantized) model is the yardstick
@@ -68,8 +69,8 @@ class PositionDrift:
 class VariantDrift:
     """A variant: its footprint, its drift from the reference, and its own greedy run."""
 
-    quantization: str  # none | int8 | nf4
-    memory_bytes: int  # LoadedModel.memory_bytes (weights and buffers)
+    quantization: str  # none | int8 | nf4 | a 4-bit checkpoint (engine.backends.quant_methods)
+    memory_bytes: int  # LoadedModel.memory_bytes (weights and buffers, as computed with)
     load_s: float  # how long loading took (when it was first loaded)
     was_loaded: bool  # already in the registry before this report (no load time spent now)
     positions: list[PositionDrift]
@@ -82,6 +83,9 @@ class VariantDrift:
     generated_token_ids: list[int]
     tokens: list[str]  # the text of each generated token
     first_divergence: int | None  # first step where its own run leaves the reference; None if never
+    heldout_perplexity: float = 0.0  # on the held-out text shipped in the repo (engine.reports.quant_report)
+    disk_bytes: int = 0  # a 4-bit checkpoint's files on disk (0: bitsandbytes quantizes at load)
+    packed_bytes: int = 0  # its packed 4-bit weights and scales (what a 4-bit kernel would keep in memory)
 
 
 @dataclass
@@ -166,11 +170,12 @@ def measure_variant(ref_lm: LoadedModel, lm: LoadedModel, prompt_ids: Sequence[i
         mean_tv=sum(p.tv for p in positions) / n, top1_agreement=sum(p.top1_agrees for p in positions) / n,
         tokens_per_s=timing(own).tokens_per_s, text=lm.decode(own_ids), generated_token_ids=own_ids,
         tokens=[s.chosen_token for s in own], first_divergence=first_divergence([ref_ids, own_ids]),
+        heldout_perplexity=heldout_perplexity(lm), disk_bytes=lm.disk_bytes, packed_bytes=lm.packed_bytes,
     )
 
 
 def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
-                 variants: Sequence[str] = QUANTIZATIONS, *, control: RunControl | None = None
+                 variants: Sequence[str] = BNB_QUANTIZATIONS, *, control: RunControl | None = None
                  ) -> Iterator[DriftReport]:
     """Yield the report after the reference run, then again as each variant finishes (the same
     object each time, growing).
@@ -215,7 +220,7 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
 
 
 def quantization_report(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
-                        variants: Sequence[str] = QUANTIZATIONS, *, control: RunControl | None = None) -> DriftReport:
+                        variants: Sequence[str] = BNB_QUANTIZATIONS, *, control: RunControl | None = None) -> DriftReport:
     """The whole drift report (see ``stream_drift``); as far as it got when ``control`` stopped it."""
     report = None
     for report in stream_drift(registry, source, prompt, chat, max_new_tokens, variants, control=control):

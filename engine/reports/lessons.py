@@ -27,7 +27,9 @@ from engine.runner import RunRequest
 
 from engine.reports import metrics
 from engine.config import check_text
+from engine.reports.drift import kv_cache_report, quantization_report
 from engine.reports.kv_arith import shown
+from engine.reports.quant_report import compare_methods
 from engine.backends.local import LoadedModel
 from engine.backends.registry import ModelRegistry
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
@@ -159,6 +161,7 @@ CHECK_FIELDS: dict[str, dict[str, tuple[int, int, int]]] = {
     "kv_cache_same": {"max_new_tokens": (24, 1, 256)},
     "quantization_order": {"max_new_tokens": (12, 1, 64)},
     "grammar_distortion": {"seeds": (8, 1, 32)},
+    "gptq_vs_awq": {},
 }
 # What a check reads from the lesson's runs: how many it compares, or which strategy run 0 must be.
 CHECK_RUNS = {"sampling_varies": 2, "entropy_rises": 2, "truncation_shapes": 2, "less_repetition": 2}
@@ -370,7 +373,6 @@ def _grammar_distortion(lm, lesson, traces, registry) -> Outcome:
 def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
     """Cached and recomputed decoding pick the same tokens; the cache feeds one token per step where
     recomputing feeds the whole sequence (O(n) vs O(n²) tokens through the model)."""
-    from engine.reports.drift import kv_cache_report
 
     n = check_field(lesson.check, "max_new_tokens")
     report = kv_cache_report(lm, lesson.prompt, lesson.chat, n)
@@ -384,7 +386,6 @@ def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
 
 def _quantization_order(lm, lesson, traces, registry) -> Outcome:
     """nf4 (4-bit) moves the distribution further from full precision than int8 (mean KL)."""
-    from engine.reports.drift import quantization_report
 
     report = quantization_report(registry, lm.source, lesson.prompt, lesson.chat,
                                  check_field(lesson.check, "max_new_tokens"), ("int8", "nf4"))
@@ -394,12 +395,39 @@ def _quantization_order(lm, lesson, traces, registry) -> Outcome:
                    {f"kl_{k}": v for k, v in kl.items()}, report)
 
 
+GPTQ_VS_AWQ = ("rtn-g64", "gptq-g64", "awq-g64", "gptq-g64-code", "awq-g64-code")
+
+
+def _gptq_vs_awq(lm, lesson, traces, registry) -> Outcome:
+    """On the held-out text (group 64): AWQ beats round-to-nearest on perplexity and KL from fp32,
+    and the calibration set matters: calibrated on code instead of prose, GPTQ (which fits its
+    calibration inputs) drifts further from fp32 on held-out prose; AWQ's move is reported."""
+    report = compare_methods(registry, lm.source, GPTQ_VS_AWQ)
+    if report.errors:
+        variant, message = next(iter(report.errors.items()))
+        return Outcome(False, f"{variant}: {message}", {}, report)
+    row = {r.variant: r for r in report.rows}
+    rtn, gptq, awq = row["rtn-g64"], row["gptq-g64"], row["awq-g64"]
+
+    def versus(r) -> str:
+        return f"{r.perplexity:.1f} (KL {r.mean_kl:.3f}, {(r.perplexity - rtn.perplexity) / rtn.perplexity:+.0%} vs RTN)"
+
+    moved = {m: row[f"{m}-g64-code"].mean_kl - row[f"{m}-g64"].mean_kl for m in ("gptq", "awq")}
+    ok = awq.perplexity < rtn.perplexity and awq.mean_kl < rtn.mean_kl and moved["gptq"] > 0
+    summary = (f"Held-out perplexity, 4-bit group 64: fp32 {row['none'].perplexity:.1f}; RTN {rtn.perplexity:.1f} "
+               f"(KL {rtn.mean_kl:.3f}); GPTQ {versus(gptq)}; AWQ {versus(awq)}. Calibrated on code instead of prose, "
+               f"the KL from fp32 moves by {moved['gptq']:+.3f} (GPTQ) and {moved['awq']:+.3f} (AWQ) nats.")
+    figures = {f"ppl_{r.variant}": r.perplexity for r in report.rows} | {f"kl_{r.variant}": r.mean_kl for r in report.rows}
+    return Outcome(ok, summary, figures, report)
+
+
 # The checks that need the model itself, not what a served model's API gives (engine.backends):
 # kind -> why, for the one line a remote run shows instead. Every other check runs on a served model
 # too (its re-processed steps are step mode's, over the server's top-N: explore.raw_logits).
 NEEDS_MODEL = {
     "kv_cache_same": "it decodes with and without the model's own KV cache",
     "quantization_order": "it loads the model's weights quantized",
+    "gptq_vs_awq": "it loads the model's 4-bit checkpoints made here",
     "beam_beats_greedy": "a served beam search scores by vLLM's rule (the prompt's length counts), not the lesson's",
     "grammar_distortion": "it walks every token prefix of the grammar with the model's whole distribution",
 }
@@ -414,6 +442,7 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
     "kv_cache_same": _kv_cache_same,
     "quantization_order": _quantization_order,
     "grammar_distortion": _grammar_distortion,
+    "gptq_vs_awq": _gptq_vs_awq,
 }
 
 __all__ = ["NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "builtin_lessons", "evaluate", "parse_lesson", "parse_lesson_json",

@@ -9,6 +9,7 @@ from transformers.generation import logits_process as tlp
 
 from engine.stages.spec import (BuildContext, ConfigError, Export, Interop, Knob, StageSpec, number, param,
                                 register, truncation_note)
+from engine.stages.spec import STEP_LIFT, Served
 from engine.stages.base import Stage, Wrapped, require
 
 if TYPE_CHECKING:
@@ -122,6 +123,15 @@ class LogitBias(Wrapped):
         return super().apply(input_ids, logits)
 
 
+def llama_bias_pairs(bias: dict[str, float]) -> list[list[Any]]:
+    """Our ``{token id or word: bias}`` as llama-server's ``[[id or text, bias]]``; a word as itself
+    and with a leading space, as our stage biases it (the server tokenises the text)."""
+    pairs: list[list[Any]] = []
+    for key, value in bias.items():
+        pairs += [[int(key), value]] if key.isdigit() else [[key, value], [" " + key, value]]
+    return pairs
+
+
 def build_logit_bias(config: DecodingConfig, tokenizer: Any) -> LogitBias:
     """Token-id keys bias that token; word keys bias every tokenisation of the word (with and
     without a leading space). Biases landing on the same sequence add up."""
@@ -164,6 +174,7 @@ register(StageSpec(
                     export_all_knobs=True),
     oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers "
            "tests/test_samplers.py::test_logit_bias_ids_and_words",
+    served=Served(lambda c, context: {"logit_bias": llama_bias_pairs(c.logit_bias)}, step_caveats=(STEP_LIFT,)),
 ))
 
 

@@ -48,7 +48,8 @@ import torch
 
 from engine.sampling import NoTokensLeft
 from engine.stages.base import Stage
-from engine.stages.spec import BuildContext, ConfigError, Export, Interop, Knob, StageSpec, quoted, register, token_names
+from engine.stages.spec import (BuildContext, ConfigError, Export, Interop, Knob, Served, StageSpec, quoted, register,
+                                token_names)
 
 if TYPE_CHECKING:
     from engine.config import DecodingConfig
@@ -584,6 +585,13 @@ register(StageSpec(
     heading=_heading,
     interop=Interop(webui=Export(lines=_webui_lines, unmapped=_webui_unmapped, caveat=_webui_caveat),
                     llama=Export(lines=_llama_lines, unmapped=_llama_unmapped), export_all_knobs=True),
+    # fast mode: the server's own grammar constrains (llama-server: json_schema / grammar on /completion and its
+    # /v1; vLLM: structured_outputs); step mode: our mask over the server's top-N (STEP_CAVEAT)
+    served=Served(llamacpp=lambda c, context: server_fields(c, "llamacpp")[0],
+                  openai=lambda c: server_fields(c, "vllm")[0],
+                  openai_llamacpp=lambda c: server_fields(c, "llamacpp")[0],
+                  refused=lambda c, server: server_fields(c, server)[1],
+                  step_caveats=(STEP_CAVEAT,)),
     oracle="tests/test_grammar.py::test_mask_equals_the_languages_prefixes_by_hand "
            "tests/test_grammar.py::test_every_output_validates_at_every_seed "
            "tests/test_grammar_remote.py::test_greedy_json_schema_equals_llama_servers",

@@ -12,6 +12,7 @@ from transformers.generation import logits_process as tlp
 
 from engine.stages.spec import (BuildContext, ConfigError, Export, Interop, Knob, StageSpec, number, param,
                                 quoted, register, truncation_note)
+from engine.stages.spec import STEP_LIFT, STEP_REPETITION, Served, same_fields
 from engine.stages.base import Stage, Wrapped, require
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ register(StageSpec(
                                  lines=lambda c, x: ["repetition_penalty_range: 0"]),  # 0 = the whole context
                     llama=Export("penalties", flag="--repeat-penalty", lines=_llama_whole_context)),
     oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    served=Served(lambda c, context: {"repeat_penalty": c.repetition_penalty, "repeat_last_n": context},
+                  same_fields("repetition_penalty"), step_caveats=(STEP_REPETITION, STEP_LIFT)),
 ))
 
 
@@ -89,6 +92,7 @@ register(StageSpec(
                     llama=Export("penalties", flag="--frequency-penalty", lines=_llama_whole_context,
                                  caveat=_LLAMA_COUNTS_PROMPT)),
     oracle="tests/test_processors.py::test_frequency_and_presence_penalties_by_hand",
+    served=Served(same_fields("frequency_penalty"), same_fields("frequency_penalty"), step_caveats=(STEP_LIFT,)),
 ))
 
 
@@ -117,6 +121,7 @@ register(StageSpec(
                     llama=Export("penalties", flag="--presence-penalty", lines=_llama_whole_context,
                                  caveat=_LLAMA_COUNTS_PROMPT)),
     oracle="tests/test_processors.py::test_frequency_and_presence_penalties_by_hand",
+    served=Served(same_fields("presence_penalty"), same_fields("presence_penalty"), step_caveats=(STEP_LIFT,)),
 ))
 
 
@@ -215,6 +220,14 @@ def _dry_note(stage: StageTrace) -> str:
 DRY_DEFAULT_BREAKERS = ["\n", ":", "\"", "*"]  # also text-generation-webui's and llama.cpp's default
 
 
+def _dry_llama_fields(c: DecodingConfig, context: int) -> dict[str, Any]:
+    """DRY's llama-server fields; its window of "the whole context" is the server's context length
+    (its request refuses -1)."""
+    return {"dry_multiplier": c.dry_multiplier, "dry_base": c.dry_base, "dry_allowed_length": c.dry_allowed_length,
+            "dry_penalty_last_n": context if c.dry_penalty_last_n == -1 else c.dry_penalty_last_n,
+            "dry_sequence_breakers": list(c.dry_sequence_breakers)}
+
+
 def _build_dry(c: DecodingConfig, ctx: BuildContext) -> Dry:
     text = (lambda i: ctx.tokenizer.decode([i])) if ctx.tokenizer is not None else None
     return Dry(c.dry_multiplier, c.dry_base, c.dry_allowed_length, c.dry_penalty_last_n,
@@ -266,6 +279,7 @@ register(StageSpec(
                     llama=Export("dry", lines=_dry_llama_flags), export_all_knobs=True),
     oracle="tests/test_samplers.py::test_dry_by_hand "
            "tests/test_samplers.py::test_dry_equals_brute_force_on_random_contexts",
+    served=Served(_dry_llama_fields, step_caveats=(STEP_LIFT,)),
 ))
 
 

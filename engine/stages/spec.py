@@ -145,6 +145,52 @@ class Interop:
     export_all_knobs: bool = False
 
 
+# What step mode (our chain over a served model's top-N, engine.backends.remote) cannot do exactly,
+# in words: a stage's ``served.step_caveats`` name the ones that touch it (measured against
+# llama.cpp's own samplers in tests/test_remote_llamacpp.py: temperature, top-k, min-p, XTC, DRY and
+# typical after a top-k agree exactly).
+STEP_TAIL = ("top-p, typical, eta, top-H, mirostat and the cutoffs weigh the top-N renormalised (the tail mass is "
+             "left out)")
+STEP_SPREAD = "top-nσ's σ and dynamic temperature's entropy are over the top-N, not the whole vocabulary"
+STEP_REPETITION = ("the repetition penalty (divide positive logits, multiply negative ones) sees log-probabilities, "
+                   "all negative, not the model's logits")
+STEP_LIFT = "penalties and biases cannot lift a token from outside the top-N"
+
+
+@dataclass(frozen=True)
+class Served:
+    """How a served model runs the stage (engine.backends).
+
+    ``llamacpp(config, context)``: the llama-server ``/completion`` fields that carry its knobs
+    (every one sent, neutral or not, so no server default leaks in; ``context``: the server's
+    context length, its window for "the whole context"); None when llama.cpp has no field for it.
+    ``openai(config)``: its knobs as OpenAI-compatible sampling fields (vLLM's ``SamplingParams``
+    names); None when the API has none. ``openai_llamacpp(config)``: its fields on llama-server's own
+    OpenAI-compatible endpoint (``/v1``), where they differ from vLLM's (llama-server reads its own
+    ``/completion`` names there: the grammar's ``grammar`` / ``json_schema``, not vLLM's
+    ``structured_outputs``); None: ``openai``'s. ``refused(config, server)``: (knob, reason) for
+    what a server (``"llamacpp"``: llama-server, either endpoint; ``"vllm"``) cannot take of the
+    stage though it has fields for it (llama.cpp takes no regular expression). ``step_caveats``:
+    what step mode cannot do exactly for it (``STEP_*``)."""
+
+    llamacpp: Callable[["DecodingConfig", int], dict[str, Any]] | None = None
+    openai: Callable[["DecodingConfig"], dict[str, Any]] | None = None
+    step_caveats: tuple[str, ...] = ()
+    openai_llamacpp: Callable[["DecodingConfig"], dict[str, Any]] | None = None
+    refused: Callable[["DecodingConfig", str], list[tuple[str, str]]] | None = None
+
+    def refusals(self, config: "DecodingConfig", server: str) -> list[tuple[str, str]]:
+        """``refused(config, server)``, or none."""
+        return list(self.refused(config, server)) if self.refused is not None else []
+
+
+def same_fields(*knobs: str, **renamed: str) -> Callable[..., dict[str, Any]]:
+    """A ``Served.llamacpp`` / ``Served.openai`` that sends each knob as it is: under its own name
+    (``knobs``) or under another (``renamed``: ``field=knob``)."""
+    pairs = [(k, k) for k in knobs] + [(knob, name) for name, knob in renamed.items()]
+    return lambda config, *context: {name: getattr(config, knob) for knob, name in pairs}
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """Everything about one stage except its arithmetic (its ``Stage`` class).
@@ -159,7 +205,9 @@ class StageSpec:
     ``note(trace)``: one line on what it did at a step (default: the mass it moved or removed).
     ``heading(trace)``: the stage and its knobs in words, for a panel title. ``group``: the knob
     panel's accordion for its knobs (a key of ``playground.knobs.GROUP_TITLES``; None: no
-    sampler group). ``oracle``: the tests that check it against its reference
+    sampler group). ``interop``: its names in other tools; ``served``: how a served model runs it
+    (its llama.cpp and OpenAI request fields, step mode's caveats). ``oracle``: the tests that check
+    it against its reference
     (``tests/test_x.py::test_name``, space-separated)."""
 
     name: str
@@ -175,6 +223,7 @@ class StageSpec:
     heading: Callable[["StageTrace"], str] | None = None
     group: str | None = None
     interop: Interop = Interop()
+    served: Served = Served()
     oracle: str = ""
 
     def __post_init__(self) -> None:

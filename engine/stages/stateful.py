@@ -11,6 +11,7 @@ import torch
 
 from engine.stages.spec import (ConfigError, Export, Interop, Knob, StageSpec, number, param,
                                 quoted, register, title_number, token_names)
+from engine.stages.spec import STEP_TAIL, Served, same_fields
 from engine.stages.base import Stage, require, softmax
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ register(StageSpec(
                     export_all_knobs=True),
     oracle="tests/test_samplers.py::test_xtc_removes_top_choices_but_the_least_likely "
            "tests/test_samplers.py::test_xtc_fires_with_its_probability",
+    served=Served(same_fields("xtc_probability", "xtc_threshold")),
 ))
 
 
@@ -248,4 +250,6 @@ register(StageSpec(
                     export_all_knobs=True),
     oracle="tests/test_samplers.py::test_mirostat_v2_truncates_by_surprise_and_updates_mu "
            "tests/test_samplers.py::test_mirostat_v1_keeps_k_from_the_zipf_estimate",
+    served=Served(lambda c, context: {"mirostat": 0 if c.is_greedy else c.mirostat, "mirostat_tau": c.mirostat_tau,
+                                     "mirostat_eta": c.mirostat_eta}, step_caveats=(STEP_TAIL,)),
 ))

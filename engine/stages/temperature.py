@@ -10,6 +10,7 @@ from transformers.generation import logits_process as tlp
 
 from engine.stages.spec import (Export, Interop, Knob, StageSpec, number, param,
                                 register, title_number)
+from engine.stages.spec import STEP_SPREAD, Served, same_fields
 from engine.stages.base import Stage, Wrapped, require, softmax
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ register(StageSpec(
     interop=Interop("TemperatureLogitsWarper", webui=Export("temperature", knobs=("temperature",)),
                     llama=Export("temperature", flag="--temp")),
     oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    served=Served(same_fields("temperature"), same_fields("temperature")),
 ))
 
 
@@ -114,6 +116,7 @@ register(StageSpec(
                         f"--dynatemp-exp {number(c.dynatemp_exponent)}"]),
                     export_all_knobs=True),
     oracle="tests/test_samplers.py::test_dynamic_temperature_by_hand",
+    served=Served(same_fields("dynatemp_range", "dynatemp_exponent"), step_caveats=(STEP_SPREAD,)),
 ))
 
 

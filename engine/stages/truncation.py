@@ -10,6 +10,7 @@ from transformers.generation import logits_process as tlp
 
 from engine.stages.spec import (Export, Interop, Knob, StageSpec, param,
                                 register, truncation_note)
+from engine.stages.spec import STEP_SPREAD, STEP_TAIL, Served, same_fields
 from engine.stages.base import Stage, Wrapped, require, softmax
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ register(StageSpec(
     heading=lambda s: f"top-k: keep the top {param(s, 'top_k')}",
     interop=Interop("TopKLogitsWarper", webui=Export("top_k", knobs=("top_k",)), llama=Export("top_k", flag="--top-k")),
     oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    served=Served(same_fields("top_k"), lambda c: {"top_k": c.top_k or -1})  # OpenAI's "off" is -1, ours 0,
 ))
 
 
@@ -60,6 +62,7 @@ register(StageSpec(
     interop=Interop("TopPLogitsWarper", webui=Export("top_p", knobs=("top_p",)), llama=Export("top_p", flag="--top-p")),
     oracle="tests/test_processors.py::test_stage_equals_transformers_processor "
            "tests/test_processors.py::test_top_p_fast_path_equals_transformers_bit_for_bit",
+    served=Served(same_fields("top_p"), same_fields("top_p"), step_caveats=(STEP_TAIL,)),
 ))
 
 
@@ -133,6 +136,7 @@ register(StageSpec(
     heading=lambda s: f"min-p: drop p below {param(s, 'min_p')} × the top p",
     interop=Interop("MinPLogitsWarper", webui=Export("min_p", knobs=("min_p",)), llama=Export("min_p", flag="--min-p")),
     oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    served=Served(same_fields("min_p"), same_fields("min_p")),
 ))
 
 
@@ -154,6 +158,7 @@ register(StageSpec(
     interop=Interop("TypicalLogitsWarper", webui=Export("typical_p", knobs=("typical_p",)),
                     llama=Export("typ_p", flag="--typical")),
     oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    served=Served(same_fields("typical_p"), step_caveats=(STEP_TAIL,)),
 ))
 
 
@@ -176,6 +181,7 @@ register(StageSpec(
                     llama=Export(unmapped="llama.cpp has no absolute probability cutoff; --min-p is the nearest "
                                           "(relative) one")),
     oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    served=Served(step_caveats=(STEP_TAIL,)),
 ))
 
 
@@ -217,6 +223,7 @@ register(StageSpec(
     interop=Interop(webui=Export("top_n_sigma", knobs=("top_n_sigma",)),
                     llama=Export("top_n_sigma", flag="--top-nsigma"), export_all_knobs=True),
     oracle="tests/test_samplers.py::test_top_n_sigma_by_hand",
+    served=Served(same_fields("top_n_sigma"), step_caveats=(STEP_SPREAD,)),
 ))
 
 
@@ -240,6 +247,7 @@ register(StageSpec(
     interop=Interop("EtaLogitsWarper", webui=Export("eta_cutoff", knobs=("eta_cutoff",), scale=10_000),
                     llama=Export(unmapped="llama.cpp has no eta sampler"), export_all_knobs=True),
     oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers",
+    served=Served(step_caveats=(STEP_TAIL,)),
 ))
 
 
@@ -267,6 +275,7 @@ register(StageSpec(
     interop=Interop(webui=Export("top_a", knobs=("top_a",)), llama=Export(unmapped="llama.cpp has no top-a sampler"),
                     export_all_knobs=True),
     oracle="tests/test_samplers.py::test_top_a_by_hand",
+    served=Served(step_caveats=(STEP_TAIL,)),
 ))
 
 
@@ -291,4 +300,5 @@ register(StageSpec(
     interop=Interop("TopHLogitsWarper", webui=Export(unmapped="text-generation-webui has no top-H sampler"),
                     llama=Export(unmapped="llama.cpp has no top-H sampler"), export_all_knobs=True),
     oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers",
+    served=Served(step_caveats=(STEP_TAIL,)),
 ))

@@ -44,9 +44,10 @@ from engine.cache import KVCache
 from engine.config import EARLY_STOPPING_CHOICES, SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob
 from engine.core import RunContext, StopCheck, check_prompt, checked
 from engine.backends.local import LoadedModel
+from engine.backends.seam import Model
 from engine.chain import Chain
 from engine.stages import build_stage
-from engine.strategies.spec import StrategySpec, register
+from engine.strategies.spec import Exported, StrategySpec, register
 from engine.trace import Event, StepTrace, Timing, Trace, from_dict
 
 STATUSES = ("kept", "pruned", "finished", "dropped")
@@ -414,7 +415,7 @@ def _exp(x: float) -> float:
     return math.exp(x) if x > -745 else 0.0
 
 
-def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, beam: BeamTrace,
+def assemble(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, beam: BeamTrace,
              chat: bool) -> Trace:
     """A Trace whose text / generated_token_ids are the winning hypothesis."""
     steps = winner_steps(beam)
@@ -450,6 +451,8 @@ def check_knobs(config: DecodingConfig) -> None:
 
 register(StrategySpec(
     "beam", run, check=check_knobs, records={"beam": BeamTrace}, in_use=("num_beams",), exported_as="greedy",
+    exports={tool: Exported("{tool} has no beam search setting here; exported as greedy decoding",
+                            "a beam-search setting") for tool in ("webui", "llama")},
     doc="Keep the num_beams best partial sequences by summed log-probability; the whole search tree is recorded.",
     knobs=(
         Knob("num_beams", "int", 1, 1, 8, doc="Beams kept per step.", step=1),

@@ -36,13 +36,14 @@ import torch
 
 from engine import core, sampling
 from engine.cache import KVCache
-from engine.config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob, check_drafter
+from engine.config import (SAMPLING_ONLY_STAGES, SELF_WEIGHT_VARIANTS, ConfigError, DecodingConfig, Knob,
+                           check_drafter)
 from engine.core import RunContext, StopCheck, assemble, check_prompt, checked, make_generator
 from engine.backends.local import LoadedModel, ModelLoadError
 from engine.backends.registry import ModelRegistry, check_same_tokenizer, resolve_variant
 from engine.chain import Chain, Traced
 from engine.stages import build_stage
-from engine.strategies.spec import StrategySpec, register
+from engine.strategies.spec import Exported, StrategySpec, register
 from engine.trace import Event, StageTrace, TokenProb, Trace, from_dict
 
 # Contrastive search feeds top_k candidates as one batch: bound it so a large top_k cannot blow up
@@ -327,17 +328,21 @@ def check_search(config: DecodingConfig) -> None:
 register(StrategySpec(
     "contrastive_search", run, check=check_search, records={"contrastive_search": list[SearchStep]},
     in_use=("penalty_alpha",), exported_as="greedy", needs=("hidden_states",),
+    exports={"llama": Exported("llama.cpp has no contrastive search; exported as greedy decoding",
+                               "a contrastive-search setting", also=("top_k",))},
     doc="Among the top-k tokens, the most probable one least similar to the text so far (hidden states).",
     knobs=(Knob("penalty_alpha", "float", 0.6, 0.0, 1.0, doc="Contrastive search: weight of the degeneration penalty.",
                 step=0.05),)))
 register(StrategySpec(
     "contrastive_decoding", run, records={"contrastive_decoding": list[ContrastStep]},
     in_use=("cd_alpha", "amateur"), exported_as="greedy", needs=("full_logits",),
+    exports={tool: Exported("contrastive decoding (expert vs amateur) has no {tool} equivalent; exported as greedy",
+                            "contrastive decoding only") for tool in ("webui", "llama")},
     needs_why="needs full logits of the expert and the amateur",
     doc="The token the expert likes much more than a weaker amateur does, among the expert's plausible ones.",
     knobs=(
         Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.",
              step=0.01),
-        Knob("amateur", "str", "self-nf4", check=lambda key, value: check_drafter(key, value, ("self-int8", "self-nf4")),
-             doc="Contrastive decoding amateur: self-int8 | self-nf4 | model:<id or dir>."),
+        Knob("amateur", "str", "self-nf4", check=lambda key, value: check_drafter(key, value, SELF_WEIGHT_VARIANTS),
+             doc="Contrastive decoding amateur: self-int8 | self-nf4 | self-<4-bit checkpoint> | model:<id or dir>."),
     )))

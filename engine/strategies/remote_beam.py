@@ -87,7 +87,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
         if not running:
             break
     _finish(model, trace, completed, len(prompt_ids), config)
-    out = local_beam.assemble(model, prompt, prompt_ids, config, trace, chat)  # type: ignore[arg-type]
+    out = local_beam.assemble(model, prompt, prompt_ids, config, trace, chat)
     out.extra["remote"] = {"backend": model.backend, "url": model.url, "mode": "step", "top_n": top_n,
                            "approximations": APPROXIMATIONS, "unmapped": [], "caveats": [],
                            "requests": sum(len({c.parent for c in s.candidates}) for s in trace.steps)}

@@ -36,6 +36,18 @@ Stream = Callable[[Any], Any]  # (engine.runner.RunContext) -> Iterator[Event]
 
 
 @dataclass(frozen=True)
+class Exported:
+    """How another tool (``StrategySpec.exports``' key: "webui" for text-generation-webui, "llama"
+    for llama.cpp) runs a strategy it lacks: ``note`` on the strategy (``{tool}`` is the tool's
+    name) and ``knob_note`` on each of its knobs in use there, and on ``also``: other knobs that
+    mean something only to it (contrastive search's top-k)."""
+
+    note: str
+    knob_note: str
+    also: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class StrategySpec:
     """Everything about one strategy (a value of ``DecodingConfig.strategy``) but its algorithm.
 
@@ -47,7 +59,7 @@ class StrategySpec:
     (``prefix`` / ``force``: branching, "continue from here"). ``needs``: what it needs of a model
     (``NEEDS`` keys) and ``needs_why``, the reason in words (default: from ``needs``).
     ``exported_as``: "greedy" when other tools lack it and run its nearest relative; "" when they
-    run it. ``doc``: one line for the strategy pickers. ``served``: its stream on a served model
+    run it; ``exports``: what an export to each tool that lacks it says (``Exported``). ``doc``: one line for the strategy pickers. ``served``: its stream on a served model
     (``serve`` sets it) and ``served_continues``: that stream continues from a step."""
 
     name: str
@@ -60,6 +72,7 @@ class StrategySpec:
     needs: tuple[str, ...] = ()
     needs_why: str = ""
     exported_as: str = ""
+    exports: dict[str, Exported] = field(default_factory=dict)
     doc: str = ""
     served: Stream | None = None
     served_continues: bool = False

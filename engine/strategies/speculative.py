@@ -41,6 +41,7 @@ from engine.control import RunControl, check
 from engine.kv_quant import SELF_KV_DRAFTERS
 from engine.reports.metrics import common_prefix
 from engine.backends.local import LoadedModel
+from engine.backends.seam import Model
 from engine.backends.registry import ModelRegistry, resolve_variant
 from engine.chain import Chain, Traced
 from engine.core import RunContext, checked
@@ -471,7 +472,7 @@ def time_breakdown(rounds: Sequence[SpecRound]) -> dict:
     return parts | {"other_ms": max(0.0, total - sum(parts.values())), "total_ms": total}
 
 
-def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+def assemble(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
              rounds: Sequence[SpecRound], drafter: Drafter, chat: bool) -> Trace:
     """A Trace from streamed rounds: steps gathered into Trace.steps, rounds without them."""
     steps = [s for r in rounds for s in r.steps]
@@ -561,8 +562,8 @@ register(StrategySpec(
         "target's distribution exactly.",
     knobs=(
         Knob("drafter", "str", "self-int8", check=lambda key, value: check_drafter(key, value, DRAFTER_CHOICES),
-             doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | model:<id or dir>; for a served "
-             "target: ngram or model:<a server the operator lists>."),
+             doc="self-int8 | self-nf4 | ngram | self-kv8 | self-kv4 | self-<4-bit checkpoint: rtn-g64, gptq-g64, "
+                 "awq-g64, ...> | model:<id or dir>; for a served target: ngram or model:<a server the operator lists>."),
         Knob("num_draft_tokens", "int", 4, 1, 16, doc="Tokens drafted per round (K).", step=1),
         Knob("ngram_size", "int", 3, 1, 8, doc="n-gram drafter: match length for prompt lookup.", step=1),
         Knob("adaptive_k", "bool", False, doc="Grow or shrink K with the running acceptance rate."),

@@ -2,7 +2,7 @@
 
 Every chart that shows one of these terms takes its hover text from here, so a word means the same
 thing on every tab. Units: log-probabilities, entropy, surprisal and KL are in nats (natural log),
-as the README says. No gradio here.
+as docs/api.md's trace JSON says. No gradio here.
 """
 
 from __future__ import annotations

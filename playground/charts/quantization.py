@@ -16,18 +16,24 @@ from .tokens import render as readable
 from .tokens import render_html
 
 MB = 1024 * 1024
-COLOURS = {"none": "#4c78a8", "int8": "#a35d00", "nf4": "#b71c1c"}  # text colours too: >= 4.5:1 on white
+# text colours too: >= 4.5:1 on white; one colour per method (both group sizes share it, g32 dashed)
+COLOURS = {"none": "#4c78a8", "int8": "#a35d00", "nf4": "#b71c1c", "rtn": "#5e5e5e", "gptq": "#2e7d32", "awq": "#6a3d9a"}
 CACHED, UNCACHED = "#4c78a8", "#b71c1c"
 DIVERGED_BG = "#fde4e4"
 
 DRIFT_HEADERS = ["variant", "memory MB", "load s", "tokens/s", "mean KL (nats)", "max KL (nats)",
-                 "top-1 agreement (teacher-forced)", "own text leaves fp32 (free-running)"]
+                 "top-1 agreement (teacher-forced)", "held-out perplexity", "own text leaves fp32 (free-running)"]
 DRIFT_NOTE = (glossary.hover("teacher-forced") + ". " + glossary.hover("free-running") + ". "
               + glossary.hover("KL(p‖q)") + ". Load time: a variant already in memory shows the time of its first load.")
 
 
 def variant_label(quantization: str) -> str:
     return "fp32 (none)" if quantization == "none" else quantization
+
+
+def colour(quantization: str) -> str:
+    """The variant's method colour (rtn-g64 and rtn-g32 share rtn's)."""
+    return COLOURS.get(quantization, COLOURS.get(quantization.split("-")[0], "#555"))
 
 
 def _divergence_cell(v: VariantDrift) -> str:
@@ -40,9 +46,9 @@ def drift_rows(report: DriftReport) -> list[list]:
     """One row of display strings per measured variant (headers: DRIFT_HEADERS), then one per failed variant."""
     rows = [[variant_label(v.quantization), f"{v.memory_bytes / MB:.1f}",
              f"in memory (first load {v.load_s:.1f})" if v.was_loaded else f"{v.load_s:.1f}", f"{v.tokens_per_s:.2f}",
-             f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", f"{v.top1_agreement:.0%}", _divergence_cell(v)]
-            for v in report.variants]
-    rows += [[variant_label(q), "", "", "", "", "", "", f"failed: {message}"] for q, message in report.errors.items()]
+             f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", f"{v.top1_agreement:.0%}",
+             f"{v.heldout_perplexity:.1f}" if v.heldout_perplexity else "—", _divergence_cell(v)] for v in report.variants]
+    rows += [[variant_label(q), "", "", "", "", "", "", "", f"failed: {message}"] for q, message in report.errors.items()]
     return rows
 
 
@@ -52,10 +58,11 @@ def kl_figure(report: DriftReport) -> go.Figure:
     fig = go.Figure()
     labels = [f"{i}: {readable(t)}" for i, t in enumerate(report.reference_tokens)]
     for v in report.variants:
-        colour = COLOURS.get(v.quantization, "#555")
+        hue = colour(v.quantization)
         fig.add_trace(go.Scatter(
             x=[p.index for p in v.positions], y=[p.kl for p in v.positions], mode="lines+markers",
-            name=variant_label(v.quantization), line={"color": colour}, customdata=labels,
+            name=variant_label(v.quantization), line={"color": hue, "dash": "dash" if "-g32" in v.quantization else None},
+            customdata=labels,
             hovertemplate="step %{customdata}<br>KL %{y:.4g} nats<br>" + html.escape(glossary.hover("KL(p‖q)"))
                           + "<extra>" + variant_label(v.quantization) + "</extra>",
         ))
@@ -64,7 +71,7 @@ def kl_figure(report: DriftReport) -> go.Figure:
             fig.add_trace(go.Scatter(
                 x=[at], y=[v.positions[at].kl], mode="markers",
                 name=f"{variant_label(v.quantization)}: own text leaves fp32 here",
-                marker={"symbol": "diamond", "size": 13, "color": colour, "line": {"color": "#222", "width": 1}},
+                marker={"symbol": "diamond", "size": 13, "color": hue, "line": {"color": "#222", "width": 1}},
                 hovertemplate=f"own greedy text leaves the reference at step {at}<extra></extra>",
             ))
     fig.update_layout(title={"text": "Drift from fp32 at each step<br><sup>teacher-forced: every variant reads "
@@ -104,7 +111,7 @@ def texts_html(report: DriftReport) -> str:
         columns.append(
             f'<div class="q-text" data-variant="{html.escape(v.quantization)}" style="flex:1;min-width:220px;'
             f'border:1px solid #ddd;border-radius:6px;padding:8px">'
-            f'<div style="font-weight:bold;color:{COLOURS.get(v.quantization, "#555")}">'
+            f'<div style="font-weight:bold;color:{colour(v.quantization)}">'
             f"{html.escape(variant_label(v.quantization))}"
             f' <span style="font-weight:normal;color:#555;font-size:{FONT}px">· {note}</span></div>'
             f'<div style="white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:{FONT}px">'

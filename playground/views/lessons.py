@@ -31,10 +31,12 @@ from engine.reports.distortion import DistortionReport
 from engine.reports.drift import DriftReport, KVReport
 from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.strategies.speculative import rounds_of
+from engine.reports.quant_report import MethodComparison
 from engine.trace import Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
 from playground.charts import grammar as grammar_charts
+from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
 from playground.charts.tokens import render as readable
@@ -215,6 +217,8 @@ def report_chart(outcome: Outcome) -> go.Figure | None:
         return quant_charts.kl_figure(outcome.report)
     if isinstance(outcome.report, KVReport):
         return quant_charts.kv_figure(outcome.report)
+    if isinstance(outcome.report, MethodComparison):
+        return method_charts.comparison_figure(outcome.report)
     return None
 
 
@@ -416,12 +420,14 @@ def lane_configs(lesson: Lesson, stored: Any) -> list[tuple[DecodingConfig, str]
 
 def quant_updates(lesson: Lesson, page: QuantPage) -> tuple[dict, str]:
     """A Quantization & KV cache lesson: its prompt, chat and budget (the check's, else the preset's)
-    in the section it teaches (the KV cache one for a ``kv_cache_same`` check), and that section's button."""
+    in the section it teaches (the KV cache one for a ``kv_cache_same`` check, the 4-bit methods' one for
+    ``gptq_vs_awq``), and that section's button."""
     check = lesson.check or {}
     budget = check.get("max_new_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool):  # a pasted lesson's check may say anything
         budget = lesson.runs[0].config.max_new_tokens
-    return page.open_lesson(lesson.prompt, lesson.chat, budget, check.get("kind") == "kv_cache_same")
+    section = {"kv_cache_same": "kv", "gptq_vs_awq": "methods"}.get(check.get("kind"), "drift")
+    return page.open_lesson(lesson.prompt, lesson.chat, budget, section)
 
 
 def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:

@@ -1,6 +1,8 @@
-"""Quantization & KV cache: switch between fp32, int8 and nf4 loading and see what changes
-(memory, load time, speed, how far each next-token distribution drifts from fp32, where the text
-first differs), and measure what the KV cache buys (speed, and its size against the formula).
+"""Quantization & KV cache: switch between fp32, int8 and nf4 loading (bitsandbytes) and the 4-bit
+RTN / GPTQ / AWQ checkpoints made here (engine.backends.quant_methods) and see what changes (memory, load
+time, speed, how far each next-token distribution drifts from fp32, where the text first differs,
+held-out perplexity); compare the 4-bit methods on held-out text and look inside one layer; and
+measure what the KV cache buys (speed, and its size against the formula).
 
 Drift uses the header's model with the variants ticked here; the KV cache section uses the
 header's model and quantization. No per-user state is kept beyond the outputs themselves.
@@ -9,17 +11,19 @@ header's model and quantization. No per-user state is kept beyond the outputs th
 from __future__ import annotations
 
 import functools
+import html
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import gradio as gr
 
-from engine.reports import drift, kv_arith
+from engine.reports import drift, kv_arith, quant_report
 from engine.config import KNOBS
 from engine.control import RunControl
-from engine.backends.local import QUANTIZATIONS
+from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS
 from engine.trace import to_dict
 from playground.charts import memory as memory_charts
+from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as charts
 
 from .. import downloads
@@ -117,19 +121,22 @@ class QuantPage:
     def components(self) -> list:
         return [self.prompt, self.chat, self.tokens, self.kv_tokens]
 
-    def open_lesson(self, prompt: str, chat: bool, max_new_tokens: int, kv: bool) -> tuple[dict, str]:
-        """Updates for a lesson of this tab (``kv``: the KV cache section's, else drift's) and the id
-        of the button that runs it; the budget is clamped to that section's slider."""
+    def open_lesson(self, prompt: str, chat: bool, max_new_tokens: int, section: str) -> tuple[dict, str]:
+        """Updates for a lesson of this tab (``section``: drift | kv | methods) and the id of the
+        button that runs it; the budget is clamped to that section's slider (the 4-bit methods'
+        comparison reads the held-out text: no budget)."""
+        kv = section == "kv"
         low, high, _ = KV_TOKENS if kv else DRIFT_TOKENS
         budget = min(max(int(max_new_tokens), low), high)
         updates = {self.prompt: prompt, self.chat: chat, (self.kv_tokens if kv else self.tokens): budget}
-        return updates, "kv-measure" if kv else "quant-measure"
+        return updates, {"kv": "kv-measure", "methods": "methods-measure"}.get(section, "quant-measure")
 
 
 def build_tab(shared: Shared) -> QuantPage:
-    gr.Markdown("Load the header's model as fp32, int8 and nf4 (bitsandbytes) and see what quantization changes. "
-                "Each variant reads the fp32 model's greedy continuation in one forward; the chart shows how far its "
-                "next-token distribution is from fp32's at every step (KL divergence).")
+    gr.Markdown("Load the header's model as fp32, int8 and nf4 (bitsandbytes) or as a 4-bit RTN / GPTQ / AWQ checkpoint "
+                "made here, and see what quantization changes. Each variant reads the fp32 model's greedy continuation in "
+                "one forward; the chart shows how far its next-token distribution is from fp32's at every step (KL "
+                "divergence).")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="quant-prompt")
@@ -137,8 +144,10 @@ def build_tab(shared: Shared) -> QuantPage:
             low, high, default = DRIFT_TOKENS
             tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens (greedy)",
                                elem_id="quant-tokens")
-            variants = gr.CheckboxGroup(list(QUANTIZATIONS), value=list(QUANTIZATIONS), label="Variants",
-                                        info="none = fp32, the reference; int8 and nf4 load through bitsandbytes.",
+            variants = gr.CheckboxGroup(list(QUANTIZATIONS), value=list(BNB_QUANTIZATIONS), label="Variants",
+                                        info="none = fp32, the reference; int8 and nf4 load through bitsandbytes; "
+                                             "rtn/gptq/awq-g64/g32 are 4-bit checkpoints made here (make quantize), "
+                                             "dequantized at load (no 4-bit CPU kernel).",
                                         elem_id="quant-variants")
             with gr.Row():
                 measure = gr.Button("Measure drift", variant="primary", elem_id="quant-measure")
@@ -155,6 +164,7 @@ def build_tab(shared: Shared) -> QuantPage:
     kv = _kv_section()
     runs = _wire(shared, QuantInputs(prompt, chat, tokens, variants), measure, out, kv)
     runs.append(_kinds_section(shared, prompt, chat))
+    runs.extend(_methods_section(shared))
     _stop_button(stop, runs)
     _calculator_section()
     return QuantPage(prompt, chat, tokens, kv["tokens"])
@@ -223,10 +233,11 @@ def _stop_button(button: gr.Button, runs: list[tuple[Any, Any]]) -> None:
 
 def quantization_report(shared: Shared, prompt: str, chat: bool = False, max_new_tokens: int = 16,
                         variants: list[str] | None = None, model: str = "embedded", *, control: RunControl) -> dict:
-    """Greedy fp32 reference, then per variant (none | int8 | nf4; all by default): memory, load
+    """Greedy fp32 reference, then per variant (none | int8 | nf4 by default; or any 4-bit
+    checkpoint: rtn-g64 | gptq-g64 | awq-g64 | rtn-g32 | ... | gptq-g64-code | awq-g64-code): memory, load
     seconds, tokens/s, per-step KL / total variation / top-1 agreement against fp32 under teacher
-    forcing, its own greedy text and first divergence step."""
-    chosen = drift.normalise_variants(list(QUANTIZATIONS) if variants is None else variants)
+    forcing, its own greedy text and first divergence step, held-out perplexity."""
+    chosen = drift.normalise_variants(list(BNB_QUANTIZATIONS) if variants is None else variants)
     reference = shared.lm(model, "none")
     refuse_remote(reference, "quantization")
     shared.encode_prompt(reference, prompt, chat)
@@ -372,6 +383,144 @@ def kv_cache_kinds_report(shared: Shared, prompt: str, chat: bool = False, max_n
     report = drift.kv_drift_report(lm, prompt, chat, kind_tokens(max_new_tokens), list(kinds or DEFAULT_KINDS),
                                    residual(residual_length), control=control)
     return to_dict(report)
+
+
+# --- RTN vs GPTQ vs AWQ vs NF4 vs int8: held-out text, and inside one layer ---------------------------
+METHODS_INTRO = (
+    "### 4-bit methods: RTN vs GPTQ vs AWQ\n\nThe embedded model's 4-bit checkpoints (W4A16: 4-bit weights, one scale "
+    "per group of input channels, made here with llm-compressor from a calibration set shipped in the repo; group 128, "
+    "the papers' setting, does not divide this model's hidden size 576, so groups of 64 and 32) beside bitsandbytes' "
+    "NF4 and int8. " + quant_report.METHOD)
+INSIDE_INTRO = (
+    "#### Inside one layer\nThe float weight W of one Linear against each method's effective 4-bit weight Ŵ (AWQ's "
+    "scales folded back out), per output channel: the weight error, and the error of the layer's output on the "
+    "held-out text's inputs X, which is what GPTQ minimises (on its calibration inputs). Right: AWQ's scale of each "
+    "input channel against that channel's mean |activation|: AWQ protects the channels that carry large activations.")
+
+
+@dataclass
+class MethodOutputs(OutputSet):
+    status: Any
+    sentence: Any
+    table: Any
+    chart: Any
+    download: Any
+
+
+@dataclass
+class InsideOutputs(OutputSet):
+    status: Any
+    sentence: Any
+    errors: Any
+    scales: Any
+
+
+def render_methods(out: MethodOutputs, report: quant_report.MethodComparison, final: bool) -> dict:
+    done = len(report.rows) + len(report.errors)
+    message = (f"{report.stopped} · partial: {done} of {len(report.requested)} variants" if report.stopped
+               else "done" if final else f"measured {done} of {len(report.requested)} variants{RUNNING}")
+    updates = {out.status: status_html(message), out.sentence: html.escape(method_charts.comparison_sentence(report)),
+               out.table: method_charts.comparison_rows(report), out.chart: method_charts.comparison_figure(report)}
+    if final:
+        updates[out.download] = downloads.json_file("quantization-methods.json", to_dict(report))
+    return updates
+
+
+def methods_updates(out: MethodOutputs, shared: Shared, picked: list[str] | None, model: str,
+                    control: RunControl) -> Iterator[dict]:
+    chosen = quant_report.normalise(picked or [])
+    reference = shared.lm(model, "none")
+    refuse_remote(reference, "quantization")
+    yield {out.status: status_html(f"fp32 reads the held-out text{RUNNING}"), out.sentence: "", out.table: [],
+           out.chart: None, out.download: None}
+    for report in quant_report.stream_comparison(shared.registry, reference.source, chosen, control=control):
+        yield render_methods(out, report, final=not report.pending() or bool(report.stopped))
+
+
+def inside_updates(out: InsideOutputs, shared: Shared, layer: Any, module: str, group: Any, model: str,
+                   control: RunControl) -> Iterator[dict]:
+    reference = shared.lm(model, "none")
+    refuse_remote(reference, "quantization")
+    yield {out.status: status_html(f"loading RTN, GPTQ and AWQ, reading the held-out text{RUNNING}"), out.sentence: "",
+           out.errors: None, out.scales: None}
+    report = quant_report.inside_layer(shared.registry, reference.source, _whole(layer), module, _whole(group),
+                                       control=control)
+    yield {out.status: status_html("done"), out.sentence: html.escape(method_charts.inside_sentence(report)),
+           out.errors: method_charts.inside_figure(report), out.scales: method_charts.scales_figure(report)}
+
+
+def _whole(value: Any) -> Any:
+    """A float with no fraction (a slider's value) as an int; anything else as it is, for the engine to refuse."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _methods_section(shared: Shared) -> list[tuple[Any, Any]]:
+    """The 4-bit methods' comparison and the inside-one-layer section, with their API endpoints."""
+    gr.Markdown(METHODS_INTRO, elem_id="methods-intro")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=330):
+            picked = gr.CheckboxGroup(list(QUANTIZATIONS[1:]), value=list(quant_report.COMPARED[1:]),
+                                      label="Variants (fp32 is always the reference)", elem_id="methods-variants")
+            run = gr.Button("Compare methods", variant="primary", elem_id="methods-measure")
+            status = gr.HTML("", elem_id="methods-status")
+        with gr.Column(scale=2, min_width=480):
+            sentence = gr.HTML(elem_id="methods-sentence")
+            table = gr.Dataframe(headers=method_charts.COMPARE_HEADERS, value=[], interactive=False, wrap=True,
+                                 label="Held-out text: perplexity and drift; bytes", elem_id="methods-table")
+            chart = gr.Plot(label="RTN vs GPTQ vs AWQ vs NF4 vs int8", elem_id="methods-chart")
+            download = gr.DownloadButton("Download report JSON", elem_id="methods-download")
+    out = MethodOutputs(status, sentence, table, chart, download)
+    gr.Markdown(INSIDE_INTRO, elem_id="inside-intro")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=330):
+            layer = gr.Slider(0, 29, value=15, step=1, label="layer", elem_id="inside-layer")
+            module = gr.Radio(list(quant_report.LAYER_MODULES), value="q_proj", label="Linear", elem_id="inside-module")
+            group = gr.Radio([64, 32], value=64, label="group size", elem_id="inside-group")
+            inside_run = gr.Button("Look inside", variant="primary", elem_id="inside-measure")
+            inside_status = gr.HTML("", elem_id="inside-status")
+        with gr.Column(scale=2, min_width=480):
+            inside_sentence = gr.HTML(elem_id="inside-sentence")
+            errors = gr.Plot(label="Error per output channel", elem_id="inside-errors")
+            scales = gr.Plot(label="AWQ scales vs activations", elem_id="inside-scales")
+    inside = InsideOutputs(inside_status, inside_sentence, errors, scales)
+
+    def on_methods(chosen: list[str] | None, model: str, *, control: RunControl) -> Iterator[dict]:
+        yield from methods_updates(out, shared, chosen, model, control)
+
+    def on_inside(at: Any, which: str, size: Any, model: str, *, control: RunControl) -> Iterator[dict]:
+        yield from inside_updates(inside, shared, at, which, size, model, control)
+
+    methods_event = shared.events.on([run.click], on_methods, [picked, shared.model], out.all(),
+                                     on_error=cleared(out.status, out.all()), what="measurement")
+    inside_event = shared.events.on([inside_run.click], on_inside, [layer, module, group, shared.model], inside.all(),
+                                    on_error=cleared(inside.status, inside.all()), what="measurement")
+    shared.events.api(functools.partial(quantization_methods_report, shared), "quantization_methods_report",
+                      what="measurement")
+    shared.events.api(functools.partial(quantization_inside_layer, shared), "quantization_inside_layer",
+                      what="measurement")
+    return [(methods_event, out.status), (inside_event, inside.status)]
+
+
+def quantization_methods_report(shared: Shared, variants: list[str] | None = None, model: str = "embedded", *,
+                                control: RunControl) -> dict:
+    """The held-out comparison: fp32, then per variant (default: int8, nf4, rtn/gptq/awq at groups 64 and 32)
+    perplexity on the held-out text, mean KL and top-1 agreement against fp32, bits per weight, bytes on
+    disk, in memory and what a 4-bit kernel would keep, load and quantization seconds."""
+    chosen = quant_report.normalise(variants)
+    reference = shared.lm(model, "none")
+    refuse_remote(reference, "quantization")
+    return to_dict(quant_report.compare_methods(shared.registry, reference.source, chosen, control=control))
+
+
+def quantization_inside_layer(shared: Shared, layer: int = 15, module: str = "q_proj", group_size: int = 64,
+                              model: str = "embedded", *, control: RunControl) -> dict:
+    """One Linear (``module``: q_proj | gate_proj) of one decoder layer under RTN, GPTQ and AWQ at
+    ``group_size`` (64 | 32): relative weight and output error per output channel, AWQ's scales
+    and the mean |activation| of each input channel."""
+    reference = shared.lm(model, "none")
+    refuse_remote(reference, "quantization")
+    return to_dict(quant_report.inside_layer(shared.registry, reference.source, layer, module, group_size,
+                                             control=control))
 
 
 # --- the calculator: KV cache and weights of real models ------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.reports.metrics import lane_metrics, sweep_spread
+from engine.backends.local import QUANTIZATIONS
 from engine.presets import PresetError, load_preset
 from engine.trace import Trace, to_dict
 
@@ -18,10 +19,15 @@ from .run import lane_models, run_lanes, run_sweep
 
 
 def api_lane_config(lane: Any, seed: int, max_new_tokens: int, name: str) -> DecodingConfig:
-    """An API lane ``{"preset": name?, "config": {...}?, "model": source?}`` -> its config with the
-    shared seed and budget (``model``: the lane's own model, read by ``compare``)."""
-    if not isinstance(lane, dict) or set(lane) - {"preset", "config", "model"}:
-        raise UserError(f"{name}: expected an object with 'preset', 'config' and/or 'model', got {str(lane)[:80]!r}")
+    """An API lane ``{"preset": name?, "config": {...}?, "model": source?, "quantization": variant?}``
+    -> its config with the shared seed and budget (``model`` and ``quantization``: the lane's own
+    model and weight variant, read by ``compare``)."""
+    if not isinstance(lane, dict) or set(lane) - {"preset", "config", "model", "quantization"}:
+        raise UserError(f"{name}: expected an object with 'preset', 'config', 'model' and/or 'quantization', "
+                        f"got {str(lane)[:80]!r}")
+    if "quantization" in lane and lane["quantization"] not in QUANTIZATIONS:
+        raise UserError(f"{name}: quantization: expected one of {' | '.join(QUANTIZATIONS)}, "
+                        f"got {str(lane['quantization'])[:60]!r}")
     try:
         base = load_preset(lane["preset"]).config.to_dict(sparse=True) if lane.get("preset") else {}
     except PresetError as exc:
@@ -55,12 +61,13 @@ def sweep_payload(seeds: Sequence[int], traces: Sequence[Trace]) -> dict:
 def compare(shared: Shared, prompt: str, lanes: list, seed: int = 0, max_new_tokens: int = 32, chat: bool = False,
             model: str = "embedded", quantization: str = "none", *, control: RunControl) -> dict:
     """Run 2-6 lanes on one prompt with one seed. Each lane: {"preset": built-in name, "config": {knobs},
-    "model": a model the page offers, e.g. a llama.cpp server the operator lists} (all optional; no
-    model: ``model``'s). Returns every lane's trace JSON, the metrics rows and the first divergent step."""
+    "model": a model the page offers, e.g. a llama.cpp server the operator lists, "quantization": a
+    weight variant, e.g. gptq-g64 beside awq-g64} (all optional; no model or quantization: ``model``'s
+    and ``quantization``'s). Returns every lane's trace JSON, the metrics rows and the first divergent step."""
     if not isinstance(lanes, list) or not MIN_LANES <= len(lanes) <= MAX_LANES:
         raise UserError(f"lanes: expected a list of {MIN_LANES} to {MAX_LANES} lanes, got {str(lanes)[:80]!r}")
     configs = [api_lane_config(lane, seed, max_new_tokens, lane_name(i)) for i, lane in enumerate(lanes)]
-    picks = [(lane_name(i), lane.get("model") or "") for i, lane in enumerate(lanes)]
+    picks = [(lane_name(i), lane.get("model") or "", lane.get("quantization") or "") for i, lane in enumerate(lanes)]
     models = lane_models(shared, picks, model, quantization, prompt, chat)
     session = CompareSession([None] * len(configs), [""] * len(configs), max_new_tokens)
     for _ in run_lanes(shared, models, prompt, configs, chat, session, control):

@@ -113,6 +113,11 @@ class Page:
 HEADER_MODEL = "the header's model"
 
 
+
+def strategy_choices() -> list[str]:
+    """Every registered strategy, in registration order (engine/strategies: a new one appears here)."""
+    return list(STRATEGIES)
+
 def lane_model_choices(offered: Sequence[str]) -> list[tuple[str, str]]:
     """A lane's Model picker: the header's model, every offered model, and for a served one also
     its fast mode (``FAST_PREFIX``: the server's own sampler picks; step mode runs our chain)."""
@@ -136,7 +141,7 @@ def _lane_column(i: int, spec: LaneSpec | None, offered: Sequence[str]) -> LaneW
         with gr.Row():
             preset = gr.Dropdown(preset_choices([]), value=spec.preset, label="Preset", elem_id=f"{prefix}preset",
                                  min_width=120)
-            strategy = gr.Dropdown(list(STRATEGIES), value=spec.strategy, label="Strategy", elem_id=f"{prefix}strategy",
+            strategy = gr.Dropdown(strategy_choices(), value=spec.strategy, label="Strategy", elem_id=f"{prefix}strategy",
                                    min_width=120)
         knobs = {}
         for pair in zip(LANE_KNOBS[::2], LANE_KNOBS[1::2]):  # two number boxes a row keeps a lane narrow

@@ -78,21 +78,22 @@ class LaneModel:
     prompt_ids: list[int]
 
 
-def lane_models(shared: Shared, picks: Sequence[tuple[str, Any]], model: str, quant: str, prompt: str,
+def lane_models(shared: Shared, picks: Sequence[tuple], model: str, quant: str, prompt: str,
                 chat: bool) -> list[LaneModel]:
-    """Each lane's model (``picks``: (lane name, its model pick)): its own pick, else the header's
-    ``model``; each distinct model is loaded (or connected to) and the prompt encoded once. A
-    lane's own pick that fails names the lane."""
-    resolved: dict[str, LaneModel] = {}
+    """Each lane's model (``picks``: (lane name, its model pick[, its quantization])): its own pick,
+    else the header's ``model``, in its own quantization (an API lane's, e.g. gptq-g64 beside
+    awq-g64), else the header's ``quant``; each distinct model is loaded (or connected to) and the
+    prompt encoded once. A lane's own pick that fails names the lane."""
+    resolved: dict[tuple[Any, str], LaneModel] = {}
     models = []
-    for name, pick in picks:
-        source = pick or model
-        if source not in resolved:
+    for name, pick, *own in picks:
+        source, lane_quant = pick or model, (own[0] if own and own[0] else quant)
+        if (source, lane_quant) not in resolved:
             try:
-                resolved[source] = lane_model(shared, source, quant, prompt, chat)
+                resolved[source, lane_quant] = lane_model(shared, source, lane_quant, prompt, chat)
             except UserError as exc:
-                raise UserError(f"{name}: {exc}" if pick else str(exc)) from None
-        models.append(resolved[source])
+                raise UserError(f"{name}: {exc}" if pick or lane_quant != quant else str(exc)) from None
+        models.append(resolved[source, lane_quant])
     return models
 
 
