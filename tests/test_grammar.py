@@ -298,6 +298,37 @@ def test_a_hostile_grammar_is_bounded(tiny_lm, text):
     assert trace.steps and all(grammar_facts(s).off_grammar_at is None for s in trace.steps)
 
 
+DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 100 + '{"type":"integer"}' + "}}" * 100  # 3,918 characters
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind, text, outcome", [
+    ("gbnf", 'root ::= root "a" | "a"', re.compile(r"a+")),  # left recursion: a backtracking parser never returns
+    ("gbnf", 'root ::= "(" root ")" | "x"', re.compile(r"\(*x?\)*")),  # nesting without bound
+    ("json_schema", json.dumps({"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}),
+     re.compile(r"\{.*", re.S)),  # an object that must hold itself: never complete
+    ("json_schema", json.dumps({"$ref": "#"}), "matches nothing: no token can start it"),  # itself, no base case
+    ("json_schema", DEEP_SCHEMA, "does not compile"),  # nested 100 deep: past LLGuidance's recursion limit
+    ("json_schema", "[" * 1900 + "]" * 1900, "not valid JSON"),  # past Python's own JSON recursion limit
+])
+def test_a_recursive_or_deep_grammar_is_bounded(tiny_lm, kind, text, outcome):
+    """Recursive and deeply nested grammars: each runs its 24 steps with every text in its language
+    (checked by a Python twin; an endless one stops at max_new_tokens), or stops with one line
+    naming the grammar; nothing hangs or crashes (the timeout is a guard)."""
+    config = DecodingConfig(strategy="greedy", grammar=text, grammar_kind=kind, max_new_tokens=24)
+    if isinstance(outcome, str):
+        with pytest.raises(ConfigError) as err:
+            runner.run(RunRequest(tiny_lm, "x", config))
+        assert str(err.value).startswith("grammar: ") and outcome in str(err.value) and "\n" not in str(err.value)
+        return
+    trace = runner.run(RunRequest(tiny_lm, "x", config))
+    assert outcome.fullmatch(trace.text), trace.text
+    assert trace.stop_reason in ("eos", "max_new_tokens") and len(trace.steps) <= 24
+    assert all(grammar_facts(s).off_grammar_at is None for s in trace.steps)
+    if kind == "gbnf" and trace.stop_reason == "eos":
+        assert trace.text.count("(") == trace.text.count(")")  # closed as deep as it opened
+
+
 def test_a_compile_past_its_time_limit_is_one_line(tiny_lm, monkeypatch):
     monkeypatch.setattr(grammar_stage, "COMPILE_SECONDS", 1e-9)
     monkeypatch.setattr(grammar_stage, "_compile", lambda *args: __import__("time").sleep(0.2))

@@ -13,16 +13,21 @@ import json
 import math
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
 from engine import explore, runner
-from engine.backends import remote
+from engine.backends import llamacpp, openai, remote
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.presets import builtin_presets
 from engine.runner import RunRequest
-from engine.stages import build_stage
+from engine.stages import STAGES, build_stage
+from engine.stages.grammar import STEP_CAVEAT
+
+from tests.test_remote_openai import EOS as QWEN_EOS
+from tests.test_remote_openai import vllm  # noqa: F401 (the fixture: a server answering with vLLM's schema)
 
 RECORDED = Path(__file__).parent / "data" / "vllm" / "structured_auto.json"
 JSON_PROMPT = "Describe a fictional person."
@@ -41,6 +46,55 @@ def allowed_by_our_grammar(lm, config: DecodingConfig, prompt_ids: list[int], ge
     stage = build_stage("grammar", config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
     out, _ = stage.apply(torch.tensor([prompt_ids + generated]), torch.zeros(1, lm.vocab_size))
     return set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+
+
+# --- how a served model is asked to run it (StageSpec.served) -------------------------------------------
+@pytest.mark.parametrize("stem, llama_field, vllm_key", [
+    ("json-object", "json_schema", "json"), ("arithmetic", "grammar", "grammar"), ("yes-no-maybe", None, "regex")])
+def test_each_server_gets_the_grammar_in_its_own_field(stem, llama_field, vllm_key):
+    """The grammar's spec says how each server runs it: llama-server's /completion and its /v1 take
+    ``json_schema`` (the schema as JSON) or ``grammar`` (the GBNF text) and no regular expression
+    (listed unmapped, naming ``grammar``, never dropped silently); vLLM takes ``structured_outputs``;
+    step mode's label carries the top-N caveat. The grammar is never sent as a llama.cpp sampler."""
+    config = greedy(stem)
+    value = json.loads(config.grammar) if stem == "json-object" else config.grammar
+    request = llamacpp.llamacpp_request(config)
+    assert "grammar" not in request.fields["samplers"] and request.fields["samplers"] == ["top_k"]
+    v1_fields, v1_notes = openai._openai_fields(config, "llamacpp")
+    vllm_fields, vllm_notes = openai._openai_fields(config, "vllm")
+    assert vllm_fields["structured_outputs"] == {vllm_key: value} and vllm_notes["unmapped"] == []
+    assert "json_schema" not in vllm_fields and "grammar" not in vllm_fields
+    if llama_field is None:
+        assert "json_schema" not in request.fields and "grammar" not in request.fields
+        assert [n.key for n in request.unmapped] == ["grammar"] and "regular expression" in request.unmapped[0].reason
+        assert [n["key"] for n in v1_notes["unmapped"]] == ["grammar"] and "structured_outputs" not in v1_fields
+    else:
+        assert request.fields[llama_field] == value and request.unmapped == ()
+        assert v1_fields[llama_field] == value and "structured_outputs" not in v1_fields and v1_notes["unmapped"] == []
+    assert STEP_CAVEAT in remote.step_approximations(config, 100)
+    assert STAGES["grammar"].served.step_caveats == (STEP_CAVEAT,)
+
+
+def test_without_a_grammar_no_server_gets_one():
+    config = DecodingConfig(strategy="greedy")
+    assert not {"json_schema", "grammar"} & set(llamacpp.llamacpp_request(config).fields)
+    for dialect in ("vllm", "llamacpp"):
+        fields, notes = openai._openai_fields(config, dialect)
+        assert not {"json_schema", "grammar", "structured_outputs"} & set(fields) and notes["unmapped"] == []
+    assert STEP_CAVEAT not in remote.step_approximations(config, 100)
+
+
+def test_fast_mode_sends_vllm_its_structured_outputs(vllm):  # noqa: F811 (the fixture)
+    """Fast mode on an OpenAI-compatible server that answers with vLLM's schema: the one streamed
+    request carries ``structured_outputs`` with the preset's schema, and the trace lists nothing as
+    unmapped (vLLM's own grammar constrained)."""
+    url, state = vllm
+    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[QWEN_EOS], mode="fast")
+    config = greedy("json-object")
+    trace = runner.run(RunRequest(model, "The capital of France is", config))
+    [body] = [b for path, b in state["requests"] if path == "/v1/completions"]
+    assert body["structured_outputs"] == {"json": json.loads(config.grammar)} and body["stream"] is True
+    assert trace.extra["remote"]["unmapped"] == []
 
 
 @pytest.mark.slow
@@ -132,6 +186,22 @@ def test_step_mode_says_a_step_where_no_top_n_token_is_allowed(server_model):
     assert any("checked on the server's top-N only" in line for line in label)
     assert "step 0: the grammar allows none of the server's top 5 tokens" in label[-1]
     trace.to_json()
+
+
+@server_test
+def test_fast_mode_through_llama_servers_openai_endpoint_is_constrained(llama_server, server_model):
+    """llama-server's /v1 takes its own ``json_schema`` / ``grammar`` (not vLLM's structured_outputs):
+    fast mode there gives the same greedy tokens as its native /completion under the same schema, the
+    text validates, and a regular expression is listed unmapped."""
+    model = openai.connect_openai(llama_server + "/v1", timeout_s=60, mode="fast")
+    assert model.api.dialect == "llamacpp"
+    config = greedy("json-object")
+    v1 = runner.run(RunRequest(model, JSON_PROMPT, config, chat=True))
+    native = remote.run_fast(server_model, JSON_PROMPT, config, chat=True)
+    assert v1.generated_token_ids == native.generated_token_ids and v1.extra["remote"]["unmapped"] == []
+    jsonschema.validate(json.loads(v1.text), json.loads(config.grammar))
+    regex = runner.run(RunRequest(model, "Should I take an umbrella today?", greedy("yes-no-maybe"), chat=True))
+    assert [n["key"] for n in regex.extra["remote"]["unmapped"]] == ["grammar"]
 
 
 @server_test
