@@ -71,3 +71,21 @@ def test_the_whatif_endpoint_reprocesses_a_grammar_step_exactly(live_app):
         assert [s["name"] for s in stages] == [s["name"] for s in trace["steps"][at]["stages"]]
         assert stages[1]["params"]["allowed"] == trace["steps"][at]["stages"][1]["params"]["allowed"]
         assert [t["token_id"] for t in stages[1]["top"]] == [t["token_id"] for t in trace["steps"][at]["stages"][1]["top"]]
+
+
+def test_compare_puts_a_grammar_lane_beside_an_unconstrained_one(live_app):
+    """Compare (the /compare endpoint): a lane under the yes/no/maybe regex beside the same sampling
+    without it, one prompt and seed. The grammar lane answers one of the three, its first step records
+    the mask; the free lane has no grammar stage; and the grammar lane's tokens equal the same run alone
+    through /step_trace (the batched forward changes nothing)."""
+    from gradio_client import Client
+
+    prompt = "Should I take an umbrella today?"
+    lanes = [{"preset": "yes-no-maybe"}, {"preset": "yes-no-maybe", "config": {"grammar": ""}}]
+    data = Client(live_app, verbose=False).predict(prompt, lanes, 5, 8, True, "embedded", "none", api_name="/compare")
+    held, free = (lane["trace"] for lane in data["lanes"])
+    assert held["text"] in ("Yes", "No", "Maybe") and held["stop_reason"] == "eos"
+    assert held["steps"][0]["stages"][1]["name"] == "grammar" and held["steps"][0]["stages"][1]["params"]["allowed"] >= 3
+    assert "grammar" not in [s["name"] for step in free["steps"] for s in step["stages"]]
+    alone = step_trace(live_app, prompt, {"seed": 5, "max_new_tokens": 8}, "yes-no-maybe")
+    assert alone["generated_token_ids"] == held["generated_token_ids"]

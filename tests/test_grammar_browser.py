@@ -7,6 +7,7 @@ grammar cost in the summary; the knob panel shows the grammar the preset filled.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -94,3 +95,55 @@ def test_the_distortion_lesson_draws_what_masking_costs(sized_page, live_app, ar
     chart = page.locator("#lessons-chart").bounding_box()
     assert chart["x"] >= 0 and chart["x"] + chart["width"] <= width + 1
     page.screenshot(path=str(artifacts / f"grammar-lesson-{width}.png"), full_page=False)
+
+
+IMG = '<img src=x onerror="window.__pwned=1">'
+
+
+def type_grammar(page, text: str, kind: str) -> None:
+    """Open the Structured output group, pick the grammar's kind and type the grammar, as a person does."""
+    if not page.locator("#step-knob-grammar textarea").is_visible():
+        page.click("#step-group-structured")
+    page.locator("#step-knob-grammar_kind input").click()
+    page.locator("ul[role=listbox] li").filter(has_text=kind).first.click()
+    page.locator("#step-knob-grammar textarea").fill(text)
+
+
+def assert_no_markup_ran(page) -> None:
+    assert page.locator("img[src='x']").count() == 0 and page.evaluate("() => window.__pwned === undefined")
+
+
+def test_a_hostile_grammar_stays_text_or_is_one_line(sized_page, live_app, artifacts):
+    """Typed into the grammar box: a regex whose every string is markup runs, and the model's output
+    (the markup, letter for letter) is drawn as text, never as an element; an invalid one with markup, a
+    huge one (5,000 characters) and a schema that is not JSON each give one line naming ``grammar``,
+    and the prompt stays in its box."""
+    page = sized_page
+    width = page.viewport_size["width"]
+    page.goto(live_app)
+    open_tab(page, "Step through")
+    prompt = "Answer yes or no: is the sky blue?"
+    page.locator("#step-prompt textarea").fill(prompt)
+    type_grammar(page, IMG.replace(".", r"\.") + "(yes|no)", "regex")
+    page.click("#step-generate")
+    page.wait_for_selector("#step-status:has-text('done'), #step-status .dp-error", timeout=300_000)
+    assert page.locator("#step-status .dp-error").count() == 0
+    shown = "".join("".join(page.locator("#step-text .token").all_text_contents()).split())  # the tokens' text
+    assert re.fullmatch(re.escape("".join(IMG.split())) + r"(yes|no)(⟪im_end⟫)?", shown), shown
+    page.locator("#step-text .token").first.click()
+    page.wait_for_selector("#step-chart .gtitle", timeout=60_000)
+    assert_no_markup_ran(page)
+    for text, kind, words in [(IMG + "(", "regex", "grammar: this regular expression does not compile"),
+                              ("a" * 5000, "regex", "grammar: 5,000 characters is over the 4,000-character limit"),
+                              ("{" + IMG, "json_schema", "grammar: the JSON schema is not valid JSON")]:
+        type_grammar(page, text, kind)
+        page.click("#step-generate")
+        error = page.locator("#step-status .dp-error")
+        try:  # the line for this grammar (the one before it may still be shown)
+            error.filter(has_text=words).wait_for(timeout=120_000)
+        finally:
+            message = error.inner_text() if error.count() else page.locator("#step-status").inner_text()
+        assert words in message and "\n" not in message.strip() and "Traceback" not in message, message
+        assert page.locator("#step-prompt textarea").input_value() == prompt
+        assert_no_markup_ran(page)
+    page.screenshot(path=str(artifacts / f"grammar-hostile-{width}.png"), full_page=False)

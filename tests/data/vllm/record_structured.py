@@ -1,4 +1,4 @@
-"""Record a real vLLM's greedy answers under structured outputs, for tests/test_grammar_oracles.py.
+"""Record a real vLLM's greedy answers under structured outputs, for tests/test_grammar_remote.py.
 
     python tests/data/vllm/record_structured.py http://127.0.0.1:PORT/v1 [BACKEND]
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from engine.backends.local import ModelSpec  # noqa: E402
 from engine.backends.registry import ModelRegistry  # noqa: E402
 from engine.presets import builtin_presets  # noqa: E402
-from engine.stages.grammar import server_fields  # noqa: E402
+from engine.stages import STAGES  # noqa: E402
 
 # (name, prompt, preset stem): the presets' own grammars, so the test reads them from the same place
 CASES = [("json-object", "Describe a fictional person.", "json-object"),
@@ -49,7 +49,7 @@ def main(url: str, backend: str) -> None:
     for name, prompt, stem in CASES:
         config = builtin_presets()[stem].config.replace(strategy="greedy")
         ids = lm.encode(prompt, True)
-        fields, _ = server_fields(config, "vllm")
+        fields = STAGES["grammar"].served.openai(config)  # what fast mode sends vLLM: structured_outputs
         choice = post(url + "/completions", {
             "model": served, "prompt": ids, "max_tokens": config.max_new_tokens, "temperature": 0.0, "logprobs": 5,
             "return_tokens_as_token_ids": True, "return_token_ids": True, **fields})["choices"][0]
