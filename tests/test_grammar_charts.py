@@ -75,6 +75,16 @@ def test_the_note_and_the_sentence_say_what_the_grammar_did():
     assert stage_note(end_step().stages[1]) == "grammar: complete; only the end of text is allowed"
 
 
+def test_a_mask_that_removed_all_but_a_trace_never_says_minus_zero():
+    """At the JSON preset's first step on the embedded model the grammar removes nearly all the mass,
+    and float32's sum of the removed probabilities can pass 1 by an ulp (the page said "-0.0%"): the
+    sentence says 0.0%."""
+    step = json_step()
+    step.stages[1].mass_removed = 1.0000001
+    sentence = charts.explain_step(step)
+    assert "covering 0.0% of the mass" in sentence and "-0.0%" not in sentence, sentence
+
+
 def test_facts_come_from_the_records():
     facts = grammar_facts(json_step())
     assert (facts.allowed, facts.wanted, facts.chosen_before, facts.chosen_after) == (2, (" Sure", 0.62), 0.0728, 0.91)

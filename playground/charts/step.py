@@ -376,7 +376,7 @@ def explain_step(step: StepTrace, pick: str | None = None) -> str:
         label = stage_label(stage)
         top = stage.top[0] if stage.top else None
         if stage.mass_removed > 0:
-            covered = 1.0 - stage.mass_removed
+            covered = max(0.0, 1.0 - stage.mass_removed)  # float32 sums may pass 1 by an ulp: never "-0.0%"
             parts.append(f"{label} kept {tokens_word(stage.kept)} covering {covered:.1%} of the mass")
         elif top is not None and prev_top is not None and top.token_id == prev_top.token_id and abs(top.prob - prev_top.prob) > 0.005:
             verb = "sharpened" if top.prob > prev_top.prob else "flattened"
