@@ -90,3 +90,28 @@ def test_a_grammar_too_big_to_enumerate_is_one_line(tiny_lm):
     assert str(err.value).startswith("grammar: more than 40 token prefixes") and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="^grammar: the distortion view needs a grammar"):
         distortion_report(tiny_lm, "x", DecodingConfig(strategy="sample"))
+
+
+@pytest.mark.slow
+def test_the_lesson_checks_its_claim_and_its_batched_sweep_equals_runs_alone(embedded):
+    """The lesson "JSON mode never breaks the format: what it costs" on the embedded model: every run
+    of its seed sweep writes one of the three answers, both exact distributions sum to 1 and differ;
+    the sweep's runs, stepped together by a scheduler of their own, equal the same runs alone."""
+    from engine import runner
+    from engine.reports import lessons
+    from engine.runner import RunRequest
+
+    lesson = lessons.builtin_lessons()["grammar"]
+    traces = lessons.run_lesson(embedded, lesson)
+    outcome = lessons.evaluate(embedded, lesson, traces)
+    assert outcome.ok and outcome.figures["valid_runs"] == outcome.figures["runs"] == 8, outcome.summary
+    assert {s.text for s in outcome.report.strings} == set(UMBRELLA[1])
+    assert outcome.figures["exact_sum"] == pytest.approx(1.0, abs=1e-9)
+    assert outcome.figures["masked_sum"] == pytest.approx(1.0, abs=1e-6)
+    top = max(outcome.report.strings, key=lambda s: s.masked)
+    assert f"picks {top.text!r} {top.masked:.0%} of the time" in outcome.summary  # the sentence is the numbers'
+    config, ids = lesson.runs[0].config, traces[0].prompt_token_ids
+    for seed_offset, swept in enumerate(lessons._seed_sweep(embedded, lesson, config, ids, 4), start=1):
+        alone = runner.run(RunRequest(embedded, lesson.prompt, config.replace(seed=config.seed + seed_offset),
+                                      chat=True, prompt_ids=ids))
+        assert swept.generated_token_ids == alone.generated_token_ids and swept.text in UMBRELLA[1]

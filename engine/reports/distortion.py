@@ -8,8 +8,9 @@ likely the model was to carry on as the grammar requires, or to stop where it mu
 
 For a grammar whose strings can be enumerated (a regular expression over a handful of answers), both
 distributions over its strings are computed exactly, by one walk of the tree of token prefixes the
-grammar allows (every tokenization of every string: the grammar stage allows them all), one forward
-per prefix through the KV cache, depth first so its rewinds are short:
+grammar allows (every tokenization of every string: the grammar stage allows them all), level by
+level: the prompt is prefilled once, and the prefixes of one length are scored together, one
+batched forward over copies of the prompt's KV cache (``LEVEL_ROWS`` rows at most):
 
 - the model conditioned on the grammar: P(s | G) = Σ_t p(t, end) / Σ_all, t over the token paths
   that spell s (p: the raw model at temperature 1, other stages left out);
@@ -21,6 +22,7 @@ strings and stops: what "JSON mode" hides.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -28,7 +30,6 @@ from typing import Any, Sequence
 import torch
 
 from engine.backends.local import LoadedModel
-from engine.cache import KVCache
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl, check
 from engine.stages import build_stage
@@ -36,6 +37,7 @@ from engine.stages import build_stage
 MAX_PREFIXES = 2_000  # forwards one report may take; a grammar with more prefixes is not enumerable here
 MAX_STRINGS = 64
 MAX_DEPTH = 48  # tokens in one string
+LEVEL_ROWS = 64  # prefixes of one length scored in one batched forward
 
 
 @dataclass(frozen=True)
@@ -82,41 +84,60 @@ def distortion_report(lm: LoadedModel, prompt: str, config: DecodingConfig, chat
         raise ConfigError("grammar", "the distortion view needs a grammar; give one")
     ids = list(prompt_ids) if prompt_ids is not None else lm.encode(prompt, chat)
     stage = build_stage("grammar", config, len(ids), lm.tokenizer, lm.eos_token_ids)
-    cache = KVCache(lm.model)
+    prompt_kv, root = _prefill(lm, ids)
     ends = set(lm.eos_token_ids)
     found: dict[str, list[float]] = {}  # text -> [Σ p(path, end), Σ q(path, end), paths]
-    stack: list[tuple[list[int], float, float]] = [([], 0.0, 0.0)]  # (generated, ln p, ln q): depth first
+    level: list[tuple[list[int], float, float]] = [([], 0.0, 0.0)]  # (generated, ln p, ln q), all one length
     prefixes = 0
-    while stack:
-        generated, logp, logq = stack.pop()
+    while level:
         check(control)
-        prefixes += 1
-        if prefixes > max_prefixes or len(generated) > MAX_DEPTH:
+        prefixes += len(level)
+        if prefixes > max_prefixes or len(level[0][0]) > MAX_DEPTH:
             raise NotEnumerable("grammar", f"more than {max_prefixes:,} token prefixes or {MAX_DEPTH} tokens in a "
                                            "string: too many to enumerate; use a grammar of a few short answers")
-        step_logp, allowed = _node(lm, cache, stage, ids + generated)
-        log_z = float(torch.logsumexp(step_logp[allowed], dim=0))
-        children = []
-        for token in allowed.nonzero().flatten().tolist():
-            lp = float(step_logp[token])
-            if token in ends:
-                _add(found, lm.decode(generated), logp + lp, logq + lp - log_z)
-            else:
-                children.append((generated + [token], logp + lp, logq + lp - log_z))
-        stack.extend(reversed(children))
-        if len(found) > MAX_STRINGS:
-            raise NotEnumerable("grammar", f"more than {MAX_STRINGS} strings: too many to enumerate; use a grammar "
-                                           "of a few short answers")
+        deeper = []
+        for start in range(0, len(level), LEVEL_ROWS):
+            rows = level[start:start + LEVEL_ROWS]
+            step_logp, allowed = _scored(lm, prompt_kv, root, stage, ids, [g for g, _, _ in rows])  # [R, V] each
+            for (generated, logp, logq), row_logp, row_allowed in zip(rows, step_logp, allowed):
+                log_z = float(torch.logsumexp(row_logp[row_allowed], dim=0))
+                for token in row_allowed.nonzero().flatten().tolist():
+                    lp = float(row_logp[token])
+                    if token in ends:
+                        _add(found, lm.decode(generated), logp + lp, logq + lp - log_z)
+                    else:
+                        deeper.append((generated + [token], logp + lp, logq + lp - log_z))
+            if len(found) > MAX_STRINGS:
+                raise NotEnumerable("grammar", f"more than {MAX_STRINGS} strings: too many to enumerate; use a "
+                                               "grammar of a few short answers")
+        level = deeper
     return _report(prompt, config, found, prefixes)
 
 
 @torch.inference_mode()
-def _node(lm: LoadedModel, cache: KVCache, stage: Any, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The raw model's log-probabilities [V] (float64) after ``sequence`` and the tokens the grammar
-    allows there [V]."""
-    logits = cache.sync(sequence).float()  # [1, V]
-    masked, _ = stage.apply(torch.tensor([sequence], dtype=torch.long), logits)
-    return torch.log_softmax(logits[0].double(), dim=-1), torch.isfinite(masked[0])
+def _prefill(lm: LoadedModel, ids: list[int]) -> tuple[Any, torch.Tensor]:
+    """The prompt's KV cache and the raw logits [1, V] (float32) after it."""
+    out = lm.model(input_ids=torch.tensor([ids], device=lm.device), use_cache=True, logits_to_keep=1)
+    return out.past_key_values, out.logits[:, -1].float()
+
+
+@torch.inference_mode()
+def _scored(lm: LoadedModel, prompt_kv: Any, root: torch.Tensor, stage: Any, ids: list[int],
+            generated: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw model's log-probabilities [R, V] (float64) after the prompt and each of ``generated``
+    (prefixes of one length: one forward over R copies of the prompt's cache), and the tokens the
+    grammar allows there [R, V]."""
+    if not generated[0]:
+        logits = root  # [1, V]: the prompt alone
+    else:
+        cache = copy.deepcopy(prompt_kv)
+        cache.batch_repeat_interleave(len(generated))
+        out = lm.model(input_ids=torch.tensor(generated, device=lm.device), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+        logits = out.logits[:, -1].float()  # [R, V]
+    logits = logits.cpu()
+    masked, _ = stage.apply(torch.tensor([ids + g for g in generated], dtype=torch.long), logits)
+    return torch.log_softmax(logits.double(), dim=-1), torch.isfinite(masked)
 
 
 def _add(found: dict[str, list[float]], text: str, logp: float, logq: float) -> None:

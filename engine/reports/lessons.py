@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,7 @@ from engine.reports.kv_arith import shown
 from engine.reports.quant_report import compare_methods
 from engine.backends.local import LoadedModel
 from engine.backends.registry import ModelRegistry
+from engine.scheduler import Scheduler
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from engine.trace import Trace
 
@@ -355,9 +357,7 @@ def _grammar_distortion(lm, lesson, traces, registry) -> Outcome:
     config = lesson.runs[0].config
     report = distortion_report(lm, lesson.prompt, config, lesson.chat, prompt_ids=traces[0].prompt_token_ids)
     texts = {s.text for s in report.strings}
-    sweep = [traces[0]] + [runner.run(RunRequest(lm, lesson.prompt, config.replace(seed=config.seed + i),
-                                                 chat=lesson.chat, prompt_ids=traces[0].prompt_token_ids))
-                           for i in range(1, check_field(lesson.check, "seeds"))]
+    sweep = [traces[0], *_seed_sweep(lm, lesson, config, traces[0].prompt_token_ids, check_field(lesson.check, "seeds"))]
     valid = sum(t.text in texts and t.stop_reason == "eos" for t in sweep)
     sums = (sum(s.exact for s in report.strings), sum(s.masked for s in report.strings))
     ok = valid == len(sweep) and abs(sums[0] - 1) < 1e-6 and abs(sums[1] - 1) < 1e-3 and report.total_variation > 0.05
@@ -368,6 +368,21 @@ def _grammar_distortion(lm, lesson, traces, registry) -> Outcome:
                        f"model writes one of these strings and stops with probability {report.allowed_mass:.1e}.",
                    {"valid_runs": float(valid), "runs": float(len(sweep)), "total_variation": report.total_variation,
                     "allowed_mass": report.allowed_mass, "exact_sum": sums[0], "masked_sum": sums[1]}, report)
+
+
+def _seed_sweep(lm, lesson, config, prompt_ids: Sequence[int], seeds: int) -> list[Trace]:
+    """The lesson's run again at seeds config.seed + 1 .. + seeds - 1, all at once: their steps share one
+    batched forward (a scheduler of their own, engine.scheduler; each trace equals the run alone)."""
+    if seeds < 2:
+        return []
+    scheduler = Scheduler(lm)
+    try:
+        with ThreadPoolExecutor(seeds - 1, thread_name_prefix="dp-lesson-sweep") as pool:
+            return list(pool.map(lambda i: runner.run(RunRequest(
+                lm, lesson.prompt, config.replace(seed=config.seed + i), chat=lesson.chat, prompt_ids=prompt_ids,
+                scheduler=scheduler)), range(1, seeds)))
+    finally:
+        scheduler.close()
 
 
 def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
