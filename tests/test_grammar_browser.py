@@ -73,6 +73,18 @@ def test_a_presenter_sees_the_grammar_remove_the_prose(sized_page, live_app, art
     page.screenshot(path=str(artifacts / f"grammar-step0-{width}.png"), full_page=False)
     if "…" not in wanted:  # named in the chart as removed, and in the sentence above it
         assert f"“{wanted}”" in explain, (wanted, explain)
+    tokens = page.locator("#step-text .token")
+    last = tokens.count() - 1
+    for at in (last // 2, last):  # a middle step, and the last: the end of text, all the complete grammar allows
+        tokens.nth(at).click()
+        page.wait_for_function(f"() => (document.querySelector('#step-chart .gtitle')?.textContent || '')"
+                               f".startsWith('step {at}:')", timeout=60_000)
+        page.wait_for_function(f"() => ({GRAMMAR_PANEL})()?.title !== undefined", timeout=60_000)
+        explain = page.locator("#step-explain").inner_text()
+        if at == last:
+            assert "The grammar was complete: only the end of text" in explain, explain
+        else:
+            assert "the grammar allowed" in explain and "before the mask" in explain, explain
 
 
 def test_the_distortion_lesson_draws_what_masking_costs(sized_page, live_app, artifacts):
