@@ -86,7 +86,44 @@ def zero_gpu(fn: Callable) -> Callable:
         import spaces  # type: ignore[import-not-found]
     except ImportError:
         return fn
-    return spaces.GPU(duration=env_int("DP_GPU_SECONDS", 120))(fn)
+    return spaces.GPU(duration=env_int("DP_GPU_SECONDS", 120))(carrying_user_errors(fn))
+
+
+class CarriedUserError(gr.Error):
+    """A user's error raised inside a ZeroGPU worker. ``spaces`` sends only ``gr.Error``s back from
+    its worker process with their message (any other exception arrives as "ZeroGPU worker error:
+    <class name>"), so the worker raises this, keeping the message and whether the run was stopped."""
+
+    def __init__(self, message: str, stopped: bool = False):
+        super().__init__(message, print_exception=False)
+        self.stopped = stopped
+
+    def __reduce__(self):  # crosses the process boundary as its message and flag
+        return (CarriedUserError, (self.message, self.stopped))
+
+
+def carrying_user_errors(fn: Callable) -> Callable:
+    """``fn`` (a function or a generator function) with USER_ERRORS raised as CarriedUserError."""
+
+    def carried(exc: Exception) -> CarriedUserError:
+        return CarriedUserError(str(exc), stopped=isinstance(exc, RunStopped))
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def generator(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            try:
+                yield from fn(*args, **kwargs)
+            except USER_ERRORS as exc:
+                raise carried(exc) from None
+        return generator
+
+    @functools.wraps(fn)
+    def function(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            raise carried(exc) from None
+    return function
 
 
 MESSAGE_CHARS = 280  # an error message is one line of at most this many characters
@@ -102,8 +139,8 @@ def one_line(text: str, limit: int = MESSAGE_CHARS) -> str:
 def error_message(exc: Exception, what: str) -> str:
     """The one-line message a failed handler shows: the user's own error as is, else what failed.
     User errors are logged as that one line; a failure of ours is logged with its traceback."""
-    if isinstance(exc, USER_ERRORS):
-        message = one_line(str(exc))
+    if isinstance(exc, (*USER_ERRORS, CarriedUserError)):
+        message = one_line(exc.message if isinstance(exc, CarriedUserError) else str(exc))
         log.info("%s refused: %s", what, message)
         return message
     message = one_line(f"{what} failed: {type(exc).__name__}: {exc}")
@@ -291,7 +328,8 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
 
     def error(exc: Exception, touched: set[int]) -> Any:
         status = getattr(on_error, "status", None)
-        if isinstance(exc, RunStopped) and status is not None:  # a stopped run keeps what it showed
+        stopped = isinstance(exc, RunStopped) or getattr(exc, "stopped", False)  # (CarriedUserError: from ZeroGPU)
+        if stopped and status is not None:  # a stopped run keeps what it showed
             update = on_error(error_message(exc, what), stopped=True)
             update = {c: v for c, v in update.items() if c is status or id(c) not in touched}
         else:

@@ -20,13 +20,12 @@ import gradio as gr
 
 from engine import runner
 from engine.runner import RunRequest
-from engine.config import ConfigError, DecodingConfig, check_flag, check_text
+from engine.config import STRATEGIES, ConfigError, DecodingConfig, check_flag, check_text
 from engine.control import RunControl
 from engine.backends.local import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
 from engine.backends.registry import ModelPolicy, ModelRegistry
 from engine.backends.registry import is_remote_source, model_policy
 from engine.backends.client import RemoteError
-from engine.backends.served import RemoteModel
 from engine.presets import load_preset
 from engine.scheduler import Scheduler, Schedulers
 from engine.settings import env_text
@@ -47,30 +46,12 @@ class UserError(ValueError):
 
 # What a served model (engine.backends) cannot give a view or strategy, by what the page calls it:
 # the API hands out a top-N per token, not the model's logits, weights, hidden states or cache.
-REMOTE_UNAVAILABLE = {
-    "contrastive_search": "needs the model's hidden states",
-    "contrastive_decoding": "needs full logits of the expert and the amateur",
-    "mcts": "needs full logits and the model's own cache at every node",
-    "medusa": "needs the model's hidden states for its heads",
-    "quantization": "needs the model's own weights",
-    "KV cache": "needs the model's own cache",
-}
-
-
-def is_remote(lm: Any) -> bool:
-    """Whether ``lm`` is a served model (engine.backends.served.RemoteModel), not one loaded here."""
-    return isinstance(lm, RemoteModel)
-
-
-def remote_unavailable(what: str) -> str:
-    """The one line saying ``what`` (a REMOTE_UNAVAILABLE key) needs the model itself."""
-    return f"{what}: not available for a remote model ({REMOTE_UNAVAILABLE[what]})"
-
-
-def refuse_remote(lm: Any, what: str) -> None:
-    """UserError (``remote_unavailable``) when ``lm`` is a served model."""
-    if is_remote(lm):
-        raise UserError(remote_unavailable(what))
+def require(lm: Any, what: str) -> None:
+    """UserError when ``lm``'s capabilities lack what a view needs (``what``: "quantization" or
+    "KV cache", engine.backends.seam.VIEW_NEEDS), in the engine's own words."""
+    reason = lm.capabilities.lacks(what)
+    if reason:
+        raise UserError(reason)
 
 
 MAX_MESSAGE_CHARS = 300
@@ -163,7 +144,7 @@ class Shared:
     def scheduler_for(self, lm: LoadedModel) -> Scheduler | None:
         """The batched scheduler of ``lm``: every user's greedy/sampling runs share its forwards
         (None for a served model: its server batches)."""
-        return None if is_remote(lm) else self.schedulers.get(lm)
+        return None if lm.capabilities.served else self.schedulers.get(lm)
 
     def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
                control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:
@@ -174,8 +155,9 @@ class Shared:
                 check_flag(key, flag)
             except ConfigError as exc:
                 raise UserError(str(exc)) from None
-        if config.strategy in REMOTE_UNAVAILABLE:
-            refuse_remote(lm, config.strategy)
+        reason = STRATEGIES[config.strategy].unavailable(lm.capabilities)
+        if reason:
+            raise UserError(reason)
         return runner.stream(RunRequest(lm, prompt, config, chat=chat, prompt_ids=prompt_ids,
                              registry=CheckedRegistry(self.registry, self.policy),
                              control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm)))

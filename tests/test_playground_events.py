@@ -372,3 +372,35 @@ def test_held_rows_merge_arrays_and_frames_without_comparing_them():
     assert not events.is_skip(gr.update(visible=False))
     row = events.merged([frame, "x", gr.skip()], [gr.skip(), array, "z"])
     assert row[0] is frame and row[1] is array and row[2] == "z"
+
+
+def test_a_users_error_crosses_the_zerogpu_worker_with_its_message():
+    """spaces sends only gr.Errors back from its worker process (pickled); the rest arrive as a class name.
+    carrying_user_errors turns the user's errors into CarriedUserError, which keeps message and stop flag."""
+    import pickle  # only to reproduce the worker's boundary in this test; the app never unpickles
+
+    def refuses(kind):
+        raise {"bad": ValueError("temperature: expected a number >= 0, got -1"),
+               "stop": RunStopped("cancelled", "stopped"), "bug": KeyError("x")}[kind]
+
+    def yields_then_refuses():
+        yield 1
+        raise UserError("prompt: empty")
+
+    carried = events.carrying_user_errors(refuses)
+    with pytest.raises(events.CarriedUserError) as bad:
+        carried("bad")
+    back = pickle.loads(pickle.dumps(bad.value))
+    assert isinstance(back, gr.Error) and back.stopped is False
+    assert events.error_message(back, "step") == "temperature: expected a number >= 0, got -1"
+    with pytest.raises(events.CarriedUserError) as stopped:
+        carried("stop")
+    assert pickle.loads(pickle.dumps(stopped.value)).stopped is True
+    with pytest.raises(KeyError):  # our own failures stay what they are (logged with a traceback)
+        carried("bug")
+    generator = events.carrying_user_errors(yields_then_refuses)
+    assert inspect.isgeneratorfunction(generator)  # spaces picks its generator mode from this
+    items = generator()
+    assert next(items) == 1
+    with pytest.raises(events.CarriedUserError, match="prompt: empty"):
+        next(items)

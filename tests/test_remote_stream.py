@@ -54,8 +54,8 @@ def test_streamed_greedy_equals_llamacpp_greedy_natively_and_through_v1(server_m
     assert native.extra["remote"]["streamed"] is True and native.extra["remote"]["mode"] == "fast"
     assert all([s.name for s in step.stages] == ["raw", "final"] for step in native.steps)
     assert native.steps[-1].finish_reason == "max_new_tokens" == native.stop_reason
-    openai = openai.connect_openai(llama_server + "/v1", timeout_s=60, mode="fast")
-    through_v1 = runner.run(RunRequest(openai, PROMPT, GREEDY))
+    through_openai = openai.connect_openai(llama_server + "/v1", timeout_s=60, mode="fast")
+    through_v1 = runner.run(RunRequest(through_openai, PROMPT, GREEDY))
     assert through_v1.generated_token_ids == theirs and through_v1.extra["remote"]["streamed"] is True
     native.to_json(), through_v1.to_json()  # strict JSON
 

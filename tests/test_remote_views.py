@@ -328,11 +328,11 @@ def test_the_what_if_on_a_remote_step_is_step_mode_over_the_server_s_top_n(serve
 
 
 REFUSED = [  # (view event, its first output, the knobs to set, the line)
-    ("on_run", "mcts-status", {"mcts-prompt": "Hello"}, "mcts: not available for a remote model"),
-    ("on_run", "medusa-status", {"medusa-prompt": "Hello"}, "medusa: not available for a remote model"),
-    ("on_measure", "quant-status", {"quant-prompt": "Hello"}, "quantization: not available for a remote model"),
-    ("on_kv", "kv-status", {"quant-prompt": "Hello"}, "KV cache: not available for a remote model"),
-    ("on_run", "kinds-status", {"quant-prompt": "Hello"}, "KV cache: not available for a remote model"),
+    ("on_run", "mcts-status", {"mcts-prompt": "Hello"}, "mcts: not available for a served model"),
+    ("on_run", "medusa-status", {"medusa-prompt": "Hello"}, "medusa: not available for a served model"),
+    ("on_measure", "quant-status", {"quant-prompt": "Hello"}, "quantization: not available for a served model"),
+    ("on_kv", "kv-status", {"quant-prompt": "Hello"}, "KV cache: not available for a served model"),
+    ("on_run", "kinds-status", {"quant-prompt": "Hello"}, "KV cache: not available for a served model"),
 ]
 
 
@@ -542,7 +542,7 @@ def test_a_compare_lane_whose_strategy_needs_the_model_says_so_and_the_other_run
     page.set("cmp-lane-1-more", "{\"penalty_alpha\": 0.6}")
     page.fire("on_run", "cmp-status")
     assert "done: 1 of 2 lanes ran; 1 failed" in shown(page, "cmp-status"), shown(page, "cmp-status")
-    assert ("Lane 2: contrastive_search: not available for a remote model (needs the model's hidden states)"
+    assert ("Lane 2: contrastive_search: not available for a served model (needs the model's hidden states)"
             in shown(page, "cmp-lane-1-status"))
 
 
@@ -587,9 +587,9 @@ def test_a_lesson_runs_on_the_server_and_checks_its_claim_where_an_api_can(serve
         assert ("✓" in outcome) == (lesson != "penalties"), outcome
         assert "not available" not in status
     elif kind in NEEDS_MODEL:
-        assert f"done; lesson check: not available for a remote model ({NEEDS_MODEL[kind]})" in status, status
+        assert f"done; lesson check: not available for a served model ({NEEDS_MODEL[kind]})" in status, status
     else:  # a run whose strategy needs the model: its one line
-        assert "contrastive_search: not available for a remote model" in status, status
+        assert "contrastive_search: not available for a served model" in status, status
 
 
 @server_test

@@ -241,6 +241,7 @@ def channel_errors(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> tup
     return weight_error, output_error
 
 
+@torch.inference_mode()  # the float weights are Parameters; no autograd record is wanted
 def inside_layer(registry: Any, source: str, layer: int = 15, module: str = "q_proj", group_size: int = 64, *,
                  control: RunControl | None = None) -> InsideLayer:
     """RTN, GPTQ and AWQ on one Linear (see the module docstring); ValueError naming a bad argument."""

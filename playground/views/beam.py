@@ -24,7 +24,7 @@ from engine.trace import Trace
 from playground.charts import beam as charts
 from playground.charts.remote import remote_markdown
 
-from .. import downloads, examples
+from .. import downloads, examples, ids
 from ..events import stop_button
 from ..knobs import PENALTY_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
@@ -149,9 +149,9 @@ def build_tab(shared: Shared) -> PanelView:
     lp = KNOBS["length_penalty"]
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="beam-prompt")
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id=ids.BEAM_PROMPT)
             with gr.Row():  # the primary action right under the prompt
-                run = gr.Button("Search", variant="primary", elem_id="beam-run")
+                run = gr.Button("Search", variant="primary", elem_id=ids.BEAM_RUN)
                 stop = gr.Button("Stop", variant="stop", elem_id="beam-stop")
             status = gr.HTML("", elem_id="beam-status")
             chat = gr.Checkbox(False, label="Chat template", elem_id="beam-chat",

@@ -44,7 +44,7 @@ from playground.charts.tokens import render as readable
 from ..events import data_api, stop_button
 from ..assets import static_text
 from ..page_js import OPEN_RUN_JS, RUN_BUTTONS
-from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, is_remote, status_html
+from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, status_html
 from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
@@ -283,8 +283,8 @@ class LessonsTab:
             updates |= {self.presenter.text: NO_PRESENTER_STEPS, self.presenter.chart: None, self.presenter.index: 0}
         yield updates
         kind = (lesson.check or {}).get("kind")
-        if is_remote(lm) and kind in engine_lessons.NEEDS_MODEL:
-            yield {self.status: status_html(f"done; lesson check: not available for a remote model "
+        if lm.capabilities.served and kind in engine_lessons.NEEDS_MODEL:
+            yield {self.status: status_html(f"done; lesson check: not available for a served model "
                                             f"({engine_lessons.NEEDS_MODEL[kind]})")}
             return
         registry = CheckedRegistry(self.shared.registry, self.shared.policy)

@@ -26,9 +26,9 @@ from playground.charts import memory as memory_charts
 from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as charts
 
-from .. import downloads
+from .. import downloads, ids
 from ..events import data_api, stop_button
-from ..shared import OutputSet, Shared, UserError, error_html, refuse_remote, status_html
+from ..shared import OutputSet, Shared, UserError, error_html, require, status_html
 from .stale import cleared
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -75,7 +75,7 @@ def drift_updates(out: DriftOutputs, shared: Shared, prompt: str, chat: bool, ma
     """Validate, then stream the drift report as each variant finishes."""
     chosen = drift.normalise_variants(variants or [])
     reference = shared.lm(model, "none")
-    refuse_remote(reference, "quantization")
+    require(reference, "quantization")
     shared.encode_prompt(reference, prompt, chat)
     tokens = int(max_new_tokens or DRIFT_TOKENS[2])
     drift.greedy_config(tokens)  # validates the token budget
@@ -98,7 +98,7 @@ def kv_tokens(value: Any) -> int:
 def kv_updates(out: KVOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, model: str,
                quantization: str, control: RunControl) -> Iterator[dict]:
     lm = shared.lm(model, quantization)
-    refuse_remote(lm, "KV cache")
+    require(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     tokens = kv_tokens(max_new_tokens)
     yield {out.status: status_html(f"greedy with and without the cache, {tokens} tokens each…"), out.summary: "",
@@ -139,7 +139,7 @@ def build_tab(shared: Shared) -> QuantPage:
                 "divergence).")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id="quant-prompt")
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=4, label="Prompt", elem_id=ids.QUANT_PROMPT)
             chat = gr.Checkbox(True, label="Chat template", elem_id="quant-chat")
             low, high, default = DRIFT_TOKENS
             tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens (greedy)",
@@ -150,7 +150,7 @@ def build_tab(shared: Shared) -> QuantPage:
                                              "dequantized at load (no 4-bit CPU kernel).",
                                         elem_id="quant-variants")
             with gr.Row():
-                measure = gr.Button("Measure drift", variant="primary", elem_id="quant-measure")
+                measure = gr.Button("Measure drift", variant="primary", elem_id=ids.QUANT_MEASURE)
                 stop = gr.Button("Stop", variant="stop", elem_id="quant-stop")
             status = gr.HTML("", elem_id="quant-status")
         with gr.Column(scale=2, min_width=480):
@@ -239,7 +239,7 @@ def quantization_report(shared: Shared, prompt: str, chat: bool = False, max_new
     forcing, its own greedy text and first divergence step, held-out perplexity."""
     chosen = drift.normalise_variants(list(BNB_QUANTIZATIONS) if variants is None else variants)
     reference = shared.lm(model, "none")
-    refuse_remote(reference, "quantization")
+    require(reference, "quantization")
     shared.encode_prompt(reference, prompt, chat)
     report = drift.quantization_report(shared.registry, reference.source, prompt, chat, max_new_tokens, chosen,
                                        control=control)
@@ -251,7 +251,7 @@ def kv_cache_report(shared: Shared, prompt: str, chat: bool = False, max_new_tok
     """Greedy with vs without the KV cache: tokens/s each, ms per step, cache bytes per token
     measured against 2 × layers × kv_heads × head_dim × bytes per element."""
     lm = shared.lm(model, quantization)
-    refuse_remote(lm, "KV cache")
+    require(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     report = drift.kv_cache_report(lm, prompt, chat, kv_tokens(max_new_tokens), control=control)
     return to_dict(report)
@@ -323,7 +323,7 @@ def kinds_updates(out: KindOutputs, shared: Shared, prompt: str, chat: bool, max
     """Validate, then stream the KV kinds report as each kind finishes."""
     kinds, tokens, res = kind_names(picked, window), kind_tokens(max_new_tokens), residual(residual_length)
     lm = shared.lm(model, quantization)
-    refuse_remote(lm, "KV cache")
+    require(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     yield {out.status: status_html("full-precision reference: greedy run…"), out.table: [], out.memory: None,
            out.per_token: None, out.drift: None, out.download: None}
@@ -378,7 +378,7 @@ def kv_cache_kinds_report(shared: Shared, prompt: str, chat: bool = False, max_n
     the run, tokens/s, and drift against the full-precision cache (teacher-forced KL, top-1
     agreement; free-running first divergence). ``residual_length``: kv_residual_length."""
     lm = shared.lm(model, quantization)
-    refuse_remote(lm, "KV cache")
+    require(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     report = drift.kv_drift_report(lm, prompt, chat, kind_tokens(max_new_tokens), list(kinds or DEFAULT_KINDS),
                                    residual(residual_length), control=control)
@@ -430,7 +430,7 @@ def methods_updates(out: MethodOutputs, shared: Shared, picked: list[str] | None
                     control: RunControl) -> Iterator[dict]:
     chosen = quant_report.normalise(picked or [])
     reference = shared.lm(model, "none")
-    refuse_remote(reference, "quantization")
+    require(reference, "quantization")
     yield {out.status: status_html(f"fp32 reads the held-out text{RUNNING}"), out.sentence: "", out.table: [],
            out.chart: None, out.download: None}
     for report in quant_report.stream_comparison(shared.registry, reference.source, chosen, control=control):
@@ -440,7 +440,7 @@ def methods_updates(out: MethodOutputs, shared: Shared, picked: list[str] | None
 def inside_updates(out: InsideOutputs, shared: Shared, layer: Any, module: str, group: Any, model: str,
                    control: RunControl) -> Iterator[dict]:
     reference = shared.lm(model, "none")
-    refuse_remote(reference, "quantization")
+    require(reference, "quantization")
     yield {out.status: status_html(f"loading RTN, GPTQ and AWQ, reading the held-out text{RUNNING}"), out.sentence: "",
            out.errors: None, out.scales: None}
     report = quant_report.inside_layer(shared.registry, reference.source, _whole(layer), module, _whole(group),
@@ -508,7 +508,7 @@ def quantization_methods_report(shared: Shared, variants: list[str] | None = Non
     disk, in memory and what a 4-bit kernel would keep, load and quantization seconds."""
     chosen = quant_report.normalise(variants)
     reference = shared.lm(model, "none")
-    refuse_remote(reference, "quantization")
+    require(reference, "quantization")
     return to_dict(quant_report.compare_methods(shared.registry, reference.source, chosen, control=control))
 
 
@@ -518,7 +518,7 @@ def quantization_inside_layer(shared: Shared, layer: int = 15, module: str = "q_
     ``group_size`` (64 | 32): relative weight and output error per output channel, AWQ's scales
     and the mean |activation| of each input channel."""
     reference = shared.lm(model, "none")
-    refuse_remote(reference, "quantization")
+    require(reference, "quantization")
     return to_dict(quant_report.inside_layer(shared.registry, reference.source, layer, module, group_size,
                                              control=control))
 

@@ -23,7 +23,7 @@ from engine.trace import Trace
 from playground.charts import speculative as charts
 from playground.charts.remote import remote_markdown
 
-from .. import downloads, examples
+from .. import downloads, examples, ids
 from ..assets import static_text
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
@@ -162,10 +162,10 @@ def stream_run(out: Outputs, shared: Shared, session: SpecSession, req: SpecRequ
 def build_tab(shared: Shared) -> PanelView:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
-            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id="spec-prompt",
+            prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (Ctrl/Cmd+Enter runs it)", elem_id=ids.SPEC_PROMPT,
                                 info="Speculation pays off when the output repeats the input: rewriting, extraction, code edits.")
             with gr.Row():  # the primary action right under the prompt
-                generate = gr.Button("Generate", variant="primary", elem_id="spec-generate")
+                generate = gr.Button("Generate", variant="primary", elem_id=ids.SPEC_GENERATE)
                 stop = gr.Button("Stop", variant="stop", elem_id="spec-stop")
             status = gr.HTML("", elem_id="spec-status")
             chat = gr.Checkbox(True, label="Chat template", elem_id="spec-chat")

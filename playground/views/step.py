@@ -42,7 +42,7 @@ from ..whatif_service import STAGE_STRATEGIES, KeptLogits, Registered, WhatIfSer
 from . import stale
 from .whatif import WHATIF_CONCURRENCY, WhatIfPanel, continue_events, explore_api
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
-from ..shared import is_remote, page_width, parent_trace
+from ..shared import page_width, parent_trace
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 MAX_RUNS = 8  # runs kept per session: the original and the latest branches
@@ -551,7 +551,7 @@ def with_remote_mode(lm: LoadedModel, mode: Any, source: str | None = None) -> L
     the radio then), for fast on a model loaded here."""
     if mode not in REMOTE_MODES:
         raise UserError(f"remote_mode: expected step or fast, got {str(mode)[:40]!r}")
-    if not is_remote(lm):
+    if not lm.capabilities.served:
         if source is not None and mode == "fast":
             raise UserError(f"remote_mode: fast needs a served model; model {source[:60]!r} runs here (use step)")
         return lm

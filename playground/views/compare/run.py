@@ -16,7 +16,7 @@ from engine.backends.local import LoadedModel
 from engine.trace import Trace
 
 from ...events import error_message
-from ...shared import Shared, UserError, is_remote, throttle
+from ...shared import Shared, UserError, throttle
 from .lanes import FAST_PREFIX, CompareSession
 
 STREAM_EVERY_S = 0.25
@@ -103,7 +103,7 @@ def lane_model(shared: Shared, source: Any, quant: str, prompt: str, chat: bool)
     fast = isinstance(source, str) and source.startswith(FAST_PREFIX)
     lm = shared.lm(source[len(FAST_PREFIX):] if fast else source, quant)
     if fast:
-        if not is_remote(lm):
+        if not lm.capabilities.served:
             raise UserError(f"model: {source[:80]!r}: fast mode needs a served model (the server's own sampler)")
         lm = lm.with_mode("fast")
     return LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
