@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.backends.registry import ModelRegistry
     from playground.app import build_app, launch_kwargs
 
+    from playground import downloads
+
+    downloads.remove_on_signal()  # SIGTERM (a container stopping, systemd) removes the private folder too
     registry = ModelRegistry()
     model = args.model if args.no_preload else preload(registry, args.model, args.quantization)
     demo = build_app(registry, default_model=model)

@@ -267,7 +267,12 @@ def check_flag(key: str, value: Any) -> bool:
     raise ConfigError(key, f"expected true or false, got {_short(value)}")
 
 
-def _accepts(kind: type, value: Any) -> bool:
+_ITEMS = {bool: "true/false", int: "integers", float: "numbers", str: "text"}
+
+
+def _accepts(kind: type, value: Any, item: type | None = None) -> bool:
+    if kind is list and item is not None:
+        return isinstance(value, list) and all(_accepts(item, v) for v in value)
     if kind is bool:
         return value is True or value is False
     if kind is int:
@@ -278,9 +283,10 @@ def _accepts(kind: type, value: Any) -> bool:
     return isinstance(value, kind)
 
 
-def _kinds(annotation: Any) -> tuple[tuple[type, ...], bool] | None:
-    """(the plain JSON types an annotation allows, whether None is allowed), or None when the
-    annotation is not made of them (Any, a dataclass...): that argument is left to its handler."""
+def _kinds(annotation: Any) -> tuple[tuple[tuple[type, type | None], ...], bool] | None:
+    """(the plain JSON types an annotation allows, each with its item type when it is a list of a
+    plain type, whether None is allowed), or None when the annotation is not made of them (Any, a
+    dataclass...): that argument is left to its handler."""
     args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
     kinds, optional = [], False
     for arg in args:
@@ -290,7 +296,8 @@ def _kinds(annotation: Any) -> tuple[tuple[type, ...], bool] | None:
         plain = typing.get_origin(arg) or arg
         if plain not in _SCALARS:
             return None
-        kinds.append(plain)
+        items = typing.get_args(arg) if plain is list else ()
+        kinds.append((plain, items[0] if len(items) == 1 and items[0] in _ITEMS else None))
     return tuple(kinds), optional
 
 
@@ -311,7 +318,8 @@ def check_arguments(fn: Any, args: tuple, kwargs: dict) -> None:
     """The boundary of an API function ``fn`` (a function or functools.partial): every argument
     has the JSON type its annotation names (bool exactly True/False, int/float finite numbers, str,
     list, dict; None where the annotation allows it) and is at most MAX_ARGUMENT_DEPTH deep. A
-    ConfigError names the first bad argument and its (truncated) value."""
+    ConfigError names the first bad argument and its (truncated) value. A list of a plain type
+    (``list[str]``) has each item checked too (``[1, 2]`` is not a list of text)."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     try:
         hints = typing.get_type_hints(target)
@@ -329,10 +337,11 @@ def check_arguments(fn: Any, args: tuple, kwargs: dict) -> None:
         if found is None:
             continue
         kinds, optional = found
-        if (value is None and optional) or any(_accepts(kind, value) for kind in kinds):
+        if (value is None and optional) or any(_accepts(kind, value, item) for kind, item in kinds):
             continue
-        allowed = " or ".join([_SCALARS[k] for k in kinds] + (["null"] if optional else []))
-        raise ConfigError(name, f"expected {allowed}, got {_short(value)}")
+        allowed = " or ".join([_SCALARS[k] for k, _ in kinds] + (["null"] if optional else []))
+        items = "".join(f" (each item {_ITEMS[i]})" for _, i in kinds if i)
+        raise ConfigError(name, f"expected {allowed}{items}, got {_short(value)}")
 
 
 @dataclass(frozen=True, init=False)

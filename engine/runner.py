@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from engine import core
 from engine.backends.registry import ModelRegistry
 from engine.config import DecodingConfig
-from engine.control import RunControl
+from engine.control import RunControl, under
 from engine.core import RunContext
 from engine.sampling import NO_TOKENS_LEFT
 from engine.strategies.spec import STRATEGIES, StrategySpec
@@ -93,8 +93,14 @@ def _stream_of(spec: StrategySpec, lm: Any) -> Any:
 def stream(request: RunRequest) -> Iterator[Event]:
     """Run ``request.config.strategy`` on ``request.prompt`` and yield Events; the last one holds
     the Trace. The stream is its spec's (``stream`` on a model loaded here, ``served`` on a served
-    one); a strategy the model's backend lacks is one ValueError naming both."""
-    r = request
+    one); a strategy the model's backend lacks is one ValueError naming both. Each event is
+    computed with ``request.control`` active (``engine.control.under``): a served model's requests
+    take their deadline from it, and its cancel closes them."""
+    yield from under(request.control, _events(request))
+
+
+def _events(r: RunRequest) -> Iterator[Event]:
+    """``stream``'s events, once the control is active."""
     spec = STRATEGIES.get(r.config.strategy)
     fn = _stream_of(spec, r.lm) if spec is not None else None
     if fn is None:  # DecodingConfig validates the name, so this is a strategy without a stream on this backend

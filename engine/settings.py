@@ -94,6 +94,9 @@ SETTINGS = (
     Setting("DP_MAX_QUEUE", "int", 256, "runs waiting for a batch row (a Compare lane is a run)",
             shown="256 (128 in public mode)", minimum=0),
     Setting("DP_CONCURRENCY", "int", None, "model events running at once", shown="= `DP_MAX_BATCH`", minimum=1),
+    Setting("DP_SERVED_CONCURRENCY", "int", 16, "runs on served models (DP_REMOTE_MODELS) at once, besides "
+            "`DP_CONCURRENCY`: a slow server never holds the local model's slots; one more is refused in one line",
+            minimum=1),
     Setting("DP_QUEUE_SIZE", "int", 64, "requests waiting in Gradio's queue", shown="64 (100 in public mode)",
             minimum=1),
     Setting("DP_SESSIONS", "int", 500, "browser/API sessions whose state the server keeps", minimum=1),

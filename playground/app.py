@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from engine.backends.local import EMBEDDED
 from engine.backends.registry import ModelRegistry, model_policy
@@ -76,5 +77,9 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
 
 
 def launch_kwargs() -> dict:
+    """``demo.launch``'s arguments; ``max_threads``: Gradio's worker pool holds both model-slot
+    pools (``events.thread_budget``), so runs stuck on a served model never starve local ones."""
     return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD,
-            "state_session_capacity": events.session_capacity(), "app_kwargs": {"routes": whatif_service.routes()}}
+            "state_session_capacity": events.session_capacity(),
+            "app_kwargs": {"routes": whatif_service.routes(), "middleware": [Middleware(share_links.LinkTooLong)]},
+            "max_threads": events.thread_budget(events.default_concurrency(), events.served_concurrency())}

@@ -5,7 +5,9 @@ The directory (mode 0700, under env ``DP_DOWNLOAD_DIR`` or the system temp folde
 download files (``downloads/``, files 0600) and Gradio's own file cache (``gradio/``: the app points
 ``GRADIO_TEMP_DIR`` there before building its page, see ``use_private_cache``), so users' prompts
 never sit in the world-readable shared ``/tmp/gradio`` and other users of the machine cannot read
-them. It is removed when the server closes (``remove_on_close``) and when the process exits.
+them. It is removed when the server closes (``remove_on_close``), when the process exits, and
+when the process is told to stop (SIGTERM, SIGHUP: ``remove_on_signal``, which ``app.py`` sets; a
+signal's default action would end the process without running exit handlers).
 
 Each file gets its own fresh sub-folder (so two users' "balanced.yaml" never collide and the name
 the user sees is the name given). Sub-folders older than ``DOWNLOAD_TTL_S`` are deleted whenever a
@@ -19,6 +21,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -71,6 +74,29 @@ def remove() -> None:
     with _lock:
         for root in _roots:
             shutil.rmtree(root, ignore_errors=True)
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def remove_on_signal() -> None:
+    """On SIGTERM / SIGHUP, delete the private directory, then end as the signal would have (the
+    handler there before is called instead, if there was one; an ignored signal stays ignored,
+    e.g. SIGHUP under nohup). Call from the main thread."""
+    for signum in STOP_SIGNALS:
+        previous = signal.getsignal(signum)
+        if previous == signal.SIG_IGN:
+            continue
+
+        def on_signal(number: int, frame: Any, previous: Any = previous) -> None:
+            remove()
+            if callable(previous):
+                previous(number, frame)
+                return
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+
+        signal.signal(signum, on_signal)
 
 
 def remove_on_close(demo: Any) -> None:

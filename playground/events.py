@@ -1,6 +1,22 @@
 """The one place that registers events touching the model: the queue, one concurrency id and
 limit, ZeroGPU wrapping, a per-request RunControl (cancellation + time limit) and the error guard.
 
+**Local and served runs have separate slots** (``ModelSlots``). A run on a model loaded here takes
+one of ``DP_CONCURRENCY`` local slots; a run on a served model (``DP_REMOTE_MODELS``) one of
+``DP_SERVED_CONCURRENCY`` served slots; Gradio's limit for model events is their sum. A run takes
+its slot when it resolves its model (``claim_model_slot``, called by ``Shared.lm``): a local run
+waits for a free local slot (checking its control: Stop and the time limit still end it); a
+served run never waits, and one more than the served slots is refused in one line. So however
+many served runs are stuck on a slow server, they hold at most ``DP_SERVED_CONCURRENCY`` of
+Gradio's slots, never a local one, and a local user is served as fast as without them. (The
+wait is in the run's worker thread: Gradio's thread pool is sized for both pools, see
+``thread_budget``.)
+
+The run's RunControl is the active control (``engine.control``) in its worker thread while it
+runs: a served model's requests take their deadline from it, and its cancel (Stop, a closed tab,
+a cancelled API job) shuts their sockets at once. API results are strict JSON (``finite``: a NaN
+or infinity a run could not know, e.g. an echoed parent trace's, becomes null).
+
 A model handler is a plain generator function of its input values plus a keyword-only
 ``control: RunControl``; it yields ``{component: value}`` updates and calls the runner with
 ``control``, which raises RunStopped within one step once the control is cancelled. The control is
@@ -15,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import inspect
@@ -29,19 +46,21 @@ import gradio as gr
 import torch
 
 from engine.config import ConfigError, check_arguments
-from engine.control import RunControl, RunStopped
+from engine.control import RunControl, RunStopped, run_under
 from engine.backends.local import ModelLoadError
 from engine.presets import PresetError
 from engine.backends.client import RemoteError
 from engine.scheduler import default_max_batch
 from engine.settings import env_int, on_space
 from engine.sharelink import ShareLinkError
+from engine.trace import finite
 
 MODEL_CONCURRENCY_ID = "model"
 # Bad input and stopped runs: their message is shown as is. Anything else is a failure of ours.
 DEFAULT_RUNS_PER_SESSION = 3
 # A served model's RemoteError (engine.backends) names its server and what went wrong: shown as is too.
 USER_ERRORS = (ValueError, ConfigError, ModelLoadError, PresetError, ShareLinkError, RunStopped, RemoteError)
+# A served model's RemoteError is the server's fault, not ours: logged as one line, never with a traceback.
 _DONE = object()
 SKIP = gr.skip()
 log = logging.getLogger(__name__)
@@ -67,6 +86,98 @@ def default_concurrency() -> int:
     """How many model events run at once: env ``DP_CONCURRENCY``, default the scheduler's batch
     size (greedy/sampling runs share batched forwards, so more than one per core pays off)."""
     return env_int("DP_CONCURRENCY", 0) or max_batch()
+
+
+DEFAULT_SERVED_CONCURRENCY = 16
+SLOT_POLL_S = 0.1  # how often a run waiting for a local slot checks its control
+
+
+def served_concurrency() -> int:
+    """How many runs on served models run at once (env ``DP_SERVED_CONCURRENCY``, default 16),
+    besides the local ones: each mostly waits on its server's network, so a thread each is cheap."""
+    return env_int("DP_SERVED_CONCURRENCY", DEFAULT_SERVED_CONCURRENCY)
+
+
+def thread_budget(local: int, served: int) -> int:
+    """Worker threads Gradio's pool needs (``launch(max_threads=...)``): one per model event of
+    either pool, and Gradio's own 40 for everything else."""
+    return local + served + 40
+
+
+class ServedBusy(ValueError):
+    """Every served slot is taken (``DP_SERVED_CONCURRENCY``)."""
+
+
+class ModelSlots:
+    """The two pools of model-event slots: ``local`` (runs on models loaded here) and ``served``
+    (runs on a served model). See the module doc."""
+
+    def __init__(self, local: int, served: int):
+        self.limits = {"local": local, "served": served}
+        self._free = {kind: threading.BoundedSemaphore(n) for kind, n in self.limits.items()}
+
+    def acquire(self, kind: str, control: RunControl) -> None:
+        """Take a ``kind`` slot: a local one waits (its control checked every SLOT_POLL_S); a
+        served one is refused at once (ServedBusy) when none is free."""
+        free = self._free[kind]
+        if kind == "served":
+            if not free.acquire(blocking=False):
+                raise ServedBusy(f"served models: {self.limits['served']} runs already use them "
+                                 "(DP_SERVED_CONCURRENCY); try again in a moment")
+            return
+        while not free.acquire(timeout=SLOT_POLL_S):
+            control.check()
+
+    def release(self, kind: str) -> None:
+        self._free[kind].release()
+
+    def in_use(self, kind: str) -> int:
+        """Slots of ``kind`` held now (for tests and the bench)."""
+        return self.limits[kind] - self._free[kind]._value  # type: ignore[attr-defined]
+
+
+class RunSlots:
+    """The slots one run holds (at most one of each kind), released when the run ends."""
+
+    def __init__(self, pool: ModelSlots, control: RunControl):
+        self.pool, self.control = pool, control
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, served: bool) -> None:
+        kind = "served" if served else "local"
+        with self._lock:
+            if kind in self._held:
+                return
+        self.pool.acquire(kind, self.control)
+        with self._lock:
+            self._held.add(kind)
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, set()
+        for kind in held:
+            self.pool.release(kind)
+
+
+_RUN_SLOTS: contextvars.ContextVar[RunSlots | None] = contextvars.ContextVar("run_slots", default=None)
+
+
+def claim_model_slot(served: bool) -> None:
+    """The run this thread works for takes a slot of its model's kind (once per kind; no-op
+    outside a model event). Called where a run resolves its model (``Shared.lm``)."""
+    slots = _RUN_SLOTS.get()
+    if slots is not None:
+        slots.claim(served)
+
+
+def in_run(slots: RunSlots | None, control: RunControl, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` in the run's worker thread, with its slots and its control active."""
+    token = _RUN_SLOTS.set(slots)
+    try:
+        return run_under(control, fn, *args)
+    finally:
+        _RUN_SLOTS.reset(token)
 
 
 def zero_gpu_active() -> bool:
@@ -318,12 +429,13 @@ def as_rows(handler: Callable[..., Iterator[dict]], outputs: list) -> Callable[.
 
 
 def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], dict], what: str,
-             outputs: list | None = None, sessions: SessionRuns | None = None, group: str | None = None) -> Callable:
+             outputs: list | None = None, sessions: SessionRuns | None = None, group: str | None = None,
+             slots: ModelSlots | None = None) -> Callable:
     """An async generator for Gradio that drives ``handler`` in a worker thread. Cancelling the
     task (or closing the generator) cancels the run's control at once, so the thread stops at its
     next step even though Gradio never resumes it. With ``outputs``, updates are yielded as lists
     in that order (see ``as_rows``), errors too. The run's control is kept in ``sessions`` under
-    ``group``, for ``stop_button``."""
+    ``group``, for ``stop_button``; its model slot is taken from ``slots`` (None: no pools)."""
     gpu_handler = zero_gpu(as_rows(handler, outputs) if outputs is not None else handler)
 
     def error(exc: Exception, touched: set[int]) -> Any:
@@ -346,13 +458,15 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
 
     async def run(*args: Any, **kwargs: Any):
         control = RunControl.with_request_limit()
+        run_slots = RunSlots(slots, control) if slots is not None else None
         held = None  # after Stop: the run's updates merged, sent as its last word (no "generating…" after "stopped")
         touched: set[int] = set()  # outputs this run has set: a stopped run's on_error leaves them as they are
         try:
             async with watched(control):
                 with sessions.slot(_session(), control, group):
                     updates = gpu_handler(*args, control=control, **kwargs)
-                    while (update := await anyio.to_thread.run_sync(_next, updates, abandon_on_cancel=True)) is not _DONE:
+                    while (update := await anyio.to_thread.run_sync(in_run, run_slots, control, _next, updates,
+                                                                     abandon_on_cancel=True)) is not _DONE:
                         touched |= shown(update)
                         if control.cancelled:
                             held = merged(held, update)
@@ -362,6 +476,8 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
             held = merged(held, error(exc, touched))
         finally:
             control.cancel()
+            if run_slots is not None:
+                run_slots.release()
         if held is not None:
             yield held
 
@@ -369,9 +485,10 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
 
 
 def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
-                 sessions: SessionRuns | None = None) -> Callable:
+                 sessions: SessionRuns | None = None, slots: ModelSlots | None = None) -> Callable:
     """An async API function for ``gr.api`` that runs ``fn`` in a worker thread with its own
-    RunControl (cancelled with the request's task); errors become one-line ``gr.Error``s.
+    RunControl (cancelled with the request's task) and its model slot (from ``slots``); its
+    result is strict JSON (``finite``); errors become one-line ``gr.Error``s.
     ``uses_model=False``: ``fn`` takes no ``control`` and needs no GPU."""
     gpu_fn = zero_gpu(fn) if uses_model else fn
 
@@ -380,32 +497,46 @@ def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
     async def endpoint(*args: Any, **kwargs: Any) -> Any:
         session = _session()
         control = RunControl.with_request_limit()
+        run_slots = RunSlots(slots, control) if slots is not None and uses_model else None
         extra = {"control": control} if uses_model else {}
         call = functools.partial(gpu_fn, *args, **extra, **kwargs)
         try:
             check_arguments(fn, args, kwargs)  # types and nesting as annotated: "no" and NaN are not booleans
             async with watched(control):
                 with sessions.slot(session if uses_model else None):
-                    return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+                    return finite(await anyio.to_thread.run_sync(in_run, run_slots, control, call,
+                                                                 abandon_on_cancel=True))
         except Exception as exc:
             raise gr.Error(toast_text(error_message(exc, what)), print_exception=False) from None
         finally:
             control.cancel()
+            if run_slots is not None:
+                run_slots.release()
 
     return _without_control(fn, endpoint)
 
 
 class ModelEvents:
-    """Registers model events: every one shares one queue concurrency id and limit."""
+    """Registers model events: every one shares one queue concurrency id, whose limit is the local
+    slots (``concurrency_limit``) plus the served ones (``served_limit``); each run then takes a
+    slot of its model's kind (``slots``, see the module doc)."""
 
-    def __init__(self, concurrency_limit: int | None = None, sessions: SessionRuns | None = None):
+    def __init__(self, concurrency_limit: int | None = None, sessions: SessionRuns | None = None,
+                 served_limit: int | None = None):
         self.concurrency_limit = concurrency_limit or default_concurrency()
+        self.served_limit = served_limit or served_concurrency()
+        self.slots = ModelSlots(self.concurrency_limit, self.served_limit)
         self.sessions = sessions or SessionRuns()
         self._groups = itertools.count()
 
     @property
     def _queue(self) -> dict[str, Any]:
-        return {"concurrency_id": MODEL_CONCURRENCY_ID, "concurrency_limit": self.concurrency_limit}
+        return {"concurrency_id": MODEL_CONCURRENCY_ID, "concurrency_limit": self.concurrency_limit + self.served_limit}
+
+    @property
+    def threads(self) -> int:
+        """Gradio's worker threads this app needs (``thread_budget``)."""
+        return thread_budget(self.concurrency_limit, self.served_limit)
 
     def on(self, triggers: list, handler: Callable[..., Iterator[dict]], inputs: list, outputs: list, *,
            on_error: Callable[[str], dict], what: str = "generation") -> Any:
@@ -413,14 +544,15 @@ class ModelEvents:
         for every trigger (e.g. ``[button.click, prompt.submit]``); UI-only, not an API endpoint.
         Returns the dependency, for ``stop_button``."""
         group = f"event-{next(self._groups)}"
-        dependency = gr.on(triggers, streamed(handler, on_error, what, outputs, self.sessions, group), inputs, outputs,
-                           api_visibility="private", **self._queue)
+        dependency = gr.on(triggers, streamed(handler, on_error, what, outputs, self.sessions, group, self.slots),
+                           inputs, outputs, api_visibility="private", **self._queue)
         dependency.dp_stop = (self.sessions, group)
         return dependency
 
     def api(self, fn: Callable[..., Any], api_name: str, what: str = "generation") -> Any:
         """A named API endpoint returning JSON (``fn`` takes typed arguments and ``control``)."""
-        return gr.api(api_endpoint(fn, what, sessions=self.sessions), api_name=api_name, **self._queue)
+        return gr.api(api_endpoint(fn, what, sessions=self.sessions, slots=self.slots), api_name=api_name,
+                      **self._queue)
 
 
 def data_api(fn: Callable[..., Any], api_name: str, what: str = "request") -> Any:

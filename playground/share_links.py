@@ -3,6 +3,11 @@
 
 Views take part through their ``PanelView`` handle (playground/shared.py); the app passes the
 handles it built to ``wire_share_links`` once every view exists.
+
+A link longer than any the app makes (``MAX_URL_CHARS``: share and lesson tokens are at most 6,000
+characters) never reaches Gradio, which fails on a page address over 65,536 characters and leaves
+the page-load event hanging: ``LinkTooLong`` (web middleware, ``playground.app.launch_kwargs``)
+answers it with a small page that says the link is too long and links to the app without it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,34 @@ from .shared import PanelView, UserError
 from .user_presets import find_preset, matching_choice
 
 BAD_LINK = "This share link could not be opened ({reason}); the defaults are shown instead."
+MAX_URL_CHARS = 16_384  # a request target (path + query); the app's own links are under 6,100
+TOO_LONG_PAGE = ("<!doctype html><meta charset=utf-8><meta name=viewport content='width=device-width, initial-scale=1'>"
+                 "<title>Link too long</title>"
+                 "<body style='font-family:sans-serif;max-width:40em;margin:3em auto;padding:0 1em'>"
+                 "<h1>This link is too long</h1><p>It has {length:,} characters; the playground's share and lesson "
+                 "links are at most 6,000, so it was cut, joined or made by hand and cannot be opened.</p>"
+                 "<p><a href='{root}'>Open the playground without it</a></p></body>")
+
+
+class LinkTooLong:
+    """ASGI middleware: a request whose path and query are over MAX_URL_CHARS gets HTTP 414 and
+    ``TOO_LONG_PAGE`` (one line of what happened and a link to the app), nothing else runs."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http":
+            length = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            if length > MAX_URL_CHARS:
+                root = html.escape((scope.get("root_path") or "").rstrip("/") + "/", quote=True)
+                body = TOO_LONG_PAGE.format(length=length, root=root).encode()
+                await send({"type": "http.response.start", "status": 414,
+                            "headers": [(b"content-type", b"text/html; charset=utf-8"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def restore_from_query(query_params: Mapping[str, str] | None) -> ShareState | str | None:

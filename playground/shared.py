@@ -31,7 +31,7 @@ from engine.scheduler import Scheduler, Schedulers
 from engine.settings import env_text
 from engine.trace import Event, Trace, untrusted_trace
 
-from .events import ModelEvents
+from .events import ModelEvents, claim_model_slot, toast_text
 
 USER_PRESETS_KEY = "decoding-playground-user-presets"
 # The browser encrypts stored presets with this; a fixed value lets them survive app restarts.
@@ -73,6 +73,7 @@ class CheckedRegistry:
 
     def get(self, spec: ModelSpec, progress: Callable[[str], None] | None = None, *, key: str = "model") -> LoadedModel:
         self.policy.check(spec.source, key)
+        claim_model_slot(is_remote_source(spec.source))  # a drafter or amateur of another kind: that pool's slot too
         return self.registry.get(spec, progress, key=key)
 
     def loaded(self) -> list[ModelSpec]:
@@ -93,9 +94,12 @@ class Shared:
 
     def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
         """The loaded model if the policy allows ``source``, else a UserError naming what is wrong;
-        a served model is connected to on first use (a failed connection: its one-line RemoteError)."""
+        a served model is connected to on first use (a failed connection: its one-line RemoteError).
+        The run takes a slot of the model's kind here (playground.events.claim_model_slot)."""
         try:
-            return self.registry.get(self.spec(source, quantization), progress)
+            spec = self.spec(source, quantization)
+            claim_model_slot(is_remote_source(spec.source))
+            return self.registry.get(spec, progress)
         except (ModelLoadError, RemoteError) as exc:
             raise UserError(one_line(str(exc))) from None
 
@@ -192,10 +196,21 @@ class Shared:
         return config
 
 
+MAX_CHOICE_CHARS = 1_000  # a value of a choice component (dropdown, radio, checkbox group); the longest choice is ~100
+MAX_INPUT_CHARS = 1 << 20  # any other text a page event sends (the prompt's own limit is 8,000; a pasted lesson 32 KB)
+MAX_INPUT_ITEMS = 10_000  # items of a list a page event sends
+
+
 class PlaygroundBlocks(gr.Blocks):
     """gr.Blocks whose named API endpoints (``gr.api``) take a raw call with too few arguments as
     gradio_client does: missing trailing arguments get their defaults, and a missing required one
-    is a one-line error naming it (Gradio's own check answers such a call with ``{"error": null}``)."""
+    is a one-line error naming it (Gradio's own check answers such a call with ``{"error": null}``).
+
+    Every echo is capped: a page event's value over its size (``MAX_CHOICE_CHARS`` for a choice
+    component, ``MAX_INPUT_CHARS`` for any other text, ``MAX_INPUT_ITEMS`` a list) is refused in
+    one line naming the component before Gradio reads it (Gradio would keep it in the session and
+    quote it whole in its "not in the list of choices" error: a 10 MB reply and log line); and any
+    error Gradio raises while reading inputs is cut to one line (``one_line``)."""
 
     def validate_inputs(self, block_fn: Any, inputs: list[Any]) -> None:
         from gradio.components.api_component import Api
@@ -207,7 +222,30 @@ class PlaygroundBlocks(gr.Blocks):
                 if param.default is inspect.Parameter.empty:
                     raise gr.Error(f"{param.name}: missing; this endpoint needs it (see the app's API page)")
                 inputs.append(param.default)
+        for block, value in zip(wanted, inputs):
+            if not isinstance(block, Api):
+                check_input_size(block, value)
         super().validate_inputs(block_fn, inputs)
+
+    async def preprocess_data(self, block_fn: Any, inputs: list[Any], state: Any, explicit_call: bool = False) -> Any:
+        try:
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+        except gr.Error as exc:
+            raise gr.Error(toast_text(one_line(str(exc.message))), print_exception=False) from None
+
+
+def check_input_size(block: Any, value: Any) -> None:
+    """gr.Error naming ``block`` (its label) when ``value`` is over the size a page event may send."""
+    limit = MAX_CHOICE_CHARS if isinstance(block, (gr.Dropdown, gr.Radio, gr.CheckboxGroup)) else MAX_INPUT_CHARS
+    items = value if isinstance(value, list) else [value]
+    name = str(getattr(block, "label", None) or getattr(block, "elem_id", None) or type(block).__name__)[:60]
+    if len(items) > MAX_INPUT_ITEMS:
+        raise gr.Error(toast_text(f"{name}: {len(items):,} items is over the {MAX_INPUT_ITEMS:,}-item limit"),
+                       print_exception=False)
+    for item in items:
+        if isinstance(item, str) and len(item) > limit:
+            raise gr.Error(toast_text(f"{name}: a value of {len(item):,} characters is over the "
+                                      f"{limit:,}-character limit"), print_exception=False)
 
 
 @dataclass
@@ -311,6 +349,27 @@ def parent_trace(shared: Shared, lm: LoadedModel, parent: Any, key: str = "paren
     ids = [*trace.prompt_token_ids, *trace.generated_token_ids]
     if not trace.prompt_token_ids or len(trace.prompt_token_ids) > shared.max_prompt_tokens:
         raise UserError(f"{key}: prompt_token_ids must hold 1 to {shared.max_prompt_tokens} tokens")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < lm.vocab_size for i in ids):
+    if not all(_token_in(i, lm) for i in ids):
         raise UserError(f"{key}: token ids must be integers in [0, {lm.vocab_size})")
+    check_parent_steps(trace, lm, key)
     return trace
+
+
+def _token_in(value: Any, lm: LoadedModel) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < lm.vocab_size
+
+
+def check_parent_steps(trace: Trace, lm: LoadedModel, key: str = "parent") -> None:
+    """The token ids inside a parent's steps (each step's ``chosen_token_id``, the same as its
+    ``generated_token_ids`` entry, and its stages' top and removed ids) fit ``lm``: a branch
+    keeps and shows the steps before it, so a forged id would be echoed or decoded. UserError
+    naming the field otherwise."""
+    generated = trace.generated_token_ids
+    for i, step in enumerate(trace.steps):
+        if not _token_in(step.chosen_token_id, lm) or (i < len(generated) and step.chosen_token_id != generated[i]):
+            raise UserError(f"{key}: steps[{i}].chosen_token_id: expected generated_token_ids[{i}], an integer in "
+                            f"[0, {lm.vocab_size}), got {str(step.chosen_token_id)[:40]}")
+        for stage in step.stages:
+            if not all(_token_in(t.token_id, lm) for t in [*stage.top, *stage.removed]):
+                raise UserError(f"{key}: steps[{i}].stages ({str(stage.name)[:40]!r}): token ids must be integers "
+                                f"in [0, {lm.vocab_size})")

@@ -1,6 +1,11 @@
 """An OpenAI-compatible server (vLLM, SGLang, llama-server's own /v1): /v1/completions with
 ``logprobs`` (vLLM adds ``prompt_logprobs``), /tokenize and /detokenize at the server root;
-``connect_openai``; our knobs as its sampling fields (each stage's ``served.openai``)."""
+``connect_openai``; our knobs as its sampling fields (each stage's ``served.openai``).
+
+Every field read from an answer goes through ``engine.backends.schema.Schema`` (ids in the
+vocabulary, log-probabilities finite and <= 0, types, counts): a bad one is one RemoteError line
+naming the server and the field. Fast mode reads at most ``max_new_tokens`` tokens, whatever the
+server sends."""
 
 from __future__ import annotations
 
@@ -10,33 +15,71 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
-from engine.backends.llamacpp import llama_entries
+from engine.backends.llamacpp import MAX_CHUNK_TOKENS, MAX_TRAILING_CHUNKS, llama_entries
+from engine.backends.schema import MAX_CONTEXT, MAX_PIECE_CHARS, VOCAB_BOUND, Schema
 from engine.backends.served import Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer
 from engine.config import KNOBS, DecodingConfig
 from engine.stages import STAGES
 
-VOCAB_BOUND = 262_144  # ids a server that does not report its vocabulary may send (Gemma 3's 262144 the largest)
+TEMPLATE_TOKENS = 4096  # tokens a chat template may add around the user's prompt
 
-def _openai_tokens(choice: dict[str, Any]) -> list[tuple[int, float, list[Entry]]]:
+
+def _openai_tokens(choice: Any, s: Schema, field: str, most: int, top_n: int) -> list[tuple[int, float, list[Entry]]]:
     """Each generated token of a /v1/completions choice as (id, logprob, its top-N), from either
     logprobs format: vLLM's (OpenAI's legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs``,
     with ``return_tokens_as_token_ids``: keys ``token_id:<id>``) or llama-server's (``content``:
-    ``[{id, logprob, bytes, top_logprobs}]``)."""
-    logprobs = choice.get("logprobs") or {}
+    ``[{id, logprob, bytes, top_logprobs}]``); every field checked (at most ``most`` tokens, each
+    top-N at most ``top_n`` + 1 entries)."""
+    logprobs = s.obj(s.obj(choice, field).get("logprobs") or {}, f"{field}.logprobs")
+    field = f"{field}.logprobs"
     if "content" in logprobs:
-        return [(int(e["id"]), float(e["logprob"]), llama_entries(e.get("top_logprobs") or []))
-                for e in logprobs["content"]]
-    tops = logprobs.get("top_logprobs") or []
-    return [(_token_id(token), float(lp), [(_token_id(k), float(v), None) for k, v in (top or {}).items()])
-            for token, lp, top in zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [], tops)]
+        out = []
+        for i, e in enumerate(s.array(logprobs["content"], f"{field}.content", most)):
+            name = f"{field}.content[{i}]"
+            out.append((s.token(s.get(e, "id", name), f"{name}.id"),
+                        s.logprob(s.get(e, "logprob", name), f"{name}.logprob", nullable=True),
+                        llama_entries(e.get("top_logprobs") or [], s, f"{name}.top_logprobs", top_n + 1)))
+        return out
+    tokens = s.array(logprobs.get("tokens") or [], f"{field}.tokens", most)
+    lps = s.array(logprobs.get("token_logprobs") or [], f"{field}.token_logprobs", most)
+    tops = s.array(logprobs.get("top_logprobs") or [], f"{field}.top_logprobs", most)
+    if not len(tokens) == len(lps) == len(tops):
+        raise s.fail(field, f"tokens, token_logprobs and top_logprobs differ in length "
+                            f"({len(tokens)}, {len(lps)}, {len(tops)})")
+    return [(_token_id(token, s, f"{field}.tokens[{i}]"), s.logprob(lp, f"{field}.token_logprobs[{i}]"),
+             _top(top, s, f"{field}.top_logprobs[{i}]", top_n + 1))
+            for i, (token, lp, top) in enumerate(zip(tokens, lps, tops))]
 
 
-def _token_id(key: str) -> int:
-    """``token_id:123`` (vLLM's ``return_tokens_as_token_ids``) -> 123."""
-    prefix, _, number = key.partition(":")
-    if prefix != "token_id" or not number.isdigit():
-        raise ValueError(f"expected token_id:<id>, got {key[:40]!r}")
-    return int(number)
+def _top(top: Any, s: Schema, field: str, most: int) -> list[Entry]:
+    """vLLM's ``{"token_id:<id>": logprob}`` top-N as Entries, checked."""
+    entries = [(_token_id(k, s, f"{field}[{k[:20]!r}]"), s.logprob(v, f"{field}[{k[:20]!r}]"), None)
+               for k, v in s.obj(top or {}, field).items()]
+    return s.top(entries, field, most)
+
+
+def _token_id(key: Any, s: Schema, field: str) -> int:
+    """``token_id:123`` (vLLM's ``return_tokens_as_token_ids``) -> 123, in the vocabulary."""
+    prefix, _, number = s.text(key, field, MAX_PIECE_CHARS).partition(":")
+    if prefix != "token_id" or not number.isdigit() or len(number) > 10:
+        raise s.fail(field, f"expected token_id:<id>, got {key[:40]!r}")
+    return s.token(int(number), field)
+
+
+def _row(row: Any, s: Schema, field: str, most: int) -> dict[int, float]:
+    """A prompt_logprobs row, ``{"<id>": {"logprob": x, ...}}``, as {id: logprob}, checked: the
+    prompt's own token and the top-N (at most ``most`` entries, probabilities adding up to <= 1)."""
+    entries = [(_id_key(k, s, f"{field}[{k[:20]!r}]"),
+                s.logprob(s.get(v, "logprob", f"{field}[{k[:20]!r}]"), f"{field}[{k[:20]!r}].logprob"), None)
+               for k, v in s.obj(row, field).items()]
+    return {token: lp for token, lp, _ in s.top(entries, field, most)}
+
+
+def _id_key(key: str, s: Schema, field: str) -> int:
+    """A prompt_logprobs row's key (a token id as a string), in the vocabulary."""
+    if not key.isdigit() or len(key) > 10:
+        raise s.fail(field, f"expected a token id, got {key[:40]!r}")
+    return s.token(int(key), field)
 
 
 @dataclass
@@ -50,22 +93,35 @@ class OpenAIApi:
     model_id: str
     dialect: str = "vllm"  # "vllm" | "llamacpp": how its root tokenises, and whether prompt_logprobs exist
     backend: str = "openai"
+    vocab_size: int = VOCAB_BOUND  # the ids its answers may hold (the operator's vocab=, or llama-server's n_vocab)
+
+    def schema(self, path: str, root: bool = False) -> Schema:
+        """The checks for an answer to ``path`` (at the server root when ``root``)."""
+        client = self.root if root else self.client
+        return Schema(f"{client.server} {client.url}{path}", self.vocab_size)
 
     def tokenize(self, text: str, special: bool) -> list[int]:
         body = {"content": text, "add_special": special, "parse_special": special} if self.dialect == "llamacpp" \
             else {"model": self.model_id, "prompt": text, "add_special_tokens": special}
-        return [int(t) for t in self._root("/tokenize", body)["tokens"]]
+        s = self.schema("/tokenize", root=True)
+        return s.tokens(s.get(self._root("/tokenize", body), "tokens"), "tokens", len(text.encode()) + 16)
 
     def detokenize(self, ids: list[int]) -> str:
+        key = "content" if self.dialect == "llamacpp" else "prompt"
+        s = self.schema("/detokenize", root=True)
         answer = self._root("/detokenize", {"model": self.model_id, "tokens": ids})
-        return answer["content" if self.dialect == "llamacpp" else "prompt"]
+        return s.text(s.get(answer, key), key, MAX_PIECE_CHARS * max(1, len(ids)))
 
     def chat_ids(self, prompt: str) -> list[int]:
         messages = [{"role": "user", "content": prompt}]
         if self.dialect == "llamacpp":
-            return self.tokenize(self._root("/apply-template", {"messages": messages})["prompt"], True)
+            s = self.schema("/apply-template", root=True)
+            text = s.get(self._root("/apply-template", {"messages": messages}), "prompt")
+            return self.tokenize(s.text(text, "prompt"), True)
         body = {"model": self.model_id, "messages": messages, "add_generation_prompt": True}
-        return [int(t) for t in self._root("/tokenize", body)["tokens"]]
+        s = self.schema("/tokenize", root=True)
+        return s.tokens(s.get(self._root("/tokenize", body), "tokens"), "tokens",
+                        len(prompt.encode()) + TEMPLATE_TOKENS)
 
     def _root(self, path: str, body: dict[str, Any]) -> Any:
         """A request at the server root; a server without the endpoint is one line saying so."""
@@ -77,24 +133,24 @@ class OpenAIApi:
                                   "step mode needs the server's tokenizer (vLLM and llama-server have it)") from None
             raise
 
-    def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _complete(self, body: dict[str, Any]) -> tuple[Schema, dict[str, Any]]:
+        """A /completions request: its schema and its first choice (an object)."""
         answer = self.client.post("/completions", {"model": self.model_id, "return_tokens_as_token_ids": True,
                                                    "return_token_ids": True, **body})
-        try:
-            return answer["choices"][0]
-        except (KeyError, IndexError, TypeError):
-            raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: no choices in the answer") \
-                from None
+        s = self.schema("/completions")
+        choices = s.array(s.get(answer, "choices"), "choices", 16)
+        if not choices:
+            raise s.fail("choices", "empty: no choices in the answer")
+        return s, s.obj(choices[0], "choices[0]")
 
     def next_top(self, ids: Sequence[int], top_n: int) -> list[Entry]:
         """The model's top-N after ``ids``: one token at temperature 0 with ``logprobs`` = N (vLLM
         returns the raw model's under its default ``--logprobs-mode raw_logprobs``)."""
-        choice = self._complete({"prompt": list(ids), "max_tokens": 1, "logprobs": top_n, "temperature": 0})
-        try:
-            return _openai_tokens(choice)[0][2]
-        except (IndexError, KeyError, TypeError, ValueError) as exc:
-            raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: no top logprobs in the "
-                              f"answer ({exc})") from None
+        s, choice = self._complete({"prompt": list(ids), "max_tokens": 1, "logprobs": top_n, "temperature": 0})
+        tokens = _openai_tokens(choice, s, "choices[0]", MAX_CHUNK_TOKENS, top_n)
+        if not tokens:
+            raise s.fail("choices[0].logprobs", "no top logprobs in the answer")
+        return tokens[0][2]
 
     def prompt_logprobs(self, ids: Sequence[int], top_n: int) -> list[dict[int, float] | None]:
         """vLLM's ``prompt_logprobs``: for each position of ``ids``, the log-probabilities of its
@@ -106,14 +162,20 @@ class OpenAIApi:
         if self.dialect != "vllm":
             raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: prompt_logprobs: "
                               "not supported by llama-server's OpenAI endpoint (vLLM has them)")
-        choice = self._complete({"prompt": list(ids), "max_tokens": 1, "prompt_logprobs": top_n, "logprobs": top_n,
-                                 "temperature": 0})
+        s, choice = self._complete({"prompt": list(ids), "max_tokens": 1, "prompt_logprobs": top_n,
+                                    "logprobs": top_n, "temperature": 0})
         rows = choice.get("prompt_logprobs")
         if rows is None:
             raise RemoteError(f"OpenAI-compatible server {self.client.url}/completions: prompt_logprobs: "
                               f"{top_n} asked, none in the answer")
-        last = _openai_tokens(choice)[0][2]
-        return [None if row is None else {int(k): float(v["logprob"]) for k, v in row.items()} for row in rows], last
+        field = "choices[0].prompt_logprobs"
+        if len(s.array(rows, field, len(ids))) != len(ids):
+            raise s.fail(field, f"{len(rows)} rows for a prompt of {len(ids)} tokens")
+        tokens = _openai_tokens(choice, s, "choices[0]", MAX_CHUNK_TOKENS, top_n)
+        if not tokens:
+            raise s.fail("choices[0].logprobs", "no top logprobs in the answer")
+        return [None if row is None else _row(row, s, f"{field}[{i}]", top_n + 1) for i, row in enumerate(rows)], \
+            tokens[0][2]
 
     def positions(self, ids: Sequence[int], start: int, top_n: int) -> list[list[Entry]]:
         """The top-N after ``ids[:i]`` for i = start .. len(ids), each with the log-probability of
@@ -128,35 +190,70 @@ class OpenAIApi:
         """Fast mode: one streamed request; the server samples with the knobs it has
         (each stage's ``served.openai``): a FastToken (its top-N ``logprobs``: raw or processed, the server's
         ``--logprobs-mode``) as each token arrives, then the FastAnswer. ``raw`` changes nothing
-        (the top-N are the only ones it sends)."""
+        (the top-N are the only ones it sends). At most ``config.max_new_tokens`` tokens are read:
+        a server that sends more is cut off there (the stream closed, the answer saying so)."""
         fields, notes = _openai_fields(config, self.dialect)
-        where = f"OpenAI-compatible server {self.client.url}/completions"
-        finish, stop_reason = "", None
         body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
                 "prompt": list(ids), "stream": True, "max_tokens": config.max_new_tokens, "logprobs": config.top_n,
                 "seed": config.seed, "stop": list(config.stop), **fields}
-        with closing(self.client.stream_post("/completions", body)) as chunks:  # closed: the server stops too
-            for chunk in chunks:
-                choices = chunk.get("choices") if isinstance(chunk, dict) else None
-                if not isinstance(choices, list):
-                    raise RemoteError(f"{where}: a streamed chunk without choices")
-                for choice in choices[:1]:  # a usage-only chunk has none
-                    try:
-                        tokens = _openai_tokens(choice)
-                    except (KeyError, TypeError, ValueError) as exc:
-                        raise RemoteError(f"{where}: a streamed chunk without token logprobs ({exc})") from None
-                    for token, lp, top in tokens:
-                        yield FastToken(token, math.exp(lp), None, top)
-                    finish = choice.get("finish_reason") or finish
-                    stop_reason = choice.get("stop_reason", stop_reason)
-        reason = {"stop": "eos", "length": "max_new_tokens"}.get(finish, "max_new_tokens")
-        if reason == "eos" and isinstance(stop_reason, str):  # vLLM: the stop string that ended it
-            reason = "stop_string"
+        stream = _Stream(self.schema("/completions"), config)
+        with closing(stream.tokens(self.client.stream_post("/completions", body))) as streamed:  # a Stop closes it
+            for token, lp, top in streamed:
+                yield FastToken(token, math.exp(lp), None, top)
         approximations = ["the server sampled (its own generator and sampler code); no draw u is known",
                           "the top-N per token are the server's logprobs: the raw model's on llama-server and "
                           "under vLLM's default --logprobs-mode raw_logprobs, processed under processed_logprobs",
-                          "entropies are over the top-N only"]
-        yield FastAnswer(reason, approximations, notes)
+                          "entropies are over the top-N only", *stream.notes]
+        yield FastAnswer(stream.stop_reason(), approximations, notes)
+
+
+class _Stream:
+    """Reads a streamed /v1/completions: its tokens (at most ``config.max_new_tokens``), then how it
+    stopped (``stop_reason()``) and what the reading had to say (``notes``)."""
+
+    def __init__(self, schema: Schema, config: DecodingConfig):
+        self.schema, self.config = schema, config
+        self.finish: str | None = None
+        self.stopped_by: str | int | None = None  # vLLM's stop_reason: the stop string (or token) that ended it
+        self.notes: list[str] = []
+
+    def tokens(self, chunks: Iterator[Any]) -> Iterator[tuple[int, float, list[Entry]]]:
+        """(id, logprob, top-N) per token as the chunks arrive, until the stream ends; past
+        ``max_new_tokens`` tokens, or ``MAX_TRAILING_CHUNKS`` chunks after the last one, the
+        stream is closed (the server stops too)."""
+        s, limit = self.schema, self.config.max_new_tokens
+        count, trailing = 0, 0
+        with closing(chunks):
+            for i, chunk in enumerate(chunks):
+                choices = chunk.get("choices") if isinstance(chunk, dict) else None
+                if not isinstance(choices, list):
+                    raise RemoteError(f"{s.where}: a streamed chunk without choices")
+                parsed = [t for choice in s.array(choices, f"stream[{i}].choices", 16)[:1]  # a usage-only chunk has none
+                          for t in self._choice(choice, f"stream[{i}].choices[0]")]
+                if count >= limit and (parsed or trailing >= MAX_TRAILING_CHUNKS):
+                    self.notes.append(f"the server went on past max_new_tokens ({limit}); the stream was cut there")
+                    self.finish = "length"
+                    return
+                trailing += count >= limit
+                yield from parsed[:limit - count]
+                count += len(parsed[:limit - count])
+
+    def _choice(self, choice: Any, field: str) -> list[tuple[int, float, list[Entry]]]:
+        s = self.schema
+        tokens = _openai_tokens(choice, s, field, MAX_CHUNK_TOKENS, self.config.top_n)
+        self.finish = s.optional_text(choice.get("finish_reason"), f"{field}.finish_reason") or self.finish
+        stopped_by = choice.get("stop_reason", self.stopped_by)
+        if stopped_by is not None and not isinstance(stopped_by, (str, int)) or isinstance(stopped_by, bool):
+            raise s.fail(f"{field}.stop_reason", f"expected a string, a token id or null, got "
+                                                 f"{type(stopped_by).__name__}")
+        self.stopped_by = stopped_by
+        return tokens
+
+    def stop_reason(self) -> str:
+        reason = {"stop": "eos", "length": "max_new_tokens"}.get(self.finish or "", "max_new_tokens")
+        if reason == "eos" and isinstance(self.stopped_by, str):  # vLLM: the stop string that ended it
+            reason = "stop_string"
+        return reason
 
 
 def _openai_fields(config: DecodingConfig, dialect: str = "vllm") -> tuple[dict[str, Any], dict[str, list[dict[str, str]]]]:
@@ -193,20 +290,22 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
     VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string)."""
     client = JsonClient(url, timeout_s, "OpenAI-compatible server")
     root = JsonClient(url[:-3] if url.rstrip("/").endswith("/v1") else url, timeout_s, "OpenAI-compatible server")
-    try:
-        info = client.get("/models")["data"][0]
-        model_id = str(info["id"])
-    except (KeyError, IndexError, TypeError):
-        raise RemoteError(f"OpenAI-compatible server {client.url}/models: no model in the answer") from None
+    s = Schema(f"OpenAI-compatible server {client.url}/models")
+    data = s.array(s.get(client.get("/models"), "data"), "data", 1000)
+    if not data:
+        raise s.fail("data", "no model in the answer")
+    info = s.obj(data[0], "data[0]")
+    model_id = s.text(s.get(info, "id", "data[0]"), "data[0].id", MAX_PIECE_CHARS)
     meta = info.get("meta") if isinstance(info.get("meta"), dict) else None
-    api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm")
+    context = s.count((meta or {}).get("n_ctx") or info.get("max_model_len") or 4096, "data[0].max_model_len")
+    vocab = vocab_size or s.count((meta or {}).get("n_vocab") or VOCAB_BOUND, "data[0].meta.n_vocab", 1, MAX_CONTEXT)
+    api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm", vocab_size=vocab)
     tokenizer = RemoteTokenizer(api)
-    context = int((meta or {}).get("n_ctx") or info.get("max_model_len") or 4096)
-    vocab = vocab_size or int((meta or {}).get("n_vocab") or VOCAB_BOUND)
     chat = True
     if meta:
-        props = root.get("/props")
-        eos_text = props.get("eos_token") or ""
+        props = api.schema("/props", root=True).obj(root.get("/props"), "the answer")
+        eos_text = api.schema("/props", root=True).optional_text(props.get("eos_token"), "eos_token",
+                                                                 MAX_PIECE_CHARS) or ""
         found = tuple(tokenizer.encode(eos_text, add_special_tokens=True)) if eos_text else ()
         eos_token_ids = eos_token_ids or (found if len(found) == 1 else ())
         chat = bool(props.get("chat_template"))

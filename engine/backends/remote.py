@@ -18,8 +18,12 @@ through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend
   second request with the same seed after the stream, raw; OpenAI: its ``logprobs``).
 
 ``RemoteModel`` quacks like ``engine.backends.local.LoadedModel`` where the decoding loop needs it
-(tokenizer, EOS ids, vocabulary size, token text, decode). Every request has a timeout; a server
-that is down, slow or answers an error raises ``RemoteError`` with one line naming the URL.
+(tokenizer, EOS ids, vocabulary size, token text, decode). A server's answer is untrusted input
+(issue #34): every request has one deadline (its own, cut to the run's time limit) and is closed
+by the run's cancel (``engine.backends.client``); every answer is bounded in size and checked field
+by field (``engine.backends.schema``); a server that is down, slow, redirects or answers something
+out of range raises ``RemoteError`` with one line naming the URL (and the field). Fast mode reads
+at most ``max_new_tokens`` tokens, whatever the server streams.
 
 Which of our knobs a server's sampler cannot express is listed per fast-mode run (``unmapped``),
 with the knobs that map with a difference (``caveats``); llama.cpp's ``samplers`` list follows our
@@ -74,8 +78,9 @@ def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, 
     model.learn_pieces(top)
     token_ids = torch.tensor([t for t, _, _ in top], dtype=torch.long)
     logprobs = torch.tensor([lp for _, lp, _ in top], dtype=torch.float32)
-    if len(top) and int(token_ids.max()) >= model.vocab_size:
-        raise RemoteError(f"{model.client.server} {model.url}: token {int(token_ids.max())} is outside the "
+    outside = [t for t, _, _ in top if not 0 <= t < model.vocab_size]  # the API checked its own bound
+    if outside:
+        raise RemoteError(f"{model.client.server} {model.url}: token {outside[0]} is outside the "
                           f"vocabulary of {model.vocab_size} (vocab_size)")
     logits = torch.full((1, model.vocab_size), -math.inf)
     logits[0, token_ids] = logprobs
@@ -195,6 +200,9 @@ def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], con
             if isinstance(item, FastAnswer):
                 answer = item
                 continue
+            if len(steps) >= config.max_new_tokens:  # the API stops there; never more, whatever it yields
+                raise RemoteError(f"{model.client.server} {model.url}: more than max_new_tokens "
+                                  f"({config.max_new_tokens}) tokens")
             step = _fast_step(model, len(steps), item, (time.perf_counter() - start) * 1000)
             steps.append(step)
             yield Event(steps=[step])
@@ -232,6 +240,9 @@ def server_speculative(timings: dict[str, Any]) -> dict[str, Any]:
 
 def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: float) -> StepTrace:
     """A streamed token as a step: its stages are the top-N the backend sent (raw, final)."""
+    if not 0 <= token.token < model.vocab_size:
+        raise RemoteError(f"{model.client.server} {model.url}: token {token.token} is outside the "
+                          f"vocabulary of {model.vocab_size} (vocab_size)")
     stages = []
     for name, entries in (("raw", token.raw), ("final", token.final)):
         if entries is not None:

@@ -272,6 +272,8 @@ def kind_names(picked: list[str] | None, window: Any) -> list[str]:
     """The ticked kinds, ``sliding-<N>`` filled in with the window (ValueError naming a bad one)."""
     names = []
     for kind in picked or []:
+        if not isinstance(kind, str):
+            raise UserError(f"kinds: expected names of KV cache kinds, got {str(kind)[:40]!r}")
         if kind == SLIDING:
             if isinstance(window, float) and window.is_integer():
                 window = int(window)
