@@ -48,6 +48,7 @@ browser:
 
 bench: setup
 	$(PY) -m bench.engine_vs_generate --stages
+	$(PY) -m bench.chain_capture
 	$(PY) -m bench.beam_vs_generate
 	$(PY) -m bench.speculative
 	$(PY) -m bench.kv_cache
@@ -56,7 +57,12 @@ bench: setup
 # cached in ~/.cache/decoding-playground; `make remote` serves the embedded GGUF on 127.0.0.1. Pick it
 # with DP_REMOTE_MODELS=llamacpp:http://127.0.0.1:$(LLAMA_PORT). LLAMA_ARGS: more llama-server flags, e.g.
 # LLAMA_ARGS="-md draft.gguf --spec-type draft-simple" (its own speculative decoding). docs/remote.md.
+# One slot (-np 1) by default, for reproducible numbers: llama-server's own default (4 slots in one
+# unified KV cache) gives a request other log-probabilities while other requests run beside it (up to
+# 0.07 nats here), so greedy step mode and fast mode part ways (issue #35: 7 of 15 concurrent pairs, 0 of 20
+# with -np 1). LLAMA_SLOTS=4: four slots, each with its own KV cache (0 of 20 here); LLAMA_ARGS is read last.
 LLAMA_PORT ?= 8080
+LLAMA_SLOTS ?= 1
 LLAMA_ARGS ?=
 LLAMA_BUILD_LOG ?= /tmp/llama-server-build.log
 llama-server: setup
@@ -64,7 +70,7 @@ llama-server: setup
 
 remote: setup
 	"$$(nice -n 10 sh deploy/llama_server.sh $(PY))" --host 127.0.0.1 --port $(LLAMA_PORT) \
-	  -m "$$($(PY) -c 'from engine.models import gguf_path; print(gguf_path())')" $(LLAMA_ARGS)
+	  -m "$$($(PY) -c 'from engine.backends.local import gguf_path; print(gguf_path())')" -np $(LLAMA_SLOTS) $(LLAMA_ARGS)
 
 # The 4-bit RTN / GPTQ / AWQ checkpoints of the embedded model (issue #40), made once with llm-compressor in
 # its own cached venv and cached in ~/.cache/decoding-playground (a few minutes; README: "Quantization").

@@ -26,11 +26,11 @@ PROMPT = "Write a short story about a lighthouse keeper."
 def lanes_seconds(shared, lm, prompt_ids, configs) -> float:
     from engine.control import RunControl
     from playground.views.compare.lanes import CompareSession
-    from playground.views.compare.run import run_lanes
+    from playground.views.compare.run import LaneModel, run_lanes
 
     session = CompareSession(traces=[None] * len(configs), errors=[""] * len(configs))
     start = time.perf_counter()
-    for _ in run_lanes(shared, lm, PROMPT, prompt_ids, configs, True, session, RunControl()):
+    for _ in run_lanes(shared, [LaneModel(lm, prompt_ids)] * len(configs), PROMPT, configs, True, session, RunControl()):
         pass
     if any(session.errors):
         raise RuntimeError(session.errors)

@@ -82,7 +82,7 @@ def main() -> None:
     lm = load_model(ModelSpec())
     with (nullcontext(args.url) if args.url else started_server(args.threads)) as url:
         native = llamacpp.connect(url, timeout_s=120)
-        openai = openai.connect_openai(url + "/v1", timeout_s=120)
+        through_v1 = openai.connect_openai(url + "/v1", timeout_s=120)
         fast, beams = native.with_mode("fast"), config.replace(strategy="beam", num_beams=2)
         spec = config.replace(strategy="speculative", drafter="ngram", temperature=0.0)
         def tokens(model, config: DecodingConfig, name: str) -> Callable[[], int]:
@@ -98,7 +98,7 @@ def main() -> None:
 
         runs = {name: tokens(model, cfg, name) for name, model, cfg in (
             ("llama.cpp step mode (1 request/token)", native, config),
-            ("OpenAI /v1 step mode (1 request/token)", openai, config),
+            ("OpenAI /v1 step mode (1 request/token)", through_v1, config),
             ("llama.cpp fast mode (streamed; final + raw: 2 requests)", fast, config),
             ("llama.cpp speculative, n-gram drafts (our rounds)", native, spec),
             ("llama.cpp beam search, 2 beams (steps/s)", native, beams),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -52,14 +53,16 @@ class RunContext:
 
 def checked(source: Iterator, control: RunControl | None) -> Iterator:
     """Items of ``source``, checking ``control`` before each one is computed (a cancelled or
-    timed-out run stops within one step)."""
-    while True:
-        check(control)
-        try:
-            item = next(source)
-        except StopIteration:
-            return
-        yield item
+    timed-out run stops within one step). A stopped run closes ``source`` at once (a served
+    model's streamed request then ends on the server too)."""
+    with closing(source):  # type: ignore[type-var]
+        while True:
+            check(control)
+            try:
+                item = next(source)
+            except StopIteration:
+                return
+            yield item
 
 
 def check_prompt(prompt_ids: Sequence[int]) -> None:

@@ -90,6 +90,12 @@ def rows_with_tokens(final: torch.Tensor) -> list[bool]:
     return torch.isfinite(final.float().amax(dim=-1)).tolist()
 
 
+def mass_before(probs: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Each row's probability mass where ``before`` [R, V] holds, summed in float64 -> [R]
+    (``where`` needs no negated mask: the same sums bit for bit as ``masked_fill(~before)``)."""
+    return torch.where(before, probs, 0.0).double().sum(dim=-1)
+
+
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[Pick]:
     """Draw from each row of ``probs`` [R, V] with ``generators[r]`` (V draws each, as alone): the
     exponential race (token i gets E_i ~ Exp(1); the largest p_i / E_i wins, as torch.multinomial
@@ -101,7 +107,7 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
     times = noise.gather(1, tokens) / p  # [R, 1]: the race's winning times, as sample_probs divides them
     ids = torch.arange(probs.shape[1], device=probs.device)
     before = (probs > p) | ((probs == p) & (ids < tokens))  # [R, V]: sorted before the winner
-    low = probs.masked_fill(~before, 0.0).double().sum(dim=-1)  # [R]
+    low = mass_before(probs, before)  # [R]
     out = []
     for token, prob, t, lo in zip(tokens[:, 0].tolist(), p[:, 0].tolist(), times[:, 0].tolist(), low.tolist()):
         out.append(Pick(token, prob, lo + prob * -math.expm1(-t), lo, lo + prob))

@@ -9,8 +9,11 @@ tick (continuous batching: runs join and leave at any tick):
 2. prefills the joiners, shortest prompts first, in groups of similar length (one forward per
    group, left-padded like the batch; ``length_groups``), merges their KV into the batch and hands
    out each group's first tokens at once (runs that arrived meanwhile join the same way, up to
-   ``max_batch``; runs with the same prompt are prefilled once and get copies of its KV rows),
-   so a newcomer never waits for the running rows' forward nor for a long prompt;
+   ``max_batch``; runs with the same prompt are prefilled once and get copies of its KV rows, and
+   joiners whose prompts begin alike feed that shared prefix once: ``shared_prefix``), so a
+   newcomer never waits for the running rows' forward nor for a long prompt. A prompt longer than
+   ``prefill_chunk`` tokens is prefilled in chunks instead, one chunk per tick between the decode
+   forwards (chunked prefill), so the running rows keep getting tokens while it is read;
 3. runs ONE forward of the next token of every row (left padding, attention mask [B, L], per-row
    position ids; a running sequence is never prefilled again);
 4. steps every row with its own stage chain, pick (its own ``torch.Generator``) and stop rules:
@@ -28,6 +31,12 @@ Limits (environment variables, read when the scheduler is created):
 - ``DP_MAX_BATCH``: rows stepped in one forward (default 16 on CPU, 32 on GPU). Runs past it wait.
 - ``DP_MAX_QUEUE``: runs that may wait for a row (default 256). Past it ``stream`` raises
   ``SchedulerFull``.
+- ``DP_PREFILL_CHUNK``: prompt tokens prefilled per tick for a long prompt (default 256; 0: a prompt
+  is prefilled in one forward whatever its length).
+
+Every tick and every run that ends is recorded in ``serving`` (engine.reports.serving.ServingStats:
+two bounded rings) for the Serving view: rows, queue, row lengths, prefill, forward and step times,
+each run's time to first token and per output token.
 
 One worker thread per scheduler, started when a run arrives and ended when none is left (so an idle
 scheduler holds no thread and, through a weak reference, does not keep its model alive). A new worker
@@ -50,11 +59,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from engine import kv_quant
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.core import RunState, advance_rows, check_prompt
 from engine.backends.local import LoadedModel
+from engine.reports.metrics import common_prefix
+from engine.reports.serving import RunRecord, ServingStats, Tick
 from engine.settings import env_int
 from engine.threads import step_threads
 from engine.trace import StageTrace, StepTrace
@@ -62,6 +74,10 @@ from engine.trace import StageTrace, StepTrace
 DEFAULT_MAX_BATCH_CPU = 16
 DEFAULT_MAX_BATCH_GPU = 32
 DEFAULT_MAX_QUEUE = 256
+DEFAULT_PREFILL_CHUNK = 256
+# Joiners prefilled together share a common prompt prefix's forward once it is this long (shorter
+# ones cost less than the extra forward that feeding the prefix alone takes).
+MIN_SHARED_PREFIX = 16
 PAD_SLACK = 2.0  # joiners prefilled together may hold at most this many times their real tokens
 # An idle scheduler's worker waits this long before its first prefill, so runs sent together (a
 # Compare's lanes start in threads a few ms apart) share one prefill instead of the first going alone.
@@ -81,6 +97,18 @@ def env_limit(name: str, default: int, minimum: int) -> int:
 def default_max_batch(device: torch.device) -> int:
     default = DEFAULT_MAX_BATCH_GPU if device.type == "cuda" else DEFAULT_MAX_BATCH_CPU
     return env_limit("DP_MAX_BATCH", default, 1)
+
+
+def default_prefill_chunk() -> int:
+    """Prompt tokens prefilled per tick for a long prompt: env ``DP_PREFILL_CHUNK`` (0: no chunking)."""
+    return env_limit("DP_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK, 0)
+
+
+def bytes_per_position(lm: LoadedModel) -> int:
+    """Bytes one cached position of one row holds in a full-precision cache: 2 (K and V) × layers ×
+    KV heads × head dim × the model's bytes per element."""
+    geo = kv_quant.geometry(lm.model.config, lm.dtype)
+    return geo.values_per_position * geo.bytes_per_element
 
 
 def batchable(lm: LoadedModel) -> bool:
@@ -103,6 +131,14 @@ class _Run:
         self.sequence = self.state.sequence  # what the prefill feeds
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # StepTrace | BaseException
         self.closed = False  # the consumer went away
+        self.steps, self.first_ms, self.last_ms = 0, None, 0.0  # what its user received (for ServingStats)
+        self.chunk_kv: KVCache | None = None  # its own cache while a long prompt is prefilled in chunks
+        self.fed = 0  # prompt positions that cache holds
+
+    def record(self, reason: str) -> RunRecord:
+        """What the run's user received, as the Serving view's record of it."""
+        tpot = (self.last_ms - self.first_ms) / (self.steps - 1) if self.steps > 1 else None
+        return RunRecord(time.time(), self.state.prompt_length, self.steps, self.first_ms, tpot, reason)
 
     @property
     def last_token(self) -> int:
@@ -169,6 +205,25 @@ def length_groups(runs: list[_Run], slack: float = PAD_SLACK) -> list[list[_Run]
     return groups
 
 
+def shared_prefix(sequences: Sequence[Sequence[int]], minimum: int = MIN_SHARED_PREFIX) -> int:
+    """Positions every one of ``sequences`` begins with, leaving each at least one position of its
+    own (its next-token logits come from it); 0 for fewer than two sequences or below ``minimum``."""
+    if len(sequences) < 2:
+        return 0
+    shared = min(common_prefix(sequences[0], other) for other in sequences[1:])
+    shared = min(shared, min(len(s) for s in sequences) - 1)
+    return shared if shared >= minimum else 0
+
+
+def left_padded(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequences`` left-padded to the longest: ids [U, T] and mask [U, T] (1 = real). Pads repeat
+    the row's first token (any real id works: they are masked out)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([[s[0]] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long, device=device)
+    return ids, mask
+
+
 def distinct_sequences(runs: list[_Run]) -> tuple[list[_Run], list[int]]:
     """The first run of each distinct sequence, and for every run the index of its sequence among
     them. Runs with the same prompt (a Compare's lanes, its seed sweep, a room on one lesson's
@@ -190,18 +245,25 @@ class Scheduler:
     """Steps many runs of one model in one batched forward per tick. Thread-safe: any number of
     handler threads may call ``stream`` at once. Holds its model only weakly."""
 
-    def __init__(self, lm: LoadedModel, *, max_batch: int | None = None, max_queue: int | None = None):
+    def __init__(self, lm: LoadedModel, *, max_batch: int | None = None, max_queue: int | None = None,
+                 prefill_chunk: int | None = None, share_prefix: bool = True):
         self._model = weakref.ref(lm)
         self.device = lm.device
         self.max_batch = max_batch if max_batch is not None else default_max_batch(lm.device)
         self.max_queue = max_queue if max_queue is not None else env_limit("DP_MAX_QUEUE", DEFAULT_MAX_QUEUE, 0)
+        self.prefill_chunk = prefill_chunk if prefill_chunk is not None else default_prefill_chunk()
+        self.share_prefix = share_prefix  # joiners' common prompt prefix fed once (``_feed``)
         if not batchable(lm):
             self.max_batch = 1
-        if self.max_batch < 1 or self.max_queue < 0:
-            raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {self.max_batch}, {self.max_queue}")
+        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_chunk < 0:
+            raise ValueError(f"scheduler: max_batch must be >= 1, max_queue and prefill_chunk >= 0, got "
+                             f"{self.max_batch}, {self.max_queue}, {self.prefill_chunk}")
+        self.serving = ServingStats(bytes_per_position(lm))  # every tick and ended run, for the Serving view
         self._lock = threading.Lock()
         self._waiting: list[_Run] = []
         self._batch = _Batch(lm.device)
+        self._chunking: list[_Run] = []  # long prompts being prefilled, a chunk per tick (worker only)
+        self._tick_fed = self._tick_saved = 0  # prompt tokens fed / not fed thanks to sharing, this tick
         self._worker: threading.Thread | None = None
         self._active = 0
         self._ticks = 0
@@ -235,11 +297,12 @@ class Scheduler:
             run.closed = True  # the worker drops the row at its next tick
 
     def stats(self) -> dict:
-        """Active rows, queued runs, ticks (batched forwards) and the mean rows per tick."""
+        """Active runs (rows and long prompts being prefilled), queued runs, ticks (batched
+        forwards) and the mean rows per tick, with the limits."""
         with self._lock:
             return {"active": self._active, "queued": len(self._waiting), "ticks": self._ticks,
                     "mean_batch": self._rows_stepped / self._ticks if self._ticks else 0.0,
-                    "max_batch": self.max_batch, "max_queue": self.max_queue}
+                    "max_batch": self.max_batch, "max_queue": self.max_queue, "prefill_chunk": self.prefill_chunk}
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail every run still here and wait (up to ``timeout`` s) for the worker to end. Called at
@@ -270,51 +333,77 @@ class Scheduler:
             while True:
                 with self._lock:
                     self._waiting = [run for run in self._waiting if self._still_wanted(run)]  # cancelled in line
-                    free = self.max_batch - len(self._batch.runs)
+                    free = self.max_batch - len(self._batch.runs) - len(self._chunking)
                     joiners, self._waiting = self._waiting[:free], self._waiting[free:]
                     if self._closing:
-                        for run in self._batch.runs + joiners + self._waiting:
-                            run.out.put(RuntimeError("scheduler: the server is shutting down"))
-                        self._batch, self._waiting, joiners = _Batch(self.device), [], []
-                    if not joiners and not self._batch.runs:
+                        self._fail(self._batch.runs + self._chunking + joiners + self._waiting,
+                                   RuntimeError("scheduler: the server is shutting down"))
+                        self._batch, self._chunking, self._waiting, joiners = _Batch(self.device), [], [], []
+                    if not joiners and not self._batch.runs and not self._chunking:
                         self._worker, self._active = None, 0
                         return
                 try:
                     self._tick(joiners)
                 except BaseException as exc:  # noqa: BLE001 (a bug here must reach the users, not kill the worker)
-                    for run in self._batch.runs + joiners:
-                        run.out.put(exc)
-                    self._batch = _Batch(self.device)
+                    self._fail(self._batch.runs + self._chunking + joiners, exc)
+                    self._batch, self._chunking = _Batch(self.device), []
                 with self._lock:
-                    self._active = len(self._batch.runs)
+                    self._active = len(self._batch.runs) + len(self._chunking)
 
     def _tick(self, joiners: list[_Run]) -> None:
         """Drop stopped rows; prefill the joiners and hand out their first token (runs that arrived
-        meanwhile join too, up to ``max_batch``); then one batched forward of every row, the runs
-        that arrived during it, and each row's step. Joiners go first so a newcomer's first token
-        never waits for both a forward and a capture of the rows already running."""
+        meanwhile join too, up to ``max_batch``) and feed one chunk of a long prompt; then one
+        batched forward of every row, the runs that arrived during it, and each row's step. Joiners
+        go first so a newcomer's first token never waits for both a forward and a capture of the
+        rows already running. The tick goes to ``serving``."""
         self._drop([i for i, run in enumerate(self._batch.runs) if not self._still_wanted(run)])
+        self._tick_fed = self._tick_saved = 0
+        started = time.perf_counter()
         while joiners:
             self._join([run for run in joiners if self._still_wanted(run)])
             joiners = self._take_waiting()
-        if self._batch.runs:
-            running = list(self._batch.runs)
-            with step_threads(self._batch.device, len(running)):
-                logits = self._batch.forward()  # [B, V]
-            with self._lock:
-                self._ticks += 1
-                self._rows_stepped += len(running)
-            # Runs that arrived during the forward get their first token before the rows' capture,
-            # so a newcomer waits at most one forward or one capture, not both.
-            for late in iter(self._take_waiting, []):
-                self._join([run for run in late if self._still_wanted(run)])
-            with step_threads(self._batch.device, len(running)):
-                self._step(running, logits)
+        self._feed_chunk()
+        prefilled = time.perf_counter()
+        if not self._batch.runs:
+            return
+        running = list(self._batch.runs)
+        with step_threads(self._batch.device, len(running)):
+            logits = self._batch.forward()  # [B, V]
+        forwarded = time.perf_counter()
+        lengths = tuple(run.state.ids.shape[1] for run in running)  # real positions each row holds now
+        width = self._batch.kv.length
+        # Runs that arrived during the forward get their first token before the rows' capture,
+        # so a newcomer waits at most one forward or one capture, not both.
+        for late in iter(self._take_waiting, []):
+            self._join([run for run in late if self._still_wanted(run)])
+        joined = time.perf_counter()
+        with step_threads(self._batch.device, len(running)):
+            self._step(running, logits)
+        stepped = time.perf_counter()
+        self._record_tick(running, lengths, width, prefill_s=prefilled - started + joined - forwarded,
+                          forward_s=forwarded - prefilled, step_s=stepped - joined)
+
+    def _record_tick(self, running: list[_Run], lengths: tuple[int, ...], width: int, *, prefill_s: float,
+                     forward_s: float, step_s: float) -> None:
+        reserved = sum(run.state.prompt_length + run.state.config.max_new_tokens for run in running)
+        with self._lock:
+            self._ticks += 1
+            self._rows_stepped += len(running)
+            queued = len(self._waiting)
+        self.serving.add_tick(Tick(time.time(), len(running), queued, len(self._chunking), width, lengths, reserved,
+                                   self._tick_fed, self._tick_saved, prefill_s * 1000, forward_s * 1000,
+                                   step_s * 1000))
 
     def _join(self, joiners: list[_Run]) -> None:
         """Prefill the joiners and step their first token, shortest prompts first, in groups of
         similar length (``length_groups``: one long prompt neither pads the short ones to its length
-        nor holds back their first token); branches of stateful chains alone, with their replay."""
+        nor holds back their first token); branches of stateful chains alone, with their replay;
+        prompts longer than ``prefill_chunk`` go to the chunked prefill (``_feed_chunk``)."""
+        chunked = [run for run in joiners if self._chunked(run)]
+        for run in chunked:
+            run.chunk_kv = KVCache(run.lm.model)
+        self._chunking.extend(chunked)
+        joiners = [run for run in joiners if run.chunk_kv is None]
         groups = length_groups([run for run in joiners if not run.state.needs_replay])
         groups += [[run] for run in joiners if run.state.needs_replay]
         for group in groups:
@@ -322,63 +411,127 @@ class Scheduler:
             if runs:
                 self._step(runs, logits)
 
+    def _chunked(self, run: _Run) -> bool:
+        return 0 < self.prefill_chunk < len(run.sequence) and not run.state.needs_replay
+
+    def _feed_chunk(self) -> None:
+        """Feed the next ``prefill_chunk`` tokens of the oldest long prompt into its own cache (all
+        that is left when no row is decoding: nobody waits for it); once the whole prompt is in,
+        its run joins the batch as its last row with its first token."""
+        self._chunking = [run for run in self._chunking if self._still_wanted(run)]
+        if not self._chunking:
+            return
+        run = self._chunking[0]
+        size = self.prefill_chunk if self._batch.runs else len(run.sequence) - run.fed
+        piece = run.sequence[run.fed:run.fed + size]
+        try:
+            ids = torch.tensor([piece], dtype=torch.long, device=self.device)  # [1, C]
+            logits = run.chunk_kv.forward(ids).logits[:, -1, :].float()  # [1, V]
+        except Exception as exc:  # noqa: BLE001 (that run fails; the rows go on)
+            self._chunking.pop(0)
+            self._fail([run], exc)
+            return
+        run.fed += len(piece)
+        self._tick_fed += len(piece)
+        if run.fed == len(run.sequence):
+            self._chunking.pop(0)
+            self._batch.add([run], run.chunk_kv)
+            run.chunk_kv = None
+            self._step([run], logits)
+
     def _take_waiting(self) -> list[_Run]:
         """Runs that arrived while the last joiners were prefilled, as many as there are free rows."""
         with self._lock:
             if self._closing:
                 return []
-            free = self.max_batch - len(self._batch.runs)
-            joiners, self._waiting = self._waiting[:max(free, 0)], self._waiting[max(free, 0):]
+            free = max(self.max_batch - len(self._batch.runs) - len(self._chunking), 0)
+            joiners, self._waiting = self._waiting[:free], self._waiting[free:]
             return joiners
 
     def _step(self, runs: list[_Run], logits: torch.Tensor) -> None:
         """Each run's own step on its row of ``logits`` [R, V] (``core.advance_rows``: the batched
         capture, equal to each row's ``RunState.advance``); finished and failed runs leave the
-        batch, then every StepTrace (or the run's exception) goes to its stream."""
+        batch (and are recorded in ``serving``), then every StepTrace (or the run's exception) goes
+        to its stream."""
         results = advance_rows([run.state for run in runs], logits)
-        done = {id(run) for run, item in zip(runs, results)
-                if isinstance(item, Exception) or item.finish_reason is not None}
+        done = {}
+        for run, item in zip(runs, results):
+            if isinstance(item, Exception):
+                done[id(run)] = "error"
+                continue
+            run.steps += 1
+            run.first_ms = item.elapsed_ms if run.first_ms is None else run.first_ms
+            run.last_ms = item.elapsed_ms
+            if item.finish_reason is not None:
+                done[id(run)] = item.finish_reason
         if done:
             self._batch.keep([i for i, run in enumerate(self._batch.runs) if id(run) not in done])
+            for run in runs:
+                if id(run) in done:
+                    self.serving.add_run(run.record(done[id(run)]))
         with self._lock:  # before the outputs go out, so a consumer that saw its last step sees its row gone
-            self._active = len(self._batch.runs)
+            self._active = len(self._batch.runs) + len(self._chunking)
         for run, item in zip(runs, results):
             run.out.put(item)
 
     def _prefill(self, runs: list[_Run], replay: bool = False) -> tuple[list[_Run], torch.Tensor | None]:
         """Prefill the joiners together (one forward, left-padded, each distinct sequence once:
-        ``distinct_sequences``) and add them as the last rows. Returns the runs added and their
-        next-token logits [J, V] (no runs: the forward failed and they got its exception).
-        ``replay`` (one run, a branch whose chain is stateful): ``RunState.prefill``, as
-        ``decode.stream`` prefills it (the forward keeps its prefix positions' logits, replayed)."""
+        ``distinct_sequences``; a prefix they all share fed once: ``_feed``) and add them as the last
+        rows. Returns the runs added and their next-token logits [J, V] (no runs: the forward
+        failed and they got its exception). ``replay`` (one run, a branch whose chain is stateful):
+        ``RunState.prefill``, as ``decode.stream`` prefills it (the forward keeps its prefix
+        positions' logits, replayed)."""
         if not runs:
             return [], None
         fed, rows = distinct_sequences(runs)
-        lengths = [len(run.sequence) for run in fed]
-        width = max(lengths)
-        # Pads repeat the row's first token (any real id works: they are masked out).
-        ids = torch.tensor([[run.sequence[0]] * (width - n) + run.sequence for run, n in zip(fed, lengths)],
-                           dtype=torch.long, device=self.device)  # [U, T]
-        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device)
         kv = KVCache(runs[0].lm.model)
         try:  # logits [U, V]
-            logits = runs[0].state.prefill(kv) if replay else kv.forward(ids, mask=mask).logits[:, -1, :].float()
+            if replay:
+                logits, tokens = runs[0].state.prefill(kv), len(runs[0].sequence)
+            else:
+                logits, tokens = self._feed(kv, [run.sequence for run in fed])
         except Exception as exc:  # noqa: BLE001 (the joiners fail; the running rows go on)
-            for run in runs:
-                run.out.put(exc)
+            self._fail(runs, exc)
             return [], None
+        self._tick_fed += tokens
+        self._tick_saved += sum(len(run.sequence) for run in runs) - tokens
         if len(fed) < len(runs):  # each run gets its own copy of its sequence's KV rows: [U, ...] -> [J, ...]
             kv.keep_rows(rows)
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
         self._batch.add(runs, kv)
         return runs, logits  # [J, V]
 
-    @staticmethod
-    def _still_wanted(run: _Run) -> bool:
+    def _feed(self, kv: KVCache, sequences: list[list[int]]) -> tuple[torch.Tensor, int]:
+        """Feed ``sequences`` into the empty ``kv`` as its rows; returns their next-token logits
+        [U, V] and the positions fed. A prefix they all share (``shared_prefix``) is fed once, as
+        one row, copied to every row, then each row's rest follows (left-padded after the
+        prefix: the mask keeps every real position's number); the result is the one-forward
+        prefill's, to float rounding."""
+        shared = shared_prefix(sequences) if self.share_prefix else 0
+        if shared:
+            kv.forward(torch.tensor([sequences[0][:shared]], dtype=torch.long, device=self.device))  # [1, P]
+            kv.keep_rows([0] * len(sequences))
+            sequences = [s[shared:] for s in sequences]
+        ids, mask = left_padded(sequences, self.device)  # [U, T]
+        logits = kv.forward(ids, mask=mask).logits[:, -1, :].float()
+        return logits, shared + sum(len(s) for s in sequences)
+
+    def _still_wanted(self, run: _Run) -> bool:
+        """Whether the run goes on; a stopped one is recorded, then gets its RunStopped (unless its
+        consumer left)."""
         stop = run.stopped()
-        if stop is not None and not run.closed:
+        if stop is None:
+            return True
+        self.serving.add_run(run.record(stop.reason))
+        if not run.closed:
             run.out.put(stop)
-        return stop is None
+        return False
+
+    def _fail(self, runs: list[_Run], exc: BaseException) -> None:
+        """End ``runs`` with ``exc`` (recorded in ``serving`` first)."""
+        for run in runs:
+            self.serving.add_run(run.record("error"))
+            run.out.put(exc)
 
     def _drop(self, rows: list[int]) -> None:
         if rows:

@@ -93,6 +93,8 @@ SETTINGS = (
             shown="16 on CPU, 32 on GPU", minimum=1),
     Setting("DP_MAX_QUEUE", "int", 256, "runs waiting for a batch row (a Compare lane is a run)",
             shown="256 (128 in public mode)", minimum=0),
+    Setting("DP_PREFILL_CHUNK", "int", 256, "prompt tokens prefilled per tick for a longer prompt, between the "
+            "batch's decode forwards (0: one forward)", minimum=0),
     Setting("DP_CONCURRENCY", "int", None, "model events running at once", shown="= `DP_MAX_BATCH`", minimum=1),
     Setting("DP_SERVED_CONCURRENCY", "int", 16, "runs on served models (DP_REMOTE_MODELS) at once, besides "
             "`DP_CONCURRENCY`: a slow server never holds the local model's slots; one more is refused in one line",

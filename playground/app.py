@@ -13,7 +13,7 @@ from . import downloads, events, examples, page_js, share_links, whatif_service
 from .assets import static_text
 from .events import ModelEvents
 from .shared import PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state, wire_model_check
-from .views import beam, compare, lessons, presets, quantization, search, speculative, step
+from .views import beam, compare, lessons, presets, quantization, search, serving, speculative, step
 from .whatif_service import WhatIfService
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
@@ -25,6 +25,7 @@ VIEWS = (
     ("Speculative", speculative, "speculative"),
     ("Search & heads", search, "search"),
     ("Quantization & KV cache", quantization, "quantization"),
+    ("Serving", serving, "serving"),
     ("Presets", presets, "presets"),
 )
 DEFAULT_QUEUE_SIZE = 64

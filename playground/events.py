@@ -573,16 +573,21 @@ def stop_runs(events: list, session: str | None) -> int:
 STOP_GRACE_MS = 2000  # after Stop, a running run's own last update comes first; then Gradio's cancel
 
 
-def stop_button(button: gr.Button, status: Any, events: list, message: Any = "stopped") -> None:
+def stop_button(button: gr.Button, status: Any, events: list, message: Any = "stopped",
+                run_says: bool = False) -> None:
     """Stop: cancels this page's runs of ``events`` directly (each stops within one step and ends
     on its own "stopped" update, after any update already on its way); STOP_GRACE_MS later Gradio's
     ``cancels`` takes any run still waiting in the queue off it (cancelling a running one at once
     would cut off its last update). ``status``: one output or a list; ``message``: what they show
-    at once, or a function of their shown values returning that. Not an API endpoint."""
+    at once, or a function of their shown values returning that. ``run_says``: a cancelled run
+    says "stopped" itself at once (Compare: within 50 ms), so the press shows ``message`` only when
+    no run was cancelled; its reply could otherwise reach the page after the run's own last word
+    and hide it. Not an API endpoint."""
     outputs = status if isinstance(status, list) else [status]
 
     async def stop(*shown: Any) -> Any:  # on the event loop: no wait for a worker thread
-        stop_runs(events, _session())
+        if stop_runs(events, _session()) and run_says:
+            return SKIP if len(outputs) == 1 else [SKIP] * len(outputs)
         return message(*shown) if callable(message) else message
 
     stop.__name__ = getattr(message, "__name__", "stop") if callable(message) else "stop"

@@ -20,13 +20,19 @@ RUN_BUTTONS = {"step": ids.STEP_GENERATE, "compare": ids.CMP_RUN, "beam": ids.BE
 PRESENT_NARROW_PX = 900  # the presenter's and Step through's charts go two panels a row on pages narrower than this
 PHONE_PX = 600  # Step through's chart goes one panel a row below this (app.CSS stacks the columns there too)
 
+# A run button -> the element whose top is scrolled into view once "Open in its view" pressed it:
+# where that run's result appears, when it is not the top of its tab.
+RUN_LANDINGS = {ids.KV_MEASURE: ids.KV_SECTION, ids.METHODS_MEASURE: ids.METHODS_SECTION}
 # After "Open in its view" filled the view (its tab switching in): press the view's run button once
-# it is shown, so the lesson runs through the view's own handler (its errors, Stop, streaming).
-OPEN_RUN_JS = static_text("open_run.js")
+# it is shown, so the lesson runs through the view's own handler (its errors, Stop, streaming), and
+# scroll to where its result appears (RUN_LANDINGS).
+OPEN_RUN_JS = static_text("open_run.js", LANDINGS=json.dumps(RUN_LANDINGS))
 
-# The page's keys, sortable stage list, width boxes, selected token and out-of-range refusals.
+# The page's keys, sortable stage list, width boxes, selected token, out-of-range refusals and a
+# lesson link's wait for its lesson.
+LESSON_PARAM = "lesson"  # a lesson link's query parameter (views/lessons.py reads it on page load)
 HEAD = "<script>" + static_text("page.js", PROMPTS=json.dumps(PROMPT_BUTTONS), NARROW=str(PRESENT_NARROW_PX),
-                                PHONE=str(PHONE_PX)) + "</script>"
+                                PHONE=str(PHONE_PX), LESSON_PARAM=json.dumps(LESSON_PARAM)) + "</script>"
 CSS = static_text("page.css")
 
 
@@ -58,3 +64,6 @@ PREPARE_JS = static_text("whatif_prepare.js", POST=_POST)
 
 # The presenter's chart was drawn: keep the shown step's raw logits for its temperature slider.
 PRESENTER_PREPARE_JS = static_text("whatif_presenter_prepare.js", POST=_POST)
+
+# A lesson link's lesson is in the Lessons tab (its page-load event answered): page.js's hold ends.
+LESSON_READY_JS = static_text("lessons_link_ready.js")

@@ -112,7 +112,7 @@ def _copy_link_row(views: dict[str, PanelView], user_presets: gr.BrowserState) -
     with gr.Accordion("Share a link", open=False, elem_id="dp-share"):
         with gr.Row():
             which = gr.Radio(names, value=names[0], label="View", scale=2, elem_id="dp-share-view")
-            button = gr.Button("🔗 Copy link", size="sm", scale=0, min_width=120, elem_id="dp-copy-link")
+            button = gr.Button("Copy link", size="sm", scale=0, min_width=120, elem_id="dp-copy-link")
             link = gr.Textbox(show_label=False, interactive=False, scale=4, elem_id="dp-share-link")
     groups = [_share_inputs(views[name]) for name in names]
     starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]

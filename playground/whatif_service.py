@@ -39,6 +39,7 @@ from engine.strategies import decode
 from engine import explore
 from engine.config import ConfigError, DecodingConfig
 from engine.backends.local import LoadedModel
+from engine.numbers import decimal, interval, percent
 from engine.settings import env_flag
 from engine.trace import StepTrace, Trace
 from playground.charts import step as charts
@@ -139,9 +140,7 @@ def knob_diff(knobs: dict, config: dict) -> str:
     return ", ".join(f"{k} = {v}" for k, v in diff.items()) or OWN_KNOBS
 
 
-def pct(p: float) -> str:
-    """A probability as a percentage that never reads 0.0% for a token that has some mass."""
-    return f"{p:.1%}" if p >= 0.001 or p == 0 else f"{p:.1e}"
+pct = percent  # a probability as the whole page writes it (engine.numbers: never 0.0% for some mass)
 
 
 def is_greedy(knobs: dict, config: dict) -> bool:
@@ -155,7 +154,7 @@ def whatif_headline(changed: StepTrace, greedy: bool) -> str:
     if greedy:
         return f"greedy would choose {token} (p = {pct(changed.chosen_prob)})"
     if changed.draw is not None:
-        return f"the run's u = {changed.draw:.3f} would choose {token} (p = {pct(changed.chosen_prob)})"
+        return f"the run's u = {decimal(changed.draw)} would choose {token} (p = {pct(changed.chosen_prob)})"
     return f"sampling would draw; the run's {token} has p = {pct(changed.chosen_prob)}"
 
 
@@ -168,22 +167,45 @@ def whatif_pick(original: StepTrace, changed: StepTrace, greedy: bool) -> str:
         return (f"Greedy would take the most probable token “{token}” (p = {pct(changed.chosen_prob)}; raw model "
                 f"{pct(changed.raw_prob)}).{versus}")
     if changed.draw is not None:
-        return (f"The run's draw u = {changed.draw:.3f} would fall in “{token}”'s slice [{changed.draw_low:.4f}, "
-                f"{changed.draw_high:.4f}) of the new sorted cumulative distribution, so it would be chosen "
+        return (f"The run's draw u = {decimal(changed.draw)} would fall in “{token}”'s slice "
+                f"{interval(changed.draw_low, changed.draw_high)} of the new sorted cumulative distribution, so it would be chosen "
                 f"(p = {pct(changed.chosen_prob)}; raw model {pct(changed.raw_prob)}).{versus}")
     how = "you picked it" if original.forced else "a greedy pick"
     return (f"This step has no draw to replay ({how}): sampling would draw from these "
             f"{charts.tokens_word(changed.stages[-1].kept)}, where the run's “{token}” has p = {pct(changed.chosen_prob)}.")
 
 
-def whatif_explain(original: StepTrace, changed: StepTrace, knobs: dict, config: dict) -> str:
+def whatif_explain(original: StepTrace, changed: StepTrace, knobs: dict, config: dict,
+                   source: charts.Source = charts.LOCAL) -> str:
     """The explanation under the chart for the what-if: the stages under the new knobs and what
     they would pick, headed by the knobs that differ (the run's own knobs: the run's own explanation)."""
     what = knob_diff(knobs, config)
     if what == OWN_KNOBS:
-        return charts.explain_step(original)
+        return charts.explain_step(original, source=source)
     return (f"**What if** ({html.escape(what)}): "
             + charts.explain_step(changed, pick=whatif_pick(original, changed, is_greedy(knobs, config))))
+
+
+def stage_axis_spans(fig: Any, panels: int) -> list[tuple[float, float] | None]:
+    """The probability axis of each of the first ``panels`` panels (x, x2, x3...: the stage panels;
+    the draw's panel follows them) as the figure sets it: its range, or None where plotly picks
+    the range itself from that panel's bars (autorange)."""
+    spans = []
+    for i in range(panels):
+        axis = fig.layout[f"xaxis{i + 1 if i else ''}"]
+        rng = axis.range if axis is not None else None
+        spans.append((float(rng[0]), float(rng[1])) if rng is not None and axis.autorange in (None, False) else None)
+    return spans
+
+
+def axis_note(fig: Any, panels: int) -> str:
+    """What the probability axes of ``fig``'s ``panels`` stage panels are, read from the figure:
+    one shared axis (every panel set to the same range, named) or each panel on its own scale."""
+    spans = stage_axis_spans(fig, panels)
+    if spans and all(s is not None and s == spans[0] for s in spans):
+        low, high = spans[0]
+        return f"one probability axis for all stages, {'0' if low == 0 else pct(low)} to {pct(high)}"
+    return "each panel on its own scale"  # the words of the run's own chart (charts.step.stage_chart)
 
 
 def whatif_figure(chart: Callable, trace: Trace, at: int, changed: StepTrace, knobs: dict, width: float | None) -> Any:
@@ -192,12 +214,12 @@ def whatif_figure(chart: Callable, trace: Trace, at: int, changed: StepTrace, kn
     only while that step is shown)."""
     original = trace.steps[at]
     if knob_diff(knobs, trace.config) == OWN_KNOBS:
-        fig = chart(original, width)
+        fig = chart(original, width, charts.source_of(trace, at))
     else:
         fig = chart(changed, width)
         fig.layout.title.text = (f"step {at}: what if, {whatif_headline(changed, is_greedy(knobs, trace.config))}"
                                  f"<br><sup>the run chose {html.escape(charts.readable(original.chosen_token))} "
-                                 f"(p = {pct(original.chosen_prob)}) · one probability axis for all stages</sup>")
+                                 f"(p = {pct(original.chosen_prob)}) · {axis_note(fig, len(changed.stages))}</sup>")
     fig.layout.meta = {**fig.layout.meta, "step": at}
     return fig
 
@@ -210,9 +232,9 @@ def whatif_note(original: StepTrace, changed: StepTrace, knobs: dict, config: di
     what = knob_diff(knobs, config)
     parts = [f"**What if** ({html.escape(what)}): {charts.tokens_word(final.kept)} survive"]
     if top is not None:
-        parts.append(f"most likely now {html.escape(repr(charts.readable(top.token)))} ({top.prob:.1%})")
+        parts.append(f"most likely now {html.escape(repr(charts.readable(top.token)))} ({percent(top.prob)})")
     parts.append(f"the run's token {html.escape(repr(charts.readable(original.chosen_token)))} "
-                 + (f"{chosen:.1%}" if chosen is not None else "outside the top tokens"))
+                 + (percent(chosen) if chosen is not None else "outside the top tokens"))
     return "; ".join(parts) + "."
 
 
@@ -223,7 +245,7 @@ def remote_note(trace: Trace, at: int) -> str:
         return ""
     tail = charts.step_tail(trace, at)
     if tail is not None:
-        return f" Over the server's top {tail[0]} at this step, as the run was (the tail, {tail[1]:.1%}, left out)."
+        return f" Over the server's top {tail[0]} at this step, as the run was (the tail, {percent(tail[1])}, left out)."
     return " Over the server's top-N at this step (asked again: the run itself did not use our stages here)."
 
 
@@ -238,7 +260,7 @@ def figure_answer(chart: Callable, changed: StepTrace, width: Any, at: int, trac
     fig = whatif_figure(chart, trace, at, changed, knobs, page_width(width))
     note = whatif_note(original, changed, knobs, trace.config) + remote_note(trace, at)
     return {"figure": RawJSON(fig.to_json()), "note": note,
-            "explain": whatif_explain(original, changed, knobs, trace.config)}
+            "explain": whatif_explain(original, changed, knobs, trace.config, charts.source_of(trace, at))}
 
 
 def direct_enabled() -> bool:

@@ -119,3 +119,32 @@ def test_rows_with_tokens_agrees_with_has_tokens():
     rows = torch.tensor([[0.0, 1.0, -inf], [-inf, -inf, -inf], [nan, 1.0, 2.0], [inf, 1.0, 2.0], [-inf, 3.0, -inf]])
     assert sampling.rows_with_tokens(rows) == [True, False, False, False, True]
     assert sampling.rows_with_tokens(rows) == [sampling.has_tokens(rows[r:r + 1]) for r in range(rows.shape[0])]
+
+
+def test_entropy_rows_equals_entr_on_raw_truncated_and_edge_rows():
+    """``chain.entropy_rows`` (the recorder's vectorized entropy) against its definition,
+    ``torch.special.entr(p).sum(-1)``: a raw softmax row, a top-k-truncated one (exact zeros), a
+    one-hot row, a row with subnormal probabilities, and a NaN row (NaN in both)."""
+    from engine.chain import entropy_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 4096) * 4
+    logits[1, logits[1] < logits[1].topk(20).values[-1]] = -float("inf")  # top-k 20: 4076 exact zeros
+    logits[2] = -float("inf")
+    logits[2, 7] = 0.0  # one token left: entropy 0
+    logits[3, :100] = logits[3].max() - 90.0  # p ~ e^-90 / Z: subnormal float32
+    probs = torch.softmax(logits, dim=-1)
+    probs[4, 3] = float("nan")
+    want, got = torch.special.entr(probs).sum(-1), entropy_rows(probs)
+    assert torch.isnan(got[4]) and torch.isnan(want[4])
+    assert torch.allclose(got[:4], want[:4], atol=1e-6, rtol=0)
+    assert got[2].item() == 0.0 and (probs[3, :100] > 0).any() and (probs[3, :100] < torch.finfo(torch.float32).tiny).all()
+
+
+def test_mass_before_equals_the_masked_float64_sum():
+    """``sampling.mass_before`` (the draw's interval start) against masked_fill(~before) then a
+    float64 sum, bit for bit."""
+    torch.manual_seed(1)
+    probs = torch.softmax(torch.randn(3, 1000) * 3, dim=-1)
+    before = probs > probs[:, 11:12]
+    assert torch.equal(sampling.mass_before(probs, before), probs.masked_fill(~before, 0.0).double().sum(dim=-1))

@@ -118,6 +118,25 @@ def test_winner_note_and_table_follow_the_slider(trace):
     assert len(rows[0]) == len(charts.HYPOTHESES_HEADERS)
 
 
+def test_a_remote_search_counts_generated_tokens_and_scores_greedy_its_way(trace):
+    """vLLM's method (engine.strategies.remote_beam) divides by the prompt's length too: with a 9-token prompt
+    "A a x" (EOS last) has ``length`` 9 + 2 but generated 3 tokens, and greedy is scored over the
+    same kind of length (the room saw the winner's "73 tokens" beside greedy's "64")."""
+    for h in trace.hypotheses:
+        h.length += 9 - (h.finish_reason == "eos")  # prompt + generated, an EOS last not counted
+        h.score = h.sum_logprobs / h.length
+    trace.hypotheses.reverse()  # best first under that score: "B" (-0.6 / 10) before "A a x" (-0.75 / 11)
+    note = charts.winner_note(trace, 1.0)
+    assert "(2 tokens, score -0.0600). Same winner" in note, note
+    assert [row[3] for row in charts.hypotheses_rows(trace, 1.0)] == [2, 3]  # generated, as greedy's count
+    same = charts.greedy_note([10, 20, 30], "A a x", [-0.1, -0.2, -0.45], trace, 1.0, length=11)
+    assert "(3 tokens, sum log-prob -0.750, score -0.0682 " in same and "it is hypothesis #2" in same, same
+    # "A b" (-0.5) over 9 + 2 = -0.0455 beats both hypotheses; over its own 2 tokens (-0.25) it lost to both
+    better = charts.greedy_note([10, 21], "A b", [-0.1, -0.4], trace, 1.0, length=11)
+    assert "(2 tokens, sum log-prob -0.500, score -0.0455 " in better and "0 of 2 hypotheses score higher" in better
+    assert "2 of 2 hypotheses score higher" in charts.greedy_note([10, 21], "A b", [-0.1, -0.4], trace, 1.0)
+
+
 def test_figure_colours_statuses_and_marks_the_winning_path(trace):
     fig = charts.tree_figure(trace)
     names = {v: k for k, v in charts.STATUS_NAMES.items()}

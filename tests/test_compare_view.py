@@ -11,7 +11,7 @@ import pytest
 
 from engine.strategies.contrastive import ContrastCandidate, ContrastStep, SearchCandidate, SearchStep
 from engine.reports.metrics import lane_metrics
-from engine.trace import StageTrace, StepTrace, Timing, Trace
+from engine.trace import StageTrace, StepTrace, Timing, TokenProb, Trace
 from playground.charts import compare as charts
 from playground.shared import UserError
 from playground.views.compare import api as compare_api
@@ -108,10 +108,47 @@ def test_record_tables_show_scores_and_mark_the_choice():
     assert "3 plausible tokens" in text and "| `¦x` ← | -1.000 | -3.000 | 2.000 |" in text and "implausible" in text
 
 
+def served(ids: list[int], mode: str, url: str = "http://127.0.0.1:8080", **knobs) -> Trace:
+    """A greedy lane on a served model: each step's raw top-2 are its pick (p 0.41) and 7 (p 0.40)."""
+    t = trace([f" t{i}" for i in ids], ids)
+    t.config = {"max_new_tokens": 8, **knobs}
+    t.model = f"llamacpp:{url}"
+    for s in t.steps:
+        s.stages = [StageTrace("raw", 100, 0.0, 1.0, 0.0, [TokenProb(s.chosen_token_id, s.chosen_token, 0.41),
+                                                          TokenProb(7, " t7", 0.40)])]
+    t.extra["remote"] = {"url": url, "mode": mode}
+    return t
+
+
+def test_a_step_and_a_fast_lane_that_part_ways_on_one_server_say_where_and_why():
+    step, fast = served([1, 2, 3, 4], "step"), served([1, 2, 7, 5], "fast")
+    note = charts.served_modes_note(["Lane 1", "Lane 2", "Lane 3"], [trace([" x"], [9]), fast, step])
+    assert note.startswith("**Lane 3 (step mode) and Lane 2 (fast mode) part ways at step 2**"), note
+    assert "step mode took `␣t3`, fast mode `␣t7` (the server's p in step mode: 41% vs 40%, a near-tie)" in note
+    assert "`-np 1`" in note and "\n" not in note  # one line
+    assert charts.parting_step(step, fast) == 2
+    assert charts.served_modes_note(["a", "b"], [step, served([1, 2, 3, 4], "fast")]) == ""  # the same tokens
+    assert charts.served_modes_note(["a", "b"], [step, served([1, 2], "fast")]) == ""  # one ended (stopped) first
+    assert charts.served_modes_note(["a", "b"], [step, served([1, 2, 7], "fast", "http://127.0.0.1:9")]) == ""
+    assert charts.served_modes_note(["a", "b"], [step, served([1, 2, 7], "fast", top_k=5)]) == ""  # other knobs
+    assert charts.served_modes_note(["a", "b"], [step, served([1, 2, 7], "step")]) == ""  # both step mode
+    assert charts.parting_step(step, served([1, 2, 7], "fast", seed=4)) == 2  # greedy ignores the seed
+    hot = served([1, 2, 7], "fast", temperature=0.8)
+    hot.strategy = "sample"
+    assert charts.parting_step(served([1, 2, 3], "step", temperature=0.8), hot) is None  # a draw: no claim
+    assert "&lt;b&gt;" in charts.served_modes_note(["<b>", "b"], [step, fast])
+
+
 def test_lane_status_and_sweep_text():
     t = trace([" a"], [1])
-    assert "running… 1 / 8 tokens" in charts.lane_status("Lane 1", t, 8, running=True)
+    assert "running… 1 / 8 tokens" in charts.lane_status("Lane 1", t, 8, "running")
+    assert "running… 3 / 8 tokens" in charts.lane_status("Lane 1", None, 8, "running", made=3)  # a beam's steps
     assert "1 tokens, stop: max_new_tokens reached, 20.0 tok/s" in charts.lane_status("Lane 1", t, 8)
+    assert "1 tokens, stop: max_new_tokens reached" in charts.lane_status("Lane 1", t, 8, "done")
+    assert "Lane 1: stopped after 1 of 8 tokens</div>" in charts.lane_status("Lane 1", t, 8, "stopped")
+    assert "Lane 1: stopped at the time limit after 0 of 8 tokens" in charts.lane_status(
+        "Lane 1", None, 8, "stopped", why="at the time limit")
+    assert "Lane 1: waiting" in charts.lane_status("Lane 1", None, 8, "waiting")
     assert "&lt;b&gt;" in charts.lane_status("<b>", None, 8)
     from engine.reports.metrics import sweep_spread
 

@@ -78,11 +78,11 @@ def test_the_note_and_the_sentence_say_what_the_grammar_did():
 def test_a_mask_that_removed_all_but_a_trace_never_says_minus_zero():
     """At the JSON preset's first step on the embedded model the grammar removes nearly all the mass,
     and float32's sum of the removed probabilities can pass 1 by an ulp (the page said "-0.0%"): the
-    sentence says 0.0%."""
+    sentence says it removed 100.0%, never a negative share kept."""
     step = json_step()
     step.stages[1].mass_removed = 1.0000001
     sentence = charts.explain_step(step)
-    assert "covering 0.0% of the mass" in sentence and "-0.0%" not in sentence, sentence
+    assert "removed 100.0% of the mass" in sentence and "-0" not in sentence and "−0" not in sentence, sentence
 
 
 def test_facts_come_from_the_records():

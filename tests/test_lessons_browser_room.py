@@ -1,8 +1,8 @@
 """Issue #27, the Lessons points in a real browser at 1280x720 (embedded model): Run and check is on
 the first screen whatever the lesson; a lesson's text, prompt and run names are plain text (a
 Markdown image, an <img> tag and a link fetch nothing and show as typed); every built-in lesson's
-Run and check draws the chart of the stage it teaches, with no error; Stop clears the previous
-lesson's chart."""
+Run and check draws the chart of the stage it teaches, with no error (issue #35: on the first
+screen); Stop clears the previous lesson's chart."""
 
 from __future__ import annotations
 
@@ -128,6 +128,34 @@ def test_pasted_or_linked_lesson_text_fetches_nothing_and_shows_as_typed(room_pa
 
 
 # --- 8. every built-in lesson: Run and check draws the stage it teaches -------------------------------
+# The chart's box, its title's and each panel's plotting area (page px), as drawn.
+CHART_BOXES = """() => {
+    const plot = document.querySelector('#lessons-chart .js-plotly-plot'), L = plot._fullLayout;
+    const top = plot.getBoundingClientRect().y, box = r => ({y: r.y, bottom: r.y + r.height});
+    const panels = Object.keys(L).filter(k => /^yaxis[0-9]*$/.test(k))
+        .map(k => ({y: top + L[k]._offset, bottom: top + L[k]._offset + L[k]._length}));
+    const title = plot.querySelector('.gtitle');
+    return {chart: box(plot.getBoundingClientRect()), title: title ? box(title.getBoundingClientRect()) : null, panels};
+}"""
+
+
+def assert_chart_on_the_first_screen(page, lesson_id: str) -> None:
+    """Issue #35: lesson charts started at y = 510-843 at 1280x720 (scroll to see them). Now every
+    lesson's chart starts at the top of the tab, beside the lesson's buttons, and lies on the first
+    screen whole, but the beam tree (its nodes need the room; it pans), whose top is on it."""
+    assert page.evaluate("() => window.scrollY") == 0
+    boxes = page.evaluate(CHART_BOXES)
+    run = page.locator("#lessons-run").bounding_box()
+    assert boxes["chart"]["y"] <= run["y"], (lesson_id, boxes["chart"], run)  # at the tab's top, not below the texts
+    if lesson_id == "beam-search":
+        assert boxes["chart"]["y"] + 250 <= 720, (lesson_id, boxes)
+        return
+    assert 0 <= boxes["chart"]["y"] and boxes["chart"]["bottom"] <= 720 + 1, (lesson_id, boxes["chart"])
+    assert boxes["title"] is None or boxes["title"]["y"] >= boxes["chart"]["y"] - 1, (lesson_id, boxes["title"])
+    for panel in boxes["panels"]:
+        assert boxes["chart"]["y"] <= panel["y"] and panel["bottom"] <= 720, (lesson_id, panel)
+
+
 @pytest.mark.slow
 @pytest.mark.quantized  # the GPTQ vs AWQ lesson loads the 4-bit checkpoints: run last, waiting for them
 def test_every_lessons_run_and_check_draws_the_stage_it_teaches(room_page, live_app, artifacts, quant_checkpoints):
@@ -140,6 +168,8 @@ def test_every_lessons_run_and_check_draws_the_stage_it_teaches(room_page, live_
         assert page.locator("#lesson-outcome-text").count() == 1
         page.wait_for_function(f"() => ({CHART_TEXT})().toLowerCase().includes({json.dumps(TAUGHT[lesson_id].lower())})",
                                timeout=30_000)
+        page.wait_for_timeout(300)  # a check's report chart replaces the run's
+        assert_chart_on_the_first_screen(page, lesson_id)
         page.screenshot(path=str(artifacts / f"lesson-room-{lesson_id}.png"))
 
 
@@ -150,7 +180,7 @@ def test_stop_during_a_lesson_run_clears_the_previous_lessons_chart(room_page, l
     open_lesson(page, live_app, "truncation", builtin_lessons()["truncation"].title)
     page.click("#lessons-run")
     page.wait_for_selector("#lessons-status:has-text('done')", timeout=300_000)
-    page.wait_for_function(f"() => ({CHART_TEXT})().includes('top-k')")
+    page.wait_for_function(f"() => ({CHART_TEXT})().includes({json.dumps(TAUGHT['truncation'])})")
     # Another lesson (picked in the page, so the session keeps the first run), then Stop while it runs.
     page.click("#lessons-pick input")
     page.get_by_role("option", name=builtin_lessons()["penalties"].title).click()
@@ -173,3 +203,26 @@ def test_lessons_buttons_fit_a_phone(browser, live_app):
             box = page.locator(selector).bounding_box()
             assert box["x"] >= 0 and box["x"] + box["width"] <= 390 + 1, (selector, box)
         assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth + 1")
+
+
+@pytest.mark.slow
+def test_the_lessons_chart_follows_the_page_width(room_page, live_app):
+    """Issue #35: the lesson chart is one row on a projector's first screen; narrowed to a phone the
+    page asks for it again, one panel a row within the page width, no chart text over another."""
+    from test_screenshots_browser import phone_problems
+
+    page = room_page
+    open_lesson(page, live_app, "truncation", builtin_lessons()["truncation"].title)
+    page.click("#lessons-run")
+    page.wait_for_selector("#lessons-status:has-text('done')", timeout=300_000)
+    meta = "() => document.querySelector('#lessons-chart .js-plotly-plot')?.layout?.meta || {}"
+    page.wait_for_function(f"() => ({meta})().columns === 4")
+    assert_chart_on_the_first_screen(page, "truncation")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_function(f"() => ({meta})().phone === true && ({meta})().columns === 1", timeout=60_000)
+    page.wait_for_timeout(400)
+    chart = page.locator("#lessons-chart .js-plotly-plot").bounding_box()
+    assert chart["x"] >= 0 and chart["x"] + chart["width"] <= 390 + 1, chart
+    assert [p for p in phone_problems(page, "lessons") if "lessons-chart" in p] == []
+    page.set_viewport_size({"width": 1280, "height": 720})  # back on the projector: one row again
+    page.wait_for_function(f"() => ({meta})().columns === 4", timeout=60_000)

@@ -100,3 +100,24 @@ def test_the_presenters_chart_of_that_step_is_legible_too(temperature_run, width
     assert tallest >= VISIBLE * axis_span(data, i, tallest)
     titles = " ".join(str(a.get("text", "")) for a in data["layout"].get("annotations", []))
     assert NOT_RECORDED not in titles
+
+
+@pytest.mark.parametrize("width, columns", [(None, 4), (1280, 4), (800, 2), (390, 1)])
+def test_the_lessons_chart_is_one_row_on_a_projector_and_stacks_on_a_phone(temperature_run, width, columns):
+    """Issue #35: the chart lies on a projector's first screen (one row, 370 px, every bar labelled)
+    and, below the narrow width, is laid out as Step through's chart (two a row, one on a phone),
+    its layout named in ``meta`` so the page asks again after a resize."""
+    from playground.views.lessons import LESSON_ROW_PX, lesson_stage_chart
+
+    _, step, _ = temperature_run
+    panels = len(step.stages) + (1 if step.draw is not None else 0)
+    assert panels == 4  # raw, temperature, final, the draw
+    fig = lesson_stage_chart(step, width)
+    assert fig.layout.meta["columns"] == columns
+    assert fig.layout.meta["narrow"] == (width is not None and width < 900)
+    assert fig.layout.meta["phone"] == (width is not None and width < 600)
+    xs = sorted({round(fig.layout[f"xaxis{axis_suffix(i)}"].domain[0], 3) for i in range(panels)})
+    assert len(xs) == columns  # panels side by side in that many columns
+    if columns == 4:
+        assert fig.layout.height == LESSON_ROW_PX
+        assert all(fig.layout[f"yaxis{axis_suffix(i)}"].dtick == 1 for i in range(panels))  # every token labelled

@@ -17,7 +17,7 @@ from engine.reports.lessons import (LessonError, builtin_lessons, evaluate, pars
 TAUGHT = {
     "greedy-vs-sampling": "where the draw",  # a sampled lane: the draw's panel
     "temperature": "temperature",
-    "truncation": "top-k",
+    "truncation": "top-p",  # the lane its check is about (engine.reports.lessons.taught_run): top-p adapts
     "penalties": "penalty",
     "beam-search": "beam",
     "speculative": "accepted drafts",

@@ -9,6 +9,7 @@ import pytest
 
 from engine.control import RunControl
 from engine.backends.registry import ModelRegistry
+from playground.charts import memory as memory_charts
 from playground.shared import Shared, UserError
 from playground.views import quantization as view
 
@@ -51,7 +52,8 @@ def test_custom_architecture_and_its_errors():
 def test_calculator_updates_show_the_error_in_place_of_the_formula():
     out = view.CalcOutputs("formula", "table", "chart")
     good = view.calculator_updates(out, "Mistral-7B", 32768, 1, "fp16", "fp16")
-    assert "131,072 bytes per token" in good["formula"] and len(good["table"]) == 3
+    assert "131,072 bytes per token" in good["formula"] and len(good["table"]["value"]) == 3
+    assert len(good["table"]["column_widths"]) == len(memory_charts.CALCULATOR_HEADERS)  # sized to its words
     bad = view.calculator_updates(out, "Mistral-7B", -1, 1, "fp16", "fp16")
     assert set(bad) == {"formula"} and "context: " in bad["formula"]  # the argument by its API name
 
@@ -84,7 +86,7 @@ def test_kinds_handler_streams_rows_and_the_dynamic_cache_matches_its_formula(sh
     updates = list(view.kinds_updates(out, shared, PROMPT, False, 6, ["dynamic", "quantized-int8", view.SLIDING], 4,
                                       2, "embedded", "none", RunControl()))
     last = updates[-1]
-    rows = last["table"]
+    rows = last["table"]["value"]
     assert [r[0] for r in rows] == ["dynamic", "quantized-int8", "sliding-4"]
     assert "bytes = formula for the positions held" in rows[0][3]  # measured cache bytes equal the formula's
     assert rows[0][8] == "reference" and "done: 3 kinds" in last["status"]

@@ -158,3 +158,84 @@ def test_presenter_temperature_slider_redraws_the_shown_step(projector_page, liv
     slider.fill("2")
     page.wait_for_timeout(1500)
     assert page.locator("#present-chart .gtitle").count() == 0  # the guess is not given away
+
+
+# --- issue #35 -------------------------------------------------------------------------------------
+HOT = LESSON | {"id": "presenter-hot", "title": "Temperature 5",
+                "preset": LESSON["preset"] | {"name": "T 5", "temperature": 5.0}}
+# The drawn range of each stage panel's probability axis (plotly's own, after autorange) and the subtitle.
+DRAWN_AXES = """() => {
+    const plot = document.querySelector('#present-chart .js-plotly-plot'), L = plot._fullLayout;
+    const panels = (plot.layout.annotations || []).filter(a => (a.text || '').includes('kept')).length;
+    const ranges = [...Array(panels).keys()].map(i => L['xaxis' + (i ? i + 1 : '')].range.map(v => +v.toFixed(9)));
+    return {ranges, title: plot.layout.title.text};
+}"""
+
+
+def subtitle_matches_the_drawn_axes(page) -> bool:
+    drawn = page.evaluate(DRAWN_AXES)
+    ranges, subtitle = drawn["ranges"], drawn["title"].split("<sup>")[1]
+    shared = all(r == ranges[0] for r in ranges)
+    assert ("one probability axis for all stages" in subtitle) == shared, drawn
+    assert ("each panel on its own scale" in subtitle) == (not shared), drawn
+    return shared
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_presenter_slider_shows_a_t5_run_and_its_subtitle_names_the_drawn_axes(projector_page, live_app):
+    """The slider stopped at 3 and showed 3 for a T = 5 run, and the what-if subtitle said "one
+    probability axis for all stages" over panels running 0-10% and 0-0.2%."""
+    page = projector_page
+    page.goto(f"{live_app}/?lesson={lesson_token(json.dumps(HOT))}&present=1")
+    page.wait_for_selector("#presenter:visible")
+    page.click("#present-run")
+    page.wait_for_selector("#present-chart .gtitle", timeout=300_000)
+    wait_for_step(page, 0)
+    slider = page.locator("#present-temperature input[type=number]")
+    assert float(slider.input_value()) == 5.0
+    bounds = page.locator("#present-temperature input[type=range]")
+    assert (float(bounds.get_attribute("min")), float(bounds.get_attribute("max"))) == (0.0, 5.0)
+    kinds, shown = set(), 0
+    for at in (0, 1, 3):  # the first, a middle and the last step
+        while shown < at:
+            page.click("#present-next")
+            shown += 1
+            wait_for_step(page, shown)
+        assert float(slider.input_value()) == 5.0  # every step starts from the run's own value
+        kinds.add(subtitle_matches_the_drawn_axes(page))  # the run's own chart
+        for t in ("1", "3.5"):
+            slider.fill(t)
+            page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step {at}: what if')", timeout=60_000)
+            page.wait_for_timeout(300)
+            kinds.add(subtitle_matches_the_drawn_axes(page))
+        slider.fill("5")  # back to the run's own
+        page.wait_for_function(f"() => ({CHART_TITLE})().startsWith('step {at}: chose')", timeout=60_000)
+    print(f"axes drawn shared / own-scale: {sorted(kinds)}")
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_the_truncation_presenter_opens_on_the_first_token_of_the_top_p_lane(projector_page, live_app, artifacts):
+    """It opened on its last step (Next did nothing) and showed the top-k lane (-0.0%)."""
+    page = projector_page
+    page.goto(f"{live_app}/?lesson=truncation&present=1")
+    page.wait_for_selector("#presenter:visible")
+    page.click("#present-run")
+    page.wait_for_selector("#present-chart .gtitle", timeout=600_000)
+    wait_for_step(page, 0)
+    label = page.locator("#present-text .dp-present-label").inner_text()
+    assert label.startswith("Step 0 of") and "the lesson's step is" in label, label
+    titles = page.evaluate("() => document.querySelector('#present-chart .js-plotly-plot').layout.annotations"
+                           ".map(a => a.text).join(' ')")
+    assert "top-p" in titles and "top-k" not in titles and "min-p" not in titles, titles
+    page.screenshot(path=str(artifacts / "presenter-truncation-step0.png"))
+    page.click("#present-next")
+    wait_for_step(page, 1)
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#presenter", state="detached")
+    # The Lessons tab's chart: the same lane, on the projector's first screen.
+    chart = box(page, "#lessons-chart .js-plotly-plot")
+    assert page.evaluate("() => window.scrollY") == 0
+    assert chart["y"] >= 0 and chart["y"] + chart["height"] <= 720 + 1, chart
+    assert "top-p" in page.locator("#lessons-chart").inner_text()

@@ -38,7 +38,7 @@ def test_drift_rows_show_memory_load_speed_kl_agreement_and_divergence():
     rows = charts.drift_rows(_report({"nf4": "no bitsandbytes"}))
     assert len(charts.DRIFT_HEADERS) == len(rows[0]) == 9
     assert rows[0] == ["fp32 (none)", "512.0", "in memory (first load 2.2)", "12.50", "0", "0", "100%", "—", "reference"]
-    assert rows[1] == ["int8", "200.0", "2.2", "12.50", "0.1825", "0.6", "75%", "—", "at step 2"]
+    assert rows[1] == ["int8", "200.0", "2.2", "12.50", "0.1825", "0.6", "75.0%", "—", "at step 2"]  # engine.numbers.percent
     # held-out perplexity (issue #40), when the report measured it
     report = _report()
     report.variants[1].heldout_perplexity = 123.456

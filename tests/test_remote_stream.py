@@ -20,6 +20,7 @@ from engine.backends import client, llamacpp, openai, remote, served
 from engine import runner
 from engine.runner import RunRequest
 from engine.config import DecodingConfig
+from engine.numbers import percent
 from engine.trace import Event
 from tests.conftest import free_port
 from tests.test_remote_llamacpp import PROMPT, llamacpp_greedy, server_test
@@ -250,7 +251,7 @@ def test_llama_server_s_own_speculation_is_reported_and_loses_nothing(speculatin
     assert trace.generated_token_ids == llamacpp_greedy(server_model, server_model.encode(REPEATING), 24)
     line = remote_markdown(trace)
     assert (f"**llama-server's own speculative decoding:** drafted {spec['drafted']}, accepted {spec['accepted']} "
-            f"({spec['acceptance_rate']:.0%})") in line, line
+            f"({percent(spec['acceptance_rate'])})") in line, line
     plain = remote.run_fast(server_model, REPEATING, GREEDY)
     assert "server_speculative" not in plain.extra["remote"] and "speculative" not in remote_markdown(plain)
 

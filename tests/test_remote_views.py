@@ -17,6 +17,7 @@ import pytest
 
 from engine.backends.local import ModelLoadError
 from engine.backends.registry import ModelPolicy
+from engine.numbers import percent
 from tests.test_continue_compare import Page, branch
 from tests.test_remote_llamacpp import server_test
 
@@ -150,9 +151,10 @@ def test_step_through_on_a_remote_model_generates_branches_and_continues(served,
     page.set("step-index", 2)
     page.fire("redraw", "step-text")
     tail = remote["tail_mass"][2]
-    assert f"held {1 - tail:.2%} of the raw probability here; the other {tail:.2%}" in page.shown("step-explain")
+    assert f"Outside the server's top 100 lay {percent(tail)} of the raw probability here (the tail)" in \
+        page.shown("step-explain")
     chart = page.shown("step-chart")
-    assert f"server's top 100; tail {tail:.1%} not drawn" in (chart if isinstance(chart, str) else chart.to_json())
+    assert f"server's top 100; tail {percent(tail)} not drawn" in (chart if isinstance(chart, str) else chart.to_json())
     assert [s.name for s in original.steps[2].stages][0] == "raw" and original.steps[2].stages[-1].name == "final"
     last = len(original.steps) - 1
     k = {"first": 0, "middle": last // 2, "last": last}[where]
@@ -323,7 +325,7 @@ def test_the_what_if_on_a_remote_step_is_step_mode_over_the_server_s_top_n(serve
     note = shown(page, "step-whatif-note")
     assert page.shown("step-whatif-figure") and "temperature = 1.6" in note, text_of(answer)
     tail = trace.extra["remote"]["tail_mass"][k]
-    assert f"Over the server's top 100 at this step, as the run was (the tail, {tail:.1%}, left out)." in note, note
+    assert f"Over the server's top 100 at this step, as the run was (the tail, {percent(tail)}, left out)." in note, note
     assert Trace.from_json(trace.to_json()).generated_token_ids == trace.generated_token_ids
 
 
@@ -395,7 +397,7 @@ def test_speculative_runs_on_a_remote_target_round_by_round(served):
         assert explain and "Traceback" not in explain, explain
         assert page.shown("spec-position") == f"{index}:0" and page.shown("spec-pq") is not None
     counters = shown(page, "spec-counters")  # the counters show the run's rate and the speed-up vs the server alone
-    assert f">{summary['acceptance_rate']:.0%}<" in counters and f">{summary['speedup']:.2f}×<" in counters, counters
+    assert f">{percent(summary['acceptance_rate'])}<" in counters and f">{summary['speedup']:.2f}×<" in counters, counters
 
 
 @server_test

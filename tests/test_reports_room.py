@@ -155,7 +155,7 @@ def test_kinds_view_handler_clears_first_and_marks_a_stopped_report(tiny_lm, sha
     assert {k: updates[0][k] for k in ("table", "memory", "per_token", "drift", "download")} == {
         "table": [], "memory": None, "per_token": None, "drift": None, "download": None}
     assert "partial report: 1 of 2 kinds measured" in updates[-1]["status"]
-    assert [r[0] for r in updates[-1]["table"]] == ["dynamic"]
+    assert [r[0] for r in updates[-1]["table"]["value"]] == ["dynamic"]
 
 
 # --- a real server: a cancelled API job stops its report ------------------------------------------

@@ -1,6 +1,8 @@
 """Every view in a real browser at 1280x720 and 390x844 (one app, one page, one short run per
-strategy on the embedded model): at phone width the page never scrolls sideways and no two chart
-titles overlap; the screenshots go to docs/<view>.png and docs/<view>-phone.png (the README's)."""
+strategy on the embedded model, a lesson run and checked, a Compare token opened in the inspector):
+at phone width the page never scrolls sideways and no two chart texts overlap (titles, panel
+titles, annotations, legends and tick labels); the screenshots go to docs/<view>.png and
+docs/<view>-phone.png (the README's)."""
 
 from pathlib import Path
 
@@ -13,8 +15,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 DESKTOP, PHONE = {"width": 1280, "height": 720}, {"width": 390, "height": 844}
 RUN_TIMEOUT = 300_000
 
-# Bounding boxes of every chart's texts but the ticks (figure title, subplot titles, annotations,
-# axis titles, legend entries, and the component's label over it) on the shown tab: the texts cut
+# Bounding boxes of every chart's texts (figure title, subplot titles, annotations, axis titles,
+# tick labels, legend entries, and the component's label over it) on the shown tab: the texts cut
 # off at the chart's sides, and the pairs of one chart that intersect by more than 2 px each way.
 OVERLAPS_JS = """
 () => {
@@ -22,7 +24,8 @@ OVERLAPS_JS = """
   for (const plot of document.querySelectorAll('.js-plotly-plot')) {
     if (!plot.getClientRects().length) continue;
     const label = plot.closest('.block')?.querySelector(':scope > [data-testid=block-label]:not(.sr-only):not(.hide)');
-    const boxes = [...plot.querySelectorAll('.gtitle, .annotation-text, .xtitle, .ytitle, .legendtext'), ...(label ? [label] : [])]
+    const texts = '.gtitle, .annotation-text, .xtitle, .ytitle, .legendtext, .xaxislayer-above text, .yaxislayer-above text';
+    const boxes = [...plot.querySelectorAll(texts), ...(label ? [label] : [])]
       .map(el => [el.textContent.trim(), el.getBoundingClientRect()]).filter(([, r]) => r.width > 0);
     const edge = plot.getBoundingClientRect();
     for (const [a, r] of boxes) if (r.left < edge.left - 2 || r.right > edge.right + 2) out.push(`${plot.parentElement.closest('[id]')?.id}: "${a}" is cut off`);
@@ -39,6 +42,12 @@ OVERLAPS_JS = """
 def set_number(page, selector: str, value: str) -> None:
     page.fill(selector, value)
     page.locator(selector).press("Enter")
+
+
+def run_lesson(page):
+    page.click("#lessons-run")
+    page.wait_for_selector("#lessons-outcome:has-text('✓'), #lessons-outcome:has-text('✗')", timeout=RUN_TIMEOUT)
+    page.wait_for_selector("#lessons-chart .js-plotly-plot .gtitle")
 
 
 def run_step(page):
@@ -72,6 +81,8 @@ def run_compare(page):
     page.click("#cmp-run")
     page.wait_for_selector("#cmp-status:has-text('done')", timeout=RUN_TIMEOUT)
     page.wait_for_selector("#cmp-entropy .js-plotly-plot")
+    page.locator("#cmp-lane-1-text .token").nth(2).click()  # the inspector draws that step's panels
+    page.wait_for_selector("#cmp-inspect-chart .js-plotly-plot .gtitle")
 
 
 def run_mcts(page):
@@ -86,15 +97,22 @@ def run_mcts(page):
 # (docs name, tab title, the run that fills it or None, what the desktop and the phone screenshots
 # scroll to the top: a phone stacks the knobs above the results): every tab of the page, in order.
 VIEWS = (
-    ("lessons", "Lessons", None, "#dp-tabs", "#dp-tabs"),
+    ("lessons", "Lessons", run_lesson, "#dp-tabs", "#lessons-chart"),
     ("step-through", "Step through", run_step, "#step-text", "#step-chart"),
-    ("compare", "Compare", run_compare, "#cmp-status", "#cmp-status"),
+    ("compare", "Compare", run_compare, "#cmp-status", "#cmp-inspect-chart"),
     ("beam", "Beam search", run_beam, "#beam-status", "#beam-tree"),
     ("speculative", "Speculative", run_speculative, "#spec-status", "#spec-rounds"),
     ("mcts", "Search & heads", run_mcts, "#mcts-status", "#mcts-tree"),
     ("quantization", "Quantization & KV cache", None, "#dp-tabs", "#dp-tabs"),
     ("presets", "Presets", None, "#dp-tabs", "#dp-tabs"),
 )
+
+
+# Every shown chart that says which layout it has (layout.meta: "phone" from the server's layouts
+# by page width, "shown" from the page's own swap) has its phone layout.
+PHONE_LAID_OUT_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.getClientRects().length)
+  .every(p => { const m = (p.layout && p.layout.meta) || {};
+                return (m.phone === undefined || m.phone === true) && (m.shown === undefined || m.shown === 'phone'); })"""
 
 
 def phone_problems(page, name: str) -> list[str]:
@@ -108,6 +126,8 @@ def shoot(page, anchor: str, path: Path) -> None:
     """The viewport with ``anchor`` (the view's result) scrolled to its top."""
     page.wait_for_timeout(400)  # plotly relays out on the resize / tab switch
     page.evaluate("(sel) => document.querySelector(sel)?.scrollIntoView({block: 'start'})", anchor)
+    page.mouse.move(0, 0)  # a pointer left over a chart shows plotly's hover toolbar on its title
+    page.wait_for_timeout(200)
     page.screenshot(path=str(path))
 
 
@@ -125,6 +145,7 @@ def test_every_view_at_desktop_and_phone_width(browser, live_app):
             run(page)
         shoot(page, anchor, DOCS / f"{name}.png")
         page.set_viewport_size(PHONE)  # the same page and results, relaid out
+        page.wait_for_function(PHONE_LAID_OUT_JS)  # a chart the server lays out for the width: redrawn
         shoot(page, phone_anchor, DOCS / f"{name}-phone.png")  # first, so a failure can be looked at
         problems += phone_problems(page, name)
     context.close()
@@ -135,7 +156,7 @@ def test_presenter_at_desktop_and_phone_width(browser, live_app):
     context = browser.new_context(viewport=DESKTOP)
     page = context.new_page()
     page.set_default_timeout(60_000)
-    page.goto(f"{live_app}/?lesson=truncation&present=1")  # its first run: top-k 40, sampled (4 panels)
+    page.goto(f"{live_app}/?lesson=truncation&present=1")  # its top-p lane, sampled (4 panels), from step 0
     page.click("#present-run")
     page.wait_for_selector("#present-text .dp-present-label:has-text('Step ')", timeout=RUN_TIMEOUT)
     page.wait_for_selector("#present-chart .gtitle")

@@ -110,7 +110,7 @@ def test_medusa_summary_says_na_for_a_missing_speedup():
         timing = type("Timing", (), {"tokens_per_s": 10.0})()
 
     text = search.medusa_summary(T())
-    assert "**2.00 tokens per target forward**" in text and "n/a×" in text and "head 1: 50%" in text
+    assert "**2.00 tokens per target forward**" in text and "n/a×" in text and "head 1: 50.0%" in text
 
 
 @pytest.mark.slow

@@ -116,12 +116,17 @@ def test_residual_figure_only_where_the_target_chose():
 def test_accepted_length_chart_and_counters():
     rounds = hand_rounds()
     fig = charts.accepted_length_figure(rounds)
-    assert list(fig.data[0].y) == [2, 2] and list(fig.data[1].y) == [1, 1] and list(fig.data[2].y) == [3, 2]
+    assert list(fig.data[0].y) == [2, 2] and list(fig.data[3].y) == [3, 2]
+    # the target's own token: resampled (orange) in round 0, the bonus (blue) in round 1, each in the legend
+    assert [(t.name, list(t.y), t.marker.color) for t in fig.data[1:3]] == [
+        ("resampled by the target", [1, 0], charts.KINDS["resampled"][0]),
+        ("bonus token from the target", [0, 1], charts.KINDS["bonus"][0])]
+    assert all(t.showlegend is not False for t in fig.data)
     c = charts.counters(rounds)
     assert c["acceptance_rate"] == pytest.approx(4 / 5) and c["tokens_per_target_forward"] == pytest.approx(3.0)
     assert math.isnan(c["speedup"])
     html = charts.counters_html(rounds, {"speedup": 1.7})
-    assert "80%" in html and "3.00" in html and "1.70×" in html
+    assert "80.0%" in html and "3.00" in html and "1.70×" in html
     assert "—" in charts.counters_html([])
 
 
@@ -146,7 +151,7 @@ def test_summary_markdown_reports_the_speedup():
                "tokens_per_target_forward": 3.0, "target_forwards_saved": 3, "draft_ms": 9.0, "verify_ms": 38.0,
                "total_ms": 55.0, "baseline_ms": 90.0, "baseline_tokens": 6, "speedup": 1.64, "baseline_same_tokens": True}
     text = charts.summary_markdown(summary)
-    assert "4/5 drafts (80%)" in text and "**1.64× tokens/s**" in text and "6 tokens (the same tokens)" in text
+    assert "4/5 drafts (80.0%)" in text and "**1.64× tokens/s**" in text and "6 tokens (the same tokens)" in text
 
 
 def test_default_position_prefers_the_first_rejection():

@@ -16,7 +16,8 @@ from playground.views import lessons, presenter, speculative
 
 # (the constant Gradio gets, its file, the placeholders' values); a constant may hold another one.
 JS_FUNCTIONS = [  # js= snippets: a function expression each
-    (page_js.OPEN_RUN_JS, "open_run.js", {}),
+    (page_js.OPEN_RUN_JS, "open_run.js", {"LANDINGS": json.dumps(page_js.RUN_LANDINGS)}),
+    (page_js.LESSON_READY_JS, "lessons_link_ready.js", {}),
     (page_js._DRAW_INTO, "whatif_draw_into.js", {}),
     (page_js._DRAW, "whatif_draw_step.js", {"DRAW_INTO": page_js._DRAW_INTO}),
     (page_js._POST, "whatif_post.js", {"ROUTE": json.dumps(page_js.ROUTE)}),
@@ -36,7 +37,8 @@ JS_FUNCTIONS = [  # js= snippets: a function expression each
 PAGE_SCRIPT = page_js.HEAD.removeprefix("<script>").removesuffix("</script>")
 JS_BODIES = [  # a script (launch's head) and a js_on_load body (element, trigger, props given)
     (PAGE_SCRIPT, "page.js", {"PROMPTS": json.dumps(page_js.PROMPT_BUTTONS),
-                              "NARROW": str(page_js.PRESENT_NARROW_PX), "PHONE": str(page_js.PHONE_PX)}),
+                              "NARROW": str(page_js.PRESENT_NARROW_PX), "PHONE": str(page_js.PHONE_PX),
+                              "LESSON_PARAM": json.dumps(page_js.LESSON_PARAM)}),
     (speculative.CHIP_JS, "speculative_chips.js", {}),
 ]
 CSS = [(page_js.CSS, "page.css", {}), (app.CSS.removesuffix("\n" + page_js.CSS), "app.css", {})]

@@ -100,7 +100,7 @@ def test_token_highlights_scores():
 
 def test_explain_step_names_stage_effects_and_draw():
     text = charts.explain_step(make_step())
-    assert "Top-k 2 kept 2 tokens covering 80.0% of the mass" in text
+    assert "Top-k 2 kept 2 tokens and removed 20.0% of the mass" in text  # the panel's subtitle says −20.0%
     assert "u = 0.700 fell in “␣a”" in text and "[0.625, 1.000)" in text
     # one line per stage from stage_notes, the same words the stage's own note gives
     from playground.charts.stage_notes import stage_note
@@ -132,6 +132,22 @@ def test_stage_panels_share_one_probability_axis():
     assert fig.layout.xaxis4.range == (0, 1)
     own = charts.stage_chart(make_step(), shared_axis=False)
     assert own.layout.xaxis.range is None and "own scale" in own.layout.title.text
+
+
+def test_a_shared_axis_below_5_percent_writes_ticks_that_differ():
+    """Issue #35: a flat T = 5 step's panels run 0-0.2%, whose whole-percent ticks all read "0%"."""
+    flat = [tp(i, f"t{i}", 0.002 - i * 1e-4) for i in range(1, 11)]
+    raw = StageTrace("raw", 49152, 0.0, 10.0, 0.0, flat)
+    final = StageTrace("final", 49152, 0.0, 10.0, 0.0, flat)
+    step = StepTrace(index=0, chosen_token_id=1, chosen_token="t1", chosen_prob=0.0019, raw_prob=0.0019, draw=None,
+                     draw_low=None, draw_high=None, entropy=10.0, raw_entropy=10.0, stages=[raw, final])
+    fig = charts.stage_chart(step)
+    top = fig.layout.xaxis.range[1]
+    for axis in (fig.layout.xaxis, fig.layout.xaxis2):
+        ticks = [format(top * k / 3, axis.tickformat) for k in range(4)]  # d3's "%" format is Python's
+        assert len(set(ticks)) == 4 and ticks[1] != "0%", ticks
+    assert charts.stage_chart(make_step()).layout.xaxis.tickformat == ".0%"  # 0-67.5%: whole percent
+    assert charts.tick_format(0.049) == ".1%" and charts.tick_format(0.0004) == ".3%"
 
 
 def test_chosen_token_outside_top_n_is_drawn_after_a_gap_with_its_rank():

@@ -109,7 +109,7 @@ def test_the_runs_own_knobs_choose_the_runs_token(route, embedded, trace):
         reply = ask(route, session, at, **own)
         run = trace.steps[at]
         assert reply["figure"]["layout"]["title"]["text"].startswith(
-            f"step {at}: chose {charts.readable(run.chosen_token)} (p = {run.chosen_prob:.1%})")
+            f"step {at}: chose {charts.readable(run.chosen_token)} (p = {whatif.pct(run.chosen_prob)})")
         assert reply["explain"] == charts.explain_step(run)
         # The what-if pick under those knobs is the run's own token (its draw u replayed).
         hotter = ask(route, session, at, **(own | {"temperature": own["temperature"] + 1e-6}))

@@ -36,7 +36,7 @@ import math
 import time
 from contextlib import closing
 from dataclasses import replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -166,14 +166,15 @@ def _label(model: RemoteModel, mode: str, top_n: int, approximations: list[str],
 
 
 # --- fast mode -------------------------------------------------------------------------------------
-def _stage(name: str, entries: list[Entry], vocab_size: int) -> StageTrace:
-    """A stage record from the server's top-N; entropy over the top-N only, kept = the whole
-    vocabulary for raw, the non-zero top-N for final."""
+def _stage(name: str, entries: list[Entry], text: Callable[[int], str]) -> StageTrace:
+    """A stage record from the server's top-N, each token's text as sent, else ``text(id)`` (vLLM
+    sends ids only); entropy over the top-N only. ``kept``: the non-zero
+    tokens of that top-N, what is known (the raw model's count over the whole vocabulary is not
+    what a fast-mode chart may claim: only N are known; after the sampler, fewer than N is exact)."""
     probs = [math.exp(lp) if math.isfinite(lp) else 0.0 for _, lp, _ in entries]
-    top = [TokenProb(token, piece or "", p) for (token, _, piece), p in zip(entries, probs)]
+    top = [TokenProb(token, text(token) if piece is None else piece, p) for (token, _, piece), p in zip(entries, probs)]
     entropy = -sum(p * math.log(p) for p in probs if p > 0)
-    kept = vocab_size if name == "raw" else sum(1 for p in probs if p > 0)
-    return StageTrace(name, kept, 0.0, entropy, 0.0, top)
+    return StageTrace(name, sum(1 for p in probs if p > 0), 0.0, entropy, 0.0, top)
 
 
 def run_fast(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
@@ -247,8 +248,10 @@ def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: flo
     for name, entries in (("raw", token.raw), ("final", token.final)):
         if entries is not None:
             model.learn_pieces(entries)
-            stages.append(_stage(name, entries, model.vocab_size))
+            stages.append(_stage(name, entries, model.token_text))
     raw_prob = _prob_of(token.token, token.raw) if token.raw is not None else math.nan
+    if token.final is None and token.raw is not None and math.isfinite(token.prob):
+        raw_prob = token.prob  # an OpenAI-compatible server's: the pick's own log-prob is of the top-N's kind
     return StepTrace(index, token.token, model.token_text(token.token), token.prob, raw_prob, None, None, None,
                      stages[-1].entropy if stages else math.nan, stages[0].entropy if stages else math.nan,
                      stages, elapsed_ms=elapsed_ms)
@@ -257,14 +260,14 @@ def _fast_step(model: RemoteModel, index: int, token: FastToken, elapsed_ms: flo
 def _with_final(model: RemoteModel, step: StepTrace, prob: float, final: list[Entry]) -> StepTrace:
     """``step`` (streamed without probabilities) with its p and final top-N from a whole request."""
     model.learn_pieces(final)
-    stage = _stage("final", final, model.vocab_size)
+    stage = _stage("final", final, model.token_text)
     return replace(step, chosen_prob=prob, stages=[stage], entropy=stage.entropy, raw_entropy=stage.entropy)
 
 
 def _with_raw(model: RemoteModel, step: StepTrace, raw: list[Entry]) -> StepTrace:
     """``step`` with the raw top-N of a later request as its first stage."""
     model.learn_pieces(raw)
-    stage = _stage("raw", raw, model.vocab_size)
+    stage = _stage("raw", raw, model.token_text)
     return replace(step, stages=[stage, *step.stages], raw_prob=_prob_of(step.chosen_token_id, raw),
                    raw_entropy=stage.entropy)
 

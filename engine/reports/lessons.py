@@ -30,6 +30,7 @@ from engine.reports import metrics
 from engine.config import check_text
 from engine.reports.drift import kv_cache_report, quantization_report
 from engine.reports.kv_arith import shown
+from engine.numbers import percent
 from engine.reports.quant_report import compare_methods
 from engine.backends.local import LoadedModel
 from engine.backends.registry import ModelRegistry
@@ -255,6 +256,16 @@ def selected_step(trace: Trace, select: str | int) -> int:
     return pick(range(len(trace.steps)), key=key)
 
 
+def taught_run(lesson: Lesson) -> int | None:
+    """The run whose chart shows what the lesson's check is about, where the check names one: a
+    truncation_shapes check's top-p lane (its few tokens at the peaked step, its many at the flat
+    one: the adaptive rule the lesson teaches); None for every other check (the view picks)."""
+    check = lesson.check or {}
+    if check.get("kind") == "truncation_shapes":
+        return check.get("lanes", {}).get("top_p", 1)  # validated by _lanes: a run index
+    return None
+
+
 def evaluate(lm: LoadedModel, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None) -> Outcome:
     """Run the lesson's check over its traces."""
     if lesson.check is None:
@@ -311,7 +322,7 @@ def _less_repetition(lm, lesson, traces, registry) -> Outcome:
     lengths = [len(t.generated_token_ids) for t in traces]
     # A run that stopped early (EOS after a few tokens) has no room to repeat: it proves nothing.
     ok = rep[0] > 0 and all(r < rep[0] for r in rep[1:]) and min(lengths) >= least
-    text = ", ".join(f"{_label(p)} {r:.0%} of {k} tokens" for p, r, k in zip(lesson.runs, rep, lengths))
+    text = ", ".join(f"{_label(p)} {percent(r)} of {k} tokens" for p, r, k in zip(lesson.runs, rep, lengths))
     short = f" (the check needs {least} tokens from every run)" if min(lengths) < least else ""
     return Outcome(ok, f"Repeated {n}-grams: {text}{short}.",
                    {f"rep_{i}": r for i, r in enumerate(rep)} | {f"tokens_{i}": float(k) for i, k in enumerate(lengths)})
@@ -342,7 +353,7 @@ def _speculative_exact(lm, lesson, traces, registry) -> Outcome:
     rate = spec.summary.get("acceptance_rate", 0.0)
     per_forward = spec.summary.get("tokens_per_target_forward", 0.0)
     ok = spec.generated_token_ids == target.generated_token_ids and rate > 0 and per_forward > 1
-    return Outcome(ok, f"Same text as the target alone; {rate:.0%} of drafts accepted, "
+    return Outcome(ok, f"Same text as the target alone; {percent(rate)} of drafts accepted, "
                        f"{per_forward:.2f} tokens per target forward.",
                    {"acceptance_rate": rate, "tokens_per_target_forward": per_forward})
 
@@ -461,4 +472,4 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
 }
 
 __all__ = ["NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "builtin_lessons", "evaluate", "parse_lesson", "parse_lesson_json",
-           "run_lesson", "selected_step"]
+           "run_lesson", "selected_step", "taught_run"]

@@ -10,6 +10,7 @@ from transformers.generation import logits_process as tlp
 from engine.stages.spec import (BuildContext, ConfigError, Export, Interop, Knob, StageSpec, number, param,
                                 register, truncation_note)
 from engine.stages.spec import STEP_LIFT, Served
+from engine.numbers import percent
 from engine.stages.base import Stage, Wrapped, require
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ class MinNewTokens(Wrapped):
 def _min_new_tokens_note(stage: StageTrace) -> str:
     n = stage.params.get("min_new_tokens")
     if stage.mass_removed > 0:
-        return f"min new tokens {n}: EOS masked ({stage.mass_removed:.1%} of the mass)"
+        return f"min new tokens {n}: EOS masked ({percent(stage.mass_removed)} of the mass)"
     return f"min new tokens {n}: nothing masked"
 
 

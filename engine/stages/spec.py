@@ -22,6 +22,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from engine.numbers import percent
+
 if TYPE_CHECKING:  # annotations only: config imports this module
     from engine.config import DecodingConfig
     from engine.trace import StageTrace
@@ -324,12 +326,12 @@ def truncation_note(stage: "StageTrace") -> str:
     if stage.mass_removed <= 0:
         return f"{stage_label(stage)}: removed nothing; {stage.kept} tokens left"
     removed = f" ({token_names(stage.removed)})" if stage.removed else ""
-    return f"{stage_label(stage)}: removed {stage.mass_removed:.1%} of the mass{removed}; {stage.kept} tokens left"
+    return f"{stage_label(stage)}: removed {percent(stage.mass_removed)} of the mass{removed}; {stage.kept} tokens left"
 
 
 def reshape_note(stage: "StageTrace") -> str:
     """A stage that moves mass without removing tokens: how much it moved."""
-    return f"{stage_label(stage)}: moved {stage.tv_distance:.1%} of the mass"
+    return f"{stage_label(stage)}: moved {percent(stage.tv_distance)} of the mass"
 
 
 def title_number(value: Any, fmt: str = "g") -> str:

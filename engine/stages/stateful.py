@@ -12,6 +12,7 @@ import torch
 from engine.stages.spec import (ConfigError, Export, Interop, Knob, StageSpec, number, param,
                                 quoted, register, title_number, token_names)
 from engine.stages.spec import STEP_TAIL, Served, same_fields
+from engine.numbers import decimal, percent
 from engine.stages.base import Stage, require, softmax
 
 if TYPE_CHECKING:
@@ -88,15 +89,15 @@ class Xtc(Stage):
 
 def _xtc_note(stage: StageTrace) -> str:
     p, u = stage.params.get("xtc_probability"), stage.params.get("u")
-    coin = f"u={u:.2f} < {p:g}" if u is not None else f"probability {p:g}"
+    coin = f"u={decimal(u, 2)} < {p:g}" if u is not None else f"probability {p:g}"
     if not stage.params.get("fired"):
-        return f"XTC did not fire (u={u:.2f} ≥ {p:g})" if u is not None else "XTC did not fire"
+        return f"XTC did not fire (u={decimal(u, 2)} ≥ {p:g})" if u is not None else "XTC did not fire"
     if stage.params.get("kept_id") is None:
         threshold = stage.params.get("xtc_threshold")
         return f"XTC fired ({coin}) but fewer than two tokens reach {threshold:g}: nothing removed"
     kept = next((t.token for t in stage.top if t.token_id == stage.params["kept_id"]), None)
     kept_text = f"; kept {quoted(kept)}" if kept is not None else ""
-    removed = token_names(stage.removed) or f"{stage.mass_removed:.1%} of the mass"
+    removed = token_names(stage.removed) or f"{percent(stage.mass_removed)} of the mass"
     return f"XTC fired ({coin}): removed {removed}{kept_text}"
 
 

@@ -52,12 +52,17 @@ class _Beam:
     finish_reason: str | None = None
 
 
+def sequence_length(prompt_length: int, tokens: Sequence[int], eos: Sequence[int]) -> int:
+    """The length vLLM's score divides by: the prompt's and the generated tokens, an EOS last not
+    counted (a hypothesis' ``length``; the tokens it generated are ``len(token_ids)``)."""
+    return prompt_length + len(tokens) - (1 if tokens and tokens[-1] in eos else 0)
+
+
 def score(cum_logprob: float, prompt_length: int, tokens: Sequence[int], eos: Sequence[int],
           length_penalty: float) -> float:
     """vLLM's ``get_beam_search_score``: the cumulative log-probability over the whole sequence's
-    length (prompt + generated, an EOS last not counted) to the power ``length_penalty``."""
-    length = prompt_length + len(tokens) - (1 if tokens and tokens[-1] in eos else 0)
-    return cum_logprob / (max(length, 1) ** length_penalty)
+    length (``sequence_length``) to the power ``length_penalty``."""
+    return cum_logprob / (max(sequence_length(prompt_length, tokens, eos), 1) ** length_penalty)
 
 
 def check(config: DecodingConfig) -> None:
@@ -137,7 +142,7 @@ def _finish(model: RemoteModel, trace: BeamTrace, completed: list[_Beam], prompt
                      for b in completed), key=lambda x: -x[0])
     trace.hypotheses = [
         BeamHypothesis(token_ids=b.tokens, text=model.decode(b.tokens), sum_logprobs=b.cum_logprob,
-                       length=prompt_length + len(b.tokens) - (b.finish_reason == "eos"), score=s,
+                       length=sequence_length(prompt_length, b.tokens, model.eos_token_ids), score=s,
                        finish_reason=b.finish_reason or "max_new_tokens", path=b.path,
                        returned=rank < config.num_return_sequences)
         for rank, (s, b) in enumerate(scored)]

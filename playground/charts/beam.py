@@ -19,6 +19,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from engine.strategies.beam import BeamHypothesis, BeamTrace
+from engine.numbers import decimal
 
 from . import glossary
 from .step import FONT, readable
@@ -94,7 +95,7 @@ def _slot_maps(beam: BeamTrace) -> list[dict[int, int]]:
 def _hover(step: int, c, length_penalty: float) -> str:
     finish = f"<br>finished by {c.finish_reason}" if c.finish_reason else ""
     return (f"step {step} · <b>{html.escape(readable(c.token))}</b> (id {c.token_id})<br>"
-            f"log-prob {c.logprob:.3f} (p={math.exp(max(c.logprob, -700)):.3f})<br>"
+            f"log-prob {c.logprob:.3f} (p={decimal(math.exp(max(c.logprob, -700)))})<br>"
             f"cumulative {c.score:.3f}<br>normalised {c.normalized_score:.3f} (÷ {step + 1}^{length_penalty:g})<br>"
             f"{c.status}, from beam {c.parent}{finish}")
 
@@ -204,6 +205,9 @@ def tree_figure(beam: BeamTrace, collapse_pruned: bool = True, highlight: int | 
         xaxis={"title": "step", "zeroline": False, "dtick": 1, "gridcolor": "#eeeeee", "tickfont": {"size": FONT}},
         **_frame(nodes),
     )
+    box, end = frame(nodes), max(path, key=lambda n: n.step, default=None)
+    if end is not None and box.width > FIT_WIDTH:  # its box scrolls: the page shows the path's end first
+        fig.update_layout(meta={"scroll_to": round(MARGIN["l"] + box.px(end.step, end.y)[0])})
     return fig
 
 
@@ -302,7 +306,8 @@ def hypotheses_rows(beam: BeamTrace, length_penalty: float) -> list[list]:
     rows = []
     for rank, (i, score) in enumerate(rerank(beam.hypotheses, length_penalty), start=1):
         h = beam.hypotheses[i]
-        rows.append([rank, i + 1, h.text, h.length, round(h.sum_logprobs, 4), round(h.score, 4), round(score, 4)])
+        rows.append([rank, i + 1, h.text, len(h.token_ids), round(h.sum_logprobs, 4), round(h.score, 4),
+                     round(score, 4)])
     return rows
 
 
@@ -320,11 +325,12 @@ def winner_note(beam: BeamTrace, length_penalty: float) -> str:
     best, score = rerank(beam.hypotheses, length_penalty)[0]
     h = beam.hypotheses[best]
     head = (f"With length penalty **{length_penalty:g}** the best is hypothesis **#{best + 1}** "
-            f"({h.length} tokens, score {score:.4f}).")
+            f"({len(h.token_ids)} tokens, score {score:.4f}).")
     if best == (beam.winner or 0):
         return head + f" Same winner as the search (length penalty {beam.length_penalty:g})."
     return (head + f" The search (length penalty {beam.length_penalty:g}) returned #{(beam.winner or 0) + 1}: "
-            f"{'longer' if h.length > beam.hypotheses[beam.winner or 0].length else 'shorter'} sequences win now. "
+            f"{'longer' if len(h.token_ids) > len(beam.hypotheses[beam.winner or 0].token_ids) else 'shorter'} "
+            "sequences win now. "
             "(Re-ranking only the finished hypotheses: a search run with this penalty could have kept other beams.)")
 
 
@@ -355,13 +361,15 @@ def ended_text(beam: BeamTrace) -> str:
 
 
 def greedy_note(greedy_ids: Sequence[int], greedy_text: str, greedy_logprobs: Sequence[float], beam: BeamTrace,
-                length_penalty: float) -> str:
+                length_penalty: float, length: int | None = None) -> str:
     """Markdown comparing the greedy continuation with the hypotheses under ``length_penalty``.
-    ``greedy_logprobs``: the log-prob of each greedy token (same processors as the search)."""
+    ``greedy_logprobs``: the log-prob of each greedy token (same processors as the search);
+    ``length``: what its score divides by, as the search's hypotheses' ``length`` (a remote search
+    counts the prompt too, engine.strategies.remote_beam); its token count otherwise. Both say generated tokens."""
     if not greedy_ids:
         return "Greedy: no tokens."
     total = float(sum(greedy_logprobs))
-    score = rescore(total, len(greedy_ids), length_penalty)
+    score = rescore(total, length or len(greedy_ids), length_penalty)
     better = sum(1 for _, s in rerank(beam.hypotheses, length_penalty) if s > score)
     same = next((i for i, h in enumerate(beam.hypotheses) if list(h.token_ids) == list(greedy_ids)), None)
     where = (f"it is hypothesis #{same + 1}" if same is not None

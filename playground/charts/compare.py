@@ -11,18 +11,24 @@ import plotly.graph_objects as go
 
 from engine.config import KNOBS, SAMPLING_ONLY_STAGES, DecodingConfig
 from engine.strategies.contrastive import ContrastStep, SearchStep
-from engine.reports.metrics import LaneMetrics, SweepSpread, entropy_series
+from engine.reports.metrics import LaneMetrics, SweepSpread, entropy_series, first_divergence
+from engine.numbers import percent
 from engine.trace import StepTrace, Trace
 
 from . import glossary
-from .step import FONT, readable, stage_chart, stop_text, token_highlights
+from .explain import LOCAL, Source, source_of  # noqa: F401 (the Lessons view's chart reads it here)
+from .step import FONT, PHONE_GAP_PX, panel_rows, readable, stage_chart, stop_text, token_highlights
+from .tables import column_widths
 
 LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c")  # each >= 4.5:1 on white
 METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
                   "rep-4", "first token (ms)", "tokens/s", "stop"]
-# Shares of the table's width: each column holds its longest word (header or cell: "perplexity",
-# "contrastive", "max_new_tokens") whole at 1280 px, so headers wrap at spaces only, never mid-word.
-METRIC_COLUMN_WIDTHS = ["7%", "12%", "7%", "11%", "9%", "9%", "9%", "6%", "8%", "8%", "14%"]
+# The widest cell each column can hold ("contrastive", "no_tokens_left", a 6-digit perplexity): the
+# column widths hold them and the headers' words whole (1,093 px: the table fits 1280 px, and scrolls
+# sideways in a phone's 390 px, saying so), so nothing wraps mid-word.
+METRIC_WIDEST = ["Lane 6", "contrastive search", "1024", "-12.345", "123456.78", "0.123", "0.123", "0.123", "12345",
+                 "123.4", "no_tokens_left"]
+METRIC_COLUMN_WIDTHS = column_widths(METRIC_HEADERS, [METRIC_WIDEST])
 SWEEP_HEADERS = ["seed", "tokens", "mean log-prob (raw)", "text"]
 
 
@@ -157,14 +163,22 @@ def divergence_markdown(names: Sequence[str], traces: Sequence[Trace], at: int |
     return f"**Lanes diverge at step {at}**{prefix}: " + " · ".join(picks)
 
 
-def lane_status(name: str, trace: Trace | None, max_new_tokens: int, running: bool = False, note: str = "") -> str:
-    """A lane's one-line progress note (HTML-escaped where it carries user text)."""
-    if running:
-        done = len(trace.steps) if trace else 0
-        return f'<div class="dp-status">{html.escape(name)}: running… {done} / {max_new_tokens} tokens{note}</div>'
-    if trace is None:
-        return f'<div class="dp-status">{html.escape(name)}: waiting{note}</div>'
-    return (f'<div class="dp-status">{html.escape(name)}: {len(trace.steps)} tokens, stop: {stop_text(trace.stop_reason)}, '
+def lane_status(name: str, trace: Trace | None, max_new_tokens: int, phase: str = "", note: str = "",
+                made: int | None = None, why: str = "") -> str:
+    """A lane's one-line status from its own ``phase`` ("waiting", "running", "done", "stopped";
+    "" reads as done with a trace, waiting without): running… with its tokens so far (``made``,
+    else its trace's), stopped after them (``why``: a reason other than the Stop button, e.g.
+    "at the time limit"), or done with its stop reason and speed. ``note`` is HTML already."""
+    made = made if made is not None else len(trace.steps) if trace else 0
+    label = html.escape(name)
+    if phase == "running":
+        return f'<div class="dp-status">{label}: running… {made} / {max_new_tokens} tokens{note}</div>'
+    if phase == "stopped":
+        why = f" {html.escape(why)}" if why else ""
+        return f'<div class="dp-status">{label}: stopped{why} after {made} of {max_new_tokens} tokens{note}</div>'
+    if trace is None or phase == "waiting":
+        return f'<div class="dp-status">{label}: waiting{note}</div>'
+    return (f'<div class="dp-status">{label}: {len(trace.steps)} tokens, stop: {stop_text(trace.stop_reason)}, '
             f'{trace.timing.tokens_per_s:.1f} tok/s{note}</div>')
 
 
@@ -192,6 +206,49 @@ def same_text_note(names: Sequence[str], traces: Sequence[Trace]) -> str:
     return "\n\n".join(notes)
 
 
+def served_modes_note(names: Sequence[str], traces: Sequence[Trace]) -> str:
+    """When a step-mode lane and a fast-mode lane on one server, both picking greedily with the
+    same knobs (the seed aside), part ways: one line per such pair naming the step, both picks,
+    the server's p of each in step mode (its raw top-N) and the likely reason. "" when none do."""
+    notes = []
+    for i in range(len(traces)):
+        for j in range(i + 1, len(traces)):
+            at = parting_step(traces[i], traces[j])
+            if at is not None:
+                step, fast = (i, j) if traces[i].extra["remote"]["mode"] == "step" else (j, i)
+                notes.append(_parting_line(names[step], names[fast], traces[step], traces[fast], at))
+    return "\n\n".join(notes)
+
+
+def parting_step(a: Trace, b: Trace) -> int | None:
+    """The step where two greedy lanes with the same knobs on one server, one in step mode and
+    one in fast mode, part ways while both ran; None when they do not (or are no such pair)."""
+    ra, rb = a.extra.get("remote"), b.extra.get("remote")
+    if not ra or not rb or ra.get("url") != rb.get("url") or {ra.get("mode"), rb.get("mode")} != {"step", "fast"}:
+        return None
+    knobs = [{k: v for k, v in t.config.items() if k != "seed"} for t in (a, b)]
+    if a.strategy != b.strategy or knobs[0] != knobs[1] or not (picks_greedily(a) and picks_greedily(b)):
+        return None
+    at = first_divergence([a.generated_token_ids, b.generated_token_ids])
+    return at if at is not None and at < min(len(a.steps), len(b.steps)) else None  # not: one ended first
+
+
+def _parting_line(step_name: str, fast_name: str, step: Trace, fast: Trace, at: int) -> str:
+    ours, theirs = step.steps[at], fast.steps[at]
+    raw = {t.token_id: t.prob for t in ours.stages[0].top} if ours.stages else {}
+    probs = ""
+    if ours.chosen_token_id in raw and theirs.chosen_token_id in raw:
+        a, b = raw[ours.chosen_token_id], raw[theirs.chosen_token_id]
+        probs = (f" (the server's p in step mode: {100 * a:.3g}% vs {100 * b:.3g}%"
+                 + (", a near-tie)" if abs(a - b) < 0.05 else ")"))
+    return (f"**{html.escape(step_name)} (step mode) and {html.escape(fast_name)} (fast mode) part ways at step {at}** "
+            f"although both pick greedily with the same knobs on {html.escape(str(step.model))}: step mode took "
+            f"`{readable(ours.chosen_token)}`, fast mode `{readable(theirs.chosen_token)}`{probs}. Likely reason: "
+            "llama-server's default (4 slots sharing one KV cache) computes a request's probabilities differently "
+            "while other requests run beside it, as this page's lanes do, so greedy's pick can change; a server "
+            "started with one slot (`-np 1`, as `make remote` does) gives both modes the same tokens.")
+
+
 def sweep_markdown(lane: str, seeds: Sequence[int], spread: SweepSpread) -> str:
     """The spread of one lane over several seeds, in words a reader can check against the table."""
     return (f"**{html.escape(lane)} over {spread.runs} seeds** ({seeds[0]}–{seeds[-1]}): "
@@ -211,11 +268,16 @@ SAME = 1e-9  # total variation below which a stage left the distribution as it w
 NOT_RECORDED = "p not recorded"
 
 
-def chosen_prob_at(step: StepTrace, i: int) -> float | None:
+def chosen_prob_at(step: StepTrace, i: int, source: Source = LOCAL) -> float | None:
     """The chosen token's probability after stage ``i`` (0: raw, the last: final) as the trace
     records it: raw_prob where no stage up to i moved any mass, chosen_prob where no stage after i
-    did (final is the last stage's distribution); None where only the stage's top-N is stored."""
+    did (final is the last stage's distribution); None where only the stage's top-N is stored.
+    Fast mode (``source``): the server's sampler sits between raw and final, unrecorded, so raw
+    is raw_prob and final chosen_prob (None where unknown: NaN)."""
     stages, last = step.stages, len(step.stages) - 1
+    if source.fast:
+        prob = step.raw_prob if stages[i].name == "raw" else step.chosen_prob
+        return prob if math.isfinite(prob) else None
     if 0 < i < last and stages[i].chosen_prob is not None:  # recorded where the stage's top-N misses it
         return stages[i].chosen_prob
     if i == last or all(s.tv_distance <= SAME and s.mass_removed <= 0 for s in stages[i + 1:last]):
@@ -225,47 +287,83 @@ def chosen_prob_at(step: StepTrace, i: int) -> float | None:
     return None
 
 
-def _panel_peaks(step: StepTrace) -> list[float]:
+def _panel_peaks(step: StepTrace, source: Source = LOCAL) -> list[float]:
     """The tallest bar of each stage panel (its top-N, removed tokens and the chosen token)."""
     peaks = []
     for i, stage in enumerate(step.stages):
-        chosen = chosen_prob_at(step, i)
+        chosen = chosen_prob_at(step, i, source)
         peaks.append(max([t.prob for t in [*stage.top, *stage.removed]] + ([chosen] if chosen is not None else []),
                          default=0.0))
     return peaks
 
 
-def one_axis_readable(step: StepTrace) -> bool:
+def one_axis_readable(step: StepTrace, source: Source = LOCAL) -> bool:
     """Whether every stage panel's bars stay readable on one probability axis shared by all."""
-    peaks = _panel_peaks(step)
+    peaks = _panel_peaks(step, source)
     return min(peaks, default=1.0) >= SLIVER * max(peaks, default=1.0)
 
 
-def legible_stage_chart(step: StepTrace, **layout: Any) -> go.Figure:
+def legible_stage_chart(step: StepTrace, source: Source = LOCAL, **layout: Any) -> go.Figure:
     """``stage_chart`` of a step (``layout``: its layout arguments, e.g. ``columns``) with every
     panel on one probability axis unless that draws some panel as slivers (then each on its own
     scale), and the chosen token's p written in every stage where the trace records it
     (``chosen_prob_at``) though the stage's top-N misses it: a stage equal to the final
     distribution (a lone temperature, T = 5) or to the raw one. Compare's inspector and the
-    Lessons view's chart draw steps with it."""
-    shared = one_axis_readable(step)
-    fig = stage_chart(step, shared_axis=shared, **layout)
+    Lessons view's chart draw steps with it. ``source``: where the numbers come from (a served
+    model, fast mode: ``explain.source_of``)."""
+    shared = one_axis_readable(step, source)
+    fig = stage_chart(step, shared_axis=shared, source=source, **layout)
     if not shared:  # a 0.1% panel's ticks read "0%, 0%, 0%" in whole percent
-        for i, peak in enumerate(_panel_peaks(step)):
+        for i, peak in enumerate(_panel_peaks(step, source)):
             digits = max(0, math.ceil(-math.log10(peak)) - 1) if 0 < peak < 1 else 0
             fig.layout[f"xaxis{i + 1 if i else ''}"].tickformat = f".{min(digits, 4)}%"
     for bar in fig.data:
         if bar.type != "bar" or not bar.text or bar.text[-1] != NOT_RECORDED:
             continue
         axis = bar.xaxis[1:]  # "x" is panel 0, "x2" panel 1...
-        prob = chosen_prob_at(step, int(axis) - 1 if axis else 0)
+        prob = chosen_prob_at(step, int(axis) - 1 if axis else 0, source)
         if prob is not None:
             bar.x = (*bar.x[:-1], prob)
             bar.text = (*bar.text[:-1], "")
+            bar.customdata = (*bar.customdata[:-1], [percent(prob)])
     return fig
 
 
-inspect_chart = legible_stage_chart  # the stage chart of one lane's step in Compare's inspector
+PHONE_LAYOUT_PX = 560  # a chart box narrower than this (a phone's 390 px page) shows the phone layout
+PHONE_BAR_PX = 24  # px a bar in the phone layout: every token label fits, one per bar
+
+
+def with_phone_layout(wide: go.Figure, phone: go.Figure) -> go.Figure:
+    """``wide`` carrying ``phone``'s layout for a box narrower than PHONE_LAYOUT_PX: the page's
+    script (static/page.js, ``fitLayouts``) swaps the one its box's width needs, so a view that
+    does not know the page's width (the Lessons tab, Compare's inspector) still lays a chart out
+    for a phone. ``layout.meta``: ``layouts`` (both, without their template) and ``shown``."""
+    def bare(fig: go.Figure) -> dict:
+        layout = fig.to_plotly_json()["layout"]
+        layout.pop("template", None)
+        layout.pop("meta", None)
+        return layout
+
+    layouts = {"below": PHONE_LAYOUT_PX, "phone": bare(phone), "wide": bare(wide)}
+    wide.layout.meta = {**(wide.layout.meta or {}), "shown": "wide", "layouts": layouts}
+    return wide
+
+
+def responsive_stage_chart(step: StepTrace, source: Source = LOCAL) -> go.Figure:
+    """``legible_stage_chart`` of a step, three panels a row, with a phone layout (one panel a row,
+    PHONE_BAR_PX a bar, every bar labelled, titles on full-width lines): Compare's inspector and
+    the Lessons tab draw steps with it."""
+    bars = max(panel_rows(step), default=1)
+    phone = legible_stage_chart(step, source, columns=1, gap_px=PHONE_GAP_PX, panel_px=max(160, bars * PHONE_BAR_PX))
+    phone.update_yaxes(tickmode="linear", dtick=1)  # plotly would label every other bar of a crowded panel
+    phone.update_layout(margin=dict(l=4, r=12, t=110, b=70))
+    wide = legible_stage_chart(step, source)
+    for fig in (wide, phone):  # turned 90°, "0.05%" reaches into the next panel's title; plotly keeps the
+        fig.update_xaxes(tickangle=0)  # angle it chose for one layout in the other, so neither may turn
+    return with_phone_layout(wide, phone)
+
+
+inspect_chart = responsive_stage_chart  # the stage chart of one lane's step in Compare's inspector
 
 
 DIVERGE_MARK = "⟶ lanes differ from here:"

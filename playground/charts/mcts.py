@@ -17,6 +17,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from engine.strategies.mcts import NOT_COMMITTED, MctsNode, MctsPosition
+from engine.numbers import decimal
 
 from .step import ACCENT, readable
 
@@ -74,8 +75,8 @@ def _hover(node: MctsNode) -> str:
         return f"root · {node.visits} simulations"
     values = ", ".join(f"{v:.2f}" for v in node.values[:6]) + (" …" if len(node.values) > 6 else "")
     return (f"<b>{html.escape(readable(node.token))}</b> (id {node.token_id}) · depth {node.depth}<br>"
-            f"prior {node.prior:.3f} · raw log-prob {node.logprob:.3f}<br>"
-            f"visits {node.visits} · Q {node.q:.3f}<br>rollout values: {values or 'none'}")
+            f"prior {decimal(node.prior)} · raw log-prob {node.logprob:.3f}<br>"
+            f"visits {node.visits} · Q {decimal(node.q)}<br>rollout values: {values or 'none'}")
 
 
 def _edges(laid: dict[int, LaidNode], committed_only: bool) -> tuple[list, list]:

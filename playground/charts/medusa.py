@@ -21,6 +21,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from engine.strategies.medusa import MedusaRound, TreeNode
+from engine.numbers import decimal
 
 from .step import readable
 
@@ -68,7 +69,7 @@ def round_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
                 x=[k] * len(others), y=[-(i + 1) for i in range(len(others))], mode="markers+text",
                 marker=dict(size=12, color=FATES["candidate"]), text=[readable(c.token) for c in others],
                 textposition="middle right", name="other candidates" if k == 1 else None, showlegend=k == 1,
-                legendgroup="candidate", hovertext=[f"head {k} candidate {readable(c.token)}: p={c.prob:.3f}" for c in others],
+                legendgroup="candidate", hovertext=[f"head {k} candidate {readable(c.token)}: p={decimal(c.prob)}" for c in others],
                 hoverinfo="text"))
     fig.add_trace(go.Scatter(x=chain_x, y=chain_y, mode="lines", line=dict(color="#888888", width=2), hoverinfo="skip",
                              name="verified chain (each head's top-1)"))
@@ -175,10 +176,10 @@ def tree_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
 def _hover(medusa_round: MedusaRound, k: int) -> str:
     proposal = medusa_round.proposals[k - 1]
     head_p = proposal.candidates[0].prob if proposal.candidates else float("nan")
-    line = f"head {k} top-1 <b>{html.escape(readable(proposal.token))}</b> (head p={head_p:.3f})"
+    line = f"head {k} top-1 <b>{html.escape(readable(proposal.token))}</b> (head p={decimal(head_p)})"
     if k - 1 < len(medusa_round.drafted):
         d = medusa_round.drafted[k - 1]
-        line += f"<br>target p={d.p:.3f}, accept prob {d.accept_prob:.3f}" + (f", u={d.u:.3f}" if d.u is not None else "")
+        line += f"<br>target p={decimal(d.p)}, accept prob {decimal(d.accept_prob)}" + (f", u={decimal(d.u)}" if d.u is not None else "")
     return line
 
 

@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from engine.reports.drift import KVDriftReport, KVKindDrift
 from engine.reports.kv_arith import MemoryEstimate
+from engine.numbers import percent
 
 from .quantization import measured_vs_formula as compare_numbers
 
@@ -75,7 +76,7 @@ def kind_rows(report: KVDriftReport) -> list[list[str]]:
     for k in report.kinds:
         rows.append([k.kind, f"{k.bytes_per_token:,.0f}", f"{k.formula_bytes_per_token:,.0f}",
                      measured_vs_formula(k), f"{k.tokens_per_s:.2f}", f"{k.mean_kl:.4g}", f"{k.max_kl:.4g}",
-                     f"{k.top1_agreement:.0%}", _divergence(k)])
+                     percent(k.top1_agreement), _divergence(k)])
     rows += [[kind, "", "", "", "", "", "", "", f"failed: {message}"] for kind, message in report.errors.items()]
     return rows
 

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from engine.trace import StepTrace
 
 from . import step as charts
+from .explain import LOCAL, Source
 from .compare import legible_stage_chart  # a T=5 step's panels on their own scale, p filled in
 from .step import NARROW_PX, PHONE_PX, panel_columns  # shared with the Step view's chart
 
@@ -20,14 +21,14 @@ BAR_PX = 24  # px a bar on a narrow page (16 px labels with room between them)
 CHAR_EM = 0.62  # a generous average glyph width of the chart font, in em (the room token labels need)
 
 
-def step_chart(step: StepTrace, width: float | None = None) -> go.Figure:
+def step_chart(step: StepTrace, width: float | None = None, source: Source = LOCAL) -> go.Figure:
     """A step's stage chart at projector size, laid out for a page ``width`` px wide. Every bar
     keeps its token label (plotly would drop every other one where they crowd). Wide: no fixed
     height, the figure fills its box, which the page's CSS sizes to the free viewport. Narrow
     (< NARROW_PX): a fixed height of BAR_PX a bar that the overlay scrolls, two panels a row with
     the gap between them as wide as the token labels (else they lie over the left panel's bars),
     one a row on a phone (< PHONE_PX). ``layout.meta`` says which layout it is, so the page can ask
-    for the other one on a resize."""
+    for the other one on a resize. ``source``: where the numbers come from (``explain.source_of``)."""
     panels = len(step.stages) + (1 if step.draw is not None else 0)
     narrow = width is not None and width < NARROW_PX
     phone = width is not None and width < PHONE_PX
@@ -39,9 +40,9 @@ def step_chart(step: StepTrace, width: float | None = None) -> go.Figure:
     if narrow:
         label_px = max((len(t) for t in charts.tick_labels(step)), default=4) * CHAR_EM * tick_font + 12
         gap = min(0.45, label_px / max(1.0, width - 40 - label_px)) if columns > 1 else 0.12
-        fig = legible_stage_chart(step, columns=columns, gap_px=130, panel_px=int(bars * BAR_PX), column_gap=gap)
+        fig = legible_stage_chart(step, source, columns=columns, gap_px=130, panel_px=int(bars * BAR_PX), column_gap=gap)
     else:
-        fig = legible_stage_chart(step, columns=columns)
+        fig = legible_stage_chart(step, source, columns=columns)
     fig.update_layout(font=dict(size=font), title_font_size=font + 4, legend_font_size=font - 2,
                       meta={"narrow": narrow, "phone": phone, "columns": columns},
                       margin=dict(l=10, r=20, t=110 + 40 * min(rows, 2), b=70))

@@ -8,6 +8,7 @@ import html
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.numbers import percent
 from engine.reports.quant_report import HeldoutScore, InsideLayer, MethodComparison
 from .quantization import colour, variant_label
 from .step import FONT
@@ -22,7 +23,7 @@ def comparison_rows(report: MethodComparison) -> list[list]:
     """One row per measured variant (COMPARE_HEADERS), then one per failed variant."""
     rows = [[variant_label(r.variant), r.about, f"{r.bits_per_weight:.2f}", f"{r.perplexity:.1f}",
              "reference" if r.variant == "none" else f"{r.mean_kl:.3f}",
-             "reference" if r.variant == "none" else f"{r.top1_agreement:.0%}",
+             "reference" if r.variant == "none" else percent(r.top1_agreement),
              f"{r.disk_bytes / MB:.0f}" if r.disk_bytes else "—", f"{r.memory_bytes / MB:.0f}",
              f"{r.packed_bytes / MB:.0f}" if r.packed_bytes else "—", f"{r.quantize_s:.0f}" if r.quantize_s else "—"]
             for r in report.rows]

@@ -10,6 +10,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from engine.reports.drift import DriftReport, KVReport, VariantDrift
+from engine.numbers import percent
 from . import glossary
 from .step import FONT
 from .tokens import render as readable
@@ -46,7 +47,7 @@ def drift_rows(report: DriftReport) -> list[list]:
     """One row of display strings per measured variant (headers: DRIFT_HEADERS), then one per failed variant."""
     rows = [[variant_label(v.quantization), f"{v.memory_bytes / MB:.1f}",
              f"in memory (first load {v.load_s:.1f})" if v.was_loaded else f"{v.load_s:.1f}", f"{v.tokens_per_s:.2f}",
-             f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", f"{v.top1_agreement:.0%}",
+             f"{v.mean_kl:.4g}", f"{v.max_kl:.4g}", percent(v.top1_agreement),
              f"{v.heldout_perplexity:.1f}" if v.heldout_perplexity else "—", _divergence_cell(v)] for v in report.variants]
     rows += [[variant_label(q), "", "", "", "", "", "", "", f"failed: {message}"] for q, message in report.errors.items()]
     return rows
@@ -107,7 +108,7 @@ def texts_html(report: DriftReport) -> str:
         note = ("reference" if v.quantization == "none"
                 else "same text as fp32 (free-running)" if v.first_divergence is None
                 else f"own text leaves fp32 at step {v.first_divergence} (free-running); "
-                     f"top-1 agreement {v.top1_agreement:.0%} is teacher-forced")
+                     f"top-1 agreement {percent(v.top1_agreement)} is teacher-forced")
         columns.append(
             f'<div class="q-text" data-variant="{html.escape(v.quantization)}" style="flex:1;min-width:220px;'
             f'border:1px solid #ddd;border-radius:6px;padding:8px">'

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 
+from engine.numbers import percent
 from engine.trace import Trace
 
 
@@ -22,5 +23,5 @@ def remote_markdown(trace: Trace | None) -> str:
     spec = remote.get("server_speculative")
     if spec:  # llama-server drafting on its own (-md / --spec-type): its timings' counts
         line += (f" **llama-server's own speculative decoding:** drafted {spec['drafted']}, accepted "
-                 f"{spec['accepted']} ({spec['acceptance_rate']:.0%}).")
+                 f"{spec['accepted']} ({percent(spec['acceptance_rate'])}).")
     return line

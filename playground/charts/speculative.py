@@ -14,9 +14,11 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from engine.strategies.speculative import DraftToken, ExtraToken, SpecRound
+from engine.numbers import decimal, percent
 from engine.trace import TokenProb
 
 from . import glossary
+from .step import tick_format
 from .tokens import is_special, render_html
 from .tokens import render as readable
 
@@ -63,8 +65,8 @@ def extra_origin(x: ExtraToken) -> str:
 def _draft_title(d: DraftToken) -> str:
     if d.u is None:
         verdict = "matches the target's argmax" if d.accepted else "differs from the target's argmax"
-        return f"draft {readable(d.token)}: p={d.p:.3f}, q={d.q:.3f}; {verdict}"
-    return f"draft {readable(d.token)}: p={d.p:.3f}, q={d.q:.3f}, accept with {d.accept_prob:.3f}, u={d.u:.3f}"
+        return f"draft {readable(d.token)}: p={decimal(d.p)}, q={decimal(d.q)}; {verdict}"
+    return f"draft {readable(d.token)}: p={decimal(d.p)}, q={decimal(d.q)}, accept with {decimal(d.accept_prob)}, u={decimal(d.u)}"
 
 
 def round_label(r: SpecRound) -> str:
@@ -90,11 +92,11 @@ def round_chips(r: SpecRound, selected: tuple[int, int] | None = None) -> str:
                            selected == (r.index, d.position), emitted=d.accepted and d.position < emitted))
         if d.resampled is not None:
             x = d.resampled
-            chips.append(_chip("resampled", x.token, r.index, d.position, f"{extra_origin(x)} (p={x.p:.3f})",
+            chips.append(_chip("resampled", x.token, r.index, d.position, f"{extra_origin(x)} (p={decimal(x.p)})",
                                selected == (r.index, d.position), emitted=d.position < emitted))
     if r.bonus is not None:
         pos = len(r.drafted)
-        chips.append(_chip("bonus", r.bonus.token, r.index, pos, f"{extra_origin(r.bonus)} (p={r.bonus.p:.3f})",
+        chips.append(_chip("bonus", r.bonus.token, r.index, pos, f"{extra_origin(r.bonus)} (p={decimal(r.bonus.p)})",
                            selected == (r.index, pos), emitted=pos < emitted))
     timing = f"draft {r.draft_ms:.0f} ms · verify {r.verify_ms:.0f} ms · capture {r.capture_ms:.0f} ms"
     return (f'<div class="spec-round" data-round="{r.index}" style="margin:3px 0;line-height:1.9">'
@@ -153,7 +155,7 @@ def rounds_html(rounds: Sequence[SpecRound], selected: tuple[int, int] | None = 
     note = f'<div style="color:#555;font-size:{FONT}px">{hidden} earlier rounds not shown</div>' if hidden else ""
     special = special_drafts_note(rounds, drafter)
     if special:
-        note += f'<div class="spec-special-note" style="color:#333;font-size:{FONT}px">ⓘ {html.escape(special)}</div>'
+        note += f'<div class="spec-special-note" style="color:#333;font-size:{FONT}px">ℹ {html.escape(special)}</div>'
     rows = "".join(round_chips(r, selected) for r in shown)
     return f'<div class="spec-rounds">{legend_html()}{note}{rows}</div>'
 
@@ -218,7 +220,7 @@ def acceptance_text(r: SpecRound, pos: int) -> str:
         how = "the target's argmax" if b.draw is None else "sampled from the target's distribution p"
         why = (f"All {len(r.drafted)} drafts were accepted, so the target's next distribution comes free"
                if r.drafted else "The drafter proposed nothing this round, so the target decoded one token itself")
-        return f"**Round {r.index}, bonus.** {why}: **{readable(b.token)}** was {how} (p = {b.p:.3f})."
+        return f"**Round {r.index}, bonus.** {why}: **{readable(b.token)}** was {how} (p = {decimal(b.p)})."
     if not 0 <= pos < len(r.drafted):
         return f"Round {r.index} has no position {pos}."
     d = r.drafted[pos]
@@ -226,14 +228,14 @@ def acceptance_text(r: SpecRound, pos: int) -> str:
     if d.u is None:
         best = readable(d.resampled.token) if d.resampled else readable(d.token)
         verdict = "accepted" if d.accepted else f"rejected; the target's argmax **{best}** is taken instead"
-        return head + f"p = {d.p:.3f}, q = {d.q:.3f}. Greedy: accept while the draft equals the target's argmax ({best}) → {verdict}."
-    line = (f"p={d.p:.2f}, q={d.q:.2f} → accept with {d.accept_prob:.2f}; u={d.u:.2f} → "
+        return head + f"p = {decimal(d.p)}, q = {decimal(d.q)}. Greedy: accept while the draft equals the target's argmax ({best}) → {verdict}."
+    line = (f"p={decimal(d.p, 2)}, q={decimal(d.q, 2)} → accept with {decimal(d.accept_prob, 2)}; u={decimal(d.u, 2)} → "
             f"{'accepted' if d.accepted else 'rejected'}")
     text = head + f"`{line}` (accept with probability min(1, p/q))."
     if d.resampled is not None:
         x = d.resampled
         text += (f" The target then resampled **{readable(x.token)}** from the residual normalise(max(0, p − q)), "
-                 f"where it has probability {x.prob:.3f} (p = {x.p:.3f}).")
+                 f"where it has probability {decimal(x.prob)} (p = {decimal(x.p)}).")
     return text
 
 
@@ -274,7 +276,7 @@ def pq_figure(r: SpecRound, pos: int) -> go.Figure:
     if pos < len(r.drafted):
         d = r.drafted[pos]
         p_top, q_top, mark = d.p_top, d.q_top, d.token_id
-        title = f"round {r.index} · pos {pos}: draft {readable(d.token)} (p={d.p:.3f}, q={d.q:.3f})"
+        title = f"round {r.index} · pos {pos}: draft {readable(d.token)} (p={decimal(d.p)}, q={decimal(d.q)})"
     elif r.bonus is not None:
         p_top, q_top, mark = r.bonus.top, [], r.bonus.token_id
         title = f"round {r.index} · bonus from p: {readable(r.bonus.token)}"
@@ -319,7 +321,8 @@ def residual_figure(r: SpecRound, pos: int) -> go.Figure | None:
 def _bars_layout(fig: go.Figure, title: str, n: int) -> go.Figure:
     """Shared look: 14 px text, the title wrapped onto short lines, the legend below the bars."""
     fig.update_yaxes(autorange="reversed", automargin=True, tickfont=dict(size=FONT))
-    fig.update_xaxes(rangemode="tozero", tickformat=".0%", tickfont=dict(size=FONT))
+    top = max((x for bar in fig.data for x in (bar.x or []) if isinstance(x, (int, float))), default=1.0)
+    fig.update_xaxes(rangemode="tozero", tickformat=tick_format(top), tickfont=dict(size=FONT))  # 0.2%: not "0%, 0%"
     wrapped = "<br>".join(textwrap.wrap(title, 44, break_long_words=False))  # fits 390 px at 16 px
     lines = wrapped.count("<br>") + 1
     fig.update_layout(title=dict(text=wrapped, x=0.01, font=dict(size=FONT + 2)), barmode="group", template="plotly_white",
@@ -336,9 +339,11 @@ def accepted_length_figure(rounds: Sequence[SpecRound]) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Bar(x=xs, y=[r.num_accepted for r in rounds], name="accepted drafts", marker_color=KINDS["accepted"][0],
                          hovertemplate="round %{x}: %{y} accepted<extra></extra>"))
-    extra_colour = [KINDS["bonus" if r.bonus is not None else "resampled"][0] for r in rounds]
-    fig.add_trace(go.Bar(x=xs, y=[1 if r.extra is not None else 0 for r in rounds], name="target token (resampled / bonus)",
-                         marker_color=extra_colour, hovertemplate="round %{x}: +1 from the target<extra></extra>"))
+    for kind in ("resampled", "bonus"):  # one trace (and legend entry) per colour drawn
+        colour, _, label = KINDS[kind]
+        fig.add_trace(go.Bar(x=xs, y=[1 if r.extra is not None and (r.bonus is not None) == (kind == "bonus") else 0
+                                      for r in rounds], name=label, marker_color=colour,
+                             hovertemplate="round %{x}: +1 from the target (" + kind + ")<extra></extra>"))
     fig.add_trace(go.Scatter(x=xs, y=[len(r.drafted) for r in rounds], mode="markers", name="drafted",
                              marker=dict(symbol="line-ew-open", size=14, color="#333", line=dict(width=2)),
                              hovertemplate="round %{x}: %{y} drafted<extra></extra>"))
@@ -372,7 +377,7 @@ def counters_html(rounds: Sequence[SpecRound], summary: dict | None = None) -> s
                 f'padding:6px 10px;border:1px solid #ddd;border-radius:8px"><div style="font-size:{FONT}px;color:#555">{label}</div>'
                 f'<div style="font-size:20px;font-weight:600">{value}</div></div>')
 
-    rate = "—" if math.isnan(c["acceptance_rate"]) else f"{c['acceptance_rate']:.0%}"
+    rate = "—" if math.isnan(c["acceptance_rate"]) else percent(c["acceptance_rate"])
     per = "—" if math.isnan(c["tokens_per_target_forward"]) else f"{c['tokens_per_target_forward']:.2f}"
     speed = "—" if math.isnan(c["speedup"]) else f"{c['speedup']:.2f}×"
     return ('<div class="spec-counters">'
@@ -389,7 +394,7 @@ def summary_markdown(summary: dict) -> str:
         return ""
     text = (f"**{summary.get('tokens', 0)} tokens** in {summary.get('rounds', 0)} rounds with drafter "
             f"`{summary.get('drafter', '?')}` · accepted {summary.get('accepted', 0)}/{summary.get('drafted', 0)} drafts "
-            f"({summary.get('acceptance_rate', 0.0):.0%}) · {summary.get('tokens_per_target_forward', 0.0):.2f} tokens per "
+            f"({percent(summary.get('acceptance_rate', 0.0))}) · {summary.get('tokens_per_target_forward', 0.0):.2f} tokens per "
             f"target forward · {summary.get('target_forwards_saved', 0)} target forwards saved · {time_breakdown(summary)}")
     if "speedup" in summary:
         text += " · " + speed_comparison(summary)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from engine import stages
+from engine.numbers import percent
 from engine.stages import STAGES, quoted, title_number, token_names
 from engine.trace import StageTrace
 
@@ -27,7 +28,7 @@ def stage_label(stage: StageTrace) -> str:
 
 
 def _raw(stage: StageTrace) -> str:
-    top = f"; most likely {quoted(stage.top[0].token)} {stage.top[0].prob:.1%}" if stage.top else ""
+    top = f"; most likely {quoted(stage.top[0].token)} {percent(stage.top[0].prob)}" if stage.top else ""
     return f"raw: the model's distribution, entropy {stage.entropy:.2f} nats{top}"
 
 
@@ -36,7 +37,7 @@ def _final(stage: StageTrace) -> str:
 
 
 def _contrast(stage: StageTrace) -> str:
-    return f"{CONTRAST}: moved {stage.tv_distance:.1%} of the mass"
+    return f"{CONTRAST}: moved {percent(stage.tv_distance)} of the mass"
 
 
 def _contrast_heading(stage: StageTrace) -> str:

@@ -19,13 +19,15 @@ from typing import Any, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.stages import grammar_cost, grammar_facts
+from engine.numbers import decimal, interval, percent
+from engine.stages import grammar_cost
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
 from playground.page_js import PHONE_PX
 from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # the page's script compares against these too
 
 from . import glossary
-from .stage_notes import stage_heading, stage_label, stage_note
+from .explain import LOCAL, Source, explain_step, grammar_sentence, source_of, stage_moved, tokens_word  # noqa: F401 (the views' charts.*)
+from .stage_notes import stage_heading
 from .tokens import render as readable  # the one token rendering (␣ ↵ ⇥ ⟪special⟫)
 from .tokens import render_flow
 from .tokens import unique_labels as _unique_labels
@@ -45,14 +47,10 @@ TITLE_WRAP = 14  # characters per subplot title line: titles wrap instead of ove
 SUP_WRAP = 18  # characters of the smaller "kept 56 tokens · −9.9%" line under it (else two lines)
 SURPRISAL_CAP = 5.0  # nats: surprisal colouring saturates here (p ≈ 0.7%)
 GAP = "⋯"  # the empty row between a panel's top-N and the chosen token drawn outside it
+UNKNOWN_P = "p unknown"  # beside a served model's chosen token outside its raw top-N (NaN in the trace)
 
 STAGE_GLOSSARY = {"temperature": "temperature", "top_k": "top-k", "top_p": "top-p", "min_p": "min-p",
                   "typical_p": "typical_p", "epsilon": "ε"}
-
-
-def tokens_word(n: int) -> str:
-    """"1 token", "2 tokens", "49,152 tokens"."""
-    return f"{n:,} token" + ("" if n == 1 else "s")
 
 
 def short_label(label: str, limit: int = 12) -> str:
@@ -64,10 +62,20 @@ def _wrap(text: str, width: int = TITLE_WRAP) -> str:
     return "<br>".join(textwrap.wrap(text, width, break_long_words=False)) or text
 
 
-def stage_title(stage: StageTrace, wrap: int = TITLE_WRAP) -> str:
-    """The stage and its knobs in words (wrapped to short lines), then what it kept and removed."""
-    kept = f"kept {tokens_word(stage.kept)}"
-    removed = f"−{stage.mass_removed:.1%}" if stage.mass_removed > 0 else ""
+def kept_words(stage: StageTrace, source: Source = LOCAL) -> str:
+    """What the panel says the stage kept: its count, or in fast mode what is known of it (the
+    server's top-N; after its sampler, fewer than N non-zero is the exact count)."""
+    if source.fast and (stage.name == "raw" or stage.kept >= (source.top_n or len(stage.top))):
+        return f"server's top {source.top_n or len(stage.top)}"
+    return f"kept {tokens_word(stage.kept)}"
+
+
+def stage_title(stage: StageTrace, wrap: int = TITLE_WRAP, source: Source = LOCAL) -> str:
+    """The stage and its knobs in words (wrapped to short lines), then what it kept and the mass
+    it removed (or moved, when it removed none: a temperature)."""
+    kept = kept_words(stage, source)
+    removed = (f"−{percent(stage.mass_removed)}" if stage.mass_removed > 0
+               else f"moved {percent(stage.tv_distance)}" if stage_moved(stage) else "")
     # One line when it fits a phone's panel, else the removed mass on a line of its own.
     if not removed or len(kept) + len(removed) + 3 > SUP_WRAP:
         note = f"<sup>{kept}</sup>" + (f"<br><sup>{removed}</sup>" if removed else "")
@@ -88,11 +96,23 @@ def _hover(stage: StageTrace) -> str:
 def _chosen_outside(stage: StageTrace, step: StepTrace) -> TokenProb | None:
     """The chosen token as an extra bar when the stage's stored top-N misses it: its probability
     where the trace records it (raw: raw_prob; final: chosen_prob; a stage between them: its own
-    chosen_prob), else None as the probability (a trace from before stages recorded it)."""
+    chosen_prob), else None as the probability (a trace from before stages recorded it, or a
+    served model's raw p outside its top-N: unknown, NaN in the trace)."""
     if any(t.token_id == step.chosen_token_id for t in stage.top):
         return None
     prob = step.raw_prob if stage.name == "raw" else step.chosen_prob if stage is step.stages[-1] else stage.chosen_prob
-    return TokenProb(step.chosen_token_id, step.chosen_token, prob)
+    return TokenProb(step.chosen_token_id, step.chosen_token, prob if prob is not None and math.isfinite(prob) else None)
+
+
+def _missing_p(stage: StageTrace, step: StepTrace) -> str:
+    """Beside a chosen token drawn outside a panel's top-N without its p: unknown (a served
+    model's raw p below its top-N, NaN in the trace) or not recorded (an older trace)."""
+    return UNKNOWN_P if stage.name == "raw" and math.isnan(step.raw_prob) else "p not recorded"
+
+
+def _percents(values: Sequence[float | None]) -> list[list[str]]:
+    """Each bar's p as the page writes it (engine.numbers.percent), for its hover."""
+    return [[percent(v)] for v in values]
 
 
 def _stage_traces(stage: StageTrace, step: StepTrace) -> list[dict]:
@@ -104,15 +124,18 @@ def _stage_traces(stage: StageTrace, step: StepTrace) -> list[dict]:
     probs = [t.prob for t in entries]
     texts = [""] * len(entries)
     outside = _chosen_outside(stage, step)
+    known = list(probs)
     if outside is not None:
         labels += [GAP, f"{short_label(readable(outside.token))} (rank>{len(entries)})"]
         probs += [None, outside.prob or 0.0]
+        known += [None, outside.prob]
         colors += [BAR, ACCENT]
-        texts += ["", "" if outside.prob is not None else "p not recorded"]
+        texts += ["", "" if outside.prob is not None else _missing_p(stage, step)]
     bars = [dict(
         type="bar", x=probs, y=labels, orientation="h", marker=dict(color=colors), name=stage.name, showlegend=False,
         text=texts, textposition="outside", textfont=dict(size=FONT, color=ACCENT), cliponaxis=False,
-        hovertemplate="%{y}<br>p = %{x:.4%}<br>" + _hover(stage) + "<extra>" + stage.name + "</extra>",
+        customdata=_percents(known),
+        hovertemplate="%{y}<br>p = %{customdata[0]}<br>" + _hover(stage) + "<extra>" + stage.name + "</extra>",
     )]
     if stage.removed:
         rem_labels = _unique_labels([t.token for t in stage.removed], [t.token_id for t in stage.removed])
@@ -120,8 +143,8 @@ def _stage_traces(stage: StageTrace, step: StepTrace) -> list[dict]:
             type="bar", x=[t.prob for t in stage.removed], y=[f"✕ {short_label(lab)}" for lab in rem_labels],
             orientation="h",
             marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5), pattern=dict(shape="/")),
-            name="removed", showlegend=False,
-            hovertemplate="%{y}: removed here (had p = %{x:.4%})<extra>" + stage.name + "</extra>",
+            name="removed", showlegend=False, customdata=_percents([t.prob for t in stage.removed]),
+            hovertemplate="%{y}: removed here (had p = %{customdata[0]})<extra>" + stage.name + "</extra>",
         ))
     return bars
 
@@ -148,10 +171,12 @@ def _draw_traces(step: StepTrace) -> list[dict]:
         bases.append(acc)
         entries.append(TokenProb(-1, "", rest))
         colors.append(REST)
+    slices = [[interval(b, b + t.prob), percent(t.prob)] for b, t in zip(bases, entries)]
     return [dict(
         type="bar", x=[t.prob for t in entries], base=bases, y=labels, orientation="h", marker=dict(color=colors),
-        showlegend=False,
-        hovertemplate="%{y}: [%{base:.3f}, %{x:.3f} wide)<br>" + html.escape(glossary.hover("u")) + "<extra>cumulative</extra>",
+        showlegend=False, customdata=slices,
+        hovertemplate="%{y}: %{customdata[0]}, %{customdata[1]} wide<br>" + html.escape(glossary.hover("u"))
+                      + "<extra>cumulative</extra>",
     )]
 
 
@@ -162,7 +187,7 @@ def _u_line(u: float, axis: str) -> tuple[dict, dict]:
     right = u > 0.5
     shape = dict(type="line", x0=u, x1=u, xref=f"x{axis}", y0=0, y1=1, yref=f"y{axis} domain",
                  line=dict(color=DRAW, dash="dash", width=2))
-    label = dict(text=f"u = {u:.3f}", font=dict(size=FONT + 1, color=DRAW), bgcolor="rgba(255,255,255,0.85)",
+    label = dict(text=f"u = {decimal(u)}", font=dict(size=FONT + 1, color=DRAW), bgcolor="rgba(255,255,255,0.85)",
                  xanchor="right" if right else "left", yanchor="top", showarrow=False, x=u, xref=f"x{axis}", y=1,
                  yref=f"y{axis} domain")
     return shape, label
@@ -190,15 +215,24 @@ def _grid(rows: int, cols: int, vertical_spacing: float,
     return json.dumps(axes), tuple((a["x"], a["y"]) for a in layout["annotations"])
 
 
+def tick_format(top: float) -> str:
+    """A probability axis's tick format for an axis from 0 to ``top``: whole percent from 5% up,
+    else the decimals its ticks need (a 0-0.2% axis read "0%, 0%, 0%")."""
+    if not 0 < top < 0.05:
+        return ".0%"
+    return f".{min(4, max(1, 1 - math.floor(math.log10(top * 100))))}%"
+
+
 def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
-    """The largest probability any stage panel shows (the shared axis runs 0 to a bit above it)."""
+    """The largest probability any stage panel shows (the shared axis runs 0 to a bit above it;
+    an unknown p, NaN, shows no bar)."""
     probs = [t.prob for s in panels for t in [*s.top, *s.removed]] + [step.raw_prob, step.chosen_prob]
-    return min(1.0, max(probs, default=1.0) * 1.08)
+    return min(1.0, max((p for p in probs if math.isfinite(p)), default=1.0) * 1.08)
 
 
 def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW,
                 gap_px: int | None = None, meta: dict | None = None, panel_px: int = 260,
-                column_gap: float = 0.12, tail: tuple[int, float] | None = None) -> go.Figure:
+                column_gap: float = 0.12, source: Source = LOCAL) -> go.Figure:
     """Small multiples: the top-N tokens raw, after each stage in order, and final; tokens a stage
     removed are hatched; the chosen token is always drawn (after a gap when outside the top-N);
     the last panel shows where u landed. ``shared_axis``: every stage panel on one probability
@@ -207,18 +241,15 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     share of the height, which leaves tall single-column charts short panels); ``meta``: the
     layout's meta (what the page reads back); ``panel_px``: a panel's height when ``gap_px`` is
     given; ``column_gap``: the room between columns, a share of the width (their token labels sit in it);
-    ``tail``: a served model's (top-N, tail mass) at this step (``step_tail``), said under the raw
-    panel's title (every panel is renormalised over that top-N)."""
+    ``source``: where the numbers come from (``source_of``): a served model's top-N and the raw
+    mass outside it (the tail) are said under the raw panel's title; in fast mode each panel says
+    it holds the server's top-N, not a count of kept tokens."""
     panels = list(step.stages)
     with_draw = step.draw is not None
     count = len(panels) + (1 if with_draw else 0)
     cols = max(1, min(columns, count))
     rows = math.ceil(count / cols)
-    titles = [stage_title(s, TITLE_WRAP if cols > 1 else 2 * TITLE_WRAP) for s in panels]  # one column: a phone's width
-    if tail is not None and titles:
-        titles[0] += f"<br><sup>server's top {tail[0]}; tail {tail[1]:.1%} not drawn</sup>"
-    if with_draw:
-        titles.append(f"where the draw<br>landed: u = {step.draw:.3f}<br><sup>sorted cumulative</sup>")
+    titles = panel_titles(step, TITLE_WRAP if cols > 1 else 2 * TITLE_WRAP, source)  # one column: a phone's width
     height = max(360, (330 if gap_px is None else panel_px + gap_px) * rows + 120)
     spacing = min(0.3, 0.5 / rows) if gap_px is None else gap_px / (height - 180)  # 180: top + bottom margins
     axes_json, positions = _grid(rows, cols, spacing if rows > 1 else 0.1, column_gap if cols > 1 else 0.12)
@@ -246,11 +277,11 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     if shared_axis:
         top = _shared_range(panels, step)
         for i in range(len(panels)):
-            layout[f"xaxis{suffix[i]}"]["range"] = [0, top]
+            layout[f"xaxis{suffix[i]}"].update(range=[0, top], tickformat=tick_format(top))
     axis_note = "one probability axis for all stages" if shared_axis else "each panel on its own scale"
     layout.update(
         annotations=annotations, height=height, margin=dict(l=10, r=10, t=110, b=70), bargap=0.25, barmode="overlay",
-        title=dict(text=f"step {step.index}: chose {html.escape(readable(step.chosen_token))} (p = {step.chosen_prob:.1%})"
+        title=dict(text=f"step {step.index}: chose {html.escape(readable(step.chosen_token))} (p = {percent(step.chosen_prob)})"
                         f"<br><sup>{axis_note}</sup>", x=0.01, xanchor="left", yref="container", y=1 - 12 / height,
                    yanchor="top", font=dict(size=FONT + 3)),
         template="plotly_white", font=dict(size=FONT),
@@ -261,6 +292,30 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     if meta is not None:
         layout["meta"] = meta
     return go.Figure(dict(data=data, layout=layout))
+
+
+def raw_tail(step: StepTrace, source: Source) -> float | None:
+    """The raw probability outside a served model's top-N at this step: step mode records it; in
+    fast mode the raw panel's top-N are the model's own probabilities, so it is 1 − their sum."""
+    if source.mode == "step":
+        return source.tail
+    raw = step.stages[0] if step.stages else None
+    if source.fast and raw is not None and raw.name == "raw" and raw.top:
+        return max(0.0, 1.0 - sum(t.prob for t in raw.top))
+    return None
+
+
+def panel_titles(step: StepTrace, wrap: int, source: Source = LOCAL) -> list[str]:
+    """Every panel's title (``stage_title``; a served model's top-N and tail under the raw one),
+    then the draw panel's."""
+    titles = [stage_title(s, wrap, source) for s in step.stages]
+    tail = raw_tail(step, source)
+    if tail is not None and titles:
+        titles[0] += (f"<br><sup>tail {percent(tail)} not drawn</sup>" if source.fast
+                      else f"<br><sup>server's top {source.top_n}; tail {percent(tail)} not drawn</sup>")
+    if step.draw is not None:
+        titles.append(f"where the draw<br>landed: u = {decimal(step.draw)}<br><sup>sorted cumulative</sup>")
+    return titles
 
 
 def panel_rows(step: StepTrace) -> list[int]:
@@ -288,17 +343,17 @@ def panel_columns(panels: int, width: float | None) -> int:
     return min(4, panels) if panels <= 4 else math.ceil(panels / math.ceil(panels / 4))
 
 
-def fitted_stage_chart(step: StepTrace, width: float | None, tail: tuple[int, float] | None = None) -> go.Figure:
+def fitted_stage_chart(step: StepTrace, width: float | None, source: Source = LOCAL) -> go.Figure:
     """``stage_chart`` for a page ``width`` px wide (None: not known yet): PANELS_PER_ROW a row,
     two below NARROW_PX, one below PHONE_PX (two panels in a phone's 390 px leave ~80 px of bars
     and every other token label). ``layout.meta`` says which layout it is, so the page asks for
-    the other one after a resize (page_js). ``tail``: see ``stage_chart``."""
+    the other one after a resize (page_js). ``source``: see ``stage_chart``."""
     narrow = width is not None and width < NARROW_PX
     phone = width is not None and width < PHONE_PX
     count = len(step.stages) + (1 if step.draw is not None else 0)
     columns = 1 if phone else panel_columns(count, width) if narrow else PANELS_PER_ROW
     return stage_chart(step, columns=columns, gap_px=PHONE_GAP_PX if phone else None,
-                       meta={"narrow": narrow, "phone": phone, "columns": columns}, tail=tail)
+                       meta={"narrow": narrow, "phone": phone, "columns": columns}, source=source)
 
 
 def surprisal(step: StepTrace) -> float:
@@ -357,71 +412,13 @@ def colour_legend(colour_by: str = "probability") -> str:
     """HTML: what the token colours mean (the gradient gr.HighlightedText draws for scores)."""
     purple, red = "rgba(128, 90, 213, 1)", "rgba(239, 68, 60, 1)"
     if colour_by == "surprisal":
-        gradient, left, right = f"white, {red}", "expected (0 nats)", f"surprising (≥ {SURPRISAL_CAP:g} nats, p ≤ {math.exp(-SURPRISAL_CAP):.1%})"
+        gradient, left, right = f"white, {red}", "expected (0 nats)", f"surprising (≥ {SURPRISAL_CAP:g} nats, p ≤ {percent(math.exp(-SURPRISAL_CAP))})"
     else:
         gradient, left, right = f"{purple}, white, {red}", "unlikely pick (p ≈ 0)", "confident (p ≈ 1); white = p 0.5"
     bar = (f'<span style="display:inline-block;width:120px;height:12px;vertical-align:middle;margin:0 8px;'
            f'border:1px solid #767676;background:linear-gradient(to right, {gradient})"></span>')
     return (f'<div class="dp-colour-legend" style="font-size:14px;color:#333">Colour = {colour_by}: '
             f"{html.escape(left)}{bar}{html.escape(right)}</div>")
-
-
-def explain_step(step: StepTrace, pick: str | None = None) -> str:
-    """One or two plain sentences about what the stages did at this step (``pick``: the sentence
-    about the pick instead of what the run did: a what-if's)."""
-    raw = step.stages[0]
-    parts = []
-    prev_top = raw.top[0] if raw.top else None
-    for stage in step.stages[1:-1]:
-        label = stage_label(stage)
-        top = stage.top[0] if stage.top else None
-        if stage.mass_removed > 0:
-            covered = max(0.0, 1.0 - stage.mass_removed)  # float32 sums may pass 1 by an ulp: never "-0.0%"
-            parts.append(f"{label} kept {tokens_word(stage.kept)} covering {covered:.1%} of the mass")
-        elif top is not None and prev_top is not None and top.token_id == prev_top.token_id and abs(top.prob - prev_top.prob) > 0.005:
-            verb = "sharpened" if top.prob > prev_top.prob else "flattened"
-            parts.append(f"{label} {verb} the top token “{readable(top.token)}” from {prev_top.prob:.0%} to {top.prob:.0%}")
-        elif stage.tv_distance > 0.005:
-            parts.append(f"{label} moved {stage.tv_distance:.1%} of the probability mass")
-        else:
-            parts.append(f"{label} changed nothing here")
-        prev_top = top
-    head = ("; ".join(parts) + ". ") if parts else "No stage changed the raw distribution. "
-    notes = "".join(f"\n- {html.escape(stage_note(stage), quote=False)}" for stage in step.stages[1:-1])
-    grammar = grammar_sentence(step)
-    return (head[0].upper() + head[1:] + (pick or _run_pick(step)) + (f" {grammar}" if grammar else "")
-            + (f"\n\nStage by stage:{notes}" if notes else ""))
-
-
-def grammar_sentence(step: StepTrace) -> str:
-    """What the grammar did to the step's pick, from its records (``engine.stages.grammar_facts``):
-    the model's favourite it forbade, how many tokens it allowed and the mass it removed, and the
-    chosen token's p before and after the mask; "" without a grammar stage."""
-    facts = grammar_facts(step)
-    if facts is None:
-        return ""
-    if facts.off_grammar_at is not None:
-        return f"The grammar masked nothing: a forced token left it at step {facts.off_grammar_at}."
-    chosen = readable(step.chosen_token)
-    if facts.ended:
-        return f"The grammar was complete: only the end of text “{chosen}” was allowed."
-    wanted = f"The model wanted “{readable(facts.wanted[0])}” ({facts.wanted[1]:.1%}), which the grammar forbids; " \
-        if facts.wanted else "The model's favourite was allowed; "
-    prob = (lambda p: "not recorded" if p is None else f"{p:.1%}")
-    return (f"{wanted}the grammar allowed {tokens_word(facts.allowed)} and removed {facts.forbidden_mass:.1%} of the "
-            f"mass, so “{chosen}” went from p = {prob(facts.chosen_before)} before the mask to "
-            f"{prob(facts.chosen_after)} after it.")
-
-
-def _run_pick(step: StepTrace) -> str:
-    """The sentence about how the run picked the step's token."""
-    chosen = readable(step.chosen_token)
-    if step.forced:
-        return f"You picked “{chosen}” (p = {step.chosen_prob:.1%} after all stages)."
-    if step.draw is None:
-        return f"Greedy took the most probable token “{chosen}” (p = {step.chosen_prob:.1%}; raw model {step.raw_prob:.1%})."
-    return (f"The draw u = {step.draw:.3f} fell in “{chosen}”'s slice [{step.draw_low:.3f}, {step.draw_high:.3f}) "
-            f"of the sorted cumulative distribution, so it was chosen (p = {step.chosen_prob:.1%}; raw model {step.raw_prob:.1%}).")
 
 
 STOP_WORDS = {"eos": "end of sequence", "stop_string": "stop string", "max_new_tokens": "max_new_tokens reached",
@@ -484,8 +481,8 @@ def tail_note(trace: Trace, index: int) -> str:
     tail = step_tail(trace, index)
     if tail is None:
         return ""
-    return (f"The server's top {tail[0]} held {1 - tail[1]:.2%} of the raw probability here; the other "
-            f"{tail[1]:.2%} (the tail) is outside every chart, and no token there could be picked.")
+    return (f"Outside the server's top {tail[0]} lay {percent(tail[1])} of the raw probability here (the tail): "
+            "it is outside every chart, and no token there could be picked.")
 
 
 def alternatives(step: StepTrace, limit: int = 10) -> list[tuple[str, int]]:
@@ -495,8 +492,8 @@ def alternatives(step: StepTrace, limit: int = 10) -> list[tuple[str, int]]:
     for t in step.stages[0].top[:limit]:
         mark = " ← chosen" if t.token_id == step.chosen_token_id else ""
         fp = final.get(t.token_id)
-        after = f", final {fp:.1%}" if fp is not None else ""
-        out.append((f"{readable(t.token)!s}  (raw {t.prob:.1%}{after}){mark}", t.token_id))
+        after = f", final {percent(fp)}" if fp is not None else ""
+        out.append((f"{readable(t.token)!s}  (raw {percent(t.prob)}{after}){mark}", t.token_id))
     return out
 
 

@@ -5,6 +5,18 @@
   // The element ``selector`` names inside element ``id`` (an id from playground/ids.py).
   const inside = (id, selector) => document.querySelector('#' + id + ' ' + selector);
   const visible = el => el && el.offsetParent !== null;
+  // A lesson link (?lesson=...): the page is built with the first lesson in the Lessons tab, and the
+  // link's lesson comes with the page's load event (views/lessons.py on_query; its answer removes
+  // this class). Until then no lesson's text shows (page.css) and Open, Run and the presenter's Run
+  // ignore clicks and keys, so the only lesson shown or run is the link's.
+  if (new URLSearchParams(window.location.search).has(__LESSON_PARAM__)) {
+    document.documentElement.classList.add('dp-lesson-pending');
+    document.addEventListener('click', e => {
+      if (!document.documentElement.classList.contains('dp-lesson-pending')) return;
+      const held = [__ID_LESSONS_OPEN__, __ID_LESSONS_RUN__, __ID_PRESENT_RUN__].map(id => '#' + id).join(', ');
+      if (e.target.closest && e.target.closest(held)) { e.preventDefault(); e.stopImmediatePropagation(); }
+    }, true);
+  }
   document.addEventListener('keydown', e => {
     const t = e.target;
     if ((e.ctrlKey || e.metaKey) && e.key === 'Enter' && t.tagName === 'TEXTAREA') {
@@ -28,7 +40,7 @@
       if (tokens[next]) { e.preventDefault(); tokens[next].click(); tokens[next].focus(); }
     }
   }, true);
-  // Presenter and Step through: the page width goes into a hidden width box (its change redraws the
+  // Presenter, Step through and Lessons: the page width goes into a hidden width box (its change redraws the
   // chart for that width); a chart laid out for the other width (e.g. the lesson's run draws it wide)
   // is redrawn once, by the hidden redraw button.
   const setValue = (box, value) => {
@@ -50,9 +62,51 @@
       document.getElementById(redrawId)?.click();
     }
   };
+  // A chart that carries a phone layout (layout.meta.layouts: playground/charts/compare.py's
+  // with_phone_layout; the Lessons tab's and Compare's inspector's, whose views do not know the
+  // page width) gets the layout its box's width needs, swapped in place (no request).
+  const fitLayouts = () => {
+    if (!window.Plotly) return;
+    document.querySelectorAll('.js-plotly-plot').forEach(plot => {
+      const meta = plot.layout && plot.layout.meta;
+      const layouts = meta && meta.layouts;
+      const width = plot.getBoundingClientRect().width;
+      if (!layouts || !width) return;  // a hidden tab's chart has no width yet
+      const want = width < layouts.below ? 'phone' : 'wide';
+      if (meta.shown === want) return;
+      window.Plotly.react(plot, plot.data, {...layouts[want], template: plot.layout.template, meta: {...meta, shown: want}});
+    });
+  };
+  // A table or the beam tree wider than its box scrolls sideways inside it: app.css says so above it
+  // and shades the right edge while more lies beyond it. A new beam tree is scrolled to the end of its
+  // winning path (layout.meta.scroll_to, px), where the finished hypotheses are.
+  // (box, what scrolls in it: the first of these that is wider than it; a phone's CSS lets the
+  // plot's inner container scroll instead of Gradio's box)
+  const SCROLLERS = [['.table-wrap', '.virtual-table-viewport'],
+                     ['#' + __ID_BEAM_TREE__, '[data-testid=plotly], [data-testid=plotly] .plot-container']];
+  const flag = (el, name, on) => { if (el.hasAttribute(name) !== on) el.toggleAttribute(name, on); };
+  const toWinner = view => {
+    const plot = view.closest('.js-plotly-plot') || view.querySelector('.js-plotly-plot');  // Gradio's box is the plot
+    const to = plot && plot.layout && plot.layout.meta && plot.layout.meta.scroll_to;
+    if (!plot || view.dpLayout === plot.layout) return;
+    view.dpLayout = plot.layout;  // once per drawn tree: a person's own scrolling is left alone
+    if (typeof to === 'number') view.scrollLeft = Math.max(0, to - view.clientWidth + 80);
+  };
+  const markTables = () => SCROLLERS.forEach(([outer, inner]) => document.querySelectorAll(outer).forEach(box => {
+    const views = [...box.querySelectorAll(inner)];
+    const view = views.find(v => v.scrollWidth > v.clientWidth + 1) || views[0];
+    if (!view || !view.clientWidth) return;  // a hidden tab's
+    if (inner !== '.virtual-table-viewport') toWinner(view);
+    flag(box, 'data-dp-scrolls', view.scrollWidth > view.clientWidth + 1);
+    flag(box, 'data-dp-end', view.scrollLeft + view.clientWidth >= view.scrollWidth - 1);
+  }));
+  document.addEventListener('scroll', markTables, true);
   const presentWidth = () => {
     fitWidth(__ID_PRESENT_WIDTH__, __ID_PRESENT_CHART__, __ID_PRESENT_REDRAW__);
     fitWidth(__ID_STEP_WIDTH__, __ID_STEP_CHART__, __ID_STEP_REDRAW__);
+    fitWidth(__ID_LESSONS_WIDTH__, __ID_LESSONS_CHART__, __ID_LESSONS_REDRAW__);
+    fitLayouts();
+    markTables();
   };
   window.addEventListener('resize', presentWidth);
   // Step through's selected step: its token is outlined (the step box holds the selected index).
@@ -78,7 +132,7 @@
     markSelected();
   }).observe(document.documentElement, {childList: true, subtree: true});
   // The step box's value is set as a property (no DOM mutation when only it changes): look again.
-  setInterval(markSelected, 250);
+  setInterval(() => { markSelected(); markTables(); }, 250);
 
   // The sortable stage list writes its order into the hidden textbox named by data-target.
   const commit = ol => {

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine.strategies import beam
+from engine.strategies import beam, remote_beam
 from engine.config import KNOBS, DecodingConfig
 from engine.control import RunControl
 from engine.backends.local import LoadedModel
@@ -97,7 +97,17 @@ def _greedy_markdown(session: BeamSession, length_penalty: float) -> str:
     if g is None:
         return ""
     logprobs = [math.log(max(s.chosen_prob, 1e-45)) for s in g.steps]
-    return charts.greedy_note(g.generated_token_ids, g.text, logprobs, session.beam(), length_penalty)
+    return charts.greedy_note(g.generated_token_ids, g.text, logprobs, session.beam(), length_penalty,
+                              _score_length(session.trace, g))
+
+
+def _score_length(search: Trace | None, greedy: Trace) -> int | None:
+    """What greedy's score divides by to stand beside the search's hypotheses: a remote search's
+    (vLLM's) length counts the prompt too; None (its token count) for our own search."""
+    if search is None or not search.extra.get("remote"):
+        return None
+    eos = greedy.generated_token_ids[-1:] if greedy.stop_reason == "eos" else []
+    return remote_beam.sequence_length(len(search.prompt_token_ids), greedy.generated_token_ids, eos)
 
 
 def _partial(lm: LoadedModel, config: DecodingConfig, steps: list[beam.BeamStep]) -> beam.BeamTrace:
@@ -161,7 +171,7 @@ def build_tab(shared: Shared) -> PanelView:
         with gr.Column(scale=2, min_width=480):
             collapse = gr.Checkbox(True, label="Collapse pruned candidates into one marker per beam",
                                    elem_id="beam-collapse")
-            tree = gr.Plot(label="Search tree: drag to pan, box or scroll to zoom, hover a node", elem_id="beam-tree")
+            tree = gr.Plot(label="Search tree: drag to pan, box or scroll to zoom, hover a node", elem_id=ids.BEAM_TREE)
             summary = gr.Markdown(EMPTY_SUMMARY, elem_id="beam-summary")
             slider = gr.Slider(lp.low, lp.high, value=lp.neutral, step=lp.step, label="Re-rank with length penalty",
                                info="score = sum log-prob / length ^ penalty; > 0 favours longer hypotheses",

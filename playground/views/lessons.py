@@ -32,19 +32,22 @@ from engine.reports.drift import DriftReport, KVReport
 from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.strategies.speculative import rounds_of
 from engine.reports.quant_report import MethodComparison
-from engine.trace import Trace
+from engine.trace import StepTrace, Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
 from playground.charts import grammar as grammar_charts
 from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
+from playground.charts.explain import LOCAL, Source
+from playground.charts.step import NARROW_PX, PHONE_GAP_PX, PHONE_PX, panel_rows
 from playground.charts.tokens import render as readable
 
 from ..events import data_api, stop_button
 from ..assets import static_text
-from ..page_js import OPEN_RUN_JS, RUN_BUTTONS
-from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, status_html
+from .. import ids
+from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS, RUN_BUTTONS
+from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, page_width, status_html
 from ..user_presets import CUSTOM, matching_choice
 from .compare import handlers as compare
 from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
@@ -53,7 +56,6 @@ from .stale import cleared
 from .step import StepView
 from ..whatif_service import KeptLogits, Registered, register
 
-LESSON_PARAM = "lesson"
 TOKEN_PREFIX = "l1."
 MAX_TOKEN_CHARS = 6_000
 MAX_LESSON_BYTES = 32_768
@@ -132,6 +134,20 @@ class LessonSession(Registered):
         """The trace the presenter's what-if redraws: the shown run."""
         return self.shown_trace()
 
+    def chart(self, width: float | None = None) -> go.Figure | None:
+        """What the tab's chart shows once the lesson ran: the check's report where it made one,
+        else the shown run's chart at the lesson's step (``run_chart``), for a page ``width`` px wide."""
+        report = report_chart(self.outcome) if self.outcome is not None else None
+        if report is not None or not self.traces:
+            return report
+        trace = self.traces[self.shown]
+        return run_chart(self.lesson, trace, engine_lessons.selected_step(trace, self.lesson.select_step), width)
+
+    def lesson_step(self) -> int | None:
+        """The step of the shown run the lesson's chart shows (``lessons.selected_step``), if any."""
+        trace = self.shown_trace()
+        return None if trace is None else engine_lessons.selected_step(trace, self.lesson.select_step)
+
 
 def outcome_html(outcome: Outcome) -> str:
     mark, cls = ("✓", "dp-status") if outcome.ok else ("✗ not shown on this run:", "dp-error")
@@ -147,12 +163,16 @@ def runs_html(lesson: Lesson, traces: Sequence[Trace]) -> str:
 NEUTRAL_PANELS = ("raw", "final")
 
 
-def shown_run(traces: Sequence[Trace], select: str | int) -> int:
-    """The run whose chart shows the stage the lesson teaches: a contrastive run (its scores are the
-    lesson), else the one with the most stages at its selected step that not every run has
-    (temperature in a temperature lesson, the penalty in a penalties lesson, top-k in a truncation
-    lesson), else the first with a draw (sampling), else the first. A stage every run shares
-    (min_new_tokens on both lanes) teaches nothing."""
+def shown_run(traces: Sequence[Trace], select: str | int, taught: int | None = None) -> int:
+    """The run whose chart shows the stage the lesson teaches: ``taught``, the run its check is
+    about (``lessons.taught_run``: the truncation lesson's top-p lane), where that run has stage
+    panels; else a contrastive run (its scores are the lesson), else the one with the most stages at
+    its selected step that not every run has (temperature in a temperature lesson, the penalty in a
+    penalties lesson), else the first with a draw (sampling), else the first. A stage every run
+    shares (min_new_tokens on both lanes) teaches nothing."""
+    if taught is not None and 0 <= taught < len(traces) and traces[taught].steps and traces[taught].steps[0].stages:
+        return taught
+
     def names(trace: Trace) -> set[str]:
         if not trace.steps:
             return set()
@@ -191,21 +211,63 @@ def contrastive_figure(trace: Trace, at: int) -> go.Figure | None:
     return fig
 
 
-def run_chart(lesson: Lesson, trace: Trace, at: int) -> go.Figure | None:
+def run_chart(lesson: Lesson, trace: Trace, at: int, width: float | None = None) -> go.Figure | None:
     """The chart of what the lesson teaches, from its shown run: the beam tree, the speculative
     rounds, contrastive search's scores, or the step's stage panels, legible as in Compare's
     inspector (``legible_stage_chart``: T = 5's flat temperature panel on its own scale, the chosen
-    token's p written where the trace records it). None: nothing to draw yet (a Quantization & KV
-    cache lesson draws its check's report, ``report_chart``)."""
+    token's p written where the trace records it, the served model's numbers as its mode has them:
+    ``source_of``), laid out for a page ``width`` px wide (None:
+    not known, wide). None: nothing to draw yet (a Quantization & KV cache lesson draws its check's
+    report, ``report_chart``). Each fits a projector's first screen (``first_screen``) but the beam
+    tree, whose nodes need their room (its top row, the winner's path, is on the first screen, and it pans)."""
     if trace.beam is not None:
         return beam_charts.tree_figure(trace.beam)
     if trace.rounds:
-        return spec_charts.accepted_length_figure(rounds_of(trace))
+        return first_screen(spec_charts.accepted_length_figure(rounds_of(trace)))
     if trace.strategy == "contrastive_search":
-        return contrastive_figure(trace, at)
+        figure = contrastive_figure(trace, at)
+        return None if figure is None else first_screen(figure)
     if lesson.view == "quantization" or not trace.steps or not trace.steps[at].stages:
         return None
-    return compare_charts.legible_stage_chart(trace.steps[at])
+    return lesson_stage_chart(trace.steps[at], width, compare_charts.source_of(trace, at))
+
+
+# A one-row stage chart's height and bottom margin (x ticks and legend): its title, panel titles,
+# 10-12 bars and legend fit a projector's first screen (1280x720) below the page's header.
+LESSON_ROW_PX, LESSON_TOP_PX, LESSON_BOTTOM_PX = 370, 100, 45
+LESSON_TITLE_PX = 18  # the title's top anchor below the chart's top: its first line is not clipped
+
+
+def first_screen(fig: go.Figure) -> go.Figure:
+    """``fig`` at most LESSON_ROW_PX tall: below the page's header on a projector's first screen."""
+    if fig.layout.height is None or fig.layout.height > LESSON_ROW_PX:
+        fig.update_layout(height=LESSON_ROW_PX)
+    return fig
+
+
+def lesson_stage_chart(step: StepTrace, width: float | None = None, source: Source = LOCAL) -> go.Figure:
+    """Step ``step``'s ``legible_stage_chart`` for a page ``width`` px wide (None: not known, wide):
+    up to four panels in one row on a wide page (the panels a lesson compares side by side, short
+    enough for a projector's first screen below the page's header); as Step through's chart below
+    NARROW_PX, two a row, and one a row on a phone. ``layout.meta`` says which layout it is, so the
+    page asks for the other one after a resize (page_js). ``source``: see ``legible_stage_chart``."""
+    panels = len(step.stages) + (1 if step.draw is not None else 0)
+    narrow, phone = width is not None and width < NARROW_PX, width is not None and width < PHONE_PX
+    columns = 1 if phone else min(2 if narrow else 4, panels)
+    # ("shown": which layout, named as compare_charts.with_phone_layout names its own)
+    meta = {"narrow": narrow, "phone": phone, "columns": columns, "shown": "phone" if phone else "wide"}
+    # A phone's panels get PHONE_BAR_PX a bar, so every token label fits (compare_charts' phone layout).
+    panel_px = max(160, max(panel_rows(step), default=1) * compare_charts.PHONE_BAR_PX) if phone else 260
+    fig = compare_charts.legible_stage_chart(step, source, columns=columns, gap_px=PHONE_GAP_PX if phone else None,
+                                             meta=meta, panel_px=panel_px)
+    fig.update_xaxes(tickangle=0)  # turned 90°, "0.05%" reaches into the next panel's title
+    if phone or (not narrow and panels <= 4):
+        fig.update_yaxes(tickmode="linear", dtick=1)  # every bar keeps its token label (plotly skips every other)
+    if not narrow and panels <= 4:
+        # (the title's place is kept in pixels from the top: the figure set it for its own height)
+        fig.update_layout(height=LESSON_ROW_PX, margin_t=LESSON_TOP_PX, margin_b=LESSON_BOTTOM_PX,
+                          title_y=1 - LESSON_TITLE_PX / LESSON_ROW_PX)
+    return fig
 
 
 def report_chart(outcome: Outcome) -> go.Figure | None:
@@ -214,11 +276,11 @@ def report_chart(outcome: Outcome) -> go.Figure | None:
     if isinstance(outcome.report, DistortionReport):
         return grammar_charts.distortion_figure(outcome.report)
     if isinstance(outcome.report, DriftReport):
-        return quant_charts.kl_figure(outcome.report)
+        return first_screen(quant_charts.kl_figure(outcome.report))
     if isinstance(outcome.report, KVReport):
-        return quant_charts.kv_figure(outcome.report)
+        return first_screen(quant_charts.kv_figure(outcome.report))
     if isinstance(outcome.report, MethodComparison):
-        return method_charts.comparison_figure(outcome.report)
+        return first_screen(method_charts.comparison_figure(outcome.report))
     return None
 
 
@@ -253,32 +315,36 @@ class LessonsTab:
     session: gr.State = None
     open_run: gr.Textbox = None  # hidden: the run button "Open in its view" presses ("" none)
     stop_btn: gr.Button = None
+    width: gr.Number = None  # hidden: the page width (px) the page's script writes (the chart's layout)
+    redraw: gr.Button = None  # hidden: pressed by the page's script when the chart was laid out for another width
 
     def current(self, session: LessonSession | None, choice: str) -> Lesson:
         if session is not None and (choice == session.lesson.id or choice is None):
             return session.lesson
         return lesson_from_token(choice or "")
 
-    def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, *,
+    def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, width: Any = None, *,
                control: RunControl) -> Iterator[dict]:
+        """Run the lesson's runs, draw its chart (for a page ``width`` px wide) and the presenter's
+        first step, then run its check."""
         lesson = self.current(session, choice)
         # The previous lesson's chart and texts go at once: a Stop or an error must not leave them as this run's.
         yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: "", self.texts: "",
                self.chart: None, self.presenter.chart: None, self.presenter.text: ""}
         lm = self.shared.lm(model, quant)
-        ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
-        traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=ids, control=control)
-                  for p in lesson.runs]
-        shown = shown_run(traces, lesson.select_step)
+        prompt_ids = self.shared.encode_prompt(lm, lesson.prompt, lesson.chat)
+        traces = [self.shared.run(lm, lesson.prompt, p.config, chat=lesson.chat, prompt_ids=prompt_ids,
+                                  control=control) for p in lesson.runs]
+        shown = shown_run(traces, lesson.select_step, engine_lessons.taught_run(lesson))
         session = LessonSession(lesson, traces, shown=shown)
         trace = traces[shown]
         at = engine_lessons.selected_step(trace, lesson.select_step)
         which = f"the run {lesson.runs[shown].name!r}" if len(traces) > 1 else "the run"
         updates = {self.texts: runs_html(lesson, traces), self.session: session,
-                   self.presenter.key: session.whatif_key, self.chart: run_chart(lesson, trace, at),
+                   self.presenter.key: session.whatif_key, self.chart: session.chart(page_width(width)),
                    self.status: status_html(f"step {at} of {which} selected; checking the claim…")}
-        if session.shown_trace() is not None:
-            updates |= self.presenter.show(trace, at, False)
+        if session.shown_trace() is not None:  # the presenter starts at the run's first token; Next walks on
+            updates |= self.presenter.show(trace, 0, False, lesson_step=at)
         else:
             updates |= {self.presenter.text: NO_PRESENTER_STEPS, self.presenter.chart: None, self.presenter.index: 0}
         yield updates
@@ -292,6 +358,13 @@ class LessonsTab:
         done = {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
         report = report_chart(session.outcome)
         yield done | ({self.chart: report} if report is not None else {})
+
+    def on_width(self, session: LessonSession | None, width: Any) -> dict:
+        """The page crossed a layout width (or the chart was laid out for another one): the lesson's
+        chart again, for this width."""
+        if not isinstance(session, LessonSession) or not session.traces:
+            return {self.chart: gr.skip()}
+        return {self.chart: session.chart(page_width(width))}
 
     # --- wiring -----------------------------------------------------------------------------------
     def on_pick(self, choice: str, session: LessonSession | None) -> dict:
@@ -336,12 +409,14 @@ class LessonsTab:
         outputs = [self.status, self.outcome, self.texts, self.chart, self.session, self.presenter.text,
                    self.presenter.chart, self.presenter.index, self.presenter.temperature, self.presenter.key]
         run = self.shared.events.on([self.run_btn.click], self.on_run,
-                                     [self.pick, self.session, self.shared.model, self.shared.quantization], outputs,
-                                     on_error=cleared(self.status, outputs), what="lesson")
+                                     [self.pick, self.session, self.shared.model, self.shared.quantization, self.width],
+                                     outputs, on_error=cleared(self.status, outputs), what="lesson")
+        gr.on([self.width.change, self.redraw.click], self.on_width, [self.session, self.width], [self.chart], **local)
         if self.stop_btn is not None:
             stop_button(self.stop_btn, self.status, [run], status_html("stopped"))
         self.presenter.wire(lambda s: s.shown_trace() if isinstance(s, LessonSession) else None, self.session,
-                            self.shared.model, self.shared.quantization)
+                            self.shared.model, self.shared.quantization,
+                            step_of=lambda s: s.lesson_step() if isinstance(s, LessonSession) else None)
         data_api(list_lessons, "lessons")
 
     def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None,
@@ -354,8 +429,12 @@ class LessonsTab:
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
         link_io = ([self.pick, self.session, self.custom, self.base_url], [self.link, self.presenter.qr, self.status])
         # The link and QR code follow the lesson the page opened with (a shared one has no pasted text).
-        demo.load(self.on_query, None, [self.session, self.pick, self.steps, self.present, self.status],
-                  api_visibility="private").then(self.on_link, *link_io, api_visibility="private", queue=False)
+        # Not queued: a link's lesson replaces the first one as soon as the page is up; until then
+        # page.js hides the lessons' text and holds Open and Run (LESSON_READY_JS ends the hold).
+        query = demo.load(self.on_query, None, [self.session, self.pick, self.steps, self.present, self.status],
+                          api_visibility="private", queue=False)
+        query.then(None, js=LESSON_READY_JS, api_visibility="private", queue=False)
+        query.then(self.on_link, *link_io, api_visibility="private", queue=False)
         handles = {v.name: v for v in views if isinstance(v, PanelView)}
         targets = [tabs, self.status, self.open_run]
         for view in handles.values():
@@ -449,17 +528,18 @@ def build_tab(shared: Shared) -> LessonsTab:
     """The Lessons tab: pick, read, run and check a lesson; the presenter view lives here too."""
     lessons = engine_lessons.builtin_lessons()
     first = next(iter(lessons.values()))
-    gr.Markdown("Short guided tours of one decoding idea each. Pick a lesson, read its steps, press **Run and check** "
-                "(or **Open in its view** to explore it there).", elem_id="lessons-intro")
+    # The intro heads the left column, so the right one (the chart) starts at the tab's top.
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
+            gr.Markdown("Short guided tours of one decoding idea each. Pick a lesson, read its steps, press **Run and "
+                        "check** (or **Open in its view** to explore it there).", elem_id="lessons-intro")
             pick = gr.Dropdown([(l.title, l.id) for l in lessons.values()], value=first.id, label="Lesson",
                                elem_id="lessons-pick")
             # The buttons sit above the steps, so Run and check is on the first screen whatever the lesson's length.
             with gr.Row():
-                run_btn = gr.Button("Run and check", variant="primary", elem_id="lessons-run", min_width=120)
+                run_btn = gr.Button("Run and check", variant="primary", elem_id=ids.LESSONS_RUN, min_width=120)
                 stop_btn = gr.Button("Stop", elem_id="lessons-stop", min_width=70, scale=0)
-                open_btn = gr.Button("Open in its view", elem_id="lessons-open", min_width=120)
+                open_btn = gr.Button("Open in its view", elem_id=ids.LESSONS_OPEN, min_width=120)
             status = gr.HTML("", elem_id="lessons-status")
             steps = gr.HTML(steps_html(first), elem_id="lessons-steps")
             present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id="lessons-present")
@@ -471,10 +551,14 @@ def build_tab(shared: Shared) -> LessonsTab:
             open_run = gr.Textbox(visible=False, elem_id="lessons-open-run")
         with gr.Column(scale=2, min_width=300):
             presenter = PresenterPanel.build()
+            # The chart first, with no label above it (its title says what it shows): on a
+            # projector's first screen (1280x720) whatever the length of the runs' texts.
+            chart = gr.Plot(label="What the lesson shows", show_label=False, elem_id=ids.LESSONS_CHART)
+            width = gr.Number(None, show_label=False, elem_id=ids.LESSONS_WIDTH, elem_classes=["dp-hidden"])
+            redraw = gr.Button("redraw", elem_id=ids.LESSONS_REDRAW, elem_classes=["dp-hidden"])
             outcome = gr.HTML("", elem_id="lessons-outcome")
             texts = gr.HTML(elem_id="lessons-texts")
-            chart = gr.Plot(label="What the lesson shows", elem_id="lessons-chart")
     tab = LessonsTab(shared, pick, steps, open_btn, run_btn, status, outcome, texts, chart, custom, load_btn, link,
-                     present, base_url, presenter, gr.State(None), open_run, stop_btn)
+                     present, base_url, presenter, gr.State(None), open_run, stop_btn, width, redraw)
     tab.wire()
     return tab

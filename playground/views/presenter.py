@@ -12,15 +12,19 @@ them. The slider posts to the app's what-if route (playground/whatif_service.py)
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 import plotly.graph_objects as go
 
+from engine.config import KNOBS
+from engine.numbers import percent
 from engine.trace import Trace
 from playground import ids, qr
 from playground.charts import step as charts
+from playground.charts.explain import source_of
 from playground.charts.presenter import step_chart  # the what-if service draws the slider's chart with it too
 from playground.charts.step import revised
 
@@ -28,7 +32,6 @@ from ..assets import static_text
 from ..page_js import PRESENTER_JS, PRESENTER_PREPARE_JS
 
 PRESENT_PARAM = "present"
-TEMPERATURE_RANGE = (0.05, 3.0)  # the what-if slider
 
 # Left/right arrows press Previous/Next and Esc presses Exit while the presenter view is shown and
 # no text field has focus (page load; the page's other keys live in playground/page_js.py). Esc on
@@ -42,16 +45,37 @@ RUN_JS = static_text("presenter_run.js")
 
 def presenter_chart(trace: Trace, index: int, width: float | None = None) -> go.Figure:
     """Step ``index``'s stage chart at projector size (``step_chart``)."""
-    return step_chart(trace.steps[index], width)
+    return step_chart(trace.steps[index], width, source_of(trace, index))
 
 
-def context_html(trace: Trace, index: int, hidden: bool) -> str:
-    """The text up to step ``index`` and its token: a box with "?" while the guess is on."""
+def temperature_slider() -> gr.Slider:
+    """The what-if slider: the temperature knob's own range and step (engine.config.KNOBS, the one
+    place for bounds), so any run's temperature can be shown and tried."""
+    knob = KNOBS["temperature"]
+    return gr.Slider(knob.low, knob.high, value=knob.neutral, step=knob.step, label="What if: temperature",
+                     elem_id="present-temperature", min_width=200)
+
+
+def run_temperature(trace: Trace) -> float:
+    """The temperature ``trace`` ran at (its config's; the knob's neutral value where the config
+    leaves it out or holds something else), within the knob's range."""
+    knob = KNOBS["temperature"]
+    value = trace.config.get("temperature", knob.neutral)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return knob.neutral
+    return min(max(float(value), knob.low), knob.high)
+
+
+def context_html(trace: Trace, index: int, hidden: bool, lesson_step: int | None = None) -> str:
+    """The text up to step ``index`` and its token: a box with "?" while the guess is on; the label
+    names ``lesson_step``, the step the lesson's chart shows (None: none), so the presenter can step to it."""
     before = html.escape("".join(s.chosen_token for s in trace.steps[:index]))
     step = trace.steps[index]
     token = "?" if hidden else html.escape(charts.readable(step.chosen_token))
-    prob = "" if hidden else f' <small>p = {step.chosen_prob:.1%}</small>'
+    prob = "" if hidden else f' <small>p = {percent(step.chosen_prob)}</small>'
     label = "Guess the next token, then press Reveal." if hidden else f"Step {index} of {len(trace.steps) - 1}"
+    if lesson_step is not None and not hidden:
+        label += " · the lesson's step" if lesson_step == index else f" · the lesson's step is {lesson_step}"
     return (f'<div class="dp-present-text"><span>{before}</span><mark class="dp-present-token">{token}</mark>{prob}'
             f'<p class="dp-present-label" data-step="{index}" data-hidden="{int(hidden)}">{label}</p></div>')
 
@@ -96,13 +120,12 @@ class PresenterPanel:
                 code = gr.HTML(elem_id=ids.PRESENT_QR)
             with gr.Row(elem_id="present-controls"):
                 exit_btn = gr.Button("✕ Exit", elem_id=ids.PRESENT_EXIT, min_width=80, size="sm")
-                run = gr.Button("Run the lesson", elem_id="present-run", min_width=110, size="sm")
+                run = gr.Button("Run the lesson", elem_id=ids.PRESENT_RUN, min_width=110, size="sm")
                 prev = gr.Button("◀ Previous token", elem_id=ids.PRESENT_PREV, min_width=120)
                 nxt = gr.Button("Next token ▶", variant="primary", elem_id=ids.PRESENT_NEXT, min_width=120)
                 guess = gr.Checkbox(False, label="Guess the next token (hide it)", elem_id="present-guess", min_width=160)
                 reveal = gr.Button("Reveal", elem_id="present-reveal", min_width=100)
-                temperature = gr.Slider(TEMPERATURE_RANGE[0], TEMPERATURE_RANGE[1], value=1.0, step=0.05,
-                                        label="What if: temperature", elem_id="present-temperature", min_width=200)
+                temperature = temperature_slider()
             chart = gr.Plot(show_label=False, elem_id=ids.PRESENT_CHART)
             width = gr.Number(None, show_label=False, elem_id=ids.PRESENT_WIDTH, elem_classes=["dp-hidden"])
             redraw = gr.Button("redraw", elem_id=ids.PRESENT_REDRAW, elem_classes=["dp-hidden"])
@@ -110,28 +133,29 @@ class PresenterPanel:
         return cls(column, text, chart, prev, nxt, guess, reveal, code, gr.State(0), width, exit_btn, run, redraw,
                    temperature, key)
 
-    def show(self, trace: Trace | None, index: int, hidden: bool, width: float | None = None) -> dict:
+    def show(self, trace: Trace | None, index: int, hidden: bool, width: float | None = None,
+             lesson_step: int | None = None) -> dict:
         """Updates drawing step ``index`` of ``trace`` for a page ``width`` px wide (None: wide);
-        the chart stays empty while the guess is on."""
+        the chart stays empty while the guess is on; ``lesson_step``: see ``context_html``."""
         if trace is None or not trace.steps:
             return {self.text: '<p class="dp-status">Run a lesson first (Run the lesson): its steps appear '
                                'here one at a time.</p>', self.chart: None, self.index: 0}
         index = max(0, min(int(index), len(trace.steps) - 1))
-        own = trace.config.get("temperature")
-        own = own if isinstance(own, (int, float)) and own > 0 else 1.0
-        return {self.text: context_html(trace, index, hidden), self.index: index,
-                self.temperature: min(max(float(own), TEMPERATURE_RANGE[0]), TEMPERATURE_RANGE[1]),
+        return {self.text: context_html(trace, index, hidden, lesson_step), self.index: index,
+                self.temperature: run_temperature(trace),
                 self.chart: None if hidden else revised(presenter_chart(trace, index, width))}
 
-    def wire(self, trace_of: Any, state: gr.State, model: Any, quantization: Any) -> None:
-        """``trace_of(state)``: the trace the presenter steps through (the lesson's first run);
-        ``model``, ``quantization``: the header's pickers (the what-if uses the loaded model)."""
+    def wire(self, trace_of: Any, state: gr.State, model: Any, quantization: Any, step_of: Any = None) -> None:
+        """``trace_of(state)``: the trace the presenter steps through (the lesson's shown run);
+        ``step_of(state)``: the lesson's step in it (None: not said); ``model``, ``quantization``:
+        the header's pickers (the what-if uses the loaded model)."""
         local = {"api_visibility": "private", "queue": False}
         outputs = [self.text, self.chart, self.index, self.temperature]
 
         def move(by: int):
             def handler(session: Any, index: int, hidden: bool, width: float | None) -> dict:
-                return self.show(trace_of(session), (index or 0) + by, hidden, width or None)
+                marked = step_of(session) if step_of is not None else None
+                return self.show(trace_of(session), (index or 0) + by, hidden, width or None, marked)
             return handler
 
         inputs = [state, self.index, self.guess, self.width]

@@ -25,6 +25,7 @@ from engine.trace import to_dict
 from playground.charts import memory as memory_charts
 from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as charts
+from playground.charts.tables import column_widths
 
 from .. import downloads, ids
 from ..events import data_api, stop_button
@@ -42,6 +43,11 @@ CUSTOM = "custom"
 RUNNING = "…"  # ends every in-progress status of this tab, and no finished one
 KINDS_INTRO = ("### KV cache kinds\n\nThe header's model decodes the prompt with each kind of KV cache. "
                + drift.KV_DRIFT_METHOD)
+
+
+def sized(headers: list[str], rows: list[list]) -> dict:
+    """A table's update: its rows, and column widths that hold each one's longest word whole."""
+    return gr.update(value=rows, column_widths=column_widths(headers, rows))
 
 
 @dataclass
@@ -63,7 +69,7 @@ class KVOutputs(OutputSet):
 def render_drift(out: DriftOutputs, report: drift.DriftReport, final: bool) -> dict:
     """Updates for a (possibly partial) report; the download once it is complete or stopped (then
     its JSON says so in ``stopped``)."""
-    updates = {out.status: status_html(charts.drift_status(report)), out.table: charts.drift_rows(report),
+    updates = {out.status: status_html(charts.drift_status(report)), out.table: sized(charts.DRIFT_HEADERS, charts.drift_rows(report)),
                out.kl: charts.kl_figure(report), out.texts: charts.texts_html(report)}
     if final:
         updates[out.download] = downloads.json_file("quantization-report.json", to_dict(report))
@@ -129,7 +135,7 @@ class QuantPage:
         low, high, _ = KV_TOKENS if kv else DRIFT_TOKENS
         budget = min(max(int(max_new_tokens), low), high)
         updates = {self.prompt: prompt, self.chat: chat, (self.kv_tokens if kv else self.tokens): budget}
-        return updates, {"kv": "kv-measure", "methods": "methods-measure"}.get(section, "quant-measure")
+        return updates, {"kv": ids.KV_MEASURE, "methods": ids.METHODS_MEASURE}.get(section, ids.QUANT_MEASURE)
 
 
 def build_tab(shared: Shared) -> QuantPage:
@@ -155,6 +161,7 @@ def build_tab(shared: Shared) -> QuantPage:
             status = gr.HTML("", elem_id="quant-status")
         with gr.Column(scale=2, min_width=480):
             table = gr.Dataframe(headers=charts.DRIFT_HEADERS, value=[], interactive=False, wrap=True,
+                                 column_widths=column_widths(charts.DRIFT_HEADERS, []),
                                  label="Variants", elem_id="quant-table")
             gr.Markdown(f"<small>{charts.DRIFT_NOTE}</small>", elem_id="quant-drift-note")
             kl = gr.Plot(label="KL from fp32 per step", elem_id="quant-kl")
@@ -180,12 +187,12 @@ class QuantInputs:
 
 def _kv_section() -> dict[str, Any]:
     gr.Markdown("### KV cache\nGreedy decoding of the header's model with the KV cache (one new position per forward) "
-                "against recomputing the whole sequence at every step, and the cache's size.")
+                "against recomputing the whole sequence at every step, and the cache's size.", elem_id=ids.KV_SECTION)
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             low, high, default = KV_TOKENS
             tokens = gr.Slider(low, high, value=default, step=1, label="max_new_tokens", elem_id="kv-tokens")
-            run = gr.Button("Measure KV cache", variant="primary", elem_id="kv-measure")
+            run = gr.Button("Measure KV cache", variant="primary", elem_id=ids.KV_MEASURE)
             status = gr.HTML("", elem_id="kv-status")
         with gr.Column(scale=2, min_width=480):
             summary = gr.HTML(elem_id="kv-summary")
@@ -311,7 +318,7 @@ def render_kinds(out: KindOutputs, report: drift.KVDriftReport, final: bool) -> 
         message = f"done: {done} kinds, {report.max_new_tokens} greedy tokens" + (f" ({report.note})" if report.note else "")
     else:
         message = f"measured {done} of {len(report.requested)} kinds…"
-    updates = {out.status: status_html(message), out.table: memory_charts.kind_rows(report)}
+    updates = {out.status: status_html(message), out.table: sized(memory_charts.KIND_HEADERS, memory_charts.kind_rows(report))}
     if report.kinds:
         updates |= {out.memory: memory_charts.memory_figure(report), out.per_token: memory_charts.bytes_per_token_figure(report),
                     out.drift: memory_charts.kind_drift_figure(report)}
@@ -352,7 +359,7 @@ def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox) -> tup
             status = gr.HTML("", elem_id="kinds-status")
         with gr.Column(scale=2, min_width=480):
             table = gr.Dataframe(headers=memory_charts.KIND_HEADERS, value=[], interactive=False, wrap=True,
-                                 column_widths=memory_charts.KIND_COLUMN_WIDTHS,
+                                 column_widths=column_widths(memory_charts.KIND_HEADERS, []),
                                  label="Per kind: bytes (teacher-forced pass), tokens/s (free-running), drift vs dynamic",
                                  elem_id="kinds-table")
             memory = gr.Plot(label="Cache memory over the run (free-running)", elem_id="kinds-memory")
@@ -458,12 +465,12 @@ def _whole(value: Any) -> Any:
 
 def _methods_section(shared: Shared) -> list[tuple[Any, Any]]:
     """The 4-bit methods' comparison and the inside-one-layer section, with their API endpoints."""
-    gr.Markdown(METHODS_INTRO, elem_id="methods-intro")
+    gr.Markdown(METHODS_INTRO, elem_id=ids.METHODS_SECTION)
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             picked = gr.CheckboxGroup(list(QUANTIZATIONS[1:]), value=list(quant_report.COMPARED[1:]),
                                       label="Variants (fp32 is always the reference)", elem_id="methods-variants")
-            run = gr.Button("Compare methods", variant="primary", elem_id="methods-measure")
+            run = gr.Button("Compare methods", variant="primary", elem_id=ids.METHODS_MEASURE)
             status = gr.HTML("", elem_id="methods-status")
         with gr.Column(scale=2, min_width=480):
             sentence = gr.HTML(elem_id="methods-sentence")
@@ -593,7 +600,8 @@ def calculator_updates(out: CalcOutputs, *values: Any) -> dict:
             f"<b>{data['estimate']['kv_cache_gb']:,.2f} GB</b> for {data['context']:,} tokens × batch {data['batch']}; "
             f"weights {data['estimate']['weights_gb']:,.2f} GB.<br><small>{data['note']}</small>")
     return {out.formula: f'<div class="dp-status" id="calc-result">{text}</div>',
-            out.table: memory_charts.calculator_rows(rows), out.chart: memory_charts.calculator_figure(rows)}
+            out.table: sized(memory_charts.CALCULATOR_HEADERS, memory_charts.calculator_rows(rows)),
+            out.chart: memory_charts.calculator_figure(rows)}
 
 
 def _calculator_section() -> None:
@@ -620,7 +628,8 @@ def _calculator_section() -> None:
         first = calculator_updates(CalcOutputs("formula", "table", "chart"), names[0], 4096, 1, "fp16", "fp16")
         with gr.Column(scale=2, min_width=480):
             formula = gr.HTML(first["formula"], elem_id="calc-formula")
-            table = gr.Dataframe(first["table"], headers=memory_charts.CALCULATOR_HEADERS, interactive=False,
+            table = gr.Dataframe(first["table"]["value"], headers=memory_charts.CALCULATOR_HEADERS, interactive=False,
+                                 column_widths=first["table"]["column_widths"], wrap=True,
                                  label="MHA vs GQA vs MQA (weights kept as the real model's)", elem_id="calc-table")
             chart = gr.Plot(first["chart"], label="weights + KV cache", elem_id="calc-chart")
     out = CalcOutputs(formula, table, chart)

@@ -27,6 +27,7 @@ from engine.control import RunControl, RunStopped
 from engine.strategies.mcts import NOT_COMMITTED, MctsPosition, interrupted_of, positions_of, raw_logprob
 from engine.strategies.medusa import MedusaRound, rounds_of
 from engine.backends.local import LoadedModel
+from engine.numbers import percent
 from engine.trace import Trace
 from playground.charts import mcts as mcts_charts
 from playground.charts import medusa as medusa_charts
@@ -297,7 +298,7 @@ def _difference(summary: dict) -> str:
 def medusa_summary(trace: Trace) -> str:
     """Tokens per target forward, the measured speed-up and each head's acceptance, in Markdown."""
     s = trace.summary
-    heads = ", ".join(f"head {k}: {a:.0%}" for k, a in enumerate(s.get("head_acceptance", []), start=1)) or "none tested"
+    heads = ", ".join(f"head {k}: {percent(a)}" for k, a in enumerate(s.get("head_acceptance", []), start=1)) or "none tested"
     same = s.get("baseline_same_tokens")
     lines = [
         f"**{_number(s.get('tokens_per_target_forward'), '.2f')} tokens per target forward** "

@@ -40,7 +40,7 @@ from ..knobs import STAGE_KNOBS, KnobPanel
 from ..page_js import DRAW_JS
 from ..whatif_service import STAGE_STRATEGIES, KeptLogits, Registered, WhatIfService, register
 from . import stale
-from .whatif import WHATIF_CONCURRENCY, WhatIfPanel, continue_events, explore_api
+from .whatif import WHATIF_CONCURRENCY, WHATIF_INTRO, WhatIfPanel, continue_events, explore_api
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 from ..shared import page_width, parent_trace
 
@@ -157,6 +157,10 @@ class Outputs(OutputSet):
     session: Any
     owner: Any  # gr.BrowserState: this page's secret, see StepSession
     whatif_key: Any  # hidden box: the session's what-if key (page_js.WHATIF_JS)
+    # The what-if row's outputs (views/whatif.py): every run and every redraw of the run's own step
+    # puts them back, so no what-if of an earlier run or step stays beside the chart.
+    whatif_note: Any
+    whatif_figure: Any  # hidden box: the fallback event's figure (DRAW_JS)
 
 
 def own(state: StepSession | None, owner: Any) -> StepSession | None:
@@ -176,10 +180,11 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
     """Updates for the session's current run with step ``selected`` in view (``full``: every chart,
     the step chart laid out for a page ``width`` px wide; None: not known, wide)."""
     trace = session.trace()
+    no_whatif = {out.whatif_note: WHATIF_INTRO, out.whatif_figure: ""}
     if trace is None or not trace.steps:
         return {out.text: [], out.alternatives: gr.update(choices=[]), out.summary: "", out.status: status,
                 out.explain: "", out.chart: None, out.over_run: None, out.session: session,
-                out.whatif_key: session.whatif_key}
+                out.whatif_key: session.whatif_key} | no_whatif
     last = len(trace.steps) - 1
     sel = last if selected is None else max(0, min(int(selected), last))
     updates = {
@@ -191,16 +196,21 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
         out.status: status,
         out.session: session,
         out.whatif_key: session.whatif_key,
-    }
+    } | no_whatif
     if full:
         step = trace.steps[sel]
-        explain = "\n\n".join(filter(None, [charts.explain_step(step), charts.tail_note(trace, sel)]))
-        chart = charts.fitted_stage_chart(step, width, charts.step_tail(trace, sel))
-        updates |= {out.explain: explain, out.chart: revised(chart),
+        chart = charts.fitted_stage_chart(step, width, charts.source_of(trace, sel))
+        updates |= {out.explain: own_explain(trace, sel), out.chart: revised(chart),
                     out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
                     out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
                     out.download: downloads.trace_file(trace)}
     return updates
+
+
+def own_explain(trace: Trace, at: int) -> str:
+    """The explanation of step ``at`` as the run made it (no what-if)."""
+    explain = charts.explain_step(trace.steps[at], source=charts.source_of(trace, at))
+    return "\n\n".join(filter(None, [explain, charts.tail_note(trace, at)]))
 
 
 def shared_prefix(a: Trace, b: Trace) -> int:
@@ -339,7 +349,8 @@ def build_tab(shared: Shared) -> StepView:
             download = gr.DownloadButton("Download trace JSON", elem_id="step-download")
     out = Outputs(text, step_slider, explain, chart, alternatives, runs, compare, over_run, summary, status, download,
                   gr.State(None, time_to_live=SESSION_TTL_S),
-                  gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET), what_if.key)
+                  gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET), what_if.key,
+                  what_if.note, what_if.figure)
     panel.wire()
     view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width, remote_mode=remote_mode)
     # the mode radio is there only while the model box holds a served model
@@ -419,7 +430,9 @@ class Handlers:
                               [*out.all(), self.view.select_once],
                               # a failed Generate also empties the what-if key: a knob moved then draws
                               # no what-if of the previous run into the cleared chart
-                              on_error=stale.cleared(out.status, out.all(), also={out.whatif_key: ""}))
+                              # (the what-if note is a Markdown output: emptied with the rest)
+                              on_error=stale.cleared(out.status, out.all(), also={out.whatif_key: "",
+                                                                                  out.whatif_figure: ""}))
         branch_event = events.on([branch.click], self.on_branch, [shared.model, shared.quantization, self.colour_by,
                                                                   out.session, out.owner, out.step, out.alternatives,
                                                                   self.view.width],
@@ -511,32 +524,36 @@ class Handlers:
 
         def redraw(state: StepSession | None, owner: str, index: Any, colour: str, width: Any) -> dict:
             state = own(state, owner)
-            return {} if state is None else render(out, state, index, colour, width=page_width(width))
+            # (an empty dict would read as one value for all the outputs: Gradio refuses it)
+            return {out.chart: gr.skip()} if state is None else render(out, state, index, colour, width=page_width(width))
 
         def on_pick_run(state: StepSession | None, owner: str, index: Any, colour: str, width: Any) -> dict:
             state = own(state, owner)
             if state is None or index is None or not 0 <= int(index) < len(state.runs):
-                return {}
+                return {out.chart: gr.skip()}
             state.current = int(index)
             return render(out, state, state.trace().branch_of or 0, colour, width=page_width(width))
 
         def on_width(state: StepSession | None, owner: str, index: Any, width: Any) -> dict:
             """The page crossed the narrow width (or the chart was laid out for the other one): the
-            selected step's chart again, for this width."""
+            selected step's chart again, for this width, with its own explanation (a what-if drawn
+            before is gone with the chart it was drawn into)."""
             state = own(state, owner)
             trace = state.trace() if state is not None else None
             if trace is None or not trace.steps:
                 return {out.chart: gr.skip()}  # an empty dict would read as the chart's value
             at = max(0, min(int(index or 0), len(trace.steps) - 1))
-            return {out.chart: revised(charts.fitted_stage_chart(trace.steps[at], page_width(width),
-                                                                 charts.step_tail(trace, at)))}
+            chart = charts.fitted_stage_chart(trace.steps[at], page_width(width), charts.source_of(trace, at))
+            return {out.chart: revised(chart), out.explain: own_explain(trace, at), out.whatif_note: WHATIF_INTRO,
+                    out.whatif_figure: ""}
 
         mine, width = [out.session, out.owner], self.view.width
         out.text.select(on_select, [*mine, self.colour_by, width], out.all(), **local)
         out.step.release(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
         self.colour_by.change(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
         out.runs.input(on_pick_run, [*mine, out.runs, self.colour_by, width], out.all(), **local)
-        gr.on([width.change, self.redraw.click], on_width, [*mine, out.step, width], [out.chart], **local)
+        gr.on([width.change, self.redraw.click], on_width, [*mine, out.step, width],
+              [out.chart, out.explain, out.whatif_note, out.whatif_figure], **local)
 
 
 REMOTE_MODES = ("step", "fast")

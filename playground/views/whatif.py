@@ -35,6 +35,9 @@ from ..page_js import PREPARE_JS, WHATIF_JS
 from ..shared import Shared, parent_trace
 
 WHATIF_CONCURRENCY = {"concurrency_id": "whatif", "concurrency_limit": 4}  # the fallback event's
+# The what-if note with no what-if shown: a new run, another step or the run's own chart redrawn.
+WHATIF_INTRO = ("*What if:* select a step, then move any knob on the left: the chart re-draws that step under the new "
+                "knobs, without generating again.")
 
 
 def continue_events(shared: Shared, lm: LoadedModel, parent: Trace, at: int, config: DecodingConfig,
@@ -76,8 +79,7 @@ class WhatIfPanel:
     @classmethod
     def build(cls) -> "WhatIfPanel":
         with gr.Row(elem_id="step-whatif"):
-            note = gr.Markdown("*What if:* select a step, then move any knob on the left: the chart re-draws "
-                               "that step under the new knobs, without generating again.", elem_id="step-whatif-note")
+            note = gr.Markdown(WHATIF_INTRO, elem_id="step-whatif-note")
             button = gr.Button("Continue from here with these knobs", scale=0, min_width=200,
                                elem_id="step-whatif-continue")
         hidden = {"show_label": False, "container": False, "elem_classes": ["dp-hidden"]}

@@ -3,14 +3,15 @@ the token inspector and the seed sweep. All updates are ``{component: value}`` d
 
 from __future__ import annotations
 
+import dataclasses
 import html
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
 
 from engine.strategies import contrastive
 from engine.config import DecodingConfig
-from engine.control import RunControl
+from engine.control import RunControl, RunStopped
 from engine.reports.metrics import lane_metrics, mean_logprob, sweep_spread
 from playground.charts import compare as charts
 from playground.charts import step as step_charts
@@ -21,8 +22,9 @@ from ...shared import Shared, UserError, error_html, status_html
 from ...user_presets import CUSTOM, preset_choices
 from ..stale import cleared
 from .lanes import (
-    LANE_FIELDS, MAX_LANES, RUN_KNOBS, CompareSession, LaneSpec, add_lane, default_spec, duplicate_lane, lane_config,
-    lane_name, remove_lane, spec_from_config, spec_from_preset, sweep_seeds,
+    DONE, FAILED, LANE_FIELDS, MAX_LANES, RUN_KNOBS, RUNNING, STOPPED, WAITING, CompareSession, LaneSpec, add_lane,
+    default_spec, duplicate_lane, lane_config, lane_name, remove_lane, served_words, spec_from_config, spec_from_preset,
+    sweep_seeds,
 )
 from .layout import LaneWidgets, Page, summary_of
 from .run import lane_models, run_lanes, run_sweep
@@ -56,34 +58,43 @@ def render_specs(page: Page, specs: Sequence[LaneSpec]) -> dict:
     return out
 
 
-def render_results(page: Page, session: CompareSession, count: int, raw: bool, running: int | None = None) -> dict:
-    """Every shown lane's status and text, the lane pickers, and (unless a lane is running) the
-    divergence, metrics and entropy chart."""
-    at = session.divergence() if running is None else None
+def lane_status(lane: LaneWidgets, i: int, session: CompareSession) -> str:
+    """Lane ``i``'s status line, drawn from its own phase, trace and error in ``session``."""
+    error = session.errors[i] if i < len(session.errors) else ""
+    if error:
+        return error_html(f"{lane_name(i)}: {error}")
+    trace = session.traces[i] if i < len(session.traces) else None
+    on = session.on(i)  # said from the start: a served lane that made no token yet names its server too
+    why = "at the time limit" if session.stopped == "time_limit" else ""
+    return charts.lane_status(lane_name(i), trace, session.budget(i), session.phase(i),
+                              html.escape(f" · {on}") if on else "", session.made(i), why)
+
+
+def render_results(page: Page, session: CompareSession, count: int, raw: bool) -> dict:
+    """Every shown lane's status and text, and (unless the run is under way) the lane pickers,
+    the divergence, metrics and entropy chart. A run's updates carry no more than they change:
+    every update costs the browser a redraw of what it carries."""
+    running = session.running
+    at = None if running else session.divergence()
     out: dict = {}
     for i, lane in enumerate(page.lanes[:count]):
         trace = session.traces[i] if i < len(session.traces) else None
         error = session.errors[i] if i < len(session.errors) else ""
-        if error:
-            out[lane.status] = error_html(f"{lane_name(i)}: {error}")
-        else:
-            remote = trace.extra.get("remote") if trace is not None else None
-            on = f" · on {trace.model}" + (" (fast mode: its own sampler)" if remote["mode"] == "fast" else "") \
-                if remote else ""
-            out[lane.status] = charts.lane_status(lane_name(i), trace, session.budget(i), running == i, html.escape(on))
+        out[lane.status] = lane_status(lane, i, session)
         out[lane.text] = charts.lane_highlights(trace.steps, None if error else at) if trace else []
+    if running:
+        return out
     names = [lane_name(i) for i in range(count)]
     out |= {page.inspect.lane: gr.update(choices=names), page.sweep.lane: gr.update(choices=names)}
-    if running is not None:
-        return out
     done = session.done()
     finished = [t for _, t in done]
     rows = charts.metrics_rows([lane_metrics(t, n) for n, t in done], [t.strategy for t in finished])
     figure = charts.entropy_chart([n for n, _ in done], [t.steps for t in finished], at, raw,
                                   [charts.picks_greedily(t) for t in finished]) if done else None
     names = [n for n, _ in done]
-    same = charts.same_text_note(names, finished) if done else ""
-    return out | {page.divergence: charts.divergence_markdown(names, finished, at) + (f"\n\n{same}" if same else ""),
+    said = (charts.divergence_markdown(names, finished, at), charts.same_text_note(names, finished),
+            charts.served_modes_note(names, finished))
+    return out | {page.divergence: "\n\n".join(s for s in said if s),
                   page.metrics: rows, page.entropy: figure}
 
 
@@ -99,7 +110,8 @@ def render_inspect(page: Page, session: CompareSession | None, lane: str | None,
     index = max(0, min(int(step or 0), last))
     chosen = trace.steps[index]
     if chosen.stages:
-        explain, figure = step_charts.explain_step(chosen), charts.inspect_chart(chosen)
+        source = step_charts.source_of(trace, index)
+        explain, figure = step_charts.explain_step(chosen, source=source), charts.inspect_chart(chosen, source=source)
     else:
         explain, figure = f"{trace.strategy} keeps no per-stage record of its tokens; see its own tab.", None
     records = contrastive.records(trace) if trace.strategy in contrastive.STRATEGIES else []
@@ -115,12 +127,15 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
     when ``values`` carries them after the settings) move with their lanes."""
     specs = specs_from(values, count)
     models = list(values[len(LANE_FIELDS) * MAX_LANES:])
-    session = session or CompareSession()
+    # A copy: a run still under way keeps writing its own session, never this page's reshaped one.
+    session = dataclasses.replace(session) if session else CompareSession()
+    phases = [session.phase(k) for k in range(count)]
     rows = list(zip(specs, (session.traces + [None] * count)[:count], (session.errors + [""] * count)[:count],
-                    (models + [""] * count)[:count]))
+                    (models + [""] * count)[:count], phases, [session.made(k) for k in range(count)],
+                    [session.budget(k) for k in range(count)], [session.on(k) for k in range(count)]))
     try:
         if op == "add":
-            rows = add_lane(rows, (default_spec(specs), None, "", ""))
+            rows = add_lane(rows, (default_spec(specs), None, "", "", WAITING, 0, 0, ""))
         elif op == "duplicate":
             rows = duplicate_lane(rows, i)
         else:
@@ -128,6 +143,8 @@ def reshape(page: Page, op: str, i: int, count: int, session: CompareSession | N
     except UserError as exc:
         return {page.status: error_html(str(exc))}
     specs, session.traces, session.errors = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    session.phases, session.progress, session.budgets = [r[4] for r in rows], [r[5] for r in rows], [r[6] for r in rows]
+    session.served = [r[7] for r in rows]
     moved = {lane.model: row[3] for lane, row in zip(page.lanes, rows)} if models else {}
     return ({page.count: len(rows), page.status: "", page.session: session} | render_specs(page, specs)
             | render_results(page, session, len(rows), kind == RAW_ENTROPY) | moved)
@@ -187,25 +204,58 @@ def lesson_outputs(page: Page) -> list:
 def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, quant: str, count: int, kind: str,
             values: Sequence[Any], control: RunControl) -> Iterator[dict]:
     """Run the first ``count`` lanes (their settings: the flat ``values``, then every lane's model
-    pick) at once, streaming each lane's status and text, then the divergence, metrics and entropy chart."""
+    pick) at once, streaming every lane's status and text, then the divergence, metrics and
+    entropy chart. A Stop or the time limit ends the run at once: every unfinished lane says
+    stopped with its tokens so far, and the results of the tokens made are drawn."""
     names = [lane_name(i) for i in range(count)]
     configs = [lane_config(spec, names[i]) for i, spec in enumerate(specs_from(values, count))]
     picks = list(values[len(LANE_FIELDS) * MAX_LANES:]) + [""] * count
     models = lane_models(shared, list(zip(names, picks)), model, quant, prompt, chat)
     session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens,
-                             [c.max_new_tokens for c in configs])
+                             [c.max_new_tokens for c in configs], [RUNNING] * count,
+                             served=[served_words(m.lm.name, m.lm.mode) if m.lm.capabilities.served else "" for m in models])
     raw = kind == RAW_ENTROPY
     note = status_html(f"running {count} lanes at once…")
     # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).
-    yield ({page.status: note, page.session: session} | render_results(page, session, count, raw, 0)
+    yield ({page.status: note, page.session: session} | render_results(page, session, count, raw)
            | previous_run_cleared(page))
-    for i in run_lanes(shared, models, prompt, configs, chat, session, control):
-        yield {page.status: status_html(f"running: {names[i]} of {count} updated…")} | render_results(
-            page, session, count, raw, i)
+    fresh = changed_only()
+    try:
+        for _ in run_lanes(shared, models, prompt, configs, chat, session, control):
+            if update := fresh({page.status: status_html(run_note(session, count))}
+                               | render_results(page, session, count, raw)):
+                yield update
+    except RunStopped as stopped:
+        early = sum(1 for i in range(count) if session.phase(i) == STOPPED)
+        said = f"{stopped} ({early} of {count} lanes stopped early; each keeps the tokens it had made)."
+        yield {page.status: status_html(said + " Click any token to open its step.")} | render_results(
+            page, session, count, raw)
+        return
     failed = sum(1 for e in session.errors if e)
     done = f"done: {count - failed} of {count} lanes ran" + (f"; {failed} failed (see the lane)" if failed else "")
     yield {page.status: status_html(done + ". Click any token to open its step.")} | render_results(
         page, session, count, raw)
+
+
+def changed_only() -> Callable[[dict], dict]:
+    """A filter for a run's updates: each keeps only the components whose value differs from what
+    the filter passed last (a finished lane's text is not sent again at every redraw)."""
+    sent: dict = {}
+
+    def fresh(update: dict) -> dict:
+        out = {c: v for c, v in update.items() if not (c in sent and type(v) in (str, list) and sent[c] == v)}
+        sent.update(out)
+        return out
+
+    return fresh
+
+
+def run_note(session: CompareSession, count: int) -> str:
+    """The page's line while lanes run: how many are done, running and failed, from their phases."""
+    phases = [session.phase(i) for i in range(count)]
+    parts = [f"{phases.count(p)} {word}" for p, word in ((DONE, "done"), (RUNNING, "running"), (FAILED, "failed"))
+             if phases.count(p)]
+    return f"running {count} lanes at once: " + ", ".join(parts) + "…"
 
 
 def previous_run_cleared(page: Page) -> dict:
@@ -277,4 +327,5 @@ def wire_sweep(shared: Shared, page: Page) -> Any:
 def wire(shared: Shared, page: Page) -> None:
     wire_lanes(shared, page)
     wire_inspect(page)
-    stop_button(page.stop, page.status, [wire_run(shared, page), wire_sweep(shared, page)], status_html("stopped"))
+    stop_button(page.stop, page.status, [wire_run(shared, page), wire_sweep(shared, page)], status_html("stopped"),
+                run_says=True)  # the run's own last word says stopped, with each lane's tokens

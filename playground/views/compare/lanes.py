@@ -162,18 +162,60 @@ def sweep_seeds(seed: int, count: Any) -> list[int]:
     return [(seed + k) % (top + 1) for k in range(count)]
 
 
+def served_words(model: str, mode: str) -> str:
+    """A served lane's model and mode in words, as its status line ends."""
+    return f"on {model}" + (" (fast mode: its own sampler)" if mode == "fast" else "")
+
+
+# A lane's phase in a run: each lane's status line is drawn from its own phase, never from which
+# lane the last update came from.
+WAITING, RUNNING, DONE, STOPPED, FAILED = "waiting", "running", "done", "stopped", "failed"
+
+
 @dataclass
 class CompareSession:
-    """The last run: lane names, their traces (None: not run or failed) and errors; ``budgets``:
-    each lane's max_new_tokens (else ``max_new_tokens`` for all)."""
+    """The last run: lane names, their traces (None: not run or failed; while running or after a
+    Stop, the partial trace of the tokens so far) and errors; ``budgets``: each lane's
+    max_new_tokens (else ``max_new_tokens`` for all); ``phases``: each lane's phase (WAITING ...
+    FAILED; missing: read from its trace and error); ``stopped``: why the run stopped early
+    (RunStopped's reason: "cancelled" | "time_limit"; "" if it did not)."""
 
     traces: list[Trace | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     max_new_tokens: int = 0
     budgets: list[int] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    stopped: str = ""
+    progress: list[int] = field(default_factory=list)  # while running: each lane's tokens (a beam: search steps) so far
+    served: list[str] = field(default_factory=list)  # each lane's served model in words ("" on our engine)
 
     def budget(self, i: int) -> int:
         return self.budgets[i] if i < len(self.budgets) else self.max_new_tokens
+
+    def on(self, i: int) -> str:
+        """Where lane ``i`` runs, in words: its served model (and mode), "" on our own engine."""
+        if i < len(self.served):
+            return self.served[i]
+        remote = self.traces[i].extra.get("remote") if i < len(self.traces) and self.traces[i] else None
+        return served_words(self.traces[i].model, remote["mode"]) if remote else ""
+
+    def made(self, i: int) -> int:
+        """Lane ``i``'s tokens so far (a beam search's: its search steps, its tokens come at the end)."""
+        trace = self.traces[i] if i < len(self.traces) else None
+        return max(len(trace.steps) if trace else 0, self.progress[i] if i < len(self.progress) else 0)
+
+    def phase(self, i: int) -> str:
+        """Lane ``i``'s phase: its own, else FAILED with an error, DONE with a trace, WAITING."""
+        if i < len(self.phases):
+            return self.phases[i]
+        if i < len(self.errors) and self.errors[i]:
+            return FAILED
+        return DONE if i < len(self.traces) and self.traces[i] is not None else WAITING
+
+    @property
+    def running(self) -> bool:
+        """Whether a run is under way (a lane is running; a lane added since the last run waits)."""
+        return RUNNING in self.phases
 
     def done(self) -> list[tuple[str, Trace]]:
         return [(lane_name(i), t) for i, t in enumerate(self.traces) if t is not None and t.steps]

@@ -1,72 +1,103 @@
-"""Running lanes through the runner: one model event drives them all at once (greedy/sampling lanes
-share the batched scheduler's forwards)."""
+"""Running lanes through the runner: one model event drives them all at once, each lane in a thread
+of its own (greedy/sampling lanes share the batched scheduler's forwards; a served model's lane
+waits on its server without holding the others up).
+
+The lanes' threads only record (``LaneRun``); the run's own thread reads every lane's record at
+each redraw (``follow``) and writes the page's session from them (``record``), so each lane's
+status is drawn from its own state at every update. A Stop (or the time limit) is seen by that
+thread within POLL_S, whatever the lanes are doing: it marks every unfinished lane stopped with the
+tokens it has, and ends the run without waiting for a lane blocked on a server's answer (that lane
+stops at its next token or request: engine.runner closes a stopped run's stream).
+"""
 
 from __future__ import annotations
 
 import functools
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from engine import runner
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.backends.local import LoadedModel
-from engine.trace import Trace
+from engine.trace import Event, StepTrace, Trace
 
 from ...events import error_message
-from ...shared import Shared, UserError, throttle
-from .lanes import FAST_PREFIX, CompareSession
+from ...shared import Shared, UserError
+from .lanes import DONE, FAILED, FAST_PREFIX, RUNNING, STOPPED, CompareSession
 
-STREAM_EVERY_S = 0.25
-
-
-def stream_lane(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[int], config: DecodingConfig,
-                chat: bool, control: RunControl) -> Iterator[Trace]:
-    """Partial traces while the lane runs (throttled; none for beam search, whose output is only
-    known at the end), then the whole trace."""
-    steps = []
-    events = shared.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, control=control)
-    for event, redraw in throttle(events, STREAM_EVERY_S):
-        steps += event.steps
-        if event.trace is not None:
-            yield event.trace
-        elif redraw and steps:
-            yield runner.partial_trace(lm, prompt, prompt_ids, config, steps, chat)
+# At most this often a redraw while lanes run (a lane that ends redraws at once). Every update costs
+# the browser work in proportion to the whole app's components (Gradio refreshes every loading status
+# per message: 0.6-0.9 s of main thread per update on a loaded 2-core machine), so a page updated
+# faster than it can draw lags the server, and a Stop pressed on it lands late.
+STREAM_EVERY_S = 0.5
+POLL_S = 0.05  # how often the run's thread looks at its control while waiting for the lanes
 
 
-def concurrently(jobs: Sequence[Callable[[], Iterator[Trace]]], control: RunControl
-                 ) -> Iterator[tuple[int, Trace | None, Exception | None]]:
-    """Run every job at once, each in its own thread; yield (job index, trace, error) as they come,
-    and (index, None, None) when a job ends. Greedy/sampling lanes then join the batched scheduler
-    together and share its forwards, so 4 lanes take little more than one. Closing this generator
-    (or a stopped run) cancels ``control``, which stops every job within one step."""
-    results: queue.SimpleQueue = queue.SimpleQueue()
+@dataclass
+class LaneRun:
+    """One lane's run as its thread records it: the steps so far, the records so far (a beam
+    search's steps: its tokens come at the end), then the whole trace, or the error that ended it."""
 
-    def work(i: int, job: Callable[[], Iterator[Trace]]) -> None:
-        try:
-            for trace in job():
-                results.put((i, trace, None))
-        except Exception as exc:  # noqa: BLE001 (reported to the caller with its lane)
-            results.put((i, None, exc))
-        finally:
-            results.put((i, None, None))
+    steps: list[StepTrace] = field(default_factory=list)
+    records: int = 0
+    trace: Trace | None = None
+    error: Exception | None = None
+    ended: bool = False
 
-    threads = [threading.Thread(target=work, args=(i, job), daemon=True, name=f"dp-lane-{i}")
-               for i, job in enumerate(jobs)]
-    for thread in threads:
-        thread.start()
-    running = len(threads)
+    @property
+    def made(self) -> int:
+        return max(len(self.steps), self.records)
+
+
+def drive(run: LaneRun, events: Callable[[], Iterator[Event]], ended: queue.SimpleQueue, i: int) -> None:
+    """Lane ``i``'s thread: record its events in ``run``; put ``i`` on ``ended`` when it ends."""
     try:
-        while running:
-            i, trace, error = results.get()
-            if trace is None and error is None:  # the job's end marker
-                running -= 1
-            yield i, trace, error
+        with closing(events()) as stream:  # an error of ours closes the run's stream (and a server's request)
+            for event in stream:
+                run.steps.extend(event.steps)  # one C call: the run's thread may copy the list at any time
+                if event.record is not None and not event.steps:
+                    run.records += 1
+                if event.trace is not None:
+                    run.trace = event.trace
+    except Exception as exc:  # noqa: BLE001 (reported with its lane; the other lanes run on)
+        run.error = exc.with_traceback(None)  # keeps no frame (nor a server's open response) alive
     finally:
-        if running:  # the consumer went away mid-run: stop the jobs too
-            control.cancel()
+        run.ended = True
+        ended.put(i)
+
+
+def start(jobs: Sequence[Callable[[], Iterator[Event]]]) -> tuple[list[LaneRun], queue.SimpleQueue]:
+    """Every job in a daemon thread of its own; (their records, the queue their ends go on)."""
+    runs, ended = [LaneRun() for _ in jobs], queue.SimpleQueue()
+    for i, job in enumerate(jobs):
+        threading.Thread(target=drive, args=(runs[i], job, ended, i), daemon=True, name=f"dp-lane-{i}").start()
+    return runs, ended
+
+
+def follow(runs: Sequence[LaneRun], ended: queue.SimpleQueue, control: RunControl,
+           every_s: float = STREAM_EVERY_S) -> Iterator[None]:
+    """Yield whenever the lanes have something to redraw: at most every ``every_s`` while they run,
+    at once when a lane ends; return when every lane has ended. ``control`` is checked every
+    POLL_S: a Stop or the time limit raises RunStopped here at once."""
+    left, last = len(runs), time.monotonic()
+    while left:
+        control.check()
+        try:
+            ended.get(timeout=POLL_S)
+            left -= 1
+            while left:  # lanes that ended together: one redraw
+                ended.get_nowait()
+                left -= 1
+        except queue.Empty:
+            if time.monotonic() - last < every_s:
+                continue
+        last = time.monotonic()
+        yield
 
 
 @dataclass(frozen=True)
@@ -109,35 +140,82 @@ def lane_model(shared: Shared, source: Any, quant: str, prompt: str, chat: bool)
     return LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
 
 
+def lane_stream(shared: Shared, model: LaneModel, prompt: str, config: DecodingConfig, chat: bool,
+                control: RunControl) -> Callable[[], Iterator[Event]]:
+    """A lane's job: its run's events, made in the lane's thread (a refusal is that lane's error)."""
+    return functools.partial(shared.stream, model.lm, prompt, config, chat=chat, prompt_ids=model.prompt_ids,
+                             control=control)
+
+
 def run_lanes(shared: Shared, models: Sequence[LaneModel], prompt: str, configs: Sequence[DecodingConfig],
-              chat: bool, session: CompareSession, control: RunControl) -> Iterator[int]:
-    """Run every lane (``configs[i]`` on ``models[i]``) at once, updating ``session``; yields the
-    updated lane's index on each update. A failing lane records its error and the others still run;
-    a stopped run stops them all."""
-    jobs = [functools.partial(stream_lane, shared, m.lm, prompt, m.prompt_ids, config, chat, control)
-            for m, config in zip(models, configs)]
-    for i, trace, error in concurrently(jobs, control):
-        if isinstance(error, RunStopped):
-            raise error
-        if error is not None:  # one lane's failure must not stop the others
-            session.errors[i] = error_message(error, "lane")
-        elif trace is not None:
-            session.traces[i] = trace
-        yield i
+              chat: bool, session: CompareSession, control: RunControl) -> Iterator[None]:
+    """Run every lane (``configs[i]`` on ``models[i]``) at once, writing ``session`` from every
+    lane's own record before each yield (a redraw). A failing lane records its error and the others
+    still run. A Stop or the time limit marks every unfinished lane stopped, with its tokens so far,
+    and raises RunStopped at once; closing the generator mid-run cancels ``control``."""
+    runs, ended = start([lane_stream(shared, m, prompt, c, chat, control) for m, c in zip(models, configs)])
+    drawn: dict[int, int] = {}  # lane -> how many steps its partial trace in the session holds
+    write = functools.partial(record, session, runs, drawn, lambda i, steps: runner.partial_trace(
+        models[i].lm, prompt, models[i].prompt_ids, configs[i], steps, chat))
+    session.phases, session.progress, session.stopped = [RUNNING] * len(runs), [0] * len(runs), ""
+    shown = None  # what the last redraw showed of every lane: a redraw with nothing new is not sent
+    try:
+        for _ in follow(runs, ended, control):
+            now = [(len(run.steps), run.records, run.ended) for run in runs]
+            if now != shown:
+                shown = now
+                write("")
+                yield
+    except RunStopped as stopped:
+        write(stopped.reason)
+        raise
+    finally:
+        if not all(run.ended for run in runs):  # stopped, or the consumer went away: the lanes stop too
+            control.cancel()
+
+
+def record(session: CompareSession, runs: Sequence[LaneRun], drawn: dict[int, int],
+           partial: Callable[[int, list[StepTrace]], Trace], stopped: str) -> None:
+    """Write every lane's state into ``session`` from its own record: ended lanes DONE, FAILED or
+    STOPPED, the others RUNNING with a partial trace of their steps so far; ``stopped`` (the run's
+    RunStopped reason, or ""): the run ended early, so every unfinished lane is STOPPED."""
+    session.stopped = stopped
+    for i, run in enumerate(runs):
+        ended, error = run.ended, run.error  # read once: the lane's thread may end meanwhile
+        if ended and error is None and run.trace is None:
+            error = RuntimeError("the run ended without its trace")
+        if ended and error is None and run.trace is not None:
+            session.phases[i], session.traces[i] = DONE, run.trace
+            continue
+        steps = list(run.steps)
+        if len(steps) != drawn.get(i):
+            session.traces[i], drawn[i] = (partial(i, steps) if steps else None), len(steps)
+        session.progress[i] = max(len(steps), run.records)  # the snapshot's count: status and text agree
+        if ended and error is not None and not isinstance(error, RunStopped):
+            session.phases[i], session.errors[i] = FAILED, error_message(error, "lane")
+        elif stopped or isinstance(error, RunStopped):
+            session.phases[i] = STOPPED
+        else:
+            session.phases[i] = RUNNING
 
 
 def run_sweep(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[int], config: DecodingConfig,
               seeds: Sequence[int], chat: bool, control: RunControl) -> Iterator[list[Trace]]:
-    """One lane over several seeds, all at once; yields the finished traces (in seed order) as each ends."""
-    jobs = [functools.partial(stream_lane, shared, lm, prompt, prompt_ids, config.replace(seed=seed), chat, control)
-            for seed in seeds]
-    finished: dict[int, Trace] = {}
-    last: dict[int, Trace] = {}
-    for i, trace, error in concurrently(jobs, control):
-        if error is not None:
-            raise error
-        if trace is not None:
-            last[i] = trace
-        else:
-            finished[i] = last[i]
-            yield [finished[j] for j in sorted(finished)]
+    """One lane over several seeds, all at once; yields the finished traces (in seed order) as runs
+    end. A failed run raises its error; a Stop or the time limit raises RunStopped at once."""
+    model = LaneModel(lm, prompt_ids)
+    runs, ended = start([lane_stream(shared, model, prompt, config.replace(seed=seed), chat, control)
+                         for seed in seeds])
+    try:
+        count = 0
+        for _ in follow(runs, ended, control):
+            failed = next((run.error for run in runs if run.ended and run.error is not None), None)
+            if failed is not None:
+                raise failed
+            finished = [run.trace for run in runs if run.ended and run.trace is not None]
+            if len(finished) > count:
+                count = len(finished)
+                yield finished
+    finally:
+        if not all(run.ended for run in runs):
+            control.cancel()

@@ -1,0 +1,330 @@
+"""Serving charts: pure functions of engine.reports.serving / serving_demos / vllm_metrics records ->
+HTML and plotly figures. Every figure's title says where its numbers come from and when; every
+sentence is built from the same numbers as the chart beside it. No gradio here.
+
+- ``cards_html``: the room's big numbers (rows, queue, tokens/s, TTFT, TPOT, KV bytes, waste, the fullest
+  tick's KV positions three ways).
+- ``rows_figure``, ``kv_figure``, ``latency_figure``, ``runs_figure``: the window's ticks and runs.
+- ``layout_figure``: one tick's KV positions three ways (padded batch, paged blocks, reservation).
+- ``batching_html`` / ``batching_figure``, ``paged_html``, ``prefix_html`` / ``prefix_figure``,
+  ``chunked_html`` / ``chunked_figure``: the four demonstrations.
+- ``vllm_cards_html`` / ``vllm_figure``: a served vLLM's window from its /metrics.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+
+from engine.reports.serving import SOURCE_COMPUTED, SOURCE_SCHEDULER, KVLayout, ServingSummary, utc
+from engine.reports.vllm_metrics import SOURCE_VLLM, VllmSample, VllmWindow
+
+FONT = {"size": 16}  # readable from the back of a room at 1280x720
+LAYOUT = {"height": 360, "margin": {"l": 64, "r": 20, "t": 64, "b": 48}, "font": FONT,
+          "legend": {"orientation": "h", "y": -0.22}}
+CLOCK_AXIS = {"tickformat": "%H:%M:%S"}  # the window is minutes long: the date under each tick only crowds it
+MAX_POINTS = 600  # a window's ticks are thinned to this many points per line (each bucket's largest kept)
+MIB = 1 << 20
+COLOURS = {"used": "#54a24b", "padded": "#4c78a8", "paged": "#f58518", "reserved": "#e45756", "queue": "#b279a2"}
+
+
+def when(since: float, until: float) -> str:
+    """The window in words: ``11:02:03–11:07:03 UTC``."""
+    return f"{utc(since).removesuffix(' UTC')}–{utc(until)}"
+
+
+def ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.0f} ms"
+
+
+def title(text: str, source: str, at: str) -> dict:
+    """A figure title of two lines: what it shows, then its source and time (smaller)."""
+    return {"text": f"{html.escape(text)}<br><span style='font-size:12px'>{html.escape(source)} · {html.escape(at)}</span>",
+            "x": 0, "xanchor": "left"}
+
+
+def clock(values: Sequence[float]) -> np.ndarray:
+    """Wall-clock times (time.time()) as UTC datetimes plotly draws on a time axis. A numpy array:
+    plotly validates it as one array, where a list of 600 strings costs it half a second of CPU
+    per figure (measured), which a page watching live would spend every 2 s."""
+    return (np.asarray(values, dtype=float) * 1000).astype("datetime64[ms]")
+
+
+def thin(xs: np.ndarray, ys: Sequence[float], limit: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``limit`` points: consecutive buckets, each drawn at its largest value (peaks stay)."""
+    ys = np.asarray(ys, dtype=float)
+    if len(xs) <= limit:
+        return xs, ys
+    size = -(-len(xs) // limit)
+    keep = [i + int(np.argmax(ys[i:i + size])) for i in range(0, len(xs), size)]
+    return xs[keep], ys[keep]
+
+
+def card(value: str, label: str, source: str, key: str) -> str:
+    return (f'<div class="dp-serving-card" data-key="{key}"><div class="dp-serving-value">{html.escape(value)}</div>'
+            f'<div class="dp-serving-label">{html.escape(label)}</div>'
+            f'<div class="dp-serving-source">{html.escape(source)}</div></div>')
+
+
+# --- the room: our scheduler ---------------------------------------------------------------------------
+def source_line(s: ServingSummary, model: str) -> str:
+    return (f'<div class="dp-status" id="serving-window">Our scheduler on {html.escape(model)} · window '
+            f'{when(s.since, s.taken_at)} · {s.ticks:,} ticks, {s.runs:,} runs ended</div>')
+
+
+def cards_html(s: ServingSummary) -> str:
+    """The window's big numbers, each with its source."""
+    peak = s.peak
+    waste = f"{peak.waste(peak.padded):.0%} → {peak.waste(peak.paged):.0%}" if peak else "–"
+    cards = [
+        card(f"{s.mean_rows:.1f} / {s.max_rows}", "rows per tick: mean / max", SOURCE_SCHEDULER, "rows"),
+        card(f"{s.max_queued}", "most runs waiting for a row", SOURCE_SCHEDULER, "queue"),
+        card(f"{s.tokens_per_s:,.1f}", "decode tokens/s while busy (all rows)", SOURCE_SCHEDULER, "tokens_per_s"),
+        card(f"{ms(s.ttft_ms['p50'])} / {ms(s.ttft_ms['p95'])}", f"time to first token p50 / p95 ({s.ttft_ms['count']} runs)",
+             SOURCE_SCHEDULER, "ttft"),
+        card(f"{ms(s.tpot_ms['p50'])} / {ms(s.tpot_ms['p95'])}", f"time per output token p50 / p95 ({s.tpot_ms['count']} runs)",
+             SOURCE_SCHEDULER, "tpot"),
+        card(f"{s.kv_bytes_now / MIB:,.1f} MiB", "KV cache of the batch, last tick", SOURCE_COMPUTED, "kv"),
+        card(waste, f"KV positions holding no token: padded batch → paged, block {peak.block if peak else 16}",
+             SOURCE_COMPUTED, "waste"),
+        card(f"{peak.padded:,} / {peak.paged:,} / {peak.reserved:,}" if peak else "–",
+             "KV positions at the fullest tick: padded batch / paged / contiguous reservation"
+             + (f" ({peak.used:,} hold a token)" if peak else ""), SOURCE_COMPUTED, "peak"),
+    ]
+    return f'<div class="dp-serving-cards" id="serving-cards-grid">{"".join(cards)}</div>'
+
+
+def rows_figure(s: ServingSummary) -> go.Figure:
+    """Rows in each tick's forward and runs waiting, over the window: continuous batching at work."""
+    fig = go.Figure()
+    times = clock(s.series.get("at", []))
+    for key, name, colour in (("rows", "rows in the forward", COLOURS["padded"]), ("queued", "waiting for a row", COLOURS["queue"]),
+                              ("prefilling", "long prompts being prefilled", COLOURS["paged"])):
+        x, y = thin(times, s.series.get(key, []))
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line={"shape": "hv", "color": colour}, name=name))
+    fig.update_layout(**LAYOUT, title=title("Rows per tick: runs join and leave between forwards", SOURCE_SCHEDULER,
+                                            when(s.since, s.taken_at)), yaxis_title="runs", xaxis=CLOCK_AXIS)
+    return fig
+
+
+def kv_figure(s: ServingSummary) -> go.Figure:
+    """KV bytes of the left-padded batch at each tick, what paged blocks would hold, and what a
+    contiguous reservation of each run's prompt + max_new_tokens would hold."""
+    fig = go.Figure()
+    times = clock(s.series.get("at", []))
+    for key, name, colour in (("kv_bytes", "our left-padded batch", COLOURS["padded"]),
+                              ("paged_bytes", "paged, 16-position blocks (computed)", COLOURS["paged"]),
+                              ("reserved_bytes", "contiguous reservation (computed)", COLOURS["reserved"])):
+        x, y = thin(times, [v / MIB for v in s.series.get(key, [])])
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line={"shape": "hv", "color": colour}, name=name))
+    fig.update_layout(**LAYOUT, title=title("KV cache in use (MiB)", SOURCE_COMPUTED, when(s.since, s.taken_at)),
+                      yaxis_title="MiB", xaxis=CLOCK_AXIS)
+    return fig
+
+
+def latency_figure(s: ServingSummary) -> go.Figure:
+    """Median and p95 time of a tick (and of its forward alone) by rows: a small model's forward
+    costs little more for 16 rows than for one."""
+    rows = sorted(s.tick_ms_by_rows)
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=rows, y=[s.forward_ms_by_rows[n]["p50"] for n in rows], name="forward p50",
+                         marker_color=COLOURS["padded"]))
+    fig.add_trace(go.Bar(x=rows, y=[s.tick_ms_by_rows[n]["p50"] for n in rows], name="whole tick p50",
+                         marker_color=COLOURS["paged"]))
+    fig.add_trace(go.Scatter(x=rows, y=[s.tick_ms_by_rows[n]["p95"] for n in rows], mode="markers", name="whole tick p95",
+                             marker={"color": COLOURS["reserved"], "size": 10}))
+    fig.update_layout(**LAYOUT, barmode="group", title=title("Tick latency vs batch size", SOURCE_SCHEDULER,
+                                                             when(s.since, s.taken_at)),
+                      xaxis={"title": "rows in the tick", "type": "category"}, yaxis_title="ms")
+    return fig
+
+
+def runs_figure(s: ServingSummary) -> go.Figure:
+    """Each ended run's time to first token and time per output token, when it ended."""
+    fig = go.Figure()
+    times = clock(s.series.get("run_at", []))
+    fig.add_trace(go.Scatter(x=times, y=np.asarray(s.series.get("ttft_ms", []), dtype=float), mode="markers",
+                             name="time to first token", marker={"color": COLOURS["reserved"], "size": 9}))
+    timed = [i for i, v in enumerate(s.series.get("tpot_ms", [])) if v is not None]  # one-token runs have no TPOT
+    fig.add_trace(go.Scatter(x=times[timed], y=np.asarray([s.series["tpot_ms"][i] for i in timed], dtype=float),
+                             mode="markers", name="time per output token",
+                             marker={"color": COLOURS["padded"], "size": 9, "symbol": "diamond"}))
+    fig.update_layout(**LAYOUT, title=title("Per run: TTFT and TPOT", SOURCE_SCHEDULER, when(s.since, s.taken_at)),
+                      yaxis_title="ms", yaxis_type="log", xaxis=CLOCK_AXIS)
+    return fig
+
+
+def layout_figure(layout: KVLayout, at: str) -> go.Figure:
+    """One tick's rows held three ways: positions holding tokens, and the rest (padding, the last
+    block's unused part, the unused reservation)."""
+    names = ["our left-padded batch", f"paged, block {layout.block}", "contiguous reservation"]
+    held = [layout.padded, layout.paged, layout.reserved]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=names, y=[layout.used] * 3, name="holding a token", marker_color=COLOURS["used"]))
+    fig.add_trace(go.Bar(x=names, y=[h - layout.used for h in held], name="holding nothing",
+                         marker_color=COLOURS["reserved"], text=[f"{layout.waste(h):.0%}" for h in held],
+                         textposition="outside"))
+    fig.update_layout(**LAYOUT, barmode="stack", yaxis_title="KV positions",
+                      title=title(f"{layout.rows} rows, {layout.used:,} tokens", SOURCE_COMPUTED, at))
+    return fig
+
+
+# --- the demonstrations --------------------------------------------------------------------------------
+def load_text(load: float | None) -> str:
+    return "" if load is None else f" (load average {load:.1f} on this machine)"
+
+
+def batching_html(d: Any) -> str:
+    c, s = d.continuous, d.static
+    return (f'<div class="dp-serving-result" id="demo-batching-text"><b>{d.requests} requests, {d.max_batch} rows</b>: '
+            f'continuous batching <b>{c.tokens_per_s:,.1f} tokens/s</b>, mean wait <b>{c.mean_wait_s:,.1f} s</b>; '
+            f'static batching <b>{s.tokens_per_s:,.1f} tokens/s</b>, mean wait <b>{s.mean_wait_s:,.1f} s</b>. '
+            f'Rows computed: {c.row_steps:,} vs {s.row_steps:,} ({s.row_steps - c.row_steps:,} for requests already done). '
+            f'Same tokens both ways: {d.same_tokens} of {d.requests}.<br><small>measured: our scheduler and a static '
+            f'batch of the same model, {utc(d.at)}{load_text(d.load)}</small></div>')
+
+
+def batching_figure(d: Any) -> go.Figure:
+    sides = [d.continuous, d.static]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=[x.name for x in sides], y=[x.tokens_per_s for x in sides], name="tokens/s",
+                         marker_color=COLOURS["padded"], yaxis="y"))
+    fig.add_trace(go.Bar(x=[x.name for x in sides], y=[x.mean_wait_s for x in sides], name="mean wait (s)",
+                         marker_color=COLOURS["reserved"], yaxis="y2"))
+    fig.update_layout(**LAYOUT, barmode="group", yaxis={"title": "tokens/s"},
+                      yaxis2={"title": "mean wait (s)", "overlaying": "y", "side": "right"},
+                      title=title("Continuous vs static batching", "measured: our scheduler", utc(d.at)))
+    fig.data[1].update(offsetgroup=1)
+    fig.data[0].update(offsetgroup=0)
+    return fig
+
+
+def paged_html(d: Any) -> str:
+    p = d.peak
+    return (f'<div class="dp-serving-result" id="demo-paged-text"><b>{p.rows} rows holding {p.used:,} tokens</b> at the fullest '
+            f'tick: our left-padded batch holds <b>{p.padded:,}</b> positions ({p.waste(p.padded):.0%} hold nothing), '
+            f'paged blocks of {p.block} would hold <b>{p.paged:,}</b> ({p.paged_blocks:,} blocks, '
+            f'{p.waste(p.paged):.0%} hold nothing), a contiguous reservation of prompt + max_new_tokens per request '
+            f'<b>{p.reserved:,}</b> ({p.waste(p.reserved):.0%} hold nothing). One position is '
+            f'{p.bytes_per_position:,} bytes.<br><small>{SOURCE_COMPUTED}, {utc(d.at)}</small></div>')
+
+
+def prefix_html(d: Any) -> str:
+    a, b = d.shared, d.unshared
+    return (f'<div class="dp-serving-result" id="demo-prefix-text"><b>{d.users} users</b> whose prompts share their first '
+            f'<b>{d.shared_tokens}</b> tokens: prefilled with the shared prefix fed once, <b>{a.prefill_tokens:,}</b> '
+            f'positions in {a.prefill_ms:,.0f} ms (first token p50 {ms(a.ttft_ms["p50"])}); each prompt whole, '
+            f'<b>{b.prefill_tokens:,}</b> positions in {b.prefill_ms:,.0f} ms (p50 {ms(b.ttft_ms["p50"])}). Same tokens: '
+            f'{d.same_tokens} of {d.users}. A paged cache sharing the prefix\'s full blocks would hold '
+            f'<b>{d.paged_blocks["shared"]}</b> blocks of {d.block} instead of {d.paged_blocks["each"]} (computed).'
+            f'<br><small>measured: our scheduler, {utc(d.at)}{load_text(d.load)}</small></div>')
+
+
+def prefix_figure(d: Any) -> go.Figure:
+    sides = [d.shared, d.unshared]
+    names = ["prefix fed once", "each prompt whole"]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=names, y=[x.prefill_tokens for x in sides], name="positions prefilled",
+                         marker_color=COLOURS["padded"]))
+    fig.add_trace(go.Bar(x=names, y=[x.prefill_ms for x in sides], name="prefill ms", marker_color=COLOURS["paged"],
+                         yaxis="y2"))
+    fig.update_layout(**LAYOUT, barmode="group", yaxis={"title": "positions"},
+                      yaxis2={"title": "ms", "overlaying": "y", "side": "right"},
+                      title=title("Prefix sharing", "measured: our scheduler", utc(d.at)))
+    fig.data[0].update(offsetgroup=0)
+    fig.data[1].update(offsetgroup=1)
+    return fig
+
+
+def chunked_html(d: Any) -> str:
+    a, b = d.one_forward, d.chunked
+    return (f'<div class="dp-serving-result" id="demo-chunked-text">A <b>{d.long_prompt_tokens:,}-token</b> prompt arrives '
+            f'while {d.decoding} users decode. Prefilled in one forward: the others got '
+            f'<b>{sum(a.others_tokens_meanwhile)}</b> tokens while it was read, longest gap <b>{ms(a.others_gap_ms["max"])}</b>; '
+            f'its first token after {ms(a.long_ttft_ms)}. In chunks of {d.chunk}: the others got '
+            f'<b>{sum(b.others_tokens_meanwhile)}</b> tokens, longest gap <b>{ms(b.others_gap_ms["max"])}</b>; its first token '
+            f'after {ms(b.long_ttft_ms)}. Same tokens both ways: {"yes" if d.same_tokens else "no"}.'
+            f'<br><small>measured: our scheduler, {utc(d.at)}{load_text(d.load)}</small></div>')
+
+
+def chunked_figure(d: Any) -> go.Figure:
+    sides = [d.one_forward, d.chunked]
+    names = ["one forward", f"chunks of {d.chunk}"]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=names, y=[x.others_gap_ms["max"] or 0 for x in sides], name="others' longest gap (ms)",
+                         marker_color=COLOURS["reserved"]))
+    fig.add_trace(go.Bar(x=names, y=[x.long_ttft_ms for x in sides], name="long prompt's first token (ms)",
+                         marker_color=COLOURS["padded"]))
+    fig.update_layout(**LAYOUT, barmode="group", yaxis_title="ms",
+                      title=title("Chunked prefill", "measured: our scheduler", utc(d.at)))
+    return fig
+
+
+# --- a served vLLM -------------------------------------------------------------------------------------
+def vllm_cards_html(w: VllmWindow) -> str:
+    rate = "–" if w.hit_rate is None else f"{w.hit_rate:.0%}"
+    tps = "–" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}"
+    cards = [
+        card(f"{w.running:.0f} / {w.waiting:.0f}", "requests running / waiting", SOURCE_VLLM, "vllm-requests"),
+        card(f"{w.kv_usage:.1%}", f"KV blocks in use (block {w.config.get('block_size', '?')})", SOURCE_VLLM, "vllm-kv"),
+        card(rate, f"prefix cache hits ({w.prefix_hits:,.0f} of {w.prefix_queries:,.0f} tokens)", SOURCE_VLLM,
+             "vllm-hits"),
+        card(f"{w.preemptions:,.0f}", "preemptions", SOURCE_VLLM, "vllm-preemptions"),
+        card(tps, "generated tokens/s", SOURCE_VLLM, "vllm-tokens"),
+        card(f"{ms(_s(w.ttft_s['p50']))} / {ms(_s(w.ttft_s['p95']))}", "time to first token p50 / p95 (bucket estimate)",
+             SOURCE_VLLM, "vllm-ttft"),
+        card(f"{ms(_s(w.itl_s['p50']))} / {ms(_s(w.itl_s['p95']))}", "inter-token latency p50 / p95 (bucket estimate)",
+             SOURCE_VLLM, "vllm-itl"),
+    ]
+    since = "since the server started" if not w.since else when(w.since, w.until)
+    return (f'<div class="dp-status" id="vllm-window">{html.escape(w.server)} · {since} · prefix caching '
+            f'{html.escape(w.config.get("enable_prefix_caching", "?"))}</div>'
+            f'<div class="dp-serving-cards">{"".join(cards)}</div>')
+
+
+def _s(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def vllm_figure(samples: Sequence[VllmSample]) -> go.Figure:
+    """Requests running and waiting and KV blocks in use, sample by sample."""
+    fig = go.Figure()
+    times = clock([s.at for s in samples])
+    fig.add_trace(go.Scatter(x=times, y=np.array([s.running for s in samples], dtype=float), mode="lines",
+                             name="running", line={"shape": "hv", "color": COLOURS["padded"]}))
+    fig.add_trace(go.Scatter(x=times, y=np.array([s.waiting for s in samples], dtype=float), mode="lines",
+                             name="waiting", line={"shape": "hv", "color": COLOURS["queue"]}))
+    fig.add_trace(go.Scatter(x=times, y=np.array([100 * s.kv_usage for s in samples], dtype=float), mode="lines",
+                             name="KV blocks in use (%)", line={"shape": "hv", "color": COLOURS["paged"]}, yaxis="y2"))
+    at = when(samples[0].at, samples[-1].at) if samples else ""
+    fig.update_layout(**LAYOUT, yaxis={"title": "requests"}, yaxis2={"title": "%", "overlaying": "y", "side": "right"},
+                      xaxis=CLOCK_AXIS,
+                      title=title("vLLM: requests and KV blocks", SOURCE_VLLM, at))
+    return fig
+
+
+def vllm_prefix_html(d: Any) -> str:
+    m = d.metrics
+    rate = "–" if m.hit_rate is None else f"{m.hit_rate:.0%}"
+    return (f'<div class="dp-serving-result" id="vllm-demo-prefix-text"><b>{d.users} users</b> sent the same '
+            f'{d.prompt_tokens:,}-token text: its prefix cache found <b>{m.prefix_hits:,.0f} of {m.prefix_queries:,.0f}</b> '
+            f'prompt tokens (<b>{rate}</b>; block {html.escape(m.config.get("block_size", "?"))}). First token: '
+            f'<b>{ms(d.cold_ttft_ms)}</b> for the first user, <b>{ms(d.warm_ttft_ms["p50"])}</b> (p50) for the others: '
+            f'{ms(d.saved_ms)} of prefill saved each.<br><small>{SOURCE_VLLM} and our client\'s clock, '
+            f'{html.escape(d.server)}, {utc(d.at)}</small></div>')
+
+
+def vllm_chunked_html(d: Any) -> str:
+    step = d.metrics.largest_step
+    largest = "–" if step is None else (f"more than {step[0]:,.0f}" if step[1] is None else
+                                        f"{step[0]:,.0f} to {step[1]:,.0f}")
+    verdict = {True: "in chunks (no step took the whole prompt)", False: "in one step",
+               None: "(the server's histogram did not say)"}[d.chunked]
+    return (f'<div class="dp-serving-result" id="vllm-demo-chunked-text">A <b>{d.long_prompt_tokens:,}-token</b> prompt '
+            f'arrived while {d.decoding} users streamed: they got <b>{sum(d.others_tokens_meanwhile)}</b> tokens while it '
+            f'was read, longest gap <b>{ms(d.others_gap_ms["max"])}</b>; its first token after {ms(d.long_ttft_ms)}. '
+            f'The largest engine step took {largest} tokens: the server read it <b>{verdict}</b>.'
+            f'<br><small>{SOURCE_VLLM} and our client\'s clock, {html.escape(d.server)}, {utc(d.at)}</small></div>')

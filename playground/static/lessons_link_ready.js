@@ -1,0 +1,1 @@
+() => { document.documentElement.classList.remove('dp-lesson-pending'); }
