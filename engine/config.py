@@ -143,6 +143,10 @@ def _check_kind(knob: Knob, value: Any) -> Any:
         for word in out:
             check_text(name, word)
         return out
+    if knob.kind == "text":
+        if not isinstance(value, str):
+            raise ConfigError(name, f"expected {knob.range_text()}, got {_short(value)}")
+        return check_text(name, value, max_len=int(knob.high), allow_empty=True)
     if knob.kind == "str":
         if not isinstance(value, str) or not value or len(value) > MAX_STRING_LEN:
             raise ConfigError(name, f"expected {knob.range_text()}, got {_short(value)}")
@@ -480,7 +484,7 @@ def parse_set_value(key: str, text: str) -> Any:
     check_text("--set", key, max_len=64)
     check_text(key, text, max_len=MAX_STRING_LEN * 64, allow_empty=True)
 
-    if key == "strategy" or (key in KNOBS and KNOBS[key].kind == "str"):
+    if key == "strategy" or (key in KNOBS and KNOBS[key].kind in ("str", "text")):
         return text
     if key in KNOBS and KNOBS[key].kind == "str_list":
         if text.startswith("["):

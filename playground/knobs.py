@@ -38,6 +38,7 @@ GROUP_TITLES = {
     "penalties": ("Penalties", False),
     "repetition": ("Repetition (DRY, no-repeat n-gram)", False),
     "adaptive": ("Adaptive (mirostat, XTC)", False),
+    "structured": ("Structured output (grammar)", False),
 }
 
 
@@ -111,6 +112,9 @@ def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive:
         return gr.Textbox(value=display_value(knob, value), info=f"{info} A JSON list of strings.", **common)
     if knob.kind == "str_list":
         return gr.Textbox(value=", ".join(value), info=f"{info} Comma-separated.", **common)
+    if knob.kind == "text":  # several lines (a grammar), at most knob.high characters
+        return gr.Textbox(value=str(value), info=f"{info} At most {int(knob.high):,} characters.", lines=4,
+                          max_lines=16, **common)
     return gr.Textbox(value=str(value), info=info, **common)
 
 

@@ -24,6 +24,7 @@ TAUGHT = {
     "kv-cache": "cache",
     "quantization": "KL",
     "contrastive-search": "contrastive search",
+    "grammar": "masked decoding",  # the distortion: masked decoding beside the model conditioned on the grammar
     "gptq-vs-awq": "perplexity",
 }
 # Lessons whose check loads quantized copies of the real model (the tiny Llama here has none):

@@ -323,9 +323,10 @@ def llamacpp_request(config: DecodingConfig, context: int = 4096) -> LlamaReques
         name = "penalties" if stage in PENALTY_STAGES else LLAMA_SAMPLER.get(stage, (None,))[0]
         if name and name not in samplers:
             samplers.append(name)
-        elif name is None and stage not in ("logit_bias", "mirostat"):  # sent as fields, not samplers
+        elif name is None and STAGES[stage].served.llamacpp is None:  # else sent as fields (logit_bias, mirostat, grammar)
             knobs = [k.name for k in KNOBS.values() if k.stage == stage and getattr(c, k.name) != k.neutral]
             unmapped += [Note(k, UNMAPPED.get(k, "llama.cpp has no such sampler")) for k in knobs]
+        unmapped += [Note(k, reason) for k, reason in STAGES[stage].served.refusals(c, "llamacpp")]
     if c.is_greedy:
         samplers.append("top_k")
         fields["top_k"] = 1

@@ -201,7 +201,7 @@ class OpenAIApi:
         ``--logprobs-mode``) as each token arrives, then the FastAnswer. ``raw`` changes nothing
         (the top-N are the only ones it sends). At most ``config.max_new_tokens`` tokens are read:
         a server that sends more is cut off there (the stream closed, the answer saying so)."""
-        fields, notes = _openai_fields(config)
+        fields, notes = _openai_fields(config, self.dialect)
         body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
                 "prompt": list(ids), "stream": True, "max_tokens": config.max_new_tokens, "logprobs": config.top_n,
                 "seed": config.seed, "stop": list(config.stop), **fields}
@@ -267,8 +267,9 @@ class _Stream:
         return reason
 
 
-def _openai_fields(config: DecodingConfig) -> tuple[dict[str, Any], dict[str, list[dict[str, str]]]]:
-    """Our knobs as an OpenAI-compatible completion request's sampling fields (each stage's ``served.openai``),
+def _openai_fields(config: DecodingConfig, dialect: str = "vllm") -> tuple[dict[str, Any], dict[str, list[dict[str, str]]]]:
+    """Our knobs as an OpenAI-compatible completion request's sampling fields (each stage's ``served.openai``;
+    on llama-server's own endpoint, ``dialect`` "llamacpp", its ``served.openai_llamacpp`` where it has one),
     and the notes: knobs it cannot express (``unmapped``), differences (``caveats``)."""
     active = config.active_stages()
     # every field sent, neutral or not, so no server default (llama-server: top-k 40...) leaks in;
@@ -276,12 +277,15 @@ def _openai_fields(config: DecodingConfig) -> tuple[dict[str, Any], dict[str, li
     fields: dict[str, Any] = {}
     mapped = [name for name, spec in STAGES.items() if spec.served.openai is not None]
     for name in mapped:
-        fields.update(STAGES[name].served.openai(config))
+        served = STAGES[name].served
+        fields.update((served.openai_llamacpp if dialect == "llamacpp" and served.openai_llamacpp else served.openai)(config))
     if config.is_greedy:
         fields["temperature"] = 0.0
     unmapped = [{"key": k.name, "reason": "the OpenAI-compatible API has no such sampling parameter"}
                 for k in KNOBS.values() if k.stage in active and k.stage not in mapped
                 and getattr(config, k.name) != k.neutral]
+    server = "llamacpp" if dialect == "llamacpp" else "vllm"
+    unmapped += [{"key": k, "reason": reason} for stage in active for k, reason in STAGES[stage].served.refusals(config, server)]
     caveats = [{"key": "stage_order", "reason": "the server applies its own fixed order, not ours"}]
     if not config.is_greedy:
         caveats.append({"key": "seed", "reason": "the server has its own random generator: the same seed "

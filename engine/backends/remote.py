@@ -130,18 +130,20 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
         return
     tails: list[float] = []
     steps: list[StepTrace] = []
-    ended = False
+    ended: NoTokensLeft | None = None
     try:
         for step in stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force):
             steps.append(step)
             yield Event(steps=[step])
-    except NoTokensLeft:  # a step with nothing left to pick ends the run, saying why
-        ended = True
+    except NoTokensLeft as exc:  # a step with nothing left to pick ends the run, saying why
+        ended = exc
     trace = assemble(model, prompt, prompt_ids, config, steps, chat)
-    if ended:
+    approximations = step_approximations(config, model.top_n)
+    if ended is not None:
         trace.end_with_no_tokens_left()
-    trace.extra["remote"] = _label(model, "step", model.top_n, step_approximations(config, model.top_n)) | {
-        "tail_mass": tails}
+        if type(ended) is not NoTokensLeft:  # a stage said why (the grammar: none of the top-N allowed)
+            approximations.append(str(ended))
+    trace.extra["remote"] = _label(model, "step", model.top_n, approximations) | {"tail_mass": tails}
     yield Event(trace=trace)
 
 

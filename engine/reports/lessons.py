@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -39,6 +40,7 @@ from engine.numbers import percent
 from engine.reports.quant_report import compare_methods
 from engine.backends.local import LoadedModel, ModelSpec
 from engine.backends.registry import ModelRegistry
+from engine.scheduler import Scheduler
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from engine.trace import Trace
 
@@ -192,13 +194,14 @@ CHECK_FIELDS: dict[str, dict[str, tuple[int, int, int]]] = {
     "less_repetition": {"n": (4, 1, 16), "min_tokens": (0, 0, 1024)},
     "kv_cache_same": {"max_new_tokens": (24, 1, 256)},
     "quantization_order": {"max_new_tokens": (12, 1, 64)},
+    "grammar_distortion": {"seeds": (8, 1, 32)},
     "gptq_vs_awq": {},
     "engines_agree": {},
 }
 ENGINE_RUNS = ("", "vllm", "llamacpp")  # engines_agree: runs 0-2, greedy, on our engine, vLLM and llama.cpp
 # What a check reads from the lesson's runs: how many it compares, or which strategy run 0 must be.
 CHECK_RUNS = {"sampling_varies": 2, "entropy_rises": 2, "truncation_shapes": 2, "less_repetition": 2}
-CHECK_STRATEGY = {"beam_beats_greedy": "beam", "speculative_exact": "speculative"}
+CHECK_STRATEGY = {"beam_beats_greedy": "beam", "speculative_exact": "speculative", "grammar_distortion": "sample"}
 
 
 def _whole(key: str, value: Any, low: int, high: int) -> int:
@@ -452,6 +455,44 @@ def _speculative_exact(lm, lesson, traces, registry) -> Outcome:
                    {"acceptance_rate": rate, "tokens_per_target_forward": per_forward})
 
 
+def _grammar_distortion(lm, lesson, traces, registry) -> Outcome:
+    """Masked decoding never leaves the grammar: the lesson's run and a sweep of seeds all write one of
+    its strings. What it costs: the exact distribution of masked decoding over the strings differs from
+    the model's own distribution conditioned on the grammar (engine.reports.distortion), both exact and
+    summing to 1."""
+    from engine.reports.distortion import distortion_report
+
+    config = lesson.runs[0].config
+    report = distortion_report(lm, lesson.prompt, config, lesson.chat, prompt_ids=traces[0].prompt_token_ids)
+    texts = {s.text for s in report.strings}
+    sweep = [traces[0], *_seed_sweep(lm, lesson, config, traces[0].prompt_token_ids, check_field(lesson.check, "seeds"))]
+    valid = sum(t.text in texts and t.stop_reason == "eos" for t in sweep)
+    sums = (sum(s.exact for s in report.strings), sum(s.masked for s in report.strings))
+    ok = valid == len(sweep) and abs(sums[0] - 1) < 1e-6 and abs(sums[1] - 1) < 1e-3 and report.total_variation > 0.05
+    top = max(report.strings, key=lambda s: s.masked)
+    return Outcome(ok, f"All {len(sweep)} sampled runs wrote one of the grammar's {len(texts)} strings. Masked decoding "
+                       f"picks {top.text!r} {top.masked:.0%} of the time; the model conditioned on the grammar would "
+                       f"pick it {top.exact:.0%} (total variation {report.total_variation:.2f}). Unconstrained, the "
+                       f"model writes one of these strings and stops with probability {report.allowed_mass:.1e}.",
+                   {"valid_runs": float(valid), "runs": float(len(sweep)), "total_variation": report.total_variation,
+                    "allowed_mass": report.allowed_mass, "exact_sum": sums[0], "masked_sum": sums[1]}, report)
+
+
+def _seed_sweep(lm, lesson, config, prompt_ids: Sequence[int], seeds: int) -> list[Trace]:
+    """The lesson's run again at seeds config.seed + 1 .. + seeds - 1, all at once: their steps share one
+    batched forward (a scheduler of their own, engine.scheduler; each trace equals the run alone)."""
+    if seeds < 2:
+        return []
+    scheduler = Scheduler(lm)
+    try:
+        with ThreadPoolExecutor(seeds - 1, thread_name_prefix="dp-lesson-sweep") as pool:
+            return list(pool.map(lambda i: runner.run(RunRequest(
+                lm, lesson.prompt, config.replace(seed=config.seed + i), chat=lesson.chat, prompt_ids=prompt_ids,
+                scheduler=scheduler)), range(1, seeds)))
+    finally:
+        scheduler.close()
+
+
 def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
     """Cached and recomputed decoding pick the same tokens; the cache feeds one token per step where
     recomputing feeds the whole sequence (O(n) vs O(n²) tokens through the model)."""
@@ -511,6 +552,7 @@ NEEDS_MODEL = {
     "quantization_order": "it loads the model's weights quantized",
     "gptq_vs_awq": "it loads the model's 4-bit checkpoints made here",
     "beam_beats_greedy": "a served beam search scores by vLLM's rule (the prompt's length counts), not the lesson's",
+    "grammar_distortion": "it walks every token prefix of the grammar with the model's whole distribution",
 }
 
 def _raw_top(trace: Trace, i: int) -> dict[int, float]:
@@ -569,6 +611,7 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
     "speculative_exact": _speculative_exact,
     "kv_cache_same": _kv_cache_same,
     "quantization_order": _quantization_order,
+    "grammar_distortion": _grammar_distortion,
     "gptq_vs_awq": _gptq_vs_awq,
     "engines_agree": _engines_agree,
 }

@@ -32,3 +32,6 @@ from engine.stages.truncation import (  # noqa: F401
 from engine.stages.stateful import (  # noqa: F401
     Xtc, Mirostat,
 )
+from engine.stages.grammar import (  # noqa: F401
+    Grammar, GrammarFacts, grammar_facts, grammar_cost,
+)

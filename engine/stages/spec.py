@@ -45,7 +45,7 @@ class Knob:
     """One configuration key: its type, bounds, neutral value and a one-line doc for the UI."""
 
     name: str
-    kind: str  # "float" | "int" | "bool" | "str" | "str_list" | "choice" | "bias_map"
+    kind: str  # "float" | "int" | "bool" | "str" | "text" | "str_list" | "choice" | "bias_map"
     neutral: Any
     low: float | None = None
     high: float | None = None
@@ -78,6 +78,8 @@ class Knob:
                     f"[{self.low:g}, {self.high:g}]}}")
         if self.kind == "str":
             return f"a string of at most {MAX_STRING_LEN} characters"
+        if self.kind == "text":  # a longer text, lines and all (a grammar); empty is its neutral value
+            return f"a text of at most {int(self.high):,} characters"
         return "true | false"
 
 
@@ -165,12 +167,23 @@ class Served:
     (every one sent, neutral or not, so no server default leaks in; ``context``: the server's
     context length, its window for "the whole context"); None when llama.cpp has no field for it.
     ``openai(config)``: its knobs as OpenAI-compatible sampling fields (vLLM's ``SamplingParams``
-    names); None when the API has none. ``step_caveats``: what step mode cannot do exactly for it
-    (``STEP_*``)."""
+    names); None when the API has none. ``openai_llamacpp(config)``: its fields on llama-server's own
+    OpenAI-compatible endpoint (``/v1``), where they differ from vLLM's (llama-server reads its own
+    ``/completion`` names there: the grammar's ``grammar`` / ``json_schema``, not vLLM's
+    ``structured_outputs``); None: ``openai``'s. ``refused(config, server)``: (knob, reason) for
+    what a server (``"llamacpp"``: llama-server, either endpoint; ``"vllm"``) cannot take of the
+    stage though it has fields for it (llama.cpp takes no regular expression). ``step_caveats``:
+    what step mode cannot do exactly for it (``STEP_*``)."""
 
     llamacpp: Callable[["DecodingConfig", int], dict[str, Any]] | None = None
     openai: Callable[["DecodingConfig"], dict[str, Any]] | None = None
     step_caveats: tuple[str, ...] = ()
+    openai_llamacpp: Callable[["DecodingConfig"], dict[str, Any]] | None = None
+    refused: Callable[["DecodingConfig", str], list[tuple[str, str]]] | None = None
+
+    def refusals(self, config: "DecodingConfig", server: str) -> list[tuple[str, str]]:
+        """``refused(config, server)``, or none."""
+        return list(self.refused(config, server)) if self.refused is not None else []
 
 
 def same_fields(*knobs: str, **renamed: str) -> Callable[..., dict[str, Any]]:

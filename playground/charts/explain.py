@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.numbers import decimal, interval, percent
+from engine.stages import grammar_facts
 from engine.trace import StageTrace, StepTrace, TokenProb
 
 from .stage_notes import stage_label, stage_note
@@ -84,7 +85,29 @@ def explain_step(step: StepTrace, pick: str | None = None, source: Source = LOCA
         prev_top = top
     head = ("; ".join(parts) + ". ") if parts else "No stage changed the raw distribution. "
     notes = "".join(f"\n- {html.escape(stage_note(stage), quote=False)}" for stage in step.stages[1:-1])
-    return head[0].upper() + head[1:] + (pick or _run_pick(step)) + (f"\n\nStage by stage:{notes}" if notes else "")
+    grammar = grammar_sentence(step)
+    return (head[0].upper() + head[1:] + (pick or _run_pick(step)) + (f" {grammar}" if grammar else "")
+            + (f"\n\nStage by stage:{notes}" if notes else ""))
+
+
+def grammar_sentence(step: StepTrace) -> str:
+    """What the grammar did to the step's pick, from its records (``engine.stages.grammar_facts``):
+    the model's favourite it forbade, how many tokens it allowed and the mass it removed, and the
+    chosen token's p before and after the mask; "" without a grammar stage."""
+    facts = grammar_facts(step)
+    if facts is None:
+        return ""
+    if facts.off_grammar_at is not None:
+        return f"The grammar masked nothing: a forced token left it at step {facts.off_grammar_at}."
+    chosen = readable(step.chosen_token)
+    if facts.ended:
+        return f"The grammar was complete: only the end of text “{chosen}” was allowed."
+    wanted = f"The model wanted “{readable(facts.wanted[0])}” ({percent(facts.wanted[1])}), which the grammar forbids; " \
+        if facts.wanted else "The model's favourite was allowed; "
+    prob = (lambda p: "not recorded" if p is None else percent(p))
+    return (f"{wanted}the grammar allowed {tokens_word(facts.allowed)} and removed {percent(facts.forbidden_mass)} of "
+            f"the mass, so “{chosen}” went from p = {prob(facts.chosen_before)} before the mask to "
+            f"{prob(facts.chosen_after)} after it.")
 
 
 def _stage_sentence(stage: StageTrace, prev_top: TokenProb | None) -> str:

@@ -20,12 +20,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.numbers import decimal, interval, percent
+from engine.stages import grammar_cost
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
 from playground.page_js import PHONE_PX
 from playground.page_js import PRESENT_NARROW_PX as NARROW_PX  # the page's script compares against these too
 
 from . import glossary
-from .explain import LOCAL, Source, explain_step, source_of, stage_moved, tokens_word  # noqa: F401 (the views' charts.*)
+from .explain import LOCAL, Source, explain_step, grammar_sentence, source_of, stage_moved, tokens_word  # noqa: F401 (the views' charts.*)
 from .stage_notes import stage_heading
 from .tokens import render as readable  # the one token rendering (␣ ↵ ⇥ ⟪special⟫)
 from .tokens import render_flow
@@ -449,7 +450,20 @@ def summary_markdown(trace: Trace, running: bool = False) -> str:
         f"mean log-prob {number('mean_logprob', 3)} nats (raw model {number('mean_raw_logprob', 3)}) · "
         f"perplexity {number('perplexity', 2)} · time to first token {trace.timing.ttft_ms:.0f} ms · "
         f"{trace.timing.tokens_per_s:.1f} tokens/s · {trace.model} ({trace.quantization}, {trace.device})"
+        + grammar_cost_text(trace.steps)
     )
+
+
+def grammar_cost_text(steps: Sequence[StepTrace]) -> str:
+    """The run's grammar cost for the summary line (``engine.stages.grammar_cost``: the sum over steps
+    of ln(allowed mass)), with what it means for the text's probability; "" without a grammar."""
+    cost = grammar_cost(steps)
+    if cost is None:
+        return ""
+    factor = math.exp(-cost) if -cost < 700 else math.inf
+    times = f"{factor:,.3g}×" if math.isfinite(factor) else "more than 10^300×"
+    return (f" · grammar cost {cost:.2f} nats (Σ ln allowed mass: the mask made this text {times} as likely as the "
+            f"chain without it)")
 
 
 def step_tail(trace: Trace, index: int) -> tuple[int, float] | None:

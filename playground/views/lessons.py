@@ -27,6 +27,7 @@ from engine.strategies import contrastive
 from engine.reports import lessons as engine_lessons
 from engine.config import DecodingConfig
 from engine.control import RunControl
+from engine.reports.distortion import DistortionReport
 from engine.reports.drift import DriftReport, KVReport
 from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.strategies.speculative import rounds_of
@@ -34,6 +35,7 @@ from engine.reports.quant_report import MethodComparison
 from engine.trace import StepTrace, Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
+from playground.charts import grammar as grammar_charts
 from playground.charts import quant_methods as method_charts
 from playground.charts import quantization as quant_charts
 from playground.charts import speculative as spec_charts
@@ -270,7 +272,10 @@ def lesson_stage_chart(step: StepTrace, width: float | None = None, source: Sour
 
 
 def report_chart(outcome: Outcome) -> go.Figure | None:
-    """The check's own measurement, where it made one: drift (KL per step) or the KV cache report."""
+    """The check's own measurement, where it made one: drift (KL per step), the KV cache report, or
+    the grammar's distortion (masked decoding against the model conditioned on the grammar)."""
+    if isinstance(outcome.report, DistortionReport):
+        return grammar_charts.distortion_figure(outcome.report)
     if isinstance(outcome.report, DriftReport):
         return first_screen(quant_charts.kl_figure(outcome.report))
     if isinstance(outcome.report, KVReport):
