@@ -196,3 +196,19 @@ def test_each_css_file_parses_rule_by_rule(blank, css, name):
     kept = page.evaluate("() => document.styleSheets[document.styleSheets.length - 1].cssRules.length")
     assert top_level_rules(css) > 0
     assert kept == top_level_rules(css), name  # chromium drops a rule it cannot parse
+
+
+def test_no_view_types_an_id_of_the_ids_table_as_a_literal():
+    """A component whose id a script names takes it from playground/ids.py (elem_id=ids.X): renaming it in the
+    table then renames it everywhere (#36: ten such ids were typed as literals beside the table)."""
+    import re
+    from pathlib import Path
+
+    from playground import ids
+
+    table = {v for k, v in vars(ids).items() if k.isupper() and isinstance(v, str)}
+    root = Path(__file__).resolve().parent.parent / "playground"
+    typed = [f"{path.relative_to(root)}:{n}: {m.group(1)}" for path in root.rglob("*.py") if path.name != "ids.py"
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             for m in re.finditer(r'elem_id="([^"]+)"', line) if m.group(1) in table]
+    assert typed == []

@@ -573,7 +573,7 @@ def build_tab(shared: Shared) -> LessonsTab:
                 open_btn = gr.Button("Open in its view", elem_id=ids.LESSONS_OPEN, min_width=120)
             status = gr.HTML("", elem_id="lessons-status")
             steps = gr.HTML(steps_html(first), elem_id="lessons-steps")
-            present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id="lessons-present")
+            present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id=ids.LESSONS_PRESENT)
             with gr.Accordion("Your own lesson (JSON) and its link", open=False, elem_id="lessons-custom-box"):
                 custom = gr.Textbox(lines=6, label="Lesson JSON (format: presets/lessons/*.json)", elem_id="lessons-json")
                 load_btn = gr.Button("Load lesson", elem_id="lessons-load")

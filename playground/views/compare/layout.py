@@ -12,6 +12,7 @@ from engine.config import KNOBS, STRATEGIES
 from engine.backends.registry import is_remote_source
 from playground.charts import compare as charts
 
+from ... import ids
 from ...knobs import compact_knob_component
 from ...shared import SESSION_TTL_S, UserError
 from ...user_presets import preset_choices
@@ -202,11 +203,11 @@ def build_page(offered: Sequence[str] = ()) -> Page:
     lane may pick instead of the header's (the model policy's list)."""
     starts = [spec_from_preset(p) for p in LANE_PRESETS[:MIN_LANES]]
     with gr.Row():
-        prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (shared by all lanes)", elem_id="cmp-prompt",
+        prompt = gr.Textbox(DEFAULT_PROMPT, lines=3, label="Prompt (shared by all lanes)", elem_id=ids.CMP_PROMPT,
                             scale=3)
         chat = gr.Checkbox(False, label="Chat template", elem_id="cmp-chat", scale=1)
     with gr.Row():
-        run = gr.Button("Run all lanes", variant="primary", elem_id="cmp-run")
+        run = gr.Button("Run all lanes", variant="primary", elem_id=ids.CMP_RUN)
         add = gr.Button("Add lane", elem_id="cmp-add")
         stop = gr.Button("Stop", variant="stop", elem_id="cmp-stop")
     status = gr.HTML("", elem_id="cmp-status")
