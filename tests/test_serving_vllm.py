@@ -23,14 +23,11 @@ from engine.reports.vllm_metrics import MetricsWatches, window
 from playground.views import serving as view
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-NO_FIXTURE = "the live vLLM fixture (vllm_server) comes with #37, branch vllm"
 
 
 def live(request, name: str):
-    try:
-        return request.getfixturevalue(name)
-    except pytest.FixtureLookupError:
-        pytest.skip(NO_FIXTURE)
+    """A live vLLM fixture of tests/conftest.py (it fails in one line, never skips, when vLLM cannot run)."""
+    return request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +71,12 @@ def test_the_view_reads_the_servers_metrics(watches):
 def test_chunked_prefill_on_vllm_with_a_small_token_budget(request):
     """A second vLLM whose engine step takes at most 128 tokens: the long prompt is read in chunks
     while the others stream, and the server's own histogram says no step took more."""
-    python = live(request, "vllm_python")
-    from conftest import serve_vllm
+    from deploy.vllm_serve import serving
+    from tests.conftest import ARTIFACTS, VLLM_TEST_ARGS
 
-    with serve_vllm(python, "--max-num-batched-tokens", "128", log_name="vllm-server-chunked.log") as url:
+    python = request.getfixturevalue("vllm_python")
+    with serving(python, (*VLLM_TEST_ARGS, "--max-num-batched-tokens", "128"),
+                 log=ARTIFACTS / "vllm-server-chunked.log") as url:
         watches = MetricsWatches((url,))
         d = view.vllm_demo(watches, threading.Lock(), "chunked", url, control=RunControl())
     json.dumps(d, allow_nan=False)

@@ -173,7 +173,8 @@ def _stage(name: str, entries: list[Entry], text: Callable[[int], str]) -> Stage
     tokens of that top-N, what is known (the raw model's count over the whole vocabulary is not
     what a fast-mode chart may claim: only N are known; after the sampler, fewer than N is exact)."""
     probs = [math.exp(lp) if math.isfinite(lp) else 0.0 for _, lp, _ in entries]
-    top = [TokenProb(token, text(token) if piece is None else piece, p) for (token, _, piece), p in zip(entries, probs)]
+    # an empty piece is a special token's (llama-server's /v1 sends EOS as ""): its text is the tokenizer's
+    top = [TokenProb(token, piece or text(token), p) for (token, _, piece), p in zip(entries, probs)]
     entropy = -sum(p * math.log(p) for p in probs if p > 0)
     return StageTrace(name, sum(1 for p in probs if p > 0), 0.0, entropy, 0.0, top)
 
