@@ -318,13 +318,11 @@ def vllm_prefix_html(d: Any) -> str:
 
 
 def vllm_chunked_html(d: Any) -> str:
-    step = d.metrics.largest_step
-    largest = "–" if step is None else (f"more than {step[0]:,.0f}" if step[1] is None else
-                                        f"{step[0]:,.0f} to {step[1]:,.0f}")
-    verdict = {True: "in chunks (no step took the whole prompt)", False: "in one step",
-               None: "(the server's histogram did not say)"}[d.chunked]
+    verdict = {True: "in chunks: every user got a token per chunk while it was read",
+               False: "in one step: the others waited for it",
+               None: "(no other user streamed to tell)"}[d.chunked]
     return (f'<div class="dp-serving-result" id="vllm-demo-chunked-text">A <b>{d.long_prompt_tokens:,}-token</b> prompt '
             f'arrived while {d.decoding} users streamed: they got <b>{sum(d.others_tokens_meanwhile)}</b> tokens while it '
             f'was read, longest gap <b>{ms(d.others_gap_ms["max"])}</b>; its first token after {ms(d.long_ttft_ms)}. '
-            f'The largest engine step took {largest} tokens: the server read it <b>{verdict}</b>.'
+            f'The server read it <b>{verdict}</b>.'
             f'<br><small>{SOURCE_VLLM} and our client\'s clock, {html.escape(d.server)}, {utc(d.at)}</small></div>')
