@@ -85,16 +85,22 @@ def test_without_a_grammar_no_server_gets_one():
 
 
 def test_fast_mode_sends_vllm_its_structured_outputs(vllm):  # noqa: F811 (the fixture)
-    """Fast mode on an OpenAI-compatible server that answers with vLLM's schema: the one streamed
-    request carries ``structured_outputs`` with the preset's schema, and the trace lists nothing as
-    unmapped (vLLM's own grammar constrained)."""
+    """Fast mode on the replayed real vLLM: the one streamed request carries ``structured_outputs`` with the
+    preset's schema, and nothing is listed as unmapped (vLLM's own grammar constrains). The replay answers only
+    the requests tests/data/vllm/record.py recorded (no grammar among them): the request is read from what
+    the server received, and the unrecorded answer is the one line naming it."""
+    from engine.backends.client import RemoteError
+    from tests.test_remote_openai import listed
+
     url, state = vllm
-    model = openai.connect_openai(url, timeout_s=5, vocab_size=151936, eos_token_ids=[QWEN_EOS], mode="fast")
+    model = listed(url).with_mode("fast")
     config = greedy("json-object")
-    trace = runner.run(RunRequest(model, "The capital of France is", config))
-    [body] = [b for path, b in state["requests"] if path == "/v1/completions"]
+    with pytest.raises(RemoteError, match="not recorded"):
+        runner.run(RunRequest(model, "The capital of France is", config))
+    [body] = [b for path, b in state["requests"] if path == "/v1/completions" and b.get("stream")]
     assert body["structured_outputs"] == {"json": json.loads(config.grammar)} and body["stream"] is True
-    assert trace.extra["remote"]["unmapped"] == []
+    fields, notes = openai._openai_fields(config, model.api.dialect)
+    assert fields["structured_outputs"] == body["structured_outputs"] and notes["unmapped"] == []
 
 
 @pytest.mark.slow

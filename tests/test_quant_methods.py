@@ -172,7 +172,7 @@ def test_comparison_rows_sentence_and_chart_say_the_same_numbers():
     rows = charts.comparison_rows(report)
     assert len(rows) == 6 and all(len(r) == len(charts.COMPARE_HEADERS) for r in rows)
     assert rows[0][:6] == ["fp32 (none)", "about none", "32.00", "99.0", "reference", "reference"]
-    assert rows[3][3:9] == ["160.1", "0.520", "70%", "80", "540", "60"]
+    assert rows[3][3:9] == ["160.1", "0.520", "70.0%", "80", "540", "60"]
     assert rows[5][0] == "awq-g32" and rows[5][1].startswith("failed: quantization: the awq-g32")
     sentence = charts.comparison_sentence(report)
     assert sentence.startswith("fp32 perplexity 99.0 on 1024 held-out tokens.")

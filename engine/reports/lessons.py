@@ -219,7 +219,7 @@ def _check(check: Any, runs: Sequence[Preset], models: Sequence[str] = ()) -> di
         raise LessonError(f"check: expected an object with a kind, got {shown(check)}")
     kind = check.get("kind")
     if not isinstance(kind, str) or kind not in CHECKS:
-        raise LessonError(f"check.kind: expected one of {' | '.join(CHECKS)}, got {shown(kind)}")
+        raise LessonError(f"check.kind: expected one of {' | '.join(CHECKS)}, got {str(kind)[:40]!r}")  # a kind is a short name: 40 characters show it
     allowed = ("kind", *CHECK_FIELDS[kind], *(("lanes",) if kind == "truncation_shapes" else ()))
     unknown = [k for k in check if k not in allowed]
     if unknown:
