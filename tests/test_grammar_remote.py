@@ -26,7 +26,6 @@ from engine.runner import RunRequest
 from engine.stages import STAGES, build_stage
 from engine.stages.grammar import STEP_CAVEAT
 
-from tests.test_remote_openai import EOS as QWEN_EOS
 from tests.test_remote_openai import vllm  # noqa: F401 (the fixture: a server answering with vLLM's schema)
 
 RECORDED = Path(__file__).parent / "data" / "vllm" / "structured_auto.json"
