@@ -90,4 +90,4 @@ def test_the_metrics_table_fits_1280_px_and_breaks_no_word(scrollbar_page, live_
     text = table.inner_text()
     assert "contrastive search" in text and "max_new_tokens" in text  # the longest cells were measured
     headers = table.locator("th").all_inner_texts()
-    assert [h.split() for h in headers][:4] == [["lane"], ["strategy"], ["tokens"], "mean log-prob (raw, nats)".split()]
+    assert [h.split() for h in headers][:4] == [["lane"], ["strategy"], ["tokens"], "mean log\u2011prob (raw, nats)".split()]

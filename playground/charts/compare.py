@@ -21,8 +21,9 @@ from .step import FONT, PHONE_GAP_PX, panel_rows, readable, stage_chart, stop_te
 from .tables import column_widths
 
 LANE_COLOURS = ("#4c78a8", "#c4421a", "#3b7d2f", "#8e5a9b", "#a35d00", "#0f7c8c")  # each >= 4.5:1 on white
-METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log-prob (raw, nats)", "perplexity", "distinct-1", "distinct-2",
-                  "rep-4", "first token (ms)", "tokens/s", "stop"]
+# A header's hyphen is U+2011 (non-breaking): the header cell wrapped "log-prob" at its hyphen
+METRIC_HEADERS = ["lane", "strategy", "tokens", "mean log\u2011prob (raw, nats)", "perplexity", "distinct\u20111", "distinct\u20112",
+                  "rep\u20114", "first token (ms)", "tokens/s", "stop"]
 # The widest cell each column can hold ("contrastive", "no_tokens_left", a 6-digit perplexity): the
 # column widths hold them and the headers' words whole (1,093 px: the table fits 1280 px, and scrolls
 # sideways in a phone's 390 px, saying so), so nothing wraps mid-word.
