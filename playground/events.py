@@ -36,6 +36,7 @@ import functools
 import importlib.util
 import inspect
 import itertools
+import time
 import logging
 import threading
 import typing
@@ -299,6 +300,11 @@ class SessionRuns:
                     self._controls[key].remove(control)
                     if not self._controls[key]:
                         del self._controls[key]
+
+    def active(self, session: str | None, group: str) -> int:
+        """How many runs of ``session`` in event ``group`` are still in progress."""
+        with self._lock:
+            return len(self._controls.get((session or "", group), ()))
 
     def running(self, session: str) -> int:
         with self._lock:
@@ -570,19 +576,22 @@ def stop_runs(events: list, session: str | None) -> int:
     return stopped
 
 
-STOP_GRACE_MS = 2000  # after Stop, a running run's own last update comes first; then Gradio's cancel
+STOP_SETTLE_S = 30.0  # after Stop, how long a running run's own last update may take before Gradio's cancel
+STOP_SENT_S = 0.3  # after the run ended: its last update on its way before that cancel
 
 
 def stop_button(button: gr.Button, status: Any, events: list, message: Any = "stopped",
                 run_says: bool = False) -> None:
     """Stop: cancels this page's runs of ``events`` directly (each stops within one step and ends
-    on its own "stopped" update, after any update already on its way); STOP_GRACE_MS later Gradio's
-    ``cancels`` takes any run still waiting in the queue off it (cancelling a running one at once
-    would cut off its last update). ``status``: one output or a list; ``message``: what they show
-    at once, or a function of their shown values returning that. ``run_says``: a cancelled run
-    says "stopped" itself at once (Compare: within 50 ms), so the press shows ``message`` only when
-    no run was cancelled; its reply could otherwise reach the page after the run's own last word
-    and hide it. Not an API endpoint."""
+    on its own "stopped" update, after any update already on its way); once those runs have ended
+    (``settled``: at most STOP_SETTLE_S), Gradio's ``cancels`` takes any run still waiting in the
+    queue off it. Cancelling a running one would cut off its last update: on a page loaded so hard
+    that the last update took over two seconds, a fixed grace left a lane "running…" for ever.
+    ``status``: one output or a list; ``message``: what they show at once, or a function of their
+    shown values returning that. ``run_says``: a cancelled run says "stopped" itself at once
+    (Compare: within 50 ms), so the press shows ``message`` only when no run was cancelled; its
+    reply could otherwise reach the page after the run's own last word and hide it. Not an API
+    endpoint."""
     outputs = status if isinstance(status, list) else [status]
 
     async def stop(*shown: Any) -> Any:  # on the event loop: no wait for a worker thread
@@ -590,8 +599,30 @@ def stop_button(button: gr.Button, status: Any, events: list, message: Any = "st
             return SKIP if len(outputs) == 1 else [SKIP] * len(outputs)
         return message(*shown) if callable(message) else message
 
+    async def settle() -> None:
+        await settled(events, _session())
+
     stop.__name__ = getattr(message, "__name__", "stop") if callable(message) else "stop"
     private = {"queue": False, "api_visibility": "private"}
     button.click(stop, outputs if callable(message) else None, outputs, **private).then(
-        None, None, None, js=f"() => new Promise(done => setTimeout(done, {STOP_GRACE_MS}))", **private).then(
-        None, None, None, cancels=events, **private)
+        settle, None, None, **private).then(None, None, None, cancels=events, **private)
+
+
+async def settled(events: list, session: str | None, limit_s: float | None = None) -> float:
+    """Wait until ``session``'s runs of ``events`` have ended and their last update has left
+    (STOP_SETTLE_S at most, ``limit_s`` where given); returns the seconds waited."""
+    start = time.monotonic()
+    deadline = start + (STOP_SETTLE_S if limit_s is None else limit_s)
+    while time.monotonic() < deadline and active_runs(events, session):
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(STOP_SENT_S)  # the run's last update, yielded as its slot closed, reaches Gradio's queue
+    return time.monotonic() - start
+
+
+def active_runs(events: list, session: str | None) -> int:
+    """How many of ``session``'s runs of ``events`` are still in progress."""
+    count = 0
+    for event in events:
+        runs, group = getattr(event, "dp_stop", (None, None))
+        count += runs.active(session, group) if runs is not None else 0
+    return count

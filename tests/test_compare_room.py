@@ -225,6 +225,8 @@ def test_a_bad_knob_after_a_run_leaves_none_of_its_output(demo):
 def test_a_run_stopped_mid_run_leaves_none_of_the_previous_runs_output(demo):
     page = Page(demo)
     first = good_run(page)
+    # Long enough that the run's second update is never its last (3 tokens could finish first on a slow machine)
+    set_lanes(page, [{"strategy": "greedy"}, {"strategy": "sample", "temperature": 0.8, "seed": 1}], 128)
     page.set("cmp-prompt", "Once upon a time")
     dep = page.event("on_run", "cmp-status")
     args = [page.get(b) for b in dep.inputs]

@@ -39,6 +39,9 @@ def set_lane(page, i: int, tokens: int) -> None:
     box.press("Enter")
     page.click(f"#cmp-lane-{i}-more-box")  # the "More knobs" accordion
     page.fill(f"#cmp-lane-{i}-more textarea", f'{{"min_new_tokens": {tokens}}}')
+    # the header says both, so the server has both (a Run pressed before the knobs' change reached it ran
+    # the lane without its floor: it ended at its first end-of-sequence)
+    page.wait_for_selector(f"#cmp-lane-{i}-header:has-text('min new tokens {tokens}')")
     page.wait_for_selector(f"#cmp-lane-{i}-header:has-text('{tokens} tokens')")
 
 
@@ -80,7 +83,7 @@ def test_stop_says_stopped_in_every_lane_and_nothing_moves_after(page, live_app,
     """The bound is in forwards of the model after the press reached the server (a loaded 2-core
     machine starves the browser for seconds, as tests/test_stop_browser.py allows for): both lanes
     share one forward per token, so at most 2 more tokens each. Their own "stopped after k" lines
-    prove the run's last word came before Gradio's cancel (events.STOP_GRACE_MS after the press):
+    prove the run's last word came before Gradio's cancel (after the run ended: events.settled):
     without it they would say "running…" for ever, as the room saw."""
     received = []  # (when, forwards so far) as the server handles the press
 

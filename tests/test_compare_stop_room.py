@@ -6,8 +6,8 @@ the embedded model, every update the page would get read back.
   k the tokens its text shows in the same update, "N tokens, stop: …" only once that lane ended
   (before: only the lane just updated said running; another one claimed it had finished);
 - Stop at the first update, in the middle of the run and after one lane finished: the run's last
-  word comes within STOP_BOUND_S of the press (before Gradio's cancel, events.STOP_GRACE_MS, would
-  cut it off), every unfinished lane says "stopped after k of M tokens" with k its text's tokens, a
+  word comes within STOP_BOUND_S of the press (Gradio's cancel, which would cut it off, waits for
+  the run to end: events.settled), every unfinished lane says "stopped after k of M tokens" with k its text's tokens, a
   finished lane keeps its "done" line, the model makes no more forwards after a step, and no lane's
   thread outlives the run by more than a step;
 - two pages at once: one page's Stop stops its own lanes only.
@@ -29,7 +29,7 @@ from test_continue_compare import Page, run_coroutine
 pytestmark = pytest.mark.slow
 
 PROMPT = "Write a long story about the sea."
-STOP_BOUND_S = 1.5  # the press to the run's last update; Gradio drops it after events.STOP_GRACE_MS (2 s)
+STOP_BOUND_S = 1.5  # the press to the run's last update (the room's bound for a Stop)
 RUNNING = re.compile(r"Lane (\d): running… (\d+) / (\d+) tokens")
 DONE = re.compile(r"Lane (\d): (\d+) tokens, stop: ")
 STOPPED = re.compile(r"Lane (\d): stopped after (\d+) of (\d+) tokens")

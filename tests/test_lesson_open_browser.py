@@ -202,7 +202,9 @@ def test_a_lesson_link_shows_and_opens_only_its_own_lesson_from_the_first_paint(
         assert page.locator("#step-text .token").count() == 5
         seen = page.evaluate("() => window.dpSeen")
         assert f"title:{FIRST_TITLE}" not in seen and f"pick:{FIRST_TITLE}" not in seen, seen
-        assert f"title:{LESSON['title']}" in seen, seen
+        # The watcher saw the link's lesson (its title, or its name in the picker where Open, pressed from the
+        # first paint, switched to the lesson's view before the steps' heading was painted).
+        assert f"title:{LESSON['title']}" in seen or f"pick:{LESSON['title']} (shared)" in seen, seen
         assert presses >= 3, presses  # Open was pressed (and held) while the link's lesson was on its way
         print(f"presses held before the link's lesson came: {presses}; shown: {seen}")
     finally:

@@ -404,3 +404,34 @@ def test_a_users_error_crosses_the_zerogpu_worker_with_its_message():
     assert next(items) == 1
     with pytest.raises(events.CarriedUserError, match="prompt: empty"):
         next(items)
+
+
+def test_gradios_cancel_after_stop_waits_for_the_run_to_end():
+    """Stop's chain gives the run's last update time to leave before Gradio's ``cancels`` fires: a
+    fixed 2 s grace cut off a slow last update (a lane said "running…" for ever on a loaded page).
+    ``settled`` returns once the session's runs of the events have ended, and never waits past its
+    limit for a run that does not end."""
+    import asyncio
+    import threading
+
+    sessions = events.SessionRuns(limit=5)
+
+    class Event:  # a dependency as ModelEvents.on returns it
+        dp_stop = (sessions, "step")
+
+    ended = threading.Event()
+
+    def run(session: str, seconds: float) -> None:
+        with sessions.slot(session, RunControl(), "step"):
+            time.sleep(seconds)
+        ended.set()
+
+    threading.Thread(target=run, args=("a", 0.6), daemon=True).start()
+    time.sleep(0.1)
+    assert events.active_runs([Event()], "a") == 1 and events.active_runs([Event()], "b") == 0
+    waited = asyncio.run(events.settled([Event()], "a"))
+    assert ended.is_set() and 0.5 - 0.1 < waited < 0.6 + events.STOP_SENT_S + 1.0, waited
+    assert asyncio.run(events.settled([Event()], "b")) < events.STOP_SENT_S + 0.5  # no run: at once
+    threading.Thread(target=run, args=("a", 5.0), daemon=True).start()
+    time.sleep(0.1)
+    assert asyncio.run(events.settled([Event()], "a", limit_s=0.3)) < 0.3 + events.STOP_SENT_S + 0.5  # bounded

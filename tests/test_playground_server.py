@@ -19,7 +19,8 @@ RSS_BUDGET_MB = 300
 NAMED_ENDPOINTS = {"/step_trace", "/branch", "/compare", "/compare_sweep", "/beam_trace", "/speculative_trace",
                    "/quantization_report", "/kv_cache_report", "/preset_validate", "/preset_interop", "/share_link",
                    "/explore_step", "/lessons", "/mcts_trace", "/medusa_trace", "/kv_cache_kinds_report", "/kv_calculator",
-                   "/quantization_methods_report", "/quantization_inside_layer"}
+                   "/quantization_methods_report", "/quantization_inside_layer", "/serving_stats",
+                   "/serving_demo"}
 
 
 def test_cancelled_job_stops_its_run_within_a_step(live_app, live_forwards):

@@ -56,7 +56,7 @@ def test_pick_the_server_generate_and_see_the_chart_and_the_approximations(page,
     assert f"Remote model {listed}, step mode" in summary and "Approximations:" in summary
     assert "the raw distribution is the server's top 100, renormalised" in summary
     explain = page.locator("#step-explain").inner_text()
-    assert "The server's top 100 held" in explain and "(the tail) is outside every chart" in explain
+    assert "Outside the server's top 100 lay" in explain and "(the tail): it is outside every chart" in explain
     texts = " ".join(page.eval_on_selector_all("#step-chart svg text", "els => els.map(e => e.textContent)"))
     assert "raw" in texts and "final" in texts, texts  # raw -> each stage -> final, over the top-N
     assert "server's top 100; tail" in texts and "not drawn" in texts, texts  # the tail mass, under raw's title

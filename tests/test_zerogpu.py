@@ -34,7 +34,7 @@ PROMPT = "The capital of France is"
 # step_trace result instead of a prompt.
 TRACE_ENDPOINTS = ("branch", "explore_step")
 # Endpoints that read no prompt (they measure on the project's own held-out text).
-NO_PROMPT = ("quantization_methods_report", "quantization_inside_layer")
+NO_PROMPT = ("quantization_methods_report", "quantization_inside_layer", "serving_demo")
 ENDPOINT_ARGS: dict[str, dict] = {
     "step_trace": {"config": {"strategy": "greedy", "max_new_tokens": 3}},
     "beam_trace": {"config": {"max_new_tokens": 3}},
@@ -47,6 +47,7 @@ ENDPOINT_ARGS: dict[str, dict] = {
     "quantization_methods_report": {"variants": ["none", "int8"]},
     "mcts_trace": {"config": {"max_new_tokens": 2, "mcts_simulations": 4, "mcts_rollout_tokens": 1}},
     "medusa_trace": {"config": {"max_new_tokens": 4}},
+    "serving_demo": {"name": "paged"},
 }
 
 
