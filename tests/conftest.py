@@ -351,3 +351,37 @@ def vllm_model(vllm_server):
     from engine.backends import remote, served
 
     return remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server)), timeout_s=120)
+
+
+# --- where the suite's time goes (CI shows the end of the output: this summary is printed last) -------
+_FILE_SECONDS: dict[str, float] = {}
+_WAITS: dict[str, float] = {}  # a background prerequisite's fixture -> seconds its setup took
+_PREREQUISITES = ("llama_server_binary", "quant_checkpoints", "vllm_python", "vllm_servers", "llama_server",
+                  "live_app", "embedded")
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    import time
+
+    start = time.monotonic()
+    yield
+    if fixturedef.argname in _PREREQUISITES and fixturedef.scope == "session":
+        _WAITS[fixturedef.argname] = _WAITS.get(fixturedef.argname, 0.0) + time.monotonic() - start
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The 20 test files that took longest (setup, call and teardown together) and the session
+    fixtures that wait on a background build or start a server: the next session sees where the
+    fresh clone's time goes."""
+    write = terminalreporter.write_line
+    write("suite time by file (s): " + ", ".join(
+        f"{path.removeprefix('tests/')} {seconds:.0f}"
+        for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]))
+    write("session fixtures (s): " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in _WAITS.items()))
