@@ -256,6 +256,7 @@ def test_the_step_trace_api_takes_the_mode(served):
 
     assert call(listed, "fast")["extra"]["remote"]["mode"] == "fast"
     assert call(listed, "step")["extra"]["remote"]["mode"] == "step"
+    assert call(f"fast:{listed}", "step")["extra"]["remote"]["mode"] == "fast"  # Compare's pick, one encoding (#36)
     with pytest.raises(Exception, match=r"remote_mode: fast needs a served model; model 'embedded' runs here \(use step\)"):
         call("embedded", "fast")
 
