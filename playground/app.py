@@ -12,7 +12,8 @@ from engine.settings import env_int
 from . import downloads, events, examples, page_js, share_links, whatif_service
 from .assets import static_text
 from .events import ModelEvents
-from .shared import LessonTarget, PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state, wire_model_check
+from .shared import LessonTarget, PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state
+from .shared import wire_model_check
 from .views import beam, compare, lessons, presets, quantization, search, serving, speculative, step
 from .whatif_service import WhatIfService
 
@@ -80,7 +81,8 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
 def lesson_targets(pages: dict) -> list[LessonTarget]:
     """The pages a lesson's "Open in its view" fills: every view handle that is a LessonTarget, and
     Compare's page through its adapter (the Lessons tab imports no view: this is where they meet)."""
-    return [page for page in pages.values() if isinstance(page, LessonTarget)] + [compare.lesson_target(pages["compare"])]
+    targets = [page for page in pages.values() if isinstance(page, LessonTarget)]
+    return targets + [compare.lesson_target(pages["compare"])]
 
 
 def launch_kwargs() -> dict:

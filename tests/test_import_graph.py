@@ -1,5 +1,6 @@
 """Issues #28 and #36: no import circle in playground/ or engine/ (views import charts, whatif,
-presenter one way only; no view imports another view; the engine's rooms import the core and each other one way). Every import
+presenter one way only; no view imports another view; the engine's rooms import the core and
+each other one way). Every import
 counts, at the top of a file or inside a function (an import put in a function to dodge a circle
 is still a circle); only imports under ``if TYPE_CHECKING:`` are left out: they never run (they
 name a type for the type checker)."""

@@ -132,8 +132,8 @@ def test_kv_view_handler_passes_its_control_and_shows_a_partial_report(tiny_lm, 
 
 def test_drift_view_handler_stops_and_shows_what_it_measured(tiny_lm, shared):
     out = view.DriftOutputs("status", "table", "kl", "texts", "download")
-    whole = forwards_of(tiny_lm, lambda: list(view.drift_updates(out, shared, view.Measure(PROMPT, False, 8, "embedded"),
-                                                                  ["none"], RunControl())))
+    measure = view.Measure(PROMPT, False, 8, "embedded")
+    whole = forwards_of(tiny_lm, lambda: list(view.drift_updates(out, shared, measure, ["none"], RunControl())))
     control = RunControl()
     with StopAfter(tiny_lm, control, whole - 1) as counter:
         updates = list(view.drift_updates(out, shared, view.Measure(PROMPT, False, 8, "embedded"), ["none"], control))

@@ -73,7 +73,8 @@ def test_the_view_during_a_room_load_shows_the_printouts_numbers(browser, live_a
         assert f"rows per tick mean {stats['mean_rows']:.1f} / max {stats['max_rows']}" in text
         assert stats["runs"] == USERS and stats["max_rows"] > 1  # batched: more than one row per forward
         peak = stats["peak"]
-        waste = f"{percent((peak['padded'] - peak['used']) / peak['padded'])} → {percent((peak['paged'] - peak['used']) / peak['paged'])}"
+        padded, paged = ((peak[k] - peak["used"]) / peak[k] for k in ("padded", "paged"))
+        waste = f"{percent(padded)} → {percent(paged)}"
         assert card(page, "waste") == waste
         assert card(page, "peak") == f"{peak['padded']:,} / {peak['paged']:,} / {peak['reserved']:,}"
         assert (f"left-padded batch {peak['padded']:,}, paged (block 16) {peak['paged']:,}, contiguous reservation "

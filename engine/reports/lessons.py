@@ -317,7 +317,8 @@ def run_sources(lesson: Lesson, page_model: str, environ: Any = None, offered: S
     for model in lesson.models or ("",) * len(lesson.runs):
         pick = ModelPick.parse(model)
         if pick.source and pick.source not in roles:
-            raise LessonError(f"models: this lesson needs a {pick.source} server the operator lists in DP_REMOTE_MODELS")
+            raise LessonError(f"models: this lesson needs a {pick.source} server the operator lists in "
+                              "DP_REMOTE_MODELS")
         out.append(ModelPick(roles[pick.source], pick.mode).value if pick.source else page_model)
     return out
 

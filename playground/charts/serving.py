@@ -206,9 +206,11 @@ def batching_figure(d: Any) -> go.Figure:
 def paged_html(d: Any) -> str:
     p = d.peak
     return (f'<div class="dp-serving-result" id="demo-paged-text"><b>{p.rows} rows holding {p.used:,} tokens</b> at the fullest '
-            f'tick: our left-padded batch holds <b>{p.padded:,}</b> positions ({percent(p.waste(p.padded))} hold nothing), '
+            f'tick: our left-padded batch holds <b>{p.padded:,}</b> positions '
+            f'({percent(p.waste(p.padded))} hold nothing), '
             f'paged blocks of {p.block} would hold <b>{p.paged:,}</b> ({p.paged_blocks:,} blocks, '
-            f'{percent(p.waste(p.paged))} hold nothing), a contiguous reservation of prompt + max_new_tokens per request '
+            f'{percent(p.waste(p.paged))} hold nothing), a contiguous reservation of prompt + max_new_tokens '
+            f'per request '
             f'<b>{p.reserved:,}</b> ({percent(p.waste(p.reserved))} hold nothing). One position is '
             f'{p.bytes_per_position:,} bytes.<br><small>{SOURCE_COMPUTED}, {utc(d.at)}</small></div>')
 
@@ -231,7 +233,8 @@ def grouped_bars(names: Sequence[str], bars: Sequence[tuple[str, Sequence[float]
     offset group so bars on the two scales stand beside each other, not on top."""
     fig = go.Figure()
     for label, values, colour, axis in bars:
-        fig.add_trace(go.Bar(x=names, y=values, name=label, marker_color=colour, **({"yaxis": axis} if axis != "y" else {})))
+        on_axis = {"yaxis": axis} if axis != "y" else {}
+        fig.add_trace(go.Bar(x=names, y=values, name=label, marker_color=colour, **on_axis))
     fig.update_layout(**LAYOUT, barmode="group", title=heading, **axes)
     if any(axis != "y" for *_, axis in bars):
         for i, trace in enumerate(fig.data):
@@ -262,7 +265,8 @@ def chunked_html(d: Any) -> str:
 def chunked_figure(d: Any) -> go.Figure:
     sides = [d.one_forward, d.chunked]
     return grouped_bars(["one forward", f"chunks of {d.chunk}"],
-                        [("others' longest gap (ms)", [x.others_gap_ms["max"] or 0 for x in sides], COLOURS["reserved"], "y"),
+                        [("others' longest gap (ms)", [x.others_gap_ms["max"] or 0 for x in sides], COLOURS["reserved"],
+                          "y"),
                          ("long prompt's first token (ms)", [x.long_ttft_ms for x in sides], COLOURS["padded"], "y")],
                         title("Chunked prefill", "measured: our scheduler", utc(d.at)), yaxis_title="ms")
 
@@ -273,7 +277,8 @@ def vllm_cards_html(w: VllmWindow) -> str:
     tps = "–" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}"
     cards = [
         card(f"{w.running:.0f} / {w.waiting:.0f}", "requests running / waiting", SOURCE_VLLM, "vllm-requests"),
-        card(percent(w.kv_usage), f"KV blocks in use (block {w.config.get('block_size', '?')})", SOURCE_VLLM, "vllm-kv"),
+        card(percent(w.kv_usage), f"KV blocks in use (block {w.config.get('block_size', '?')})", SOURCE_VLLM,
+             "vllm-kv"),
         card(rate, f"prefix cache hits ({w.prefix_hits:,.0f} of {w.prefix_queries:,.0f} tokens)", SOURCE_VLLM,
              "vllm-hits"),
         card(f"{w.preemptions:,.0f}", "preemptions", SOURCE_VLLM, "vllm-preemptions"),

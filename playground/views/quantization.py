@@ -148,7 +148,8 @@ class QuantPage:
     def lesson_outputs(self) -> list:
         return self.components()
 
-    def lesson_updates(self, lesson: Lesson, stored: Any = None, allowed: Sequence[str] | None = None) -> tuple[dict, str]:
+    def lesson_updates(self, lesson: Lesson, stored: Any = None,
+                       allowed: Sequence[str] | None = None) -> tuple[dict, str]:
         """A lesson of this tab: its prompt, chat and budget (the check's, else the preset's) in the
         section it teaches (the KV cache one for a ``kv_cache_same`` check, the 4-bit methods' one for
         ``gptq_vs_awq``), and that section's button."""
