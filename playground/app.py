@@ -12,7 +12,8 @@ from engine.settings import env_int
 from . import downloads, events, examples, page_js, share_links, whatif_service
 from .assets import static_text
 from .events import ModelEvents
-from .shared import PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state, wire_model_check
+from .shared import LessonTarget, PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state
+from .shared import wire_model_check
 from .views import beam, compare, lessons, presets, quantization, search, serving, speculative, step
 from .whatif_service import WhatIfService
 
@@ -68,13 +69,20 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
                 if isinstance(handle, PanelView):
                     handles.append(handle)
         share_links.wire_share_links(demo, tabs, handles, shared.user_presets)
-        lessons_tab.wire_page(demo, tabs, handles, pages["compare"], pages["quantization"])
+        lessons_tab.wire_page(demo, tabs, lesson_targets(pages))
     whatif_service.serve(demo, whatif)
     downloads.remove_on_close(demo)
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     # The views' example runs (first screens that already show a result), off the launch's path.
     examples.cache_for(registry).start(shared, default_model)
     return demo
+
+
+def lesson_targets(pages: dict) -> list[LessonTarget]:
+    """The pages a lesson's "Open in its view" fills: every view handle that is a LessonTarget, and
+    Compare's page through its adapter (the Lessons tab imports no view: this is where they meet)."""
+    targets = [page for page in pages.values() if isinstance(page, LessonTarget)]
+    return targets + [compare.lesson_target(pages["compare"])]
 
 
 def launch_kwargs() -> dict:

@@ -14,7 +14,7 @@ import html
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import gradio as gr
 
@@ -26,12 +26,16 @@ from engine.backends.local import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoa
 from engine.backends.registry import ModelPolicy, ModelRegistry
 from engine.backends.registry import is_remote_source, model_policy
 from engine.backends.client import RemoteError
+from engine.backends.served import ModelPick
 from engine.presets import load_preset
+from engine.reports.lessons import Lesson
 from engine.scheduler import Scheduler, Schedulers
 from engine.settings import env_text
 from engine.trace import Event, Trace, untrusted_trace
 
 from .events import ModelEvents, claim_model_slot, toast_text
+from .page_js import RUN_BUTTONS
+from .user_presets import matching_choice
 
 USER_PRESETS_KEY = "decoding-playground-user-presets"
 # The browser encrypts stored presets with this; a fixed value lets them survive app restarts.
@@ -95,13 +99,21 @@ class Shared:
     def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
         """The loaded model if the policy allows ``source``, else a UserError naming what is wrong;
         a served model is connected to on first use (a failed connection: its one-line RemoteError).
-        The run takes a slot of the model's kind here (playground.events.claim_model_slot)."""
+        ``source`` is a model pick's value (engine.backends.served.ModelPick: ``fast:<server>`` runs
+        that server in fast mode). The run takes a slot of the model's kind here
+        (playground.events.claim_model_slot)."""
+        pick = ModelPick.parse(source) if isinstance(source, str) else ModelPick(source)
         try:
-            spec = self.spec(source, quantization)
+            spec = self.spec(pick.source, quantization)
             claim_model_slot(is_remote_source(spec.source))
-            return self.registry.get(spec, progress)
+            lm = self.registry.get(spec, progress)
         except (ModelLoadError, RemoteError) as exc:
             raise UserError(one_line(str(exc))) from None
+        if pick.mode == "step":
+            return lm
+        if not lm.capabilities.served:
+            raise UserError(f"model: {source[:80]!r}: fast mode needs a served model (the server's own sampler)")
+        return lm.with_mode(pick.mode)
 
     def loaded_lm(self, source: Any, quantization: Any) -> LoadedModel | None:
         """The model the pickers name if the policy allows it and it is loaded already, else None
@@ -248,14 +260,48 @@ def check_input_size(block: Any, value: Any) -> None:
                                       f"{limit:,}-character limit"), print_exception=False)
 
 
+@runtime_checkable
+class LessonTarget(Protocol):
+    """A page a lesson's "Open in its view" fills (Step through, Beam, Speculative, Compare,
+    Quantization & KV cache), so the Lessons tab opens a lesson without importing any view: the app
+    (the one place that knows every view) hands it the pages. ``name``: the share-link view name
+    (its tab is ``tab-<name>``, a lesson's ``view``)."""
+
+    name: str
+
+    def lesson_outputs(self) -> list:
+        """Every component ``lesson_updates`` may set."""
+        ...
+
+    def lesson_updates(self, lesson: Lesson, stored: Any, allowed: Sequence[str] | None) -> tuple[dict, str]:
+        """Updates putting ``lesson`` into the page (``stored``: the browser's user presets, for the
+        preset pickers' labels; ``allowed``: the servers the operator lists) and the id of the button
+        that runs it there; LessonError or UserError when the lesson cannot open here."""
+        ...
+
+
 @dataclass
 class PanelView:
-    """A view's handle for the share-link loader: its prompt, chat checkbox and knob panel."""
+    """A view's handle for the share-link loader and for lessons (a LessonTarget): its prompt, chat
+    checkbox and knob panel."""
 
     name: str  # the share-link view name; its tab id is ``tab-<name>``
     prompt: gr.Textbox
     panel: Any  # playground.knobs.KnobPanel
     chat: gr.Checkbox | None = None
+
+    def lesson_outputs(self) -> list:
+        return [self.prompt, *([self.chat] if self.chat is not None else []), *self.panel.inputs,
+                self.panel.preset, self.panel.modified]
+
+    def lesson_updates(self, lesson: Lesson, stored: Any, allowed: Sequence[str] | None) -> tuple[dict, str]:
+        """The lesson's prompt, chat and first preset in the view's knob panel, and its run button."""
+        preset = lesson.runs[0]
+        choice, modified = matching_choice(preset.config, stored, preset.name)
+        updates = {self.prompt: lesson.prompt} | self.panel.apply_preset(preset, choice, modified)
+        if self.chat is not None:
+            updates[self.chat] = lesson.chat
+        return updates, RUN_BUTTONS.get(self.name, "")
 
 
 class OutputSet:

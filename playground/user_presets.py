@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.config import DecodingConfig
+from engine.reports.lessons import Lesson
 from engine.presets import (
     MAX_FILE_BYTES, Preset, PresetError, builtin_presets, file_stem, parse_preset, parse_preset_file,
     presets_to_json, sanitize_name, unique_name,
@@ -140,6 +141,12 @@ def matching_choice(config: DecodingConfig, stored: Any, name: str = "") -> tupl
         if name and preset.name == name and by_name is None:
             by_name = choice
     return (by_name, True) if by_name else (CUSTOM, False)
+
+
+def lane_configs(lesson: Lesson, stored: Any) -> list[tuple[DecodingConfig, str]]:
+    """Each of a lesson's runs: its config and the preset label a lane shows (the preset it equals, else custom)."""
+    labels = [matching_choice(p.config, stored) for p in lesson.runs]
+    return [(p.config, label if not modified else CUSTOM) for p, (label, modified) in zip(lesson.runs, labels)]
 
 
 # --- files ------------------------------------------------------------------------------------------

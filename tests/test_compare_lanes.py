@@ -18,7 +18,7 @@ from engine.reports.lessons import builtin_lessons
 from engine.backends.registry import ModelRegistry
 from playground.knobs import IGNORED_BY_GREEDY_SHORT, checked_values
 from playground.shared import Shared, UserError
-from playground.views import lessons as lessons_view
+from playground.user_presets import lane_configs
 from playground.views.compare import handlers
 from playground.views.compare.lanes import (
     LANE_FIELDS, LANE_KNOBS, MAX_LANES, CompareSession, LaneSpec, default_spec, lane_config, spec_from_config,
@@ -153,7 +153,7 @@ def test_add_copies_the_last_lanes_seed_and_budget_and_remove_moves_results_with
 def test_a_compare_lesson_fills_every_lane_with_its_configuration_and_prompt():
     lesson = builtin_lessons()["temperature"]
     page = fake_page()
-    out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lessons_view.lane_configs(lesson, None))
+    out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lane_configs(lesson, None))
     assert out[page.prompt] == "Write one sentence about the moon." and out[page.chat] is True
     assert out[page.count] == 3
     assert [out[page.lanes[i].column]["visible"] for i in range(MAX_LANES)] == [True] * 3 + [False] * 3
@@ -212,7 +212,7 @@ def test_flat_values_round_trip_lane_fields():
 def test_every_compare_lesson_fills_lanes_that_run_its_exact_configurations(lesson_id):
     lesson = builtin_lessons()[lesson_id]
     page = fake_page()
-    out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lessons_view.lane_configs(lesson, None))
+    out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lane_configs(lesson, None))
     assert out[page.count] == len(lesson.runs) and out[page.prompt] == lesson.prompt
     values = [v["value"] if isinstance(v, dict) else v for v in (out[c] for c in page.lane_values[:len(
         lesson.runs) * len(LANE_FIELDS)])]

@@ -1,5 +1,6 @@
 """Issues #28 and #36: no import circle in playground/ or engine/ (views import charts, whatif,
-presenter one way only; the engine's rooms import the core and each other one way). Every import
+presenter one way only; no view imports another view; the engine's rooms import the core and
+each other one way). Every import
 counts, at the top of a file or inside a function (an import put in a function to dodge a circle
 is still a circle); only imports under ``if TYPE_CHECKING:`` are left out: they never run (they
 name a type for the type checker)."""
@@ -122,17 +123,18 @@ def test_no_import_circle_in_playground():
     assert cycles(graph) == []
 
 
-WHATIF_MODULES = ("playground.views.presenter", "playground.views.step", "playground.views.whatif",
+WHATIF_MODULES = ("playground.panels.presenter", "playground.views.step", "playground.panels.whatif",
                   "playground.whatif_service")
 
 
 def test_charts_never_import_views_or_the_whatif_service():
-    """#28: views (and the what-if service) import charts, never the reverse."""
+    """#28: views, panels (and the what-if service) import charts, never the reverse."""
     graph = playground_graph()
     charts = [name for name in graph if name.startswith("playground.charts")]
     assert "playground.charts.presenter" in charts
     for name in charts:
-        upward = {t for t in graph[name] if t.startswith("playground.views") or t == "playground.whatif_service"}
+        upward = {t for t in graph[name] if t.startswith(("playground.views", "playground.panels"))
+                  or t == "playground.whatif_service"}
         assert not upward, name
 
 
@@ -147,11 +149,44 @@ def test_the_whatif_modules_import_at_the_top_and_one_way():
         for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             inner = [n for n in ast.walk(func) if isinstance(n, (ast.Import, ast.ImportFrom))]
             assert not inner, f"{name}.{func.name} imports inside a function (line {inner[0].lineno})"
-    assert "playground.views.whatif" in graph["playground.views.step"]
+    assert "playground.panels.whatif" in graph["playground.views.step"]
     assert "playground.whatif_service" in graph["playground.views.step"]
     assert not {t for t in graph["playground.whatif_service"] if t.startswith("playground.views")}
-    assert "playground.views.step" not in graph["playground.views.whatif"] | graph["playground.views.presenter"]
-    assert "playground.views.whatif" not in graph["playground.views.presenter"]
+    assert "playground.views.step" not in graph["playground.panels.whatif"] | graph["playground.panels.presenter"]
+    assert "playground.panels.whatif" not in graph["playground.panels.presenter"]
+
+
+def view_of(module: str) -> str | None:
+    """The view a playground module belongs to: ``step`` for playground.views.step, ``compare`` for
+    any module of the playground.views.compare package; None outside playground/views/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["playground", "views"] else None
+
+
+def test_no_view_imports_another_view():
+    """#36: a view imports no other view, at the top of a file or inside a function (a view's own
+    package, Compare's modules, may import each other); what several views embed is a panel
+    (playground/panels/), and the Lessons tab reaches the pages it opens through shared.LessonTarget,
+    which the app hands over."""
+    graph = playground_graph()
+    views = {view_of(name) for name in graph} - {None}
+    assert {"step", "compare", "lessons", "quantization"} <= views  # the graph is real
+    assert {"playground.panels.presenter", "playground.panels.whatif"} <= set(graph)
+    crossing = sorted((name, target) for name, targets in graph.items() for target in targets
+                      if view_of(name) and view_of(target) and view_of(target) != view_of(name))
+    assert crossing == []
+
+
+def test_the_view_rule_sees_an_import_inside_a_function(tmp_path, monkeypatch):
+    pkg = tmp_path / "playground"
+    (pkg / "views").mkdir(parents=True)
+    for name in ("__init__.py", "views/__init__.py", "views/b.py"):
+        (pkg / name).write_text("")
+    (pkg / "views" / "a.py").write_text("def f():\n    from . import b\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = package_graph("playground")
+    assert graph["playground.views.a"] == {"playground.views.b"}
+    assert view_of("playground.views.a") != view_of("playground.views.b")
 
 
 def test_only_the_service_writes_the_kept_logits():

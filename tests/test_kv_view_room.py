@@ -204,7 +204,7 @@ QUANT_VIEWS = {  # view: (event, first output, {elem_id: value} for a short run,
 def test_a_new_report_clears_the_previous_one_at_its_first_update(demo, name):
     """A good report, then a second run stopped after its first update (Stop closes the run's
     generator): none of the first report's charts, tables or downloads is left on screen."""
-    from playground.views import stale
+    from playground import stale
     from test_continue_compare import Page, run_coroutine
 
     event, first, values, shown = QUANT_VIEWS[name]

@@ -101,7 +101,7 @@ def open_and_run(step_view, select_step):
     step, view, out, handlers = step_view
     lesson = parse_lesson(STEP_LESSON | {"select_step": select_step})
     tab = lessons.LessonsTab(*lessons.LessonsTab.__dataclass_fields__)
-    opened = tab.on_open("tabs", {"step": view}, None, None, lesson.id, lessons.LessonSession(lesson), None)
+    opened = tab.on_open("tabs", {"step": view}, lesson.id, lessons.LessonSession(lesson), None)
     assert opened["open_run"] == "step-generate" and opened[view.prompt] == "The sea is"
     values = [opened.get(c, c.value) for c in view.panel.inputs]
     return opened, list(handlers.on_run(opened[view.select_once], 390, "step", opened[view.prompt], opened[view.chat],

@@ -91,7 +91,7 @@ def test_no_panel_of_the_lessons_chart_says_p_not_recorded_where_the_trace_knows
 def test_the_presenters_chart_of_that_step_is_legible_too(temperature_run, width):
     """The presenter draws the same step at projector size (and narrow): its temperature panel too
     has its own scale with visible bars, and no panel says "p not recorded" where p is known."""
-    from playground.views import presenter
+    from playground.panels import presenter
 
     _, step, _ = temperature_run
     data = presenter.step_chart(step, width).to_plotly_json()

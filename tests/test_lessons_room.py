@@ -51,7 +51,7 @@ def tab(tiny_lm):
     import gradio as gr
 
     from playground.views import lessons
-    from playground.views.presenter import PresenterPanel
+    from playground.panels.presenter import PresenterPanel
 
     from tests.conftest import shared_over
 
@@ -275,7 +275,7 @@ def test_every_builtin_check_still_parses_and_reads_back():
 # --- 7. a new run (stopped or failing) clears the previous lesson's chart ----------------------------
 def test_a_stopped_or_failing_run_leaves_no_chart_of_the_previous_lesson(tab):
     from engine.control import RunControl, RunStopped
-    from playground.views.stale import cleared
+    from playground.stale import cleared
 
     before = run(tab, "penalties")
     assert shown_chart(before) is not None and before[-1]["outcome"]

@@ -83,8 +83,8 @@ def kind_out() -> view.KindOutputs:
 
 def test_kinds_handler_streams_rows_and_the_dynamic_cache_matches_its_formula(shared):
     out = kind_out()
-    updates = list(view.kinds_updates(out, shared, PROMPT, False, 6, ["dynamic", "quantized-int8", view.SLIDING], 4,
-                                      2, "embedded", "none", RunControl()))
+    updates = list(view.kinds_updates(out, shared, view.Measure(PROMPT, False, 6, "embedded", "none"),
+                                      ["dynamic", "quantized-int8", view.SLIDING], 4, 2, RunControl()))
     last = updates[-1]
     rows = last["table"]["value"]
     assert [r[0] for r in rows] == ["dynamic", "quantized-int8", "sliding-4"]

@@ -29,7 +29,7 @@ from engine.reports.lessons import builtin_lessons, parse_lesson, selected_step,
 from playground import whatif_service as whatif
 from playground.charts import step as charts
 from playground.views.lessons import LessonSession
-from playground.views.presenter import PresenterPanel, run_temperature
+from playground.panels.presenter import PresenterPanel, run_temperature
 from test_continue_compare import Page
 
 pytestmark = pytest.mark.slow

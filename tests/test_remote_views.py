@@ -256,6 +256,7 @@ def test_the_step_trace_api_takes_the_mode(served):
 
     assert call(listed, "fast")["extra"]["remote"]["mode"] == "fast"
     assert call(listed, "step")["extra"]["remote"]["mode"] == "step"
+    assert call(f"fast:{listed}", "step")["extra"]["remote"]["mode"] == "fast"  # Compare's pick, one encoding (#36)
     with pytest.raises(Exception, match=r"remote_mode: fast needs a served model; model 'embedded' runs here \(use step\)"):
         call("embedded", "fast")
 
@@ -613,3 +614,38 @@ def test_the_compare_api_takes_a_model_per_lane(served):
     with pytest.raises(Exception, match=r"Lane 2: model: 'llamacpp:http://127\.0\.0\.1:1' is not a remote model"):
         lanes[1]["model"] = UNLISTED
         run_coroutine(call)
+
+
+def test_a_served_models_mode_is_one_field_of_the_model_pick():
+    """#36: the remote mode is one encoding (engine.backends.served.ModelPick), read in one place:
+    Compare's lane picks, a lesson's ``models`` (old files' ``fast:<role>``), and Step through's
+    model box with its mode radio all name the same value; ``fast:`` links keep opening."""
+    from engine.backends.served import ModelPick
+    from engine.reports import lessons
+    from playground.shared import UserError
+    from playground.views.compare.layout import lane_model_choices
+    from playground.views.step import step_pick
+
+    assert ModelPick.parse(f"fast:{UNLISTED}") == ModelPick(UNLISTED, "fast")
+    assert ModelPick.parse(UNLISTED) == ModelPick(UNLISTED, "step") and ModelPick.parse("embedded").mode == "step"
+    for value in (UNLISTED, f"fast:{UNLISTED}", "embedded", ""):
+        assert ModelPick.parse(value).value == value
+    with pytest.raises(ValueError, match=r"^mode: expected step or fast, got 'slow'$"):
+        ModelPick(UNLISTED, "slow")
+    # Compare offers each server in both modes as picks; Step through's radio makes the same value
+    picks = {value for _, value in lane_model_choices(["embedded", UNLISTED])}
+    assert picks == {"", "embedded", UNLISTED, f"fast:{UNLISTED}"}
+    assert step_pick(UNLISTED, "fast") == f"fast:{UNLISTED}" and step_pick(UNLISTED, "step") == UNLISTED
+    assert step_pick(f"fast:{UNLISTED}", "step") == f"fast:{UNLISTED}"  # an API call's own pick stays
+    assert step_pick("embedded", "fast") == "embedded"  # the page hides the radio for a model loaded here
+    with pytest.raises(UserError, match=r"^remote_mode: fast needs a served model; model 'embedded' runs here"):
+        step_pick("embedded", "fast", api=True)
+    with pytest.raises(UserError, match=r"^remote_mode: expected step or fast, got 'fast\\ud800'$"):
+        step_pick(UNLISTED, "fast\ud800")
+    # a served lesson's file still says fast:<role>: its runs' sources are the same picks
+    lesson = lessons.served_lessons()["three-engines"]
+    vllm = "openai:http://127.0.0.1:2/v1#vocab=49152&eos=2"
+    sources = lessons.run_sources(lesson, "embedded", {"DP_REMOTE_MODELS": f"{vllm},{UNLISTED}"})
+    assert [ModelPick.parse(s) for s in sources] == [ModelPick("embedded"), ModelPick(vllm), ModelPick(UNLISTED),
+                                                     ModelPick("embedded"), ModelPick(vllm, "fast"),
+                                                     ModelPick(UNLISTED, "fast")]

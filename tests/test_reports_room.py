@@ -122,7 +122,7 @@ def test_kv_view_handler_passes_its_control_and_shows_a_partial_report(tiny_lm, 
     control = RunControl(deadline_s=60)
     at = 1 + kv_length + 2
     with StopAfter(tiny_lm, control, at, "time_limit") as counter:
-        updates = list(view.kv_updates(out, shared, PROMPT, False, 24, "embedded", "none", control))
+        updates = list(view.kv_updates(out, shared, view.Measure(PROMPT, False, 24, "embedded", "none"), control))
     assert counter.count == at
     first, last = updates[0], updates[-1]
     assert first["summary"] == "" and first["chart"] is None  # the previous report is gone at once
@@ -132,11 +132,11 @@ def test_kv_view_handler_passes_its_control_and_shows_a_partial_report(tiny_lm, 
 
 def test_drift_view_handler_stops_and_shows_what_it_measured(tiny_lm, shared):
     out = view.DriftOutputs("status", "table", "kl", "texts", "download")
-    whole = forwards_of(tiny_lm, lambda: list(view.drift_updates(out, shared, PROMPT, False, 8, ["none"], "embedded",
-                                                                  RunControl())))
+    measure = view.Measure(PROMPT, False, 8, "embedded")
+    whole = forwards_of(tiny_lm, lambda: list(view.drift_updates(out, shared, measure, ["none"], RunControl())))
     control = RunControl()
     with StopAfter(tiny_lm, control, whole - 1) as counter:
-        updates = list(view.drift_updates(out, shared, PROMPT, False, 8, ["none"], "embedded", control))
+        updates = list(view.drift_updates(out, shared, view.Measure(PROMPT, False, 8, "embedded"), ["none"], control))
     assert counter.count == whole - 1
     assert updates[0]["table"] == [] and updates[0]["kl"] is None and updates[0]["texts"] == ""
     assert updates[0]["download"] is None
@@ -147,7 +147,7 @@ def test_drift_view_handler_stops_and_shows_what_it_measured(tiny_lm, shared):
 
 def test_kinds_view_handler_clears_first_and_marks_a_stopped_report(tiny_lm, shared):
     out = view.KindOutputs("status", "table", "memory", "per_token", "drift", "download")
-    args = (out, shared, PROMPT, False, 6, ["dynamic", "quantized-int8"], 16, 2, "embedded", "none")
+    args = (out, shared, view.Measure(PROMPT, False, 6, "embedded", "none"), ["dynamic", "quantized-int8"], 16, 2)
     whole = forwards_of(tiny_lm, lambda: list(view.kinds_updates(*args, RunControl())))
     control = RunControl()
     with StopAfter(tiny_lm, control, whole - 2) as counter:

@@ -15,6 +15,7 @@ import pytest
 from bench.concurrency import app_clients
 from bench.room import printout, room_run, serving_stats, spread_text
 from conftest import open_tab
+from engine.numbers import percent
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 USERS, TOKENS = 16, 48  # long enough that the page refreshes (every 2 s) several times while it runs
@@ -72,7 +73,8 @@ def test_the_view_during_a_room_load_shows_the_printouts_numbers(browser, live_a
         assert f"rows per tick mean {stats['mean_rows']:.1f} / max {stats['max_rows']}" in text
         assert stats["runs"] == USERS and stats["max_rows"] > 1  # batched: more than one row per forward
         peak = stats["peak"]
-        waste = f"{(peak['padded'] - peak['used']) / peak['padded']:.0%} → {(peak['paged'] - peak['used']) / peak['paged']:.0%}"
+        padded, paged = ((peak[k] - peak["used"]) / peak[k] for k in ("padded", "paged"))
+        waste = f"{percent(padded)} → {percent(paged)}"
         assert card(page, "waste") == waste
         assert card(page, "peak") == f"{peak['padded']:,} / {peak['paged']:,} / {peak['reserved']:,}"
         assert (f"left-padded batch {peak['padded']:,}, paged (block 16) {peak['paged']:,}, contiguous reservation "

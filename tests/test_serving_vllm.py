@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from engine.control import RunControl
+from engine.numbers import percent
 from engine.reports import serving_demos as view_demos
 from engine.reports.vllm_metrics import MetricsWatches, window
 from playground.views import serving as view
@@ -59,7 +60,7 @@ def test_the_view_reads_the_servers_metrics(watches):
     shown = window(history[0] if len(history) > 1 else None, history[-1])
     cards = updates["cards"]
     assert 'data-key="vllm-hits"' in cards and "measured: vLLM&#x27;s /metrics" in cards
-    rate = "–" if shown.hit_rate is None else f"{shown.hit_rate:.0%}"
+    rate = "–" if shown.hit_rate is None else percent(shown.hit_rate)
     assert f">{rate}</div>" in cards and f"{shown.prefix_hits:,.0f} of {shown.prefix_queries:,.0f} tokens" in cards
     assert f"(block {shown.config['block_size']})" in cards
     data = view.vllm_metrics(watches, server, 900.0)

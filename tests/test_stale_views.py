@@ -10,7 +10,7 @@ from __future__ import annotations
 import gradio as gr
 import pytest
 
-from playground.views import stale
+from playground import stale
 from test_continue_compare import Page, run_coroutine
 
 pytestmark = pytest.mark.slow

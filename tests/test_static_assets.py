@@ -12,7 +12,8 @@ from engine.sharelink import SHARE_PARAM
 from playground import app, assets, ids, knobs, page_js, share_links
 from playground.assets import STATIC, AssetError, static_text
 from playground.user_presets import CUSTOM
-from playground.views import lessons, presenter, speculative
+from playground.panels import presenter
+from playground.views import lessons, speculative
 
 # (the constant Gradio gets, its file, the placeholders' values); a constant may hold another one.
 JS_FUNCTIONS = [  # js= snippets: a function expression each

@@ -13,6 +13,7 @@ from engine.reports import lessons
 from engine.reports.lessons import LessonError, parse_lesson
 from playground.views import lessons as lessons_view
 from playground.views.compare import handlers
+from playground.user_presets import lane_configs
 from tests.test_compare_lanes import fake_page
 
 VLLM = "openai:http://127.0.0.1:8000/v1#vocab=49152&eos=2"
@@ -51,7 +52,7 @@ def test_opening_it_fills_the_compare_lanes_with_the_listed_servers():
     page.lanes = [lane.__class__(*[getattr(lane, f) for f in lane.__dataclass_fields__ if f != "model"],
                                  model=f"l{i}.model") for i, lane in enumerate(page.lanes)]
     lesson = three()
-    out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lessons_view.lane_configs(lesson, None),
+    out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lane_configs(lesson, None),
                                lessons.run_sources(lesson, "", BOTH))
     assert [out[f"l{i}.model"] for i in range(6)] == ["", VLLM, LLAMA, "", "fast:" + VLLM, "fast:" + LLAMA]
     assert out[page.count] == 6 and out[page.prompt] == lesson.prompt

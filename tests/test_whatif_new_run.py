@@ -17,7 +17,7 @@ import pytest
 from playground import whatif_service as whatif
 from playground.charts import step as charts
 from playground.views import step as step_view
-from playground.views.whatif import WHATIF_INTRO
+from playground.panels.whatif import WHATIF_INTRO
 from test_continue_compare import Page, generate
 
 pytestmark = pytest.mark.slow

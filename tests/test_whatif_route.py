@@ -201,7 +201,7 @@ def presenter_ask(route, session, step, knobs, width=1280) -> dict:
 def test_presenter_slider_draws_the_lessons_step_at_that_temperature(route, embedded, trace, where):
     from engine.reports.lessons import builtin_lessons
     from playground.views.lessons import LessonSession
-    from playground.views.presenter import step_chart
+    from playground.panels.presenter import step_chart
 
     at = {"first": 0, "middle": len(trace.steps) // 2, "last": len(trace.steps) - 1}[where]
     session = LessonSession(next(iter(builtin_lessons().values())), [trace])

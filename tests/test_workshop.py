@@ -17,7 +17,7 @@ from engine.reports.lessons import builtin_lessons, parse_lesson
 from engine.scheduler import scheduler_for
 from engine.trace import StageTrace, from_dict
 from playground import whatif_service
-from playground.views import whatif
+from playground.panels import whatif
 
 CFG = DecodingConfig(strategy="sample", seed=5, max_new_tokens=10, temperature=0.9, top_k=30, top_p=0.95)
 
@@ -185,7 +185,7 @@ def test_list_lessons_is_strict_json_with_the_issue_fields():
 
 
 def test_presenter_chart_labels_are_projector_sized(trace):
-    from playground.views.presenter import presenter_chart, context_html
+    from playground.panels.presenter import presenter_chart, context_html
 
     fig = presenter_chart(trace, 2)
     assert fig.layout.yaxis.tickfont.size >= 18 and fig.layout.font.size >= 18
@@ -213,7 +213,7 @@ def test_open_of_a_lesson_whose_view_has_no_handle_switches_tab_without_running(
 
     tab = lessons.LessonsTab(*lessons.LessonsTab.__dataclass_fields__)
     lesson = builtin_lessons()["kv-cache"]
-    opened = tab.on_open("tabs", {}, None, None, lesson.id, None, None)  # no Quantization page built
+    opened = tab.on_open("tabs", {}, lesson.id, None, None)  # no Quantization page built
     assert opened["open_run"] == "" and "run it there" in opened["status"]
     assert opened["tabs"].selected == "tab-quantization"
 
@@ -227,7 +227,7 @@ def test_open_of_a_quantization_tab_lesson_fills_its_section_and_runs_it(lesson_
     tab = lessons.LessonsTab(*lessons.LessonsTab.__dataclass_fields__)
     page = QuantPage("prompt", "chat", "tokens", "kv_tokens")
     lesson = builtin_lessons()[lesson_id]
-    opened = tab.on_open("tabs", {}, None, page, lesson.id, None, None)
+    opened = tab.on_open("tabs", {"quantization": page}, lesson.id, None, None)
     assert opened["open_run"] == button and opened["tabs"].selected == "tab-quantization"
     assert opened["prompt"] == lesson.prompt and opened["chat"] is lesson.chat
     assert opened[budget_key] == lesson.check["max_new_tokens"]
@@ -249,7 +249,7 @@ def test_a_pasted_quantization_lessons_budget_is_checked_at_parse_and_opens_in_r
         with pytest.raises(LessonError, match=r"^check.max_new_tokens: expected a whole number from 1 to 64, got "):
             parse_lesson(data | {"id": "q1", "check": {"kind": "quantization_order", "max_new_tokens": bad}})
     fits = parse_lesson(data | {"id": "q2", "check": {"kind": "quantization_order", "max_new_tokens": 64}})
-    updates, button = lessons.quant_updates(fits, page)
+    updates, button = page.lesson_updates(fits, None, None)
     assert updates["tokens"] == 64 <= DRIFT_TOKENS[1] and button == "quant-measure"
 
 

@@ -20,6 +20,35 @@ BACKENDS = ("llamacpp", "openai")
 MODES = ("step", "fast")
 STEP_TOP_N = 100  # step mode: tokens per step the server returns (our chain works over these)
 
+FAST_PREFIX = "fast:"  # a model pick's value for a served model run in fast mode: ``fast:<server>``
+
+
+@dataclass(frozen=True)
+class ModelPick:
+    """A model pick's value as data: the model's source and the mode a served model runs in. One
+    encoding for every place that names a model and its mode (Compare's lane picks, Step through's
+    model and mode radio, a lesson's ``models``, old links): ``fast:<server>`` is fast mode, anything
+    else the source itself in step mode (a model loaded here has only that)."""
+
+    source: str
+    mode: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected {' or '.join(MODES)}, got {str(self.mode)[:40]!r}")
+
+    @classmethod
+    def parse(cls, value: str) -> "ModelPick":
+        """``value`` as a ModelPick (``fast:<server>``: that server in fast mode)."""
+        fast = value.startswith(FAST_PREFIX)
+        return cls(value[len(FAST_PREFIX):] if fast else value, "fast" if fast else "step")
+
+    @property
+    def value(self) -> str:
+        """The pick's value (``parse``'s inverse)."""
+        return FAST_PREFIX + self.source if self.mode == "fast" else self.source
+
+
 # --- the operator's list ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RemoteSpec:

@@ -40,6 +40,7 @@ from engine.numbers import percent
 from engine.reports.quant_report import compare_methods
 from engine.backends.local import LoadedModel, ModelSpec
 from engine.backends.registry import ModelRegistry
+from engine.backends.served import ModelPick
 from engine.scheduler import Scheduler
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from engine.trace import Trace
@@ -47,7 +48,6 @@ from engine.trace import Trace
 LESSONS_DIR = Path(__file__).resolve().parents[2] / "presets" / "lessons"
 SERVED_DIR = LESSONS_DIR / "served"  # lessons whose runs go to the operator's servers (``models``)
 ROLES = {"vllm": "openai", "llamacpp": "llamacpp"}  # a lesson's server role -> the backend it is listed as
-FAST = "fast:"
 LESSON_VERSION = 1
 VIEWS = ("step", "compare", "beam", "speculative", "quantization")
 LESSON_KEYS = ("version", "id", "title", "view", "prompt", "chat", "preset", "lanes", "select_step", "steps", "check",
@@ -88,7 +88,7 @@ class Lesson:
     @property
     def roles(self) -> set[str]:
         """The server roles its runs need (``vllm``, ``llamacpp``)."""
-        return {m.removeprefix(FAST) for m in self.models if m}
+        return {ModelPick.parse(m).source for m in self.models if m}
 
     def to_file_dict(self) -> dict[str, Any]:
         """The lesson file's JSON (what ``parse_lesson`` reads back into an equal Lesson)."""
@@ -179,7 +179,7 @@ def _models(value: Any, count: int) -> tuple[str, ...]:
     """A lesson's ``models``: absent, or one of "" | <role> | fast:<role> per run."""
     if value is None:
         return ()
-    allowed = ["", *ROLES, *(FAST + r for r in ROLES)]
+    allowed = ["", *ROLES, *(ModelPick(r, "fast").value for r in ROLES)]
     if not isinstance(value, list) or len(value) != count or not all(isinstance(m, str) and m in allowed for m in value):
         raise LessonError(f"models: expected one of {' | '.join(repr(a) for a in allowed)} per run ({count}), "
                           f"got {shown(value)}")
@@ -315,10 +315,11 @@ def run_sources(lesson: Lesson, page_model: str, environ: Any = None, offered: S
     roles = listed_roles(environ, offered)
     out = []
     for model in lesson.models or ("",) * len(lesson.runs):
-        role = model.removeprefix(FAST)
-        if role and role not in roles:
-            raise LessonError(f"models: this lesson needs a {role} server the operator lists in DP_REMOTE_MODELS")
-        out.append(model.replace(role, roles[role]) if role else page_model)
+        pick = ModelPick.parse(model)
+        if pick.source and pick.source not in roles:
+            raise LessonError(f"models: this lesson needs a {pick.source} server the operator lists in "
+                              "DP_REMOTE_MODELS")
+        out.append(ModelPick(roles[pick.source], pick.mode).value if pick.source else page_model)
     return out
 
 
@@ -326,8 +327,9 @@ def run_model(registry: ModelRegistry, source: str, lm: LoadedModel) -> Any:
     """The model a run's source names: ``lm`` itself, or the listed server (fast mode after ``fast:``)."""
     if source == getattr(lm, "source", lm.name):
         return lm
-    served = registry.get(ModelSpec(source.removeprefix(FAST)))
-    return served.with_mode("fast") if source.startswith(FAST) else served
+    pick = ModelPick.parse(source)
+    served = registry.get(ModelSpec(pick.source))
+    return served.with_mode("fast") if pick.mode == "fast" else served
 
 
 # --- running and checking --------------------------------------------------------------------

@@ -67,19 +67,31 @@ def _generated_counts(input_ids: torch.LongTensor, prompt_length: int, vocab_siz
     return counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=torch.float32))
 
 
-class FrequencyPenalty(Stage):
+class GeneratedPenalty(Stage):
+    """OpenAI's penalties: logit -= penalty x ``weight`` of each token's count among the generated
+    tokens (not the prompt); the knob is named as the stage, in [-2, 2]."""
+
+    def __init__(self, penalty: float, prompt_length: int = 0):
+        require(-2 <= penalty <= 2, self.name, penalty, "[-2, 2]")
+        super().__init__(**{self.name: penalty})
+        self.prompt_length = prompt_length
+
+    def weight(self, counts: torch.Tensor) -> torch.Tensor:
+        """[B, V] what the penalty multiplies, from [B, V] counts."""
+        raise NotImplementedError
+
+    def apply(self, input_ids, logits):
+        counts = _generated_counts(input_ids, self.prompt_length, logits.shape[-1])
+        return logits - self.knobs[self.name] * self.weight(counts).to(logits.dtype), {}
+
+
+class FrequencyPenalty(GeneratedPenalty):
     """OpenAI's rule: logit -= penalty x count(token) over the generated tokens (not the prompt)."""
 
     name = "frequency_penalty"
 
-    def __init__(self, frequency_penalty: float, prompt_length: int = 0):
-        require(-2 <= frequency_penalty <= 2, "frequency_penalty", frequency_penalty, "[-2, 2]")
-        super().__init__(frequency_penalty=frequency_penalty)
-        self.prompt_length = prompt_length
-
-    def apply(self, input_ids, logits):
-        counts = _generated_counts(input_ids, self.prompt_length, logits.shape[-1])
-        return logits - self.knobs["frequency_penalty"] * counts.to(logits.dtype), {}
+    def weight(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
 
 
 register(StageSpec(
@@ -96,19 +108,13 @@ register(StageSpec(
 ))
 
 
-class PresencePenalty(Stage):
+class PresencePenalty(GeneratedPenalty):
     """OpenAI's rule: logit -= penalty once for every token present among the generated tokens."""
 
     name = "presence_penalty"
 
-    def __init__(self, presence_penalty: float, prompt_length: int = 0):
-        require(-2 <= presence_penalty <= 2, "presence_penalty", presence_penalty, "[-2, 2]")
-        super().__init__(presence_penalty=presence_penalty)
-        self.prompt_length = prompt_length
-
-    def apply(self, input_ids, logits):
-        present = _generated_counts(input_ids, self.prompt_length, logits.shape[-1]) > 0
-        return logits - self.knobs["presence_penalty"] * present.to(logits.dtype), {}
+    def weight(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts > 0
 
 
 register(StageSpec(

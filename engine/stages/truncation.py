@@ -3,7 +3,7 @@ typical, epsilon, top-nσ, eta, top-a, top-H."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from transformers.generation import logits_process as tlp
@@ -162,12 +162,21 @@ register(StageSpec(
 ))
 
 
-class Epsilon(Wrapped):
-    name = "epsilon"
+class Cutoff(Wrapped):
+    """A transformers warper whose one knob (``knob``) is a cutoff in (0, 1) it takes as ``epsilon``."""
 
-    def __init__(self, epsilon_cutoff: float):
-        require(0 < epsilon_cutoff < 1, "epsilon_cutoff", epsilon_cutoff, "(0, 1)")
-        super().__init__(tlp.EpsilonLogitsWarper(epsilon=epsilon_cutoff), epsilon_cutoff=epsilon_cutoff)
+    knob: str
+    warper: Callable[..., Any]
+
+    def __init__(self, cutoff: float):
+        require(0 < cutoff < 1, self.knob, cutoff, "(0, 1)")
+        super().__init__(self.warper(epsilon=cutoff), **{self.knob: cutoff})
+
+
+class Epsilon(Cutoff):
+    """Epsilon sampling: transformers' EpsilonLogitsWarper, drop p < ε."""
+
+    name, knob, warper = "epsilon", "epsilon_cutoff", tlp.EpsilonLogitsWarper
 
 
 register(StageSpec(
@@ -227,14 +236,10 @@ register(StageSpec(
 ))
 
 
-class Eta(Wrapped):
+class Eta(Cutoff):
     """Eta sampling: transformers' EtaLogitsWarper, eta = min(ε, sqrt(ε)·exp(-H))."""
 
-    name = "eta"
-
-    def __init__(self, eta_cutoff: float):
-        require(0 < eta_cutoff < 1, "eta_cutoff", eta_cutoff, "(0, 1)")
-        super().__init__(tlp.EtaLogitsWarper(epsilon=eta_cutoff), eta_cutoff=eta_cutoff)
+    name, knob, warper = "eta", "eta_cutoff", tlp.EtaLogitsWarper
 
 
 register(StageSpec(

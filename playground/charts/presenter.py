@@ -1,5 +1,5 @@
 """The presenter view's stage chart: a step's stage chart at projector size (moved here from
-playground/views/presenter.py so the what-if service draws it without importing a view)."""
+playground/panels/presenter.py so the what-if service draws it without importing a view)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
+from engine.numbers import percent
 from engine.reports.serving import SOURCE_COMPUTED, SOURCE_SCHEDULER, KVLayout, ServingSummary, utc
 from engine.reports.vllm_metrics import SOURCE_VLLM, VllmSample, VllmWindow
 
@@ -78,7 +79,7 @@ def source_line(s: ServingSummary, model: str) -> str:
 def cards_html(s: ServingSummary) -> str:
     """The window's big numbers, each with its source."""
     peak = s.peak
-    waste = f"{peak.waste(peak.padded):.0%} → {peak.waste(peak.paged):.0%}" if peak else "–"
+    waste = f"{percent(peak.waste(peak.padded))} → {percent(peak.waste(peak.paged))}" if peak else "–"
     cards = [
         card(f"{s.mean_rows:.1f} / {s.max_rows}", "rows per tick: mean / max", SOURCE_SCHEDULER, "rows"),
         card(f"{s.max_queued}", "most runs waiting for a row", SOURCE_SCHEDULER, "queue"),
@@ -165,7 +166,7 @@ def layout_figure(layout: KVLayout, at: str) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Bar(x=names, y=[layout.used] * 3, name="holding a token", marker_color=COLOURS["used"]))
     fig.add_trace(go.Bar(x=names, y=[h - layout.used for h in held], name="holding nothing",
-                         marker_color=COLOURS["reserved"], text=[f"{layout.waste(h):.0%}" for h in held],
+                         marker_color=COLOURS["reserved"], text=[percent(layout.waste(h)) for h in held],
                          textposition="outside"))
     fig.update_layout(**LAYOUT, barmode="stack", yaxis_title="KV positions",
                       title=title(f"{layout.rows} rows, {layout.used:,} tokens", SOURCE_COMPUTED, at))
@@ -205,10 +206,12 @@ def batching_figure(d: Any) -> go.Figure:
 def paged_html(d: Any) -> str:
     p = d.peak
     return (f'<div class="dp-serving-result" id="demo-paged-text"><b>{p.rows} rows holding {p.used:,} tokens</b> at the fullest '
-            f'tick: our left-padded batch holds <b>{p.padded:,}</b> positions ({p.waste(p.padded):.0%} hold nothing), '
+            f'tick: our left-padded batch holds <b>{p.padded:,}</b> positions '
+            f'({percent(p.waste(p.padded))} hold nothing), '
             f'paged blocks of {p.block} would hold <b>{p.paged:,}</b> ({p.paged_blocks:,} blocks, '
-            f'{p.waste(p.paged):.0%} hold nothing), a contiguous reservation of prompt + max_new_tokens per request '
-            f'<b>{p.reserved:,}</b> ({p.waste(p.reserved):.0%} hold nothing). One position is '
+            f'{percent(p.waste(p.paged))} hold nothing), a contiguous reservation of prompt + max_new_tokens '
+            f'per request '
+            f'<b>{p.reserved:,}</b> ({percent(p.waste(p.reserved))} hold nothing). One position is '
             f'{p.bytes_per_position:,} bytes.<br><small>{SOURCE_COMPUTED}, {utc(d.at)}</small></div>')
 
 
@@ -223,20 +226,29 @@ def prefix_html(d: Any) -> str:
             f'<br><small>measured: our scheduler, {utc(d.at)}{load_text(d.load)}</small></div>')
 
 
+def grouped_bars(names: Sequence[str], bars: Sequence[tuple[str, Sequence[float], str, str]], heading: str,
+                 **axes: Any) -> go.Figure:
+    """Measured quantities side by side for each of ``names``: ``bars`` are (legend label, one value
+    a name, colour, y axis); a bar on "y2" reads the right-hand scale, and each bar then keeps its own
+    offset group so bars on the two scales stand beside each other, not on top."""
+    fig = go.Figure()
+    for label, values, colour, axis in bars:
+        on_axis = {"yaxis": axis} if axis != "y" else {}
+        fig.add_trace(go.Bar(x=names, y=values, name=label, marker_color=colour, **on_axis))
+    fig.update_layout(**LAYOUT, barmode="group", title=heading, **axes)
+    if any(axis != "y" for *_, axis in bars):
+        for i, trace in enumerate(fig.data):
+            trace.update(offsetgroup=i)
+    return fig
+
+
 def prefix_figure(d: Any) -> go.Figure:
     sides = [d.shared, d.unshared]
-    names = ["prefix fed once", "each prompt whole"]
-    fig = go.Figure()
-    fig.add_trace(go.Bar(x=names, y=[x.prefill_tokens for x in sides], name="positions prefilled",
-                         marker_color=COLOURS["padded"]))
-    fig.add_trace(go.Bar(x=names, y=[x.prefill_ms for x in sides], name="prefill ms", marker_color=COLOURS["paged"],
-                         yaxis="y2"))
-    fig.update_layout(**LAYOUT, barmode="group", yaxis={"title": "positions"},
-                      yaxis2={"title": "ms", "overlaying": "y", "side": "right"},
-                      title=title("Prefix sharing", "measured: our scheduler", utc(d.at)))
-    fig.data[0].update(offsetgroup=0)
-    fig.data[1].update(offsetgroup=1)
-    return fig
+    return grouped_bars(["prefix fed once", "each prompt whole"],
+                        [("positions prefilled", [x.prefill_tokens for x in sides], COLOURS["padded"], "y"),
+                         ("prefill ms", [x.prefill_ms for x in sides], COLOURS["paged"], "y2")],
+                        title("Prefix sharing", "measured: our scheduler", utc(d.at)),
+                        yaxis={"title": "positions"}, yaxis2={"title": "ms", "overlaying": "y", "side": "right"})
 
 
 def chunked_html(d: Any) -> str:
@@ -252,24 +264,21 @@ def chunked_html(d: Any) -> str:
 
 def chunked_figure(d: Any) -> go.Figure:
     sides = [d.one_forward, d.chunked]
-    names = ["one forward", f"chunks of {d.chunk}"]
-    fig = go.Figure()
-    fig.add_trace(go.Bar(x=names, y=[x.others_gap_ms["max"] or 0 for x in sides], name="others' longest gap (ms)",
-                         marker_color=COLOURS["reserved"]))
-    fig.add_trace(go.Bar(x=names, y=[x.long_ttft_ms for x in sides], name="long prompt's first token (ms)",
-                         marker_color=COLOURS["padded"]))
-    fig.update_layout(**LAYOUT, barmode="group", yaxis_title="ms",
-                      title=title("Chunked prefill", "measured: our scheduler", utc(d.at)))
-    return fig
+    return grouped_bars(["one forward", f"chunks of {d.chunk}"],
+                        [("others' longest gap (ms)", [x.others_gap_ms["max"] or 0 for x in sides], COLOURS["reserved"],
+                          "y"),
+                         ("long prompt's first token (ms)", [x.long_ttft_ms for x in sides], COLOURS["padded"], "y")],
+                        title("Chunked prefill", "measured: our scheduler", utc(d.at)), yaxis_title="ms")
 
 
 # --- a served vLLM -------------------------------------------------------------------------------------
 def vllm_cards_html(w: VllmWindow) -> str:
-    rate = "–" if w.hit_rate is None else f"{w.hit_rate:.0%}"
+    rate = "–" if w.hit_rate is None else percent(w.hit_rate)
     tps = "–" if w.tokens_per_s is None else f"{w.tokens_per_s:,.1f}"
     cards = [
         card(f"{w.running:.0f} / {w.waiting:.0f}", "requests running / waiting", SOURCE_VLLM, "vllm-requests"),
-        card(f"{w.kv_usage:.1%}", f"KV blocks in use (block {w.config.get('block_size', '?')})", SOURCE_VLLM, "vllm-kv"),
+        card(percent(w.kv_usage), f"KV blocks in use (block {w.config.get('block_size', '?')})", SOURCE_VLLM,
+             "vllm-kv"),
         card(rate, f"prefix cache hits ({w.prefix_hits:,.0f} of {w.prefix_queries:,.0f} tokens)", SOURCE_VLLM,
              "vllm-hits"),
         card(f"{w.preemptions:,.0f}", "preemptions", SOURCE_VLLM, "vllm-preemptions"),
@@ -308,7 +317,7 @@ def vllm_figure(samples: Sequence[VllmSample]) -> go.Figure:
 
 def vllm_prefix_html(d: Any) -> str:
     m = d.metrics
-    rate = "–" if m.hit_rate is None else f"{m.hit_rate:.0%}"
+    rate = "–" if m.hit_rate is None else percent(m.hit_rate)
     return (f'<div class="dp-serving-result" id="vllm-demo-prefix-text"><b>{d.users} users</b> sent the same '
             f'{d.prompt_tokens:,}-token text: its prefix cache found <b>{m.prefix_hits:,.0f} of {m.prefix_queries:,.0f}</b> '
             f'prompt tokens (<b>{rate}</b>; block {html.escape(m.config.get("block_size", "?"))}). First token: '

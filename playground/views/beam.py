@@ -28,7 +28,7 @@ from .. import downloads, examples, ids
 from ..events import stop_button
 from ..knobs import PENALTY_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
-from . import stale
+from .. import stale
 
 STREAM_EVERY_S = 0.4  # throttle tree redraws while the search runs
 BEAM_KNOBS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",

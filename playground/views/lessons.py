@@ -4,7 +4,8 @@ configuration. "Run and check" runs the lesson on the model, selects its step
 (``lessons.evaluate``); "Open in its view" puts the prompt and preset into the lesson's view
 (a Compare lesson: every lane, each with its run's configuration), then presses the view's own run
 button (page_js.OPEN_RUN_JS), so the view shows the lesson's run; Step through then selects the
-lesson's step, once (``step.StepView.select_once``).
+lesson's step, once (``StepView.select_once``). Each page a lesson opens in is a ``shared.LessonTarget``
+the app hands over (this tab imports no other view).
 A presenter can paste their own lesson JSON and share it by link (``?lesson=<token>``, with
 ``&present=1`` for the presenter view). API: ``/lessons`` lists the built-in lessons.
 """
@@ -25,7 +26,6 @@ import plotly.graph_objects as go
 
 from engine.strategies import contrastive
 from engine.reports import lessons as engine_lessons
-from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.reports.distortion import DistortionReport
 from engine.reports.drift import DriftReport, KVReport
@@ -46,14 +46,10 @@ from playground.charts.tokens import render as readable
 from ..events import data_api, stop_button
 from ..assets import static_text
 from .. import ids
-from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS, RUN_BUTTONS
-from ..shared import CheckedRegistry, PanelView, Shared, UserError, error_html, page_width, status_html
-from ..user_presets import CUSTOM, matching_choice
-from .compare import handlers as compare
-from .presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
-from .quantization import QuantPage
-from .stale import cleared
-from .step import StepView
+from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS
+from ..shared import CheckedRegistry, LessonTarget, Shared, UserError, error_html, page_width, status_html
+from ..panels.presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
+from ..stale import cleared
 from ..whatif_service import KeptLogits, Registered, register
 
 TOKEN_PREFIX = "l1."
@@ -297,7 +293,7 @@ def list_lessons() -> list[dict]:
 
 @dataclass
 class LessonsTab:
-    """The tab's components; ``wire_open`` needs the other views' handles, so the app calls it last."""
+    """The tab's components; ``wire_page`` needs the pages a lesson opens in, so the app calls it last."""
 
     shared: Shared
     pick: gr.Dropdown
@@ -386,10 +382,8 @@ class LessonsTab:
             sources = engine_lessons.run_sources(lesson, model, offered=self.allowed)
         except LessonError as exc:
             raise UserError(str(exc)) from None
-        picked = {source: self.shared.lm(source.removeprefix(engine_lessons.FAST), quant)
-                  for source in set(sources) if source != model}
-        return [lm if source == model else picked[source].with_mode("fast") if source.startswith(engine_lessons.FAST)
-                else picked[source] for source in sources]
+        picked = {source: self.shared.lm(source, quant) for source in set(sources) if source != model}
+        return [lm if source == model else picked[source] for source in sources]
 
     # --- wiring -----------------------------------------------------------------------------------
     def on_pick(self, choice: str, session: LessonSession | None) -> dict:
@@ -444,12 +438,10 @@ class LessonsTab:
                             step_of=lambda s: s.lesson_step() if isinstance(s, LessonSession) else None)
         data_api(list_lessons, "lessons")
 
-    def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, views: Sequence[Any], compare_page: Any = None,
-                  quant_page: QuantPage | None = None) -> None:
+    def wire_page(self, demo: gr.Blocks, tabs: gr.Tabs, targets: Sequence[LessonTarget]) -> None:
         """Page load: ``?lesson=`` opens that lesson, ``?present=1`` the presenter view; Open fills the
-        lesson's view (prompt, chat, the first run's preset; every lane on ``compare_page``, the
-        Compare view's handles; prompt, chat and budget on ``quant_page``, Quantization & KV cache's),
-        switches to its tab and runs it there."""
+        lesson's view (``targets``: the pages a lesson opens in, handed over by the app), switches to
+        its tab and runs it there."""
         demo.load(None, None, [self.base_url], js=BASE_URL_JS, api_visibility="private")
         demo.load(None, js=ARROW_KEYS_JS, api_visibility="private")
         link_io = ([self.pick, self.session, self.custom, self.base_url], [self.link, self.presenter.qr, self.status])
@@ -460,47 +452,27 @@ class LessonsTab:
                           api_visibility="private", queue=False)
         query.then(None, js=LESSON_READY_JS, api_visibility="private", queue=False)
         query.then(self.on_link, *link_io, api_visibility="private", queue=False)
-        handles = {v.name: v for v in views if isinstance(v, PanelView)}
-        targets = [tabs, self.status, self.open_run]
-        for view in handles.values():
-            targets += [view.prompt, *([view.chat] if view.chat is not None else []), *view.panel.inputs,
-                        view.panel.preset, view.panel.modified]
-            targets += [view.select_once] if isinstance(view, StepView) else []
-        if compare_page is not None:
-            targets += compare.lesson_outputs(compare_page)
-        if quant_page is not None:
-            targets += quant_page.components()
-        on_open = functools.partial(self.on_open, tabs, handles, compare_page, quant_page)
+        by_name = {target.name: target for target in targets}
+        outputs = [tabs, self.status, self.open_run] + [c for t in by_name.values() for c in t.lesson_outputs()]
+        on_open = functools.partial(self.on_open, tabs, by_name)
         # Filled first (not queued), then the view's own run button is pressed in the page: the run,
         # its streaming, Stop and errors are the view's, and a failed run keeps the lesson's prompt.
-        self.open_btn.click(on_open, [self.pick, self.session, self.shared.user_presets], targets,
+        self.open_btn.click(on_open, [self.pick, self.session, self.shared.user_presets], outputs,
                             api_visibility="private", queue=False
                             ).then(None, [self.open_run], None, js=OPEN_RUN_JS, api_visibility="private", queue=False)
 
-    def on_open(self, tabs: gr.Tabs, handles: Mapping[str, PanelView], compare_page: Any,
-                quant_page: QuantPage | None, choice: str, session: LessonSession | None, stored: Any) -> dict:
-        """Updates filling the lesson's view (``handles`` by name; Compare's lanes on
-        ``compare_page``; Quantization & KV cache on ``quant_page``), switching to its tab and naming
-        its run button in ``open_run``."""
+    def on_open(self, tabs: gr.Tabs, targets: Mapping[str, LessonTarget], choice: str,
+                session: LessonSession | None, stored: Any) -> dict:
+        """Updates filling the lesson's view (its LessonTarget in ``targets``, by name), switching to
+        its tab and naming its run button in ``open_run``."""
         try:
             lesson = self.current(session, choice)
-        except LessonError as exc:
+            target = targets.get(lesson.view)
+            updates, button = target.lesson_updates(lesson, stored, self.allowed) if target is not None else ({}, "")
+        except (LessonError, UserError) as exc:
             return {self.status: error_html(str(exc)), self.open_run: ""}
         runs = "; ".join(f"{p.name} ({p.config.strategy})" for p in lesson.runs)
         note = status_html(f"opened in {lesson.view} and running it: prompt {lesson.prompt!r}; runs: {runs}")
-        button = RUN_BUTTONS.get(lesson.view, "")
-        if lesson.view == "compare" and compare_page is not None:
-            try:
-                sources = engine_lessons.run_sources(lesson, "", offered=self.allowed) \
-                    if lesson.models else ()
-            except LessonError as exc:
-                return {self.status: error_html(str(exc)), self.open_run: ""}
-            updates = compare.open_lesson(compare_page, lesson.prompt, lesson.chat, lane_configs(lesson, stored),
-                                          sources)
-        elif lesson.view == "quantization" and quant_page is not None:
-            updates, button = quant_updates(lesson, quant_page)
-        else:
-            updates = open_updates(lesson, handles.get(lesson.view), stored)
         if not updates:  # a view with no handle to fill: running its own prompt would mislead
             note = status_html(f"opened {lesson.view}: run it there with the lesson's prompt {lesson.prompt!r}")
         return updates | {tabs: gr.Tabs(selected=f"tab-{lesson.view}"), self.status: note,
@@ -520,39 +492,6 @@ class LessonsTab:
             choices.append((f"{lesson.title} (shared)", lesson.id))
         return updates | {self.session: LessonSession(lesson), self.steps: steps_html(lesson),
                           self.pick: gr.update(choices=choices, value=lesson.id)}
-
-
-def lane_configs(lesson: Lesson, stored: Any) -> list[tuple[DecodingConfig, str]]:
-    """Each run's config and the lane's preset label (the preset it equals, else custom)."""
-    labels = [matching_choice(p.config, stored) for p in lesson.runs]
-    return [(p.config, label if not modified else CUSTOM) for p, (label, modified) in zip(lesson.runs, labels)]
-
-
-def quant_updates(lesson: Lesson, page: QuantPage) -> tuple[dict, str]:
-    """A Quantization & KV cache lesson: its prompt, chat and budget (the check's, else the preset's)
-    in the section it teaches (the KV cache one for a ``kv_cache_same`` check, the 4-bit methods' one for
-    ``gptq_vs_awq``), and that section's button."""
-    check = lesson.check or {}
-    budget = check.get("max_new_tokens")
-    if not isinstance(budget, int) or isinstance(budget, bool):  # a pasted lesson's check may say anything
-        budget = lesson.runs[0].config.max_new_tokens
-    section = {"kv_cache_same": "kv", "gptq_vs_awq": "methods"}.get(check.get("kind"), "drift")
-    return page.open_lesson(lesson.prompt, lesson.chat, budget, section)
-
-
-def open_updates(lesson: Lesson, view: PanelView | None, stored: Any) -> dict:
-    """Updates putting ``lesson``'s prompt and first preset into ``view`` (None: a view without a
-    knob panel: nothing to fill); Step through also gets the lesson's step to select after its run."""
-    if view is None:
-        return {}
-    preset = lesson.runs[0]
-    choice, modified = matching_choice(preset.config, stored, preset.name)
-    updates = {view.prompt: lesson.prompt} | view.panel.apply_preset(preset, choice, modified)
-    if view.chat is not None:
-        updates[view.chat] = lesson.chat
-    if isinstance(view, StepView):
-        updates[view.select_once] = lesson.select_step
-    return updates
 
 
 def build_tab(shared: Shared) -> LessonsTab:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import html
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator, Sequence
 
 import gradio as gr
 
@@ -21,6 +21,7 @@ from engine.reports import drift, kv_arith, quant_report
 from engine.config import KNOBS
 from engine.control import RunControl
 from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS
+from engine.reports.lessons import Lesson
 from engine.trace import to_dict
 from playground.charts import memory as memory_charts
 from playground.charts import quant_methods as method_charts
@@ -30,7 +31,7 @@ from playground.charts.tables import column_widths
 from .. import downloads, ids
 from ..events import data_api, stop_button
 from ..shared import OutputSet, Shared, UserError, error_html, require, status_html
-from .stale import cleared
+from ..stale import cleared
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DRIFT_TOKENS = (1, 128, 20)  # slider minimum, maximum, default
@@ -76,14 +77,28 @@ def render_drift(out: DriftOutputs, report: drift.DriftReport, final: bool) -> d
     return updates
 
 
-def drift_updates(out: DriftOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any,
-                  variants: list[str] | None, model: str, control: RunControl) -> Iterator[dict]:
-    """Validate, then stream the drift report as each variant finishes."""
+@dataclass(frozen=True)
+class Measure:
+    """One measurement's inputs as the page holds them, before validation: the prompt box, chat, the
+    section's token budget and the header's model and quantization."""
+
+    prompt: Any
+    chat: Any
+    max_new_tokens: Any
+    model: Any
+    quantization: Any = "none"
+
+
+def drift_updates(out: DriftOutputs, shared: Shared, measure: Measure, variants: list[str] | None,
+                  control: RunControl) -> Iterator[dict]:
+    """Validate, then stream the drift report as each variant finishes (against the fp32 model:
+    ``measure.quantization`` is not read)."""
+    prompt, chat = measure.prompt, measure.chat
     chosen = drift.normalise_variants(variants or [])
-    reference = shared.lm(model, "none")
+    reference = shared.lm(measure.model, "none")
     require(reference, "quantization")
     shared.encode_prompt(reference, prompt, chat)
-    tokens = int(max_new_tokens or DRIFT_TOKENS[2])
+    tokens = int(measure.max_new_tokens or DRIFT_TOKENS[2])
     drift.greedy_config(tokens)  # validates the token budget
     # the previous report goes at once: its table and charts must not pass for this run's
     yield {out.status: status_html("fp32 reference: greedy run…"), out.table: [], out.kl: None, out.texts: "",
@@ -101,12 +116,13 @@ def kv_tokens(value: Any) -> int:
     return int(tokens)
 
 
-def kv_updates(out: KVOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, model: str,
-               quantization: str, control: RunControl) -> Iterator[dict]:
-    lm = shared.lm(model, quantization)
+def kv_updates(out: KVOutputs, shared: Shared, measure: Measure, control: RunControl) -> Iterator[dict]:
+    """Validate, then run the KV cache report (greedy with and without the cache)."""
+    prompt, chat = measure.prompt, measure.chat
+    lm = shared.lm(measure.model, measure.quantization)
     require(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
-    tokens = kv_tokens(max_new_tokens)
+    tokens = kv_tokens(measure.max_new_tokens)
     yield {out.status: status_html(f"greedy with and without the cache, {tokens} tokens each…"), out.summary: "",
            out.chart: None}
     report = drift.kv_cache_report(lm, prompt, chat, tokens, control=control)
@@ -124,8 +140,25 @@ class QuantPage:
     tokens: gr.Slider  # drift's max_new_tokens
     kv_tokens: gr.Slider  # the KV cache section's
 
+    name: ClassVar[str] = "quantization"  # a LessonTarget (shared.LessonTarget)
+
     def components(self) -> list:
         return [self.prompt, self.chat, self.tokens, self.kv_tokens]
+
+    def lesson_outputs(self) -> list:
+        return self.components()
+
+    def lesson_updates(self, lesson: Lesson, stored: Any = None,
+                       allowed: Sequence[str] | None = None) -> tuple[dict, str]:
+        """A lesson of this tab: its prompt, chat and budget (the check's, else the preset's) in the
+        section it teaches (the KV cache one for a ``kv_cache_same`` check, the 4-bit methods' one for
+        ``gptq_vs_awq``), and that section's button."""
+        check = lesson.check or {}
+        budget = check.get("max_new_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool):  # a pasted lesson's check may say anything
+            budget = lesson.runs[0].config.max_new_tokens
+        section = {"kv_cache_same": "kv", "gptq_vs_awq": "methods"}.get(check.get("kind"), "drift")
+        return self.open_lesson(lesson.prompt, lesson.chat, budget, section)
 
     def open_lesson(self, prompt: str, chat: bool, max_new_tokens: int, section: str) -> tuple[dict, str]:
         """Updates for a lesson of this tab (``section``: drift | kv | methods) and the id of the
@@ -207,10 +240,10 @@ def _wire(shared: Shared, inp: QuantInputs, measure: gr.Button, out: DriftOutput
 
     def on_measure(prompt: str, chat: bool, max_new: Any, picked: list[str] | None, model: str, *,
                    control: RunControl) -> Iterator[dict]:
-        yield from drift_updates(out, shared, prompt, chat, max_new, picked, model, control)
+        yield from drift_updates(out, shared, Measure(prompt, chat, max_new, model), picked, control)
 
     def on_kv(prompt: str, chat: bool, max_new: Any, model: str, quant: str, *, control: RunControl) -> Iterator[dict]:
-        yield from kv_updates(kv_out, shared, prompt, chat, max_new, model, quant, control)
+        yield from kv_updates(kv_out, shared, Measure(prompt, chat, max_new, model, quant), control)
 
     drift_event = shared.events.on([measure.click], on_measure, [inp.prompt, inp.chat, inp.tokens, inp.variants,
                                                                  shared.model], out.all(),
@@ -327,11 +360,12 @@ def render_kinds(out: KindOutputs, report: drift.KVDriftReport, final: bool) -> 
     return updates
 
 
-def kinds_updates(out: KindOutputs, shared: Shared, prompt: str, chat: bool, max_new_tokens: Any, picked: list[str] | None,
-                  window: Any, residual_length: Any, model: str, quantization: str, control: RunControl) -> Iterator[dict]:
+def kinds_updates(out: KindOutputs, shared: Shared, measure: Measure, picked: list[str] | None, window: Any,
+                  residual_length: Any, control: RunControl) -> Iterator[dict]:
     """Validate, then stream the KV kinds report as each kind finishes."""
-    kinds, tokens, res = kind_names(picked, window), kind_tokens(max_new_tokens), residual(residual_length)
-    lm = shared.lm(model, quantization)
+    prompt, chat = measure.prompt, measure.chat
+    kinds, tokens, res = kind_names(picked, window), kind_tokens(measure.max_new_tokens), residual(residual_length)
+    lm = shared.lm(measure.model, measure.quantization)
     require(lm, "KV cache")
     shared.encode_prompt(lm, prompt, chat)
     yield {out.status: status_html("full-precision reference: greedy run…"), out.table: [], out.memory: None,
@@ -370,7 +404,8 @@ def _kinds_section(shared: Shared, prompt: gr.Textbox, chat: gr.Checkbox) -> tup
 
     def on_run(prompt_text: str, chat_on: bool, max_new: Any, picked: list[str] | None, n: Any, res_len: Any,
                model: str, quant: str, *, control: RunControl) -> Iterator[dict]:
-        yield from kinds_updates(out, shared, prompt_text, chat_on, max_new, picked, n, res_len, model, quant, control)
+        yield from kinds_updates(out, shared, Measure(prompt_text, chat_on, max_new, model, quant), picked, n, res_len,
+                                 control)
 
     event = shared.events.on([run.click], on_run, [prompt, chat, tokens, kinds, window, res, shared.model,
                                                    shared.quantization], out.all(),

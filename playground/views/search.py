@@ -36,7 +36,7 @@ from .. import downloads
 from ..events import stop_button
 from ..knobs import SAMPLING_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, Shared, status_html, throttle
-from .stale import cleared
+from ..stale import cleared
 
 STREAM_EVERY_S = 0.5
 MCTS_KNOBS = ("mcts_simulations", "mcts_c_puct", "mcts_expand_k", "mcts_rollout_tokens", "max_new_tokens")

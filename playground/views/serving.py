@@ -37,7 +37,7 @@ from playground.charts import serving as charts
 
 from ..events import data_api
 from ..shared import OutputSet, Shared, UserError, error_html, status_html
-from .stale import cleared
+from ..stale import cleared
 
 WINDOWS = {"last minute": 60.0, "last 5 minutes": 300.0, "last 15 minutes": 900.0}
 DEFAULT_WINDOW = "last 5 minutes"

@@ -28,7 +28,7 @@ from ..assets import static_text
 from ..events import stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
-from . import stale
+from .. import stale
 
 STREAM_EVERY_S = 0.25
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")

@@ -6,7 +6,7 @@ its branches) and nothing else; no KV cache is kept, so a branch costs one prefi
 runner. API: ``/step_trace`` (run greedy/sampling) and ``/branch`` (continue a trace from a step
 with another token) return trace JSON.
 
-What if (views/whatif.py's row under the step chart): a knob change re-draws the selected step under
+What if (panels/whatif.py's row under the step chart): a knob change re-draws the selected step under
 the new knobs through the app's ``WhatIfService`` (the route, or when it cannot answer the same
 service call as the hidden fallback button's event, ``Handlers.on_knob``); Continue streams the
 branch under the new knobs into this view (``Handlers.on_continue``).
@@ -18,15 +18,17 @@ import copy
 import functools
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import gradio as gr
 
 from engine.reports import lessons as engine_lessons
+from engine.reports.lessons import Lesson
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.backends.local import LoadedModel
 from engine.backends.registry import is_remote_source
+from engine.backends.served import MODES, ModelPick
 from engine import runner
 from engine.trace import Trace
 from playground.charts import step as charts
@@ -39,8 +41,8 @@ from ..events import stop_button, zero_gpu
 from ..knobs import STAGE_KNOBS, KnobPanel
 from ..page_js import DRAW_JS
 from ..whatif_service import STAGE_STRATEGIES, KeptLogits, Registered, WhatIfService, register
-from . import stale
-from .whatif import WHATIF_CONCURRENCY, WHATIF_INTRO, WhatIfPanel, continue_events, explore_api
+from .. import stale
+from ..panels.whatif import WHATIF_CONCURRENCY, WHATIF_INTRO, WhatIfPanel, continue_events, explore_api
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
 from ..shared import page_width, parent_trace
 
@@ -117,6 +119,14 @@ class StepView(PanelView):
     width: Any = None
     remote_mode: Any = None
 
+    def lesson_outputs(self) -> list:
+        return [*super().lesson_outputs(), self.select_once]
+
+    def lesson_updates(self, lesson: Lesson, stored: Any, allowed: Sequence[str] | None) -> tuple[dict, str]:
+        """PanelView's, and the lesson's step to select once its run ends."""
+        updates, button = super().lesson_updates(lesson, stored, allowed)
+        return updates | {self.select_once: lesson.select_step}, button
+
 
 @dataclass(frozen=True)
 class StepRequest:
@@ -157,7 +167,7 @@ class Outputs(OutputSet):
     session: Any
     owner: Any  # gr.BrowserState: this page's secret, see StepSession
     whatif_key: Any  # hidden box: the session's what-if key (page_js.WHATIF_JS)
-    # The what-if row's outputs (views/whatif.py): every run and every redraw of the run's own step
+    # The what-if row's outputs (panels/whatif.py): every run and every redraw of the run's own step
     # puts them back, so no what-if of an earlier run or step stays beside the chart.
     whatif_note: Any
     whatif_figure: Any  # hidden box: the fallback event's figure (DRAW_JS)
@@ -387,11 +397,11 @@ class Handlers:
                     owner: str, *values: Any, control: RunControl, select: str | int | None = None,
                     width: float | None = None, remote_mode: Any = "step") -> Iterator[dict]:
         """Run the prompt under the panel's knobs; the last update selects ``select`` (see stream_run).
-        ``remote_mode``: step | fast, for a served model (``with_remote_mode``)."""
+        ``remote_mode``: step | fast, for a served model (``step_pick``)."""
         if state is not None and not state.owned_by(owner):
             raise UserError("session: this session belongs to another page; reload the page")
-        config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, model, quant, prompt, chat)
-        lm = with_remote_mode(lm, remote_mode)
+        config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, step_pick(model, remote_mode), quant,
+                                                     prompt, chat)
         owner = owner if isinstance(owner, str) and len(owner) >= 32 else secrets.token_hex(16)
         session = StepSession(owner=owner)  # a new prompt starts a new list of runs
         yield {self.out.owner: owner}
@@ -556,23 +566,28 @@ class Handlers:
               [out.chart, out.explain, out.whatif_note, out.whatif_figure], **local)
 
 
-REMOTE_MODES = ("step", "fast")
+REMOTE_MODES = MODES  # the radio's choices: engine.backends.served.MODES
 REMOTE_MODE_INFO = ("step: one request per token; our stages and our seeded draw over the server's top 100, every stage "
                     "drawn (exact up to the top-N). fast: one streamed request; the server's own sampler picks, and "
                     "each token shows its raw and final top-N (no stages in between; a branch from it goes on in step mode).")
 
 
-def with_remote_mode(lm: LoadedModel, mode: Any, source: str | None = None) -> LoadedModel:
-    """``lm`` run in ``mode`` (step | fast) when it is a served model; a UserError naming
-    ``remote_mode`` for another value, or, given the model's ``source`` (an API call; the page hides
-    the radio then), for fast on a model loaded here."""
-    if mode not in REMOTE_MODES:
+def step_pick(model: Any, mode: Any, api: bool = False) -> Any:
+    """The model pick's value (engine.backends.served.ModelPick, the encoding Compare's lane picks
+    use; ``Shared.lm`` reads it) of the header's ``model`` and the mode radio's ``mode``: "fast" runs a
+    served model in fast mode, "step" keeps the pick as it is. A UserError naming ``remote_mode``
+    for another value, or, for an API call (the page hides the radio then), for fast on a model
+    loaded here."""
+    if mode not in MODES:
         raise UserError(f"remote_mode: expected step or fast, got {str(mode)[:40]!r}")
-    if not lm.capabilities.served:
-        if source is not None and mode == "fast":
-            raise UserError(f"remote_mode: fast needs a served model; model {source[:60]!r} runs here (use step)")
-        return lm
-    return lm.with_mode(mode)
+    if mode == "step" or not isinstance(model, str):
+        return model
+    source = ModelPick.parse(model).source
+    if not is_remote_source(source):
+        if api:
+            raise UserError(f"remote_mode: fast needs a served model; model {model[:60]!r} runs here (use step)")
+        return model
+    return ModelPick(source, "fast").value
 
 
 def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,
@@ -582,7 +597,7 @@ def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: 
     ``preset``: a built-in preset name (or preset JSON); ``config``: knobs overriding it;
     ``remote_mode``: on a served model, "step" (our chain over its top-N) or "fast" (it samples)."""
     cfg = shared.api_config(preset, config, default_strategy="sample", strategies=STEP_STRATEGIES)
-    lm = with_remote_mode(shared.lm(model, quantization), remote_mode, str(model))
+    lm = shared.lm(step_pick(model, remote_mode, api=True), quantization)
     prompt_ids = shared.encode_prompt(lm, prompt, chat)
     return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
 

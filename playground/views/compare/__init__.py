@@ -19,6 +19,11 @@ from ...shared import Shared
 from . import api, handlers, layout
 
 
+def lesson_target(page: layout.Page) -> handlers.CompareLessons:
+    """The page as a lesson's target (the Lessons tab's "Open in its view")."""
+    return handlers.CompareLessons(page)
+
+
 def build_tab(shared: Shared) -> layout.Page:
     page = layout.build_page(shared.policy.allowed)
     handlers.wire(shared, page)

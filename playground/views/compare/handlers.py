@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import gradio as gr
 
 from engine.strategies import contrastive
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
+from engine.reports import lessons as engine_lessons
+from engine.reports.lessons import Lesson
 from engine.reports.metrics import lane_metrics, mean_logprob, sweep_spread
 from playground.charts import compare as charts
 from playground.charts import step as step_charts
@@ -19,8 +22,9 @@ from playground.charts import step as step_charts
 from ...events import stop_button
 from ...knobs import compact_knob_state
 from ...shared import Shared, UserError, error_html, status_html
-from ...user_presets import CUSTOM, preset_choices
-from ..stale import cleared
+from ...page_js import RUN_BUTTONS
+from ...user_presets import CUSTOM, lane_configs, preset_choices
+from ...stale import cleared
 from .lanes import (
     DONE, FAILED, LANE_FIELDS, MAX_LANES, RUN_KNOBS, RUNNING, STOPPED, WAITING, CompareSession, LaneSpec, add_lane,
     default_spec, duplicate_lane, lane_config, lane_name, remove_lane, served_words, spec_from_config, spec_from_preset,
@@ -204,6 +208,23 @@ def lesson_outputs(page: Page) -> list:
     """The components ``open_lesson`` updates."""
     return [page.prompt, page.chat, page.count, page.session, page.status, *page.spec_outputs, *page.result_outputs,
             *page.lane_models]
+
+
+@dataclass(frozen=True)
+class CompareLessons:
+    """The Compare page as a LessonTarget (shared.LessonTarget): a lesson's prompt, chat and every
+    run as a lane, each lane's model pick the server its ``models`` names (through the operator's list)."""
+
+    page: Page
+    name: ClassVar[str] = "compare"
+
+    def lesson_outputs(self) -> list:
+        return lesson_outputs(self.page)
+
+    def lesson_updates(self, lesson: Lesson, stored: Any, allowed: Sequence[str] | None) -> tuple[dict, str]:
+        sources = engine_lessons.run_sources(lesson, "", offered=allowed) if lesson.models else ()
+        return (open_lesson(self.page, lesson.prompt, lesson.chat, lane_configs(lesson, stored), sources),
+                RUN_BUTTONS[self.name])
 
 
 def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, quant: str, count: int, kind: str,

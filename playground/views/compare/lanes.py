@@ -26,8 +26,6 @@ LANE_FIELDS = ("preset", "strategy", *LANE_KNOBS, "more")  # a lane's controls, 
 START_BUDGET = 32  # max_new_tokens of the lanes on a fresh page (short runs, on a CPU)
 # Presets offered, in order, to each new lane (the first one not already in use).
 LANE_PRESETS = ("greedy", "balanced", "contrastive-search", "min-p", "creative", "anti-repetition")
-# A lane's model pick "fast:<served model>": that server in fast mode (its own sampler picks).
-FAST_PREFIX = "fast:"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import gradio as gr
 
 from engine.config import KNOBS, STRATEGIES
 from engine.backends.registry import is_remote_source
+from engine.backends.served import ModelPick
 from playground.charts import compare as charts
 
 from ... import ids
@@ -17,7 +18,7 @@ from ...knobs import compact_knob_component
 from ...shared import SESSION_TTL_S, UserError
 from ...user_presets import preset_choices
 from .lanes import (
-    FAST_PREFIX, LANE_KNOBS, LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_config,
+    LANE_KNOBS, LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_config,
     lane_name, spec_from_preset,
 )
 
@@ -121,11 +122,12 @@ def strategy_choices() -> list[str]:
 
 def lane_model_choices(offered: Sequence[str]) -> list[tuple[str, str]]:
     """A lane's Model picker: the header's model, every offered model, and for a served one also
-    its fast mode (``FAST_PREFIX``: the server's own sampler picks; step mode runs our chain)."""
+    its fast mode (engine.backends.served.ModelPick: the server's own sampler picks; step mode runs our chain)."""
     choices = [(HEADER_MODEL, "")]
     for m in offered:
         if is_remote_source(m):
-            choices += [(f"{m} · step mode (our stages)", m), (f"{m} · fast mode (its own sampler)", FAST_PREFIX + m)]
+            choices += [(f"{m} · step mode (our stages)", m),
+                        (f"{m} · fast mode (its own sampler)", ModelPick(m, "fast").value)]
         else:
             choices.append((m, m))
     return choices

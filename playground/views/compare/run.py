@@ -28,7 +28,7 @@ from engine.trace import Event, StepTrace, Trace
 
 from ...events import error_message
 from ...shared import Shared, UserError
-from .lanes import DONE, FAILED, FAST_PREFIX, RUNNING, STOPPED, CompareSession
+from .lanes import DONE, FAILED, RUNNING, STOPPED, CompareSession
 
 # At most this often a redraw while lanes run (a lane that ends redraws at once). Every update costs
 # the browser work in proportion to the whole app's components (Gradio refreshes every loading status
@@ -130,13 +130,9 @@ def lane_models(shared: Shared, picks: Sequence[tuple], model: str, quant: str, 
 
 def lane_model(shared: Shared, source: Any, quant: str, prompt: str, chat: bool) -> LaneModel:
     """The model ``source`` names, connected or loaded, with the prompt's ids; ``fast:<served
-    model>`` (FAST_PREFIX) runs that server in fast mode. UserError when it cannot."""
-    fast = isinstance(source, str) and source.startswith(FAST_PREFIX)
-    lm = shared.lm(source[len(FAST_PREFIX):] if fast else source, quant)
-    if fast:
-        if not lm.capabilities.served:
-            raise UserError(f"model: {source[:80]!r}: fast mode needs a served model (the server's own sampler)")
-        lm = lm.with_mode("fast")
+    model>`` (engine.backends.served.ModelPick, read by ``Shared.lm``) runs that server in fast mode.
+    UserError when it cannot."""
+    lm = shared.lm(source, quant)
     return LaneModel(lm, shared.encode_prompt(lm, prompt, chat))
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 
 import gradio as gr
 
-from ..shared import error_html, status_html
+from .shared import error_html, status_html
 
 CLEARED_NOTE = "The charts and text of the previous run were cleared, so they are not taken for the result of this one."
 STOPPED_NOTE = "the output shows what this run made before it stopped."
