@@ -26,6 +26,7 @@ from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.runner import RunRequest
 from engine.settings import SettingsError
+from playground.charts.remote import remote_markdown
 
 PROMPT = "The history of the printing press begins"
 GREEDY = DecodingConfig(strategy="greedy", max_new_tokens=20)
@@ -101,6 +102,17 @@ def test_the_count_asked_grows_while_kept_and_shrinks_to_what_a_disagreement_gav
     assert v.next_count() == 3
 
 
+def test_the_step_through_sentence_is_made_of_the_label_s_numbers():
+    from playground.charts.remote import verified_sentence
+
+    v = remote.Verified(8, requests=3, drafted=14, server=[True] * 7 + [False] + [True] * 2)
+    line = verified_sentence(v.label())
+    assert line == (" **Verified continuations:** 9 of 10 tokens were the server's own greedy continuation "
+                    "(90.0% accepted) and 1 ours where our chain picked another; 3 requests instead of 10, the same "
+                    "tokens as one request per token (4 drafted tokens dropped).")
+    assert verified_sentence(remote.Verified(8).label()) == "" and verified_sentence(None) == ""
+
+
 def test_an_empty_record_is_strict_json():
     label = remote.Verified(8).label()
     assert label["acceptance"] is None and label["steps"] == 0
@@ -140,6 +152,7 @@ def test_verified_step_mode_is_one_request_per_token_step_mode(server_model, con
         assert v["requests"] < len(plain.steps) or not config.is_greedy  # fewer requests (greedy: most kept)
         if config.is_greedy:
             assert v["accepted"] == v["steps"]  # a greedy chain always agrees with the greedy server
+        assert f"{v['accepted']} of {v['steps']} tokens were the server's own" in remote_markdown(verified)
 
 
 @server_test
@@ -217,9 +230,9 @@ def lie_at(position: int, request: int = 0) -> Callable[[int, dict], dict]:
 
 @server_test
 @pytest.mark.parametrize("position", [0, 2, 3], ids=["first", "middle", "last"])
-def test_a_disagreement_takes_ours_and_drops_the_positions_after_it(server_model, proxied, position):
+def test_a_disagreement_takes_ours_and_drops_the_positions_after_it(proxied, position):
     model, asked = proxied(lie_at(position))
-    plain = run(server_model, GREEDY, 0)
+    plain = run(model, GREEDY, 0)  # through the proxy too (one token per request: never edited)
     verified = runner.run(RunRequest(model, PROMPT, GREEDY))
     same_run(verified, plain)
     v = verified.extra["remote"]["verified"]
@@ -230,7 +243,7 @@ def test_a_disagreement_takes_ours_and_drops_the_positions_after_it(server_model
 
 
 @server_test
-def test_a_server_that_returns_fewer_tokens_than_asked(server_model, proxied):
+def test_a_server_that_returns_fewer_tokens_than_asked(proxied):
     def fewer(index: int, answer: dict) -> dict:
         answer["completion_probabilities"] = answer["completion_probabilities"][:1 + index % 2]
         answer["tokens"] = answer.get("tokens", [])[:1 + index % 2]
@@ -238,7 +251,7 @@ def test_a_server_that_returns_fewer_tokens_than_asked(server_model, proxied):
 
     model, asked = proxied(fewer)
     for config in (GREEDY, SAMPLED):
-        plain = run(server_model, config, 0)
+        plain = run(model, config, 0)
         verified = runner.run(RunRequest(model, PROMPT, config))
         same_run(verified, plain)
         v = verified.extra["remote"]["verified"]

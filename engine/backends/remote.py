@@ -11,7 +11,11 @@ through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend
   log-probabilities; the server's prefix cache re-reads only the new token). The raw top-N become
   logits (log p inside the top-N, -inf outside); our own stage chain and our own seeded draw
   (``engine.core.RunState``, the local engine's loop body) pick the token. Exact up to the
-  truncation to the top-N, which the trace labels (the tail mass per step).
+  truncation to the top-N, which the trace labels (the tail mass per step). By default
+  (``DP_STEP_VERIFY_TOKENS``, issue #38) a request asks the server's greedy continuation, several
+  tokens each with the raw top-N at its position, and our chain verifies it position by position
+  (``stream_verified``): the same tokens, draws and records as one request per token, in fewer
+  requests; the trace's ``extra["remote"]["verified"]`` says how many of its tokens were the server's.
 - **fast mode**: one streamed request for the whole text (Server-Sent Events: a step is shown as
   its token arrives); the server's sampler picks (its own random generator: the same seed gives a
   different text than ours). Each step shows the server's top-N (llama.cpp: final and, from a
