@@ -161,9 +161,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="llama-server threads (-t)")
     parser.add_argument("--url", default="", help="an already running llama-server")
     parser.add_argument("--vllm-url", default="", help="an already running vLLM (make vllm)")
+    parser.add_argument("--no-llama", action="store_true", help="only the vLLM at --vllm-url")
     args = parser.parse_args()
-    with nullcontext(args.url) if args.url else started_server(args.threads, slots=16) as url:
-        bench_server("llama-server", llamacpp.connect(url, timeout_s=300), server_processes(url), args)
+    if not args.no_llama:
+        with nullcontext(args.url) if args.url else started_server(args.threads, slots=16) as url:
+            bench_server("llama-server", llamacpp.connect(url, timeout_s=300), server_processes(url), args)
     if args.vllm_url:
         spec = served.RemoteSpec.parse(vllm_serve.remote_spec(args.vllm_url))
         bench_server("vLLM", remote.connect_spec(spec, timeout_s=300), server_processes(args.vllm_url), args)
