@@ -116,7 +116,9 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
 
 
 # --- step mode, verifying the server's continuation (issue #38) -----------------------------------
-VERIFY_TOKENS = 8  # DP_STEP_VERIFY_TOKENS' default: bench/remote.py measured 4, 8 and 16 (docs/performance.md)
+# DP_STEP_VERIFY_TOKENS' default: a greedy run asks 4, then 8 (next_count); not tuned against 16 or 32 yet
+# (bench/step_verify.py --verify K measures one; docs/performance.md has the run at 8)
+VERIFY_TOKENS = 8
 MAX_VERIFY_TOKENS = 64  # a continuation's most tokens (llamacpp.MAX_CHUNK_TOKENS: the schema's bound)
 
 
