@@ -141,7 +141,8 @@ def bench_server(label: str, model: served.RemoteModel, server: list, args) -> N
     for cname, config in configs(args.tokens).items():
         acceptance = check_equal(models, config, min(args.users, 4))
         print(f"\n{label}, {cname}, {args.tokens} tokens; verified tokens equal 1-request/token on "
-              f"{min(args.users, 4)} prompts; acceptance {acceptance:.2f}; medians of {args.repeats} interleaved rounds",
+              f"{min(args.users, 4)} prompts; acceptance {acceptance:.2f}; "
+              f"medians of {args.repeats} interleaved rounds",
               flush=True)
         print(f"{'users':>5} {'run':<30} {'tok/s':>7} {'x fast':>7} {'app CPU ms/tok':>15} {'server CPU ms/tok':>18}")
         for users in (1, args.users):

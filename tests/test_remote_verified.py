@@ -63,7 +63,8 @@ def same_run(verified, plain, tol: float = 1e-5) -> None:
     assert verified.generated_token_ids == plain.generated_token_ids
     assert verified.stop_reason == plain.stop_reason and verified.text == plain.text
     for i, (a, b) in enumerate(zip(verified.steps, plain.steps)):
-        close(dataclasses.asdict(a) | {"elapsed_ms": 0.0}, dataclasses.asdict(b) | {"elapsed_ms": 0.0}, f"step {i}", tol)
+        untimed = {"elapsed_ms": 0.0}
+        close(dataclasses.asdict(a) | untimed, dataclasses.asdict(b) | untimed, f"step {i}", tol)
     label = dict(verified.extra["remote"])
     verification = label.pop("verified")
     close(label, plain.extra["remote"], "extra.remote", tol)

@@ -161,7 +161,8 @@ class Verified:
         """``extra["remote"]["verified"]`` (strict JSON: no acceptance without a step)."""
         accepted = sum(self.server)
         return {"tokens": self.tokens, "requests": self.requests, "asked": list(self.asked), "drafted": self.drafted,
-                "steps": len(self.server), "accepted": accepted, "acceptance": accepted / len(self.server) if self.server else None,
+                "steps": len(self.server), "accepted": accepted,
+                "acceptance": accepted / len(self.server) if self.server else None,
                 "server_token": list(self.server)}
 
 
