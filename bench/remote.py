@@ -35,6 +35,7 @@ import threading
 import time
 import urllib.request
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,15 +54,16 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 @contextmanager
-def started_server(threads: int) -> Iterator[str]:
-    """The cached llama-server over the embedded GGUF on a free loopback port; yields its URL."""
+def started_server(threads: int, slots: int = 1) -> Iterator[str]:
+    """The cached llama-server over the embedded GGUF on a free loopback port (``slots``: -np, each
+    with a 2048-token context); yields its URL."""
     binary = subprocess.run(["sh", os.path.join(ROOT, "deploy", "llama_server.sh"), sys.executable],
                             check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([binary, "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(port),
-                               "-c", "2048", "-t", str(threads), "-np", "1"],
+                               "-c", str(2048 * slots), "-t", str(threads), "-np", str(slots)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -152,9 +154,11 @@ def main() -> None:
     least = args.tokens // 2
     with (nullcontext(args.url) if args.url else started_server(args.threads)) as url, \
             vllm_server(args.vllm_url) as vllm_url:
-        native = llamacpp.connect(url, timeout_s=120)
-        through_v1 = openai.connect_openai(url + "/v1", timeout_s=120)
-        vllm = remote.connect_spec(served.RemoteSpec.parse(vllm_serve.remote_spec(vllm_url)), timeout_s=120)
+        # the "1 request/token" rows: step mode without verifying continuations (bench.step_verify compares them)
+        native = replace(llamacpp.connect(url, timeout_s=120), verify=0)
+        through_v1 = replace(openai.connect_openai(url + "/v1", timeout_s=120), verify=0)
+        vllm = replace(remote.connect_spec(served.RemoteSpec.parse(vllm_serve.remote_spec(vllm_url)), timeout_s=120),
+                       verify=0)
         fast, beams = native.with_mode("fast"), config.replace(strategy="beam", num_beams=2)
         spec = config.replace(strategy="speculative", drafter="ngram", temperature=0.0)
         runs = {name: counted(model, cfg, name, least) for name, model, cfg in (

@@ -100,14 +100,18 @@ def replay(name: str) -> Iterator[tuple[str, dict]]:
 
 
 @pytest.fixture
-def vllm() -> Iterator[tuple[str, dict]]:
-    """(the /v1 URL, the state) of a local server replaying the real vLLM over the converted folder."""
+def vllm(monkeypatch) -> Iterator[tuple[str, dict]]:
+    """(the /v1 URL, the state) of a local server replaying the real vLLM over the converted folder.
+    Step mode asks one token per request there: the recordings are of that (tests/data/vllm/record.py);
+    verifying continuations (#38) is tested against the live vLLM (tests/test_remote_verified.py)."""
+    monkeypatch.setenv("DP_STEP_VERIFY_TOKENS", "0")
     yield from replay("exchanges.json")
 
 
 @pytest.fixture
-def broken_vllm() -> Iterator[tuple[str, dict]]:
+def broken_vllm(monkeypatch) -> Iterator[tuple[str, dict]]:
     """The same, replaying the real vLLM over the folder in the old layout (tied embedding under one name)."""
+    monkeypatch.setenv("DP_STEP_VERIFY_TOKENS", "0")
     yield from replay("broken.json")
 
 

@@ -150,6 +150,10 @@ def test_step_through_on_a_remote_model_generates_branches_and_continues(served,
     summary = page.shown("step-summary")
     assert "**Remote model** llamacpp:" in summary and "**Approximations:**" in summary
     assert remote["approximations"][0].split(";")[0] in summary
+    verified = remote["verified"]  # step mode verifies the server's greedy continuation by default (#38)
+    assert verified["steps"] == len(original.steps) and verified["requests"] < len(original.steps)
+    assert (f"{verified['accepted']} of {verified['steps']} tokens were the server's own greedy continuation "
+            f"({percent(verified['acceptance'])} accepted)") in summary, summary
     page.set("step-index", 2)
     page.fire("redraw", "step-text")
     tail = remote["tail_mass"][2]

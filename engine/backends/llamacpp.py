@@ -105,6 +105,26 @@ class LlamaCppApi:
         field = "completion_probabilities[0]"
         return llama_entries(s.get(probs[0], "top_logprobs", field), s, f"{field}.top_logprobs", top_n + 1)
 
+    def continuation(self, ids: Sequence[int], count: int, top_n: int) -> list[tuple[int, list[Entry]]]:
+        """The server's greedy continuation of ``ids``, at most ``count`` tokens in one request, each
+        with the raw top-N at its position (``post_sampling_probs`` false: the model's softmax before
+        any sampler, as ``next_top``'s): [(token, top-N)]; fewer when it stops (EOS)."""
+        answer = self.client.post("/completion", {
+            "prompt": list(ids), "n_predict": count, "n_probs": top_n, "post_sampling_probs": False,
+            "cache_prompt": True, "samplers": ["top_k"], "top_k": 1, "return_tokens": True})
+        s = self.schema("/completion")
+        probs = s.array(s.get(answer, "completion_probabilities"), "completion_probabilities", count)
+        if not probs:
+            raise s.fail("completion_probabilities", "empty: no top_logprobs in the answer")
+        out = []
+        for i, entry in enumerate(probs):
+            field = f"completion_probabilities[{i}]"
+            s.obj(entry, field)
+            token = s.token(s.get(entry, "id", field), f"{field}.id")
+            out.append((token, llama_entries(s.get(entry, "top_logprobs", field), s, f"{field}.top_logprobs",
+                                             top_n + 1)))
+        return out
+
     def positions(self, ids: Sequence[int], start: int, top_n: int) -> list[list[Entry]]:
         """The raw top-N after ``ids[:i]`` for i = start .. len(ids): one request each (the prefix
         cache re-reads one token); a token outside a top-N has no probability here."""

@@ -161,6 +161,16 @@ class OpenAIApi:
             raise s.fail("choices[0].logprobs", "no top logprobs in the answer")
         return tokens[0][2]
 
+    def continuation(self, ids: Sequence[int], count: int, top_n: int) -> list[tuple[int, list[Entry]]]:
+        """The server's greedy continuation of ``ids`` (temperature 0), at most ``count`` tokens in one
+        request, each with its top-N ``logprobs`` (the raw model's under vLLM's default
+        ``--logprobs-mode raw_logprobs``, as ``next_top``'s): [(token, top-N)]; fewer when it stops."""
+        s, choice = self._complete({"prompt": list(ids), "max_tokens": count, "logprobs": top_n, "temperature": 0})
+        tokens = _openai_tokens(choice, s, "choices[0]", count, top_n)
+        if not tokens:
+            raise s.fail("choices[0].logprobs", "no top logprobs in the answer")
+        return [(token, top) for token, _, top in tokens]
+
     def prompt_logprobs(self, ids: Sequence[int], top_n: int) -> list[dict[int, float] | None]:
         """vLLM's ``prompt_logprobs``: for each position of ``ids``, the log-probabilities of its
         token and the top-N there (None for the first). llama-server has none: one line says so."""

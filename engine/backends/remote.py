@@ -11,7 +11,11 @@ through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend
   log-probabilities; the server's prefix cache re-reads only the new token). The raw top-N become
   logits (log p inside the top-N, -inf outside); our own stage chain and our own seeded draw
   (``engine.core.RunState``, the local engine's loop body) pick the token. Exact up to the
-  truncation to the top-N, which the trace labels (the tail mass per step).
+  truncation to the top-N, which the trace labels (the tail mass per step). By default
+  (``DP_STEP_VERIFY_TOKENS``, issue #38) a request asks the server's greedy continuation, several
+  tokens each with the raw top-N at its position, and our chain verifies it position by position
+  (``stream_verified``): the same tokens, draws and records as one request per token, in fewer
+  requests; the trace's ``extra["remote"]["verified"]`` says how many of its tokens were the server's.
 - **fast mode**: one streamed request for the whole text (Server-Sent Events: a step is shown as
   its token arrives); the server's sampler picks (its own random generator: the same seed gives a
   different text than ours). Each step shows the server's top-N (llama.cpp: final and, from a
@@ -35,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import closing
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -47,6 +51,7 @@ from engine.backends.served import STEP_TOP_N, Entry, FastAnswer, FastToken, Rem
 from engine.config import DecodingConfig
 from engine.core import RunState, assemble, checked
 from engine.sampling import NoTokensLeft
+from engine.settings import SettingsError, env_int
 from engine.stages import STAGES
 from engine.trace import Event, StageTrace, StepTrace, TokenProb, Trace
 
@@ -110,6 +115,95 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
             return
 
 
+# --- step mode, verifying the server's continuation (issue #38) -----------------------------------
+# DP_STEP_VERIFY_TOKENS' default: a greedy run asks 4, then 8 (next_count); not tuned against 16 or 32 yet
+# (bench/step_verify.py --verify K measures one; docs/performance.md has the run at 8)
+VERIFY_TOKENS = 8
+MAX_VERIFY_TOKENS = 64  # a continuation's most tokens (llamacpp.MAX_CHUNK_TOKENS: the schema's bound)
+
+
+def verify_tokens(model: RemoteModel) -> int:
+    """Tokens of the server's continuation one step-mode request asks (0: one request per token):
+    the model's own ``verify`` if set, else ``DP_STEP_VERIFY_TOKENS`` (default VERIFY_TOKENS)."""
+    if model.verify is not None:
+        return model.verify
+    value = env_int("DP_STEP_VERIFY_TOKENS", VERIFY_TOKENS)
+    if value > MAX_VERIFY_TOKENS:
+        raise SettingsError(f"DP_STEP_VERIFY_TOKENS: expected an integer from 0 to {MAX_VERIFY_TOKENS}, got {value}")
+    return value
+
+
+@dataclass
+class Verified:
+    """What verifying a run's continuations did: ``tokens`` asked per request, the ``requests``
+    made, the tokens the server ``drafted`` in all, and per step whether our pick was the server's
+    own token (``server``: accepted) or ours (the first disagreement of its request)."""
+
+    tokens: int
+    requests: int = 0
+    drafted: int = 0
+    server: list[bool] = field(default_factory=list)
+    asked: list[int] = field(default_factory=list)  # each request's count (``next_count``)
+    gave: list[int] = field(default_factory=list)  # the steps each request gave
+
+    def next_count(self) -> int:
+        """The next request's count, at most ``tokens``: the first asks up to 4; after a
+        continuation kept whole, twice as many; after a disagreement, twice the steps that request
+        gave. A chain that often disagrees (sampling at a high temperature) asks few and wastes few
+        server forwards; a greedy-ish one soon asks ``tokens``. The count shapes the requests only,
+        never the steps (``stream_verified``)."""
+        if not self.asked:
+            return min(self.tokens, 4)
+        last, gave = self.asked[-1], self.gave[-1]
+        return max(1, min(self.tokens, 2 * (last if gave >= last else gave)))
+
+    def label(self) -> dict[str, Any]:
+        """``extra["remote"]["verified"]`` (strict JSON: no acceptance without a step)."""
+        accepted = sum(self.server)
+        return {"tokens": self.tokens, "requests": self.requests, "asked": list(self.asked), "drafted": self.drafted,
+                "steps": len(self.server), "accepted": accepted,
+                "acceptance": accepted / len(self.server) if self.server else None,
+                "server_token": list(self.server)}
+
+
+def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, verified: Verified, *,
+                    top_n: int = STEP_TOP_N, tails: list[float] | None = None, prefix: Sequence[int] = (),
+                    force: int | None = None) -> Iterator[StepTrace]:
+    """Step mode at fewer requests: each request asks the server's greedy continuation (at most
+    ``verified.tokens`` tokens, the raw top-N at each position, ``api.continuation``); our chain and
+    draw run on each position in order, exactly as ``stream_step`` would run them (the same
+    RunState), and the continuation is kept while our pick is the server's token. At the first
+    position where it is not, ours is taken and the next request continues from it: the positions
+    after it were conditioned on a token we did not pick, so they are dropped unread (no chain, no
+    draw). The tokens, draws and stage records are one-request-per-token step mode's."""
+    check_strategy(config)
+    state = RunState(model, prompt_ids, config, prefix=prefix, force=force)
+    if state.needs_replay:  # a stateful branch: its prefix positions, one request each (as stream_step)
+        start = len(prompt_ids)
+        state.replay(torch.cat([top_logits(model, state.sequence[:start + i], top_n)[0] for i in range(len(prefix))]))
+    while True:
+        ids = state.ids[0].tolist()
+        count = max(1, min(verified.next_count(), config.max_new_tokens - len(state.generated),
+                           model.context - len(ids)))
+        drafted = model.api.continuation(ids, count, top_n)
+        verified.requests += 1
+        verified.drafted += len(drafted)
+        verified.asked.append(count)
+        verified.gave.append(0)
+        for token, top in drafted:
+            logits, tail = entries_logits(model, top)
+            if tails is not None:
+                tails.append(tail)
+            step = state.advance(logits)
+            verified.server.append(step.chosen_token_id == token)
+            verified.gave[-1] += 1
+            yield step
+            if step.finish_reason is not None:
+                return
+            if step.chosen_token_id != token:
+                break
+
+
 def step_approximations(config: DecodingConfig, top_n: int) -> list[str]:
     """What step mode cannot do exactly for ``config``, in words (the trace carries them)."""
     caveats = dict.fromkeys(text for name in config.active_stages() for text in STAGES[name].served.step_caveats)
@@ -131,8 +225,13 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
     tails: list[float] = []
     steps: list[StepTrace] = []
     ended: NoTokensLeft | None = None
+    k = verify_tokens(model)
+    verified = Verified(k) if k > 0 else None
+    stepped = stream_verified(model, prompt_ids, config, verified, top_n=model.top_n, tails=tails, prefix=prefix,
+                              force=force) if verified is not None \
+        else stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force)
     try:
-        for step in stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force):
+        for step in stepped:
             steps.append(step)
             yield Event(steps=[step])
     except NoTokensLeft as exc:  # a step with nothing left to pick ends the run, saying why
@@ -144,6 +243,8 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
         if type(ended) is not NoTokensLeft:  # a stage said why (the grammar: none of the top-N allowed)
             approximations.append(str(ended))
     trace.extra["remote"] = _label(model, "step", model.top_n, approximations) | {"tail_mass": tails}
+    if verified is not None:
+        trace.extra["remote"]["verified"] = verified.label()
     yield Event(trace=trace)
 
 

@@ -170,12 +170,15 @@ class RemoteModel:
     quantization: str = "server"
     mode: str = "step"  # how runner.stream runs greedy/sample on it: "step" (our chain) or "fast" (it samples)
     top_n: int = STEP_TOP_N  # step mode: tokens per step the server returns
+    verify: int | None = None  # step mode: continuation tokens verified per request (None: DP_STEP_VERIFY_TOKENS)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: expected {' or '.join(MODES)}, got {self.mode!r}")
         if not 1 <= self.top_n <= 1000:
             raise ValueError(f"top_n: expected 1..1000 tokens per step, got {self.top_n!r}")
+        if self.verify is not None and not 0 <= self.verify <= 64:
+            raise ValueError(f"verify: expected 0..64 continuation tokens per request, got {self.verify!r}")
 
     def with_mode(self, mode: str, top_n: int | None = None) -> "RemoteModel":
         """The same server (client and memoised token texts shared) run in ``mode``."""

@@ -1,0 +1,299 @@
+"""Issue #38: step mode verifying the server's greedy continuation (engine.backends.remote.
+stream_verified) equals one-request-per-token step mode token for token and trace for trace.
+
+Marker `remote`: the real llama-server (tests/conftest.py's llama_server), directly and through a
+loopback proxy that edits its continuations (a token the server did not pick at the first, a middle
+or the last position, with the positions after it garbled so that reading them would change the
+run; fewer tokens than asked). Marker `vllm`: the real vLLM. The rest needs no server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import math
+import threading
+import urllib.request
+from dataclasses import replace
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from engine import runner
+from engine.backends import llamacpp, remote
+from engine.config import DecodingConfig
+from engine.control import RunControl, RunStopped
+from engine.runner import RunRequest
+from engine.settings import SettingsError
+from playground.charts.remote import remote_markdown
+
+PROMPT = "The history of the printing press begins"
+GREEDY = DecodingConfig(strategy="greedy", max_new_tokens=20)
+SAMPLED = DecodingConfig(strategy="sample", temperature=0.8, top_k=50, top_p=0.9, seed=11, max_new_tokens=20)
+PENALISED = DecodingConfig(strategy="sample", temperature=1.0, repetition_penalty=1.3, presence_penalty=0.4, seed=5,
+                           max_new_tokens=20)
+MIROSTAT = DecodingConfig(strategy="sample", mirostat=2, mirostat_tau=3.0, seed=3, max_new_tokens=20)
+
+
+def server_test(fn):
+    return pytest.mark.remote(pytest.mark.slow(pytest.mark.timeout(2400)(fn)))
+
+
+def close(a: Any, b: Any, where: str, tol: float) -> None:
+    """``a`` == ``b``, floats within ``tol`` (NaN equals NaN), recursively; ``where`` names a difference."""
+    if isinstance(a, float) and isinstance(b, float):
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol or a == b, f"{where}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            close(a[k], b[k], f"{where}.{k}", tol)
+    elif isinstance(a, list):
+        assert len(a) == len(b), f"{where}: {len(a)} != {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            close(x, y, f"{where}[{i}]", tol)
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def same_run(verified, plain, tol: float = 1e-5) -> None:
+    """The verified run's trace is the one-request-per-token run's: tokens, stop, and every step's
+    record (draws, stages' kept counts, masses, entropies and top-N) within ``tol``; only the
+    steps' times and the label's verification record differ."""
+    assert verified.generated_token_ids == plain.generated_token_ids
+    assert verified.stop_reason == plain.stop_reason and verified.text == plain.text
+    for i, (a, b) in enumerate(zip(verified.steps, plain.steps)):
+        untimed = {"elapsed_ms": 0.0}
+        close(dataclasses.asdict(a) | untimed, dataclasses.asdict(b) | untimed, f"step {i}", tol)
+    label = dict(verified.extra["remote"])
+    verification = label.pop("verified")
+    close(label, plain.extra["remote"], "extra.remote", tol)
+    assert "verified" not in plain.extra["remote"]
+    # the label covers the run's new steps (a branch's trace also holds its parent's steps before it)
+    assert verification["steps"] == len(verified.extra["remote"]["tail_mass"]) == len(verification["server_token"])
+    assert verification["accepted"] == sum(verification["server_token"])
+    assert verification["drafted"] >= verification["steps"] and verification["requests"] <= verification["steps"]
+    strict(verified)
+
+
+def strict(trace) -> dict:
+    """The trace's JSON, refusing NaN / Infinity."""
+    def refuse(name):
+        raise AssertionError(f"non-strict JSON constant {name}")
+    return json.loads(trace.to_json(), parse_constant=refuse)
+
+
+def run(model, config, k: int, prompt: str = PROMPT):
+    return runner.run(RunRequest(replace(model, verify=k), prompt, config))
+
+
+# --- no server needed ------------------------------------------------------------------------------
+def test_the_count_asked_grows_while_kept_and_shrinks_to_what_a_disagreement_gave():
+    v = remote.Verified(8)
+    assert v.next_count() == 4  # the first request asks up to 4
+    v.asked, v.gave = [4], [4]
+    assert v.next_count() == 8  # kept whole: twice as many, at most 8
+    v.asked, v.gave = [4, 8], [4, 2]
+    assert v.next_count() == 4  # a disagreement at its 2nd position: twice the 2 steps it gave
+    v.asked, v.gave = [4, 8, 4], [4, 2, 1]
+    assert v.next_count() == 2
+    assert remote.Verified(1).next_count() == 1
+    v = remote.Verified(3)
+    v.asked, v.gave = [3], [3]
+    assert v.next_count() == 3
+
+
+def test_the_step_through_sentence_is_made_of_the_label_s_numbers():
+    from playground.charts.remote import verified_sentence
+
+    v = remote.Verified(8, requests=3, drafted=14, server=[True] * 7 + [False] + [True] * 2)
+    line = verified_sentence(v.label())
+    assert line == (" **Verified continuations:** 9 of 10 tokens were the server's own greedy continuation "
+                    "(90.0% accepted) and 1 ours where our chain picked another; 3 requests instead of 10, the same "
+                    "tokens as one request per token (4 drafted tokens dropped).")
+    assert verified_sentence(remote.Verified(8).label()) == "" and verified_sentence(None) == ""
+
+
+def test_an_empty_record_is_strict_json():
+    label = remote.Verified(8).label()
+    assert label["acceptance"] is None and label["steps"] == 0
+    json.dumps(label, allow_nan=False)
+
+
+def test_the_setting_picks_the_count_and_a_bad_value_is_one_line(monkeypatch):
+    from engine.backends.served import RemoteModel
+
+    model = RemoteModel("x", None, None, 10, ())
+    monkeypatch.delenv("DP_STEP_VERIFY_TOKENS", raising=False)
+    assert remote.verify_tokens(model) == remote.VERIFY_TOKENS
+    monkeypatch.setenv("DP_STEP_VERIFY_TOKENS", "0")
+    assert remote.verify_tokens(model) == 0
+    assert remote.verify_tokens(replace(model, verify=3)) == 3  # the model's own count comes first
+    monkeypatch.setenv("DP_STEP_VERIFY_TOKENS", "65")
+    with pytest.raises(SettingsError, match="^DP_STEP_VERIFY_TOKENS: expected an integer from 0 to 64, got 65$"):
+        remote.verify_tokens(model)
+    monkeypatch.setenv("DP_STEP_VERIFY_TOKENS", "many")
+    with pytest.raises(SettingsError, match="^DP_STEP_VERIFY_TOKENS: expected an integer >= 0, got 'many'$"):
+        remote.verify_tokens(model)
+    with pytest.raises(ValueError, match=r"^verify: expected 0\.\.64 continuation tokens per request, got 99$"):
+        replace(model, verify=99)
+
+
+# --- the real llama-server -------------------------------------------------------------------------
+@server_test
+@pytest.mark.parametrize("config", [GREEDY, SAMPLED, PENALISED, MIROSTAT], ids=["greedy", "top-k-top-p", "penalties",
+                                                                           "mirostat"])
+def test_verified_step_mode_is_one_request_per_token_step_mode(server_model, config):
+    for prompt in (PROMPT, "Once upon a time, a lighthouse keeper"):
+        plain = run(server_model, config, 0, prompt)
+        verified = run(server_model, config, 8, prompt)
+        same_run(verified, plain)
+        v = verified.extra["remote"]["verified"]
+        print(config.strategy, v["requests"], "requests,", v["accepted"], "of", v["steps"], "accepted")
+        assert v["requests"] < len(plain.steps) or not config.is_greedy  # fewer requests (greedy: most kept)
+        if config.is_greedy:
+            assert v["accepted"] == v["steps"]  # a greedy chain always agrees with the greedy server
+        assert f"{v['accepted']} of {v['steps']} tokens were the server's own" in remote_markdown(verified)
+
+
+@server_test
+def test_a_branch_continues_verified_as_one_request_per_token(server_model):
+    for config in (SAMPLED, MIROSTAT):  # a stateless chain skips draws; mirostat replays its prefix
+        parent = run(server_model, config, 0)
+        other = next(t.token_id for t in parent.steps[3].stages[0].top if t.token_id != parent.generated_token_ids[3])
+        kids = [runner.collect(runner.branch(replace(server_model, verify=k), parent, 3, other)) for k in (0, 8)]
+        same_run(kids[1], kids[0])
+
+
+class Proxy(http.server.BaseHTTPRequestHandler):
+    """Forwards to the real llama-server; a continuation's answer (n_predict > 1) goes through the
+    test's ``edit`` first. Records each continuation request's n_predict."""
+
+    def do_GET(self):
+        self._forward(None)
+
+    def do_POST(self):
+        self._forward(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+    def _forward(self, body: Any) -> None:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.server.upstream + self.path, data, method=self.command,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            reply = json.loads(answer.read())
+        if body is not None and self.path == "/completion" and body.get("n_predict", 1) > 1:
+            self.server.asked.append(body["n_predict"])
+            reply = self.server.edit(len(self.server.asked) - 1, reply)
+        text = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def proxied(llama_server) -> Iterator[Callable[[Callable[[int, dict], dict]], Any]]:
+    """``connect(edit)``: the real llama-server behind a proxy applying ``edit(request index, answer)``
+    to each continuation answer, connected (verify 8); the proxy's ``asked`` list."""
+    servers = []
+
+    def connect(edit):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+        server.upstream, server.edit, server.asked = llama_server, edit, []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        model = llamacpp.connect(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=120)
+        return replace(model, verify=8), server.asked
+
+    yield connect
+    for server in servers:
+        server.shutdown()
+
+
+def lie_at(position: int, request: int = 0) -> Callable[[int, dict], dict]:
+    """An edit: request ``request``'s continuation names another token (its position's second best)
+    at ``position``, and every position after it carries the first position's top-N (reading them
+    would change the run)."""
+    def edit(index: int, answer: dict) -> dict:
+        probs = answer["completion_probabilities"]
+        if index == request and position < len(probs):
+            entry = probs[position]
+            entry["id"] = entry["top_logprobs"][1]["id"]
+            for later in probs[position + 1:]:
+                later["top_logprobs"] = probs[0]["top_logprobs"]
+        return answer
+    return edit
+
+
+@server_test
+@pytest.mark.parametrize("position", [0, 2, 3], ids=["first", "middle", "last"])
+def test_a_disagreement_takes_ours_and_drops_the_positions_after_it(proxied, position):
+    model, asked = proxied(lie_at(position))
+    plain = run(model, GREEDY, 0)  # through the proxy too (one token per request: never edited)
+    verified = runner.run(RunRequest(model, PROMPT, GREEDY))
+    same_run(verified, plain)
+    v = verified.extra["remote"]["verified"]
+    assert asked[0] == 4  # the first request asks 4: position 3 is its last
+    assert v["server_token"][:position + 1] == [True] * position + [False]  # ours at the lie
+    assert all(v["server_token"][position + 1:])  # the next request went on from our token
+    assert v["asked"][1] == 2 * (position + 1)  # the next count: twice what the first request gave
+
+
+@server_test
+def test_a_server_that_returns_fewer_tokens_than_asked(proxied):
+    def fewer(index: int, answer: dict) -> dict:
+        answer["completion_probabilities"] = answer["completion_probabilities"][:1 + index % 2]
+        answer["tokens"] = answer.get("tokens", [])[:1 + index % 2]
+        return answer
+
+    model, asked = proxied(fewer)
+    for config in (GREEDY, SAMPLED):
+        plain = run(model, config, 0)
+        verified = runner.run(RunRequest(model, PROMPT, config))
+        same_run(verified, plain)
+        v = verified.extra["remote"]["verified"]
+        assert v["drafted"] <= 2 * v["requests"] and v["requests"] >= len(plain.steps) // 2
+
+
+@server_test
+def test_a_server_that_returns_more_tokens_than_asked_is_one_line(proxied):
+    def more(index: int, answer: dict) -> dict:
+        answer["completion_probabilities"] = answer["completion_probabilities"] * 3
+        return answer
+
+    model, _ = proxied(more)
+    with pytest.raises(llamacpp.RemoteError, match=r"completion_probabilities.*"):
+        runner.run(RunRequest(model, PROMPT, GREEDY))
+
+
+@server_test
+def test_stop_mid_run_ends_within_a_step_with_the_same_steps(server_model):
+    plain = run(server_model, SAMPLED, 0)
+    control = RunControl()
+    steps = []
+    with pytest.raises(RunStopped):
+        for event in runner.stream(RunRequest(replace(server_model, verify=8), PROMPT, SAMPLED, control=control)):
+            steps += event.steps
+            if len(steps) == 5:  # in the middle of a continuation (the first asks 4, the next up to 8)
+                control.cancel()
+    assert [s.chosen_token_id for s in steps] == plain.generated_token_ids[:5]
+    assert [s.draw for s in steps] == [s.draw for s in plain.steps[:5]]
+
+
+# --- the real vLLM ---------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("config", [GREEDY, SAMPLED, PENALISED], ids=["greedy", "top-k-top-p", "penalties"])
+def test_verified_step_mode_on_vllm_is_one_request_per_token_step_mode(vllm_model, config):
+    plain = run(vllm_model, config, 0)
+    verified = run(vllm_model, config, 8)
+    same_run(verified, plain, tol=1e-4)  # vLLM's decode and prefill kernels round differently
+    v = verified.extra["remote"]["verified"]
+    print(config.strategy, v["requests"], "requests,", v["accepted"], "of", v["steps"], "accepted")
+    if config.is_greedy:
+        assert v["accepted"] == v["steps"] and v["requests"] < len(plain.steps)
