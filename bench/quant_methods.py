@@ -39,6 +39,8 @@ def table_row(row: HeldoutScore, report: MethodComparison) -> str:
     made = f"{meta['cpu_seconds']:.0f} s" if "cpu_seconds" in meta else "—"
     drift = ("—", "—") if row.variant == "none" else (f"{row.mean_kl:.3f}", f"{row.top1_agreement:.1%}")
     disk = f"{row.disk_bytes / 1e6:.0f} MB" if row.disk_bytes else "— (quantized at load)"
+    if row.variant == "none":  # the float model's own weights file
+        disk = f"{(embedded_model_dir() / 'model.safetensors').stat().st_size / 1e6:.0f} MB"
     return (f"| `{row.variant}` | {row.bits_per_weight:.2f} | {row.perplexity:.1f}{versus_rtn(row, report)} | "
             f"{drift[0]} | {drift[1]} | {disk} | {row.memory_bytes / 2**20:.0f} MiB | {made} |")
 
