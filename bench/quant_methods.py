@@ -3,7 +3,11 @@ held-out perplexity, mean KL from fp32 and top-1 agreement (engine.reports.quant
 bits per weight, bytes on disk, and the CPU seconds deploy/quantize.py took to make each checkpoint
 (its quantize.json). Prints a Markdown table whose rows go into the doc as printed.
 
-    python -m bench.quant_methods [--variants rtn-g64 gptq-g64 awq-g64 ...]
+    python -m bench.quant_methods [--variants rtn-g64 gptq-g64 awq-g64 ...] [--inside LAYER MODULE GROUP]
+
+``--inside 15 q_proj 64`` prints the inside-one-layer numbers instead (engine.reports.quant_report.inside_layer):
+each method's mean relative weight and output error, and the rank correlation of AWQ's scales with the
+activations' mean |activation|.
 
 Needs the checkpoints (`make quantize`); a variant that cannot be loaded is printed as its one-line error.
 """
@@ -20,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.backends.local import embedded_model_dir  # noqa: E402
 from engine.backends.quant_methods import WEIGHT_METHODS, checkpoint_meta  # noqa: E402
 from engine.backends.registry import ModelRegistry  # noqa: E402
-from engine.reports.quant_report import COMPARED, HeldoutScore, MethodComparison, compare_methods  # noqa: E402
+from engine.reports.quant_report import (COMPARED, HeldoutScore, MethodComparison, compare_methods,  # noqa: E402
+                                         inside_layer)
 
 DEFAULT = [*COMPARED, "gptq-g64-code", "awq-g64-code"]
 
@@ -45,10 +50,23 @@ def table_row(row: HeldoutScore, report: MethodComparison) -> str:
             f"{drift[0]} | {drift[1]} | {disk} | {row.memory_bytes / 2**20:.0f} MiB | {made} |")
 
 
+def print_inside(layer: int, module: str, group: int) -> None:
+    inside = inside_layer(ModelRegistry(capacity=2), "embedded", layer, module, group)
+    print(f"layer {inside.layer} {inside.module}, group {inside.group_size}, {inside.input_tokens} held-out inputs")
+    for name in inside.methods:
+        print(f"{name}: mean relative weight error {inside.mean_weight_error[name]:.4f}, "
+              f"output error {inside.mean_output_error[name]:.4f}")
+    print(f"AWQ scales vs mean |activation| (calibration set): Spearman {inside.scale_activation_correlation:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=DEFAULT)
+    parser.add_argument("--inside", nargs=3, metavar=("LAYER", "MODULE", "GROUP"))
     args = parser.parse_args()
+    if args.inside:
+        print_inside(int(args.inside[0]), args.inside[1], int(args.inside[2]))
+        return
     start = time.perf_counter()
     report = compare_methods(ModelRegistry(capacity=2), "embedded", args.variants)
     print(f"model {report.model}, {report.heldout_tokens} held-out tokens, {time.perf_counter() - start:.0f} s")
