@@ -1,7 +1,7 @@
 """vLLM serving the embedded model on 127.0.0.1 (issue #37): the one command line that `make vllm`,
 the live tests (tests/conftest.py), bench.remote and tests/data/vllm/record.py start.
 
-    python -m deploy.vllm_serve [--port 8000] [more vLLM flags...]
+    python -m deploy.vllm_serve [--port 8000] [--checkpoint gptq-g64] [more vLLM flags...]
 
 The first call installs vLLM into its own cached environment (deploy/vllm.sh, minutes); later calls
 start the server at once (about a minute to load on 2 cores). The operator lists it for the app with
@@ -24,7 +24,11 @@ scheduler), here one thread pinned to core 0. Pinned, that thread cannot move of
 suite keeps busy, so binding is off (``VLLM_CPU_OMP_THREADS_BIND=nobind``) with the same count,
 cores - 1 (``OMP_NUM_THREADS``), and idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) instead of
 spinning on the other core. ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB): 23,296 tokens of KV cache (11 full
-2,048-token contexts), against vLLM's default of 4 GiB. Any of these set in the environment wins.
+2,048-token contexts), against vLLM's default of 4 GiB. ``VLLM_CPU_INT4_W4A8=0``: serving a 4-bit checkpoint
+(issue #40, ``--model <checkpoint> --dtype bfloat16``), vLLM on a CPU with AMX otherwise quantizes the
+activations to int8 as well (its CPUWNA16LinearKernel takes ``int4_scaled_mm_cpu``); off, it runs W4A16
+(``cpu_gemm_wna16``), the format the checkpoints are, so only the weights are quantized (no effect on the float
+model). Any of these set in the environment wins.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     threads = str(max(1, (os.cpu_count() or 2) - 1))
     defaults = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads,
                 "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                "TOKENIZERS_PARALLELISM": "false"}
+                "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_INT4_W4A8": "0"}
     for key, value in defaults.items():
         env.setdefault(key, value)
     return env
@@ -167,20 +171,38 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(10)
 
 
+def model_folder(checkpoint: str | None) -> tuple[str, list[str]]:
+    """The folder to serve and the flags it needs: the embedded model, or one of its 4-bit checkpoints
+    (issue #40) at bfloat16, the only activation type vLLM's CPU 4-bit kernel takes (csrc/cpu/cpu_wna16.cpp
+    dispatches 16-bit types only; at float32 the first request fails: "cpu_gemm_wna16" not implemented for 'Float')."""
+    from engine.backends import quant_methods
+    from engine.backends.local import embedded_model_dir
+
+    if checkpoint is None:
+        return str(embedded_model_dir()), []
+    folder = quant_methods.checkpoint_path(embedded_model_dir(), checkpoint)
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"vllm: the checkpoint {checkpoint} is not made yet; {quant_methods.QUANTIZE_HINT}")
+    return str(folder), ["--dtype", "bfloat16"]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    from engine.backends.quant_methods import WEIGHT_METHODS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--checkpoint", choices=list(WEIGHT_METHODS), help="serve a 4-bit checkpoint made here")
     args, extra = parser.parse_known_args(argv)
+    folder, flags = model_folder(args.checkpoint)
     try:
         python = install()
     except VllmError as exc:
         raise SystemExit(str(exc)) from None
-    from engine.backends.local import embedded_model_dir
 
     url = f"http://127.0.0.1:{args.port}"
-    print(f"vllm: serving {SERVED_NAME} on {url}; list it for the app with\n"
+    print(f"vllm: serving {SERVED_NAME} ({args.checkpoint or 'float32'}) on {url}; list it for the app with\n"
           f"  DP_REMOTE_MODELS='{remote_spec(url)}'", file=sys.stderr, flush=True)
-    command = server_command(python, str(embedded_model_dir()), args.port, extra)
+    command = server_command(python, folder, args.port, [*flags, *extra])
     os.execve(python, command, server_env())
 
 

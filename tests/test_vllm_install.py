@@ -53,3 +53,26 @@ def test_a_gpu_machine_installs_vllm_itself(tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[1].startswith("vllm: pip install vllm==0.32.0 failed: ")
     assert not (tmp_path / "vllm-0.32.0").exists()
+
+
+def test_a_checkpoint_is_served_at_bfloat16_as_w4a16_and_a_missing_one_says_how(tmp_path, monkeypatch):
+    """`python -m deploy.vllm_serve --checkpoint <variant>` (issue #40): the checkpoint's folder at bfloat16 (vLLM's
+    CPU 4-bit kernel takes 16-bit activations only), int8 activations off unless the environment says otherwise;
+    a checkpoint not made yet is one line saying how to make it. The live comparison is tests/test_vllm_quantized.py."""
+    import pytest
+
+    from deploy import vllm_serve
+    from engine.backends import quant_methods
+
+    monkeypatch.setattr(quant_methods, "checkpoints_dir", lambda model_dir: tmp_path)
+    with pytest.raises(SystemExit, match=r"^vllm: the checkpoint awq-g64 is not made yet; run `make quantize`"):
+        vllm_serve.model_folder("awq-g64")
+    (tmp_path / "awq-g64").mkdir()
+    (tmp_path / "awq-g64" / "config.json").write_text("{}")
+    folder, flags = vllm_serve.model_folder("awq-g64")
+    command = vllm_serve.server_command("python", folder, 8000, flags)
+    last_dtype = len(command) - 1 - command[::-1].index("--dtype")  # vLLM's parser keeps the last one
+    assert command[command.index("--model") + 1] == str(tmp_path / "awq-g64") and command[last_dtype + 1] == "bfloat16"
+    assert vllm_serve.model_folder(None)[1] == []  # the float model keeps float32
+    assert vllm_serve.server_env({})["VLLM_CPU_INT4_W4A8"] == "0"
+    assert vllm_serve.server_env({"VLLM_CPU_INT4_W4A8": "1"})["VLLM_CPU_INT4_W4A8"] == "1"

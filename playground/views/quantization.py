@@ -434,7 +434,10 @@ METHODS_INTRO = (
     "### 4-bit methods: RTN vs GPTQ vs AWQ\n\nThe embedded model's 4-bit checkpoints (W4A16: 4-bit weights, one scale "
     "per group of input channels, made here with llm-compressor from a calibration set shipped in the repo; group 128, "
     "the papers' setting, does not divide this model's hidden size 576, so groups of 64 and 32) beside bitsandbytes' "
-    "NF4 and int8. " + quant_report.METHOD)
+    "NF4 and int8. " + quant_report.METHOD + " Here each checkpoint's 4-bit weights are dequantized once, at load, "
+    "to float32 (no 4-bit kernel on this CPU). vLLM runs them packed: `python -m deploy.vllm_serve --checkpoint "
+    "gptq-g64` serves one at bfloat16 (its CPU 4-bit kernel refuses float32), and its top-100 matches this load to "
+    "bfloat16 rounding (docs/quantization.md).")
 INSIDE_INTRO = (
     "#### Inside one layer\nThe float weight W of one Linear against each method's effective 4-bit weight Ŵ (AWQ's "
     "scales folded back out), per output channel: the weight error, and the error of the layer's output on the "
