@@ -240,7 +240,6 @@ def test_a_pasted_quantization_lessons_budget_is_checked_at_parse_and_opens_in_r
     parsed (one line naming check.max_new_tokens; it used to be clamped or ignored at Open); one in
     range opens the drift section with it."""
     from engine.reports.lessons import LessonError, parse_lesson
-    from playground.views import lessons
     from playground.views.quantization import DRIFT_TOKENS, QuantPage
 
     page = QuantPage("prompt", "chat", "tokens", "kv_tokens")
