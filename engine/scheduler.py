@@ -49,6 +49,7 @@ stepped one row at a time (``max_batch`` 1), still through the same queue.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -269,6 +270,7 @@ class Scheduler:
         self._ticks = 0
         self._rows_stepped = 0
         self._closing = False
+        self._held = False  # ``gathered``: submitted runs wait for the block's end
         _ALL.add(self)
 
     def stream(self, prompt_ids: Sequence[int], config: DecodingConfig, *, prefix: Sequence[int] = (),
@@ -322,9 +324,35 @@ class Scheduler:
                     f"scheduler: the queue is full ({len(self._waiting)} runs waiting, {self._active} running, "
                     f"limit DP_MAX_QUEUE={self.max_queue}); try again in a moment")
             self._waiting.append(run)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="dp-scheduler", daemon=True)
-                self._worker.start()
+            if self._worker is None and not self._held:
+                self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start the worker (the lock held by the caller)."""
+        self._worker = threading.Thread(target=self._work, name="dp-scheduler", daemon=True)
+        self._worker.start()
+
+    @contextlib.contextmanager
+    def gathered(self, count: int, timeout_s: float = 30.0) -> Iterator[None]:
+        """Runs submitted in the block start together: on leaving it the worker waits until ``count``
+        runs wait (``timeout_s`` at most), so they join in one tick and share one prefill, whatever
+        the threads' timing (the serving demonstrations' "sent at once"; GATHER_S alone is a
+        window that a loaded machine's threads can miss)."""
+        with self._lock:
+            self._held = True
+        try:
+            yield
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if len(self._waiting) >= count:
+                        break
+                time.sleep(0.005)
+        finally:
+            with self._lock:
+                self._held = False
+                if self._waiting and self._worker is None and not self._closing:
+                    self._start_worker()
 
     def _work(self) -> None:
         """The worker: tick while any run is active or waiting, then end (a new run starts a new one)."""

@@ -385,3 +385,20 @@ def pytest_terminal_summary(terminalreporter) -> None:
         f"{path.removeprefix('tests/')} {seconds:.0f}"
         for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]))
     write("session fixtures (s): " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in _WAITS.items()))
+
+
+def wait_for_a_quiet_room(url: str, quiet_s: float = 2.0, limit_s: float = 180.0) -> None:
+    """Wait until the app's scheduler on the embedded model has ticked for nobody over the last
+    ``quiet_s`` seconds: a run another test left going (a page closed mid-run finishes its step) must
+    not land in a window a test is about to count."""
+    import time
+
+    from gradio_client import Client
+
+    client, deadline = Client(url, verbose=False), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        stats = client.predict("embedded", "none", quiet_s, False, api_name="/serving_stats")
+        if not stats["available"] or stats["ticks"] == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the app's scheduler still ticked {limit_s:g} s later: a run of another test never ended")

@@ -9,6 +9,7 @@ import json
 import threading
 
 import pytest
+from conftest import wait_for_a_quiet_room
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +21,7 @@ def client(live_app, registry):
     from playground.examples import cache_for
 
     assert cache_for(registry).wait(600), "the startup examples did not finish"
+    wait_for_a_quiet_room(live_app)  # the room's record below is counted before and after a demonstration
     return Client(live_app, verbose=False)
 
 

@@ -22,6 +22,7 @@ the room's load on it: the view prints the load average beside them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -105,14 +106,18 @@ def run_jobs(scheduler: Scheduler, jobs: Sequence[tuple[list[int], DecodingConfi
     at once by default) and wait for all of them; the first error is raised."""
     errors: list[BaseException] = []
     results, threads = [], []
-    for i, (ids, config) in enumerate(jobs):
-        if delays is not None and delays[i]:
-            time.sleep(delays[i])
-        result = JobResult(time.perf_counter())
-        results.append(result)
-        thread = threading.Thread(target=consume, args=(scheduler, ids, config, control, result, errors), daemon=True)
-        thread.start()
-        threads.append(thread)
+    # all at once: every job joins the same tick (``gathered``), so the demonstration is the same on a loaded machine
+    together = scheduler.gathered(len(jobs)) if delays is None else contextlib.nullcontext()
+    with together:
+        for i, (ids, config) in enumerate(jobs):
+            if delays is not None and delays[i]:
+                time.sleep(delays[i])
+            result = JobResult(time.perf_counter())
+            results.append(result)
+            thread = threading.Thread(target=consume, args=(scheduler, ids, config, control, result, errors),
+                                      daemon=True)
+            thread.start()
+            threads.append(thread)
     for thread in threads:
         thread.join()
     if errors:
