@@ -426,12 +426,18 @@ def test_gradios_cancel_after_stop_waits_for_the_run_to_end():
             time.sleep(seconds)
         ended.set()
 
+    def started(session: str) -> None:
+        deadline = time.monotonic() + 10
+        while not events.active_runs([Event()], session) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events.active_runs([Event()], session) == 1
+
     threading.Thread(target=run, args=("a", 0.6), daemon=True).start()
-    time.sleep(0.1)
-    assert events.active_runs([Event()], "a") == 1 and events.active_runs([Event()], "b") == 0
+    started("a")
+    assert events.active_runs([Event()], "b") == 0
     waited = asyncio.run(events.settled([Event()], "a"))
-    assert ended.is_set() and 0.5 - 0.1 < waited < 0.6 + events.STOP_SENT_S + 1.0, waited
-    assert asyncio.run(events.settled([Event()], "b")) < events.STOP_SENT_S + 0.5  # no run: at once
-    threading.Thread(target=run, args=("a", 5.0), daemon=True).start()
-    time.sleep(0.1)
-    assert asyncio.run(events.settled([Event()], "a", limit_s=0.3)) < 0.3 + events.STOP_SENT_S + 0.5  # bounded
+    assert ended.is_set() and waited >= events.STOP_SENT_S, waited  # it waited for the run's end, then the update
+    assert asyncio.run(events.settled([Event()], "b")) < events.STOP_SENT_S + 2.0  # no run: at once
+    threading.Thread(target=run, args=("a", 30.0), daemon=True).start()
+    started("a")
+    assert asyncio.run(events.settled([Event()], "a", limit_s=0.3)) < 0.3 + events.STOP_SENT_S + 5.0  # bounded
