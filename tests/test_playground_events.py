@@ -421,6 +421,15 @@ def test_gradios_cancel_after_stop_waits_for_the_run_to_end():
 
     ended = threading.Event()
 
+    def settle(args: tuple, **kwargs) -> float:
+        """``events.settled`` on an event loop of its own thread (the browser tests' Playwright keeps one
+        running in the main thread: asyncio.run cannot start there)."""
+        out: list = []
+        waiter = threading.Thread(target=lambda: out.append(asyncio.run(events.settled(*args, **kwargs))))
+        waiter.start()
+        waiter.join()
+        return out[0]
+
     def run(session: str, seconds: float) -> None:
         with sessions.slot(session, RunControl(), "step"):
             time.sleep(seconds)
@@ -435,9 +444,9 @@ def test_gradios_cancel_after_stop_waits_for_the_run_to_end():
     threading.Thread(target=run, args=("a", 0.6), daemon=True).start()
     started("a")
     assert events.active_runs([Event()], "b") == 0
-    waited = asyncio.run(events.settled([Event()], "a"))
+    waited = settle(([Event()], "a"))
     assert ended.is_set() and waited >= events.STOP_SENT_S, waited  # it waited for the run's end, then the update
-    assert asyncio.run(events.settled([Event()], "b")) < events.STOP_SENT_S + 2.0  # no run: at once
+    assert settle(([Event()], "b")) < events.STOP_SENT_S + 2.0  # no run: at once
     threading.Thread(target=run, args=("a", 30.0), daemon=True).start()
     started("a")
-    assert asyncio.run(events.settled([Event()], "a", limit_s=0.3)) < 0.3 + events.STOP_SENT_S + 5.0  # bounded
+    assert settle(([Event()], "a"), limit_s=0.3) < 0.3 + events.STOP_SENT_S + 5.0  # bounded
