@@ -569,11 +569,7 @@ def data_api(fn: Callable[..., Any], api_name: str, what: str = "request") -> An
 
 def stop_runs(events: list, session: str | None) -> int:
     """Cancel ``session``'s runs of ``events`` (dependencies from ``ModelEvents.on``) at once."""
-    stopped = 0
-    for event in events:
-        runs, group = getattr(event, "dp_stop", (None, None))
-        stopped += runs.cancel(session, group) if runs is not None else 0
-    return stopped
+    return sum(runs.cancel(session, group) for runs, group in _run_groups(events))
 
 
 STOP_SETTLE_S = 30.0  # after Stop, how long a running run's own last update may take before Gradio's cancel
@@ -621,8 +617,12 @@ async def settled(events: list, session: str | None, limit_s: float | None = Non
 
 def active_runs(events: list, session: str | None) -> int:
     """How many of ``session``'s runs of ``events`` are still in progress."""
-    count = 0
+    return sum(runs.active(session, group) for runs, group in _run_groups(events))
+
+
+def _run_groups(events: list) -> Iterator[tuple[SessionRuns, str]]:
+    """(the runs, the event group) of each of ``events`` that ``ModelEvents.on`` registered."""
     for event in events:
         runs, group = getattr(event, "dp_stop", (None, None))
-        count += runs.active(session, group) if runs is not None else 0
-    return count
+        if runs is not None:
+            yield runs, group
