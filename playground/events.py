@@ -36,9 +36,9 @@ import functools
 import importlib.util
 import inspect
 import itertools
-import time
 import logging
 import threading
+import time
 import typing
 from typing import Any, Callable, Iterator
 

@@ -151,6 +151,11 @@ def _score_key(source: str, variant: str) -> tuple[str, str, str]:
     return source, variant, json.dumps(made, sort_keys=True)
 
 
+def _cached(key: tuple[str, str, str]) -> HeldoutScore | None:
+    with _SCORES_LOCK:
+        return _SCORES.get(key)
+
+
 def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None = None, *,
                       control: RunControl | None = None) -> Iterator[MethodComparison]:
     """Yield the comparison after the float model, then as each variant is measured (the same
@@ -162,31 +167,28 @@ def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None
     ids = heldout_ids(ref)
     reference: list[torch.Tensor] = []  # the float model's logits, computed when a variant needs them
 
-    def row(lm: LoadedModel, variant: str) -> HeldoutScore:
-        key = _score_key(source, variant)
-        with _SCORES_LOCK:
-            if key in _SCORES:
-                return _SCORES[key]
+    def measured(lm: LoadedModel, variant: str, key: tuple[str, str, str]) -> HeldoutScore:
         if not reference:
             reference.append(next_token_logits(ref, ids))
-        measured = measure(reference[0], lm, ids, variant)
+        row = measure(reference[0], lm, ids, variant)
         with _SCORES_LOCK:
-            return _SCORES.setdefault(key, measured)
+            return _SCORES.setdefault(key, row)
 
-    report = MethodComparison(ref.name, len(ids), requested, [row(ref, "none")])
+    key = _score_key(source, "none")
+    report = MethodComparison(ref.name, len(ids), requested, [_cached(key) or measured(ref, "none", key)])
     yield report
     try:
         for variant in requested[1:]:
             check(control)
-            with _SCORES_LOCK:
-                cached = _SCORES.get(_score_key(source, variant))
+            key = _score_key(source, variant)
+            cached = _cached(key)
             try:
                 lm = None if cached else registry.get(ModelSpec(source, variant))
             except ModelLoadError as exc:
                 report.errors[variant] = str(exc)
             else:
                 check(control)
-                report.rows.append(cached or row(lm, variant))
+                report.rows.append(cached or measured(lm, variant, key))
             yield report
     except RunStopped as exc:
         report.stopped = str(exc)
