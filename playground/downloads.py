@@ -5,7 +5,8 @@ The directory (mode 0700, under env ``DP_DOWNLOAD_DIR`` or the system temp folde
 download files (``downloads/``, files 0600) and Gradio's own file cache (``gradio/``: the app points
 ``GRADIO_TEMP_DIR`` there before building its page, see ``use_private_cache``), so users' prompts
 never sit in the world-readable shared ``/tmp/gradio`` and other users of the machine cannot read
-them. It is removed when the server closes (``remove_on_close``), when the process exits, and
+them. It is removed when the server closes (``remove_on_close``: the last app of the process to
+close), when the process exits, and
 when the process is told to stop (SIGTERM, SIGHUP: ``remove_on_signal``, which ``app.py`` sets; a
 signal's default action would end the process without running exit handlers).
 
@@ -99,15 +100,27 @@ def remove_on_signal() -> None:
         signal.signal(signum, on_signal)
 
 
+_open_apps: set[int] = set()  # the apps of this process that share the private directory, not yet closed
+
+
 def remove_on_close(demo: Any) -> None:
-    """Make ``demo.close()`` (the server closing) delete the private directory too."""
+    """Make ``demo.close()`` (the server closing) delete the private directory too, once no other
+    app of this process uses it: every app built here shares it (Gradio's cache of each is in it),
+    and closing one app had deleted the cache of another still serving (its uploads then failed)."""
     close = demo.close
+    with _lock:
+        _open_apps.add(id(demo))
 
     def close_and_remove(*args: Any, **kwargs: Any) -> Any:
         try:
             return close(*args, **kwargs)
         finally:
-            remove()
+            with _lock:
+                was_open = id(demo) in _open_apps
+                _open_apps.discard(id(demo))
+                last = was_open and not _open_apps
+            if last:
+                remove()
 
     demo.close = close_and_remove
 

@@ -470,22 +470,28 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], d
         try:
             async with watched(control):
                 with sessions.slot(_session(), control, group):
-                    updates = gpu_handler(*args, control=control, **kwargs)
-                    while (update := await anyio.to_thread.run_sync(in_run, run_slots, control, _next, updates,
-                                                                     abandon_on_cancel=True)) is not _DONE:
-                        touched |= shown(update)
-                        if control.cancelled:
-                            held = merged(held, update)
-                            continue
-                        yield update
-        except Exception as exc:  # the page shows the message; it never crashes
-            held = merged(held, error(exc, touched))
-        finally:
-            control.cancel()
-            if run_slots is not None:
-                run_slots.release()
-        if held is not None:
-            yield held
+                    try:
+                        updates = gpu_handler(*args, control=control, **kwargs)
+                        while (update := await anyio.to_thread.run_sync(in_run, run_slots, control, _next, updates,
+                                                                         abandon_on_cancel=True)) is not _DONE:
+                            touched |= shown(update)
+                            if control.cancelled:
+                                held = merged(held, update)
+                                continue
+                            yield update
+                    except Exception as exc:  # the page shows the message; it never crashes
+                        held = merged(held, error(exc, touched))
+                    finally:
+                        control.cancel()
+                        if run_slots is not None:
+                            run_slots.release()
+                    if held is not None:
+                        # Still in the session's slot: Stop's ``settled`` waits until Gradio has taken this
+                        # last word (it asks for the next update only once this one is on its way), so
+                        # Gradio's cancel that follows can no longer cut it off.
+                        yield held
+        except Exception as exc:  # the session's slot refused (SessionBusy): the page shows why
+            yield error(exc, touched)
 
     return _without_control(handler, run)
 
@@ -573,16 +579,25 @@ def stop_runs(events: list, session: str | None) -> int:
 
 
 STOP_SETTLE_S = 30.0  # after Stop, how long a running run's own last update may take before Gradio's cancel
-STOP_SENT_S = 0.3  # after the run ended: its last update on its way before that cancel
+STOP_SENT_S = 0.3  # after the run ended: Gradio's queue has its last update (taken before the run ends)
+
+
+class NothingToCancel(gr.Error):
+    """Stop's chain ends here: every run of the session ended on its own last word and none waits
+    in the queue, so Gradio's ``cancels`` (which would drop a word still on its way) is not sent."""
+
+    def __init__(self) -> None:
+        super().__init__("nothing left to cancel", visible=False, print_exception=False)
 
 
 def stop_button(button: gr.Button, status: Any, events: list, message: Any = "stopped",
                 run_says: bool = False) -> None:
     """Stop: cancels this page's runs of ``events`` directly (each stops within one step and ends
-    on its own "stopped" update, after any update already on its way); once those runs have ended
-    (``settled``: at most STOP_SETTLE_S), Gradio's ``cancels`` takes any run still waiting in the
-    queue off it. Cancelling a running one would cut off its last update: on a page loaded so hard
-    that the last update took over two seconds, a fixed grace left a lane "running…" for ever.
+    on its own "stopped" update, after any update already on its way). Gradio's ``cancels`` follows
+    only where it is needed: a run of this page still waiting in the queue (it is taken off), or one
+    that did not end within STOP_SETTLE_S. A cancel sent after a run had ended could still drop
+    that run's last word on the page (the browser ignores what reaches it for a cancelled event):
+    on a loaded page a Compare lane said "running… 31 / 256 tokens" for ever after Stop.
     ``status``: one output or a list; ``message``: what they show at once, or a function of their
     shown values returning that. ``run_says``: a cancelled run says "stopped" itself at once
     (Compare: within 50 ms), so the press shows ``message`` only when no run was cancelled; its
@@ -596,12 +611,15 @@ def stop_button(button: gr.Button, status: Any, events: list, message: Any = "st
         return message(*shown) if callable(message) else message
 
     async def settle() -> None:
-        await settled(events, _session())
+        session = _session()
+        await settled(events, session)
+        if not active_runs(events, session) and not waiting_runs(events, session):
+            raise NothingToCancel()
 
     stop.__name__ = getattr(message, "__name__", "stop") if callable(message) else "stop"
     private = {"queue": False, "api_visibility": "private"}
     button.click(stop, outputs if callable(message) else None, outputs, **private).then(
-        settle, None, None, **private).then(None, None, None, cancels=events, **private)
+        settle, None, None, **private).success(None, None, None, cancels=events, **private)
 
 
 async def settled(events: list, session: str | None, limit_s: float | None = None) -> float:
@@ -613,6 +631,18 @@ async def settled(events: list, session: str | None, limit_s: float | None = Non
         await asyncio.sleep(0.05)
     await asyncio.sleep(STOP_SENT_S)  # the run's last update, yielded as its slot closed, reaches Gradio's queue
     return time.monotonic() - start
+
+
+def waiting_runs(events: list, session: str | None) -> int:
+    """How many of ``session``'s runs of ``events`` wait in Gradio's queue, not started yet (an
+    event's dependency carries its function's id as ``"id"``; a queued job its function as ``fn``)."""
+    from gradio.context import LocalContext
+
+    queue = getattr(LocalContext.blocks.get(None), "_queue", None)
+    ids = {event.get("id") for event in events if isinstance(event, dict)}
+    lines = list(getattr(queue, "event_queue_per_concurrency_id", {}).values())
+    return sum(1 for line in lines for job in list(line.queue)
+               if job.session_hash == session and getattr(job.fn, "_id", None) in ids)
 
 
 def active_runs(events: list, session: str | None) -> int:

@@ -78,7 +78,7 @@ def test_the_metrics_table_fits_1280_px_and_breaks_no_word(scrollbar_page, live_
         box.fill("3")
         box.press("Enter")
     page.click("#cmp-run")
-    page.wait_for_selector("#cmp-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#cmp-status:has-text('done:')", timeout=300_000)
     table = page.locator("#cmp-metrics")
     page.wait_for_function("() => document.querySelectorAll('#cmp-metrics [role=gridcell]').length >= 44")
     table.scroll_into_view_if_needed()

@@ -219,3 +219,59 @@ def test_every_compare_lesson_fills_lanes_that_run_its_exact_configurations(less
     specs = handlers.specs_from(values, len(lesson.runs))
     assert [lane_config(s, "x") for s in specs] == [p.config for p in lesson.runs]
     assert all("⚠" not in out[page.lanes[i].header] for i in range(len(lesson.runs)))
+
+
+def test_a_stop_marks_every_lane_stopped_even_where_the_last_redraw_must_ask_a_server(monkeypatch):
+    """A served lane's partial trace decodes its tokens on its server, under the run's control. After
+    a Stop that control is cancelled, so the last redraw's request was refused and the lane stayed
+    "running… 31 / 256 tokens" for ever beside two stopped lanes (the browser, a llama-server fast
+    lane). The last redraw runs under a short control of its own; where even that fails, the lane
+    keeps the tokens it last drew and says that count."""
+    from engine.control import RunStopped, active_control, under
+    from engine.trace import Event
+    from playground.views.compare import run as compare_run
+    from playground.views.compare.lanes import RUNNING, STOPPED
+
+    class Step:
+        def __init__(self, i):
+            self.i = i
+
+    made = {0: threading.Event(), 1: threading.Event()}
+    down = {"server": False}
+
+    def stream(lm, prompt, config, *, chat, prompt_ids, control):
+        for i in range(10_000):
+            control.check()
+            yield Event(steps=[Step(i)])
+            if i == 5:
+                made[lm].set()
+            threading.Event().wait(0.002)
+
+    def partial(lm, prompt, prompt_ids, config, steps, chat):
+        if lm == 1:  # the served lane: its text is asked of its server, under the active control
+            control = active_control()
+            if control is not None:
+                control.check()
+            if down["server"]:
+                raise RunStopped("time_limit", "stopped: the server did not answer")
+        return type("Partial", (), {"steps": steps})()
+
+    monkeypatch.setattr(compare_run.runner, "partial_trace", partial)
+    shared = type("FakeShared", (), {"stream": staticmethod(stream)})()
+    models = [compare_run.LaneModel(0, [1]), compare_run.LaneModel(1, [1])]
+    configs = [DecodingConfig(strategy="greedy", max_new_tokens=256)] * 2
+    for server_down in (False, True):
+        down["server"] = False
+        control, session = RunControl(), CompareSession([None, None], ["", ""], 256, [256, 256])
+        redraws = under(control, compare_run.run_lanes(shared, models, "p", configs, False, session, control))
+        next(redraws)
+        assert all(e.wait(10) for e in made.values())
+        threading.Event().wait(0.1)  # the lanes make more tokens than the redraw drew: the last one has work
+        down["server"] = server_down
+        control.cancel()
+        with pytest.raises(RunStopped):
+            for _ in redraws:
+                pass
+        assert session.phases == [STOPPED, STOPPED] and RUNNING not in session.phases, session.phases
+        for trace, count in zip(session.traces, session.progress):
+            assert trace is not None and len(trace.steps) == count > 0, (len(trace.steps), count)  # status = text

@@ -215,7 +215,7 @@ def test_add_lane_set_a_knob_run_and_read_both_texts(page, live_app, artifacts):
     assert page.locator("#cmp-lane-1-preset input").input_value() == "(custom)"  # the temperature is
     assert "=" not in page.locator("#cmp-lane-0-header").inner_text()
     page.click("#cmp-run")
-    page.wait_for_selector("#cmp-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#cmp-status:has-text('done:')", timeout=300_000)
     texts = []
     for i in range(3):
         assert page.locator(f"#cmp-lane-{i}-text .token").count() >= 1

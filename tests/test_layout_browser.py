@@ -225,7 +225,7 @@ def _run_compare(page) -> None:
     top_k.fill("20")  # lane 2 samples through top-k too: raw, temperature, top-k, top-p, final, the draw
     top_k.press("Enter")
     page.click("#cmp-run")
-    page.wait_for_selector("#cmp-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#cmp-status:has-text('done:')", timeout=300_000)
 
 
 def test_compare_s_inspector_chart_fits_a_phone_and_a_projector(browser, live_app, artifacts):

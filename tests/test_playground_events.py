@@ -450,3 +450,52 @@ def test_gradios_cancel_after_stop_waits_for_the_run_to_end():
     threading.Thread(target=run, args=("a", 30.0), daemon=True).start()
     started("a")
     assert settle(([Event()], "a"), limit_s=0.3) < 0.3 + events.STOP_SENT_S + 5.0  # bounded
+
+
+def test_a_stopped_run_counts_as_running_until_gradio_has_taken_its_last_word(monkeypatch):
+    """Stop's chain fires Gradio's ``cancels`` once the session's runs have ended (``settled``). A run
+    stopped mid-way ends on one held update ("stopped after N"); it must still count as running
+    until Gradio has taken that update, or the cancel could cut it off: a Compare lane then said
+    "running… 154 / 256 tokens" for ever after Stop (CI, the whole suite, a loaded page)."""
+    import threading
+
+    sessions = events.SessionRuns(limit=5)
+    monkeypatch.setattr(events, "_session", lambda: "page-A")
+    stopped_at = threading.Event()
+
+    def handler(*, control: RunControl):
+        for i in range(500):
+            try:
+                control.check()
+            except RunStopped:
+                yield {"status": f"stopped after {i}"}
+                return
+            yield {"status": f"running… {i}"}
+            if i == 3:
+                stopped_at.set()
+            time.sleep(0.01)
+
+    run = events.streamed(handler, lambda m: {"status": m}, "generation", sessions=sessions, group="cmp")
+
+    async def drive():
+        agen, rows = run(), []
+        while not stopped_at.is_set():
+            rows.append(await agen.__anext__())
+        assert events.stop_runs([_Dep(sessions, "cmp")], "page-A") == 1  # the Stop press
+        while not rows[-1]["status"].startswith("stopped"):
+            rows.append(await agen.__anext__())
+            # Until Gradio asks for the update after the last word, the run is still in progress.
+            assert events.active_runs([_Dep(sessions, "cmp")], "page-A") == 1, rows[-1]
+        with pytest.raises(StopAsyncIteration):
+            await agen.__anext__()
+        assert events.active_runs([_Dep(sessions, "cmp")], "page-A") == 0
+        return rows
+
+    rows = run_async(drive())
+    assert rows[-1]["status"].startswith("stopped after") and not any(
+        r["status"].startswith("running") for r in rows[rows.index(rows[-1]):])
+
+    busy = events.SessionRuns(limit=1)  # a refused slot is still one clear update, not a crash
+    with busy.slot("page-A", RunControl(), "cmp"):
+        refused = _drain(events.streamed(handler, lambda m: {"status": m}, "generation", sessions=busy, group="cmp")())
+    assert len(refused) == 1 and "runs in progress" in refused[0]["status"], refused

@@ -79,7 +79,7 @@ def run_compare(page):
         boxes.nth(i).fill("4")
         boxes.nth(i).press("Enter")
     page.click("#cmp-run")
-    page.wait_for_selector("#cmp-status:has-text('done')", timeout=RUN_TIMEOUT)
+    page.wait_for_selector("#cmp-status:has-text('done:')", timeout=RUN_TIMEOUT)
     page.wait_for_selector("#cmp-entropy .js-plotly-plot")
     page.locator("#cmp-lane-1-text .token").nth(2).click()  # the inspector draws that step's panels
     page.wait_for_selector("#cmp-inspect-chart .js-plotly-plot .gtitle")

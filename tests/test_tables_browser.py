@@ -93,7 +93,7 @@ def test_no_table_breaks_a_word_or_a_number_at_1280_or_390(browser, live_app, ar
             boxes.nth(i).fill("3")
             boxes.nth(i).press("Enter")
         page.click("#cmp-run")
-        page.wait_for_selector("#cmp-status:has-text('done')")
+        page.wait_for_selector("#cmp-status:has-text('done:')")
         page.wait_for_selector("#cmp-metrics [role=gridcell]")
         problems = []
         for width, height in SIZES:  # the same page relaid out, as a person turns a tablet

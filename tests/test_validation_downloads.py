@@ -42,13 +42,17 @@ path = downloads.trace_file(type("T", (), {"to_dict": lambda self: {"prompt": "s
 cache = downloads.use_private_cache()
 print(json.dumps([str(downloads.private_root()), path, str(cache)]))
 if sys.argv[1] == "close":
+    import os
     class Demo:
         def close(self):
             pass
-    demo = Demo()
+    demo, other = Demo(), Demo()
     downloads.remove_on_close(demo)
+    downloads.remove_on_close(other)  # a second app of the process, still serving
     demo.close()
-    import os
+    assert os.path.exists(path) and os.path.isdir(cache), "gone while another app of the process serves"
+    other.close()
+    other.close()  # a second close is harmless
     assert not os.path.exists(path), "still there after close"
     again = downloads.write_text("x.json", "{}")  # a later app of the same process gets a new private folder
     assert os.path.exists(again) and oct(os.stat(downloads.private_root()).st_mode & 0o777) == "0o700"

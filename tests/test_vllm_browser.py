@@ -50,7 +50,7 @@ def test_step_compare_beam_and_speculative_run_on_vllm(page, vllm_app, artifacts
     for lane in (0, 1):
         set_number(page, f"#cmp-lane-{lane}-knob-max_new_tokens input", 6)
     page.click("#cmp-run")
-    page.wait_for_selector("#cmp-status:has-text('done')", timeout=300_000)
+    page.wait_for_selector("#cmp-status:has-text('done:')", timeout=300_000)
     for lane in (0, 1):  # every lane ran on the header's model: the served vLLM
         assert f"on {served}" in page.locator(f"#cmp-lane-{lane}-status").inner_text()
     page.wait_for_function("() => document.querySelectorAll('#cmp-metrics [role=gridcell]').length >= 8")

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from engine import runner
 from engine.config import DecodingConfig
-from engine.control import RunControl, RunStopped
+from engine.control import RunControl, RunStopped, run_under
+from engine.backends.client import RemoteError
 from engine.backends.local import LoadedModel
 from engine.trace import Event, StepTrace, Trace
 
@@ -36,6 +37,9 @@ from .lanes import DONE, FAILED, RUNNING, STOPPED, CompareSession
 # faster than it can draw lags the server, and a Stop pressed on it lands late.
 STREAM_EVERY_S = 0.5
 POLL_S = 0.05  # how often the run's thread looks at its control while waiting for the lanes
+# After a Stop or the time limit: how long the last redraw may wait on a served lane's server for its
+# text (a partial trace decodes the tokens there); past it the lane keeps the tokens it last drew.
+LAST_DRAW_S = 3.0
 
 
 @dataclass
@@ -163,7 +167,9 @@ def run_lanes(shared: Shared, models: Sequence[LaneModel], prompt: str, configs:
                 write("")
                 yield
     except RunStopped as stopped:
-        write(stopped.reason)
+        # The run's own control is cancelled (or past its limit), and a served lane's partial trace asks
+        # its server for the text: the last redraw runs under a short control of its own.
+        run_under(RunControl(deadline_s=LAST_DRAW_S), write, stopped.reason)
         raise
     finally:
         if not all(run.ended for run in runs):  # stopped, or the consumer went away: the lanes stop too
@@ -185,7 +191,10 @@ def record(session: CompareSession, runs: Sequence[LaneRun], drawn: dict[int, in
             continue
         steps = list(run.steps)
         if len(steps) != drawn.get(i):
-            session.traces[i], drawn[i] = (partial(i, steps) if steps else None), len(steps)
+            try:
+                session.traces[i], drawn[i] = (partial(i, steps) if steps else None), len(steps)
+            except (RunStopped, RemoteError):  # a served lane's text comes from its server: Stop, limit, or a fault
+                steps = steps[:drawn.get(i, 0)]  # the lane keeps what it last drew, and says that count
         session.progress[i] = max(len(steps), run.records)  # the snapshot's count: status and text agree
         if ended and error is not None and not isinstance(error, RunStopped):
             session.phases[i], session.errors[i] = FAILED, error_message(error, "lane")
