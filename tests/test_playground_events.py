@@ -499,3 +499,35 @@ def test_a_stopped_run_counts_as_running_until_gradio_has_taken_its_last_word(mo
     with busy.slot("page-A", RunControl(), "cmp"):
         refused = _drain(events.streamed(handler, lambda m: {"status": m}, "generation", sessions=busy, group="cmp")())
     assert len(refused) == 1 and "runs in progress" in refused[0]["status"], refused
+
+
+def test_stop_cancels_through_gradio_only_what_waits_in_its_queue():
+    """Stop's chain sends Gradio's ``cancels`` only for a run of the page still queued (or stuck):
+    ``waiting_runs`` counts the session's jobs of the Stop's events in Gradio's queue, by the
+    event's function id, and no other page's or other event's."""
+    from types import SimpleNamespace as NS
+
+    from gradio.context import LocalContext
+
+    def job(session: str, fn_id: int):
+        return NS(session_hash=session, fn=NS(_id=fn_id))
+
+    line = NS(queue=[job("page-A", 7), job("page-A", 9), job("page-B", 7), job("page-A", 7)])
+    blocks = NS(_queue=NS(event_queue_per_concurrency_id={"model": line, "default": NS(queue=[job("page-A", 3)])}))
+    run_event, other_event = {"id": 7}, {"id": 3}
+    token = LocalContext.blocks.set(blocks)
+    try:
+        assert events.waiting_runs([run_event], "page-A") == 2
+        assert events.waiting_runs([run_event, other_event], "page-A") == 3
+        assert events.waiting_runs([run_event], "page-C") == 0
+        line.queue.clear()  # started or gone: nothing for Gradio to cancel
+        assert events.waiting_runs([run_event], "page-A") == 0
+    finally:
+        LocalContext.blocks.reset(token)
+    assert events.waiting_runs([run_event], "page-A") == 0  # outside a request: no queue
+    error = events.NothingToCancel()
+    assert isinstance(error, gr.Error) and error.visible is False  # the chain stops without a toast
+    with gr.Blocks() as demo:  # a real event's dependency names its function's id as a queued job's fn has it
+        box = gr.Textbox()
+        dependency = gr.on([box.submit], lambda text: text, box, box)
+    assert {f._id for f in demo.fns.values()} == {dependency["id"]}
