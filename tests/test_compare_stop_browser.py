@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from playground import events
 from playground.events import stop_runs
@@ -38,10 +39,20 @@ def set_lane(page, i: int, tokens: int) -> None:
     box.fill(str(tokens))
     box.press("Enter")
     page.click(f"#cmp-lane-{i}-more-box")  # the "More knobs" accordion
-    page.fill(f"#cmp-lane-{i}-more textarea", f'{{"min_new_tokens": {tokens}}}')
-    # the header says both, so the server has both (a Run pressed before the knobs' change reached it ran
-    # the lane without its floor: it ended at its first end-of-sequence)
-    page.wait_for_selector(f"#cmp-lane-{i}-header:has-text('min new tokens {tokens}')")
+    more = page.locator(f"#cmp-lane-{i}-more textarea")
+    more.wait_for(state="visible")
+    # The header says both, so the server has both (a Run pressed before the knobs' change reached it ran
+    # the lane without its floor: it ended at its first end-of-sequence). On a loaded machine the accordion's
+    # box can still be settling as it opens and lose what was typed into it (the box then shows it empty,
+    # as a person would see it, and types again): typed again until the header has it.
+    for attempt in range(3):
+        more.fill(f'{{"min_new_tokens": {tokens}}}')
+        try:
+            page.wait_for_selector(f"#cmp-lane-{i}-header:has-text('min new tokens {tokens}')", timeout=20_000)
+            break
+        except PlaywrightTimeout:
+            assert attempt < 2 and more.input_value() == "", (attempt, more.input_value(),
+                                                              page.locator(f"#cmp-lane-{i}-header").inner_text())
     page.wait_for_selector(f"#cmp-lane-{i}-header:has-text('{tokens} tokens')")
 
 
