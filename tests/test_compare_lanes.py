@@ -275,3 +275,43 @@ def test_a_stop_marks_every_lane_stopped_even_where_the_last_redraw_must_ask_a_s
         assert session.phases == [STOPPED, STOPPED] and RUNNING not in session.phases, session.phases
         for trace, count in zip(session.traces, session.progress):
             assert trace is not None and len(trace.steps) == count > 0, (len(trace.steps), count)  # status = text
+
+
+def test_lanes_that_all_end_on_the_stop_in_one_wait_make_a_stopped_run_not_a_done_one(monkeypatch):
+    """``follow`` checks the control between waits; when every lane ended on the Stop within one wait
+    it ended without a check, and the page said "done: 2 of 2 lanes ran" beside two lanes saying
+    "stopped after 15 of 128 tokens". That window, made certain: the run raises RunStopped and every
+    lane says stopped."""
+    from engine.control import RunStopped
+    from engine.trace import Event
+    from playground.views.compare import run as compare_run
+    from playground.views.compare.lanes import STOPPED
+
+    control = RunControl()
+    at_five = threading.Barrier(2)
+
+    def stream(lm, prompt, config, *, chat, prompt_ids, control):
+        for i in range(6):
+            if i == 5:
+                at_five.wait(10)
+                control.cancel()  # the Stop reaches both lanes at their sixth token
+            control.check()
+            yield Event(steps=[i])
+
+    def one_wait(runs, ended, control, every_s=0.5):  # both ends seen in one wait, no check after it
+        for _ in runs:
+            ended.get(timeout=10)
+        yield
+
+    monkeypatch.setattr(compare_run, "follow", one_wait)
+    monkeypatch.setattr(compare_run.runner, "partial_trace",
+                        lambda lm, prompt, ids, config, steps, chat: type("Partial", (), {"steps": steps})())
+    shared = type("FakeShared", (), {"stream": staticmethod(stream)})()
+    session = CompareSession([None, None], ["", ""], 128, [128, 128])
+    models = [compare_run.LaneModel(0, [1]), compare_run.LaneModel(1, [1])]
+    configs = [DecodingConfig(strategy="greedy", max_new_tokens=128)] * 2
+    with pytest.raises(RunStopped):
+        for _ in compare_run.run_lanes(shared, models, "p", configs, False, session, control):
+            pass
+    assert session.phases == [STOPPED, STOPPED] and session.stopped == "cancelled", (session.phases, session.stopped)
+    assert session.progress == [5, 5]

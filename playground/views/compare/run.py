@@ -166,6 +166,11 @@ def run_lanes(shared: Shared, models: Sequence[LaneModel], prompt: str, configs:
                 shown = now
                 write("")
                 yield
+        if any(isinstance(run.error, RunStopped) for run in runs):
+            # Every lane ended on the Stop before ``follow`` looked at the control again (their ends
+            # came in one wait): the run was stopped, not done ("done: 2 of 2 lanes ran" beside two
+            # "stopped after 15 of 128 tokens" lanes, on a loaded machine).
+            control.check()
     except RunStopped as stopped:
         # The run's own control is cancelled (or past its limit), and a served lane's partial trace asks
         # its server for the text: the last redraw runs under a short control of its own.
