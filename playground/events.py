@@ -330,6 +330,14 @@ def _active_event(queue: Any, event_id: str) -> Any:
     return None
 
 
+def _gradio_queue() -> Any:
+    """The queue of the Blocks handling this request (Gradio's private ``_queue``; None outside a
+    request). The one place this module reads it: ``watch_client`` and ``waiting_runs``."""
+    from gradio.context import LocalContext
+
+    return getattr(LocalContext.blocks.get(None), "_queue", None)
+
+
 async def watch_client(control: RunControl) -> None:
     """Cancel ``control`` once the request's client has gone (a closed tab, a dropped
     ``/gradio_api/call/...`` result stream). Gradio notices a closed stream only when it next writes
@@ -339,7 +347,7 @@ async def watch_client(control: RunControl) -> None:
     from gradio.context import LocalContext
     from gradio.server_messages import HeartbeatMessage
 
-    queue = getattr(LocalContext.blocks.get(None), "_queue", None)
+    queue = _gradio_queue()
     event_id = LocalContext.event_id.get(None)
     if queue is None or not event_id:
         return
@@ -636,9 +644,7 @@ async def settled(events: list, session: str | None, limit_s: float | None = Non
 def waiting_runs(events: list, session: str | None) -> int:
     """How many of ``session``'s runs of ``events`` wait in Gradio's queue, not started yet (an
     event's dependency carries its function's id as ``"id"``; a queued job its function as ``fn``)."""
-    from gradio.context import LocalContext
-
-    queue = getattr(LocalContext.blocks.get(None), "_queue", None)
+    queue = _gradio_queue()
     ids = {event.get("id") for event in events if isinstance(event, dict)}
     lines = list(getattr(queue, "event_queue_per_concurrency_id", {}).values())
     return sum(1 for line in lines for job in list(line.queue)
