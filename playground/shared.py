@@ -26,7 +26,7 @@ from engine.backends.local import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoa
 from engine.backends.registry import ModelPolicy, ModelRegistry
 from engine.backends.registry import is_remote_source, model_policy
 from engine.backends.client import RemoteError
-from engine.backends.served import ModelPick
+from engine.backends.served import MODES, ModelPick
 from engine.presets import load_preset
 from engine.reports.lessons import Lesson
 from engine.scheduler import Scheduler, Schedulers
@@ -350,6 +350,46 @@ def model_pickers(default_model: str = EMBEDDED, offered: Sequence[str] = (EMBED
                         info="int8 / nf4: bitsandbytes at load; rtn / gptq / awq: 4-bit checkpoints made here (make quantize)",
                         elem_id="dp-quant", scale=2)
     return model, quant
+
+
+# --- a served model's mode: one radio, the same in Step through and in every Compare lane ----------------
+REMOTE_MODES = MODES  # the radio's choices: engine.backends.served.MODES
+REMOTE_MODE_LABEL = "Served model: who picks each token"
+REMOTE_MODE_INFO = ("step: one request per token; our stages and our seeded draw over the server's top 100, every "
+                    "stage drawn (exact up to the top-N). fast: one streamed request; the server's own sampler picks, "
+                    "and each token shows its raw and final top-N (no stages in between; a branch from it goes on in "
+                    "step mode).")
+
+
+def remote_mode_radio(elem_id: str, value: str = "step", visible: bool = False) -> gr.Radio:
+    """The step | fast radio shown beside a served model's pick (Step through's model box, a Compare
+    lane's model): the one way the page shows a served model's mode."""
+    return gr.Radio(REMOTE_MODES, value=value, label=REMOTE_MODE_LABEL, info=REMOTE_MODE_INFO, visible=visible,
+                    elem_id=elem_id)
+
+
+def with_mode(model: Any, mode: Any, api: bool = False) -> Any:
+    """The model pick's value (engine.backends.served.ModelPick, read by ``Shared.lm``) of a model box's
+    ``model`` and the mode radio's ``mode``: "fast" runs a served model in fast mode, "step" keeps
+    the pick as it is. A UserError naming ``remote_mode`` for another value, or, for an API call (the
+    page hides the radio then), for fast on a model loaded here."""
+    if mode not in MODES:
+        raise UserError(f"remote_mode: expected step or fast, got {str(mode)[:40]!r}")
+    if mode == "step" or not isinstance(model, str):
+        return model
+    source = ModelPick.parse(model).source
+    if not is_remote_source(source):
+        if api:
+            raise UserError(f"remote_mode: fast needs a served model; model {model[:60]!r} runs here (use step)")
+        return model
+    return ModelPick(source, "fast").value
+
+
+def shown_pick(value: Any) -> tuple[str, dict]:
+    """A pick's value as the page shows it: (the model box's value, the mode radio's update: its
+    mode, shown only for a served model)."""
+    pick = ModelPick.parse(value if isinstance(value, str) else "")
+    return pick.source, gr.update(value=pick.mode, visible=is_remote_source(pick.source))
 
 
 def wire_model_check(shared: Shared) -> gr.HTML:

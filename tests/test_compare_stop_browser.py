@@ -185,8 +185,12 @@ def test_stop_with_an_embedded_a_step_and_a_fast_lane_stops_all_three_and_frees_
     page.fill("#cmp-prompt textarea", "1, 2, 3, 4, 5, 6, 7, 8,")  # greedy counts on: no early end
     page.click("#cmp-add")
     page.wait_for_selector("#cmp-lane-2", state="visible")
-    pick(page, "#cmp-lane-1-model", f"{listed} · step mode")
-    pick(page, "#cmp-lane-2-model", f"{listed} · fast mode")
+    # each lane's model box picks the server; lane 3's mode radio (Step through's, #36) says fast
+    for i in (1, 2):
+        pick(page, f"#cmp-lane-{i}-source", listed)
+        page.wait_for_selector(f"#cmp-lane-{i}-mode", state="visible")
+    page.locator("#cmp-lane-2-mode label", has_text="fast").click()
+    assert page.locator("#cmp-lane-1-mode input[value=step]").is_checked()
     pick(page, "#cmp-lane-2-strategy", "greedy")  # the added lane's contrastive search needs the model itself
     for i in (0, 1, 2):
         set_lane(page, i, 256)

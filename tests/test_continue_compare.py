@@ -75,7 +75,9 @@ class Page:
     def apply(self, dep: Any, row: Any) -> dict:
         """Show one update of ``dep`` (a dict or a row in its outputs' order) as the page would;
         returns what changed, by elem_id."""
-        update = row if isinstance(row, dict) else dict(zip(dep.outputs, row))
+        # (as Gradio does: the text a function with one output returns is that output's value, not a row)
+        alone = len(dep.outputs) == 1 and isinstance(row, str)
+        update = row if isinstance(row, dict) else dict(zip(dep.outputs, [row] if alone else row))
         named = {}
         for block, value in update.items():
             if isinstance(value, dict) and value.get("__type__") == "update":

@@ -17,6 +17,7 @@ import pytest
 
 from engine.backends.local import ModelLoadError
 from engine.backends.registry import ModelPolicy
+from engine.backends.served import ModelPick
 from engine.numbers import percent
 from tests.test_continue_compare import Page, branch
 from tests.test_remote_llamacpp import server_test
@@ -509,15 +510,20 @@ def test_compare_runs_a_lane_on_the_server_beside_our_engine_with_the_same_knobs
 def test_compare_puts_our_stages_beside_llama_cpp_s_own_sampler_on_one_server(served):
     demo, listed = served
     page = Page(demo)
-    choices = [c[1] for c in page.block("cmp-lane-0-model").choices]
-    assert listed in choices and f"fast:{listed}" in choices and "fast:embedded" not in choices
+    choices = [c[1] for c in page.block("cmp-lane-0-source").choices]
+    assert listed in choices and not [c for c in choices if c.startswith("fast:")]  # a mode is the radio's
     page.set("cmp-prompt", "The capital of France is Paris. The capital of Italy is")
     for i in (0, 1):
         page.set(f"cmp-lane-{i}-strategy", "greedy")
         page.set(f"cmp-lane-{i}-knob-max_new_tokens", 6)
         page.set(f"cmp-lane-{i}-more", "")
-    page.set("cmp-lane-0-model", listed)
-    page.set("cmp-lane-1-model", f"fast:{listed}")
+    # as a person does: each lane's model box picks the server, lane 2's radio says fast
+    for i, mode in ((0, "step"), (1, "fast")):
+        page.set(f"cmp-lane-{i}-source", listed)
+        page.set(f"cmp-lane-{i}-mode", mode)
+        picked = page.fire("on_lane_pick", f"cmp-lane-{i}-model")
+        assert picked == [{f"cmp-lane-{i}-model": ModelPick(listed, mode).value}]
+    assert page.shown("cmp-lane-1-model") == f"fast:{listed}"
     page.fire("on_run", "cmp-status")
     assert "done: 2 of 2 lanes ran" in shown(page, "cmp-status"), shown(page, "cmp-status")
     stepped, fast = compare_session(page).traces
@@ -624,11 +630,10 @@ def test_a_served_models_mode_is_one_field_of_the_model_pick():
     """#36: the remote mode is one encoding (engine.backends.served.ModelPick), read in one place:
     Compare's lane picks, a lesson's ``models`` (old files' ``fast:<role>``), and Step through's
     model box with its mode radio all name the same value; ``fast:`` links keep opening."""
-    from engine.backends.served import ModelPick
     from engine.reports import lessons
-    from playground.shared import UserError
+    from playground.shared import UserError, shown_pick, with_mode
+    from playground.views.compare.handlers import on_lane_pick
     from playground.views.compare.layout import lane_model_choices
-    from playground.views.step import step_pick
 
     assert ModelPick.parse(f"fast:{UNLISTED}") == ModelPick(UNLISTED, "fast")
     assert ModelPick.parse(UNLISTED) == ModelPick(UNLISTED, "step") and ModelPick.parse("embedded").mode == "step"
@@ -636,16 +641,24 @@ def test_a_served_models_mode_is_one_field_of_the_model_pick():
         assert ModelPick.parse(value).value == value
     with pytest.raises(ValueError, match=r"^mode: expected step or fast, got 'slow'$"):
         ModelPick(UNLISTED, "slow")
-    # Compare offers each server in both modes as picks; Step through's radio makes the same value
+    # A Compare lane's model box lists models only; its mode radio (Step through's, the same helper)
+    # makes the same value as Step through's model box and radio
     picks = {value for _, value in lane_model_choices(["embedded", UNLISTED])}
-    assert picks == {"", "embedded", UNLISTED, f"fast:{UNLISTED}"}
-    assert step_pick(UNLISTED, "fast") == f"fast:{UNLISTED}" and step_pick(UNLISTED, "step") == UNLISTED
-    assert step_pick(f"fast:{UNLISTED}", "step") == f"fast:{UNLISTED}"  # an API call's own pick stays
-    assert step_pick("embedded", "fast") == "embedded"  # the page hides the radio for a model loaded here
+    assert picks == {"", "embedded", UNLISTED}
+    assert with_mode(UNLISTED, "fast") == on_lane_pick(UNLISTED, "fast") == f"fast:{UNLISTED}"
+    assert with_mode(UNLISTED, "step") == on_lane_pick(UNLISTED, "step") == UNLISTED
+    assert on_lane_pick("", "fast") == "" and on_lane_pick("embedded", "fast") == "embedded"
+    assert with_mode(f"fast:{UNLISTED}", "step") == f"fast:{UNLISTED}"  # an API call's own pick stays
+    assert with_mode("embedded", "fast") == "embedded"  # the page hides the radio for a model loaded here
     with pytest.raises(UserError, match=r"^remote_mode: fast needs a served model; model 'embedded' runs here"):
-        step_pick("embedded", "fast", api=True)
+        with_mode("embedded", "fast", api=True)
     with pytest.raises(UserError, match=r"^remote_mode: expected step or fast, got 'fast\\ud800'$"):
-        step_pick(UNLISTED, "fast\ud800")
+        with_mode(UNLISTED, "fast\ud800")
+    # a pick set by a link, a lesson or a moved lane shows in the box and the radio (shown for a server only)
+    for value, box, mode, radio in ((f"fast:{UNLISTED}", UNLISTED, "fast", True), (UNLISTED, UNLISTED, "step", True),
+                                    ("embedded", "embedded", "step", False), ("", "", "step", False)):
+        shown, update = shown_pick(value)
+        assert (shown, update["value"], update["visible"]) == (box, mode, radio), value
     # a served lesson's file still says fast:<role>: its runs' sources are the same picks
     lesson = lessons.served_lessons()["three-engines"]
     vllm = "openai:http://127.0.0.1:2/v1#vocab=49152&eos=2"

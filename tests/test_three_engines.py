@@ -5,6 +5,7 @@ tests/test_vllm_live.py (it needs both)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,8 +50,7 @@ def test_each_run_goes_to_its_engine():
 
 def test_opening_it_fills_the_compare_lanes_with_the_listed_servers():
     page = fake_page()
-    page.lanes = [lane.__class__(*[getattr(lane, f) for f in lane.__dataclass_fields__ if f != "model"],
-                                 model=f"l{i}.model") for i, lane in enumerate(page.lanes)]
+    page.lanes = [dataclasses.replace(lane, model=f"l{i}.model") for i, lane in enumerate(page.lanes)]
     lesson = three()
     out = handlers.open_lesson(page, lesson.prompt, lesson.chat, lane_configs(lesson, None),
                                lessons.run_sources(lesson, "", BOTH))

@@ -28,7 +28,6 @@ from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.backends.local import LoadedModel
 from engine.backends.registry import is_remote_source
-from engine.backends.served import MODES, ModelPick
 from engine import runner
 from engine.trace import Trace
 from playground.charts import step as charts
@@ -44,7 +43,7 @@ from ..whatif_service import STAGE_STRATEGIES, KeptLogits, Registered, WhatIfSer
 from .. import stale
 from ..panels.whatif import WHATIF_CONCURRENCY, WHATIF_INTRO, WhatIfPanel, continue_events, explore_api
 from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
-from ..shared import page_width, parent_trace
+from ..shared import page_width, parent_trace, remote_mode_radio, with_mode
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 MAX_RUNS = 8  # runs kept per session: the original and the latest branches
@@ -334,8 +333,7 @@ def build_tab(shared: Shared) -> StepView:
             status = gr.HTML("", elem_id="step-status")
             chat = gr.Checkbox(True, label="Chat template", info="Wrap the prompt in the model's chat template (instruct models).",
                                elem_id="step-chat")
-            remote_mode = gr.Radio(REMOTE_MODES, value="step", label="Served model: who picks each token",
-                                   info=REMOTE_MODE_INFO, visible=False, elem_id="step-remote-mode")
+            remote_mode = remote_mode_radio("step-remote-mode")
             panel = KnobPanel(shared, RUN_KNOBS + STAGE_KNOBS, ["sample", "greedy"], preset=DEFAULT_PRESET, prefix="step-")
         with gr.Column(scale=2, min_width=480):
             colour_by = gr.Radio(["probability", "surprisal"], value="probability", label="Colour tokens by", elem_id="step-colour")
@@ -397,10 +395,10 @@ class Handlers:
                     owner: str, *values: Any, control: RunControl, select: str | int | None = None,
                     width: float | None = None, remote_mode: Any = "step") -> Iterator[dict]:
         """Run the prompt under the panel's knobs; the last update selects ``select`` (see stream_run).
-        ``remote_mode``: step | fast, for a served model (``step_pick``)."""
+        ``remote_mode``: step | fast, for a served model (``shared.with_mode``)."""
         if state is not None and not state.owned_by(owner):
             raise UserError("session: this session belongs to another page; reload the page")
-        config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, step_pick(model, remote_mode), quant,
+        config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, with_mode(model, remote_mode), quant,
                                                      prompt, chat)
         owner = owner if isinstance(owner, str) and len(owner) >= 32 else secrets.token_hex(16)
         session = StepSession(owner=owner)  # a new prompt starts a new list of runs
@@ -566,30 +564,6 @@ class Handlers:
               [out.chart, out.explain, out.whatif_note, out.whatif_figure], **local)
 
 
-REMOTE_MODES = MODES  # the radio's choices: engine.backends.served.MODES
-REMOTE_MODE_INFO = ("step: one request per token; our stages and our seeded draw over the server's top 100, every stage "
-                    "drawn (exact up to the top-N). fast: one streamed request; the server's own sampler picks, and "
-                    "each token shows its raw and final top-N (no stages in between; a branch from it goes on in step mode).")
-
-
-def step_pick(model: Any, mode: Any, api: bool = False) -> Any:
-    """The model pick's value (engine.backends.served.ModelPick, the encoding Compare's lane picks
-    use; ``Shared.lm`` reads it) of the header's ``model`` and the mode radio's ``mode``: "fast" runs a
-    served model in fast mode, "step" keeps the pick as it is. A UserError naming ``remote_mode``
-    for another value, or, for an API call (the page hides the radio then), for fast on a model
-    loaded here."""
-    if mode not in MODES:
-        raise UserError(f"remote_mode: expected step or fast, got {str(mode)[:40]!r}")
-    if mode == "step" or not isinstance(model, str):
-        return model
-    source = ModelPick.parse(model).source
-    if not is_remote_source(source):
-        if api:
-            raise UserError(f"remote_mode: fast needs a served model; model {model[:60]!r} runs here (use step)")
-        return model
-    return ModelPick(source, "fast").value
-
-
 def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = "", chat: bool = False,
                model: str = "embedded", quantization: str = "none", remote_mode: str = "step", *,
                control: RunControl) -> dict:
@@ -597,7 +571,7 @@ def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: 
     ``preset``: a built-in preset name (or preset JSON); ``config``: knobs overriding it;
     ``remote_mode``: on a served model, "step" (our chain over its top-N) or "fast" (it samples)."""
     cfg = shared.api_config(preset, config, default_strategy="sample", strategies=STEP_STRATEGIES)
-    lm = shared.lm(step_pick(model, remote_mode, api=True), quantization)
+    lm = shared.lm(with_mode(model, remote_mode, api=True), quantization)
     prompt_ids = shared.encode_prompt(lm, prompt, chat)
     return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
 

@@ -9,13 +9,11 @@ from typing import Any, Sequence
 import gradio as gr
 
 from engine.config import KNOBS, STRATEGIES
-from engine.backends.registry import is_remote_source
-from engine.backends.served import ModelPick
 from playground.charts import compare as charts
 
 from ... import ids
 from ...knobs import compact_knob_component
-from ...shared import SESSION_TTL_S, UserError
+from ...shared import SESSION_TTL_S, UserError, remote_mode_radio
 from ...user_presets import preset_choices
 from .lanes import (
     LANE_KNOBS, LANE_PRESETS, MAX_LANES, MAX_SWEEP_SEEDS, MIN_LANES, LaneSpec, default_spec, lane_config,
@@ -37,7 +35,10 @@ class LaneWidgets:
     remove: Any
     status: Any
     text: Any
-    model: Any = None  # "" (the header's model) or a model the header offers: a lane may run on another model
+    model: Any = None  # the lane's model pick (engine.backends.served.ModelPick's value; "" the header's model),
+    # hidden: what the handlers, links and lessons read and write; a person sets it with ``source`` and ``mode``
+    source: Any = None  # the Model box: "" (the header's model) or a model the header offers
+    mode: Any = None  # a served model's step | fast radio (playground.shared.remote_mode_radio, as in Step through)
 
 
     @property
@@ -121,16 +122,9 @@ def strategy_choices() -> list[str]:
     return list(STRATEGIES)
 
 def lane_model_choices(offered: Sequence[str]) -> list[tuple[str, str]]:
-    """A lane's Model picker: the header's model, every offered model, and for a served one also
-    its fast mode (engine.backends.served.ModelPick: the server's own sampler picks; step mode runs our chain)."""
-    choices = [(HEADER_MODEL, "")]
-    for m in offered:
-        if is_remote_source(m):
-            choices += [(f"{m} · step mode (our stages)", m),
-                        (f"{m} · fast mode (its own sampler)", ModelPick(m, "fast").value)]
-        else:
-            choices.append((m, m))
-    return choices
+    """A lane's Model box: the header's model and every offered model (a served one's mode is the
+    radio beside it, as in Step through)."""
+    return [(HEADER_MODEL, ""), *((m, m) for m in offered)]
 
 
 def _lane_column(i: int, spec: LaneSpec | None, offered: Sequence[str]) -> LaneWidgets:
@@ -138,9 +132,11 @@ def _lane_column(i: int, spec: LaneSpec | None, offered: Sequence[str]) -> LaneW
     prefix = f"cmp-lane-{i}-"
     with gr.Column(visible=i < MIN_LANES, min_width=280, elem_id=f"cmp-lane-{i}", elem_classes=["cmp-lane"]) as column:
         header = gr.HTML(charts.lane_header(lane_name(i), *summary_of(spec)), elem_id=f"{prefix}header")
-        model = gr.Dropdown(lane_model_choices(offered), value="", label="Model", elem_id=f"{prefix}model",
-                            info="e.g. one lane on a llama.cpp server the operator lists, another on the embedded "
-                                 "model, same knobs; a server's fast mode lets its own sampler pick")
+        source = gr.Dropdown(lane_model_choices(offered), value="", label="Model", elem_id=f"{prefix}source",
+                             info="e.g. one lane on a llama.cpp server the operator lists, another on the embedded "
+                                  "model, same knobs")
+        mode = remote_mode_radio(f"{prefix}mode")
+        model = gr.Textbox("", show_label=False, container=False, elem_id=f"{prefix}model", elem_classes=["dp-hidden"])
         with gr.Row():
             preset = gr.Dropdown(preset_choices([]), value=spec.preset, label="Preset", elem_id=f"{prefix}preset",
                                  min_width=120)
@@ -163,7 +159,8 @@ def _lane_column(i: int, spec: LaneSpec | None, offered: Sequence[str]) -> LaneW
         text = gr.HighlightedText(label="Output (click a token to open its step)", combine_adjacent=False,
                                   show_legend=False, show_inline_category=False, interactive=False,
                                   elem_id=f"{prefix}text")
-    return LaneWidgets(column, header, preset, strategy, knobs, more, duplicate, remove, status, text, model)
+    return LaneWidgets(column, header, preset, strategy, knobs, more, duplicate, remove, status, text, model, source,
+                       mode)
 
 
 def summary_of(spec: LaneSpec) -> tuple[str, bool]:
