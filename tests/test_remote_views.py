@@ -524,6 +524,8 @@ def test_compare_puts_our_stages_beside_llama_cpp_s_own_sampler_on_one_server(se
         picked = page.fire("on_lane_pick", f"cmp-lane-{i}-model")
         assert picked == [{f"cmp-lane-{i}-model": ModelPick(listed, mode).value}]
     assert page.shown("cmp-lane-1-model") == f"fast:{listed}"
+    page.set("cmp-lane-1-source", "")  # what a link would leave; the pick's change event shows the pick again
+    assert page.fire("show_lane_pick", "cmp-lane-1-source") == [{"cmp-lane-1-source": listed, "cmp-lane-1-mode": "fast"}]
     page.fire("on_run", "cmp-status")
     assert "done: 2 of 2 lanes ran" in shown(page, "cmp-status"), shown(page, "cmp-status")
     stepped, fast = compare_session(page).traces

@@ -304,6 +304,10 @@ def test_three_engines_one_model_on_the_lessons_tab_and_in_compare(vllm_server, 
     page.apply(opener, opener.fn(*[page.get(b) for b in opener.inputs]))  # "Open in its view", as the button does
     assert [page.shown(f"cmp-lane-{i}-model") for i in range(6)] == ["", vllm, llama, "", "fast:" + vllm,
                                                                       "fast:" + llama]
+    for i, shown_as in enumerate([("", "step"), (vllm, "step"), (llama, "step"), ("", "step"), (vllm, "fast"),
+                                  (llama, "fast")]):  # each lane's model box and mode radio show its pick (#36)
+        page.fire("show_lane_pick", f"cmp-lane-{i}-source")  # the pick's change event, as the page runs it
+        assert (page.shown(f"cmp-lane-{i}-source"), page.shown(f"cmp-lane-{i}-mode")) == shown_as, i
     page.fire("on_run", "cmp-status")
     assert "done" in page.shown("cmp-status")
     statuses = [html_text(page.shown(f"cmp-lane-{i}-status")) for i in range(6)]
