@@ -7,6 +7,9 @@ PIP      := $(PY) -m pip
 # A local CPU build on CPU machines; on a GPU machine e.g. `make run TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Two pytest-xdist workers (tests/conftest.py: a test file is one unit of work, the vLLM tests one more).
+# PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 
 export GRADIO_ANALYTICS_ENABLED := False
 export HF_HUB_DISABLE_TELEMETRY := 1
@@ -27,7 +30,7 @@ test: setup-dev browser lint
 	nice -n 19 sh deploy/llama_server.sh $(PY) > $(LLAMA_BUILD_LOG) 2>&1 &
 	nice -n 19 sh deploy/quantize.sh $(PY) > $(QUANTIZE_LOG) 2>&1 &
 	nice -n 19 sh deploy/vllm.sh $(PY) > $(VLLM_INSTALL_LOG) 2>&1 &
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 setup: $(VENV)/.runtime-installed
 setup-dev: $(VENV)/.dev-installed

@@ -198,6 +198,26 @@ def pytest_collection_modifyitems(config, items):
                                  item.get_closest_marker("quantized") is not None))
 
 
+# `make test` runs two pytest-xdist workers. A test file is one unit of work, so its module fixtures (an
+# app, a page, a server) are made once, on one worker; the files with tests marked `vllm` are one unit, so
+# the two vLLM servers (a minute each to start, a few GB) start once, on one worker. Units go out in the
+# order above (`--no-loadscope-reorder`). (xdist's own `--dist loadgroup` cannot do this under pytest 9:
+# it renames items through an attribute pytest no longer reads.)
+VLLM_FILES = frozenset(f"tests/{path.name}" for path in Path(__file__).parent.glob("test_*.py")
+                       if "pytest.mark.vllm" in path.read_text(errors="replace"))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "vllm" if path in VLLM_FILES else path
+
+    return FileScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def llama_server_binary() -> Path:
     """The cached llama-server, built (or waited for, when a build is running) by

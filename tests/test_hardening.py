@@ -133,14 +133,14 @@ def test_registry_with_a_policy_refuses_before_loading(monkeypatch):
 # --- presets from the page: names or JSON objects only ---------------------------------------------------
 def test_load_preset_refuses_paths_unless_allowed(tmp_path):
     path = tmp_path / "secret.json"
-    path.write_text('{"name": "Secret", "temperature": 99}')
+    path.write_text('{"name": "Secret", "temperature": 98765.4321}')  # (the file's numbers: not in any path)
     for source in (str(path), "/etc/passwd", "~/.ssh", "../../x.json"):
         with pytest.raises(PresetError) as info:
             load_preset(source)
-        assert "is not a built-in preset" in str(info.value) and "99" not in str(info.value)
+        assert "is not a built-in preset" in str(info.value) and "98765" not in str(info.value)
     assert load_preset({"name": "Mine", "temperature": 0.5}).config.temperature == 0.5
     assert load_preset('{"name": "Mine", "top_k": 5}').config.top_k == 5
-    with pytest.raises(PresetError, match="temperature: 99.0 is out of range"):  # the CLI reads files
+    with pytest.raises(PresetError, match="temperature: 98765.4321 is out of range"):  # the CLI reads files
         load_preset(str(path), allow_paths=True)
     with pytest.raises(PresetError, match="preset: expected text, got int"):
         load_preset(5)

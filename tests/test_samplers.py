@@ -214,7 +214,7 @@ def batch():
     (MinNewTokens(5, prompt_length=10, eos_token_ids=[2, 7]), tlp.MinNewTokensLengthLogitsProcessor(10, 5, [2, 7])),
     (MinNewTokens(1, prompt_length=10, eos_token_ids=[2]), tlp.MinNewTokensLengthLogitsProcessor(10, 1, [2])),
     (LogitBias({(3,): 2.5, (4, 5): -7.0}), tlp.SequenceBiasLogitsProcessor({(3,): 2.5, (4, 5): -7.0})),
-], ids=repr)
+], ids=lambda value: type(value).__name__ if isinstance(value, tlp.LogitsProcessor) else repr(value))
 def test_wrapped_stage_equals_transformers(stage, oracle, batch):
     input_ids, logits = batch
     assert torch.equal(stage(input_ids, logits), oracle(input_ids, logits.clone()))
