@@ -375,31 +375,56 @@ def vllm_model(vllm_server):
 
 # --- where the suite's time goes (CI shows the end of the output: this summary is printed last) -------
 _FILE_SECONDS: dict[str, float] = {}
-_WAITS: dict[str, float] = {}  # a background prerequisite's fixture -> seconds its setup took
+_WAITS: dict[str, float] = {}  # a background prerequisite's fixture -> seconds its setup took (every worker's)
+_NEW_WAITS: dict[str, float] = {}  # this process's, not yet handed on with a test's report
 _PREREQUISITES = ("llama_server_binary", "quant_checkpoints", "vllm_python", "vllm_servers", "llama_server",
                   "live_app", "embedded")
 
 
 def pytest_runtest_logreport(report) -> None:
+    """(Under xdist the controller sees every worker's reports: the summary covers the whole run.)"""
     path = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    for key, value in report.user_properties:
+        if key == "session_fixture_s":
+            name, seconds = value
+            _WAITS[name] = _WAITS.get(name, 0.0) + seconds
+
+
+class _SessionFixtureTimer:
+    """A plugin, not a conftest hook: a session fixture is set up on the session's node, which a
+    conftest's hooks inside tests/ do not reach."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        import time
+
+        start = time.monotonic()
+        yield
+        if fixturedef.argname in _PREREQUISITES and fixturedef.scope == "session":
+            _NEW_WAITS[fixturedef.argname] = _NEW_WAITS.get(fixturedef.argname, 0.0) + time.monotonic() - start
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(_SessionFixtureTimer(), "decoding-playground-session-fixture-timer")
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
-    import time
-
-    start = time.monotonic()
-    yield
-    if fixturedef.argname in _PREREQUISITES and fixturedef.scope == "session":
-        _WAITS[fixturedef.argname] = _WAITS.get(fixturedef.argname, 0.0) + time.monotonic() - start
+def pytest_runtest_makereport(item, call):
+    """A session fixture's setup time travels with the report of the test that made it (a worker's
+    report reaches the controller, which prints the summary)."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "setup":
+        report.user_properties.extend(("session_fixture_s", wait) for wait in _NEW_WAITS.items())
+        _NEW_WAITS.clear()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter) -> None:
     """The 20 test files that took longest (setup, call and teardown together) and the session
-    fixtures that wait on a background build or start a server: the next session sees where the
-    fresh clone's time goes."""
+    fixtures that wait on a background build or start a server (summed over the workers): the next
+    session sees where the fresh clone's time goes."""
     write = terminalreporter.write_line
     write("suite time by file (s): " + ", ".join(
         f"{path.removeprefix('tests/')} {seconds:.0f}"
