@@ -30,9 +30,25 @@ set_threads(default_threads())  # engine.threads is the one place the thread cou
 ARTIFACTS = ROOT / "test-artifacts"
 
 
+class SessionRegistry(ModelRegistry):
+    """The session's registry: the embedded model, once loaded, stays loaded. Tests hold that object
+    (the ``embedded`` fixture) and watch it (a forward hook, the scheduler's stats by model); had a
+    test that loads four other models evicted it, the app would run a fresh copy the hook never sees
+    (the run "never started"), depending on which files a worker ran before."""
+
+    def get(self, spec: ModelSpec, progress=None, *, key: str = "model") -> LoadedModel:
+        lm = super().get(spec, progress, key=key)
+        with self._lock:
+            if spec == ModelSpec():
+                self._embedded = lm
+            elif getattr(self, "_embedded", None) is not None and ModelSpec() not in self._models:
+                self._models = {ModelSpec(): self._embedded, **self._models}  # back, as the least recently used
+        return lm
+
+
 @pytest.fixture(scope="session")
 def registry() -> ModelRegistry:
-    return ModelRegistry(capacity=4)
+    return SessionRegistry(capacity=4)
 
 
 @pytest.fixture(scope="session")
