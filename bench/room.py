@@ -168,15 +168,12 @@ def serving_stats(url: str, run: RoomRun) -> dict:
 
 def start_app() -> str:
     """The app on a free 127.0.0.1 port in this process (startup examples off); its URL."""
-    import socket
-
     os.environ["DP_EXAMPLES"] = "0"
+    from deploy.vllm_serve import free_port
     from engine.backends.registry import ModelRegistry
     from playground.app import build_app, launch_kwargs
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     demo = build_app(ModelRegistry())
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, **launch_kwargs())
     return demo.local_url.rstrip("/")
@@ -231,13 +228,12 @@ def parse_list(name: str, text: str, allowed: tuple[str, ...] | None = None) -> 
 def app_process(remote_models: str, log_path: str) -> tuple[Any, str]:
     """The app (``python app.py``) in its own process on a free 127.0.0.1 port, startup examples off,
     ``remote_models`` listed; (the process, its URL) once its page answers."""
-    import socket
     import subprocess
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from deploy.vllm_serve import free_port
+
+    port = free_port()
     env = {**os.environ, "DP_EXAMPLES": "0", "DP_REMOTE_MODELS": remote_models, "GRADIO_SERVER_NAME": "127.0.0.1",
            "GRADIO_SERVER_PORT": str(port)}
     log = open(log_path, "w")
@@ -255,25 +251,15 @@ def app_process(remote_models: str, log_path: str) -> tuple[Any, str]:
             time.sleep(0.5)
 
 
-def cpu_of(processes: list) -> float:
-    """User + system CPU seconds of ``processes`` (psutil.Process each), those still alive."""
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-        except Exception:  # noqa: BLE001 (a child that ended: its time is gone from the sum)
-            continue
-        total += times.user + times.system
-    return total
-
-
 def engine_row(url: str, engine: str, model: str, mode: str, users: int, tokens: int, clients: list,
                app: list, server: list, deadline_s: float) -> EngineRow:
     """One room run through the app on ``model`` in ``mode``, with the CPU of the app's process and of
     the server's processes over it."""
-    app_before, server_before = cpu_of(app), cpu_of(server)
+    from bench.step_verify import cpu_s
+
+    app_before, server_before = cpu_s(app), cpu_s(server)
     run = room_run(url, users, tokens, clients[:users], deadline_s, model=model, mode=mode)
-    app_cpu, server_cpu = cpu_of(app) - app_before, cpu_of(server) - server_before
+    app_cpu, server_cpu = cpu_s(app) - app_before, cpu_s(server) - server_before
     generated = sum(len(t["generated_token_ids"]) for t in run.traces)
     return EngineRow(engine, mode, users, generated, run.wall_s, app_cpu, server_cpu if server else None,
                      run.ttft_ms(), run.tpot_ms())
@@ -284,6 +270,8 @@ def vllm_native_row(vllm_url: str, users: int, tokens: int, server: list, deadli
     token budget, sampling with the room's seeds; tokens as its ``usage`` counts them."""
     import json
     import urllib.request
+
+    from bench.step_verify import cpu_s
 
     with urllib.request.urlopen(vllm_url + "/v1/models", timeout=30) as answer:
         name = json.load(answer)["data"][0]["id"]
@@ -304,7 +292,7 @@ def vllm_native_row(vllm_url: str, users: int, tokens: int, server: list, deadli
     threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(users)]
     for t in threads:
         t.start()
-    before, clock = cpu_of(server), time.perf_counter()
+    before, clock = cpu_s(server), time.perf_counter()
     barrier.wait()
     for t in threads:
         t.join()
@@ -312,7 +300,7 @@ def vllm_native_row(vllm_url: str, users: int, tokens: int, server: list, deadli
     errors = [c for c in counts if not isinstance(c, int)]
     if errors:
         raise RuntimeError(f"vLLM's own API: {len(errors)} of {users} requests failed; first: {errors[0]!r}")
-    return EngineRow("vLLM's own API", "its sampler", users, sum(counts), wall, None, cpu_of(server) - before, [], [])
+    return EngineRow("vLLM's own API", "its sampler", users, sum(counts), wall, None, cpu_s(server) - before, [], [])
 
 
 def ratio_lines(rows: list[EngineRow]) -> list[str]:

@@ -78,9 +78,14 @@ def server_processes(url: str) -> list[psutil.Process]:
 
 
 def cpu_s(processes: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``processes``, those still alive (a child that ended: its time is
+    gone from the sum)."""
     total = 0.0
     for p in processes:
-        times = p.cpu_times()
+        try:
+            times = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
         total += times.user + times.system
     return total
 

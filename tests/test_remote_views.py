@@ -525,7 +525,7 @@ def test_compare_puts_our_stages_beside_llama_cpp_s_own_sampler_on_one_server(se
         assert picked == [{f"cmp-lane-{i}-model": ModelPick(listed, mode).value}]
     assert page.shown("cmp-lane-1-model") == f"fast:{listed}"
     page.set("cmp-lane-1-source", "")  # what a link would leave; the pick's change event shows the pick again
-    assert page.fire("show_lane_pick", "cmp-lane-1-source") == [{"cmp-lane-1-source": listed, "cmp-lane-1-mode": "fast"}]
+    assert page.fire("shown_pick", "cmp-lane-1-source") == [{"cmp-lane-1-source": listed, "cmp-lane-1-mode": "fast"}]
     page.fire("on_run", "cmp-status")
     assert "done: 2 of 2 lanes ran" in shown(page, "cmp-status"), shown(page, "cmp-status")
     stepped, fast = compare_session(page).traces
@@ -656,6 +656,11 @@ def test_a_served_models_mode_is_one_field_of_the_model_pick():
         with_mode("embedded", "fast", api=True)
     with pytest.raises(UserError, match=r"^remote_mode: expected step or fast, got 'fast\\ud800'$"):
         with_mode(UNLISTED, "fast\ud800")
+    # hostile modes (a raw call past the radio's choices): one line naming remote_mode, bounded, never a pick
+    for mode in (None, 5, "<b>fast</b>", "fast\ud800", "x" * 5000, ["fast"]):
+        with pytest.raises(UserError, match=r"^remote_mode: expected step or fast, got ") as info:
+            on_lane_pick(UNLISTED, mode)
+        assert "\n" not in str(info.value) and len(str(info.value)) < 120, str(info.value)
     # a pick set by a link, a lesson or a moved lane shows in the box and the radio (shown for a server only)
     for value, box, mode, radio in ((f"fast:{UNLISTED}", UNLISTED, "fast", True), (UNLISTED, UNLISTED, "step", True),
                                     ("embedded", "embedded", "step", False), ("", "", "step", False)):

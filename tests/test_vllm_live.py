@@ -306,7 +306,7 @@ def test_three_engines_one_model_on_the_lessons_tab_and_in_compare(vllm_server, 
                                                                       "fast:" + llama]
     for i, shown_as in enumerate([("", "step"), (vllm, "step"), (llama, "step"), ("", "step"), (vllm, "fast"),
                                   (llama, "fast")]):  # each lane's model box and mode radio show its pick (#36)
-        page.fire("show_lane_pick", f"cmp-lane-{i}-source")  # the pick's change event, as the page runs it
+        page.fire("shown_pick", f"cmp-lane-{i}-source")  # the pick's change event, as the page runs it
         assert (page.shown(f"cmp-lane-{i}-source"), page.shown(f"cmp-lane-{i}-mode")) == shown_as, i
     page.fire("on_run", "cmp-status")
     assert "done" in page.shown("cmp-status")

@@ -174,7 +174,7 @@ def wire_lanes(shared: Shared, page: Page) -> None:
         # the lane's model box and mode radio make its pick; a pick set otherwise (a link, a lesson, a moved
         # lane) is shown in them
         gr.on([lane.source.input, lane.mode.input], on_lane_pick, [lane.source, lane.mode], [lane.model], **local)
-        lane.model.change(show_lane_pick, [lane.model], [lane.source, lane.mode], **local)
+        lane.model.change(shown_pick, [lane.model], [lane.source, lane.mode], **local)
     inputs = [page.count, page.session, page.entropy_kind, *page.lane_values, *page.lane_models]
     outputs = [page.count, page.status, *page.spec_outputs, *page.result_outputs, page.session, *page.lane_models]
     ops = [(page.add, "add", 0)] + [(b, op, i) for i, lane in enumerate(page.lanes)
@@ -192,11 +192,6 @@ def on_lane_pick(source: Any, mode: Any) -> str:
     """A lane's pick (engine.backends.served.ModelPick's value) of its model box and its mode radio,
     as Step through makes its own (``shared.with_mode``); "" is the header's model."""
     return with_mode(source, mode) if source else ""
-
-
-def show_lane_pick(value: Any) -> tuple[str, dict]:
-    """A lane's pick shown in its model box and mode radio (the radio only for a served model)."""
-    return shown_pick(value)
 
 
 def fill_lane(lane: LaneWidgets, i: int, values: Sequence[Any], stored: list | None) -> dict:
