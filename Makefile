@@ -7,9 +7,13 @@ PIP      := $(PY) -m pip
 # A local CPU build on CPU machines; on a GPU machine e.g. `make run TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# Two pytest-xdist workers (tests/conftest.py: a test file is one unit of work, the vLLM tests one more).
-# PYTEST_WORKERS=0: one process.
+# `make test` runs in two phases. First two pytest-xdist workers run every test not marked below
+# (tests/conftest.py: a test file is one unit of work); PYTEST_WORKERS=0: one process. Then one process
+# runs the tests that must not share the two cores: those against real servers (`remote`, `vllm`) and
+# 4-bit checkpoints (`quantized`), which wait for the background installs started below, and those marked
+# `alone` (a whole app in a subprocess, or an assertion about how soon something happens).
 PYTEST_WORKERS ?= 2
+ALONE := remote or quantized or vllm or alone
 
 export GRADIO_ANALYTICS_ENABLED := False
 export HF_HUB_DISABLE_TELEMETRY := 1
@@ -30,7 +34,10 @@ test: setup-dev browser lint
 	nice -n 19 sh deploy/llama_server.sh $(PY) > $(LLAMA_BUILD_LOG) 2>&1 &
 	nice -n 19 sh deploy/quantize.sh $(PY) > $(QUANTIZE_LOG) 2>&1 &
 	nice -n 19 sh deploy/vllm.sh $(PY) > $(VLLM_INSTALL_LOG) 2>&1 &
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not ($(ALONE))" $(PYTEST_ARGS); \
+	first=$$?; $(PY) -m pytest -m "$(ALONE)" $(PYTEST_ARGS); second=$$?; \
+	echo "make test: $$first (two workers), $$second (one process); 0 passed, 5 selected nothing"; \
+	test $$first -eq 0 -o $$first -eq 5 && test $$second -eq 0 -o $$second -eq 5 && ! test $$first$$second = 55
 
 setup: $(VENV)/.runtime-installed
 setup-dev: $(VENV)/.dev-installed

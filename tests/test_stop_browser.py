@@ -5,7 +5,8 @@ import pytest
 
 from tests.conftest import open_tab
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# `alone`: how soon the page says stopped is measured on a quiet machine (make test's one-process phase)
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.alone]
 
 TOKENS = "() => document.querySelectorAll('#step-text .token').length"
 STATUS = "() => document.querySelector('#step-status').innerText"

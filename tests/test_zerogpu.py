@@ -170,6 +170,10 @@ def call(client, name: str, kwargs: dict) -> dict:
     return {"keys": keys, "result": result}
 
 
+# `alone`: the whole app and ZeroGPU's forked workers in a subprocess (make test's one-process phase)
+pytestmark = pytest.mark.alone
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     home = tmp_path_factory.mktemp("home")
@@ -177,7 +181,7 @@ def report(tmp_path_factory) -> dict:
            "DP_REQUEST_SECONDS": "300"}
     for key in ("DP_MODELS", "DP_MODEL", "DP_PUBLIC", "DP_ALLOW_LOCAL_MODELS"):
         env.pop(key, None)
-    done = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"events"')]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(lines[-1])
@@ -213,4 +217,7 @@ def test_each_api_endpoint_runs_through_the_zerogpu_worker(report):
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang shows where, in the test's failure, before its timeout
     print(json.dumps(simulate()))
