@@ -17,7 +17,7 @@ def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("args,fragment", [
+BAD_ARGUMENTS = [
     (["--prompt", "hi", "--set", "temperature=9"], "temperature: 9.0 is out of range; allowed 0 or [0.01, 5]"),
     (["--prompt", "hi", "--set", "top_p=abc"], "top_p"),
     (["--prompt", "hi", "--set", "nonsense=1"], "nonsense: unknown key"),
@@ -26,20 +26,47 @@ def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     (["--prompt", "hi", "--quantization", "int3"], "invalid choice"),
     (["--prompt", "   "], "--prompt: empty"),
     ([], "--prompt"),
-])
-def test_bad_arguments_exit_2_with_one_line(args, fragment):
+]
+
+
+def cli_here(capsys, *args: str) -> tuple[int, str, str]:
+    """``python -m engine ARGS`` in this process (the same ``main``, without a new interpreter's
+    five seconds of imports): its exit code, stdout and stderr."""
+    from engine.__main__ import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_refusal(code: int, stdout: str, stderr: str, fragment: str) -> None:
+    assert code == 2
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0], stderr
+    assert stdout == ""
+
+
+@pytest.mark.parametrize("args,fragment", BAD_ARGUMENTS)
+def test_bad_arguments_exit_2_with_one_line(capsys, args, fragment):
+    assert_one_line_refusal(*cli_here(capsys, *args), fragment)
+
+
+@pytest.mark.parametrize("args,fragment", [BAD_ARGUMENTS[0], BAD_ARGUMENTS[-1]], ids=["knob", "argparse"])
+def test_bad_arguments_exit_2_with_one_line_from_a_shell(args, fragment):
+    """The same refusals from a real ``python -m engine`` process: a knob's and argparse's."""
     result = cli(*args, timeout=120)
-    assert result.returncode == 2
-    lines = [ln for ln in result.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and fragment in lines[0], result.stderr
-    assert result.stdout == ""
+    assert_one_line_refusal(result.returncode, result.stdout, result.stderr, fragment)
 
 
-def test_invalid_preset_file_exits_2(tmp_path):
+def test_invalid_preset_file_exits_2(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"version": 1, "name": "x", "strategy": "sample", "top_k": -5}))
-    result = cli("--prompt", "hi", "--preset", str(bad), timeout=120)
-    assert result.returncode == 2 and "top_k" in result.stderr and "[0, 100000]" in result.stderr
+    code, _, stderr = cli_here(capsys, "--prompt", "hi", "--preset", str(bad))
+    assert code == 2 and "top_k" in stderr and "[0, 100000]" in stderr
 
 
 @pytest.mark.slow
