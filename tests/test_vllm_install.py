@@ -76,3 +76,17 @@ def test_a_checkpoint_is_served_at_bfloat16_as_w4a16_and_a_missing_one_says_how(
     assert vllm_serve.model_folder(None)[1] == []  # the float model keeps float32
     assert vllm_serve.server_env({})["VLLM_CPU_INT4_W4A8"] == "0"
     assert vllm_serve.server_env({"VLLM_CPU_INT4_W4A8": "1"})["VLLM_CPU_INT4_W4A8"] == "1"
+
+
+def test_on_a_cpu_blocks_are_32_tokens_so_step_mode_hits_the_prefix_cache(monkeypatch):
+    """vLLM's CPU default block is 128 tokens: step mode's requests (a prompt and run plus one token) then
+    reuse nothing (bench.vllm_requests measures it). On a CPU the command asks 32; on a GPU vLLM's default
+    stays; an operator's own --block-size comes later on the line and wins (vLLM's parser keeps the last)."""
+    from deploy import vllm_serve
+
+    monkeypatch.setattr(vllm_serve, "has_gpu", lambda: False)
+    command = vllm_serve.server_command("python", "/m", 8000, ["--block-size", "64"])
+    sizes = [command[i + 1] for i, flag in enumerate(command) if flag == "--block-size"]
+    assert sizes == ["32", "64"]
+    monkeypatch.setattr(vllm_serve, "has_gpu", lambda: True)
+    assert "--block-size" not in vllm_serve.server_command("python", "/m", 8000)
