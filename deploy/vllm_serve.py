@@ -15,10 +15,10 @@ Flags (each for a reason):
   cache fails to load: "'function' object has no attribute 'finalize_loading'"), 3-4 minutes on 2
   cores; eager mode starts in about one.
 - ``--block-size 32`` (on a CPU; a GPU's default is 16): vLLM's prefix cache reuses whole blocks, and on a
-  CPU a block is 128 tokens by default, so step mode's requests (each one the same prompt and run plus one token) found nothing to reuse
-  and re-read their whole text (hit rate 0.0%; 16 users, one token per request: 123 ms of the server's CPU
-  per token). At 32 (the CPU attention's smallest; 16 is refused) the same load hit 41% and cost 87 ms
-  (measured: docs/performance.md, "Step mode's cost on vLLM").
+  CPU a block is 128 tokens by default, so step mode's requests (each one the same prompt and run plus one
+  token) found nothing to reuse and re-read their whole text (hit rate 0.0%; 16 users, one token per
+  request: 123 ms of the server's CPU per token). At 32 (the CPU attention's smallest; 16 is refused) the
+  same load hit 41% and cost 87 ms (measured: docs/performance.md, "Step mode's cost on vLLM").
 - ``--generation-config vllm``: vLLM's neutral sampling defaults, never the folder's.
 - ``--sse-keep-alive-interval 5``: an idle stream (a long prefill, a queue) sends a keep-alive comment,
   as behind a proxy; engine.backends.client reads past them.
