@@ -12,8 +12,18 @@ PYTEST_ARGS ?=
 # runs the tests that must not share the two cores: those against real servers (`remote`, `vllm`) and
 # 4-bit checkpoints (`quantized`), which wait for the background installs started below, and those marked
 # `alone` (a whole app in a subprocess, or an assertion about how soon something happens).
+# With PYTEST_ARGS (e.g. `-m "not slow"`, which would replace each phase's -m) one run in the workers.
 PYTEST_WORKERS ?= 2
 ALONE := remote or quantized or vllm or alone
+XDIST := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
+ifeq ($(strip $(PYTEST_ARGS)),)
+PYTEST_COMMAND = $(PY) -m pytest $(XDIST) -m "not ($(ALONE))"; first=$$?; \
+	$(PY) -m pytest -m "$(ALONE)"; second=$$?; \
+	echo "make test: $$first (two workers), $$second (one process); 0: passed, 5: selected nothing"; \
+	test $$first -eq 0 -o $$first -eq 5 && test $$second -eq 0 -o $$second -eq 5 && ! test $$first$$second = 55
+else
+PYTEST_COMMAND = $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+endif
 
 export GRADIO_ANALYTICS_ENABLED := False
 export HF_HUB_DISABLE_TELEMETRY := 1
@@ -34,10 +44,7 @@ test: setup-dev browser lint
 	nice -n 19 sh deploy/llama_server.sh $(PY) > $(LLAMA_BUILD_LOG) 2>&1 &
 	nice -n 19 sh deploy/quantize.sh $(PY) > $(QUANTIZE_LOG) 2>&1 &
 	nice -n 19 sh deploy/vllm.sh $(PY) > $(VLLM_INSTALL_LOG) 2>&1 &
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not ($(ALONE))" $(PYTEST_ARGS); \
-	first=$$?; $(PY) -m pytest -m "$(ALONE)" $(PYTEST_ARGS); second=$$?; \
-	echo "make test: $$first (two workers), $$second (one process); 0 passed, 5 selected nothing"; \
-	test $$first -eq 0 -o $$first -eq 5 && test $$second -eq 0 -o $$second -eq 5 && ! test $$first$$second = 55
+	$(PYTEST_COMMAND)
 
 setup: $(VENV)/.runtime-installed
 setup-dev: $(VENV)/.dev-installed

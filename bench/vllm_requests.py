@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.concurrency import prompt_for  # noqa: E402
 from bench.step_verify import cpu_s  # noqa: E402
 from deploy import vllm_serve  # noqa: E402
+from engine.reports.vllm_metrics import read_sample  # noqa: E402
 
 TOP_N = 100  # engine.backends.served.STEP_TOP_N
 
@@ -41,15 +42,11 @@ def post(url: str, body: dict) -> dict:
 
 
 def prefix_counts(url: str) -> tuple[float, float]:
-    """vLLM's prefix-cache (hits, queries) counters, in tokens, from its /metrics."""
+    """vLLM's prefix-cache (hits, queries) counters, in tokens, from its /metrics (read and checked as the
+    Serving view reads them)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=60) as answer:
-        text = answer.read().decode()
-    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
+        sample = read_sample(url, answer.read().decode())
+    return sample.prefix_hits, sample.prefix_queries
 
 
 def tokenize(url: str, text: str) -> list[int]:
@@ -106,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     for size in sizes:
         with vllm_serve.serving(python, ("--block-size", str(size))) as url:
             post(url, {"model": vllm_serve.SERVED_NAME, "prompt": "Hello", "max_tokens": 2})  # warm up
+            with urllib.request.urlopen(f"{url}/metrics", timeout=60) as answer:
+                served = read_sample(url, answer.read().decode()).config.get("block_size")
+            if served != str(size):  # the server's own word for the block size it runs
+                raise SystemExit(f"bench.vllm_requests: asked --block-size {size}, vLLM reports {served!r}")
             results[size] = [row(url, args.users, args.tokens, per) for per, _ in shapes]
     print(f"\nvLLM {vllm_serve.SERVED_NAME}, {args.users} users at once, {args.tokens} tokens each, greedy, "
           f"top-{TOP_N} logprobs")
