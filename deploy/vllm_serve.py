@@ -18,7 +18,9 @@ Flags (each for a reason):
   CPU a block is 128 tokens by default, so step mode's requests (each one the same prompt and run plus one
   token) found nothing to reuse and re-read their whole text (hit rate 0.0%; 16 users, one token per
   request: 123 ms of the server's CPU per token). At 32 (the CPU attention's smallest; 16 is refused) the
-  same load hit 41% and cost 87 ms (measured: docs/performance.md, "Step mode's cost on vLLM").
+  same load hit 41% and cost 87 ms (measured: docs/performance.md, "Step mode's cost on vLLM"). Fast mode
+  reuses nothing at either size (its cost at 32 varied run to run there); ``VLLM_ARGS="--block-size 128"``
+  restores vLLM's default (a later flag wins).
 - ``--generation-config vllm``: vLLM's neutral sampling defaults, never the folder's.
 - ``--sse-keep-alive-interval 5``: an idle stream (a long prefill, a queue) sends a keep-alive comment,
   as behind a proxy; engine.backends.client reads past them.
