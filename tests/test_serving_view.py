@@ -85,6 +85,10 @@ def test_prefix_sharing_feeds_the_shared_prefix_once_with_the_same_tokens(shared
                                  "shared": full + sum(blocks(len(p) - 16 * full) for p in prompts)}
 
 
+# `alone` (make test's one-process phase): the window is wall-clock, from the long prompt's send to its first
+# token, and on a machine shared with the other worker a token made before the long forward can reach its reader
+# thread inside the window (one two-worker run saw more than one).
+@pytest.mark.alone
 def test_chunked_prefill_keeps_the_others_decoding_with_the_same_tokens(shared, embedded):
     d = demo(shared, "chunked")
     one, chunked = d["one_forward"], d["chunked"]
