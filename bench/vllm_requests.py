@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.concurrency import prompt_for  # noqa: E402
 from bench.step_verify import cpu_s  # noqa: E402
 from deploy import vllm_serve  # noqa: E402
-from engine.reports.vllm_metrics import read_sample  # noqa: E402
+from engine.reports.vllm_metrics import VllmSample, read_sample  # noqa: E402
 
 TOP_N = 100  # engine.backends.served.STEP_TOP_N
 
@@ -41,12 +41,10 @@ def post(url: str, body: dict) -> dict:
         return json.loads(answer.read())
 
 
-def prefix_counts(url: str) -> tuple[float, float]:
-    """vLLM's prefix-cache (hits, queries) counters, in tokens, from its /metrics (read and checked as the
-    Serving view reads them)."""
+def metrics(url: str) -> VllmSample:
+    """vLLM's /metrics, read and checked as the Serving view reads them."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=60) as answer:
-        sample = read_sample(url, answer.read().decode())
-    return sample.prefix_hits, sample.prefix_queries
+        return read_sample(url, answer.read().decode())
 
 
 def tokenize(url: str, text: str) -> list[int]:
@@ -57,9 +55,9 @@ def tokenize(url: str, text: str) -> list[int]:
         return json.loads(answer.read())["tokens"]
 
 
-def row(url: str, users: int, tokens: int, per_request: int) -> dict:
-    """``users`` threads, each growing its prompt to ``tokens`` new tokens, ``per_request`` at a time."""
-    prompts = [tokenize(url, prompt_for(user)) for user in range(users)]
+def row(url: str, prompts: list[list[int]], tokens: int, per_request: int) -> dict:
+    """One thread per prompt, each growing it by ``tokens`` new tokens, ``per_request`` at a time."""
+    users = len(prompts)
     processes = psutil.Process().children(recursive=True)
     made = [0] * users
 
@@ -75,7 +73,7 @@ def row(url: str, users: int, tokens: int, per_request: int) -> dict:
             ids += got
             made[index] += len(got)
 
-    hits0, queries0 = prefix_counts(url)
+    before = metrics(url)
     cpu0, start = cpu_s(processes), time.perf_counter()
     threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
     for thread in threads:
@@ -83,10 +81,11 @@ def row(url: str, users: int, tokens: int, per_request: int) -> dict:
     for thread in threads:
         thread.join()
     wall, cpu = time.perf_counter() - start, cpu_s(processes) - cpu0
-    hits1, queries1 = prefix_counts(url)
+    after = metrics(url)
+    hits, queries = after.prefix_hits - before.prefix_hits, after.prefix_queries - before.prefix_queries
     total = sum(made)
     return {"per_request": per_request, "tokens": total, "tok_s": total / wall, "cpu_ms": 1000 * cpu / total,
-            "hit_rate": (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else None}
+            "hit_rate": hits / queries if queries > 0 else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,11 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     for size in sizes:
         with vllm_serve.serving(python, ("--block-size", str(size))) as url:
             post(url, {"model": vllm_serve.SERVED_NAME, "prompt": "Hello", "max_tokens": 2})  # warm up
-            with urllib.request.urlopen(f"{url}/metrics", timeout=60) as answer:
-                served = read_sample(url, answer.read().decode()).config.get("block_size")
+            served = metrics(url).config.get("block_size")
             if served != str(size):  # the server's own word for the block size it runs
                 raise SystemExit(f"bench.vllm_requests: asked --block-size {size}, vLLM reports {served!r}")
-            results[size] = [row(url, args.users, args.tokens, per) for per, _ in shapes]
+            prompts = [tokenize(url, prompt_for(user)) for user in range(args.users)]  # once per server
+            results[size] = [row(url, prompts, args.tokens, per) for per, _ in shapes]
     print(f"\nvLLM {vllm_serve.SERVED_NAME}, {args.users} users at once, {args.tokens} tokens each, greedy, "
           f"top-{TOP_N} logprobs")
     print(f"{'block':>5}  {'requests':<42} {'tok/s':>7} {'server CPU ms/token':>20} {'prefix hits':>12}")
