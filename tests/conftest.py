@@ -27,6 +27,34 @@ from engine.threads import default_threads, set_threads  # noqa: E402
 
 set_threads(default_threads())  # engine.threads is the one place the thread count is set
 
+
+def share_httpx_ssl_contexts() -> None:
+    """httpx builds a new SSLContext for every client and every module-level call (``httpx.post``),
+    also for an http:// URL, and each one loads the whole CA bundle: ~20-50 ms of CPU. gradio_client
+    makes two per call (its ``send_data`` post and the stream it opens), so on this suite's 2 cores a
+    py-spy profile of the two workers found 24% of their busy time in ``ssl.create_default_context``.
+    The tests talk to 127.0.0.1 over plain HTTP; one context per (verify, trust_env) serves them all
+    (an SSLContext is made to be shared). A caller's own context or certificate is left alone."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    made = transports.create_ssl_context
+
+    @functools.lru_cache(maxsize=4)
+    def shared(verify: bool, trust_env: bool):
+        return made(verify=verify, cert=None, trust_env=trust_env)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if isinstance(verify, bool) and cert is None:
+            return shared(verify, trust_env)
+        return made(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+
+
+share_httpx_ssl_contexts()
+
 ARTIFACTS = ROOT / "test-artifacts"
 
 

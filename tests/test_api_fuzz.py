@@ -115,12 +115,21 @@ def test_every_endpoint_fails_cleanly_or_answers_strictly(live_app):
     # each client works through its own share of the cases, one call at a time (one session each)
     shares = [cases[i::CLIENTS] for i in range(CLIENTS)]
 
+    seconds: dict[str, float] = {}  # per endpoint, summed over its calls (the print says where the time goes)
+
     def work(i: int) -> list[str]:
-        return [p for api_name, label, args in shares[i] if (p := _call(clients[i], api_name, args, label))]
+        found = []
+        for api_name, label, args in shares[i]:
+            began = time.monotonic()
+            if problem := _call(clients[i], api_name, args, label):
+                found.append(problem)
+            seconds[api_name] = seconds.get(api_name, 0.0) + time.monotonic() - began
+        return found
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         problems = [p for found in pool.map(work, range(CLIENTS)) for p in found]
-    print(f"{len(cases)} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s")
+    print(f"{len(cases)} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s; slowest: "
+          + ", ".join(f"{name} {s:.1f} s" for name, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:8]))
     assert not problems, f"{len(problems)} of {len(cases)} calls misbehaved:\n" + "\n".join(problems[:80])
 
 
@@ -166,8 +175,9 @@ def test_every_endpoint_refuses_raw_calls_cleanly(live_app):
     from gradio_client import Client
 
     endpoints = Client(live_app, verbose=False).view_api(print_info=False, return_format="dict")["named_endpoints"]
-    problems = []
+    problems, seconds = [], {}
     for api_name, info in sorted(endpoints.items()):
+        began = time.monotonic()
         params = info.get("parameters", [])
         required = [p["parameter_name"] for p in params if not p.get("parameter_has_default")]
         if required:
@@ -182,5 +192,8 @@ def test_every_endpoint_refuses_raw_calls_cleanly(live_app):
                 if kind == "complete":
                     continue  # an accepted value: its answer parsed as strict JSON above
                 problems.append(_named_error(kind, data, label, None))
+        seconds[api_name] = time.monotonic() - began
+    slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:8]
+    print("slowest: " + ", ".join(f"{name} {s:.1f} s" for name, s in slowest))
     problems = [p for p in problems if p]
     assert not problems, f"{len(problems)} raw calls misbehaved:\n" + "\n".join(problems[:60])
