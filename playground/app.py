@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import gradio as gr
 from starlette.middleware import Middleware
 
@@ -72,10 +74,26 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
         lessons_tab.wire_page(demo, tabs, lesson_targets(pages))
     whatif_service.serve(demo, whatif)
     downloads.remove_on_close(demo)
+    quiet_queue_analytics()
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     # The views' example runs (first screens that already show a result), off the launch's path.
     examples.cache_for(registry).start(shared, default_model)
     return demo
+
+
+# Gradio's queue, after every event, summarises its last GRADIO_ANALYTICS_MAX_EVENTS events (a pandas
+# DataFrame, a groupby, percentiles: 17 ms of the server's CPU per event at 100 kept events, 35 ms at
+# 10,000, its default) for its /monitoring page, every GRADIO_ANALYTICS_CACHE_FREQUENCY events (default
+# 1). A room sends thousands of events; the app turns /monitoring off (``launch_kwargs``), so nothing reads
+# the summary: it is made once per this many events instead. An operator's own setting wins.
+ANALYTICS_EVERY = 1_000_000
+ANALYTICS_KEPT = 1_000
+
+
+def quiet_queue_analytics() -> None:
+    """Gradio's queue reads both settings when ``demo.queue`` builds it."""
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(ANALYTICS_EVERY))
+    os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", str(ANALYTICS_KEPT))
 
 
 def lesson_targets(pages: dict) -> list[LessonTarget]:
@@ -91,4 +109,7 @@ def launch_kwargs() -> dict:
     return {"css": CSS, "theme": gr.themes.Soft(), "footer_links": [], "head": page_js.HEAD,
             "state_session_capacity": events.session_capacity(),
             "app_kwargs": {"routes": whatif_service.routes(), "middleware": [Middleware(share_links.LinkTooLong)]},
-            "max_threads": events.thread_budget(events.default_concurrency(), events.served_concurrency())}
+            "max_threads": events.thread_budget(events.default_concurrency(), events.served_concurrency()),
+            # /monitoring (on by default) serves every user's event counts and timings to anyone at
+            # /gradio_api/monitoring/summary; a room's app has no use for it
+            "enable_monitoring": False}

@@ -103,3 +103,24 @@ def test_one_client_gets_at_most_its_runs_at_once(live_app):
     assert len(trace["steps"]) == 2
     for job in jobs:
         job.cancel()
+
+
+def test_gradio_s_monitoring_is_off_and_its_per_event_summary_is_not_made(live_app, monkeypatch):
+    """Gradio's /monitoring is on unless turned off, and its summary route serves every user's event
+    counts and timings to anyone. The app turns it off; its queue's per-event summary (a pandas
+    groupby over the last events, which only /monitoring reads) is made once per ANALYTICS_EVERY
+    events, not after every event, unless the operator set Gradio's own variable."""
+    import gradio as gr
+    import httpx
+
+    from playground import app
+
+    assert httpx.get(f"{live_app}/monitoring/summary", timeout=30).status_code == 403
+    for name in ("GRADIO_ANALYTICS_CACHE_FREQUENCY", "GRADIO_ANALYTICS_MAX_EVENTS"):
+        monkeypatch.delenv(name, raising=False)
+    app.quiet_queue_analytics()
+    queue = gr.Blocks().queue()._queue
+    assert (queue.ANAYLTICS_CACHE_FREQUENCY, queue.ANALYTICS_MAX_EVENTS) == (app.ANALYTICS_EVERY, app.ANALYTICS_KEPT)
+    monkeypatch.setenv("GRADIO_ANALYTICS_CACHE_FREQUENCY", "7")
+    app.quiet_queue_analytics()
+    assert gr.Blocks().queue()._queue.ANAYLTICS_CACHE_FREQUENCY == 7  # the operator's own setting wins
