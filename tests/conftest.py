@@ -25,7 +25,16 @@ from engine.backends.local import LoadedModel, ModelSpec, embedded_model_dir  # 
 from engine.backends.registry import ModelRegistry
 from engine.threads import default_threads, set_threads  # noqa: E402
 
-set_threads(default_threads())  # engine.threads is the one place the thread count is set
+
+def worker_threads() -> int:
+    """One test process's torch threads: the cores (``default_threads``) shared among the xdist
+    workers. make test's first phase runs two workers on two cores; two threads each would be four
+    threads on two cores, where a forward's threads wait at every parallel region for a peer the
+    other worker's threads have descheduled (one thread also beats two for one sequence here)."""
+    return max(1, default_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+set_threads(worker_threads())  # engine.threads is the one place the thread count is set
 
 
 def share_httpx_ssl_contexts() -> None:
@@ -54,6 +63,35 @@ def share_httpx_ssl_contexts() -> None:
 
 
 share_httpx_ssl_contexts()
+
+
+def index_gradio_client_components() -> None:
+    """gradio_client's ``Client()`` finds every input and output component of every endpoint by a
+    linear scan of the app's components: this app has 930 components and 4,648 such references,
+    0.23 s of a ``Client()``'s 0.34 s of CPU, and the suite opens hundreds of sessions. The same
+    lookup through a dict made once per config; the method's body is otherwise gradio_client's own,
+    replaced only while its source is the scan it was written against."""
+    import inspect
+
+    from gradio_client import client, utils
+
+    scan = 'i for i in self.client.config["components"] if i["id"] == component_id'
+    if scan not in inspect.getsource(client.Endpoint._get_component_type):
+        return
+
+    def _get_component_type(self, component_id: int):
+        config = self.client.config
+        index = getattr(self.client, "_components_by_id", None)
+        if index is None or index[0] is not config:
+            index = self.client._components_by_id = (config, {c["id"]: c for c in config["components"]})
+        component = index[1][component_id]
+        skip_api = component.get("skip_api", component["type"] in utils.SKIP_COMPONENTS)
+        return client.ComponentApiType(skip_api, self.value_is_file(component), component["type"] == "state")
+
+    client.Endpoint._get_component_type = _get_component_type
+
+
+index_gradio_client_components()
 
 ARTIFACTS = ROOT / "test-artifacts"
 
