@@ -221,8 +221,12 @@ def test_a_heavy_fault_is_one_line_and_a_local_user_is_served_as_fast(app, backe
                 else:
                     assert_one_line(result, took, names(app, backend))
             assert memory.growth < MEMORY_BOUND_MB and memory.after - memory.before < KEPT_BOUND_MB
-        assert median(beside) <= 2 * median(good), \
-            f"the local user took {median(beside):.2f} s beside the fault, {median(good):.2f} s without it (medians)"
+        # each round's pair ran back to back, so the other xdist worker's load (a page load, a browser's
+        # chart) that slows one round slows both of its runs: the median of the rounds' ratios
+        ratios = [b / g for b, g in zip(beside, good)]
+        assert median(ratios) <= 2, (f"the local user took {median(ratios):.2f}x as long beside the fault as without "
+                                     f"it in the same round (median of {', '.join(f'{r:.2f}' for r in ratios)}; "
+                                     f"seconds beside {beside}, without {good})")
     assert app.unlisted.connections == 0  # a redirect's Location is never connected to
 
 
