@@ -93,9 +93,10 @@ def check_args(url: str, users: int, tokens: int) -> None:
 
 
 def room_run(url: str, users: int, tokens: int, clients: list | None = None, deadline_s: float = DEADLINE_S,
-             model: str = "embedded", mode: str = "step") -> RoomRun:
+             model: str = "embedded", mode: str = "step", strategy: str = "sample") -> RoomRun:
     """``users`` sessions of the app at ``url`` send /step_trace at once on ``model`` (a served one in
-    ``mode``: step or fast); their traces (a user still waiting after ``deadline_s`` fails the run)."""
+    ``mode``: step or fast), sampling (each user its own seed) or greedy; their traces (a user still
+    waiting after ``deadline_s`` fails the run)."""
     check_args(url, users, tokens)
     clients = clients or app_clients(url, users)
     traces: list = [None] * users
@@ -105,7 +106,7 @@ def room_run(url: str, users: int, tokens: int, clients: list | None = None, dea
     def user(i: int) -> None:
         barrier.wait()
         try:
-            config = {"strategy": "sample", "seed": 1000 + i, "max_new_tokens": tokens}
+            config = {"strategy": strategy, "seed": 1000 + i, "max_new_tokens": tokens}
             job = clients[i].submit(prompt_for(i), config, "", False, model, "none", mode, api_name="/step_trace")
             traces[i] = job.result(timeout=max(1.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 (reported below)
@@ -252,22 +253,24 @@ def app_process(remote_models: str, log_path: str) -> tuple[Any, str]:
 
 
 def engine_row(url: str, engine: str, model: str, mode: str, users: int, tokens: int, clients: list,
-               app: list, server: list, deadline_s: float) -> EngineRow:
+               app: list, server: list, deadline_s: float, strategy: str = "sample") -> EngineRow:
     """One room run through the app on ``model`` in ``mode``, with the CPU of the app's process and of
     the server's processes over it."""
     from bench.step_verify import cpu_s
 
     app_before, server_before = cpu_s(app), cpu_s(server)
-    run = room_run(url, users, tokens, clients[:users], deadline_s, model=model, mode=mode)
+    run = room_run(url, users, tokens, clients[:users], deadline_s, model=model, mode=mode, strategy=strategy)
     app_cpu, server_cpu = cpu_s(app) - app_before, cpu_s(server) - server_before
     generated = sum(len(t["generated_token_ids"]) for t in run.traces)
     return EngineRow(engine, mode, users, generated, run.wall_s, app_cpu, server_cpu if server else None,
                      run.ttft_ms(), run.tpot_ms())
 
 
-def vllm_native_row(vllm_url: str, users: int, tokens: int, server: list, deadline_s: float) -> EngineRow:
+def vllm_native_row(vllm_url: str, users: int, tokens: int, server: list, deadline_s: float,
+                    strategy: str = "sample") -> EngineRow:
     """vLLM's own API, the ceiling: ``users`` /v1/completions requests at once, the room's prompts and
-    token budget, sampling with the room's seeds; tokens as its ``usage`` counts them."""
+    token budget, sampling with the room's seeds (or greedy: temperature 0); tokens as its ``usage``
+    counts them."""
     import json
     import urllib.request
 
@@ -279,8 +282,8 @@ def vllm_native_row(vllm_url: str, users: int, tokens: int, server: list, deadli
     barrier = threading.Barrier(users + 1)
 
     def user(i: int) -> None:
-        body = json.dumps({"model": name, "prompt": prompt_for(i), "max_tokens": tokens, "temperature": 1.0,
-                           "seed": 1000 + i}).encode()
+        body = json.dumps({"model": name, "prompt": prompt_for(i), "max_tokens": tokens,
+                           "temperature": 1.0 if strategy == "sample" else 0.0, "seed": 1000 + i}).encode()
         request = urllib.request.Request(vllm_url + "/v1/completions", body, {"Content-Type": "application/json"})
         barrier.wait()
         try:
@@ -346,7 +349,8 @@ def side_by_side(args: argparse.Namespace) -> None:
         app_procs = [psutil.Process(app.pid)]
         clients = app_clients(url, max(counts))
         rows: list[EngineRow] = []
-        print(f"bench.room side by side: {args.tokens} tokens, sampling (seeded per user), load average "
+        how = "sampling (seeded per user)" if args.strategy == "sample" else "greedy"
+        print(f"bench.room side by side: {args.tokens} tokens, {how}, load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; app in its own process, {url}")
         print("| engine | mode | users | tokens/s (aggregate) | TTFT p50 / p95 | TPOT p50 / p95 | app CPU ms/token "
               "| server CPU ms/token |")
@@ -358,13 +362,14 @@ def side_by_side(args: argparse.Namespace) -> None:
                 room_run(url, 1, 4, clients[:1], args.deadline, model=model, mode=mode)  # warm-up: load, connect
                 for users in counts:
                     rows.append(engine_row(url, engine, model, mode, users, args.tokens, clients, app_procs, server,
-                                           args.deadline))
+                                           args.deadline, args.strategy))
                     print(rows[-1].cells(), flush=True)
         if "vllm" in servers:
             vllm_url, _ = servers["vllm"]
             vllm_native_row(vllm_url, 1, 4, [], args.deadline)  # warm-up
             for users in counts:
-                rows.append(vllm_native_row(vllm_url, users, args.tokens, server_processes(vllm_url), args.deadline))
+                rows.append(vllm_native_row(vllm_url, users, args.tokens, server_processes(vllm_url), args.deadline,
+                                            args.strategy))
                 print(rows[-1].cells(), flush=True)
         for line in ratio_lines(rows):
             print(line)
@@ -380,6 +385,8 @@ def main() -> None:
     p.add_argument("--users-list", default="1,16", help="with --engines: the numbers of users, e.g. 1,16")
     p.add_argument("--llama-url", default="", help="with --engines: a running llama-server (default: start one)")
     p.add_argument("--vllm-url", default="", help="with --engines: a running vLLM (default: start the cached one)")
+    p.add_argument("--strategy", default="sample", choices=("sample", "greedy"),
+                   help="each user's run: sampling with its own seed (default) or greedy (issue #38's table)")
     args = p.parse_args()
     if args.engines:
         side_by_side(args)
@@ -388,7 +395,7 @@ def main() -> None:
     check_args(url, args.users, args.tokens)
     clients = app_clients(url, args.users)
     room_run(url, 1, 4, clients[:1], args.deadline)  # warm-up: the app loads its model on first use
-    run = room_run(url, args.users, args.tokens, clients, args.deadline)
+    run = room_run(url, args.users, args.tokens, clients, args.deadline, strategy=args.strategy)
     print(printout(run, serving_stats(url, run)))
 
 

@@ -99,9 +99,10 @@ SETTINGS = (
     Setting("DP_SERVED_CONCURRENCY", "int", 16, "runs on served models (DP_REMOTE_MODELS) at once, besides "
             "`DP_CONCURRENCY`: a slow server never holds the local model's slots; one more is refused in one line",
             minimum=1),
-    Setting("DP_STEP_VERIFY_TOKENS", "int", 8, "step mode on a served model: tokens of the server's greedy "
-            "continuation asked per request and verified by our chain (the same tokens and trace as one request "
-            "per token; at most 64); 0: one request per token", minimum=0),
+    Setting("DP_STEP_VERIFY_TOKENS", "int", 32, "step mode on a served model: most tokens of the server's "
+            "greedy continuation asked per request and verified by our chain (the same tokens and trace as one "
+            "request per token; at most 64; greedy with no stage asks them at once, any other run 4 first, then "
+            "twice what the last request kept); 0: one request per token", minimum=0),
     Setting("DP_QUEUE_SIZE", "int", 64, "requests waiting in Gradio's queue", shown="64 (100 in public mode)",
             minimum=1),
     Setting("DP_SESSIONS", "int", 500, "browser/API sessions whose state the server keeps", minimum=1),

@@ -116,9 +116,11 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
 
 
 # --- step mode, verifying the server's continuation (issue #38) -----------------------------------
-# DP_STEP_VERIFY_TOKENS' default: a greedy run asks 4, then 8 (next_count); not tuned against 16 or 32 yet
-# (bench/step_verify.py --verify K measures one; docs/performance.md has the run at 8)
-VERIFY_TOKENS = 8
+# DP_STEP_VERIFY_TOKENS' default: a greedy run with no stage asks this many at once (the server's greedy
+# continuation is then our pick at every position), any other run 4 first, then twice as many (next_count)
+# (bench/step_verify.py --verify K, bench/room.py --strategy greedy measure them; docs/performance.md)
+VERIFY_TOKENS = 32
+FIRST_ASK = 4  # a run whose picks may part from the server's greedy token: its first request's count
 MAX_VERIFY_TOKENS = 64  # a continuation's most tokens (llamacpp.MAX_CHUNK_TOKENS: the schema's bound)
 
 
@@ -140,6 +142,7 @@ class Verified:
     own token (``server``: accepted) or ours (the first disagreement of its request)."""
 
     tokens: int
+    first: int = FIRST_ASK  # the first request's count (at most ``tokens``)
     requests: int = 0
     drafted: int = 0
     server: list[bool] = field(default_factory=list)
@@ -147,23 +150,30 @@ class Verified:
     gave: list[int] = field(default_factory=list)  # the steps each request gave
 
     def next_count(self) -> int:
-        """The next request's count, at most ``tokens``: the first asks up to 4; after a
+        """The next request's count, at most ``tokens``: the first asks ``first``; after a
         continuation kept whole, twice as many; after a disagreement, twice the steps that request
         gave. A chain that often disagrees (sampling at a high temperature) asks few and wastes few
         server forwards; a greedy-ish one soon asks ``tokens``. The count shapes the requests only,
         never the steps (``stream_verified``)."""
         if not self.asked:
-            return min(self.tokens, 4)
+            return max(1, min(self.tokens, self.first))
         last, gave = self.asked[-1], self.gave[-1]
         return max(1, min(self.tokens, 2 * (last if gave >= last else gave)))
 
     def label(self) -> dict[str, Any]:
         """``extra["remote"]["verified"]`` (strict JSON: no acceptance without a step)."""
         accepted = sum(self.server)
-        return {"tokens": self.tokens, "requests": self.requests, "asked": list(self.asked), "drafted": self.drafted,
+        return {"tokens": self.tokens, "first": self.first, "requests": self.requests, "asked": list(self.asked), "drafted": self.drafted,
                 "steps": len(self.server), "accepted": accepted,
                 "acceptance": accepted / len(self.server) if self.server else None,
                 "server_token": list(self.server)}
+
+
+def first_ask(config: DecodingConfig, tokens: int) -> int:
+    """A verified run's first request's count: greedy with no stage picks the raw argmax, which is the
+    server's greedy token (up to a tie within the top-N's rounding), so it asks ``tokens`` at once;
+    any other run asks FIRST_ASK and doubles from there (``Verified.next_count``)."""
+    return tokens if config.strategy == "greedy" and not config.active_stages() else min(tokens, FIRST_ASK)
 
 
 def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, verified: Verified, *,
@@ -226,7 +236,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
     steps: list[StepTrace] = []
     ended: NoTokensLeft | None = None
     k = verify_tokens(model)
-    verified = Verified(k) if k > 0 else None
+    verified = Verified(k, first_ask(config, k)) if k > 0 else None
     stepped = stream_verified(model, prompt_ids, config, verified, top_n=model.top_n, tails=tails, prefix=prefix,
                               force=force) if verified is not None \
         else stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force)
