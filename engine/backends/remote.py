@@ -163,8 +163,8 @@ class Verified:
     def label(self) -> dict[str, Any]:
         """``extra["remote"]["verified"]`` (strict JSON: no acceptance without a step)."""
         accepted = sum(self.server)
-        return {"tokens": self.tokens, "first": self.first, "requests": self.requests, "asked": list(self.asked), "drafted": self.drafted,
-                "steps": len(self.server), "accepted": accepted,
+        return {"tokens": self.tokens, "first": self.first, "requests": self.requests, "asked": list(self.asked),
+                "drafted": self.drafted, "steps": len(self.server), "accepted": accepted,
                 "acceptance": accepted / len(self.server) if self.server else None,
                 "server_token": list(self.server)}
 
