@@ -114,7 +114,9 @@ def app_clients(url: str, n: int) -> list:
     # httpx loads the CA bundle for every request it makes with verification on (~50 ms of the
     # bench's CPU per request, on the server's cores); a plain-http URL has nothing to verify.
     verify = not url.startswith("http://")
-    clients = [Client(url, verbose=False, ssl_verify=verify) for _ in range(n)]
+    # gradio_client's default timeout (httpx's 5 s) let a loaded 2-core run's queue join time out (bench.room,
+    # 16 users in fast mode)
+    clients = [Client(url, verbose=False, ssl_verify=verify, httpx_kwargs={"timeout": 120}) for _ in range(n)]
     for client in clients:
         client.predict(api_name="/lessons")
     return clients

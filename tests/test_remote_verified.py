@@ -103,17 +103,23 @@ def test_the_count_asked_grows_while_kept_and_shrinks_to_what_a_disagreement_gav
     assert v.next_count() == 3
 
 
-def test_greedy_with_no_stage_asks_the_whole_count_first_and_any_other_run_asks_four():
+def test_greedy_with_no_stage_asks_the_whole_count_first_and_any_other_run_asks_four_then_at_most_eight():
     """Greedy with no stage picks the raw argmax, the server's own greedy token: its first request asks
-    every token the setting allows; a run that may part from it (a stage, a draw) asks FIRST_ASK."""
-    assert remote.first_ask(GREEDY, 32) == 32 and remote.first_ask(GREEDY, 2) == 2
-    for config in (SAMPLED, PENALISED, MIROSTAT, replace(GREEDY, repetition_penalty=1.3)):
-        assert remote.first_ask(config, 32) == remote.FIRST_ASK == 4, config
-    assert remote.first_ask(SAMPLED, 3) == 3
-    v = remote.Verified(32, remote.first_ask(GREEDY, 32))
-    assert v.next_count() == 32 and v.label()["first"] == 32
+    every token the setting allows. A run that may part from it (a stage, a draw) asks FIRST_ASK first and
+    at most PARTING_MOST per request (a disagreement drops the rest of what was read)."""
+    v = remote.verify_plan(GREEDY, 32)
+    assert (v.tokens, v.first, v.next_count()) == (32, 32, 32) and v.label()["first"] == 32
     v.asked, v.gave = [32], [5]
     assert v.next_count() == 10  # a disagreement: twice the 5 steps that request gave
+    assert remote.verify_plan(GREEDY, 2).next_count() == 2
+    for config in (SAMPLED, PENALISED, MIROSTAT, replace(GREEDY, repetition_penalty=1.3)):
+        v = remote.verify_plan(config, 32)
+        assert (v.tokens, v.first) == (remote.PARTING_MOST, remote.FIRST_ASK) == (8, 4), config
+        assert v.next_count() == 4
+        v.asked, v.gave = [4, 8], [4, 8]
+        assert v.next_count() == 8  # kept whole, yet at most 8
+    v = remote.verify_plan(SAMPLED, 3)
+    assert (v.tokens, v.first, v.next_count()) == (3, 3, 3)
 
 
 def test_the_step_through_sentence_is_made_of_the_label_s_numbers():

@@ -117,10 +117,12 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
 
 # --- step mode, verifying the server's continuation (issue #38) -----------------------------------
 # DP_STEP_VERIFY_TOKENS' default: a greedy run with no stage asks this many at once (the server's greedy
-# continuation is then our pick at every position), any other run 4 first, then twice as many (next_count)
+# continuation is then our pick at every position), any other run 4 first, then twice as many, at most 8
 # (bench/step_verify.py --verify K, bench/room.py --strategy greedy measure them; docs/performance.md)
 VERIFY_TOKENS = 32
-FIRST_ASK = 4  # a run whose picks may part from the server's greedy token: its first request's count
+# a run whose picks may part from the server's greedy token (a draw, a stage): its first request's count,
+# and its most per request (a disagreement drops the rest of the continuation, which was still read and checked)
+FIRST_ASK, PARTING_MOST = 4, 8
 MAX_VERIFY_TOKENS = 64  # a continuation's most tokens (llamacpp.MAX_CHUNK_TOKENS: the schema's bound)
 
 
@@ -169,11 +171,15 @@ class Verified:
                 "server_token": list(self.server)}
 
 
-def first_ask(config: DecodingConfig, tokens: int) -> int:
-    """A verified run's first request's count: greedy with no stage picks the raw argmax, which is the
-    server's greedy token (up to a tie within the top-N's rounding), so it asks ``tokens`` at once;
-    any other run asks FIRST_ASK and doubles from there (``Verified.next_count``)."""
-    return tokens if config.strategy == "greedy" and not config.active_stages() else min(tokens, FIRST_ASK)
+def verify_plan(config: DecodingConfig, tokens: int) -> Verified:
+    """A verified run's record, its counts set: greedy with no stage picks the raw argmax, which is the
+    server's greedy token (up to a tie within the top-N's rounding), so it asks ``tokens`` (the
+    setting) at once; any other run asks FIRST_ASK first and at most PARTING_MOST per request,
+    doubling while kept (``Verified.next_count``)."""
+    if config.strategy == "greedy" and not config.active_stages():
+        return Verified(tokens, tokens)
+    most = min(tokens, PARTING_MOST)
+    return Verified(most, min(most, FIRST_ASK))
 
 
 def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, verified: Verified, *,
@@ -236,7 +242,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
     steps: list[StepTrace] = []
     ended: NoTokensLeft | None = None
     k = verify_tokens(model)
-    verified = Verified(k, first_ask(config, k)) if k > 0 else None
+    verified = verify_plan(config, k) if k > 0 else None
     stepped = stream_verified(model, prompt_ids, config, verified, top_n=model.top_n, tails=tails, prefix=prefix,
                               force=force) if verified is not None \
         else stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force)
