@@ -110,6 +110,6 @@ def launch_kwargs() -> dict:
             "state_session_capacity": events.session_capacity(),
             "app_kwargs": {"routes": whatif_service.routes(), "middleware": [Middleware(share_links.LinkTooLong)]},
             "max_threads": events.thread_budget(events.default_concurrency(), events.served_concurrency()),
-            # /monitoring (on by default) serves every user's event counts and timings to anyone at
-            # /gradio_api/monitoring/summary; a room's app has no use for it
+            # Gradio's /monitoring (on by default): its /monitoring/summary answers anyone with every
+            # endpoint's request counts and timings; a room's app has no use for it
             "enable_monitoring": False}
