@@ -15,6 +15,7 @@ import pytest
 from conftest import browser_page, free_port
 from engine.reports.lessons import builtin_lessons
 from playground.views.lessons import lesson_token
+from test_lessons import CHECKPOINT_LESSONS
 from test_lessons_room import TAUGHT
 
 pytestmark = pytest.mark.browser
@@ -156,11 +157,6 @@ def assert_chart_on_the_first_screen(page, lesson_id: str) -> None:
         assert boxes["chart"]["y"] <= panel["y"] and panel["bottom"] <= 720, (lesson_id, panel)
 
 
-# The lessons whose check loads the 4-bit checkpoints run in make test's one-process phase, which waits
-# for them (`quantized`); the others beside the rest of the suite.
-NEEDS_CHECKPOINTS = {"gptq-vs-awq"}
-
-
 def run_and_check_every_lesson(page, live_app, artifacts, lesson_ids: list[str]) -> None:
     lessons = builtin_lessons()
     assert lesson_ids, "no lesson to run"
@@ -180,15 +176,14 @@ def run_and_check_every_lesson(page, live_app, artifacts, lesson_ids: list[str])
 @pytest.mark.slow
 def test_every_lessons_run_and_check_draws_the_stage_it_teaches(room_page, live_app, artifacts):
     run_and_check_every_lesson(room_page, live_app, artifacts,
-                               [lesson_id for lesson_id in builtin_lessons() if lesson_id not in NEEDS_CHECKPOINTS])
+                               [lesson_id for lesson_id in builtin_lessons() if lesson_id not in CHECKPOINT_LESSONS])
 
 
 @pytest.mark.slow
 @pytest.mark.quantized  # loads the 4-bit checkpoints: run last, waiting for them
 def test_the_quantized_lessons_run_and_check_draws_the_stage_it_teaches(room_page, live_app, artifacts,
                                                                        quant_checkpoints):
-    assert NEEDS_CHECKPOINTS <= set(builtin_lessons())
-    run_and_check_every_lesson(room_page, live_app, artifacts, sorted(NEEDS_CHECKPOINTS))
+    run_and_check_every_lesson(room_page, live_app, artifacts, sorted(CHECKPOINT_LESSONS))
 
 
 # --- 7. Stop clears the previous lesson's chart ----------------------------------------------------
