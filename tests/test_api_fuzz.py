@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 
 import pytest
 
@@ -90,6 +91,11 @@ def _check_result(result, label: str) -> str | None:
     return None
 
 
+def _slowest(seconds: Counter) -> str:
+    """The endpoints that took longest, for the test's printout."""
+    return "slowest: " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds.most_common(8))
+
+
 CLIENTS = 4  # parallel sessions: most calls are quick refusals, so they overlap well
 
 
@@ -115,7 +121,7 @@ def test_every_endpoint_fails_cleanly_or_answers_strictly(live_app):
     # each client works through its own share of the cases, one call at a time (one session each)
     shares = [cases[i::CLIENTS] for i in range(CLIENTS)]
 
-    seconds: dict[str, float] = {}  # per endpoint, summed over its calls (the print says where the time goes)
+    seconds = [Counter() for _ in range(CLIENTS)]  # each client's seconds per endpoint (the print says where)
 
     def work(i: int) -> list[str]:
         found = []
@@ -123,13 +129,13 @@ def test_every_endpoint_fails_cleanly_or_answers_strictly(live_app):
             began = time.monotonic()
             if problem := _call(clients[i], api_name, args, label):
                 found.append(problem)
-            seconds[api_name] = seconds.get(api_name, 0.0) + time.monotonic() - began
+            seconds[i][api_name] += time.monotonic() - began
         return found
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         problems = [p for found in pool.map(work, range(CLIENTS)) for p in found]
-    print(f"{len(cases)} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s; slowest: "
-          + ", ".join(f"{name} {s:.1f} s" for name, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:8]))
+    print(f"{len(cases)} calls over {len(endpoints)} endpoints in {time.monotonic() - start:.0f} s; "
+          + _slowest(sum(seconds, Counter())))
     assert not problems, f"{len(problems)} of {len(cases)} calls misbehaved:\n" + "\n".join(problems[:80])
 
 
@@ -175,7 +181,7 @@ def test_every_endpoint_refuses_raw_calls_cleanly(live_app):
     from gradio_client import Client
 
     endpoints = Client(live_app, verbose=False).view_api(print_info=False, return_format="dict")["named_endpoints"]
-    problems, seconds = [], {}
+    problems, seconds = [], Counter()
     for api_name, info in sorted(endpoints.items()):
         began = time.monotonic()
         params = info.get("parameters", [])
@@ -193,7 +199,6 @@ def test_every_endpoint_refuses_raw_calls_cleanly(live_app):
                     continue  # an accepted value: its answer parsed as strict JSON above
                 problems.append(_named_error(kind, data, label, None))
         seconds[api_name] = time.monotonic() - began
-    slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:8]
-    print("slowest: " + ", ".join(f"{name} {s:.1f} s" for name, s in slowest))
+    print(_slowest(seconds))
     problems = [p for p in problems if p]
     assert not problems, f"{len(problems)} raw calls misbehaved:\n" + "\n".join(problems[:60])
