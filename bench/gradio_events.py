@@ -24,16 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.room import app_process  # noqa: E402
+from bench.step_verify import cpu_s  # noqa: E402
 
 SESSIONS = 4
 GRADIO_DEFAULTS = {"GRADIO_ANALYTICS_CACHE_FREQUENCY": "1", "GRADIO_ANALYTICS_MAX_EVENTS": "10000"}
-
-
-def cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,19 +38,15 @@ def main(argv: list[str] | None = None) -> None:
     if not 1 <= args.rounds <= args.events <= 20_000:
         parser.error(f"--events / --rounds: expected 1 <= rounds <= events <= 20000, got {args.events} / {args.rounds}")
 
+    import psutil
     from gradio_client import Client
 
+    if set(GRADIO_DEFAULTS) & set(os.environ):
+        parser.error(f"unset {', '.join(sorted(set(GRADIO_DEFAULTS) & set(os.environ)))}: the second app runs as "
+                     "the app sets them")
     apps = {}
-    for name, extra in (("Gradio's defaults", GRADIO_DEFAULTS), ("the app's setting", {})):
-        saved = {key: os.environ.pop(key, None) for key in GRADIO_DEFAULTS}
-        os.environ.update(extra)
-        try:
-            process, url = app_process("", f"/tmp/bench-gradio-events-{len(apps)}.log")
-        finally:
-            for key, value in saved.items():
-                os.environ.pop(key, None)
-                if value is not None:
-                    os.environ[key] = value
+    for name, environ in (("Gradio's defaults", GRADIO_DEFAULTS), ("the app's setting", {})):
+        process, url = app_process("", f"/tmp/bench-gradio-events-{len(apps)}.log", environ)
         # a plain-http URL has nothing to verify: no CA bundle loaded per request (bench.concurrency)
         clients = [Client(url, verbose=False, ssl_verify=False) for _ in range(SESSIONS)]
         apps[name] = (process, clients, [])
@@ -64,12 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for _ in range(args.rounds):
             for name, (process, clients, rounds) in apps.items():
-                before, start = cpu_s(process.pid), time.monotonic()
+                before, start = cpu_s([psutil.Process(process.pid)]), time.monotonic()
                 with ThreadPoolExecutor(SESSIONS) as pool:
                     list(pool.map(lambda i: [clients[i].predict(api_name="/lessons")
                                              for _ in range(per_round // SESSIONS)], range(SESSIONS)))
                 calls = per_round // SESSIONS * SESSIONS
-                rounds.append(((cpu_s(process.pid) - before) * 1000 / calls, calls / (time.monotonic() - start)))
+                cpu = cpu_s([psutil.Process(process.pid)]) - before
+                rounds.append((cpu * 1000 / calls, calls / (time.monotonic() - start)))
     finally:
         for process, _, _ in apps.values():
             process.terminate()

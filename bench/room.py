@@ -226,9 +226,10 @@ def parse_list(name: str, text: str, allowed: tuple[str, ...] | None = None) -> 
     return items
 
 
-def app_process(remote_models: str, log_path: str) -> tuple[Any, str]:
+def app_process(remote_models: str, log_path: str, environ: dict[str, str] | None = None) -> tuple[Any, str]:
     """The app (``python app.py``) in its own process on a free 127.0.0.1 port, startup examples off,
-    ``remote_models`` listed; (the process, its URL) once its page answers."""
+    ``remote_models`` listed, ``environ`` set in its environment; (the process, its URL) once its page
+    answers."""
     import subprocess
     import urllib.request
 
@@ -236,7 +237,7 @@ def app_process(remote_models: str, log_path: str) -> tuple[Any, str]:
 
     port = free_port()
     env = {**os.environ, "DP_EXAMPLES": "0", "DP_REMOTE_MODELS": remote_models, "GRADIO_SERVER_NAME": "127.0.0.1",
-           "GRADIO_SERVER_PORT": str(port)}
+           "GRADIO_SERVER_PORT": str(port), **(environ or {})}
     log = open(log_path, "w")
     process = subprocess.Popen([sys.executable, os.path.join(ROOT, "app.py")], cwd=ROOT, env=env, stdout=log,
                                stderr=subprocess.STDOUT)
