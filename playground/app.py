@@ -75,6 +75,7 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
     whatif_service.serve(demo, whatif)
     downloads.remove_on_close(demo)
     quiet_queue_analytics()
+    share_links.allow_long_request_heads()
     demo.queue(default_concurrency_limit=shared.events.concurrency_limit, max_size=queue_size())
     # The views' example runs (first screens that already show a result), off the launch's path.
     examples.cache_for(registry).start(shared, default_model)

@@ -36,9 +36,30 @@ TOO_LONG_PAGE = ("<!doctype html><meta charset=utf-8><meta name=viewport content
                  "<p><a href='{root}'>Open the playground without it</a></p></body>")
 
 
+# The request head uvicorn's HTTP parser (h11) may hold while it is incomplete. Its default, 16 KiB, turns
+# a long link whose request arrives in more than one piece (a browser's, over any network; 2 pieces are
+# enough) into uvicorn's bare "400 Bad Request" before LinkTooLong sees it; in one piece the same link got
+# the 414 page. Twice Gradio's own 65,536-character limit: a longer link still gets that 400.
+MAX_REQUEST_HEAD_BYTES = 128 << 10
+
+
+def allow_long_request_heads() -> None:
+    """Let uvicorn's h11 parser hold a request head of up to MAX_REQUEST_HEAD_BYTES, so a too-long link
+    reaches LinkTooLong however it arrives. Gradio builds uvicorn's Config without
+    ``h11_max_incomplete_event_size``, so uvicorn falls back to its module's default, raised here
+    (never lowered); a uvicorn without that default is left alone (tests/test_fault_app.py would
+    see the 400)."""
+    from uvicorn.protocols.http import h11_impl
+
+    default = getattr(h11_impl, "DEFAULT_MAX_INCOMPLETE_EVENT_SIZE", None)
+    if isinstance(default, int) and default < MAX_REQUEST_HEAD_BYTES:
+        h11_impl.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE = MAX_REQUEST_HEAD_BYTES
+
+
 class LinkTooLong:
     """ASGI middleware: a request whose path and query are over MAX_URL_CHARS gets HTTP 414 and
-    ``TOO_LONG_PAGE`` (one line of what happened and a link to the app), nothing else runs."""
+    ``TOO_LONG_PAGE`` (one line of what happened and a link to the app), nothing else runs
+    (``allow_long_request_heads``: also when the request came in pieces)."""
 
     def __init__(self, app: Any):
         self.app = app
