@@ -259,9 +259,15 @@ def projector_page(browser):
     yield from browser_page(browser, 1280, 720)
 
 
+TAB_CLICK_MS = 180_000  # a tab's first click renders the whole view in the page's main thread
+
+
 def open_tab(page, title: str = "Step through") -> None:
-    """Click a view's tab (the Lessons tab is the one a fresh visit opens on)."""
-    page.locator("button[role=tab]", has_text=title).first.click()
+    """Click a view's tab (the Lessons tab is the one a fresh visit opens on). The click returns once
+    the page has handled it, and the first click on a tab renders its view: on the two cores shared
+    with the other worker, the background builds and the app, one took over the pages' 60 s (a
+    cold make test, the tab found, "performing click action"), so it has its own longer limit."""
+    page.locator("button[role=tab]", has_text=title).first.click(timeout=TAB_CLICK_MS)
 
 
 # --- llama.cpp's server (issue #29): tests marked `remote` -----------------------------------------
