@@ -54,10 +54,18 @@ def llama_step(body: dict) -> dict:
             "tokens": [top[0]["id"]], "stop": True, "stop_type": "limit"}
 
 
-def llama_event(token: int, n: int) -> dict:
-    top = llama_top(n, "prob")
+def llama_event(token: int, n: int, key: str = "prob") -> dict:
+    """A streamed token: its top-N after the sampler (``key`` "prob": fast mode's stream) or the model's
+    (``key`` "logprob": ``post_sampling_probs`` false, step mode's streamed continuation)."""
+    top = llama_top(n, key)
+    value, tops = (0.5, "top_probs") if key == "prob" else (math.log(0.5), "top_logprobs")
     return {"completion_probabilities": [{"id": token, "token": piece(token), "bytes": list(piece(token).encode()),
-                                          "prob": 0.5, "top_probs": top}], "tokens": [token], "stop": False}
+                                          key: value, tops: top}], "tokens": [token], "stop": False}
+
+
+def llama_key(body: dict) -> str:
+    """The probabilities a /completion request asks: after the sampler ("prob") or the model's."""
+    return "prob" if body.get("post_sampling_probs") else "logprob"
 
 
 LLAMA_LAST = {"stop": True, "stop_type": "limit", "timings": {"predicted_n": 0, "predicted_ms": 1.5}}
@@ -116,7 +124,8 @@ class Fault:
         return not only or only == ("stream" if stream else "whole")
 
 
-# Where a value fault goes, per backend and mode: a function that puts BAD into a good answer.
+# Where a value fault goes, per backend and mode: a function that puts BAD into a good answer (step mode's:
+# a one-token answer or an event of its streamed continuation, both with the model's log-probabilities).
 def _llama_step_at(answer: dict, at: str) -> None:
     entry = answer["completion_probabilities"][0]
     {"id": lambda: entry["top_logprobs"][0].__setitem__("id", BAD),
@@ -263,7 +272,7 @@ class FakeServer:
         top_n = int(body.get("n_probs", body.get("logprobs", 10)))
         for i, token in enumerate(generated(n)):
             if self.backend == "llamacpp":
-                yield sse(llama_event(token, top_n))
+                yield sse(llama_event(token, top_n, llama_key(body)))
             else:
                 yield sse(openai_event(token, top_n, "length" if i == n - 1 else None))
         yield sse(LLAMA_LAST) if self.backend == "llamacpp" else sse(b"[DONE]")
@@ -283,7 +292,8 @@ class FakeServer:
             return self._send(conn, kind, repeat(b"[", b"0, ", 200 << 20), 200 << 20)
         if fault.kind == "forever":  # well-formed tokens, never the last chunk
             top_n = int(request.body.get("n_probs", request.body.get("logprobs", 10)))
-            event = sse(llama_event(TOP_IDS[0], top_n) if self.backend == "llamacpp" else openai_event(TOP_IDS[0], top_n))
+            event = sse(llama_event(TOP_IDS[0], top_n, llama_key(request.body)) if self.backend == "llamacpp"
+                        else openai_event(TOP_IDS[0], top_n))
             return self._send(conn, kind, (event for _ in range(10**6)), None)
         if fault.kind == "comments":  # comment lines, never an event
             return self._send(conn, kind, (b": ping\n" * 9000 for _ in range(10**6)), None)
@@ -296,8 +306,11 @@ class FakeServer:
         body, stream = request.body, bool(request.body.get("stream"))
         top_n = int(body.get("n_probs", body.get("logprobs", 10)))
         if self.backend == "llamacpp":
-            if stream:
-                return sse(with_bad(llama_event(TOP_IDS[0], top_n), _llama_fast_at, fault)) + sse(LLAMA_LAST)
+            if stream:  # fast mode's stream (after the sampler), or step mode's streamed continuation
+                key = llama_key(body)
+                put = _llama_step_at if key == "logprob" else _llama_fast_at
+                event = with_bad(llama_event(TOP_IDS[0], top_n, key), put, fault)
+                return sse(event) + sse(LLAMA_LAST)
             if request.path == "/completion":
                 return with_bad(llama_step(body), _llama_step_at, fault)
         elif request.path == "/v1/completions":

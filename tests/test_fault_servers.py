@@ -8,6 +8,7 @@ app, a local user timed alongside) is tests/test_fault_app.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import math
@@ -42,8 +43,11 @@ def server(request) -> Iterator[FakeServer]:
 
 
 def model_on(server: FakeServer, mode: str, timeout_s: float = 10.0):
-    """A RemoteModel over the fake server, connected while it still answers well."""
-    return remote.connect_spec(RemoteSpec.parse(server.spec), timeout_s, mode)
+    """A RemoteModel over the fake server, connected while it still answers well. ``mode`` "step"
+    verifies the server's streamed continuation (the default, DP_STEP_VERIFY_TOKENS); "step-per-token"
+    asks one token per request, each a whole (not streamed) answer; "fast"."""
+    model = remote.connect_spec(RemoteSpec.parse(server.spec), timeout_s, "step" if mode == "step-per-token" else mode)
+    return dataclasses.replace(model, verify=0) if mode == "step-per-token" else model
 
 
 def run(model, control: RunControl | None = None, config: DecodingConfig = CONFIG):
@@ -121,18 +125,23 @@ def test_a_wrong_value_is_one_line_naming_the_server_and_the_field(backend, mode
 
 def test_the_lines_name_the_field_as_it_is_in_the_answer():
     server = FakeServer("llamacpp")
+    lines = {}
     try:
-        model = model_on(server, "step")
-        server.fault = Fault("value", "id", "-1")
-        line, _ = one_line_failure(model)
-        server.fault = Fault("value", "logprob", "3.0")
-        positive, _ = one_line_failure(model)
+        for mode, where_in in (("step", "stream[0]."), ("step-per-token", "")):  # a streamed event, a whole answer
+            server.fault = None
+            model = model_on(server, mode)
+            server.fault = Fault("value", "id", "-1")
+            line, _ = one_line_failure(model)
+            server.fault = Fault("value", "logprob", "3.0")
+            positive, _ = one_line_failure(model)
+            lines[mode] = line, positive, where_in
     finally:
         server.close()
-    assert line == (f"llama.cpp server {server.url}/completion: completion_probabilities[0].top_logprobs[0].id: "
-                    f"expected a token id in [0, {VOCAB}), got -1")
-    assert positive.endswith("completion_probabilities[0].top_logprobs[0].logprob: expected a log-probability "
-                             "(a finite number <= 0), got 3.0")
+    for line, positive, where_in in lines.values():
+        assert line == (f"llama.cpp server {server.url}/completion: {where_in}completion_probabilities[0]."
+                        f"top_logprobs[0].id: expected a token id in [0, {VOCAB}), got -1")
+        assert positive.endswith(f": {where_in}completion_probabilities[0].top_logprobs[0].logprob: expected a "
+                                 "log-probability (a finite number <= 0), got 3.0")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,21 +171,24 @@ def test_a_top_n_that_adds_up_to_more_than_one_or_lists_an_id_twice_is_refused()
 
 
 # --- sizes -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "step-per-token"])
 def test_a_600_mb_line_without_a_newline_is_cut_at_the_limit(server, mode):
     model = model_on(server, mode)
     server.fault = Fault("huge_line")
     with PeakRss() as memory:
         line, took = one_line_failure(model, RunControl(deadline_s=30))
-    limit = "a streamed line is over the 1 MiB limit" if mode == "fast" else "the answer is over the 32 MiB limit"
+    whole = mode == "step-per-token"  # a whole answer's limit; step mode's continuation and fast mode stream
+    limit = "the answer is over the 32 MiB limit" if whole else "a streamed line is over the 1 MiB limit"
     assert line.startswith(where(server)) and line.endswith(limit), line
     print(f"{server.backend} {mode}: {took:.2f} s, RSS +{memory.growth:.0f} MB peak, sent {server.sent >> 20} MiB")
     assert took < 20 and memory.growth < MEMORY_BOUND_MB
-    assert server.sent < (48 << 20 if mode == "step" else 16 << 20)  # the connection was closed at the limit
+    assert server.sent < (48 << 20 if whole else 16 << 20)  # the connection was closed at the limit
 
 
 def test_a_200_mb_body_is_cut_at_the_limit(server):
-    model = model_on(server, "step")
+    """A whole answer's limit: step mode's one-token requests (and speculative's scoring); streamed
+    answers are read a line at a time (the 600 MB line above)."""
+    model = model_on(server, "step-per-token")
     server.fault = Fault("huge_body")
     with PeakRss() as memory:
         line, took = one_line_failure(model, RunControl(deadline_s=30))
@@ -364,6 +376,7 @@ def api_calls(model) -> dict:
     api = model.api
     return {"tokenize": lambda: api.tokenize("hi", False), "detokenize": lambda: api.detokenize([10, 11]),
             "chat_ids": lambda: api.chat_ids("hi"), "next_top": lambda: api.next_top([10, 11], 5),
+            "continuation": lambda: list(api.continuation([10, 11], 4, 5)),
             "positions": lambda: api.positions([10, 11, 12], 1, 5),
             "generate": lambda: list(api.generate([10, 11], CONFIG, False))}
 

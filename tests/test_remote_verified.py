@@ -185,8 +185,10 @@ def test_a_branch_continues_verified_as_one_request_per_token(server_model):
 
 
 class Proxy(http.server.BaseHTTPRequestHandler):
-    """Forwards to the real llama-server; a continuation's answer (n_predict > 1) goes through the
-    test's ``edit`` first. Records each continuation request's n_predict."""
+    """Forwards to the real llama-server; a continuation (n_predict > 1, streamed) is read whole from
+    it, its tokens' entries go through the test's ``edit`` as one answer, and the edited entries go
+    out as a stream again (one event each, then the server's last event). Records each
+    continuation request's n_predict."""
 
     def do_GET(self):
         self._forward(None)
@@ -199,16 +201,28 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         request = urllib.request.Request(self.server.upstream + self.path, data, method=self.command,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as answer:
-            reply = json.loads(answer.read())
+            raw = answer.read()
         if body is not None and self.path == "/completion" and body.get("n_predict", 1) > 1:
+            assert body.get("stream"), "a continuation is streamed"
+            events = [json.loads(line[len(b"data: "):]) for line in raw.splitlines() if line.startswith(b"data: ")]
+            entries = [e["completion_probabilities"][0] for e in events if e.get("completion_probabilities")]
             self.server.asked.append(body["n_predict"])
-            reply = self.server.edit(len(self.server.asked) - 1, reply)
-        text = json.dumps(reply).encode()
+            edited = self.server.edit(len(self.server.asked) - 1, {"completion_probabilities": entries,
+                                                                  "tokens": [e["id"] for e in entries]})
+            out = [{"completion_probabilities": [e], "tokens": [e["id"]], "stop": False}
+                   for e in edited["completion_probabilities"]] + [events[-1]]
+            return self._send(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in out), "text/event-stream")
+        self._send(raw, "application/json")
+
+    def _send(self, text: bytes, kind: str) -> None:
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(text)))
         self.end_headers()
-        self.wfile.write(text)
+        try:
+            self.wfile.write(text)
+        except (BrokenPipeError, ConnectionResetError):  # the client closed the stream at a disagreement
+            pass
 
     def log_message(self, *args):
         pass

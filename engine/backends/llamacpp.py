@@ -105,25 +105,41 @@ class LlamaCppApi:
         field = "completion_probabilities[0]"
         return llama_entries(s.get(probs[0], "top_logprobs", field), s, f"{field}.top_logprobs", top_n + 1)
 
-    def continuation(self, ids: Sequence[int], count: int, top_n: int) -> list[tuple[int, list[Entry]]]:
-        """The server's greedy continuation of ``ids``, at most ``count`` tokens in one request, each
-        with the raw top-N at its position (``post_sampling_probs`` false: the model's softmax before
-        any sampler, as ``next_top``'s): [(token, top-N)]; fewer when it stops (EOS)."""
-        answer = self.client.post("/completion", {
-            "prompt": list(ids), "n_predict": count, "n_probs": top_n, "post_sampling_probs": False,
-            "cache_prompt": True, "samplers": ["top_k"], "top_k": 1, "return_tokens": True})
+    def continuation(self, ids: Sequence[int], count: int, top_n: int) -> Iterator[tuple[int, list[Entry]]]:
+        """The server's greedy continuation of ``ids``, at most ``count`` tokens, streamed: (token, the
+        raw top-N at its position) as each is made (``post_sampling_probs`` false: the model's softmax
+        before any sampler, as ``next_top``'s); fewer when it stops (EOS, whose position is streamed
+        too). Closing the iterator early closes the connection and the server stops making the rest
+        (``remote.stream_verified`` closes it at its first disagreement). More than ``count`` tokens,
+        or a stream that ends before its last chunk, is one RemoteError line."""
+        body = {"prompt": list(ids), "n_predict": count, "n_probs": top_n, "post_sampling_probs": False,
+                "cache_prompt": True, "samplers": ["top_k"], "top_k": 1, "return_tokens": True, "stream": True}
         s = self.schema("/completion")
-        probs = s.array(s.get(answer, "completion_probabilities"), "completion_probabilities", count)
-        if not probs:
-            raise s.fail("completion_probabilities", "empty: no top_logprobs in the answer")
-        out = []
-        for i, entry in enumerate(probs):
-            field = f"completion_probabilities[{i}]"
-            s.obj(entry, field)
-            token = s.token(s.get(entry, "id", field), f"{field}.id")
-            out.append((token, llama_entries(s.get(entry, "top_logprobs", field), s, f"{field}.top_logprobs",
-                                             top_n + 1)))
-        return out
+        read = 0
+        with closing(self.client.stream_post("/completion", body)) as chunks:
+            for i, chunk in enumerate(chunks):
+                field = f"stream[{i}]"
+                s.obj(chunk, field)
+                entries = s.array(chunk.get("completion_probabilities", []), f"{field}.completion_probabilities",
+                                  MAX_CHUNK_TOKENS)
+                tokens = s.array(chunk.get("tokens", []), f"{field}.tokens", MAX_CHUNK_TOKENS)
+                if len(tokens) != len(entries):  # a token without its top-N would shift every position after it
+                    raise s.fail(f"{field}.completion_probabilities",
+                                 f"{len(entries)} entries for {len(tokens)} tokens")
+                for j, entry in enumerate(entries):
+                    name = f"{field}.completion_probabilities[{j}]"
+                    read += 1
+                    if read > count:
+                        raise s.fail(name, f"more tokens than the {count} asked")
+                    s.obj(entry, name)
+                    yield (s.token(s.get(entry, "id", name), f"{name}.id"),
+                           llama_entries(s.get(entry, "top_logprobs", name), s, f"{name}.top_logprobs", top_n + 1))
+                stop = chunk.get("stop")
+                if stop is not None and not isinstance(stop, bool):
+                    raise s.fail(f"{field}.stop", f"expected true or false, got {type(stop).__name__}")
+                if stop:
+                    return
+        raise RemoteError(f"{s.where}: the stream ended before its last chunk (stop: true)")
 
     def positions(self, ids: Sequence[int], start: int, top_n: int) -> list[list[Entry]]:
         """The raw top-N after ``ids[:i]`` for i = start .. len(ids): one request each (the prefix

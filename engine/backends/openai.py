@@ -161,15 +161,26 @@ class OpenAIApi:
             raise s.fail("choices[0].logprobs", "no top logprobs in the answer")
         return tokens[0][2]
 
-    def continuation(self, ids: Sequence[int], count: int, top_n: int) -> list[tuple[int, list[Entry]]]:
-        """The server's greedy continuation of ``ids`` (temperature 0), at most ``count`` tokens in one
-        request, each with its top-N ``logprobs`` (the raw model's under vLLM's default
-        ``--logprobs-mode raw_logprobs``, as ``next_top``'s): [(token, top-N)]; fewer when it stops."""
-        s, choice = self._complete({"prompt": list(ids), "max_tokens": count, "logprobs": top_n, "temperature": 0})
-        tokens = _openai_tokens(choice, s, "choices[0]", count, top_n)
-        if not tokens:
-            raise s.fail("choices[0].logprobs", "no top logprobs in the answer")
-        return [(token, top) for token, _, top in tokens]
+    def continuation(self, ids: Sequence[int], count: int, top_n: int) -> Iterator[tuple[int, list[Entry]]]:
+        """The server's greedy continuation of ``ids`` (temperature 0), at most ``count`` tokens, streamed:
+        (token, its top-N ``logprobs``) as each is made (the raw model's under vLLM's default
+        ``--logprobs-mode raw_logprobs``, as ``next_top``'s); fewer when it stops. Closing the iterator
+        early closes the connection and the server aborts the request (``remote.stream_verified``
+        closes it at its first disagreement). More than ``count`` tokens is one RemoteError line."""
+        body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
+                "prompt": list(ids), "max_tokens": count, "logprobs": top_n, "temperature": 0, "stream": True}
+        s = self.schema("/completions")
+        read = 0
+        with closing(self.client.stream_post("/completions", body)) as chunks:
+            for i, chunk in enumerate(chunks):
+                choices = s.array(s.get(s.obj(chunk, f"stream[{i}]"), "choices", f"stream[{i}]"),
+                                  f"stream[{i}].choices", 16)
+                for token, _, top in (_openai_tokens(choices[0], s, f"stream[{i}].choices[0]", MAX_CHUNK_TOKENS, top_n)
+                                      if choices else ()):  # a usage-only chunk has none
+                    read += 1
+                    if read > count:
+                        raise s.fail(f"stream[{i}].choices[0].logprobs", f"more tokens than the {count} asked")
+                    yield token, top
 
     def prompt_logprobs(self, ids: Sequence[int], top_n: int) -> list[dict[int, float] | None]:
         """vLLM's ``prompt_logprobs``: for each position of ``ids``, the log-probabilities of its

@@ -121,7 +121,8 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
 # (bench/step_verify.py --verify K, bench/room.py --strategy greedy measure them; docs/performance.md)
 VERIFY_TOKENS = 32
 # a run whose picks may part from the server's greedy token (a draw, a stage): its first request's count,
-# and its most per request (a disagreement drops the rest of the continuation, which was still read and checked)
+# and its most per request (a disagreement closes the stream: what the server made past it in the meantime
+# was made for nothing)
 FIRST_ASK, PARTING_MOST = 4, 8
 MAX_VERIFY_TOKENS = 64  # a continuation's most tokens (llamacpp.MAX_CHUNK_TOKENS: the schema's bound)
 
@@ -140,8 +141,9 @@ def verify_tokens(model: RemoteModel) -> int:
 @dataclass
 class Verified:
     """What verifying a run's continuations did: ``tokens`` asked per request, the ``requests``
-    made, the tokens the server ``drafted`` in all, and per step whether our pick was the server's
-    own token (``server``: accepted) or ours (the first disagreement of its request)."""
+    made, the tokens of their streams read (``drafted``: a stream closed at a disagreement is read
+    no further), and per step whether our pick was the server's own token (``server``: accepted) or
+    ours (the first disagreement of its request)."""
 
     tokens: int
     first: int = FIRST_ASK  # the first request's count (at most ``tokens``)
@@ -186,12 +188,13 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
                     top_n: int = STEP_TOP_N, tails: list[float] | None = None, prefix: Sequence[int] = (),
                     force: int | None = None) -> Iterator[StepTrace]:
     """Step mode at fewer requests: each request asks the server's greedy continuation (at most
-    ``verified.tokens`` tokens, the raw top-N at each position, ``api.continuation``); our chain and
-    draw run on each position in order, exactly as ``stream_step`` would run them (the same
-    RunState), and the continuation is kept while our pick is the server's token. At the first
-    position where it is not, ours is taken and the next request continues from it: the positions
-    after it were conditioned on a token we did not pick, so they are dropped unread (no chain, no
-    draw). The tokens, draws and stage records are one-request-per-token step mode's."""
+    ``verified.tokens`` tokens, the raw top-N at each position, ``api.continuation``), streamed; our
+    chain and draw run on each position as it arrives, exactly as ``stream_step`` would run them (the
+    same RunState), and the continuation is kept while our pick is the server's token, so the first
+    token is shown as soon as the server made it. At the first position where it is not, ours is
+    taken, the stream is closed (the server stops) and the next request continues from our token:
+    the positions after it were conditioned on a token we did not pick, so they are never read (no
+    chain, no draw). The tokens, draws and stage records are one-request-per-token step mode's."""
     check_strategy(config)
     state = RunState(model, prompt_ids, config, prefix=prefix, force=force)
     if state.needs_replay:  # a stateful branch: its prefix positions, one request each (as stream_step)
@@ -201,23 +204,26 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
         ids = state.ids[0].tolist()
         count = max(1, min(verified.next_count(), config.max_new_tokens - len(state.generated),
                            model.context - len(ids)))
-        drafted = model.api.continuation(ids, count, top_n)
         verified.requests += 1
-        verified.drafted += len(drafted)
         verified.asked.append(count)
         verified.gave.append(0)
-        for token, top in drafted:
-            logits, tail = entries_logits(model, top)
-            if tails is not None:
-                tails.append(tail)
-            step = state.advance(logits)
-            verified.server.append(step.chosen_token_id == token)
-            verified.gave[-1] += 1
-            yield step
-            if step.finish_reason is not None:
-                return
-            if step.chosen_token_id != token:
-                break
+        with closing(model.api.continuation(ids, count, top_n)) as drafted:  # closed early: the server stops
+            for token, top in drafted:
+                verified.drafted += 1
+                logits, tail = entries_logits(model, top)
+                if tails is not None:
+                    tails.append(tail)
+                step = state.advance(logits)
+                verified.server.append(step.chosen_token_id == token)
+                verified.gave[-1] += 1
+                yield step
+                if step.finish_reason is not None:
+                    return
+                if step.chosen_token_id != token:
+                    break
+        if not verified.gave[-1]:
+            raise RemoteError(f"{model.client.server} {model.url}: a continuation of {count} tokens was asked "
+                              "and the answer held none")
 
 
 def step_approximations(config: DecodingConfig, top_n: int) -> list[str]:
