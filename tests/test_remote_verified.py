@@ -14,6 +14,7 @@ import http.server
 import json
 import math
 import threading
+import time
 import urllib.request
 from dataclasses import replace
 from typing import Any, Callable, Iterator
@@ -211,16 +212,21 @@ class Proxy(http.server.BaseHTTPRequestHandler):
                                                                   "tokens": [e["id"] for e in entries]})
             out = [{"completion_probabilities": [e], "tokens": [e["id"]], "stop": False}
                    for e in edited["completion_probabilities"]] + [events[-1]]
-            return self._send(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in out), "text/event-stream")
-        self._send(raw, "application/json")
+            return self._send([b"data: " + json.dumps(e).encode() + b"\n\n" for e in out], "text/event-stream")
+        self._send([raw], "application/json")
 
-    def _send(self, text: bytes, kind: str) -> None:
+    def _send(self, pieces: list[bytes], kind: str) -> None:
+        """``pieces`` one by one, ``server.pause_s`` after the first (a server still making the rest)."""
         self.send_response(200)
         self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(text)))
+        self.send_header("Content-Length", str(sum(map(len, pieces))))
         self.end_headers()
         try:
-            self.wfile.write(text)
+            for i, piece in enumerate(pieces):
+                self.wfile.write(piece)
+                self.wfile.flush()
+                if i == 0 and len(pieces) > 1:
+                    time.sleep(self.server.pause_s)
         except (BrokenPipeError, ConnectionResetError):  # the client closed the stream at a disagreement
             pass
 
@@ -234,9 +240,9 @@ def proxied(llama_server) -> Iterator[Callable[[Callable[[int, dict], dict]], An
     to each continuation answer, connected (verify 8); the proxy's ``asked`` list."""
     servers = []
 
-    def connect(edit):
+    def connect(edit, pause_s: float = 0.0):
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-        server.upstream, server.edit, server.asked = llama_server, edit, []
+        server.upstream, server.edit, server.asked, server.pause_s = llama_server, edit, [], pause_s
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         model = llamacpp.connect(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=120)
@@ -274,6 +280,22 @@ def test_a_disagreement_takes_ours_and_drops_the_positions_after_it(proxied, pos
     assert v["server_token"][:position + 1] == [True] * position + [False]  # ours at the lie
     assert all(v["server_token"][position + 1:])  # the next request went on from our token
     assert v["asked"][1] == min(8, 2 * (position + 1))  # the next count: twice what the first request gave
+
+
+@server_test
+def test_the_first_token_shows_while_the_server_still_makes_the_rest(proxied):
+    """A step-mode continuation is read as it streams: a server that sends its first token and then
+    takes 2 s over the rest shows that token at once, as fast mode does (the whole run takes the 2 s)."""
+    model, asked = proxied(lambda index, answer: answer, pause_s=2.0)
+    start = time.perf_counter()
+    events = runner.stream(RunRequest(model, PROMPT, GREEDY))
+    first = next(e for e in events if e.steps)
+    shown = time.perf_counter() - start
+    trace = next(e.trace for e in events if e.trace is not None)
+    took = time.perf_counter() - start
+    assert first.steps[0].chosen_token_id == trace.generated_token_ids[0] and asked[0] == 8
+    print(f"first token {shown:.2f} s, the run {took:.2f} s")
+    assert shown < 1.5 and took >= 2.0
 
 
 @server_test
