@@ -30,6 +30,7 @@ from tests.fault_servers import TOP_IDS, VOCAB, CountingListener, FakeServer, Fa
 
 BACKENDS = ("llamacpp", "openai")
 MODES = ("step", "fast")
+ALL_MODES = (*MODES, "step-per-token")  # step mode's whole one-token answers too (model_on)
 CONFIG = DecodingConfig(strategy="greedy", max_new_tokens=8, top_n=5)
 MEMORY_BOUND_MB = 200  # peak growth of this process's RSS during one faulty run (the README states it)
 SERVER_NAME = {"llamacpp": "llama.cpp server", "openai": "OpenAI-compatible server"}
@@ -171,7 +172,7 @@ def test_a_top_n_that_adds_up_to_more_than_one_or_lists_an_id_twice_is_refused()
 
 
 # --- sizes -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", [*MODES, "step-per-token"])
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_a_600_mb_line_without_a_newline_is_cut_at_the_limit(server, mode):
     model = model_on(server, mode)
     server.fault = Fault("huge_line")
@@ -294,7 +295,7 @@ def test_the_largest_legitimate_answer_fits_the_limits(embedded):
 
 
 # --- time ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_one_byte_per_second_ends_at_the_run_s_time_limit(server, mode):
     model = model_on(server, mode, timeout_s=30)
     server.fault = Fault("slow")
@@ -303,7 +304,7 @@ def test_one_byte_per_second_ends_at_the_run_s_time_limit(server, mode):
     assert 1.9 < took < 4, took  # not per byte: the socket's timeouts are the time left
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_one_byte_per_second_ends_at_the_request_s_own_timeout(server, mode):
     model = model_on(server, mode, timeout_s=1.5)
     server.fault = Fault("slow")
@@ -337,7 +338,7 @@ def test_a_connect_to_a_slow_server_ends_at_the_run_s_time_limit(server):
     assert 1.4 < took < 3.5, took
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_cancel_closes_a_blocked_read_from_another_thread(server, mode):
     """The general mechanism (RunControl.on_cancel: the client registers its socket's shutdown):
     a Stop ends a run blocked on a silent server at once, not at its time limit."""
@@ -350,7 +351,7 @@ def test_cancel_closes_a_blocked_read_from_another_thread(server, mode):
 
 
 # --- redirects -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_a_redirect_is_never_followed(server, mode):
     unlisted = CountingListener()
     server.redirect_to = unlisted.url
