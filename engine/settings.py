@@ -100,8 +100,9 @@ SETTINGS = (
             "`DP_CONCURRENCY`: a slow server never holds the local model's slots; one more is refused in one line",
             minimum=1),
     Setting("DP_STEP_VERIFY_TOKENS", "int", 32, "step mode on a served model: most tokens of the server's "
-            "greedy continuation asked per request and verified by our chain (the same tokens and trace as one "
-            "request per token; at most 64; greedy with no stage asks them at once, any other run 4 first, then "
+            "greedy continuation asked per request, streamed and verified by our chain as they arrive (the same "
+            "tokens and trace as one request per token; at most 64; greedy with no stage asks them at once, any "
+            "other run 4 first, then "
             "twice what the last request kept, at most 8); 0: one request per token", minimum=0),
     Setting("DP_QUEUE_SIZE", "int", 64, "requests waiting in Gradio's queue", shown="64 (100 in public mode)",
             minimum=1),
