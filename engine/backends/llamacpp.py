@@ -118,26 +118,14 @@ class LlamaCppApi:
         read = 0
         with closing(self.client.stream_post("/completion", body)) as chunks:
             for i, chunk in enumerate(chunks):
-                field = f"stream[{i}]"
-                s.obj(chunk, field)
-                entries = s.array(chunk.get("completion_probabilities", []), f"{field}.completion_probabilities",
-                                  MAX_CHUNK_TOKENS)
-                tokens = s.array(chunk.get("tokens", []), f"{field}.tokens", MAX_CHUNK_TOKENS)
-                if len(tokens) != len(entries):  # a token without its top-N would shift every position after it
-                    raise s.fail(f"{field}.completion_probabilities",
-                                 f"{len(entries)} entries for {len(tokens)} tokens")
-                for j, entry in enumerate(entries):
-                    name = f"{field}.completion_probabilities[{j}]"
+                for token, top in _chunk_tokens(chunk, s, f"stream[{i}]", top_n + 1, "logprob"):
                     read += 1
+                    if top is None:  # a token without its top-N would shift every position after it
+                        raise s.fail(f"stream[{i}].tokens", "a token without completion_probabilities")
                     if read > count:
-                        raise s.fail(name, f"more tokens than the {count} asked")
-                    s.obj(entry, name)
-                    yield (s.token(s.get(entry, "id", name), f"{name}.id"),
-                           llama_entries(s.get(entry, "top_logprobs", name), s, f"{name}.top_logprobs", top_n + 1))
-                stop = chunk.get("stop")
-                if stop is not None and not isinstance(stop, bool):
-                    raise s.fail(f"{field}.stop", f"expected true or false, got {type(stop).__name__}")
-                if stop:
+                        raise s.fail(f"stream[{i}].completion_probabilities", f"more tokens than the {count} asked")
+                    yield token, top[1]
+                if _stopped(chunk, s, f"stream[{i}]"):
                     return
         raise RemoteError(f"{s.where}: the stream ended before its last chunk (stop: true)")
 
@@ -272,10 +260,7 @@ class _Stream:
     def _stopped(self, chunk: dict[str, Any], field: str) -> bool:
         """Whether ``chunk`` is the last one (``stop: true``); reads its stop type and timings."""
         s = self.schema
-        stop = chunk.get("stop")
-        if stop is not None and not isinstance(stop, bool):
-            raise s.fail(f"{field}.stop", f"expected true or false, got {type(stop).__name__}")
-        if not stop:
+        if not _stopped(chunk, s, field):
             return False
         stop_type = s.optional_text(chunk.get("stop_type"), f"{field}.stop_type")
         self.stop_reason = STOP_TYPES.get(stop_type or "", "max_new_tokens")
@@ -283,26 +268,40 @@ class _Stream:
         return True
 
 
-def _chunk_tokens(chunk: Any, s: Schema, field: str, most: int) -> list[tuple[int, tuple[float, list[Entry]] | None]]:
-    """A streamed /completion chunk's tokens, each with (p, top-N after the sampler) from its
-    ``completion_probabilities`` entry (``id``, ``prob``, ``top_probs``; at most ``most`` of
-    them), none in the last chunk. A chunk of ``tokens`` without any entries is what llama-server
-    streams for drafts its own speculation accepted: (id, None) each. Another shape raises
-    RemoteError; so does a value out of range (``s``, naming the field)."""
+def _stopped(chunk: dict[str, Any], s: Schema, field: str) -> bool:
+    """Whether a streamed /completion chunk is the last one (``stop: true``), its ``stop`` checked."""
+    stop = chunk.get("stop")
+    if stop is not None and not isinstance(stop, bool):
+        raise s.fail(f"{field}.stop", f"expected true or false, got {type(stop).__name__}")
+    return bool(stop)
+
+
+def _chunk_tokens(chunk: Any, s: Schema, field: str, most: int,
+                  key: str = "prob") -> list[tuple[int, tuple[float, list[Entry]] | None]]:
+    """A streamed /completion chunk's tokens, each with (its value, its top-N) from its
+    ``completion_probabilities`` entry: ``key`` "prob" (``id``, ``prob``, ``top_probs``: after the
+    sampler, fast mode) or "logprob" (``id``, ``logprob``, ``top_logprobs``: the model's,
+    ``post_sampling_probs`` false); at most ``most`` of them, none in the last chunk. A chunk of
+    ``tokens`` without any entries is what llama-server streams for drafts its own speculation
+    accepted: (id, None) each. Another shape raises RemoteError; so does a value out of range (``s``,
+    naming the field)."""
     entries = chunk.get("completion_probabilities", []) if isinstance(chunk, dict) else None
     tokens = chunk.get("tokens") if isinstance(chunk, dict) else None
     if entries == [] and isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                           for t in tokens):
         return [(t, None) for t in s.tokens(tokens, f"{field}.tokens", MAX_CHUNK_TOKENS)]
     if not isinstance(entries, list) or len(entries) != len(tokens or entries) \
-            or not all(isinstance(e, dict) and "id" in e and "prob" in e for e in entries):
-        raise RemoteError(f"{s.where}: a streamed chunk without completion_probabilities (id, prob) per token")
+            or not all(isinstance(e, dict) and "id" in e and key in e for e in entries):
+        raise RemoteError(f"{s.where}: a streamed chunk without completion_probabilities (id, {key}) per token")
+    tops = "top_probs" if key == "prob" else "top_logprobs"
     out: list[tuple[int, tuple[float, list[Entry]] | None]] = []
     for i, e in enumerate(s.array(entries, f"{field}.completion_probabilities", MAX_CHUNK_TOKENS)):
         name = f"{field}.completion_probabilities[{i}]"
-        out.append((s.token(e["id"], f"{name}.id"),
-                    (s.prob(e["prob"], f"{name}.prob"),
-                     llama_entries(e.get("top_probs") or [], s, f"{name}.top_probs", most, "prob"))))
+        if key == "prob":
+            value, top = s.prob(e[key], f"{name}.prob"), e.get(tops) or []
+        else:  # the model's top-N is what a step-mode position is read from: it must be there
+            value, top = s.logprob(e[key], f"{name}.logprob", nullable=True), s.get(e, tops, name)
+        out.append((s.token(e["id"], f"{name}.id"), (value, llama_entries(top, s, f"{name}.{tops}", most, key))))
     return out
 
 
