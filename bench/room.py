@@ -158,13 +158,43 @@ def scheduler_lines(stats: dict) -> list[str]:
             f"{peak.get('reserved'):,}"]
 
 
-def serving_stats(url: str, run: RoomRun) -> dict:
-    """/serving_stats over the run's window (from its start to now)."""
+QUIET_S = 5.0  # the window /serving_stats is asked for starts this long before the run's start
+
+
+def quiet_room(url: str, quiet_s: float = QUIET_S, limit_s: float = 180.0) -> None:
+    """Wait until the app's scheduler on the embedded model has ticked for nobody over the last
+    ``quiet_s`` seconds (a warm-up, or a run another page left going, must not land in the window of
+    the run that starts next)."""
     from gradio_client import Client
 
-    window = time.time() - run.started  # every record of the run is at or after its start
-    return Client(url, verbose=False, ssl_verify=not url.startswith("http://")).predict(
-        "embedded", "none", window, False, api_name="/serving_stats")
+    client, deadline = Client(url, verbose=False, ssl_verify=not url.startswith("http://")), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        stats = client.predict("embedded", "none", quiet_s, False, api_name="/serving_stats")
+        if not stats["available"] or stats["ticks"] == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the app's scheduler still ticked {limit_s:g} s later: a run not the room's never ended")
+
+
+def serving_stats(url: str, run: RoomRun) -> dict:
+    """/serving_stats over the run's window: from ``QUIET_S`` before its start (so that the request's
+    own latency never cuts the run's first ticks off) to now. The room must have been quiet before
+    the run (``quiet_room``): a tick or a run's end in that lead is someone else's, and is refused."""
+    from gradio_client import Client
+
+    client = Client(url, verbose=False, ssl_verify=not url.startswith("http://"))
+    window = time.time() - run.started + QUIET_S  # computed after the client connects, sent at once
+    stats = client.predict("embedded", "none", window, True, api_name="/serving_stats")
+    if stats.get("available"):
+        series = stats.pop("series")
+        before = [at for at in series["at"] + series["run_at"] if at < run.started]
+        if before:
+            raise RuntimeError(f"{len(before)} ticks or run ends in the {QUIET_S:g} s before the room's run: the "
+                               "room was not quiet (wait with quiet_room first)")
+        if stats["since"] > run.started:
+            raise RuntimeError(f"/serving_stats' window began {stats['since'] - run.started:.1f} s after the run "
+                               "started: it would miss the run's first ticks")
+    return stats
 
 
 def start_app() -> str:
@@ -396,6 +426,7 @@ def main() -> None:
     check_args(url, args.users, args.tokens)
     clients = app_clients(url, args.users)
     room_run(url, 1, 4, clients[:1], args.deadline)  # warm-up: the app loads its model on first use
+    quiet_room(url)  # the warm-up's ticks stay out of the run's window
     run = room_run(url, args.users, args.tokens, clients, args.deadline, strategy=args.strategy)
     print(printout(run, serving_stats(url, run)))
 

@@ -520,18 +520,14 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write("session fixtures (s): " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in _WAITS.items()))
 
 
-def wait_for_a_quiet_room(url: str, quiet_s: float = 2.0, limit_s: float = 180.0) -> None:
+def wait_for_a_quiet_room(url: str, limit_s: float = 180.0) -> None:
     """Wait until the app's scheduler on the embedded model has ticked for nobody over the last
-    ``quiet_s`` seconds: a run another test left going (a page closed mid-run finishes its step) must
-    not land in a window a test is about to count."""
-    import time
+    ``bench.room.QUIET_S`` seconds: a run another test left going (a page closed mid-run finishes its
+    step) must not land in a window a test is about to count (``bench.room.serving_stats`` refuses
+    a window whose lead holds another run's ticks)."""
+    from bench.room import quiet_room
 
-    from gradio_client import Client
-
-    client, deadline = Client(url, verbose=False), time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        stats = client.predict("embedded", "none", quiet_s, False, api_name="/serving_stats")
-        if not stats["available"] or stats["ticks"] == 0:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"the app's scheduler still ticked {limit_s:g} s later: a run of another test never ended")
+    try:
+        quiet_room(url, limit_s=limit_s)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
