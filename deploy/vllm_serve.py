@@ -24,6 +24,11 @@ Flags (each for a reason):
 - ``--generation-config vllm``: vLLM's neutral sampling defaults, never the folder's.
 - ``--sse-keep-alive-interval 5``: an idle stream (a long prefill, a queue) sends a keep-alive comment,
   as behind a proxy; engine.backends.client reads past them.
+- ``--logits-processors dp_draws:OurDraws`` (deploy/vllm_plugin/dp_draws.py, on the server's PYTHONPATH):
+  a sampled step-mode run's continuation is drafted with our chain and our seeded draws, so the server's
+  token is our pick at nearly every position and a request gives many tokens instead of about two
+  (issue #38; the spec's ``draws=1`` tells the app the server has it). Requests without its arguments are
+  untouched.
 
 Environment, for a small machine shared with other work (vLLM's CPU docs, vllm/utils/ompmultiprocessing.py):
 vLLM's automatic binding pins its OpenMP threads to all cores but one (kept for its API server and
@@ -59,6 +64,7 @@ VERSION = "0.32.0"
 SERVED_NAME = "SmolLM2-135M-Instruct"
 VOCAB, EOS = 49152, 2  # what vLLM's API does not report (engine.backends.served.RemoteSpec's #vocab and #eos)
 MAX_MODEL_LEN = 2048
+PLUGIN = ROOT / "deploy" / "vllm_plugin"  # dp_draws: step mode's draws made by the server (issue #38)
 START_TIMEOUT_S = 600
 
 
@@ -75,6 +81,7 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
                 "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_INT4_W4A8": "0"}
     for key, value in defaults.items():
         env.setdefault(key, value)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(PLUGIN), env.get("PYTHONPATH"))))  # dp_draws
     return env
 
 
@@ -85,7 +92,8 @@ def server_command(python: str, model_dir: str, port: int, extra: Sequence[str] 
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-logprobs", "100",
             "--logprobs-mode", "raw_logprobs", "--enforce-eager", *(() if has_gpu() else ("--block-size", "32")),
-            "--generation-config", "vllm", "--sse-keep-alive-interval", "5", *extra]
+            "--generation-config", "vllm", "--sse-keep-alive-interval", "5",
+            "--logits-processors", "dp_draws:OurDraws", *extra]
 
 
 def has_gpu() -> bool:
@@ -102,9 +110,10 @@ def has_gpu() -> bool:
     return any(line.startswith("GPU") for line in listed.splitlines())
 
 
-def remote_spec(url: str) -> str:
-    """The DP_REMOTE_MODELS item for a server at ``url`` (``http://127.0.0.1:PORT``)."""
-    return f"openai:{url}/v1#vocab={VOCAB}&eos={EOS}"
+def remote_spec(url: str, draws: bool = True) -> str:
+    """The DP_REMOTE_MODELS item for a server at ``url`` (``http://127.0.0.1:PORT``); ``draws``: it
+    has our logits processor (``--logits-processors dp_draws:OurDraws``, as this module starts it)."""
+    return f"openai:{url}/v1#vocab={VOCAB}&eos={EOS}{'&draws=1' if draws else ''}"  # RemoteSpec's own order
 
 
 def install(python: str = sys.executable, log: Path | None = None, timeout_s: float = 3600) -> str:

@@ -315,8 +315,15 @@ def test_the_operator_spec_carries_vllm_s_vocabulary_and_eos(vllm):
     assert (model.vocab_size, model.eos_token_ids, model.backend, model.top_n) == (VOCAB, (EOS, PERIOD), "openai", 100)
     topped = served.RemoteSpec.parse(text + "&top=20")
     assert topped.top_n == 20 and str(topped) == text + "&top=20"
+    assert not model.api.server_draws  # draws=1 only where the operator says its vLLM has our processor
+    drawn = served.RemoteSpec.parse(text + "&draws=1")
+    assert drawn.draws and str(drawn) == text + "&draws=1" and str(served.RemoteSpec.parse(text + "&draws=0")) == text
+    assert remote.connect_spec(drawn, timeout_s=5).api.server_draws
+    assert str(served.RemoteSpec.parse(f"openai:{url}#draws=1&top=20&eos={EOS}+{PERIOD}&vocab={VOCAB}")) == \
+        text + "&top=20&draws=1"  # any order in, the one order out (the list compares that text)
     for bad in (f"openai:{url}#vocab=lots", f"openai:{url}#top=5+6", f"openai:{url}#top=0", f"openai:{url}#top=5000",
-                f"openai:{url}#best=5", "llamacpp:http://h:8080#vocab=5"):
+                f"openai:{url}#best=5", "llamacpp:http://h:8080#vocab=5", f"openai:{url}#draws=2",
+                f"openai:{url}#draws=01", f"openai:{url}#draws=", "llamacpp:http://h:8080#draws=1"):
         with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"
                                              r"\[&top=<1\.\.1000>\]"):
             served.RemoteSpec.parse(bad)

@@ -9,6 +9,7 @@ run; fewer tokens than asked). Marker `vllm`: the real vLLM. The rest needs no s
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import http.server
 import json
@@ -20,6 +21,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 
 from engine import runner
 from engine.backends import llamacpp, remote
@@ -352,3 +354,88 @@ def test_verified_step_mode_on_vllm_is_one_request_per_token_step_mode(vllm_mode
     print(config.strategy, v["requests"], "requests,", v["accepted"], "of", v["steps"], "accepted")
     if config.is_greedy:
         assert v["accepted"] == v["steps"] and v["requests"] < len(plain.steps)
+    elif set(config.active_stages()) <= set(remote.SERVER_DRAW_STAGES):  # the server drafted our draws
+        assert v["accepted"] == v["steps"] and v["requests"] < len(plain.steps)
+
+
+# --- the server drafting our draws (deploy/vllm_plugin/dp_draws.py, the spec's draws=1) -------------------
+STATE = base64.b64encode(torch.Generator().manual_seed(1).get_state().numpy().tobytes()).decode()  # a valid one
+PLAIN_SAMPLING = DecodingConfig(strategy="sample", seed=21, max_new_tokens=24)
+MIN_P = DecodingConfig(strategy="sample", temperature=1.3, min_p=0.05, seed=22, max_new_tokens=24)
+TYPICAL = DecodingConfig(strategy="sample", top_p=0.95, typical_p=0.9, temperature=0.9, seed=23, max_new_tokens=24,
+                         stage_order=("typical_p", "temperature", "top_p"))
+
+
+def recorded(model):
+    """``model`` with the bodies of its streamed /completions requests kept (``model.api.client.bodies``)."""
+    from engine.backends.client import JsonClient
+
+    class Recording(JsonClient):
+        def stream_post(self, path, body):
+            bodies.append(body)
+            return super().stream_post(path, body)
+
+    bodies: list[dict] = []
+    client = Recording(model.client.url, model.client.timeout_s, model.client.server)
+    return replace(model, api=replace(model.api, client=client)), bodies
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("config", [PLAIN_SAMPLING, SAMPLED, MIN_P, TYPICAL],
+                         ids=["no-stage", "top-k-top-p", "min-p", "typical-first"])
+def test_a_server_with_our_processor_drafts_our_draws_and_the_run_is_unchanged(vllm_model, config):
+    """With draws=1 (as ``make vllm`` lists it) a sampled run's continuation is our chain's draws: every
+    position is the server's token, a request gives the whole count, and the tokens and trace are one-
+    request-per-token step mode's; each request carries the run's generator state where it stands."""
+    assert vllm_model.api.server_draws
+    model, bodies = recorded(vllm_model)
+    plain = run(vllm_model, config, 0)
+    verified = run(model, config, 8)
+    same_run(verified, plain, tol=1e-4)
+    v = verified.extra["remote"]["verified"]
+    assert v["accepted"] == v["steps"] == len(plain.steps) and v["requests"] == math.ceil(v["steps"] / 8) == len(bodies)
+    assert v["asked"] == [min(8, v["steps"] - 8 * i) for i in range(v["requests"])]  # the whole count each time
+    states = [body["vllm_xargs"]["dp_state"] for body in bodies]
+    assert len(set(states)) == len(states)  # each request starts where the run's generator stands
+    assert json.loads(bodies[0]["vllm_xargs"]["dp_chain"]) == [[n, getattr(config, n)] for n in config.active_stages()]
+    assert all(body["temperature"] == 0 and body["vllm_xargs"]["dp_top"] == vllm_model.top_n for body in bodies)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_no_draws_are_sent_for_a_stage_it_does_not_run_a_greedy_run_or_a_server_listed_without_them(vllm_model):
+    model, bodies = recorded(vllm_model)
+    for config in (PENALISED, GREEDY):
+        same_run(run(model, config, 8), run(vllm_model, config, 0), tol=1e-4)
+    assert bodies and not any("vllm_xargs" in body for body in bodies)
+    unlisted, bodies = recorded(replace(vllm_model, api=replace(vllm_model.api, server_draws=False)))
+    v = run(unlisted, SAMPLED, 8).extra["remote"]["verified"]
+    assert bodies and not any("vllm_xargs" in body for body in bodies)
+    assert v["first"] == remote.FIRST_ASK and v["accepted"] < v["steps"]  # the server's argmax: ours only by chance
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("xargs", [{"dp_state": "not base64!"}, {"dp_state": "AAAA"},
+                                   {"dp_state": STATE, "dp_chain": "[[\"no_such_stage\", 1]]"},
+                                   {"dp_state": STATE, "dp_chain": "[[\"top_k\", -3]]"},
+                                   {"dp_state": STATE, "dp_top": 0}, {"dp_state": STATE, "dp_chain": "{"}],
+                         ids=["not-base64", "short-state", "unknown-stage", "bad-value", "top-0", "bad-json"])
+def test_malformed_draw_arguments_leave_the_server_s_own_greedy_answer(vllm_server, xargs):
+    """The processor reads ``vllm_xargs`` from whoever can reach the server: arguments it cannot use
+    leave the request as vLLM would answer it (its greedy tokens), and the server keeps serving."""
+    from deploy.vllm_serve import SERVED_NAME
+
+    def complete(extra: dict) -> list[int]:
+        body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                **extra}
+        request = urllib.request.Request(vllm_server + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return json.load(answer)["choices"][0]["token_ids"]
+
+    assert complete({"vllm_xargs": xargs}) == complete({})

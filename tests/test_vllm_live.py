@@ -163,7 +163,7 @@ def same_hypotheses(model: served.RemoteModel, ids: list[int], ours: list, their
 def test_an_int_stop_reason_is_an_eos_stop(vllm_server):
     """An operator who lists "." (30) as a second EOS: vLLM stops there with stop_reason 30 (an int; a
     stop string's is the string); fast mode calls it an EOS stop, as step mode does."""
-    model = remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server) + f"+{PERIOD}"), timeout_s=120)
+    model = remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server).replace(f"eos={EOS}", f"eos={EOS}+{PERIOD}")), timeout_s=120)
     ids = model.encode(CAPITAL, chat=True)
     theirs = vllm_greedy(vllm_server, ids, 16, stop_token_ids=[PERIOD])
     assert (theirs["finish_reason"], theirs["stop_reason"]) == ("stop", PERIOD)
@@ -247,7 +247,8 @@ def test_the_logprobs_limit_is_one_line_on_the_page(vllm_server, registry, embed
     says so in one line, naming the flag; the listed server at the default 100 runs."""
     from tests.test_remote_views import generate, pick, shown
 
-    good, too_many = remote_spec(vllm_server), remote_spec(vllm_server) + "&top=200"
+    good = remote_spec(vllm_server)
+    too_many = str(served.RemoteSpec.parse(good + "&top=200"))  # as the app lists it: vocab, eos, top, draws
     page = page_over(registry, f"{good},{too_many}")
     pick(page, too_many)
     status = shown(page, "dp-model-status")

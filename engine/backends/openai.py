@@ -103,6 +103,7 @@ class OpenAIApi:
     backend: str = "openai"
     stop_token_ids: tuple[int, ...] = ()  # the operator's EOS ids: fast mode stops on each, as step mode does
     vocab_size: int = VOCAB_BOUND  # the ids its answers may hold (the operator's vocab=, or llama-server's n_vocab)
+    server_draws: bool = False  # a vLLM with deploy/vllm_plugin/dp_draws.py loaded (the spec's draws=1)
 
     def schema(self, path: str, root: bool = False) -> Schema:
         """The checks for an answer to ``path`` (at the server root when ``root``)."""
@@ -161,14 +162,18 @@ class OpenAIApi:
             raise s.fail("choices[0].logprobs", "no top logprobs in the answer")
         return tokens[0][2]
 
-    def continuation(self, ids: Sequence[int], count: int, top_n: int) -> Iterator[tuple[int, list[Entry]]]:
+    def continuation(self, ids: Sequence[int], count: int, top_n: int,
+                     draws: dict[str, Any] | None = None) -> Iterator[tuple[int, list[Entry]]]:
         """The server's greedy continuation of ``ids`` (temperature 0), at most ``count`` tokens, streamed:
         (token, its top-N ``logprobs``) as each is made (the raw model's under vLLM's default
         ``--logprobs-mode raw_logprobs``, as ``next_top``'s); fewer when it stops. Closing the iterator
         early closes the connection and the server aborts the request (``remote.stream_verified``
-        closes it at its first disagreement). More than ``count`` tokens is one RemoteError line."""
+        closes it at its first disagreement). More than ``count`` tokens is one RemoteError line. ``draws``
+        (``remote.server_draws``, for a server with our logits processor): its tokens are our draws instead
+        of its argmax."""
         body = {"model": self.model_id, "return_tokens_as_token_ids": True, "return_token_ids": True,
-                "prompt": list(ids), "max_tokens": count, "logprobs": top_n, "temperature": 0, "stream": True}
+                "prompt": list(ids), "max_tokens": count, "logprobs": top_n, "temperature": 0, "stream": True,
+                **({"vllm_xargs": draws} if draws else {})}
         s = self.schema("/completions")
         read = 0
         with closing(self.client.stream_post("/completions", body)) as chunks:
@@ -316,12 +321,13 @@ def _openai_fields(config: DecodingConfig, dialect: str = "vllm") -> tuple[dict[
 
 def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step", *,
                    vocab_size: int | None = None, eos_token_ids: Sequence[int] = (),
-                   top_n: int | None = None) -> RemoteModel:
+                   top_n: int | None = None, server_draws: bool = False) -> RemoteModel:
     """A RemoteModel over an OpenAI-compatible server whose API is at ``url`` (``.../v1``). Its
     first model is used; a llama-server (its /v1/models carries ``meta``) also tells its vocabulary
     and EOS, a vLLM does not: give ``vocab_size`` and ``eos_token_ids`` (else ids up to
     VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string). ``top_n``: step
-    mode's tokens per step (default STEP_TOP_N). Checked by ``check_served`` (one request)."""
+    mode's tokens per step (default STEP_TOP_N). ``server_draws``: the server has our logits processor
+    (``RemoteSpec.draws``). Checked by ``check_served`` (one request)."""
     client = JsonClient(url, timeout_s, "OpenAI-compatible server")
     root = JsonClient(url[:-3] if url.rstrip("/").endswith("/v1") else url, timeout_s, "OpenAI-compatible server")
     s = Schema(f"OpenAI-compatible server {client.url}/models")
@@ -334,7 +340,7 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
     context = s.count((meta or {}).get("n_ctx") or info.get("max_model_len") or 4096, "data[0].max_model_len")
     vocab = vocab_size or s.count((meta or {}).get("n_vocab") or VOCAB_BOUND, "data[0].meta.n_vocab", 1, MAX_CONTEXT)
     api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm", vocab_size=vocab,
-                    stop_token_ids=() if meta else tuple(eos_token_ids))
+                    stop_token_ids=() if meta else tuple(eos_token_ids), server_draws=server_draws and not meta)
     tokenizer = RemoteTokenizer(api)
     chat = True
     if meta:

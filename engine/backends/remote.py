@@ -36,6 +36,8 @@ stage order.
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 import time
 from contextlib import closing
@@ -61,7 +63,7 @@ def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: s
     """The RemoteModel an operator's ``backend:url`` names (with its vocabulary and EOS options)."""
     if spec.backend == "openai":
         return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
-                              top_n=spec.top_n)
+                              top_n=spec.top_n, server_draws=spec.draws)
     return connect(spec.url, timeout_s, mode)
 
 
@@ -173,15 +175,34 @@ class Verified:
                 "server_token": list(self.server)}
 
 
-def verify_plan(config: DecodingConfig, tokens: int) -> Verified:
+def verify_plan(config: DecodingConfig, tokens: int, drafted: bool = False) -> Verified:
     """A verified run's record, its counts set: greedy with no stage picks the raw argmax, which is the
-    server's greedy token (up to a tie within the top-N's rounding), so it asks ``tokens`` (the
-    setting) at once; any other run asks FIRST_ASK first and at most PARTING_MOST per request,
-    doubling while kept (``Verified.next_count``)."""
-    if config.strategy == "greedy" and not config.active_stages():
+    server's greedy token (up to a tie within the top-N's rounding), and a run whose drafts the server
+    makes with our chain and draws (``drafted``: ``server_draws``) is our pick at nearly every position,
+    so each asks ``tokens`` (the setting) at once; any other run asks FIRST_ASK first and at most
+    PARTING_MOST per request, doubling while kept (``Verified.next_count``)."""
+    if drafted or (config.strategy == "greedy" and not config.active_stages()):
         return Verified(tokens, tokens)
     most = min(tokens, PARTING_MOST)
     return Verified(most, min(most, FIRST_ASK))
+
+
+# the stages deploy/vllm_plugin/dp_draws.py runs (transformers' warpers, as engine.stages builds them)
+SERVER_DRAW_STAGES = ("temperature", "top_k", "top_p", "min_p", "typical_p")
+
+
+def server_draws(model: RemoteModel, state: RunState, top_n: int) -> dict[str, Any] | None:
+    """The ``vllm_xargs`` that make a server with our logits processor (``RemoteSpec.draws``) draft this
+    run's next positions with our chain and our generator from where it stands (its state now), or None:
+    a greedy run (the server's argmax is our pick already), a forced first token, or a stage the
+    processor does not run. Only the drafts change: every position is still verified here."""
+    config = state.config
+    if not getattr(model.api, "server_draws", False) or state.generator is None or state.force is not None \
+            or not set(config.active_stages()) <= set(SERVER_DRAW_STAGES):
+        return None
+    chain = [[name, getattr(config, name)] for name in config.active_stages()]
+    return {"dp_state": base64.b64encode(state.generator.get_state().numpy().tobytes()).decode("ascii"),
+            "dp_chain": json.dumps(chain), "dp_top": top_n}
 
 
 def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, verified: Verified, *,
@@ -207,7 +228,8 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
         verified.requests += 1
         verified.asked.append(count)
         verified.gave.append(0)
-        with closing(model.api.continuation(ids, count, top_n)) as drafted:  # closed early: the server stops
+        draws = server_draws(model, state, top_n)
+        with closing(model.api.continuation(ids, count, top_n, **({"draws": draws} if draws else {}))) as drafted:
             for token, top in drafted:
                 verified.drafted += 1
                 logits, tail = entries_logits(model, top)
@@ -248,7 +270,9 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
     steps: list[StepTrace] = []
     ended: NoTokensLeft | None = None
     k = verify_tokens(model)
-    verified = verify_plan(config, k) if k > 0 else None
+    drafted = getattr(model.api, "server_draws", False) and not config.is_greedy and force is None \
+        and set(config.active_stages()) <= set(SERVER_DRAW_STAGES)  # as server_draws decides per request
+    verified = verify_plan(config, k, drafted) if k > 0 else None
     stepped = stream_verified(model, prompt_ids, config, verified, top_n=model.top_n, tails=tails, prefix=prefix,
                               force=force) if verified is not None \
         else stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force)

@@ -52,17 +52,20 @@ class ModelPick:
 # --- the operator's list ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RemoteSpec:
-    """``backend:url[#vocab=V&eos=A+B&top=N]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
+    """``backend:url[#vocab=V&eos=A+B&top=N&draws=1]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
     ``openai:http://gpu1:8000/v1#vocab=128256&eos=128001+128009``: vLLM's API reports neither its
     vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options).
     ``top``: step mode's tokens per step (default STEP_TOP_N), for a vLLM started with a lower
-    ``--max-logprobs`` (its default is 20)."""
+    ``--max-logprobs`` (its default is 20). ``draws=1``: a vLLM started with our logits processor
+    (deploy/vllm_plugin/dp_draws.py, as ``make vllm`` starts it) drafts a sampled step-mode run's
+    continuation with our chain and draws (engine.backends.remote.server_draws)."""
 
     backend: str
     url: str
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     top_n: int | None = None
+    draws: bool = False
 
     @classmethod
     def parse(cls, text: str, key: str = "model") -> "RemoteSpec":
@@ -74,18 +77,19 @@ class RemoteSpec:
         for option in filter(None, options.split("&")):
             name, _, value = option.partition("=")
             numbers = value.split("+")
-            if backend != "openai" or name not in ("vocab", "eos", "top") or not all(n.isdigit() for n in numbers) \
-                    or (name != "eos" and len(numbers) != 1) or (name == "top" and not 1 <= int(value) <= 1000):
+            if backend != "openai" or name not in ("vocab", "eos", "top", "draws") \
+                    or not all(n.isdigit() for n in numbers) or (name != "eos" and len(numbers) != 1) \
+                    or (name == "top" and not 1 <= int(value) <= 1000) or (name == "draws" and value not in ("0", "1")):
                 raise ValueError(f"{key}: option {option[:40]!r} in {text[:80]!r}: expected openai:...#vocab=<n>"
-                                 "&eos=<id>+<id>[&top=<1..1000>] (llamacpp reports both itself)")
+                                 "&eos=<id>+<id>[&top=<1..1000>][&draws=0|1] (llamacpp reports both itself)")
             found[name] = tuple(int(n) for n in numbers)
         return cls(backend, url.rstrip("/"), *found.get("vocab", (None,)), found.get("eos", ()),
-                   *found.get("top", (None,)))
+                   *found.get("top", (None,)), bool(found.get("draws", (0,))[0]))
 
     def __str__(self) -> str:
         options = ([f"vocab={self.vocab_size}"] if self.vocab_size else []) + \
             ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else []) + \
-            ([f"top={self.top_n}"] if self.top_n else [])
+            ([f"top={self.top_n}"] if self.top_n else []) + (["draws=1"] if self.draws else [])
         return f"{self.backend}:{self.url}" + ("#" + "&".join(options) if options else "")
 
 

@@ -1,0 +1,131 @@
+"""A vLLM logits processor that drafts step mode's continuation with our sampler (issue #38).
+
+Step mode asks a server for its greedy continuation and keeps it while our pick (our chain on the
+server's raw top-N, our draw from the run's seeded generator) is the server's token
+(engine.backends.remote.stream_verified). Greedy, our pick is the server's argmax; sampling, it is
+the server's token only with our probability of it, so a sampled run cost about a request per two
+tokens. With this processor loaded (``deploy/vllm_serve.py`` starts vLLM with
+``--logits-processors dp_draws:OurDraws``), a step-mode request may carry in ``vllm_xargs``:
+
+- ``dp_state``: the run's torch CPU generator state (base64 of ``Generator.get_state()``, 5,056 bytes)
+  where our next draw starts;
+- ``dp_chain``: the run's stages as JSON, ``[[name, value], ...]`` in the user's order (temperature,
+  top_k, top_p, min_p, typical_p: transformers' warpers, as engine.stages builds them);
+- ``dp_top``: step mode's top-N.
+
+For such a request, at each position this processor computes step mode's pick as our engine does:
+the raw log-probabilities (vLLM's ``raw_logprobs``, the same float32 op), truncated to their top N, the
+chain, the softmax, and the exponential race against V draws of the run's generator
+(engine.sampling.sample_rows), to float rounding (the chain and softmax run over the N, ours over V
+with -inf outside them: the same numbers up to the order of a sum). It leaves only that token (every
+other logit -inf), and the request's temperature 0 makes it the server's token. The server's answer is still verified position by position
+on our side, so a difference (a tie at the top-N's edge, a stage this processor does not know) costs
+one request, never a wrong token. Rows without ``dp_state`` are left as they are.
+
+Loaded inside vLLM's own environment: it imports only torch, transformers and vLLM's interface.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.generation import logits_process as tlp
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+STATE_BYTES = 5056  # a torch CPU (mt19937) generator's state
+MAX_TOP = 1000
+MAX_STAGES = 16
+WARPERS = {
+    "temperature": lambda v: tlp.TemperatureLogitsWarper(float(v)),
+    "top_k": lambda v: tlp.TopKLogitsWarper(top_k=int(v)),
+    "top_p": lambda v: tlp.TopPLogitsWarper(top_p=float(v)),
+    "min_p": lambda v: tlp.MinPLogitsWarper(min_p=float(v)),
+    "typical_p": lambda v: tlp.TypicalLogitsWarper(mass=float(v)),
+}
+
+
+@dataclass
+class RowDraws:
+    """One request's draws: its generator, its chain, its top-N."""
+
+    generator: torch.Generator
+    chain: list[Any]
+    top: int
+
+    def pick(self, values: torch.Tensor, ids: torch.Tensor, vocab: int) -> int:
+        """Step mode's pick at this position, from the raw log-probabilities' top N (``values`` [N],
+        highest first, and their ``ids``): the chain on them (every other token is -inf, which these
+        stages keep at -inf and which adds nothing to a softmax, so the N are enough), the softmax,
+        and the race against V draws of the run's generator (all V drawn, as our engine draws them;
+        only the N can win)."""
+        row = values[None].clone()
+        dummy = torch.zeros((1, 1), dtype=torch.long)
+        for warper in self.chain:
+            row = warper(dummy, row)
+        probs = torch.softmax(row.float(), dim=-1)[0]
+        noise = torch.empty((1, vocab), dtype=torch.float32).exponential_(1, generator=self.generator)[0]
+        return int(ids[int(torch.argmax(probs / noise[ids]))])
+
+
+def row_draws(extra: dict | None) -> RowDraws | None:
+    """The request's ``vllm_xargs`` as a RowDraws, or None (not ours, or malformed: left alone)."""
+    if not extra or "dp_state" not in extra:
+        return None
+    try:
+        state = base64.b64decode(str(extra["dp_state"]), validate=True)
+        top = int(extra.get("dp_top", 100))
+        stages = json.loads(str(extra.get("dp_chain", "[]")))
+        if len(state) != STATE_BYTES or not 1 <= top <= MAX_TOP or not isinstance(stages, list) \
+                or len(stages) > MAX_STAGES:
+            return None
+        chain = [WARPERS[name](value) for name, value in stages]
+        generator = torch.Generator()
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        return RowDraws(generator, chain, top)
+    except (ValueError, KeyError, TypeError, RuntimeError):
+        return None
+
+
+class OurDraws(LogitsProcessor):
+    """The processor: per batch row, the request's RowDraws (if it sent them)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, RowDraws] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it decides the greedy pick
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if not batch_update:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _, _ in batch_update.added:
+            draws = row_draws(getattr(params, "extra_args", None))
+            if draws is None:
+                self.rows.pop(index, None)
+            else:
+                self.rows[index] = draws
+        for a, b, direction in batch_update.moved:
+            first, second = self.rows.pop(a, None), self.rows.pop(b, None)
+            if first is not None:
+                self.rows[b] = first
+            if direction == MoveDirectionality.SWAP and second is not None:
+                self.rows[a] = second
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        rows = [(index, draws) for index, draws in self.rows.items() if index < logits.shape[0]]
+        if not rows:
+            return logits
+        index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
+        logprobs = logits[index].float().log_softmax(dim=-1).cpu()  # vLLM's raw_logprobs, the same op
+        values, ids = torch.topk(logprobs, min(max(d.top for _, d in rows), logprobs.shape[-1]))  # highest first
+        picks = [draws.pick(values[r, :draws.top], ids[r, :draws.top], logprobs.shape[-1])
+                 for r, (_, draws) in enumerate(rows)]
+        logits[index] = -float("inf")
+        logits[index, torch.tensor(picks, dtype=torch.long, device=logits.device)] = 0.0
+        return logits
