@@ -134,6 +134,11 @@ def test_the_step_through_sentence_is_made_of_the_label_s_numbers():
                     "(90.0% accepted) and 1 ours where our chain picked another; 3 requests instead of 10, the same "
                     "tokens as one request per token (4 drafted tokens dropped).")
     assert verified_sentence(remote.Verified(8).label()) == "" and verified_sentence(None) == ""
+    ours = remote.Verified(8, 8, remote.OUR_DRAWS, requests=2, drafted=12, server=[True] * 12).label()
+    assert verified_sentence(ours) == (
+        " **Verified continuations:** 12 of 12 tokens were the server's drafts of our own draws, made with our chain "
+        "and our seeded generator (100% accepted) and 0 ours where our chain picked another; 2 requests instead of 12, "
+        "the same tokens as one request per token (0 drafted tokens dropped).")
 
 
 def test_an_empty_record_is_strict_json():
@@ -397,6 +402,7 @@ def test_a_server_with_our_processor_drafts_our_draws_and_the_run_is_unchanged(v
     v = verified.extra["remote"]["verified"]
     assert v["accepted"] == v["steps"] == len(plain.steps) and v["requests"] == math.ceil(v["steps"] / 8) == len(bodies)
     assert v["asked"] == [min(8, v["steps"] - 8 * i) for i in range(v["requests"])]  # the whole count each time
+    assert v["drafts"] == remote.OUR_DRAWS
     states = [body["vllm_xargs"]["dp_state"] for body in bodies]
     assert len(set(states)) == len(states)  # each request starts where the run's generator stands
     assert json.loads(bodies[0]["vllm_xargs"]["dp_chain"]) == [[n, getattr(config, n)] for n in config.active_stages()]
@@ -415,6 +421,7 @@ def test_no_draws_are_sent_for_a_stage_it_does_not_run_a_greedy_run_or_a_server_
     v = run(unlisted, SAMPLED, 8).extra["remote"]["verified"]
     assert bodies and not any("vllm_xargs" in body for body in bodies)
     assert v["first"] == remote.FIRST_ASK and v["accepted"] < v["steps"]  # the server's argmax: ours only by chance
+    assert v["drafts"] == "greedy"
 
 
 @pytest.mark.vllm

@@ -322,3 +322,30 @@ def html_text(value: str) -> str:
     import re
 
     return html.unescape(re.sub(r"<[^>]+>", "", value or ""))
+
+
+def test_a_sampled_run_on_the_listed_vllm_says_its_drafts_were_our_draws(vllm_server, registry, embedded):
+    """Step through, as a person presses Generate: on the vLLM `make vllm` lists (draws=1) a seeded sampled
+    run takes one request per 32 tokens, every token the server's draft of our draw, and the summary says so
+    from the trace's numbers; the same seed on the server listed without draws=1 gives the same text in
+    more requests (its drafts are its greedy tokens)."""
+    from tests.test_remote_views import generate, pick, shown
+
+    drawn, plain = remote_spec(vllm_server), remote_spec(vllm_server, draws=False)
+    page = page_over(registry, f"{drawn},{plain}")
+    page.set("step-chat", False)  # a plain continuation runs to the token budget
+    texts, labels = [], []
+    for listed in (drawn, plain):
+        pick(page, listed)
+        generate(page, "The history of the printing press begins", tokens=24, seed=4)
+        trace = page.session().trace()
+        texts.append(trace.generated_token_ids)
+        labels.append(trace.extra["remote"]["verified"])
+        summary = shown(page, "step-summary")
+        v = labels[-1]
+        drafts = "the server's drafts of our own draws" if listed == drawn else "the server's own greedy continuation"
+        assert f"{v['accepted']} of {v['steps']} tokens were {drafts}" in summary, summary
+        assert f"{v['requests']} request{'s' if v['requests'] != 1 else ''} instead of {v['steps']}" in summary
+    assert texts[0] == texts[1] and len(texts[0]) == 24
+    assert (labels[0]["drafts"], labels[0]["accepted"], labels[0]["requests"]) == ("our draws", 24, 1)
+    assert labels[1]["drafts"] == "greedy" and labels[1]["requests"] > 1

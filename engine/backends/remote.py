@@ -140,6 +140,11 @@ def verify_tokens(model: RemoteModel) -> int:
     return value
 
 
+# the stages deploy/vllm_plugin/dp_draws.py runs (transformers' warpers, as engine.stages builds them)
+SERVER_DRAW_STAGES = ("temperature", "top_k", "top_p", "min_p", "typical_p")
+OUR_DRAWS = "our draws"  # Verified.drafts when the server drafts with our chain and generator
+
+
 @dataclass
 class Verified:
     """What verifying a run's continuations did: ``tokens`` asked per request, the ``requests``
@@ -149,6 +154,7 @@ class Verified:
 
     tokens: int
     first: int = FIRST_ASK  # the first request's count (at most ``tokens``)
+    drafts: str = "greedy"  # the server's argmax, or OUR_DRAWS: its drafts of our chain's draws (server_draws)
     requests: int = 0
     drafted: int = 0
     server: list[bool] = field(default_factory=list)
@@ -169,7 +175,8 @@ class Verified:
     def label(self) -> dict[str, Any]:
         """``extra["remote"]["verified"]`` (strict JSON: no acceptance without a step)."""
         accepted = sum(self.server)
-        return {"tokens": self.tokens, "first": self.first, "requests": self.requests, "asked": list(self.asked),
+        return {"tokens": self.tokens, "first": self.first, "drafts": self.drafts, "requests": self.requests,
+                "asked": list(self.asked),
                 "drafted": self.drafted, "steps": len(self.server), "accepted": accepted,
                 "acceptance": accepted / len(self.server) if self.server else None,
                 "server_token": list(self.server)}
@@ -181,14 +188,14 @@ def verify_plan(config: DecodingConfig, tokens: int, drafted: bool = False) -> V
     makes with our chain and draws (``drafted``: ``server_draws``) is our pick at nearly every position,
     so each asks ``tokens`` (the setting) at once; any other run asks FIRST_ASK first and at most
     PARTING_MOST per request, doubling while kept (``Verified.next_count``)."""
-    if drafted or (config.strategy == "greedy" and not config.active_stages()):
+    if drafted:
+        return Verified(tokens, tokens, OUR_DRAWS)
+    if config.strategy == "greedy" and not config.active_stages():
         return Verified(tokens, tokens)
     most = min(tokens, PARTING_MOST)
     return Verified(most, min(most, FIRST_ASK))
 
 
-# the stages deploy/vllm_plugin/dp_draws.py runs (transformers' warpers, as engine.stages builds them)
-SERVER_DRAW_STAGES = ("temperature", "top_k", "top_p", "min_p", "typical_p")
 
 
 def server_draws(model: RemoteModel, state: RunState, top_n: int) -> dict[str, Any] | None:
@@ -228,7 +235,7 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
         verified.requests += 1
         verified.asked.append(count)
         verified.gave.append(0)
-        draws = server_draws(model, state, top_n)
+        draws = server_draws(model, state, top_n) if verified.drafts == OUR_DRAWS else None
         with closing(model.api.continuation(ids, count, top_n, **({"draws": draws} if draws else {}))) as drafted:
             for token, top in drafted:
                 verified.drafted += 1

@@ -34,7 +34,9 @@ def verified_sentence(verified: dict | None) -> str:
     if not verified or not verified.get("steps"):
         return ""
     steps, accepted, requests = verified["steps"], verified["accepted"], verified["requests"]
-    return (f" **Verified continuations:** {accepted} of {steps} tokens were the server's own greedy continuation "
+    drafts = "the server's drafts of our own draws, made with our chain and our seeded generator" \
+        if verified.get("drafts") == "our draws" else "the server's own greedy continuation"
+    return (f" **Verified continuations:** {accepted} of {steps} tokens were {drafts} "
             f"({percent(accepted / steps)} accepted) and {steps - accepted} ours where our chain picked another; "
             f"{requests} request{'s' if requests != 1 else ''} instead of {steps}, the same tokens as one "
             f"request per token ({verified['drafted'] - steps} drafted tokens dropped).")
