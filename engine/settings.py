@@ -83,7 +83,8 @@ SETTINGS = (
     Setting("DP_ALLOW_LOCAL_MODELS", "flag", False, "the page and API may load any directory or Hub id "
             "(ignored in public mode)"),
     Setting("DP_REMOTE_MODELS", "list", "", "remote models the operator allows, `backend:url` each "
-            "(`llamacpp:http://127.0.0.1:8080`, `openai:http://host:8000/v1`); never typed by a page user"),
+            "(`llamacpp:http://127.0.0.1:8080`, `openai:http://host:8000/v1#vocab=V&eos=A+B`, `&top=N`, `&draws=1` "
+            "for a vLLM with our logits processor: docs/remote.md); never typed by a page user"),
     Setting("DP_QUANTIZATION", "choice", "none", "the default model's quantization at start; "
             "also `app.py --quantization`", choices=QUANTIZATION_CHOICES),
     Setting("DP_DTYPE", "choice", "auto", "the models' dtype; `auto`: float32 on CPU, bfloat16/float16 on a GPU",
