@@ -16,6 +16,9 @@ through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend
   tokens each with the raw top-N at its position, and our chain verifies it position by position
   (``stream_verified``): the same tokens, draws and records as one request per token, in fewer
   requests; the trace's ``extra["remote"]["verified"]`` says how many of its tokens were the server's.
+  A vLLM listed with ``draws=1`` (our logits processor, deploy/vllm_plugin/dp_draws.py) drafts a sampled
+  run with our chain and our generator instead of its argmax (``server_draws``): nearly every position
+  is then the server's, and still verified here.
 - **fast mode**: one streamed request for the whole text (Server-Sent Events: a step is shown as
   its token arrives); the server's sampler picks (its own random generator: the same seed gives a
   different text than ours). Each step shows the server's top-N (llama.cpp: final and, from a
@@ -196,16 +199,21 @@ def verify_plan(config: DecodingConfig, tokens: int, drafted: bool = False) -> V
     return Verified(most, min(most, FIRST_ASK))
 
 
+def ours_to_draw(model: RemoteModel, config: DecodingConfig, force: int | None) -> bool:
+    """True when the server drafts this run with our chain and draws (``server_draws``): it has our logits
+    processor (``RemoteSpec.draws``), the run samples, starts with a draw (no forced token) and every
+    stage is one the processor runs (SERVER_DRAW_STAGES)."""
+    return bool(getattr(model.api, "server_draws", False)) and not config.is_greedy and force is None \
+        and set(config.active_stages()) <= set(SERVER_DRAW_STAGES)
 
 
 def server_draws(model: RemoteModel, state: RunState, top_n: int) -> dict[str, Any] | None:
-    """The ``vllm_xargs`` that make a server with our logits processor (``RemoteSpec.draws``) draft this
-    run's next positions with our chain and our generator from where it stands (its state now), or None:
-    a greedy run (the server's argmax is our pick already), a forced first token, or a stage the
-    processor does not run. Only the drafts change: every position is still verified here."""
+    """The ``vllm_xargs`` that make a server with our logits processor draft this run's next positions
+    with our chain and our generator from where it stands (its state now), or None where
+    ``ours_to_draw`` says no (a greedy run: the server's argmax is our pick already). Only the drafts
+    change: every position is still verified here."""
     config = state.config
-    if not getattr(model.api, "server_draws", False) or state.generator is None or state.force is not None \
-            or not set(config.active_stages()) <= set(SERVER_DRAW_STAGES):
+    if state.generator is None or not ours_to_draw(model, config, state.force):
         return None
     chain = [[name, getattr(config, name)] for name in config.active_stages()]
     return {"dp_state": base64.b64encode(state.generator.get_state().numpy().tobytes()).decode("ascii"),
@@ -216,7 +224,8 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
                     top_n: int = STEP_TOP_N, tails: list[float] | None = None, prefix: Sequence[int] = (),
                     force: int | None = None) -> Iterator[StepTrace]:
     """Step mode at fewer requests: each request asks the server's greedy continuation (at most
-    ``verified.tokens`` tokens, the raw top-N at each position, ``api.continuation``), streamed; our
+    ``verified.tokens`` tokens, the raw top-N at each position, ``api.continuation``; its drafts of our
+    draws where ``verified.drafts`` is OUR_DRAWS), streamed; our
     chain and draw run on each position as it arrives, exactly as ``stream_step`` would run them (the
     same RunState), and the continuation is kept while our pick is the server's token, so the first
     token is shown as soon as the server made it. At the first position where it is not, ours is
@@ -277,9 +286,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
     steps: list[StepTrace] = []
     ended: NoTokensLeft | None = None
     k = verify_tokens(model)
-    drafted = getattr(model.api, "server_draws", False) and not config.is_greedy and force is None \
-        and set(config.active_stages()) <= set(SERVER_DRAW_STAGES)  # as server_draws decides per request
-    verified = verify_plan(config, k, drafted) if k > 0 else None
+    verified = verify_plan(config, k, ours_to_draw(model, config, force)) if k > 0 else None
     stepped = stream_verified(model, prompt_ids, config, verified, top_n=model.top_n, tails=tails, prefix=prefix,
                               force=force) if verified is not None \
         else stream_step(model, prompt_ids, config, top_n=model.top_n, tails=tails, prefix=prefix, force=force)
