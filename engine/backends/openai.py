@@ -178,10 +178,9 @@ class OpenAIApi:
         read = 0
         with closing(self.client.stream_post("/completions", body)) as chunks:
             for i, chunk in enumerate(chunks):
-                choices = s.array(s.get(s.obj(chunk, f"stream[{i}]"), "choices", f"stream[{i}]"),
-                                  f"stream[{i}].choices", 16)
-                for token, _, top in (_openai_tokens(choices[0], s, f"stream[{i}].choices[0]", MAX_CHUNK_TOKENS, top_n)
-                                      if choices else ()):  # a usage-only chunk has none
+                choice = _first_choice(chunk, s, i)
+                for token, _, top in (_openai_tokens(choice, s, f"stream[{i}].choices[0]", MAX_CHUNK_TOKENS, top_n)
+                                      if choice is not None else ()):
                     read += 1
                     if read > count:
                         raise s.fail(f"stream[{i}].choices[0].logprobs", f"more tokens than the {count} asked")
@@ -244,6 +243,13 @@ class OpenAIApi:
         yield FastAnswer(stream.stop_reason(), approximations, notes)
 
 
+def _first_choice(chunk: Any, s: Schema, i: int) -> Any | None:
+    """Streamed chunk ``i``'s first choice, or None (a usage-only chunk has none); a chunk that is not
+    an object, or whose ``choices`` is missing or not a list of at most 16, is one line naming the field."""
+    choices = s.array(s.get(s.obj(chunk, f"stream[{i}]"), "choices", f"stream[{i}]"), f"stream[{i}].choices", 16)
+    return choices[0] if choices else None
+
+
 class _Stream:
     """Reads a streamed /v1/completions: its tokens (at most ``config.max_new_tokens``), then how it
     stopped (``stop_reason()``) and what the reading had to say (``notes``)."""
@@ -262,11 +268,8 @@ class _Stream:
         count, trailing = 0, 0
         with closing(chunks):
             for i, chunk in enumerate(chunks):
-                choices = chunk.get("choices") if isinstance(chunk, dict) else None
-                if not isinstance(choices, list):
-                    raise RemoteError(f"{s.where}: a streamed chunk without choices")
-                parsed = [t for choice in s.array(choices, f"stream[{i}].choices", 16)[:1]  # a usage-only chunk has none
-                          for t in self._choice(choice, f"stream[{i}].choices[0]")]
+                choice = _first_choice(chunk, s, i)
+                parsed = self._choice(choice, f"stream[{i}].choices[0]") if choice is not None else []
                 if count >= limit and (parsed or trailing >= MAX_TRAILING_CHUNKS):
                     self.notes.append(f"the server went on past max_new_tokens ({limit}); the stream was cut there")
                     self.finish = "length"
