@@ -412,6 +412,31 @@ def test_a_server_with_our_processor_drafts_our_draws_and_the_run_is_unchanged(v
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
+def test_users_at_once_each_get_their_own_draws_from_the_server(vllm_model):
+    """Four users sampling at once (vLLM batches their rows, adds and removes them as their requests
+    start and end: the processor keeps each row's generator with its request): each run is its own
+    one-request-per-token run, every position drafted right."""
+    configs = [SAMPLED.replace(seed=40 + i, max_new_tokens=16 + 4 * i) for i in range(4)]
+    prompts = [PROMPT, "Once upon a time", "The recipe calls for", "In the year 2050"]
+    out: dict[int, Any] = {}
+
+    def user(i: int) -> None:
+        out[i] = run(vllm_model, configs[i], 8, prompts[i])
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        same_run(out[i], run(vllm_model, configs[i], 0, prompts[i]), tol=1e-4)
+        v = out[i].extra["remote"]["verified"]
+        assert v["drafts"] == remote.OUR_DRAWS and v["accepted"] == v["steps"] == configs[i].max_new_tokens
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_no_draws_are_sent_for_a_stage_it_does_not_run_a_greedy_run_or_a_server_listed_without_them(vllm_model):
     model, bodies = recorded(vllm_model)
     for config in (PENALISED, GREEDY):
