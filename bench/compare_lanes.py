@@ -3,10 +3,10 @@ lanes join the batched scheduler together and share its forwards. Prints the wal
 of four lanes (four seeds of the same knobs, as the seed sweep does) and their ratio, interleaved
 over rounds in one process. Target on a 2-core CPU with the embedded model: 4 lanes <= 1.5x one.
 
-    python -m bench.compare_lanes [--tokens 32] [--rounds 3] [--lanes 4] [--plain-head]
+    python -m bench.compare_lanes [--tokens 32] [--rounds 3] [--lanes 4] [--plain-products]
 
-``--plain-head`` also runs every round with the LM head as one product (engine.backends.local.slice_lm_head
-undone), so the sliced head's gain is measured in the same process.
+``--plain-products`` also runs every round with the model's products as F.linear (engine.backends.local.
+plain_products: oneDNN's packed weights unused), so their gain is measured in the same process.
 """
 
 from __future__ import annotations
@@ -67,14 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lanes", type=int, default=4)
     p.add_argument("--threads", type=int, default=default_threads(), help="torch threads")
-    p.add_argument("--plain-head", action="store_true", help="also time the unsliced LM head, interleaved")
+    p.add_argument("--plain-products", action="store_true",
+                   help="also time F.linear products (no packed weights), interleaved")
     args = p.parse_args(argv)
 
     import torch
 
     from engine.config import DecodingConfig
     from engine.backends.registry import ModelRegistry
-    from engine.backends.local import ModelSpec
+    from engine.backends.local import ModelSpec, PackedLinear, plain_products
     from playground.shared import Shared
 
     set_threads(args.threads)
@@ -87,23 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                           min_new_tokens=args.tokens)
     configs = [base.replace(seed=s) for s in range(args.lanes)]
     lanes_seconds(shared, lm, prompt_ids, configs[:1])  # warm up
-    head = lm.model.get_output_embeddings()
-    sliced = type(head) if type(head) is not torch.nn.Linear else None
+    packed = any(type(m) is PackedLinear for m in lm.model.modules())
     one, many, forward, plain_one, plain_many = [], [], [], [], []
     for _ in range(args.rounds):
         one.append(lanes_seconds(shared, lm, prompt_ids, configs[:1]))
         many.append(lanes_seconds(shared, lm, prompt_ids, configs))
         forward.append(forward_seconds(lm, prompt_ids, args.lanes) / forward_seconds(lm, prompt_ids, 1))
-        if args.plain_head and sliced is not None:
-            head.__class__ = torch.nn.Linear  # the plain product
-            try:
+        if args.plain_products and packed:
+            with plain_products(lm.model):
                 plain_one.append(lanes_seconds(shared, lm, prompt_ids, configs[:1]))
                 plain_many.append(lanes_seconds(shared, lm, prompt_ids, configs))
-            finally:
-                head.__class__ = sliced
     ratios = [m / o for m, o in zip(many, one)]
     print(f"{args.tokens} tokens per lane, {args.rounds} interleaved rounds, torch threads {torch.get_num_threads()}, "
-          f"LM head {'sliced' if sliced is not None else 'one product'}")
+          f"products {'oneDNN, packed weights' if packed else 'F.linear'}")
     print(f"1 lane : {', '.join(f'{x:.1f}' for x in one)} s (median {statistics.median(one):.1f} s)")
     print(f"{args.lanes} lanes: {', '.join(f'{x:.1f}' for x in many)} s (median {statistics.median(many):.1f} s)")
     print(f"{args.lanes} lanes / 1 lane: {', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x; "
@@ -112,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
           f"(median {statistics.median(forward):.2f}x; the floor of the ratio above on this machine)")
     if plain_one:
         plain = [m / o for m, o in zip(plain_many, plain_one)]
-        print(f"LM head as one product: 1 lane {statistics.median(plain_one):.1f} s, {args.lanes} lanes "
+        print(f"F.linear products: 1 lane {statistics.median(plain_one):.1f} s, {args.lanes} lanes "
               f"{statistics.median(plain_many):.1f} s, ratio median {statistics.median(plain):.2f}x "
-              f"({', '.join(f'{r:.2f}x' for r in plain)}); sliced head: {args.lanes} lanes "
+              f"({', '.join(f'{r:.2f}x' for r in plain)}); packed weights: 1 lane "
+              f"{statistics.median(plain_one) / statistics.median(one):.2f}x, {args.lanes} lanes "
               f"{statistics.median(plain_many) / statistics.median(many):.2f}x faster")
     return 0
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from engine.backends.local import ModelLoadError, ModelSpec, SlicedLinear, embedded_model_dir, gguf_path, load_model
+from engine.backends.local import (ModelLoadError, ModelSpec, PackedLinear, embedded_model_dir, gguf_path, load_model,
+                                   pack_linears, plain_products)
 from engine.backends.registry import ModelRegistry
 
 
@@ -41,7 +42,7 @@ def test_transformers_reads_the_converted_folder_with_the_logits_of_before(embed
     from tests.data.vllm.record import tied_only_folder
 
     ids = torch.tensor([embedded.encode("The capital of France is")])
-    with torch.no_grad():
+    with torch.no_grad(), plain_products(embedded.model):  # F.linear on both sides, so bit for bit
         now = embedded.model(ids).logits
         old = AutoModelForCausalLM.from_pretrained(tied_only_folder(embedded_model_dir(), tmp_path / "old"),
                                                    dtype=torch.float32)
@@ -137,12 +138,23 @@ def test_startup_examples_are_off_on_zerogpu(monkeypatch):
     assert not examples.enabled()
 
 
-def test_sliced_lm_head_gives_the_plain_product_bit_for_bit(embedded):
-    """engine.backends.local.slice_lm_head: the embedded model's head on real hidden states, 1 to 33 rows
-    (2..32 are sliced), equals F.linear exactly, and the head still shares the embedding's weight."""
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal within float32 rounding of another summation order: every entry within 1e-5 of the largest."""
+    if a.shape != b.shape or not b.numel():
+        return a.shape == b.shape
+    return bool((a - b).abs().max() <= 1e-5 * b.abs().max().clamp(min=1.0))
+
+
+def test_packed_linears_give_the_plain_product_within_rounding(embedded):
+    """engine.backends.local.pack_linears: every Linear of the embedded model (the head too) reads a oneDNN-packed
+    copy; on real hidden states, 1 to 33 rows and a row's last positions, its product is F.linear's within
+    float rounding, and F.linear's bit for bit under plain_products(model); the head still shares the embedding's
+    weight."""
     model = embedded.model
     head = model.get_output_embeddings()
-    assert type(head) is SlicedLinear  # sliced at load (CPU, float32)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 30 * 7 + 1 and all(type(m) is PackedLinear for m in linears)  # packed at load
+    assert embedded.kernel_bytes == sum(m.weight.numel() * 4 for m in linears)
     assert head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # still tied
     ids = torch.tensor([embedded.encode("The history of the printing press begins with woodblocks, movable type "
                                         "in China and Korea, and then Gutenberg's press in Mainz, whose books "
@@ -152,29 +164,44 @@ def test_sliced_lm_head_gives_the_plain_product_bit_for_bit(embedded):
         assert hidden.shape[0] >= 33
         for rows in (1, 2, 3, 4, 8, 16, 32, 33):
             x = hidden[:rows].unsqueeze(1)  # [rows, 1, 576], as a batched decode step feeds it
-            assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight)), rows
+            plain = torch.nn.functional.linear(x, head.weight)
+            assert _close(head(x), plain), rows
+            with plain_products(model):
+                assert type(head) is torch.nn.Linear and torch.equal(head(x), plain), rows
+            assert type(head) is PackedLinear
         x = hidden[:5].unsqueeze(0)  # [1, 5, 576]: one row's last positions (speculative verification)
-        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+        assert _close(head(x), torch.nn.functional.linear(x, head.weight))
+        packed = model(ids).logits[0]
+        with plain_products(model):
+            plain = model(ids).logits[0]
+    assert (packed - plain).abs().max() < 1e-3 and torch.equal(packed.argmax(-1), plain.argmax(-1))
 
 
-def test_lm_head_left_alone_where_slicing_does_not_apply():
-    from engine.backends.local import slice_lm_head
-
-    small = torch.nn.Linear(8, 100, bias=False)
-    holder = type("M", (), {"get_output_embeddings": lambda self: small})()
-    assert not slice_lm_head(holder)  # a vocabulary of 100: nothing to slice
-    half = torch.nn.Linear(8, 4096, bias=False).to(torch.bfloat16)
-    holder = type("M", (), {"get_output_embeddings": lambda self: half})()
-    assert not slice_lm_head(holder) and type(half) is torch.nn.Linear
+def test_linears_left_alone_where_packing_does_not_apply():
+    half = torch.nn.Sequential(torch.nn.Linear(8, 4096, bias=False).to(torch.bfloat16))
+    assert pack_linears(half) == 0 and type(half[0]) is torch.nn.Linear
+    subclass = type("Other", (torch.nn.Linear,), {})(8, 16)  # a quantized or custom layer: not a plain Linear
+    assert pack_linears(torch.nn.Sequential(subclass)) == 0 and type(subclass).__name__ == "Other"
 
 
-def test_a_sliced_head_with_a_bias_gives_the_plain_product():
-    from engine.backends.local import slice_lm_head
-
+def test_a_packed_linear_with_a_bias_any_shape_a_changed_weight_and_autograd():
     torch.manual_seed(0)
-    head = torch.nn.Linear(64, 5000)  # 5 slices, the last one short
-    holder = type("M", (), {"get_output_embeddings": lambda self: head})()
-    assert slice_lm_head(holder) and type(head) is SlicedLinear
-    for shape in ((1, 64), (4, 1, 64), (2, 3, 64), (40, 64)):
-        x = torch.randn(*shape)
-        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias)), shape
+    head = torch.nn.Linear(64, 5000)
+    holder = torch.nn.Sequential(head)
+    assert pack_linears(holder) == 5000 * 64 * 4 and type(head) is PackedLinear
+    with torch.inference_mode():
+        for shape in ((1, 64), (4, 1, 64), (2, 3, 64), (40, 64), (0, 64)):
+            x = torch.randn(*shape)
+            assert _close(head(x), torch.nn.functional.linear(x, head.weight, head.bias)), shape
+        x = torch.randn(3, 64, dtype=torch.float64)  # another dtype: the plain product
+        assert torch.equal(head.double()(x), torch.nn.functional.linear(x, head.weight, head.bias))
+    head.float()  # replaced weights: packed again before the next product
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        head.weight.mul_(2.0)  # changed in place: packed again
+        assert _close(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+        head.weight = torch.nn.Parameter(torch.randn(5000, 64))
+        assert _close(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+    x.requires_grad_(True)  # a gradient wanted (Medusa training through the head): F.linear, bit for bit
+    out = head(x)
+    assert out.grad_fn is not None and torch.equal(out, torch.nn.functional.linear(x, head.weight, head.bias))

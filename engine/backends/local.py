@@ -80,6 +80,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     disk_bytes: int = 0  # a 4-bit checkpoint's weight files on disk (0: not loaded from one)
     packed_bytes: int = 0  # its packed 4-bit weights and scales: what a 4-bit kernel would keep in memory
+    kernel_bytes: int = 0  # oneDNN's packed copies of its float32 Linear weights (pack_linears), beside memory_bytes
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
     # Measures of the model alone that never change, computed once (engine.reports.quant_report: held-out perplexity)
     measures: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
@@ -300,12 +301,12 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
     elif not _has_quantized_layers(model):
         raise ModelLoadError(f"Could not {spec.quantization}-quantize {name!r}: it has no Linear layers bitsandbytes can replace")
     model.eval()
-    slice_lm_head(model)
+    kernel = pack_linears(model)
     eos_ids = _eos_ids(model, tokenizer)
     return LoadedModel(
         name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=spec.quantization,
         source=spec.source, eos_token_ids=eos_ids, memory_bytes=int(model.get_memory_footprint()),
-        load_seconds=time.perf_counter() - start,
+        load_seconds=time.perf_counter() - start, kernel_bytes=kernel,
     )
 
 
@@ -334,48 +335,102 @@ def load_weight_method(spec: ModelSpec, device: torch.device, dtype: torch.dtype
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"Could not load the {spec.quantization} checkpoint: {first}") from None
     model = model.to(device).eval()
-    slice_lm_head(model)
+    kernel = pack_linears(model)
     eos_ids = _eos_ids(model, tokenizer)
     return LoadedModel(
         name=EMBEDDED_NAME, model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=spec.quantization,
         source=spec.source, eos_token_ids=eos_ids, memory_bytes=int(model.get_memory_footprint()),
         load_seconds=time.perf_counter() - start, disk_bytes=quant_methods.folder_bytes(path), packed_bytes=packed,
+        kernel_bytes=kernel,
     )
 
 
-# On CPU the logits of a few rows come faster from the LM head a slice of its vocabulary at a time:
-# MKL packs the weight for a product of several rows, and a 1024-row slice (2.4 MB for a 576-wide
-# model) is still in cache when it is used. Embedded model's head, one thread: 2 rows 25.6 -> 16 ms,
-# 4 rows 17.8 -> 13.7 ms, 16 rows 27 -> 23 ms. The result is the same float32 tensor bit for bit
-# (tests/test_models.py). One row (a matrix-vector product) and long sequences keep the plain product.
-LM_HEAD_SLICE = 1024
-LM_HEAD_SLICED_ROWS = (2, 32)
+# On CPU a float32 model's products come faster from oneDNN with each weight packed once, at load, into
+# the blocked layout its kernels read (vLLM's CPU backend does the same: dispatch_cpu_unquantized_gemm)
+# than from MKL's sgemm, which on this AMD machine takes a slow path. The embedded model, one thread,
+# 32 greedy tokens (bench.token_split --plain): a token's forward 41.6 -> 27.3 ms for one row, 5.9 ->
+# 3.1 ms per row at 16 rows, the prompt's prefill 3x faster; the same greedy tokens. The products
+# differ from F.linear's by float rounding (about 1e-6 of the largest logit); ``plain_products(model)``
+# turns the packed path off where a comparison needs F.linear bit for bit. The packed copies are
+# memory beside the weights (``LoadedModel.kernel_bytes``); the weights, their ties and the state dict
+# are unchanged, and a weight changed in place or replaced is packed again before its next product.
+PACK_ROWS = 16  # the rows the packed layout is tuned for (a room's decode step); any count works
 
 
-class SlicedLinear(torch.nn.Linear):
-    """An LM head (``nn.Linear``) that computes 2..32 rows on CPU LM_HEAD_SLICE output rows at a
-    time; other inputs take the plain product. ``slice_lm_head`` sets it as a loaded head's class
-    (the weight, its tie to the embedding and the state dict are unchanged)."""
+@contextlib.contextmanager
+def plain_products(model: Any):
+    """Inside it, ``model``'s packed Linear layers take F.linear (in every thread: for comparisons and
+    benchmarks, not for serving); their packed copies are kept for after."""
+    packed = [m for m in model.modules() if type(m) is PackedLinear]
+    for module in packed:
+        module.__class__ = torch.nn.Linear
+    try:
+        yield
+    finally:
+        for module in packed:
+            module.__class__ = PackedLinear
+
+
+class PackedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose CPU float32 product reads a oneDNN-packed copy of its weight (``pack_linears``
+    sets it as a loaded model's Linear layers' class). Any other input (another device or dtype, no
+    rows, autograd wanting a gradient) takes F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        low, high = LM_HEAD_SLICED_ROWS
-        if not low <= rows <= high or x.device.type != "cpu":
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        weights = self.weight.split(LM_HEAD_SLICE)
-        biases = self.bias.split(LM_HEAD_SLICE) if self.bias is not None else (None,) * len(weights)
-        return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+        weight = self.weight
+        if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+                or weight.device.type != "cpu" or not x.numel()
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return torch.nn.functional.linear(x, weight, self.bias)
+        flat = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed_weight(), self.bias,
+                                                  "none", [], "")
+        return flat.view(*x.shape[:-1], flat.shape[-1])
+
+    def packed_weight(self) -> torch.Tensor:
+        """The packed copy of the weight as it is now (packed again if it changed since)."""
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        held = self.__dict__.get("_dp_packed")
+        if held is None or held[0] != key:
+            with torch.no_grad():
+                held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
+            self.__dict__["_dp_packed"] = held
+        return held[1]
 
 
-def slice_lm_head(model: Any) -> bool:
-    """Make a CPU float32 model's LM head a ``SlicedLinear``; True if it did. Other heads (GPU,
-    half precision, quantized, not a plain Linear, or a small vocabulary) are left alone."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if (type(head) is not torch.nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32
-            or head.weight.shape[0] <= 2 * LM_HEAD_SLICE):
+def pack_linears(model: Any) -> int:
+    """Make every plain ``nn.Linear`` of a CPU float32 model a ``PackedLinear`` and pack its weight now;
+    returns the bytes of the packed copies (0: nothing packed: another device or dtype, quantized
+    layers, or a torch without oneDNN, or one whose packed product does not match F.linear here)."""
+    if not _packing_works():
+        return 0
+    total = 0
+    for module in model.modules():
+        if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+                and module.weight.dtype == torch.float32):
+            module.__class__ = PackedLinear
+            module.packed_weight()
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+@lru_cache(maxsize=1)
+def _packing_works() -> bool:
+    """oneDNN's packed product runs here and gives F.linear's result within float rounding."""
+    if not torch.backends.mkldnn.is_available():
         return False
-    head.__class__ = SlicedLinear
-    return True
+    try:
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.nn.Linear(64, 96)
+        with torch.no_grad():
+            probe.weight.copy_(torch.randn(96, 64, generator=gen))
+            probe.bias.copy_(torch.randn(96, generator=gen))
+        expected = torch.nn.functional.linear(x := torch.randn(3, 64, generator=gen), probe.weight, probe.bias)
+        probe.__class__ = PackedLinear
+        with torch.inference_mode():
+            return bool(torch.allclose(probe(x), expected, rtol=1e-4, atol=1e-4))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 def _hub_offline() -> bool:
