@@ -205,3 +205,33 @@ def test_a_packed_linear_with_a_bias_any_shape_a_changed_weight_and_autograd():
     x.requires_grad_(True)  # a gradient wanted (Medusa training through the head): F.linear, bit for bit
     out = head(x)
     assert out.grad_fn is not None and torch.equal(out, torch.nn.functional.linear(x, head.weight, head.bias))
+
+
+def test_a_packed_model_copies_and_packs_weights_made_in_inference_mode():
+    """copy.deepcopy of a packed model (tests/test_vllm_quantized.py rounds its own copy to bfloat16) leaves
+    the packed copies behind and packs its own; weights made in inference mode (a 4-bit checkpoint's
+    dequantized tensors) are packed too."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16))
+    assert pack_linears(model) == (32 * 48 + 48 * 16) * 4
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        before = model(x)
+    twin = copy.deepcopy(model)
+    assert type(twin[0]) is PackedLinear and "_dp_packed" not in twin[0].__dict__
+    with torch.inference_mode():
+        assert torch.equal(twin(x), before)
+        half = twin.to(torch.bfloat16)  # another dtype: F.linear
+        y = x.bfloat16()
+        assert torch.equal(half(y), torch.nn.functional.linear(
+            torch.nn.functional.linear(y, half[0].weight, half[0].bias), half[1].weight, half[1].bias))
+    with torch.inference_mode():
+        made = torch.nn.Linear(32, 48)
+        made.weight = torch.nn.Parameter(torch.randn(48, 32))  # an inference tensor
+    assert made.weight.is_inference()
+    holder = torch.nn.Sequential(made)
+    assert pack_linears(holder) == 48 * 32 * 4
+    with torch.inference_mode():
+        assert _close(made(x), torch.nn.functional.linear(x, made.weight, made.bias))

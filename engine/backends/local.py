@@ -386,10 +386,18 @@ class PackedLinear(torch.nn.Linear):
                                                   "none", [], "")
         return flat.view(*x.shape[:-1], flat.shape[-1])
 
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy, pickling) leaves the packed weight behind: oneDNN's tensor has no
+        storage to copy; the copy packs its own before its first product."""
+        state = super().__getstate__()
+        state.pop("_dp_packed", None)
+        return state
+
     def packed_weight(self) -> torch.Tensor:
-        """The packed copy of the weight as it is now (packed again if it changed since)."""
+        """The packed copy of the weight as it is now (packed again if it changed since: replaced, or
+        changed in place, which a weight made in inference mode, never changed here, cannot tell)."""
         weight = self.weight
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, tuple(weight.shape))
         held = self.__dict__.get("_dp_packed")
         if held is None or held[0] != key:
             with torch.no_grad():
