@@ -374,14 +374,17 @@ def side_by_side(args: argparse.Namespace) -> None:
             servers["llamacpp"] = (url, f"llamacpp:{url}")
         if "vllm" in engines:
             url = args.vllm_url.rstrip("/") or stack.enter_context(vllm_server(""))
-            servers["vllm"] = (url, remote_spec(url, draws=args.server_draws == "on"))
+            servers["vllm"] = (url, remote_spec(url, draws=args.server_draws == "on",
+                                                texts=args.token_texts == "embedded"))
         app, url = app_process(",".join(pick for _, pick in servers.values()), os.path.join(tempfile.gettempdir(), "bench-room-app.log"))
         stack.callback(app.terminate)
         app_procs = [psutil.Process(app.pid)]
         clients = app_clients(url, max(counts))
         rows: list[EngineRow] = []
         how = "sampling (seeded per user)" if args.strategy == "sample" else "greedy"
-        draws = f"; vLLM listed {'with' if args.server_draws == 'on' else 'without'} draws=1" if "vllm" in servers else ""
+        draws = (f"; vLLM listed {'with' if args.server_draws == 'on' else 'without'} draws=1, token texts from "
+                 f"{'the embedded tokenizer' if args.token_texts == 'embedded' else 'the server'}"
+                 ) if "vllm" in servers else ""
         print(f"bench.room side by side: {args.tokens} tokens, {how}, load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; app in its own process, {url}{draws}")
         print("| engine | mode | users | tokens/s (aggregate) | TTFT p50 / p95 | TPOT p50 / p95 | app CPU ms/token "
@@ -417,6 +420,8 @@ def main() -> None:
     p.add_argument("--users-list", default="1,16", help="with --engines: the numbers of users, e.g. 1,16")
     p.add_argument("--llama-url", default="", help="with --engines: a running llama-server (default: start one)")
     p.add_argument("--vllm-url", default="", help="with --engines: a running vLLM (default: start the cached one)")
+    p.add_argument("--token-texts", default="embedded", choices=("embedded", "server"),
+                   help="with --engines vllm: list it with tokenizer=embedded (texts here) or not (a /detokenize each)")
     p.add_argument("--server-draws", default="on", choices=("on", "off"),
                    help="with --engines vllm: list it with draws=1 (its logits processor drafts our draws) or not")
     p.add_argument("--strategy", default="sample", choices=("sample", "greedy"),

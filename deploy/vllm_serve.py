@@ -110,10 +110,12 @@ def has_gpu() -> bool:
     return any(line.startswith("GPU") for line in listed.splitlines())
 
 
-def remote_spec(url: str, draws: bool = True) -> str:
+def remote_spec(url: str, draws: bool = True, texts: bool = True) -> str:
     """The DP_REMOTE_MODELS item for a server at ``url`` (``http://127.0.0.1:PORT``); ``draws``: it
-    has our logits processor (``--logits-processors dp_draws:OurDraws``, as this module starts it)."""
-    return f"openai:{url}/v1#vocab={VOCAB}&eos={EOS}{'&draws=1' if draws else ''}"  # RemoteSpec's own order
+    has our logits processor (``--logits-processors dp_draws:OurDraws``, as this module starts it);
+    ``texts``: token texts from the embedded model's tokenizer (it serves the embedded model)."""
+    options = f"vocab={VOCAB}&eos={EOS}" + ("&draws=1" if draws else "") + ("&tokenizer=embedded" if texts else "")
+    return f"openai:{url}/v1#{options}"  # RemoteSpec's own order
 
 
 def install(python: str = sys.executable, log: Path | None = None, timeout_s: float = 3600) -> str:

@@ -84,7 +84,8 @@ SETTINGS = (
             "(ignored in public mode)"),
     Setting("DP_REMOTE_MODELS", "list", "", "remote models the operator allows, `backend:url` each "
             "(`llamacpp:http://127.0.0.1:8080`, `openai:http://host:8000/v1#vocab=V&eos=A+B`, `&top=N`, `&draws=1` "
-            "for a vLLM with our logits processor: docs/remote.md); never typed by a page user"),
+            "for a vLLM with our logits processor, `&tokenizer=embedded` for one serving the embedded model: "
+            "docs/remote.md); never typed by a page user"),
     Setting("DP_QUANTIZATION", "choice", "none", "the default model's quantization at start; "
             "also `app.py --quantization`", choices=QUANTIZATION_CHOICES),
     Setting("DP_DTYPE", "choice", "auto", "the models' dtype; `auto`: float32 on CPU, bfloat16/float16 on a GPU",

@@ -321,9 +321,14 @@ def test_the_operator_spec_carries_vllm_s_vocabulary_and_eos(vllm):
     assert remote.connect_spec(drawn, timeout_s=5).api.server_draws
     assert str(served.RemoteSpec.parse(f"openai:{url}#draws=1&top=20&eos={EOS}+{PERIOD}&vocab={VOCAB}")) == \
         text + "&top=20&draws=1"  # any order in, the one order out (the list compares that text)
+    texts = served.RemoteSpec.parse(f"openai:{url}#tokenizer=embedded&draws=1&eos={EOS}+{PERIOD}&vocab={VOCAB}")
+    assert texts.tokenizer == "embedded" and str(texts) == text + "&draws=1&tokenizer=embedded"
+    assert served.RemoteSpec.parse(text).tokenizer == ""  # token texts from the server unless the operator says
     for bad in (f"openai:{url}#vocab=lots", f"openai:{url}#top=5+6", f"openai:{url}#top=0", f"openai:{url}#top=5000",
                 f"openai:{url}#best=5", "llamacpp:http://h:8080#vocab=5", f"openai:{url}#draws=2",
-                f"openai:{url}#draws=01", f"openai:{url}#draws=", "llamacpp:http://h:8080#draws=1"):
+                f"openai:{url}#draws=01", f"openai:{url}#draws=", "llamacpp:http://h:8080#draws=1",
+                f"openai:{url}#tokenizer=gpt2", f"openai:{url}#tokenizer=", f"openai:{url}#tokenizer=/etc/passwd",
+                f"openai:{url}#tokenizer=Embedded", "llamacpp:http://h:8080#tokenizer=embedded"):
         with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"
                                              r"\[&top=<1\.\.1000>\]"):
             served.RemoteSpec.parse(bad)

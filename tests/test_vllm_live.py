@@ -216,6 +216,63 @@ def test_keep_alive_comments_and_an_error_chunk_in_a_stream(vllm_model, vllm_ser
                                  "value=500)")
 
 
+# --- token texts from the embedded tokenizer (the spec's tokenizer=embedded) ----------------------------
+def _records(trace) -> list:
+    return [[(st.name, st.kept, st.entropy, [(t.token_id, t.token, t.prob) for t in st.top]) for st in step.stages]
+            for step in trace.steps]
+
+
+def test_token_texts_from_the_embedded_tokenizer_need_no_request(vllm_server, monkeypatch):
+    """Listed with tokenizer=embedded (as `make vllm` lists it), a step-mode run's records take their token
+    texts from the embedded model's tokenizer: one /detokenize request per run (its text) instead of one per
+    token it has not seen, and every token, text and record equals the run on the same server listed
+    without it, greedy and sampled."""
+    with_texts = remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server)), timeout_s=120)
+    without = remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server, texts=False)), timeout_s=120)
+    assert remote_spec(vllm_server).endswith("&draws=1&tokenizer=embedded")
+    assert with_texts.tokenizer.texts is not None and without.tokenizer.texts is None
+    counts: dict[str, int] = {}
+    for name, model in (("with", with_texts), ("without", without)):
+        def counting(ids, asked=model.api.detokenize, name=name):
+            counts[name] = counts.get(name, 0) + 1
+            return asked(ids)
+        monkeypatch.setattr(model.api, "detokenize", counting)
+    for config in (DecodingConfig(strategy="greedy", max_new_tokens=24),
+                   DecodingConfig(strategy="sample", seed=3, temperature=0.9, top_k=40, max_new_tokens=24)):
+        counts.clear()
+        ours = runner.run(RunRequest(with_texts, "Name three rivers.", config, chat=True))
+        theirs = runner.run(RunRequest(without, "Name three rivers.", config, chat=True))
+        assert ours.generated_token_ids == theirs.generated_token_ids and ours.text == theirs.text
+        assert _records(ours) == _records(theirs) and len(ours.steps) >= 8
+        assert counts.get("with") == 1 and counts.get("without", 0) >= 5, (config.strategy, counts)
+
+
+def test_a_tokenizer_that_is_not_the_server_s_is_refused_at_connect(vllm_server, monkeypatch):
+    """An operator lists tokenizer=embedded for a server whose tokenizer differs (here: the embedded one
+    reading every id as the next): connecting names the first token whose text differs, in one line."""
+    from engine.backends import local
+
+    real = local.embedded_tokenizer()
+
+    class OffByOne:
+        def __len__(self) -> int:
+            return len(real)
+
+        def __call__(self, text: str, **kwargs: Any) -> Any:
+            return real(text, **kwargs)
+
+        def decode(self, ids: list[int], **kwargs: Any) -> str:
+            return real.decode([i + 1 for i in ids], **kwargs)
+
+    monkeypatch.setattr(local, "embedded_tokenizer", OffByOne)
+    with pytest.raises(RemoteError) as caught:
+        remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server)), timeout_s=120)
+    assert str(caught.value) == (f"OpenAI-compatible server {vllm_server}/v1: tokenizer=embedded reads token 0 as "
+                                 "'<|im_start|>', the server as '<|endoftext|>': it is not the server's tokenizer "
+                                 "(list the server without tokenizer=)")
+    remote.connect_spec(served.RemoteSpec.parse(remote_spec(vllm_server, texts=False)), timeout_s=120)  # still listed
+
+
 # --- a served model that is no model -------------------------------------------------------------------
 def test_a_folder_whose_weights_vllm_cannot_find_is_named_at_connect(vllm_servers):
     """The converted folder as it was before layout 2 (the tied embedding under lm_head.weight only):

@@ -178,6 +178,15 @@ def embedded_model_dir(progress: Progress | None = None) -> Path:
     return target
 
 
+def embedded_tokenizer() -> Any:
+    """The embedded model's tokenizer alone (no weights), a new instance: a served copy of the embedded
+    model's token texts come from it (engine.backends.served.RemoteSpec.tokenizer)."""
+    from transformers import AutoTokenizer
+
+    with _quiet():
+        return AutoTokenizer.from_pretrained(embedded_model_dir(), trust_remote_code=False, local_files_only=True)
+
+
 def _convert_gguf(gguf: Path, target: Path, progress: Progress | None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

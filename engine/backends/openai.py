@@ -324,13 +324,14 @@ def _openai_fields(config: DecodingConfig, dialect: str = "vllm") -> tuple[dict[
 
 def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step", *,
                    vocab_size: int | None = None, eos_token_ids: Sequence[int] = (),
-                   top_n: int | None = None, server_draws: bool = False) -> RemoteModel:
+                   top_n: int | None = None, server_draws: bool = False, texts: Any = None) -> RemoteModel:
     """A RemoteModel over an OpenAI-compatible server whose API is at ``url`` (``.../v1``). Its
     first model is used; a llama-server (its /v1/models carries ``meta``) also tells its vocabulary
     and EOS, a vLLM does not: give ``vocab_size`` and ``eos_token_ids`` (else ids up to
     VOCAB_BOUND are accepted and a run stops at max_new_tokens or a stop string). ``top_n``: step
     mode's tokens per step (default STEP_TOP_N). ``server_draws``: the server has our logits processor
-    (``RemoteSpec.draws``). Checked by ``check_served`` (one request)."""
+    (``RemoteSpec.draws``). ``texts``: a tokenizer held here that is the server's (``RemoteSpec.tokenizer``:
+    token texts without requests). Checked by ``check_served``."""
     client = JsonClient(url, timeout_s, "OpenAI-compatible server")
     root = JsonClient(url[:-3] if url.rstrip("/").endswith("/v1") else url, timeout_s, "OpenAI-compatible server")
     s = Schema(f"OpenAI-compatible server {client.url}/models")
@@ -344,7 +345,7 @@ def connect_openai(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "
     vocab = vocab_size or s.count((meta or {}).get("n_vocab") or VOCAB_BOUND, "data[0].meta.n_vocab", 1, MAX_CONTEXT)
     api = OpenAIApi(client, root, model_id, "llamacpp" if meta else "vllm", vocab_size=vocab,
                     stop_token_ids=() if meta else tuple(eos_token_ids), server_draws=server_draws and not meta)
-    tokenizer = RemoteTokenizer(api)
+    tokenizer = RemoteTokenizer(api, texts)
     chat = True
     if meta:
         props = api.schema("/props", root=True).obj(root.get("/props"), "the answer")

@@ -63,10 +63,15 @@ from engine.trace import Event, StageTrace, StepTrace, TokenProb, Trace
 STRATEGIES = ("greedy", "sample")  # what a remote model runs so far
 
 def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "step") -> RemoteModel:
-    """The RemoteModel an operator's ``backend:url`` names (with its vocabulary and EOS options)."""
+    """The RemoteModel an operator's ``backend:url`` names (with its vocabulary, EOS and other options;
+    ``tokenizer=embedded``: the embedded model's tokenizer, a new instance per connection)."""
     if spec.backend == "openai":
+        texts = None
+        if spec.tokenizer == "embedded":
+            from engine.backends.local import embedded_tokenizer
+            texts = embedded_tokenizer()
         return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
-                              top_n=spec.top_n, server_draws=spec.draws)
+                              top_n=spec.top_n, server_draws=spec.draws, texts=texts)
     return connect(spec.url, timeout_s, mode)
 
 

@@ -7,6 +7,7 @@ tokenizer, EOS ids, vocabulary, token texts), the operator's list (``RemoteSpec`
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -17,6 +18,10 @@ from engine.backends.seam import Capabilities, served_capabilities
 from engine.settings import SettingsError, env_list
 
 BACKENDS = ("llamacpp", "openai")
+# ``tokenizer=``: a tokenizer this app holds that the operator says is the server's own; one token's text
+# then comes from it instead of a /detokenize request (checked at connect on TEXTS_SAMPLE ids)
+TOKENIZERS = ("embedded",)
+TEXTS_SAMPLE = 64
 MODES = ("step", "fast")
 STEP_TOP_N = 100  # step mode: tokens per step the server returns (our chain works over these)
 
@@ -52,13 +57,16 @@ class ModelPick:
 # --- the operator's list ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RemoteSpec:
-    """``backend:url[#vocab=V&eos=A+B&top=N&draws=1]``, e.g. ``llamacpp:http://127.0.0.1:8080`` or
-    ``openai:http://gpu1:8000/v1#vocab=128256&eos=128001+128009``: vLLM's API reports neither its
-    vocabulary size nor its EOS ids, so the operator gives them (llama-server reports both: no options).
-    ``top``: step mode's tokens per step (default STEP_TOP_N), for a vLLM started with a lower
-    ``--max-logprobs`` (its default is 20). ``draws=1``: a vLLM started with our logits processor
-    (deploy/vllm_plugin/dp_draws.py, as ``make vllm`` starts it) drafts a sampled step-mode run's
-    continuation with our chain and draws (engine.backends.remote.server_draws)."""
+    """``backend:url[#vocab=V&eos=A+B&top=N&draws=1&tokenizer=embedded]``, e.g.
+    ``llamacpp:http://127.0.0.1:8080`` or ``openai:http://gpu1:8000/v1#vocab=128256&eos=128001+128009``:
+    vLLM's API reports neither its vocabulary size nor its EOS ids, so the operator gives them
+    (llama-server reports both: no options). ``top``: step mode's tokens per step (default STEP_TOP_N),
+    for a vLLM started with a lower ``--max-logprobs`` (its default is 20). ``draws=1``: a vLLM started
+    with our logits processor (deploy/vllm_plugin/dp_draws.py, as ``make vllm`` starts it) drafts a
+    sampled step-mode run's continuation with our chain and draws (engine.backends.remote.server_draws).
+    ``tokenizer=embedded``: the server's tokenizer is the embedded model's (``make vllm`` serves that
+    model), so the records' token texts come from it here, not from a /detokenize request each (vLLM
+    sends its top-N as ids only); ``check_served`` compares TEXTS_SAMPLE of them with the server's."""
 
     backend: str
     url: str
@@ -66,6 +74,7 @@ class RemoteSpec:
     eos_token_ids: tuple[int, ...] = ()
     top_n: int | None = None
     draws: bool = False
+    tokenizer: str = ""  # "" (the server's texts) or one of TOKENIZERS
 
     @classmethod
     def parse(cls, text: str, key: str = "model") -> "RemoteSpec":
@@ -74,22 +83,28 @@ class RemoteSpec:
         if backend not in BACKENDS or not url.startswith(("http://", "https://")):
             raise ValueError(f"{key}: expected {' | '.join(BACKENDS)}:http://host:port, got {text[:80]!r}")
         found: dict[str, tuple[int, ...]] = {}
+        tokenizer = ""
         for option in filter(None, options.split("&")):
             name, _, value = option.partition("=")
+            if backend == "openai" and name == "tokenizer" and value in TOKENIZERS:
+                tokenizer = value
+                continue
             numbers = value.split("+")
             if backend != "openai" or name not in ("vocab", "eos", "top", "draws") \
                     or not all(n.isdigit() for n in numbers) or (name != "eos" and len(numbers) != 1) \
                     or (name == "top" and not 1 <= int(value) <= 1000) or (name == "draws" and value not in ("0", "1")):
                 raise ValueError(f"{key}: option {option[:40]!r} in {text[:80]!r}: expected openai:...#vocab=<n>"
-                                 "&eos=<id>+<id>[&top=<1..1000>][&draws=0|1] (llamacpp reports both itself)")
+                                 "&eos=<id>+<id>[&top=<1..1000>][&draws=0|1][&tokenizer=embedded] (llamacpp reports "
+                                 "both itself)")
             found[name] = tuple(int(n) for n in numbers)
         return cls(backend, url.rstrip("/"), *found.get("vocab", (None,)), found.get("eos", ()),
-                   *found.get("top", (None,)), bool(found.get("draws", (0,))[0]))
+                   *found.get("top", (None,)), bool(found.get("draws", (0,))[0]), tokenizer)
 
     def __str__(self) -> str:
         options = ([f"vocab={self.vocab_size}"] if self.vocab_size else []) + \
             ([f"eos={'+'.join(map(str, self.eos_token_ids))}"] if self.eos_token_ids else []) + \
-            ([f"top={self.top_n}"] if self.top_n else []) + (["draws=1"] if self.draws else [])
+            ([f"top={self.top_n}"] if self.top_n else []) + (["draws=1"] if self.draws else []) + \
+            ([f"tokenizer={self.tokenizer}"] if self.tokenizer else [])
         return f"{self.backend}:{self.url}" + ("#" + "&".join(options) if options else "")
 
 
@@ -140,10 +155,14 @@ class FastAnswer:
 @dataclass
 class RemoteTokenizer:
     """The server's tokenizer, as the stages call a tokenizer (``encode`` without special tokens,
-    ``decode`` of one token for DRY's breakers); answers are memoised."""
+    ``decode`` of one token for DRY's breakers); answers are memoised. ``texts``: a tokenizer held here
+    that is the server's own (``RemoteSpec.tokenizer``, checked at connect): one token's text comes from
+    it instead of a request."""
 
     api: Any  # LlamaCppApi | OpenAIApi
+    texts: Any = None
     _pieces: dict[int, str] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # a fast tokenizer is not reentrant
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.api.tokenize(text, add_special_tokens)
@@ -152,7 +171,11 @@ class RemoteTokenizer:
         ids = [int(i) for i in ids]
         if len(ids) == 1 and ids[0] in self._pieces:
             return self._pieces[ids[0]]
-        text = self.api.detokenize(ids) if ids else ""
+        if len(ids) == 1 and self.texts is not None:
+            with self._lock:
+                text = self.texts.decode(ids, skip_special_tokens=False)
+        else:
+            text = self.api.detokenize(ids) if ids else ""
         if len(ids) == 1:
             self._pieces[ids[0]] = text
         return text
@@ -246,6 +269,8 @@ def check_served(model: RemoteModel) -> RemoteModel:
     server whose logprobs limit is lower says so here."""
     where = f"{model.client.server} {model.url}"
     try:
+        if model.tokenizer.texts is not None:
+            _check_texts(model, where)
         _check_eos(model, where)
         ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
         top = model.api.next_top(ids, model.top_n)
@@ -258,6 +283,29 @@ def check_served(model: RemoteModel) -> RemoteModel:
                           "its weights did not load")
     model.learn_pieces(top)
     return model
+
+
+def _check_texts(model: RemoteModel, where: str) -> None:
+    """The tokenizer the spec names is the server's: the same size or smaller than the vocabulary, the
+    same ids for PROBE_TEXT, and the same text for the first 16 ids (the special tokens, as a rule),
+    the EOS ids and TEXTS_SAMPLE ids spread over the vocabulary, each read back by a /detokenize."""
+    local = model.tokenizer.texts
+    size = len(local)
+    if size > model.vocab_size:
+        raise RemoteError(f"{where}: tokenizer=embedded has {size} tokens, more than the server's vocabulary of "
+                          f"{model.vocab_size}: it is not the server's tokenizer (list the server without tokenizer=)")
+    ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
+    ours = list(local(PROBE_TEXT, add_special_tokens=True)["input_ids"])
+    if ids != ours:
+        raise RemoteError(f"{where}: tokenizer=embedded reads {PROBE_TEXT!r} as {ours[:8]}, the server as {ids[:8]}: "
+                          "it is not the server's tokenizer (list the server without tokenizer=)")
+    step = max(1, size // TEXTS_SAMPLE)
+    sample = set(range(min(16, size))) | {e for e in model.eos_token_ids if e < size} | set(range(0, size, step))
+    for token in sorted(sample):
+        server, here = model.api.detokenize([token]), local.decode([token], skip_special_tokens=False)
+        if server != here:
+            raise RemoteError(f"{where}: tokenizer=embedded reads token {token} as {here[:40]!r}, the server as "
+                              f"{server[:40]!r}: it is not the server's tokenizer (list the server without tokenizer=)")
 
 
 def _check_eos(model: RemoteModel, where: str) -> None:
