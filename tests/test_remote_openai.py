@@ -332,3 +332,19 @@ def test_the_operator_spec_carries_vllm_s_vocabulary_and_eos(vllm):
         with pytest.raises(ValueError, match=r"^model: option .* expected openai:\.\.\.#vocab=<n>&eos=<id>\+<id>"
                                              r"\[&top=<1\.\.1000>\]"):
             served.RemoteSpec.parse(bad)
+
+
+def test_a_tokenizer_the_app_cannot_load_is_one_line_at_connect(monkeypatch):
+    """tokenizer=embedded where the embedded model's tokenizer does not load (not installed): connecting
+    says so in one line, before any request."""
+    from engine.backends import local
+
+    def missing():
+        raise local.ModelLoadError("The embedded model is not installed here: run make setup\n(more lines)")
+
+    monkeypatch.setattr(local, "embedded_tokenizer", missing)
+    text = "openai:http://127.0.0.1:9/v1#vocab=49152&eos=2&tokenizer=embedded"
+    with pytest.raises(client.RemoteError) as caught:
+        remote.connect_spec(served.RemoteSpec.parse(text), timeout_s=1)
+    assert str(caught.value) == (f"{text}: tokenizer=embedded: the embedded model's tokenizer did not load (The "
+                                 "embedded model is not installed here: run make setup)")

@@ -357,8 +357,8 @@ def load_weight_method(spec: ModelSpec, device: torch.device, dtype: torch.dtype
 # On CPU a float32 model's products come faster from oneDNN with each weight packed once, at load, into
 # the blocked layout its kernels read (vLLM's CPU backend does the same: dispatch_cpu_unquantized_gemm)
 # than from MKL's sgemm, which on this AMD machine takes a slow path. The embedded model, one thread,
-# 32 greedy tokens (bench.token_split --plain): a token's forward 41.6 -> 27.3 ms for one row, 5.9 ->
-# 3.1 ms per row at 16 rows, the prompt's prefill 3x faster; the same greedy tokens. The products
+# 32 greedy tokens (bench.token_split --plain): a token's forward 42.2 -> 32.0 ms for one row, 5.93 ->
+# 3.23 ms per row at 16 rows, a 16-prompt prefill about 2x faster; the same greedy tokens. The products
 # differ from F.linear's by float rounding (about 1e-6 of the largest logit); ``plain_products(model)``
 # turns the packed path off where a comparison needs F.linear bit for bit. The packed copies are
 # memory beside the weights (``LoadedModel.kernel_bytes``); the weights, their ties and the state dict
