@@ -269,10 +269,10 @@ def check_served(model: RemoteModel) -> RemoteModel:
     server whose logprobs limit is lower says so here."""
     where = f"{model.client.server} {model.url}"
     try:
-        if model.tokenizer.texts is not None:
-            _check_texts(model, where)
-        _check_eos(model, where)
         ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
+        if model.tokenizer.texts is not None:
+            _check_texts(model, where, ids)
+        _check_eos(model, where)
         top = model.api.next_top(ids, model.top_n)
     except RemoteError as exc:
         raise RemoteError(f"{exc}{_connect_hint(model, str(exc))}") from None
@@ -285,16 +285,16 @@ def check_served(model: RemoteModel) -> RemoteModel:
     return model
 
 
-def _check_texts(model: RemoteModel, where: str) -> None:
+def _check_texts(model: RemoteModel, where: str, ids: list[int]) -> None:
     """The tokenizer the spec names is the server's: the same size or smaller than the vocabulary, the
-    same ids for PROBE_TEXT, and the same text for the first 16 ids (the special tokens, as a rule),
-    the EOS ids and TEXTS_SAMPLE ids spread over the vocabulary, each read back by a /detokenize."""
+    same ids for PROBE_TEXT as the server's (``ids``), and the same text for the first 16 ids (the special
+    tokens, as a rule), the EOS ids and TEXTS_SAMPLE ids spread over the vocabulary, each read back by a
+    /detokenize."""
     local = model.tokenizer.texts
     size = len(local)
     if size > model.vocab_size:
         raise RemoteError(f"{where}: tokenizer=embedded has {size} tokens, more than the server's vocabulary of "
                           f"{model.vocab_size}: it is not the server's tokenizer (list the server without tokenizer=)")
-    ids = model.tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
     ours = list(local(PROBE_TEXT, add_special_tokens=True)["input_ids"])
     if ids != ours:
         raise RemoteError(f"{where}: tokenizer=embedded reads {PROBE_TEXT!r} as {ours[:8]}, the server as {ids[:8]}: "
