@@ -202,6 +202,10 @@ def test_a_packed_linear_with_a_bias_any_shape_a_changed_weight_and_autograd():
         assert _close(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
         head.weight = torch.nn.Parameter(torch.randn(5000, 64))
         assert _close(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+        for _ in range(3):  # new storage under the same Parameter, twice before a product: never a stale copy
+            head.weight.data = torch.randn(5000, 64)
+            head.weight.data = torch.randn(5000, 64)
+            assert _close(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
     x.requires_grad_(True)  # a gradient wanted (Medusa training through the head): F.linear, bit for bit
     out = head(x)
     assert out.grad_fn is not None and torch.equal(out, torch.nn.functional.linear(x, head.weight, head.bias))

@@ -178,6 +178,12 @@ def embedded_model_dir(progress: Progress | None = None) -> Path:
     return target
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line: its first, or its type's name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def embedded_tokenizer() -> Any:
     """The embedded model's tokenizer alone (no weights), a new instance: a served copy of the embedded
     model's token texts come from it (engine.backends.served.RemoteSpec.tokenizer)."""
@@ -303,7 +309,7 @@ def load_model(spec: ModelSpec, progress: Progress | None = None) -> LoadedModel
         raise ModelLoadError(_offline_message(spec.source)) from None
     except Exception as exc:  # safetensors, bitsandbytes and config errors all end up here, as one line
         what = f"{spec.quantization}-quantize" if spec.quantization != "none" else "load"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise ModelLoadError(f"Could not {what} {name!r}: {first}") from None
     if spec.quantization == "none":
         model = model.to(device)
@@ -341,7 +347,7 @@ def load_weight_method(spec: ModelSpec, device: torch.device, dtype: torch.dtype
         with _quiet():
             tokenizer, model, packed = quant_methods.load_checkpoint(path, dtype)
     except (OSError, ValueError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise ModelLoadError(f"Could not load the {spec.quantization} checkpoint: {first}") from None
     model = model.to(device).eval()
     kernel = pack_linears(model)
@@ -404,15 +410,19 @@ class PackedLinear(torch.nn.Linear):
 
     def packed_weight(self) -> torch.Tensor:
         """The packed copy of the weight as it is now (packed again if it changed since: replaced, or
-        changed in place, which a weight made in inference mode, never changed here, cannot tell)."""
+        changed in place, which a weight made in inference mode, never changed here, cannot tell). The
+        weight it was packed from is held with it, so no later weight can take that memory's address
+        and pass for it."""
         weight = self.weight
-        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, tuple(weight.shape))
-        held = self.__dict__.get("_dp_packed")
-        if held is None or held[0] != key:
+        version = -1 if weight.is_inference() else weight._version
+        held = self.__dict__.get("_dp_packed")  # (the weight packed from, its version then, the packed copy)
+        if (held is None or held[1] != version or held[0].data_ptr() != weight.data_ptr()
+                or held[0].shape != weight.shape):
+            source = weight.detach()
             with torch.no_grad():
-                held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
+                held = (source, version, torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS))
             self.__dict__["_dp_packed"] = held
-        return held[1]
+        return held[2]
 
 
 def pack_linears(model: Any) -> int:

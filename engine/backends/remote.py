@@ -68,13 +68,12 @@ def connect_spec(spec: RemoteSpec, timeout_s: float = DEFAULT_TIMEOUT_S, mode: s
     if spec.backend == "openai":
         texts = None
         if spec.tokenizer == "embedded":
-            from engine.backends.local import embedded_tokenizer
+            from engine.backends.local import embedded_tokenizer, first_line
             try:
                 texts = embedded_tokenizer()
             except (OSError, ValueError, RuntimeError) as exc:  # ModelLoadError is a RuntimeError
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise RemoteError(f"{spec}: tokenizer=embedded: the embedded model's tokenizer did not load "
-                                  f"({first[:200]})") from None
+                                  f"({first_line(exc)[:200]})") from None
         return connect_openai(spec.url, timeout_s, mode, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
                               top_n=spec.top_n, server_draws=spec.draws, texts=texts)
     return connect(spec.url, timeout_s, mode)
