@@ -5,9 +5,15 @@ the same tokens and stage records (floats within 1e-6), then prints steps per CP
 
     python -m bench.chain_capture [--rows 16] [--repeats 5]
 
-The old path is today's code with the replaced helpers put back: ``chain.entropy_rows`` as
-``torch.special.entr(p).sum(-1)`` (entr is a scalar loop on CPU) and ``sampling.mass_before`` as
-``masked_fill(~before).double().sum(-1)`` (a float64 copy of [R, V]).
+Then step mode's capture (issue #38): each row as a served model's step (its top-100 log-probabilities,
+-inf elsewhere: ``remote.entries_logits``), one ``RunState.advance`` per row as each user's run makes it,
+on the top-100's ids (``advance(logits, support)``) against the same rows over the whole vocabulary with
+every draw over V (the path before: no support, ``sampling.COMPACT_MOST`` = 0).
+
+The old path is today's code with the replaced parts put back: ``chain.entropy_rows`` as
+``torch.special.entr(p).sum(-1)`` (entr is a scalar loop on CPU) and every draw's race over the whole
+vocabulary (``sampling.COMPACT_MOST`` = 0: V exponentials from ``exponential_``, not the race on a
+truncated row's nonzero entries).
 """
 
 from __future__ import annotations
@@ -41,19 +47,15 @@ def old_entropy_rows(probs: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(probs).sum(dim=-1)
 
 
-def old_mass_before(probs: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    return probs.masked_fill(~before, 0.0).double().sum(dim=-1)
-
-
 @contextmanager
 def old_path():
-    """The capture as it was before the exact wins (the replaced helpers put back)."""
-    saved = chain.entropy_rows, sampling.mass_before
-    chain.entropy_rows, sampling.mass_before = old_entropy_rows, old_mass_before
+    """The capture as it was before the exact wins (the replaced parts put back)."""
+    saved = chain.entropy_rows, sampling.COMPACT_MOST
+    chain.entropy_rows, sampling.COMPACT_MOST = old_entropy_rows, 0
     try:
         yield
     finally:
-        chain.entropy_rows, sampling.mass_before = saved
+        chain.entropy_rows, sampling.COMPACT_MOST = saved
 
 
 def row_logits(lm, rows: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -65,31 +67,56 @@ def row_logits(lm, rows: int) -> tuple[list[list[int]], torch.Tensor]:
     return prompts, KVCache(lm.model).forward(ids, mask=mask).logits[:, -1, :].float()
 
 
-def same_steps(a: list, b: list) -> None:
-    """The two paths' StepTraces agree: tokens exactly, every stage record's floats within 1e-6."""
+def same_steps(a: list, b: list, draw_tol: float = 1e-9) -> None:
+    """The two paths' StepTraces agree: tokens exactly, every stage record's floats within 1e-6, the
+    draws within ``draw_tol`` (1e-6 where the probabilities are summed in another order)."""
     for x, y in zip(a, b, strict=True):
         assert x.chosen_token_id == y.chosen_token_id, (x.chosen_token_id, y.chosen_token_id)
         for f in ("chosen_prob", "raw_prob", "entropy", "raw_entropy"):
             assert abs(getattr(x, f) - getattr(y, f)) <= 1e-6, f
-        assert x.draw is None or abs(x.draw - y.draw) <= 1e-9
+        assert x.draw is None or abs(x.draw - y.draw) <= draw_tol
         for s, t in zip(x.stages, y.stages, strict=True):
             assert (s.name, s.kept, [p.token_id for p in s.top]) == (t.name, t.kept, [p.token_id for p in t.top])
             assert abs(s.entropy - t.entropy) <= 1e-6 and abs(s.mass_removed - t.mass_removed) <= 1e-6 \
                 and abs(s.tv_distance - t.tv_distance) <= 1e-6
 
 
-def timed(step, fresh, repeats: int) -> dict[str, list[float]]:
-    """Steps/s of ``step(states)`` on today's path and the old one, alternating, each on states
-    built by ``fresh()`` outside the clock (a step moves its states' generators and ids). The
-    clock is the process's CPU time (one torch thread): on a loaded machine wall time mostly
-    measures the other processes."""
+def step_rows(logits: torch.Tensor, top: int = 100) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each row as step mode builds it from a server's top-``top``: log-probabilities there, -inf
+    elsewhere [1, V], and the ids (``remote.support_of``)."""
+    out = []
+    for row in torch.log_softmax(logits, dim=-1):
+        values, ids = torch.topk(row, top)
+        built = torch.full((1, row.shape[0]), float("-inf"))
+        built[0, ids] = values
+        out.append((built, torch.sort(ids).values))
+    return out
+
+
+@contextmanager
+def over_vocabulary():
+    """Step mode's capture before the support: the records and every draw over V."""
+    saved = sampling.COMPACT_MOST
+    sampling.COMPACT_MOST = 0
+    try:
+        yield
+    finally:
+        sampling.COMPACT_MOST = saved
+
+
+def timed(step, fresh, repeats: int, before_step=None) -> dict[str, list[float]]:
+    """Steps/s of ``step(states)`` on today's path and the old one (``step`` under ``old_path``, or
+    ``before_step``), alternating, each on states built by ``fresh()`` outside the clock (a step moves
+    its states' generators and ids). The clock is the process's CPU time (one torch thread): on a
+    loaded machine wall time mostly measures the other processes."""
     rates: dict[str, list[float]] = {"capture, today": [], "capture, before": []}
     for i in range(repeats + 1):  # the first round warms up
         for name in rates:
             states = fresh()
-            with old_path() if name == "capture, before" else nullcontext():
+            old = name == "capture, before"
+            with old_path() if old and before_step is None else nullcontext():
                 start = time.process_time()
-                step(states)
+                (before_step if old and before_step is not None else step)(states)
                 elapsed = time.process_time() - start
             if i:
                 rates[name].append(1 / elapsed)
@@ -115,6 +142,22 @@ def main() -> None:
             same_steps(advance_rows(fresh(), logits), before)
             rates = timed(lambda states: advance_rows(states, logits), fresh, args.repeats)
             report(f"{name}: one batched step of {args.rows} rows (rate = steps per CPU-second)", rates, baseline="capture, before")
+        rows = step_rows(logits)
+        for name, config in CONFIGS.items():
+            def fresh() -> list[RunState]:
+                return [RunState(lm, ids, config) for ids in prompts]
+
+            def today(states: list[RunState]) -> list:
+                return [s.advance(row, support) for s, (row, support) in zip(states, rows)]
+
+            def before(states: list[RunState]) -> list:
+                with over_vocabulary():
+                    return [s.advance(row) for s, (row, _) in zip(states, rows)]
+
+            same_steps(today(fresh()), before(fresh()), draw_tol=1e-6)
+            rates = timed(today, fresh, args.repeats, before)
+            report(f"{name}: step mode, one step of each of {args.rows} users on a served model's top-100 "
+                   "(rate = steps per CPU-second)", rates, baseline="capture, before")
         print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

@@ -6,6 +6,7 @@ stages themselves live in ``processors``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -113,33 +114,76 @@ class Chain:
 @dataclass
 class Traced:
     """What ``Chain.traced`` returns: the final logits [1, V], the stage records, and the raw and
-    final probabilities [V] (so the caller needs no further softmax); ``stage_probs``: the
-    probabilities [V] after each stage between raw and final (``stages[1:-1]``), so the picked
-    token's p at a stage whose top-N misses it can be recorded (``core.step_trace``)."""
+    final probabilities (so the caller needs no further softmax); ``between``: the probabilities
+    after each stage between raw and final (``stages[1:-1]``), so the picked token's p at a stage
+    whose top-N misses it can be recorded (``core.step_trace``). The probabilities are [V], or, for a
+    row recorded on its ``support`` (``traced_rows``' supports: ids [n], ascending, outside which every
+    logit is -inf), [n] at those ids; ``raw_probs``, ``final_probs`` and ``stage_probs`` are always [V],
+    ``prob`` reads one token's p from either."""
 
     logits: torch.Tensor
     stages: list[StageTrace]
-    raw_probs: torch.Tensor
-    final_probs: torch.Tensor
-    stage_probs: list[torch.Tensor] = field(default_factory=list)
+    raw: torch.Tensor
+    final: torch.Tensor
+    between: list[torch.Tensor] = field(default_factory=list)
+    support: torch.Tensor | None = None
 
     def __iter__(self):
         """Unpacks as ``final_logits, stages``."""
         return iter((self.logits, self.stages))
 
+    def dense(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs`` (one of this record's) over the whole vocabulary [V]."""
+        if self.support is None:
+            return probs
+        out = torch.zeros(self.logits.shape[-1], dtype=probs.dtype, device=probs.device)
+        return out.index_copy_(0, self.support, probs)
+
+    def prob(self, probs: torch.Tensor, token: int) -> float:
+        """``token``'s p in ``probs`` (one of this record's): 0 outside the support."""
+        if self.support is None:
+            return float(probs[token])
+        at = int(torch.searchsorted(self.support, token))
+        return float(probs[at]) if at < len(self.support) and int(self.support[at]) == token else 0.0
+
+    @property
+    def raw_probs(self) -> torch.Tensor:
+        return self.dense(self.raw)
+
+    @property
+    def final_probs(self) -> torch.Tensor:
+        return self.dense(self.final)
+
+    @property
+    def stage_probs(self) -> list[torch.Tensor]:
+        return [self.dense(p) for p in self.between]
+
+    def final_logits(self) -> torch.Tensor:
+        """The final logits [1, V], or [1, n] at the support."""
+        return self.logits if self.support is None else self.logits[:, self.support]
+
 
 def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], logits: torch.Tensor,
-                top_n: Sequence[int], token_text: Callable[[int], str]) -> list["Traced | Exception"]:
+                top_n: Sequence[int], token_text: Callable[[int], str],
+                supports: Sequence[torch.Tensor | None] | None = None) -> list["Traced | Exception"]:
     """``Chain.traced`` for B rows at once: row b is ``chains[b].traced(input_ids[b], logits[b:b+1],
     top_n[b], token_text)`` (input_ids[b]: [1, S_b]; logits [B, V]), with the same tokens and
     floats. The statistics of each stage position are computed on [R, V] for every row that has a
     stage there, with one ``.tolist()`` per statistic; stages shareable across rows run once per
-    group of equal params. A row whose stage raises gets that exception and drops out."""
+    group of equal params. A row whose stage raises gets that exception and drops out.
+
+    ``supports[b]`` (ids [n], ascending): every logit of row b outside them is -inf (a served model's
+    top-N). The stages still run on [1, V]; the records are made on the n ids only (what lies outside
+    adds nothing to a softmax, a sum or a top list: the same records, the floats to the order of a
+    sum) while each stage keeps the rest at -inf, which is checked: a stage that makes a token outside
+    finite (or NaN) moves the row back to [V] records from there on."""
     logits = logits.float()
     every = list(range(len(chains)))
     rows: list[torch.Tensor] = [logits[b:b + 1] for b in every]  # [1, V] each: row b's logits so far
-    recorder = _RowsRecorder(list(top_n), token_text)
-    traces = [[t] for t in recorder.record(every, logits, ["raw"] * len(every), [{}] * len(every))]
+    recorder = _RowsRecorder(list(top_n), token_text, list(supports) if supports is not None else None)
+    for b in every:
+        recorder.check_support(b, rows[b])
+    traces = [[t] for t in recorder.record_rows(every, rows, ["raw"] * len(every), [{}] * len(every))]
     raw_probs = recorder.probs_of(every)
     stage_probs: list[list[torch.Tensor]] = [[] for _ in every]  # row b's probabilities after each of its stages
     errors: dict[int, Exception] = {}
@@ -149,11 +193,12 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
         errors.update(_apply_position(j, active, chains, input_ids, rows, found))
         active = [b for b in active if b not in errors]
         if active:
+            for b in active:
+                recorder.check_support(b, rows[b])
             stages = [chains[b].stages[j] for b in active]
-            stacked = torch.cat([rows[b] for b in active]) if len(active) > 1 else rows[active[0]]  # [R, V]
-            records = recorder.record(active, stacked, [s.name for s in stages],
-                                      [{**s.knobs, **found[b]} for b, s in zip(active, stages)],
-                                      [s.state() for s in stages])
+            records = recorder.record_rows(active, rows, [s.name for s in stages],
+                                           [{**s.knobs, **found[b]} for b, s in zip(active, stages)],
+                                           [s.state() for s in stages])
             for b, trace, probs in zip(active, records, recorder.probs_of(active)):
                 traces[b].append(trace)
                 stage_probs[b].append(probs)
@@ -164,7 +209,11 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
             continue
         last = traces[b][-1]
         traces[b].append(StageTrace("final", last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {}))
-        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0], stage_probs[b]))
+        support = recorder.support[b]
+        if support is None:  # a row that left its support: its earlier probabilities over [V] too
+            raw_probs[b] = recorder.spread(b, raw_probs[b])
+            stage_probs[b] = [recorder.spread(b, p) for p in stage_probs[b]]
+        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0], stage_probs[b], support))
     return out
 
 
@@ -213,15 +262,56 @@ _TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 class _RowsRecorder:
     """Statistics of consecutive distributions, for many rows at once: keeps each row's previous
     probabilities and top list (so each stage costs one softmax); one softmax, entropy, top-k and
-    ``.tolist()`` per statistic for all the rows of a stage position."""
+    ``.tolist()`` per statistic for all the rows of a stage position. A row with a support (ids [n],
+    ascending; -inf outside) is recorded alone on [1, n]."""
 
-    def __init__(self, top_n: list[int], token_text: Callable[[int], str]):
+    def __init__(self, top_n: list[int], token_text: Callable[[int], str],
+                 supports: list[torch.Tensor | None] | None = None):
         self.top_n, self.token_text = top_n, token_text
-        self.prev: list[tuple[torch.Tensor, int] | None] = [None] * len(top_n)  # (probs [R, V], row) per row
+        self.support: list[torch.Tensor | None] = supports or [None] * len(top_n)
+        self.former: dict[int, tuple[torch.Tensor, int]] = {}  # rows that left their support: (it, V)
+        self.prev: list[tuple[torch.Tensor, int] | None] = [None] * len(top_n)  # (probs [R, V or n], row) per row
         self.prev_top: list[list[TokenProb]] = [[] for _ in top_n]
 
+    def check_support(self, b: int, row: torch.Tensor) -> None:
+        """Row b's logits ``row`` [1, V] hold -inf at every id outside its support; else the row is
+        recorded over [V] from now on (its previous probabilities spread over [V])."""
+        support = self.support[b]
+        if support is None or float(row.index_fill(1, support, -math.inf).amax()) == -math.inf:
+            return
+        self.former[b] = (support, row.shape[-1])
+        self.support[b] = None
+        if self.prev[b] is not None:
+            self.prev[b] = (self.spread(b, self.probs_of([b])[0])[None], 0)
+
+    def spread(self, b: int, probs: torch.Tensor) -> torch.Tensor:
+        """Row b's probabilities ``probs`` over [V]: as they are, or spread from the support it left."""
+        if b not in self.former or probs.shape[-1] == self.former[b][1]:
+            return probs
+        ids, size = self.former[b]
+        return torch.zeros(size, dtype=probs.dtype, device=probs.device).index_copy_(0, ids, probs)
+
+    def record_rows(self, active: list[int], rows: list[torch.Tensor], names: list[str], params: list[dict],
+                    states: list[dict] | None = None) -> list[StageTrace]:
+        """``record`` for ``active`` rows whose logits are ``rows[b]`` [1, V]: the rows without a support
+        stacked [R, V], each row with one alone on its n ids."""
+        out: dict[int, StageTrace] = {}
+        dense = [i for i, b in enumerate(active) if self.support[b] is None]
+        if dense:
+            members = [active[i] for i in dense]
+            stacked = torch.cat([rows[b] for b in members]) if len(members) > 1 else rows[members[0]]  # [R, V]
+            for i, trace in zip(dense, self.record(members, stacked, [names[i] for i in dense],
+                                                   [params[i] for i in dense],
+                                                   [states[i] for i in dense] if states else None)):
+                out[i] = trace
+        for i, b in enumerate(active):
+            if self.support[b] is not None:
+                out[i] = self.record([b], rows[b][:, self.support[b]], [names[i]], [params[i]],
+                                     [states[i]] if states else None, self.support[b])[0]
+        return [out[i] for i in range(len(active))]
+
     def probs_of(self, rows: list[int]) -> list[torch.Tensor]:
-        """The latest probabilities [V] of each of ``rows``."""
+        """The latest probabilities of each of ``rows``: [V], or [n] on its support."""
         return [self.prev[b][0][self.prev[b][1]] for b in rows]
 
     def _prev_stacked(self, rows: list[int]) -> torch.Tensor:
@@ -232,8 +322,9 @@ class _RowsRecorder:
         return torch.stack(self.probs_of(rows))
 
     def record(self, rows: list[int], logits: torch.Tensor, names: list[str], params: list[dict],
-               states: list[dict] | None = None) -> list[StageTrace]:
-        """The StageTraces of ``rows`` (indices into the batch) whose logits are ``logits`` [R, V]."""
+               states: list[dict] | None = None, support: torch.Tensor | None = None) -> list[StageTrace]:
+        """The StageTraces of ``rows`` (indices into the batch) whose logits are ``logits`` [R, V], or of
+        one row's [1, n] at the ids ``support``."""
         probs = torch.softmax(logits, dim=-1)  # [R, V]; masked tokens get exactly 0
         alive = probs > 0
         kept = alive.sum(dim=-1)  # [R]
@@ -246,8 +337,8 @@ class _RowsRecorder:
             mass = prev.masked_fill(alive, 0.0).sum(dim=-1).tolist()
             tv = (0.5 * (probs - prev).abs().sum(dim=-1)).tolist()
         kept_list, entropy_list = kept.tolist(), entropy.tolist()
-        tops = self._tops(rows, probs, kept_list)
-        removed = [[] for _ in rows] if first else self._removed(rows, alive)
+        tops = self._tops(rows, probs, kept_list, support)
+        removed = [[] for _ in rows] if first else self._removed(rows, alive, support)
         out = []
         for i, b in enumerate(rows):
             out.append(StageTrace(names[i], kept_list[i], float(mass[i]), entropy_list[i], float(tv[i]),
@@ -255,9 +346,10 @@ class _RowsRecorder:
             self.prev[b], self.prev_top[b] = (probs, i), tops[i]
         return out
 
-    def _tops(self, rows: list[int], probs: torch.Tensor, kept: list[int]) -> list[list[TokenProb]]:
+    def _tops(self, rows: list[int], probs: torch.Tensor, kept: list[int],
+              support: torch.Tensor | None = None) -> list[list[TokenProb]]:
         """Each row's top min(top_n, kept, V) tokens (removed tokens are not "top"); one top-k per
-        distinct k."""
+        distinct k (on a support: its positions read as its ids)."""
         ks = [min(self.top_n[b], kept[i], probs.shape[1]) for i, b in enumerate(rows)]
         tops: list[list[TokenProb]] = [[] for _ in rows]
         for k in set(ks):
@@ -265,16 +357,22 @@ class _RowsRecorder:
             some = probs.index_select(0, torch.tensor(members, dtype=torch.long, device=probs.device)) \
                 if len(members) < len(rows) else probs
             values, ids = torch.topk(some, k)
+            if support is not None:
+                ids = support[ids]
             for i, id_row, p_row in zip(members, ids.tolist(), values.tolist()):
                 tops[i] = [TokenProb(t, self.token_text(t), p) for t, p in zip(id_row, p_row)]
         return tops
 
-    def _removed(self, rows: list[int], alive: torch.Tensor) -> list[list[TokenProb]]:
-        """Of each row's previous top list, the tokens this stage removed."""
+    def _removed(self, rows: list[int], alive: torch.Tensor,
+                 support: torch.Tensor | None = None) -> list[list[TokenProb]]:
+        """Of each row's previous top list, the tokens this stage removed (on a support: the previous
+        top tokens, all inside it, found at their positions in it)."""
         width = max(len(self.prev_top[b]) for b in rows)
         if width == 0:
             return [[] for _ in rows]
         ids = torch.tensor([[t.token_id for t in self.prev_top[b]] + [0] * (width - len(self.prev_top[b])) for b in rows],
                            dtype=torch.long, device=alive.device)  # [R, width], padded with token 0
+        if support is not None:
+            ids = torch.searchsorted(support, ids).clamp(max=len(support) - 1)
         still = alive.gather(1, ids).tolist()
         return [[t for t, s in zip(self.prev_top[b], still[i]) if not s] for i, b in enumerate(rows)]

@@ -116,6 +116,12 @@ def pick(final: Traced | torch.Tensor, generator: torch.Generator | None, force:
     return chosen
 
 
+def _final_only(logits: torch.Tensor) -> Traced:
+    """Final logits [1, V] as a record with no stage (``pick_rows``)."""
+    probs = torch.softmax(logits[0].float(), dim=-1)
+    return Traced(logits, [], probs, probs)
+
+
 def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torch.Generator | None],
               forces: Sequence[int | None], steps: Sequence[int | None]) -> list[sampling.Pick | Exception]:
     """The pick policy for R rows (row i: ``finals[i]``, a ``Traced`` or final logits [1, V], with
@@ -126,32 +132,45 @@ def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torc
     - no token left (every logit masked, NaN): NoTokensLeft(steps[i]), returned as that row's result;
     - no generator (greedy): the argmax (ties: the lowest id, as ``sampling.greedy``);
     - else a seeded draw from the final probabilities (``sampling.sample_rows``, which equals
-      ``sampling.sample_probs`` row by row)."""
-    logits = [f.logits if isinstance(f, Traced) else f for f in finals]  # [1, V] each
-    # [V] each, the softmax of the final logits as Chain.traced and generate() compute it
-    probs = [f.final_probs if isinstance(f, Traced) else torch.softmax(f[0].float(), dim=-1) for f in finals]
+      ``sampling.sample_probs`` row by row).
+
+    A ``Traced`` made on a support (``Traced.support``: a served model's top-N) is picked on its n ids
+    (argmax, ``sampling.sample_at``): the same token, p and draw as over [V]."""
+    traced = [f if isinstance(f, Traced) else _final_only(f) for f in finals]
+    # the final probabilities as Chain.traced and generate() compute them: [V], or [n] on a support
+    probs = [t.final for t in traced]
+    vocab = traced[0].logits.shape[-1] if traced else 0
     out: list[sampling.Pick | Exception | None] = [None] * len(finals)
     for i, token in enumerate(forces):
         if token is not None:
             if generators[i] is not None:
-                sampling.skip_draws(generators[i], 1, probs[i].shape[0], probs[i].device)
-            out[i] = sampling.Pick(token, float(probs[i][token]))
+                sampling.skip_draws(generators[i], 1, vocab, probs[i].device)
+            out[i] = sampling.Pick(token, traced[i].prob(probs[i], token))
     free = [i for i, token in enumerate(forces) if token is None]
     if not free:
         return out  # type: ignore[return-value]
-    has = sampling.rows_with_tokens(torch.cat([logits[i] for i in free]))
-    for i in (i for i, h in zip(free, has) if not h):
+    dense = [i for i in free if traced[i].support is None]
+    has = dict(zip(dense, sampling.rows_with_tokens(torch.cat([traced[i].logits for i in dense])) if dense else []))
+    has |= {i: sampling.rows_with_tokens(traced[i].final_logits())[0] for i in free if traced[i].support is not None}
+    for i in (i for i in free if not has[i]):
         out[i] = sampling.NoTokensLeft(steps[i])
-    greedy = [i for i, h in zip(free, has) if h and generators[i] is None]
-    drawn = [i for i, h in zip(free, has) if h and generators[i] is not None]
+    greedy = [i for i in dense if has[i] and generators[i] is None]
+    drawn = [i for i in dense if has[i] and generators[i] is not None]
     if greedy:
-        tokens = torch.argmax(torch.cat([logits[i] for i in greedy]), dim=-1).tolist()
+        tokens = torch.argmax(torch.cat([traced[i].logits for i in greedy]), dim=-1).tolist()
         for i, token in zip(greedy, tokens):
             out[i] = sampling.Pick(token, float(probs[i][token]))
     if drawn:
         picks = sampling.sample_rows(torch.stack([probs[i] for i in drawn]), [generators[i] for i in drawn])
         for i, chosen in zip(drawn, picks):
             out[i] = chosen
+    for i in (i for i in free if has[i] and traced[i].support is not None):  # a row on its support: the same, on n
+        support = traced[i].support
+        if generators[i] is None:  # argmax over n in id order: the lowest id of a tie, as over V
+            at = int(torch.argmax(traced[i].final_logits()[0]))
+            out[i] = sampling.Pick(int(support[at]), float(probs[i][at]))
+        else:
+            out[i] = sampling.sample_at(probs[i], support, vocab, generators[i])
     return out  # type: ignore[return-value]
 
 
@@ -176,12 +195,12 @@ def step_trace(lm: Model, traced: Traced, chosen: sampling.Pick, index: int, ela
     """The StepTrace of token ``chosen`` picked from ``traced`` (its stages: raw first, final last;
     a stage between them whose top-N misses the token records the token's p there)."""
     token, stages = chosen.token_id, list(traced.stages)
-    for i, probs in enumerate(traced.stage_probs, start=1):
+    for i, probs in enumerate(traced.between, start=1):
         if i < len(stages) - 1 and not any(t.token_id == token for t in stages[i].top):
-            stages[i] = dataclasses.replace(stages[i], chosen_prob=float(probs[token]))
+            stages[i] = dataclasses.replace(stages[i], chosen_prob=traced.prob(probs, token))
     return StepTrace(
         index=index, chosen_token_id=token, chosen_token=lm.token_text(token), chosen_prob=chosen.prob,
-        raw_prob=float(traced.raw_probs[token]), draw=chosen.draw, draw_low=chosen.low, draw_high=chosen.high,
+        raw_prob=traced.prob(traced.raw, token), draw=chosen.draw, draw_low=chosen.low, draw_high=chosen.high,
         entropy=stages[-1].entropy, raw_entropy=stages[0].entropy, stages=stages, elapsed_ms=elapsed_ms,
         forced=forced, finish_reason=finish_reason,
     )
@@ -255,11 +274,13 @@ class RunState:
             self.chain.observe(ids, token)
         self.needs_replay = False
 
-    def advance(self, logits: torch.Tensor) -> StepTrace:
+    def advance(self, logits: torch.Tensor, support: torch.Tensor | None = None) -> StepTrace:
         """One step: logits [1, V] after the last token -> the chain, the pick, the stateful stages'
         update, the stop rules -> the StepTrace of the token picked (``finish_reason`` set on the last).
-        The one-row case of ``advance_rows``, whose exception for the row it raises."""
-        step = advance_rows([self], logits)[0]
+        ``support``: ids [n], ascending, outside which every logit is -inf (a served model's top-N): the
+        records and the pick are made on those (``chain.traced_rows``). The one-row case of
+        ``advance_rows``, whose exception for the row it raises."""
+        step = advance_rows([self], logits, None if support is None else [support])[0]
         if isinstance(step, Exception):
             raise step
         return step
@@ -282,7 +303,8 @@ class RunState:
         return int(self.ids[0, -1])
 
 
-def advance_rows(states: Sequence[RunState], logits: torch.Tensor) -> list[StepTrace | Exception]:
+def advance_rows(states: Sequence[RunState], logits: torch.Tensor,
+                 supports: Sequence[torch.Tensor | None] | None = None) -> list[StepTrace | Exception]:
     """The greedy/sampling step of many runs at once (``RunState.advance`` is its one-row case): row b
     of ``logits`` [B, V] is ``states[b]``'s. Each run gets the StepTrace it would get stepped alone
     (same tokens, draws from its own generator, floats to rounding), or the exception its step
@@ -291,7 +313,7 @@ def advance_rows(states: Sequence[RunState], logits: torch.Tensor) -> list[StepT
     if any(s.needs_replay for s in states):
         raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
     traced = traced_rows([s.chain for s in states], [s.ids for s in states], logits,
-                         [s.config.top_n for s in states], states[0].lm.token_text)
+                         [s.config.top_n for s in states], states[0].lm.token_text, supports)
     ok = [b for b, t in enumerate(traced) if not isinstance(t, Exception)]
     picks = pick_rows([traced[b] for b in ok], [states[b].generator for b in ok], [states[b].force for b in ok],
                       [len(states[b].generated) for b in ok])

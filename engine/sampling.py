@@ -9,12 +9,22 @@ The race also yields an honest uniform draw for the classic inverse-CDF picture:
 time T = E_w / p_w is Exp(1) and independent of which token won, so frac = 1 - exp(-T) is U(0, 1)
 independent of the winner, and u = F(w-) + p_w * frac is exactly U(0, 1) with the inverse CDF of u
 (tokens sorted by probability, highest first) equal to the winner.
+
+Only the tokens with nonzero probability can win, and a served model's step (its top-N, every other
+logit -inf) or a truncated distribution has few of them. torch's CPU ``exponential_`` is a scalar loop
+(one 64-bit draw and one double ``log`` per entry: 0.7 ms over V = 49,152 here, most of a sampled step's
+pick); a row with at most COMPACT_MOST nonzero entries draws the same V uniforms (``uniform_`` on a double
+tensor takes the same 64-bit draws) and takes the log at its nonzero entries only
+(``exponentials_at``): the same exponentials there bit for bit, the generator left where V exponentials
+leave it, the same winner, time and interval (``compact_draws_work`` checks this at first use, else
+every row races over V).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -78,9 +88,54 @@ def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> Pick:
 
 
 def skip_draws(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
-    """Advance the generator past ``steps`` sampling steps (used to resume a run mid-way)."""
+    """Advance the generator past ``steps`` sampling steps (used to resume a run mid-way): on a CPU
+    generator, ``steps * vocab_size`` double uniforms (the same 64-bit draws, without the logs)."""
+    if steps > 0 and _compact(generator):
+        _uniforms(generator, steps * vocab_size)
+        return
     for _ in range(steps):
         exponential_noise(torch.Size([1, vocab_size]), generator, device)
+
+
+# --- one step's exponentials at a few positions (see the module's docstring) -------------------------------
+COMPACT_MOST = 1024  # a row with at most this many nonzero probabilities races on them only
+
+
+def _uniforms(generator: torch.Generator, count: int) -> torch.Tensor:
+    """``count`` uniforms in [0, 1) as torch's CPU ``exponential_`` draws them: one 64-bit draw each,
+    its low 53 bits over 2^53, in double (``uniform_`` on a double tensor)."""
+    return torch.empty(count, dtype=torch.float64).uniform_(0.0, 1.0, generator=generator)
+
+
+def _exponentials(u: list[float]) -> torch.Tensor:
+    """-log(1 - u) with the C library's scalar log (as torch's CPU kernel computes it), as float32."""
+    return torch.tensor([-math.log(1.0 - x) for x in u], dtype=torch.float64).float()
+
+
+def exponentials_at(generator: torch.Generator, vocab_size: int,
+                    ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's exponentials (``exponential_noise([1, vocab_size])``) at ``ids`` only -> (E at ``ids``
+    [n] float32, the step's uniforms [vocab_size] double); the generator moves past all vocab_size draws,
+    as exponential_noise moves it. Bit for bit exponential_'s where ``compact_draws_work()``."""
+    u = _uniforms(generator, vocab_size)
+    return _exponentials(u[ids].tolist()), u
+
+
+def _compact(generator: torch.Generator | None) -> bool:
+    return generator is not None and generator.device.type == "cpu" and compact_draws_work()
+
+
+@cache
+def compact_draws_work() -> bool:
+    """Whether ``exponentials_at`` gives ``exponential_``'s numbers and end state on this torch, checked
+    once bit for bit on a few seeds and sizes; False: every draw takes exponential_ over V."""
+    for seed, size in ((0, 1), (1, 7), (2, 4099), (12345, 8192)):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        noise, _ = exponentials_at(ours, size, torch.arange(size))
+        expected = exponential_noise(torch.Size([1, size]), theirs, torch.device("cpu"))[0]
+        if not torch.equal(noise, expected) or not torch.equal(ours.get_state(), theirs.get_state()):
+            return False
+    return True
 
 
 def rows_with_tokens(final: torch.Tensor) -> list[bool]:
@@ -90,25 +145,63 @@ def rows_with_tokens(final: torch.Tensor) -> list[bool]:
     return torch.isfinite(final.float().amax(dim=-1)).tolist()
 
 
-def mass_before(probs: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """Each row's probability mass where ``before`` [R, V] holds, summed in float64 -> [R]
-    (``where`` needs no negated mask: the same sums bit for bit as ``masked_fill(~before)``)."""
-    return torch.where(before, probs, 0.0).double().sum(dim=-1)
-
-
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[Pick]:
     """Draw from each row of ``probs`` [R, V] with ``generators[r]`` (V draws each, as alone): the
     exponential race (token i gets E_i ~ Exp(1); the largest p_i / E_i wins, as torch.multinomial
     draws), and the winner's interval [low, high) on the sorted CDF (higher probability first, ties
-    by lower id) with u = low + p * (1 - exp(-E_w / p_w)), computed on [R, V]."""
+    by lower id) with u = low + p * (1 - exp(-E_w / p_w)). A row with at most COMPACT_MOST nonzero
+    probabilities on a CPU generator races on those only (``exponentials_at``), the others on [R, V]
+    at once; both give the same pick bit for bit."""
+    counts = (probs != 0).sum(dim=-1).tolist()  # NaN counts as nonzero: it wins a race over V, and here too
+    out: list[Pick | None] = [None] * len(generators)
+    for r, (count, generator) in enumerate(zip(counts, generators)):
+        if 0 < count <= COMPACT_MOST and probs.device.type == "cpu" and _compact(generator):
+            ids = (probs[r] != 0).nonzero()[:, 0]  # [n], ascending
+            out[r] = sample_at(probs[r, ids], ids, probs.shape[1], generator)
+    full = [r for r, chosen in enumerate(out) if chosen is None]
+    if full:
+        rows = probs if len(full) == len(generators) else probs[full]
+        for r, chosen in zip(full, _race_rows(rows, [generators[r] for r in full])):
+            out[r] = chosen
+    return out  # type: ignore[return-value]
+
+
+def _race_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[Pick]:
+    """The race over [R, V]: V exponentials per row from its generator."""
     noise = torch.cat([exponential_noise(torch.Size([1, probs.shape[1]]), g, probs.device) for g in generators])  # [R, V]
     tokens = torch.argmax(probs / noise, dim=-1, keepdim=True)  # [R, 1]
     p = probs.gather(1, tokens)  # [R, 1]
     times = noise.gather(1, tokens) / p  # [R, 1]: the race's winning times, as sample_probs divides them
     ids = torch.arange(probs.shape[1], device=probs.device)
     before = (probs > p) | ((probs == p) & (ids < tokens))  # [R, V]: sorted before the winner
-    low = mass_before(probs, before)  # [R]
     out = []
-    for token, prob, t, lo in zip(tokens[:, 0].tolist(), p[:, 0].tolist(), times[:, 0].tolist(), low.tolist()):
-        out.append(Pick(token, prob, lo + prob * -math.expm1(-t), lo, lo + prob))
+    for r, (token, prob, t) in enumerate(zip(tokens[:, 0].tolist(), p[:, 0].tolist(), times[:, 0].tolist())):
+        out.append(_picked(token, prob, t, probs[r][before[r]]))
     return out
+
+
+def sample_at(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int, generator: torch.Generator) -> Pick:
+    """``sample_rows``' pick for one row [vocab_size] that is 0 outside ``ids`` ([n], ascending; its
+    values there ``probs`` [n]), raced on those only where the generator allows (a CPU one, and
+    ``compact_draws_work``; else over V): the same exponentials there, the same division, the same winner
+    (in id order, argmax's first maximum is the same token as over V), the same interval. Over V a
+    zero-probability token whose exponential is exactly 0 (a uniform of exactly 0, once in 2^53 draws)
+    makes 0 / 0 = NaN, which argmax takes: that rare step races over V from the same uniforms."""
+    if not _compact(generator) or probs.device.type != "cpu":
+        row = torch.zeros(vocab_size, dtype=probs.dtype, device=probs.device)
+        return _race_rows(row.index_copy_(0, ids.to(probs.device), probs)[None], [generator])[0]
+    noise, u = exponentials_at(generator, vocab_size, ids)
+    if bool((u == 0).any()):  # the once-in-2^53 case above: every exponential, as exponential_ makes them
+        probs = torch.zeros(vocab_size, dtype=probs.dtype).index_copy_(0, ids, probs)
+        ids, noise = torch.arange(vocab_size), _exponentials(u.tolist())
+    w = int(torch.argmax(probs / noise))
+    p = probs[w]
+    before = (probs > p) | ((probs == p) & (torch.arange(probs.shape[0]) < w))  # sorted before the winner
+    return _picked(int(ids[w]), float(p), float(noise[w] / p), probs[before])
+
+
+def _picked(token: int, prob: float, time: float, before: torch.Tensor) -> Pick:
+    """The Pick of ``token`` won at race time ``time``: ``before`` holds the probabilities sorted
+    before it, in id order, summed in float64 (the same terms in the same order on both races)."""
+    low = float(before.double().sum())
+    return Pick(token, prob, low + prob * -math.expm1(-time), low, low + prob)

@@ -141,10 +141,23 @@ def test_entropy_rows_equals_entr_on_raw_truncated_and_edge_rows():
     assert got[2].item() == 0.0 and (probs[3, :100] > 0).any() and (probs[3, :100] < torch.finfo(torch.float32).tiny).all()
 
 
-def test_mass_before_equals_the_masked_float64_sum():
-    """``sampling.mass_before`` (the draw's interval start) against masked_fill(~before) then a
-    float64 sum, bit for bit."""
+def test_the_draw_s_interval_starts_at_the_mass_sorted_before_the_winner():
+    """A draw's ``low`` (its interval start) is the float64 sum of the probabilities sorted before the
+    winner (higher p, or equal p and a lower id), in id order, over V and on a truncated row alike,
+    against the same sum made from a stable sort."""
     torch.manual_seed(1)
     probs = torch.softmax(torch.randn(3, 1000) * 3, dim=-1)
-    before = probs > probs[:, 11:12]
-    assert torch.equal(sampling.mass_before(probs, before), probs.masked_fill(~before, 0.0).double().sum(dim=-1))
+    probs[1, 500:] = 0.0  # a truncated row races on its nonzero entries
+    probs[1] /= probs[1].sum()
+    probs[2, 7] = probs[2, 9] = probs[2, 11]  # a tie with the lowest id first
+    for seed in range(20):
+        for r, chosen in enumerate(sampling.sample_rows(probs, [torch.Generator().manual_seed(seed + 100 * r)
+                                                                for r in range(3)])):
+            row = probs[r]
+            p = row[chosen.token_id]
+            before = (row > p) | ((row == p) & (torch.arange(1000) < chosen.token_id))
+            assert chosen.low == float(row[before].double().sum())
+            order = torch.sort(row.double(), descending=True, stable=True).indices
+            at = int((order == chosen.token_id).nonzero())
+            assert chosen.low == pytest.approx(float(row.double()[order[:at]].sum()), abs=1e-12)
+            assert chosen.high == chosen.low + chosen.prob and chosen.low <= chosen.draw < chosen.high + 1e-12

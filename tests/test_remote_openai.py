@@ -348,3 +348,38 @@ def test_a_tokenizer_the_app_cannot_load_is_one_line_at_connect(monkeypatch):
         remote.connect_spec(served.RemoteSpec.parse(text), timeout_s=1)
     assert str(caught.value) == (f"{text}: tokenizer=embedded: the embedded model's tokenizer did not load (The "
                                  "embedded model is not installed here: run make setup)")
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("token_id:\u00b2", -1.0, r"\[\'token_id:²\'\]: expected token_id:<id>, got 'token_id:²'"),  # isdigit, not int()
+    ("token_id:\u0663", -1.0, r"expected token_id:<id>, got 'token_id:٣'"),  # a digit, not an ASCII one
+    ("token_id:-1", -1.0, r"expected token_id:<id>"),
+    ("token_id:", -1.0, r"expected token_id:<id>"),
+    ("token_id:12345678901", -1.0, r"expected token_id:<id>"),
+    ("token_id:49152", -1.0, r"expected a token id in \[0, 49152\), got 49152"),
+    ("token:1", -1.0, r"expected token_id:<id>"),
+    ("token_id:7", True, r"\[\'token_id:7\'\]: expected a log-probability .*got True"),
+    ("token_id:7", 0.5, r"expected a log-probability .*got 0\.5"),
+    ("token_id:7", "-1", r"expected a log-probability"),
+    ("token_id:7", None, r"expected a log-probability"),
+    ("token_id:7", -math.inf, r"expected a log-probability .*got -inf"),
+], ids=["superscript", "arabic-digit", "negative", "empty", "eleven-digits", "outside", "prefix", "bool", "positive",
+        "string", "null", "minus-infinity"])
+def test_a_hostile_top_n_entry_is_one_line_naming_it(key, value, says):
+    """vLLM's top-N (``{"token_id:<id>": logprob}``, N per token: read without naming each entry) still
+    refuses each bad entry in a line that names it."""
+    from engine.backends.schema import Schema
+    s = Schema("vLLM http://x/v1/completions", 49152)
+    with pytest.raises(client.RemoteError, match=says) as caught:
+        openai._top({"token_id:3": -0.5, key: value}, s, "top_logprobs[0]", 101)
+    assert str(caught.value).startswith("vLLM http://x/v1/completions: top_logprobs[0][")
+
+
+def test_a_good_top_n_is_read_as_before():
+    """Good entries: ids and log-probabilities as sent, an int 0 and a rounding slack above 0 read as 0."""
+    from engine.backends.schema import Schema
+    s = Schema("vLLM http://x/v1/completions", 49152)
+    assert openai._top({"token_id:3": -0.5, "token_id:49151": -2.25}, s, "t", 101) == [(3, -0.5, None),
+                                                                                       (49151, -2.25, None)]
+    assert openai._top({"token_id:0": 0}, s, "t", 101) == [(0, 0.0, None)]
+    assert openai._top({"token_id:9": 5e-5}, s, "t", 101) == [(9, 0.0, None)]

@@ -16,7 +16,8 @@ tokens. With this processor loaded (``deploy/vllm_serve.py`` starts vLLM with
 For such a request, at each position this processor computes step mode's pick as our engine does:
 the raw log-probabilities (vLLM's ``raw_logprobs``, the same float32 op), truncated to their top N, the
 chain, the softmax, and the exponential race against V draws of the run's generator
-(engine.sampling.sample_rows), to float rounding (the chain and softmax run over the N, ours over V
+(engine.sampling.sample_rows; the exponentials taken at the N only, as engine.sampling.exponentials_at
+takes them: V uniforms, N logs), to float rounding (the chain and softmax run over the N, ours over V
 with -inf outside them: the same numbers up to the order of a sum). It leaves only that token (every
 other logit -inf), and the request's temperature 0 makes it the server's token. The server's answer is still verified position by position
 on our side, so a difference (a tie at the top-N's edge, a stage this processor does not know) costs
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -48,6 +51,27 @@ WARPERS = {
 }
 
 
+def exponentials_at(generator: torch.Generator, vocab: int, ids: torch.Tensor) -> torch.Tensor:
+    """One step's V exponentials of ``generator`` (``exponential_`` over [1, vocab]) at ``ids`` only, the
+    generator moved past all V: engine.sampling.exponentials_at, repeated here (this file loads in vLLM's
+    environment, without our engine): the same 64-bit draws as uniforms in double, -log(1 - u) with the C
+    library's log at ``ids``, as float32. Where that is not exponential_'s here (``compact_works``), exponential_."""
+    if not compact_works():
+        return torch.empty((1, vocab), dtype=torch.float32).exponential_(1, generator=generator)[0, ids]
+    u = torch.empty(vocab, dtype=torch.float64).uniform_(0.0, 1.0, generator=generator)
+    return torch.tensor([-math.log(1.0 - x) for x in u[ids].tolist()], dtype=torch.float64).float()
+
+
+@cache
+def compact_works() -> bool:
+    """Whether the uniforms-and-logs path gives exponential_'s numbers and end state (checked once)."""
+    ours, theirs = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    u = torch.empty(4099, dtype=torch.float64).uniform_(0.0, 1.0, generator=ours)
+    noise = torch.tensor([-math.log(1.0 - x) for x in u.tolist()], dtype=torch.float64).float()
+    expected = torch.empty((1, 4099), dtype=torch.float32).exponential_(1, generator=theirs)[0]
+    return torch.equal(noise, expected) and torch.equal(ours.get_state(), theirs.get_state())
+
+
 @dataclass
 class RowDraws:
     """One request's draws: its generator, its chain, its top-N."""
@@ -61,14 +85,13 @@ class RowDraws:
         highest first, and their ``ids``): the chain on them (every other token is -inf, which these
         stages keep at -inf and which adds nothing to a softmax, so the N are enough), the softmax,
         and the race against V draws of the run's generator (all V drawn, as our engine draws them;
-        only the N can win)."""
+        only the N can win, so only theirs are taken)."""
         row = values[None].clone()
         dummy = torch.zeros((1, 1), dtype=torch.long)
         for warper in self.chain:
             row = warper(dummy, row)
         probs = torch.softmax(row.float(), dim=-1)[0]
-        noise = torch.empty((1, vocab), dtype=torch.float32).exponential_(1, generator=self.generator)[0]
-        return int(ids[int(torch.argmax(probs / noise[ids]))])
+        return int(ids[int(torch.argmax(probs / exponentials_at(self.generator, vocab, ids)))])
 
 
 def row_draws(extra: dict | None) -> RowDraws | None:

@@ -264,8 +264,9 @@ class JsonClient:
         an answer cut at the limit gives all its memory back to the system at once (a malloc'd
         buffer of that size would raise glibc's mmap threshold and stay in the process)."""
         length = exchange.response.getheader("Content-Length")
-        if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
-            raise AnswerTooLarge(f"{where}: the answer ({int(length):,} bytes) is over the "
+        digits = (length or "").strip()
+        if digits.isascii() and digits.isdigit() and int(digits) > MAX_BODY_BYTES:
+            raise AnswerTooLarge(f"{where}: the answer ({int(digits):,} bytes) is over the "
                                  f"{MAX_BODY_BYTES >> 20} MiB limit")
         with mmap.mmap(-1, MAX_BODY_BYTES + READ_CHUNK) as buffer:
             size = 0

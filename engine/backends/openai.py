@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.llamacpp import MAX_CHUNK_TOKENS, MAX_TRAILING_CHUNKS, llama_entries
-from engine.backends.schema import MAX_CONTEXT, MAX_PIECE_CHARS, VOCAB_BOUND, Schema
+from engine.backends.schema import MAX_CONTEXT, MAX_PIECE_CHARS, PROB_SLACK, VOCAB_BOUND, Schema
 from engine.backends.served import (STEP_TOP_N, Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer,
                                     check_served)
 from engine.config import KNOBS, DecodingConfig
@@ -60,16 +60,33 @@ def _openai_tokens(choice: Any, s: Schema, field: str, most: int, top_n: int) ->
 
 
 def _top(top: Any, s: Schema, field: str, most: int) -> list[Entry]:
-    """vLLM's ``{"token_id:<id>": logprob}`` top-N as Entries, checked."""
-    entries = [(_token_id(k, s, f"{field}[{k[:20]!r}]"), s.logprob(v, f"{field}[{k[:20]!r}]"), None)
-               for k, v in s.obj(top or {}, field).items()]
+    """vLLM's ``{"token_id:<id>": logprob}`` top-N as Entries, checked: an entry that passes every check
+    is read at once; one that fails is checked again field by field for the line naming it (a step
+    reads N of them per token: the names are built only for a bad one)."""
+    entries = []
+    for k, v in s.obj(top or {}, field).items():
+        token = _plain_id(k)
+        if token is not None and token < s.vocab and type(v) is float and -math.inf < v <= PROB_SLACK:
+            entries.append((token, min(v, 0.0), None))
+        else:
+            name = f"{field}[{str(k)[:20]!r}]"
+            entries.append((_token_id(k, s, name), s.logprob(v, name), None))
     return s.top(entries, field, most)
+
+
+def _plain_id(key: Any) -> int | None:
+    """``token_id:<at most 10 ASCII digits>`` -> the id, else None."""
+    if type(key) is str and key.startswith("token_id:") and 9 < len(key) <= 19:
+        number = key[9:]
+        if number.isascii() and number.isdigit():
+            return int(number)
+    return None
 
 
 def _token_id(key: Any, s: Schema, field: str) -> int:
     """``token_id:123`` (vLLM's ``return_tokens_as_token_ids``) -> 123, in the vocabulary."""
     prefix, _, number = s.text(key, field, MAX_PIECE_CHARS).partition(":")
-    if prefix != "token_id" or not number.isdigit() or len(number) > 10:
+    if prefix != "token_id" or not (number.isascii() and number.isdigit()) or len(number) > 10:
         raise s.fail(field, f"expected token_id:<id>, got {key[:40]!r}")
     return s.token(int(number), field)
 
@@ -85,7 +102,7 @@ def _row(row: Any, s: Schema, field: str, most: int) -> dict[int, float]:
 
 def _id_key(key: str, s: Schema, field: str) -> int:
     """A prompt_logprobs row's key (a token id as a string), in the vocabulary."""
-    if not key.isdigit() or len(key) > 10:
+    if not (key.isascii() and key.isdigit()) or len(key) > 10:
         raise s.fail(field, f"expected a token id, got {key[:40]!r}")
     return s.token(int(key), field)
 

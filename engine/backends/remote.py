@@ -10,7 +10,9 @@ through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend
 - **step mode** (``stream_step``, the default): one request per token (one token generated, top-N
   log-probabilities; the server's prefix cache re-reads only the new token). The raw top-N become
   logits (log p inside the top-N, -inf outside); our own stage chain and our own seeded draw
-  (``engine.core.RunState``, the local engine's loop body) pick the token. Exact up to the
+  (``engine.core.RunState``, the local engine's loop body) pick the token, the records and the draw
+  made on the N ids (``support_of``: what lies outside adds nothing; the same numbers to the order of
+  a sum, at a fraction of the CPU of the whole vocabulary). Exact up to the
   truncation to the top-N, which the trace labels (the tail mass per step). By default
   (``DP_STEP_VERIFY_TOKENS``, issue #38) a request asks the server's greedy continuation, several
   tokens each with the raw top-N at its position, and our chain verifies it position by position
@@ -107,6 +109,12 @@ def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, 
     return logits, max(0.0, 1.0 - float(logprobs.double().exp().sum()))
 
 
+def support_of(top: list[Entry]) -> torch.Tensor:
+    """The ids of a server's top-N, ascending and once each: outside them ``entries_logits``' row is
+    -inf, so our chain records and picks on them only (``RunState.advance``'s support)."""
+    return torch.tensor(sorted({t for t, _, _ in top}), dtype=torch.long)
+
+
 def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
                 top_n: int = STEP_TOP_N, tails: list[float] | None = None, prefix: Sequence[int] = (),
                 force: int | None = None) -> Iterator[StepTrace]:
@@ -120,10 +128,11 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
         start = len(prompt_ids)
         state.replay(torch.cat([top_logits(model, state.sequence[:start + i], top_n)[0] for i in range(len(prefix))]))
     while True:
-        logits, tail = top_logits(model, state.ids[0].tolist(), top_n)
+        top = model.api.next_top(state.ids[0].tolist(), top_n)
+        logits, tail = entries_logits(model, top)
         if tails is not None:
             tails.append(tail)
-        step = state.advance(logits)
+        step = state.advance(logits, support_of(top))
         yield step
         if step.finish_reason is not None:
             return
@@ -260,7 +269,7 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
                 logits, tail = entries_logits(model, top)
                 if tails is not None:
                     tails.append(tail)
-                step = state.advance(logits)
+                step = state.advance(logits, support_of(top))
                 verified.server.append(step.chosen_token_id == token)
                 verified.gave[-1] += 1
                 yield step
