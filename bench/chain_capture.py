@@ -5,10 +5,10 @@ the same tokens and stage records (floats within 1e-6), then prints steps per CP
 
     python -m bench.chain_capture [--rows 16] [--repeats 5]
 
-Then step mode's capture (issue #38): each row as a served model's step (its top-100 log-probabilities,
--inf elsewhere: ``remote.entries_logits``), one ``RunState.advance`` per row as each user's run makes it,
-on the top-100's ids (``advance(logits, support)``) against the same rows over the whole vocabulary with
-every draw over V (the path before: no support, ``sampling.COMPACT_MOST`` = 0).
+Then step mode's capture (issue #38): each row as a served model's step (its top-100 log-probabilities),
+one ``RunState.advance`` per row as each user's run makes it, on the top-100's ids (``advance(values,
+ids)``, as ``remote.entries_row`` gives them) against the same rows over the whole vocabulary (-inf
+elsewhere) with every draw over V (the path before: ``sampling.COMPACT_MOST`` = 0).
 
 The old path is today's code with the replaced parts put back: ``chain.entropy_rows`` as
 ``torch.special.entr(p).sum(-1)`` (entr is a scalar loop on CPU) and every draw's race over the whole
@@ -81,15 +81,16 @@ def same_steps(a: list, b: list, draw_tol: float = 1e-9) -> None:
                 and abs(s.tv_distance - t.tv_distance) <= 1e-6
 
 
-def step_rows(logits: torch.Tensor, top: int = 100) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each row as step mode builds it from a server's top-``top``: log-probabilities there, -inf
-    elsewhere [1, V], and the ids (``remote.support_of``)."""
+def step_rows(logits: torch.Tensor, top: int = 100) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each row as step mode builds it from a server's top-``top`` (``remote.entries_row``): the
+    log-probabilities at the ids [1, top] and the ids (ascending); and over the vocabulary [1, V], -inf
+    elsewhere (``remote.entries_logits``, the path before)."""
     out = []
     for row in torch.log_softmax(logits, dim=-1):
-        values, ids = torch.topk(row, top)
+        ids = torch.sort(torch.topk(row, top).indices).values
         built = torch.full((1, row.shape[0]), float("-inf"))
-        built[0, ids] = values
-        out.append((built, torch.sort(ids).values))
+        built[0, ids] = row[ids]
+        out.append((row[ids][None], ids, built))
     return out
 
 
@@ -148,11 +149,11 @@ def main() -> None:
                 return [RunState(lm, ids, config) for ids in prompts]
 
             def today(states: list[RunState]) -> list:
-                return [s.advance(row, support) for s, (row, support) in zip(states, rows)]
+                return [s.advance(values, ids) for s, (values, ids, _) in zip(states, rows)]
 
             def before(states: list[RunState]) -> list:
                 with over_vocabulary():
-                    return [s.advance(row) for s, (row, _) in zip(states, rows)]
+                    return [s.advance(row) for s, (_, _, row) in zip(states, rows)]
 
             same_steps(today(fresh()), before(fresh()), draw_tol=1e-6)
             rates = timed(today, fresh, args.repeats, before)

@@ -121,12 +121,13 @@ class Traced:
     logit is -inf), [n] at those ids; ``raw_probs``, ``final_probs`` and ``stage_probs`` are always [V],
     ``prob`` reads one token's p from either."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor  # [1, V]; on a support [1, V], or [1, n] when no stage ran (``final_logits``)
     stages: list[StageTrace]
     raw: torch.Tensor
     final: torch.Tensor
     between: list[torch.Tensor] = field(default_factory=list)
     support: torch.Tensor | None = None
+    vocab_size: int = 0  # V (0: the logits' width)
 
     def __iter__(self):
         """Unpacks as ``final_logits, stages``."""
@@ -136,7 +137,7 @@ class Traced:
         """``probs`` (one of this record's) over the whole vocabulary [V]."""
         if self.support is None:
             return probs
-        out = torch.zeros(self.logits.shape[-1], dtype=probs.dtype, device=probs.device)
+        out = torch.zeros(self.vocab_size or self.logits.shape[-1], dtype=probs.dtype, device=probs.device)
         return out.index_copy_(0, self.support, probs)
 
     def prob(self, probs: torch.Tensor, token: int) -> float:
@@ -160,12 +161,15 @@ class Traced:
 
     def final_logits(self) -> torch.Tensor:
         """The final logits [1, V], or [1, n] at the support."""
-        return self.logits if self.support is None else self.logits[:, self.support]
+        if self.support is None or self.logits.shape[-1] == len(self.support):
+            return self.logits
+        return self.logits[:, self.support]
 
 
-def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], logits: torch.Tensor,
-                top_n: Sequence[int], token_text: Callable[[int], str],
-                supports: Sequence[torch.Tensor | None] | None = None) -> list["Traced | Exception"]:
+def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
+                logits: torch.Tensor | Sequence[torch.Tensor], top_n: Sequence[int], token_text: Callable[[int], str],
+                supports: Sequence[torch.Tensor | None] | None = None,
+                vocab_size: int | None = None) -> list["Traced | Exception"]:
     """``Chain.traced`` for B rows at once: row b is ``chains[b].traced(input_ids[b], logits[b:b+1],
     top_n[b], token_text)`` (input_ids[b]: [1, S_b]; logits [B, V]), with the same tokens and
     floats. The statistics of each stage position are computed on [R, V] for every row that has a
@@ -173,14 +177,18 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
     group of equal params. A row whose stage raises gets that exception and drops out.
 
     ``supports[b]`` (ids [n], ascending): every logit of row b outside them is -inf (a served model's
-    top-N). The stages still run on [1, V]; the records are made on the n ids only (what lies outside
-    adds nothing to a softmax, a sum or a top list: the same records, the floats to the order of a
-    sum) while each stage keeps the rest at -inf, which is checked: a stage that makes a token outside
-    finite (or NaN) moves the row back to [V] records from there on."""
-    logits = logits.float()
+    top-N); its row is [1, V], or [1, n]: the logits at those ids (spread over [1, ``vocab_size``] with
+    -inf only when a stage runs on it). The stages run on [1, V]; the records are made on the n ids
+    only (what lies outside adds nothing to a softmax, a sum or a top list: the same records, the
+    floats to the order of a sum) while each stage keeps the rest at -inf, which is checked: a stage
+    that makes a token outside finite (or NaN) moves the row back to [V] records from there on.
+    ``logits``: [B, V], or the B rows as a list ([1, V] or [1, n] each)."""
     every = list(range(len(chains)))
-    rows: list[torch.Tensor] = [logits[b:b + 1] for b in every]  # [1, V] each: row b's logits so far
-    recorder = _RowsRecorder(list(top_n), token_text, list(supports) if supports is not None else None)
+    # [1, V] each (or [1, n] on a support): row b's logits so far
+    rows: list[torch.Tensor] = [r.float() for r in logits] if isinstance(logits, (list, tuple)) \
+        else [logits[b:b + 1].float() for b in every]
+    recorder = _RowsRecorder(list(top_n), token_text, list(supports) if supports is not None else None,
+                             vocab_size or max(r.shape[-1] for r in rows))
     for b in every:
         recorder.check_support(b, rows[b])
     traces = [[t] for t in recorder.record_rows(every, rows, ["raw"] * len(every), [{}] * len(every))]
@@ -190,6 +198,8 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
     for j in range(max((len(c.stages) for c in chains), default=0)):
         active = [b for b, c in enumerate(chains) if j < len(c.stages) and b not in errors]
         found: dict[int, dict] = {}
+        for b in active:  # a row given on its support is spread over [1, V] for its first stage
+            rows[b] = recorder.spread_row(b, rows[b])
         errors.update(_apply_position(j, active, chains, input_ids, rows, found))
         active = [b for b in active if b not in errors]
         if active:
@@ -213,7 +223,8 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor], 
         if support is None:  # a row that left its support: its earlier probabilities over [V] too
             raw_probs[b] = recorder.spread(b, raw_probs[b])
             stage_probs[b] = [recorder.spread(b, p) for p in stage_probs[b]]
-        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0], stage_probs[b], support))
+        out.append(Traced(rows[b], traces[b], raw_probs[b], recorder.probs_of([b])[0], stage_probs[b], support,
+                          recorder.vocab_size if support is not None else 0))
     return out
 
 
@@ -266,18 +277,32 @@ class _RowsRecorder:
     ascending; -inf outside) is recorded alone on [1, n]."""
 
     def __init__(self, top_n: list[int], token_text: Callable[[int], str],
-                 supports: list[torch.Tensor | None] | None = None):
-        self.top_n, self.token_text = top_n, token_text
+                 supports: list[torch.Tensor | None] | None = None, vocab_size: int = 0):
+        self.top_n, self.token_text, self.vocab_size = top_n, token_text, vocab_size
         self.support: list[torch.Tensor | None] = supports or [None] * len(top_n)
         self.former: dict[int, tuple[torch.Tensor, int]] = {}  # rows that left their support: (it, V)
         self.prev: list[tuple[torch.Tensor, int] | None] = [None] * len(top_n)  # (probs [R, V or n], row) per row
         self.prev_top: list[list[TokenProb]] = [[] for _ in top_n]
 
-    def check_support(self, b: int, row: torch.Tensor) -> None:
-        """Row b's logits ``row`` [1, V] hold -inf at every id outside its support; else the row is
-        recorded over [V] from now on (its previous probabilities spread over [V])."""
+    def on_support(self, b: int, row: torch.Tensor) -> bool:
+        """Whether ``row`` is row b's logits at its support only ([1, n])."""
         support = self.support[b]
-        if support is None or float(row.index_fill(1, support, -math.inf).amax()) == -math.inf:
+        return support is not None and row.shape[-1] == len(support)
+
+    def spread_row(self, b: int, row: torch.Tensor) -> torch.Tensor:
+        """Row b's logits over [1, V] (-inf outside its support where given on it)."""
+        if not self.on_support(b, row):
+            return row
+        out = torch.full((1, self.vocab_size), -math.inf, dtype=row.dtype, device=row.device)
+        return out.index_copy_(1, self.support[b], row)
+
+    def check_support(self, b: int, row: torch.Tensor) -> None:
+        """Row b's logits ``row`` [1, V] hold -inf at every id outside its support (a row given on
+        its support does by construction); else the row is recorded over [V] from now on (its
+        previous probabilities spread over [V])."""
+        support = self.support[b]
+        if support is None or self.on_support(b, row) \
+                or float(row.index_fill(1, support, -math.inf).amax()) == -math.inf:
             return
         self.former[b] = (support, row.shape[-1])
         self.support[b] = None
@@ -306,8 +331,9 @@ class _RowsRecorder:
                 out[i] = trace
         for i, b in enumerate(active):
             if self.support[b] is not None:
-                out[i] = self.record([b], rows[b][:, self.support[b]], [names[i]], [params[i]],
-                                     [states[i]] if states else None, self.support[b])[0]
+                on = rows[b] if self.on_support(b, rows[b]) else rows[b][:, self.support[b]]
+                out[i] = self.record([b], on, [names[i]], [params[i]], [states[i]] if states else None,
+                                     self.support[b])[0]
         return [out[i] for i in range(len(active))]
 
     def probs_of(self, rows: list[int]) -> list[torch.Tensor]:

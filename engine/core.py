@@ -139,12 +139,12 @@ def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torc
     traced = [f if isinstance(f, Traced) else _final_only(f) for f in finals]
     # the final probabilities as Chain.traced and generate() compute them: [V], or [n] on a support
     probs = [t.final for t in traced]
-    vocab = traced[0].logits.shape[-1] if traced else 0
+    vocab = [t.vocab_size or t.logits.shape[-1] for t in traced]  # each row's V (the draws it takes)
     out: list[sampling.Pick | Exception | None] = [None] * len(finals)
     for i, token in enumerate(forces):
         if token is not None:
             if generators[i] is not None:
-                sampling.skip_draws(generators[i], 1, vocab, probs[i].device)
+                sampling.skip_draws(generators[i], 1, vocab[i], probs[i].device)
             out[i] = sampling.Pick(token, traced[i].prob(probs[i], token))
     free = [i for i, token in enumerate(forces) if token is None]
     if not free:
@@ -170,7 +170,7 @@ def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torc
             at = int(torch.argmax(traced[i].final_logits()[0]))
             out[i] = sampling.Pick(int(support[at]), float(probs[i][at]))
         else:
-            out[i] = sampling.sample_at(probs[i], support, vocab, generators[i])
+            out[i] = sampling.sample_at(probs[i], support, vocab[i], generators[i])
     return out  # type: ignore[return-value]
 
 
@@ -277,10 +277,11 @@ class RunState:
     def advance(self, logits: torch.Tensor, support: torch.Tensor | None = None) -> StepTrace:
         """One step: logits [1, V] after the last token -> the chain, the pick, the stateful stages'
         update, the stop rules -> the StepTrace of the token picked (``finish_reason`` set on the last).
-        ``support``: ids [n], ascending, outside which every logit is -inf (a served model's top-N): the
-        records and the pick are made on those (``chain.traced_rows``). The one-row case of
-        ``advance_rows``, whose exception for the row it raises."""
-        step = advance_rows([self], logits, None if support is None else [support])[0]
+        ``support``: ids [n], ascending, outside which every logit is -inf (a served model's top-N);
+        ``logits`` may then be [1, n], the logits at those ids: the records and the pick are made on
+        those (``chain.traced_rows``). The one-row case of ``advance_rows``, whose exception for the row
+        it raises."""
+        step = advance_rows([self], [logits], None if support is None else [support])[0]
         if isinstance(step, Exception):
             raise step
         return step
@@ -303,7 +304,7 @@ class RunState:
         return int(self.ids[0, -1])
 
 
-def advance_rows(states: Sequence[RunState], logits: torch.Tensor,
+def advance_rows(states: Sequence[RunState], logits: torch.Tensor | Sequence[torch.Tensor],
                  supports: Sequence[torch.Tensor | None] | None = None) -> list[StepTrace | Exception]:
     """The greedy/sampling step of many runs at once (``RunState.advance`` is its one-row case): row b
     of ``logits`` [B, V] is ``states[b]``'s. Each run gets the StepTrace it would get stepped alone
@@ -313,7 +314,7 @@ def advance_rows(states: Sequence[RunState], logits: torch.Tensor,
     if any(s.needs_replay for s in states):
         raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
     traced = traced_rows([s.chain for s in states], [s.ids for s in states], logits,
-                         [s.config.top_n for s in states], states[0].lm.token_text, supports)
+                         [s.config.top_n for s in states], states[0].lm.token_text, supports, states[0].lm.vocab_size)
     ok = [b for b, t in enumerate(traced) if not isinstance(t, Exception)]
     picks = pick_rows([traced[b] for b in ok], [states[b].generator for b in ok], [states[b].force for b in ok],
                       [len(states[b].generated) for b in ok])

@@ -1,4 +1,5 @@
-"""A served model's step on its top-N (issue #38): ``RunState.advance(logits, support)`` records and picks
+"""A served model's step on its top-N (issue #38): ``RunState.advance(logits, support)`` (the logits
+[1, V] with -inf outside the ids, or [1, N] at them, as step mode gives them) records and picks
 on the N ids only (``chain.traced_rows``' supports, ``core.pick_rows``, ``sampling.sample_at``), and
 gives the StepTrace the same row gets over the whole vocabulary: the same tokens, draws, kept counts,
 top lists and removed tokens, every float within rounding (the order of a sum), for every stage family,
@@ -80,21 +81,24 @@ def same_step(a, b, where: str) -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_run_on_its_support_is_the_run_over_the_vocabulary(tiny_lm, name):
-    """24 steps of each stage family: stepped on the top-100's ids, every StepTrace (token, p, raw p,
-    draw and interval, every stage's kept count, removed mass, entropy, TV distance, top list, removed
-    tokens and state) is the one stepped over [1, V], the floats within 1e-6."""
+    """24 steps of each stage family: stepped on the top-100's ids (given [1, V] or [1, 100]), every
+    StepTrace (token, p, raw p, draw and interval, every stage's kept count, removed mass, entropy, TV
+    distance, top list, removed tokens and state) is the one stepped over [1, V], the floats within
+    1e-6; the two ways of giving the support give the same steps bit for bit."""
     config = CONFIGS[name]
-    on, over = RunState(tiny_lm, PROMPT, config), RunState(tiny_lm, PROMPT, config)
+    on, given, over = (RunState(tiny_lm, PROMPT, config) for _ in range(3))
     for step in range(config.max_new_tokens):
         logits, support = step_row(step)
-        a, b = on.advance(logits, support), over.advance(logits)
+        a, c, b = on.advance(logits, support), given.advance(logits[:, support], support), over.advance(logits)
         same_step(a, b, f"{name} step {step}")
+        assert repr(dataclasses.replace(a, elapsed_ms=0.0)) == repr(dataclasses.replace(c, elapsed_ms=0.0))
         assert a.finish_reason == b.finish_reason
         if a.finish_reason is not None:
             break
-    assert on.generated == over.generated
+    assert on.generated == over.generated == given.generated
     if on.generator is not None:
         assert torch.equal(on.generator.get_state(), over.generator.get_state())
+        assert torch.equal(given.generator.get_state(), over.generator.get_state())
 
 
 def test_the_records_are_made_on_the_support_and_read_back_over_the_vocabulary(tiny_lm):
@@ -107,6 +111,10 @@ def test_the_records_are_made_on_the_support_and_read_back_over_the_vocabulary(t
     on, = traced_rows([chains[0]], [ids], logits, [10], tiny_lm.token_text, [support])
     over, = traced_rows([chains[1]], [ids], logits, [10], tiny_lm.token_text)
     assert torch.equal(on.support, support) and on.raw.shape == on.final.shape == (100,) and over.support is None
+    plain = Chain.from_config(CONFIGS["sampling"], len(PROMPT), tiny_lm.tokenizer, (2,))
+    given, = traced_rows([plain], [ids], [logits[:, support]], [10], tiny_lm.token_text, [support], V)
+    assert given.logits.shape == (1, 100) and given.final_probs.shape == (V,) and given.vocab_size == V
+    assert torch.equal(given.final_logits(), logits[:, support])  # no stage ran: never spread over [1, V]
     assert torch.allclose(on.raw_probs, over.raw_probs, atol=1e-7, rtol=0)
     assert torch.allclose(on.final_probs, over.final_probs, atol=1e-7, rtol=0)
     assert len(on.stage_probs) == len(over.stage_probs) == len(config.active_stages()) == 3
@@ -154,7 +162,9 @@ def test_a_stage_that_unmasks_a_token_outside_moves_the_row_to_the_vocabulary(ti
 
     on, = traced_rows([chain()], [ids], logits, [10], tiny_lm.token_text, [support])
     over, = traced_rows([chain()], [ids], logits, [10], tiny_lm.token_text)
-    assert on.support is None and on.raw.shape == (V,)
+    given, = traced_rows([chain()], [ids], [logits[:, support]], [10], tiny_lm.token_text, [support], V)
+    assert on.support is None and on.raw.shape == (V,) and given.support is None and given.raw.shape == (V,)
+    close([dataclasses.asdict(s) for s in given.stages], [dataclasses.asdict(s) for s in on.stages], "given")
     close([dataclasses.asdict(s) for s in on.stages], [dataclasses.asdict(s) for s in over.stages], "records")
     assert torch.allclose(on.final, over.final, atol=1e-7, rtol=0) and float(on.final[outside]) > 0
     for x, y in zip(on.stage_probs, over.stage_probs):
@@ -171,14 +181,20 @@ def test_a_row_with_nothing_left_forced_and_tied_steps_on_the_support(tiny_lm):
         on.chain, over.chain = Chain([MaskAll()]), Chain([MaskAll()])
         with pytest.raises(NoTokensLeft):
             on.advance(logits, support)
+        given = RunState(tiny_lm, PROMPT, config)
+        given.chain = Chain([MaskAll()])
+        with pytest.raises(NoTokensLeft):
+            given.advance(logits[:, support], support)
         with pytest.raises(NoTokensLeft):
             over.advance(logits)
     outside = next(t for t in range(V) if t not in set(support.tolist()))
     for token in (int(support[3]), outside):
         config = CONFIGS["sampling"]
         on, over = RunState(tiny_lm, PROMPT, config, force=token), RunState(tiny_lm, PROMPT, config, force=token)
-        a, b = on.advance(logits, support), over.advance(logits)
+        given = RunState(tiny_lm, PROMPT, config, force=token)
+        a, b, c = on.advance(logits, support), over.advance(logits), given.advance(logits[:, support], support)
         same_step(a, b, f"forced {token}")
+        same_step(c, b, f"forced {token}, given on the support")
         assert a.chosen_token_id == token and a.forced and (a.chosen_prob == 0.0) == (token == outside)
         assert torch.equal(on.generator.get_state(), over.generator.get_state())
         logits2, support2 = step_row(3)
@@ -187,5 +203,6 @@ def test_a_row_with_nothing_left_forced_and_tied_steps_on_the_support(tiny_lm):
     on, over = RunState(tiny_lm, PROMPT, CONFIGS["greedy"]), RunState(tiny_lm, PROMPT, CONFIGS["greedy"])
     a, b = on.advance(tied, support), over.advance(tied)
     same_step(a, b, "tie")
+    same_step(RunState(tiny_lm, PROMPT, CONFIGS["greedy"]).advance(tied[:, support], support), b, "tie, given")
     first = min(int(i) for i in support if tied[0, i] == tied.max())
     assert a.chosen_token_id == first

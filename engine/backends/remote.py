@@ -11,7 +11,7 @@ through ``engine.runner.stream`` (the registry is keyed by ``RemoteModel.backend
   log-probabilities; the server's prefix cache re-reads only the new token). The raw top-N become
   logits (log p inside the top-N, -inf outside); our own stage chain and our own seeded draw
   (``engine.core.RunState``, the local engine's loop body) pick the token, the records and the draw
-  made on the N ids (``support_of``: what lies outside adds nothing; the same numbers to the order of
+  made on the N ids (``entries_row``: what lies outside adds nothing; the same numbers to the order of
   a sum, at a fraction of the CPU of the whole vocabulary). Exact up to the
   truncation to the top-N, which the trace labels (the tail mass per step). By default
   (``DP_STEP_VERIFY_TOKENS``, issue #38) a request asks the server's greedy continuation, several
@@ -95,24 +95,27 @@ def top_logits(model: RemoteModel, ids: Sequence[int], top_n: int) -> tuple[torc
     return entries_logits(model, model.api.next_top(ids, top_n))
 
 
-def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, float]:
-    """A server's top-N as logits [1, V] (log p inside, -inf outside) and the tail mass."""
+def entries_row(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A server's top-N as step mode's row on its ids: the log-probabilities [1, N] at the ids [N]
+    (ascending: every other logit is -inf, ``RunState.advance``'s support) and the tail mass
+    1 - sum(top-N)."""
     model.learn_pieces(top)
-    token_ids = torch.tensor([t for t, _, _ in top], dtype=torch.long)
-    logprobs = torch.tensor([lp for _, lp, _ in top], dtype=torch.float32)
     outside = [t for t, _, _ in top if not 0 <= t < model.vocab_size]  # the API checked its own bound
     if outside:
         raise RemoteError(f"{model.client.server} {model.url}: token {outside[0]} is outside the "
                           f"vocabulary of {model.vocab_size} (vocab_size)")
+    tail = max(0.0, 1.0 - math.fsum(math.exp(lp) for _, lp, _ in top))
+    pairs = sorted((t, lp) for t, lp, _ in top)  # by id (the schema refused an id listed twice)
+    return (torch.tensor([[lp for _, lp in pairs]], dtype=torch.float32),
+            torch.tensor([t for t, _ in pairs], dtype=torch.long), tail)
+
+
+def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, float]:
+    """A server's top-N as logits [1, V] (log p inside, -inf outside) and the tail mass."""
+    values, ids, tail = entries_row(model, top)
     logits = torch.full((1, model.vocab_size), -math.inf)
-    logits[0, token_ids] = logprobs
-    return logits, max(0.0, 1.0 - float(logprobs.double().exp().sum()))
-
-
-def support_of(top: list[Entry]) -> torch.Tensor:
-    """The ids of a server's top-N, ascending and once each: outside them ``entries_logits``' row is
-    -inf, so our chain records and picks on them only (``RunState.advance``'s support)."""
-    return torch.tensor(sorted({t for t, _, _ in top}), dtype=torch.long)
+    logits[0, ids] = values[0]
+    return logits, tail
 
 
 def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
@@ -128,11 +131,10 @@ def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingC
         start = len(prompt_ids)
         state.replay(torch.cat([top_logits(model, state.sequence[:start + i], top_n)[0] for i in range(len(prefix))]))
     while True:
-        top = model.api.next_top(state.ids[0].tolist(), top_n)
-        logits, tail = entries_logits(model, top)
+        values, ids, tail = entries_row(model, model.api.next_top(state.ids[0].tolist(), top_n))
         if tails is not None:
             tails.append(tail)
-        step = state.advance(logits, support_of(top))
+        step = state.advance(values, ids)
         yield step
         if step.finish_reason is not None:
             return
@@ -266,10 +268,10 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
         with closing(model.api.continuation(ids, count, top_n, **({"draws": draws} if draws else {}))) as drafted:
             for token, top in drafted:
                 verified.drafted += 1
-                logits, tail = entries_logits(model, top)
+                values, ids, tail = entries_row(model, top)
                 if tails is not None:
                     tails.append(tail)
-                step = state.advance(logits, support_of(top))
+                step = state.advance(values, ids)
                 verified.server.append(step.chosen_token_id == token)
                 verified.gave[-1] += 1
                 yield step
