@@ -187,6 +187,9 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
     # [1, V] each (or [1, n] on a support): row b's logits so far
     rows: list[torch.Tensor] = [r.float() for r in logits] if isinstance(logits, (list, tuple)) \
         else [logits[b:b + 1].float() for b in every]
+    if not vocab_size and supports is not None and any(
+            s is not None and r.shape[-1] == len(s) for r, s in zip(rows, supports)):
+        raise ValueError("vocab_size: needed for a row given on its support ([1, n])")
     recorder = _RowsRecorder(list(top_n), token_text, list(supports) if supports is not None else None,
                              vocab_size or max(r.shape[-1] for r in rows))
     for b in every:

@@ -90,12 +90,13 @@ def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> Pick:
 
 def skip_draws(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
     """Advance the generator past ``steps`` sampling steps (used to resume a run mid-way): on a CPU
-    generator, ``steps * vocab_size`` double uniforms (the same 64-bit draws, without the logs)."""
-    if steps > 0 and _compact(generator):
-        _uniforms(generator, steps * vocab_size)
-        return
+    generator, each step's double uniforms (the same 64-bit draws, without the logs)."""
+    compact = _compact(generator)
     for _ in range(steps):
-        exponential_noise(torch.Size([1, vocab_size]), generator, device)
+        if compact:
+            _uniforms(generator, vocab_size)
+        else:
+            exponential_noise(torch.Size([1, vocab_size]), generator, device)
 
 
 # --- one step's exponentials at a few positions (see the module's docstring) -------------------------------

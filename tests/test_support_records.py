@@ -206,3 +206,11 @@ def test_a_row_with_nothing_left_forced_and_tied_steps_on_the_support(tiny_lm):
     same_step(RunState(tiny_lm, PROMPT, CONFIGS["greedy"]).advance(tied[:, support], support), b, "tie, given")
     first = min(int(i) for i in support if tied[0, i] == tied.max())
     assert a.chosen_token_id == first
+
+
+def test_a_row_given_on_its_support_needs_the_vocabulary_size(tiny_lm):
+    """[1, n] values without V: a ValueError naming vocab_size, not records spread over n."""
+    logits, support = step_row(5)
+    plain = Chain.from_config(CONFIGS["sampling"], len(PROMPT), tiny_lm.tokenizer, (2,))
+    with pytest.raises(ValueError, match="vocab_size: needed for a row given on its support"):
+        traced_rows([plain], [torch.tensor([PROMPT])], [logits[:, support]], [10], tiny_lm.token_text, [support])
