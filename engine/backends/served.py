@@ -285,6 +285,9 @@ def check_served(model: RemoteModel) -> RemoteModel:
     return model
 
 
+NOT_THE_SERVERS = "it is not the server's tokenizer (list the server without tokenizer=)"  # _check_texts' lines end
+
+
 def _check_texts(model: RemoteModel, where: str, ids: list[int]) -> None:
     """The tokenizer the spec names is the server's: the same size or smaller than the vocabulary, the
     same ids for PROBE_TEXT as the server's (``ids``), and the same text for the first 16 ids (the special
@@ -294,18 +297,18 @@ def _check_texts(model: RemoteModel, where: str, ids: list[int]) -> None:
     size = len(local)
     if size > model.vocab_size:
         raise RemoteError(f"{where}: tokenizer=embedded has {size} tokens, more than the server's vocabulary of "
-                          f"{model.vocab_size}: it is not the server's tokenizer (list the server without tokenizer=)")
+                          f"{model.vocab_size}: {NOT_THE_SERVERS}")
     ours = list(local(PROBE_TEXT, add_special_tokens=True)["input_ids"])
     if ids != ours:
         raise RemoteError(f"{where}: tokenizer=embedded reads {PROBE_TEXT!r} as {ours[:8]}, the server as {ids[:8]}: "
-                          "it is not the server's tokenizer (list the server without tokenizer=)")
+                          f"{NOT_THE_SERVERS}")
     step = max(1, size // TEXTS_SAMPLE)
     sample = set(range(min(16, size))) | {e for e in model.eos_token_ids if e < size} | set(range(0, size, step))
     for token in sorted(sample):
         server, here = model.api.detokenize([token]), local.decode([token], skip_special_tokens=False)
         if server != here:
             raise RemoteError(f"{where}: tokenizer=embedded reads token {token} as {here[:40]!r}, the server as "
-                              f"{server[:40]!r}: it is not the server's tokenizer (list the server without tokenizer=)")
+                              f"{server[:40]!r}: {NOT_THE_SERVERS}")
 
 
 def _check_eos(model: RemoteModel, where: str) -> None:
