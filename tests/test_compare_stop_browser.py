@@ -192,13 +192,13 @@ def test_stop_with_an_embedded_a_step_and_a_fast_lane_stops_all_three_and_frees_
     page.locator("#cmp-lane-2-mode label", has_text="fast").click()
     assert page.locator("#cmp-lane-1-mode input[value=step]").is_checked()
     pick(page, "#cmp-lane-2-strategy", "greedy")  # the added lane's contrastive search needs the model itself
-    for i in (0, 1, 2):
-        set_lane(page, i, 256)
+    for i in (0, 1, 2):  # 1024 (the most): step mode's lane, a continuation per request, ran 256 before a press came
+        set_lane(page, i, 1024)
     page.click("#cmp-run")
-    watch_until(page, 3, lambda shown: max(k for _, k in shown) >= 8, [256] * 3)
+    watch_until(page, 3, lambda shown: max(k for _, k in shown) >= 8, [1024] * 3)
     press(page, "#cmp-stop")
     shown = watch_until(page, 3, lambda shown: all(STOPPED.search(s) or DONE.search(s) for s, _ in shown)
-                        and any(STOPPED.search(s) for s, _ in shown), [256] * 3, timeout_s=90)[-1]
+                        and any(STOPPED.search(s) for s, _ in shown), [1024] * 3, timeout_s=90)[-1]
     assert len(received) == 1, received
     print(f"all three lanes said stopped {time.time() - received[0]:.2f} s after the press reached the server "
           f"(load {os.getloadavg()[0]:.0f}): {shown}")
@@ -206,7 +206,7 @@ def test_stop_with_an_embedded_a_step_and_a_fast_lane_stops_all_three_and_frees_
         time.sleep(0.05)
     freed = idle[0] - received[0]
     print(f"the server's slot idle {freed:.2f} s after the press reached it")
-    if shown[2][1] < 256:  # the fast lane was streaming: its request is closed at its next token
+    if shown[2][1] < 1024:  # the fast lane was streaming: its request is closed at its next token
         assert freed < SERVER_FREE_S, freed
     else:  # it had streamed every token and waited on its second, whole request (raw top-N): not closable yet
         assert freed < 120, freed
