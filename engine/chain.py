@@ -111,6 +111,11 @@ class Chain:
         return out
 
 
+def spread_probs(probs: torch.Tensor, ids: torch.Tensor, size: int) -> torch.Tensor:
+    """Probabilities [n] at ``ids`` as [size], 0 elsewhere."""
+    return torch.zeros(size, dtype=probs.dtype, device=probs.device).index_copy_(0, ids, probs)
+
+
 @dataclass
 class Traced:
     """What ``Chain.traced`` returns: the final logits [1, V], the stage records, and the raw and
@@ -137,8 +142,7 @@ class Traced:
         """``probs`` (one of this record's) over the whole vocabulary [V]."""
         if self.support is None:
             return probs
-        out = torch.zeros(self.vocab_size or self.logits.shape[-1], dtype=probs.dtype, device=probs.device)
-        return out.index_copy_(0, self.support, probs)
+        return spread_probs(probs, self.support, self.vocab_size or self.logits.shape[-1])
 
     def prob(self, probs: torch.Tensor, token: int) -> float:
         """``token``'s p in ``probs`` (one of this record's): 0 outside the support."""
@@ -316,8 +320,7 @@ class _RowsRecorder:
         """Row b's probabilities ``probs`` over [V]: as they are, or spread from the support it left."""
         if b not in self.former or probs.shape[-1] == self.former[b][1]:
             return probs
-        ids, size = self.former[b]
-        return torch.zeros(size, dtype=probs.dtype, device=probs.device).index_copy_(0, ids, probs)
+        return spread_probs(probs, *self.former[b])
 
     def record_rows(self, active: list[int], rows: list[torch.Tensor], names: list[str], params: list[dict],
                     states: list[dict] | None = None) -> list[StageTrace]:
