@@ -38,7 +38,7 @@ COPY --chown=1000:1000 presets/ presets/
 RUN chown 1000:1000 /app
 USER 1000
 # Convert the embedded GGUF to safetensors now (as the runtime user, so no chown copy of the weights).
-RUN python -c "from engine.models import embedded_model_dir; print(embedded_model_dir())"
+RUN python -c "from engine.backends.local import embedded_model_dir; print(embedded_model_dir())"
 EXPOSE 7860
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/', timeout=4)"]
