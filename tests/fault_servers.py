@@ -126,10 +126,17 @@ class Fault:
 
 # Where a value fault goes, per backend and mode: a function that puts BAD into a good answer (step mode's:
 # a one-token answer or an event of its streamed continuation, both with the model's log-probabilities).
+# ``at`` "flat": every log-probability (or probability) of the answer, the token's own and its whole top-N.
+def _every(entries: list[dict], key: str) -> None:
+    for entry in entries:
+        entry[key] = BAD
+
+
 def _llama_step_at(answer: dict, at: str) -> None:
     entry = answer["completion_probabilities"][0]
     {"id": lambda: entry["top_logprobs"][0].__setitem__("id", BAD),
      "logprob": lambda: entry["top_logprobs"][0].__setitem__("logprob", BAD),
+     "flat": lambda: _every([entry, *entry["top_logprobs"]], "logprob"),
      "top": lambda: entry.__setitem__("top_logprobs", BAD),
      "list": lambda: answer.__setitem__("completion_probabilities", BAD)}[at]()
 
@@ -138,6 +145,7 @@ def _llama_fast_at(event: dict, at: str) -> None:
     entry = event["completion_probabilities"][0]
     {"id": lambda: entry.__setitem__("id", BAD),
      "logprob": lambda: entry["top_probs"][0].__setitem__("prob", BAD),
+     "flat": lambda: _every([entry, *entry["top_probs"]], "prob"),
      "prob": lambda: entry.__setitem__("prob", BAD),
      "top": lambda: entry.__setitem__("top_probs", BAD),
      "list": lambda: event.__setitem__("completion_probabilities", BAD)}[at]()
@@ -149,6 +157,8 @@ def _openai_at(answer: dict, at: str) -> None:
     first = next(iter(logprobs["top_logprobs"][0]))
     {"id": lambda: logprobs["tokens"].__setitem__(0, "token_id:" + BAD),
      "logprob": lambda: logprobs["top_logprobs"][0].__setitem__(first, BAD),
+     "flat": lambda: (logprobs["token_logprobs"].__setitem__(0, BAD),
+                      logprobs["top_logprobs"][0].update(dict.fromkeys(logprobs["top_logprobs"][0], BAD))),
      "prob": lambda: logprobs["token_logprobs"].__setitem__(0, BAD),
      "top": lambda: logprobs["top_logprobs"].__setitem__(0, BAD),
      "list": lambda: answer.__setitem__("choices", BAD)}[at]()

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.llamacpp import MAX_CHUNK_TOKENS, MAX_TRAILING_CHUNKS, llama_entries
-from engine.backends.schema import MAX_CONTEXT, MAX_PIECE_CHARS, PROB_SLACK, VOCAB_BOUND, Schema
+from engine.backends.schema import LOGPROB_FLOOR, MAX_CONTEXT, MAX_PIECE_CHARS, PROB_SLACK, VOCAB_BOUND, Schema
 from engine.backends.served import (STEP_TOP_N, Entry, FastAnswer, FastToken, RemoteModel, RemoteTokenizer,
                                     check_served)
 from engine.config import KNOBS, DecodingConfig
@@ -66,7 +66,7 @@ def _top(top: Any, s: Schema, field: str, most: int) -> list[Entry]:
     entries = []
     for k, v in s.obj(top or {}, field).items():
         token = _plain_id(k)
-        if token is not None and token < s.vocab and type(v) is float and -math.inf < v <= PROB_SLACK:
+        if token is not None and token < s.vocab and type(v) is float and LOGPROB_FLOOR <= v <= PROB_SLACK:
             entries.append((token, min(v, 0.0), None))
         else:
             name = f"{field}[{str(k)[:20]!r}]"

@@ -412,12 +412,14 @@ def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], con
 def server_speculative(timings: dict[str, Any]) -> dict[str, Any]:
     """llama-server's own speculative decoding in a fast-mode answer (a server started with a draft
     model, ``-md``, or ``--spec-type ngram-*``): ``{"server_speculative": {"drafted", "accepted",
-    "acceptance_rate"}}`` from its ``timings.draft_n`` / ``draft_n_accepted``; {} when it did not draft."""
+    "acceptance_rate"}}`` from its ``timings.draft_n`` / ``draft_n_accepted``; {} when it did not draft,
+    or when they are not counts of drafts and of the accepted among them (``Schema.timings`` kept finite
+    numbers only: nothing else holds them in range)."""
     try:
         drafted, accepted = int(timings["draft_n"]), int(timings["draft_n_accepted"])
     except (KeyError, TypeError, ValueError):
         return {}
-    if drafted <= 0:
+    if drafted <= 0 or not 0 <= accepted <= drafted:
         return {}
     return {"server_speculative": {"drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted}}
 

@@ -7,12 +7,15 @@ server, the request and the field (``completion_probabilities[0].top_logprobs[3]
 token id in [0, 49152), got -1``) when it is not:
 
 - **token ids**: ints (not bools, not floats) in ``[0, vocabulary)``;
-- **log-probabilities**: finite numbers <= 0, a rounding slack of ``PROB_SLACK`` above 0 allowed
-  and read as 0 (servers compute in float32: a certain token's log-probability may read 1e-7);
-  llama-server writes a probability of 0 as ``null`` (its JSON has no -inf): ``nullable`` reads
-  that as -inf for its fields only;
+- **log-probabilities**: finite numbers in ``[LOGPROB_FLOOR, 0]``, a rounding slack of ``PROB_SLACK``
+  above 0 allowed and read as 0 (servers compute in float32: a certain token's log-probability may
+  read 1e-7); llama-server writes a probability of 0 as ``null`` (its JSON has no -inf): ``nullable``
+  reads that as -inf for its fields only. The floor keeps every later sum, product and ``exp`` of
+  them finite (vLLM writes a -inf as -9999.0, the lowest a real server sends);
 - **probabilities**: finite numbers in ``[0, 1]`` (the same slack above 1, read as 1); a top-N's
-  probabilities together at most 1 (+ slack), and no id twice in one top-N;
+  probabilities together at most 1 (+ slack), no id twice in one top-N, and its most likely token
+  at least ``TOP_FLOOR`` (the largest probability of a distribution over V <= ``MAX_CONTEXT``
+  tokens is at least 1/V: a top-N all below that is no model's answer);
 - **counts**: a top-N holds at most the N asked + 1 (vLLM adds the sampled token to its N);
   a list of tokens at most what was asked; texts at most ``MAX_PIECE_CHARS`` a token and
   ``MAX_TEXT_CHARS`` a text;
@@ -38,6 +41,8 @@ VOCAB_BOUND = 262_144  # ids a server that does not report its vocabulary may se
 MAX_PIECE_CHARS = 512  # one token's text (the longest tokens of real vocabularies are runs of ~256 characters)
 MAX_TEXT_CHARS = 1 << 20  # a text the server makes (a chat template applied, a detokenized output)
 MAX_CONTEXT = 1 << 24  # a context length or vocabulary size a server may report
+LOGPROB_FLOOR = -1e4  # the lowest log-probability read (vLLM writes -inf as -9999.0; exp(-746) is 0 already)
+TOP_FLOOR = -math.log(MAX_CONTEXT)  # a top-N's most likely token: p >= 1/V for any vocabulary a server may have
 Entry = tuple[int, float, "str | None"]  # engine.backends.served.Entry
 
 
@@ -98,6 +103,9 @@ class Schema:
             return -math.inf
         if not is_number(value) or not math.isfinite(value) or value > PROB_SLACK:
             raise self.fail(field, f"expected a log-probability (a finite number <= 0), got {shown(value)}")
+        if value < LOGPROB_FLOOR:
+            raise self.fail(field, f"expected a log-probability of at least {LOGPROB_FLOOR:g} (a server writes a "
+                                   f"probability 0 as -9999 or null), got {shown(value)}")
         return min(float(value), 0.0)
 
     def prob(self, value: Any, field: str) -> float:
@@ -122,7 +130,8 @@ class Schema:
         return None if value is None else self.text(value, field, most)
 
     def top(self, entries: list[Entry], field: str, most: int) -> list[Entry]:
-        """A whole top-N: at most ``most`` entries, no id twice, probabilities adding up to <= 1."""
+        """A whole top-N: at most ``most`` entries, no id twice, probabilities adding up to <= 1,
+        the most likely at least TOP_FLOOR (each entry's log-probability checked already)."""
         if len(entries) > most:
             raise self.fail(field, f"{len(entries):,} entries, at most {most:,} expected (the top-N asked + 1)")
         seen: set[int] = set()
@@ -133,6 +142,10 @@ class Schema:
         total = math.fsum(math.exp(lp) for _, lp, _ in entries)
         if total > 1 + 10 * PROB_SLACK:
             raise self.fail(field, f"the probabilities add up to {total:.4g}, more than 1")
+        best = max((lp for _, lp, _ in entries), default=0.0)
+        if best < TOP_FLOOR:
+            raise self.fail(field, f"its most likely token has log-probability {best:.6g}, below log 2^-24 = "
+                                   f"{TOP_FLOOR:.4g}: no distribution over a vocabulary is that flat")
         return entries
 
     def timings(self, value: Any, field: str = "timings") -> dict[str, float]:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.backends.client import JsonClient, RemoteError
+from engine.backends.schema import MAX_CONTEXT
 from engine.backends.seam import Capabilities, served_capabilities
 from engine.settings import SettingsError, env_list
 
@@ -279,10 +280,17 @@ def check_served(model: RemoteModel) -> RemoteModel:
     logprobs = [lp for _, lp, _ in top if math.isfinite(lp)]
     if len(logprobs) > 1 and max(logprobs) - min(logprobs) < FLAT_SPREAD:
         raise RemoteError(f"{where}: the served model answers a uniform distribution (its top {len(logprobs)} "
-                          f"log-probabilities are all {logprobs[0]:.4f} = log 1/{round(math.exp(-logprobs[0]))}): "
-                          "its weights did not load")
+                          f"log-probabilities are all {_as_one_in(logprobs[0])}): its weights did not load")
     model.learn_pieces(top)
     return model
+
+
+def _as_one_in(logprob: float) -> str:
+    """``logprob`` as an error line shows it: ``-10.8000 = log 1/49152`` (the 1/V a uniform answer
+    has), the value alone where 1/p would not be a number of a vocabulary's size."""
+    if not -math.log(MAX_CONTEXT) - 1 <= logprob <= 0:  # exp(-logprob) overflows a float below -709.78
+        return f"{logprob:.6g}"
+    return f"{logprob:.4f} = log 1/{round(math.exp(-logprob))}"
 
 
 NOT_THE_SERVERS = "it is not the server's tokenizer (list the server without tokenizer=)"  # _check_texts' lines end
