@@ -13,23 +13,28 @@ tokens. With this processor loaded (``deploy/vllm_serve.py`` starts vLLM with
   top_k, top_p, min_p, typical_p: transformers' warpers, as engine.stages builds them);
 - ``dp_top``: step mode's top-N.
 
+Anyone who reaches the server writes these, and this runs in vLLM's engine core, where an exception ends
+the engine and every user's request (issue #50): dp_args.draw_args checks each field's type, size and
+range before any is used (a request with one it refuses is left as vLLM answers it), and nothing in
+``update_state`` or ``apply`` raises.
+
 For such a request, at each position this processor computes step mode's pick as our engine does:
 the raw log-probabilities (vLLM's ``raw_logprobs``, the same float32 op), truncated to their top N, the
 chain, the softmax, and the exponential race against V draws of the run's generator
 (engine.sampling.sample_rows; the exponentials taken at the N only, as engine.sampling.exponentials_at
 takes them: V uniforms, N logs), to float rounding (the chain and softmax run over the N, ours over V
 with -inf outside them: the same numbers up to the order of a sum). It leaves only that token (every
-other logit -inf), and the request's temperature 0 makes it the server's token. The server's answer is still verified position by position
-on our side, so a difference (a tie at the top-N's edge, a stage this processor does not know) costs
-one request, never a wrong token. Rows without ``dp_state`` are left as they are.
+other logit -inf), and the request's temperature 0 makes it the server's token. The server's answer is
+still verified position by position on our side, so a difference (a tie at the top-N's edge, a stage this
+processor does not know) costs one request, never a wrong token. Rows without ``dp_state`` are left as they are.
 
-Loaded inside vLLM's own environment: it imports only torch, transformers and vLLM's interface.
+Loaded inside vLLM's own environment: it imports only torch, transformers, vLLM's interface and dp_args
+(beside it).
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import logging
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -39,15 +44,15 @@ import torch
 from transformers.generation import logits_process as tlp
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-STATE_BYTES = 5056  # a torch CPU (mt19937) generator's state
-MAX_TOP = 1000
-MAX_STAGES = 16
+from dp_args import draw_args  # beside this file on the server's PYTHONPATH (deploy/vllm_serve.py)
+
+LOG = logging.getLogger("dp_draws")
 WARPERS = {
-    "temperature": lambda v: tlp.TemperatureLogitsWarper(float(v)),
-    "top_k": lambda v: tlp.TopKLogitsWarper(top_k=int(v)),
-    "top_p": lambda v: tlp.TopPLogitsWarper(top_p=float(v)),
-    "min_p": lambda v: tlp.MinPLogitsWarper(min_p=float(v)),
-    "typical_p": lambda v: tlp.TypicalLogitsWarper(mass=float(v)),
+    "temperature": lambda v: tlp.TemperatureLogitsWarper(v),
+    "top_k": lambda v: tlp.TopKLogitsWarper(top_k=v),
+    "top_p": lambda v: tlp.TopPLogitsWarper(top_p=v),
+    "min_p": lambda v: tlp.MinPLogitsWarper(min_p=v),
+    "typical_p": lambda v: tlp.TypicalLogitsWarper(mass=v),
 }
 
 
@@ -94,27 +99,24 @@ class RowDraws:
         return int(ids[int(torch.argmax(probs / exponentials_at(self.generator, vocab, ids)))])
 
 
-def row_draws(extra: dict | None) -> RowDraws | None:
-    """The request's ``vllm_xargs`` as a RowDraws, or None (not ours, or malformed: left alone)."""
-    if not extra or "dp_state" not in extra:
+def row_draws(extra: Any) -> RowDraws | None:
+    """The request's ``vllm_xargs`` as a RowDraws, or None (not ours, or malformed: left alone). Every
+    field is checked by dp_args.draw_args before any is used."""
+    args = draw_args(extra)
+    if args is None:
         return None
     try:
-        state = base64.b64decode(str(extra["dp_state"]), validate=True)
-        top = int(extra.get("dp_top", 100))
-        stages = json.loads(str(extra.get("dp_chain", "[]")))
-        if len(state) != STATE_BYTES or not 1 <= top <= MAX_TOP or not isinstance(stages, list) \
-                or len(stages) > MAX_STAGES:
-            return None
-        chain = [WARPERS[name](value) for name, value in stages]
-        generator = torch.Generator()
-        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        return RowDraws(generator, chain, top)
-    except (ValueError, KeyError, TypeError, RuntimeError):
+        chain = [WARPERS[name](value) for name, value in args.chain]
+    except ValueError:  # a transformers that bounds a stage more tightly than the engine does
         return None
+    return RowDraws(args.generator, chain, args.top)
 
 
 class OurDraws(LogitsProcessor):
-    """The processor: per batch row, the request's RowDraws (if it sent them)."""
+    """The processor: per batch row, the request's RowDraws (if it sent them). It runs in vLLM's engine
+    core, where an exception ends the engine and every user's request: nothing here raises. A row whose
+    work fails is dropped (its logits stay vLLM's, its request gets vLLM's answer, which the app verifies);
+    a batch update it cannot follow drops every row rather than leave one at a wrong index."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.rows: dict[int, RowDraws] = {}
@@ -125,30 +127,62 @@ class OurDraws(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if not batch_update:
             return
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for index, params, _, _ in batch_update.added:
-            draws = row_draws(getattr(params, "extra_args", None))
-            if draws is None:
+        try:
+            for index in batch_update.removed:
                 self.rows.pop(index, None)
-            else:
-                self.rows[index] = draws
-        for a, b, direction in batch_update.moved:
-            first, second = self.rows.pop(a, None), self.rows.pop(b, None)
-            if first is not None:
-                self.rows[b] = first
-            if direction == MoveDirectionality.SWAP and second is not None:
-                self.rows[a] = second
+            for added in batch_update.added:
+                self.add(added[0], added[1])
+            for a, b, direction in batch_update.moved:
+                first, second = self.rows.pop(a, None), self.rows.pop(b, None)
+                if first is not None:
+                    self.rows[b] = first
+                if direction == MoveDirectionality.SWAP and second is not None:
+                    self.rows[a] = second
+        except Exception as exc:  # last resort (never BaseException: a shutdown goes through)
+            LOG.warning("dp_draws: a batch update it cannot follow (%s); every row is left to vLLM", type(exc).__name__)
+            self.rows.clear()
+
+    def add(self, index: int, params: Any) -> None:
+        """Row ``index`` is a new request's (``params``: its SamplingParams)."""
+        self.rows.pop(index, None)  # the slot's previous request has gone, whatever comes of this one
+        try:
+            draws = row_draws(getattr(params, "extra_args", None))
+        except Exception as exc:  # last resort: row_draws checks before it converts
+            LOG.warning("dp_draws: row %s left to vLLM (%s)", index, type(exc).__name__)
+            return
+        if draws is not None:
+            self.rows[index] = draws
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        rows = [(index, draws) for index, draws in self.rows.items() if index < logits.shape[0]]
-        if not rows:
+        try:
+            return self.picked(logits)
+        except Exception as exc:  # last resort: logits are written once, at the end, so they are still vLLM's
+            LOG.warning("dp_draws: a batch left to vLLM (%s)", type(exc).__name__)
+            return logits
+
+    def picked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [B, V] with each of our rows' pick the only finite logit (0). Rows outside the batch
+        are skipped; a row whose pick fails is dropped and left as vLLM computed it."""
+        if logits.dim() != 2:
+            return logits
+        batch, vocab = logits.shape
+        rows = [(index, draws) for index, draws in self.rows.items() if type(index) is int and 0 <= index < batch]
+        if not rows or vocab == 0:
             return logits
         index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
         logprobs = logits[index].float().log_softmax(dim=-1).cpu()  # vLLM's raw_logprobs, the same op
-        values, ids = torch.topk(logprobs, min(max(d.top for _, d in rows), logprobs.shape[-1]))  # highest first
-        picks = [draws.pick(values[r, :draws.top], ids[r, :draws.top], logprobs.shape[-1])
-                 for r, (_, draws) in enumerate(rows)]
-        logits[index] = -float("inf")
-        logits[index, torch.tensor(picks, dtype=torch.long, device=logits.device)] = 0.0
+        values, ids = torch.topk(logprobs, min(max(d.top for _, d in rows), vocab))  # highest first
+        kept, picks = [], []
+        for r, (i, draws) in enumerate(rows):
+            try:
+                picks.append(draws.pick(values[r, :draws.top], ids[r, :draws.top], vocab))
+                kept.append(i)
+            except Exception as exc:  # last resort: this row only
+                LOG.warning("dp_draws: row %s left to vLLM (%s)", i, type(exc).__name__)
+                self.rows.pop(i, None)
+        if not kept:
+            return logits
+        chosen = torch.full((len(kept), vocab), -float("inf"), dtype=logits.dtype, device=logits.device)
+        chosen[torch.arange(len(kept), device=logits.device), torch.tensor(picks, device=logits.device)] = 0.0
+        logits[torch.tensor(kept, dtype=torch.long, device=logits.device)] = chosen
         return logits
