@@ -11,6 +11,10 @@
 # calibration sets, variants); deploy/quantize.py writes each checkpoint to a temporary folder and
 # renames it into place, so a cancelled run leaves only whole checkpoints and the next run makes the
 # rest. A lock lets `make test` (in the background) and `make quantize` run together.
+#
+# Environment: QUANTIZE_VARIANTS (a space-separated subset of the plan's variants: the app's
+# on-demand maker, playground/checkpoint_maker.py, asks for one lesson's), QUANTIZE_VENV (the
+# llm-compressor venv, default in the cache: a test on a fresh cache reuses the installed one).
 set -eu
 
 PY=${1:-python3}
@@ -18,7 +22,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
 CACHE=${DECODING_PLAYGROUND_CACHE:-$HOME/.cache/decoding-playground}
 LC_VERSION=0.14.0.1
-VENV=$CACHE/llmcompressor-0.14
+VENV=${QUANTIZE_VENV:-$CACHE/llmcompressor-0.14}
 BASE_PY=${QUANTIZE_BASE_PYTHON:-python3}   # makes the venv: any Python 3.10+ with venv
 
 command -v flock >/dev/null || { echo "quantize: flock is missing (apt-get install util-linux)" >&2; exit 1; }
@@ -44,5 +48,5 @@ for cal in $(value CALIBRATION); do set -- "$@" --calibration "$cal"; done
 OMP_NUM_THREADS=${QUANTIZE_THREADS:-1} OMP_WAIT_POLICY=PASSIVE TOKENIZERS_PARALLELISM=false \
   "$VENV/bin/python" "$HERE/quantize.py" --model "$(value MODEL)" --out "$OUT" "$@" \
   --max-tokens "$(value MAX_TOKENS)" --dampening "$(value DAMPENING)" --actorder "$(value ACTORDER)" \
-  --n-grid "$(value N_GRID)" $(value VARIANTS) >&2
+  --n-grid "$(value N_GRID)" ${QUANTIZE_VARIANTS:-$(value VARIANTS)} >&2
 echo "$OUT"

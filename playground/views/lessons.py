@@ -16,6 +16,7 @@ import base64
 import functools
 import html
 import json
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -26,7 +27,7 @@ import plotly.graph_objects as go
 
 from engine.strategies import contrastive
 from engine.reports import lessons as engine_lessons
-from engine.control import RunControl
+from engine.control import RunControl, RunStopped
 from engine.reports.distortion import DistortionReport
 from engine.reports.drift import DriftReport, KVReport
 from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
@@ -45,7 +46,7 @@ from playground.charts.tokens import render as readable
 
 from ..events import data_api, stop_button
 from ..assets import static_text
-from .. import ids
+from .. import checkpoint_maker, ids
 from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS
 from ..shared import CheckedRegistry, LessonTarget, Shared, UserError, error_html, page_width, status_html
 from ..panels.presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
@@ -144,6 +145,29 @@ class LessonSession(Registered):
         """The step of the shown run the lesson's chart shows (``lessons.selected_step``), if any."""
         trace = self.shown_trace()
         return None if trace is None else engine_lessons.selected_step(trace, self.lesson.select_step)
+
+
+# The checks that load 4-bit checkpoints made here: kind -> the variants they load.
+CHECKPOINT_CHECKS = {"gptq_vs_awq": engine_lessons.GPTQ_VS_AWQ}
+CHECKPOINT_POLL_S = 2.0
+
+
+def wait_for_checkpoints(kind: str | None, control: RunControl, status: Any) -> Iterator[dict]:
+    """Make the checkpoints a check of ``kind`` loads, on first need (``checkpoint_maker``: in the
+    background, niced, resumable), showing "step k of n, about N min left" in ``status`` until they
+    are made. The wait is not the run's: its time limit counts from when they are there. Stop ends
+    the wait (the maker goes on: the next click finds more made); a failed maker is a UserError."""
+    maker = checkpoint_maker.ensure(CHECKPOINT_CHECKS[kind]) if kind in CHECKPOINT_CHECKS else None
+    if maker is None:
+        return
+    while not (progress := maker.progress()).done:
+        if progress.error:
+            raise UserError(progress.sentence())
+        if control.cancelled:
+            raise RunStopped("cancelled", "stopped: the checkpoints go on being made in the background")
+        yield {status: status_html(progress.sentence() + "…")}
+        time.sleep(CHECKPOINT_POLL_S)
+    control.started = time.monotonic()
 
 
 def outcome_html(outcome: Outcome) -> str:
@@ -362,6 +386,7 @@ class LessonsTab:
             yield {self.status: status_html(f"done; lesson check: not available for a served model "
                                             f"({engine_lessons.NEEDS_MODEL[kind]})")}
             return
+        yield from wait_for_checkpoints(kind, control, self.status)
         registry = CheckedRegistry(self.shared.registry, self.shared.policy)
         session.outcome = engine_lessons.evaluate(lm, lesson, traces, registry)
         done = {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
