@@ -225,7 +225,8 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
             out.append(errors[b])
             continue
         last = traces[b][-1]
-        traces[b].append(StageTrace("final", last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {}))
+        traces[b].append(StageTrace("final", last.kept, 0.0, last.entropy, 0.0, list(last.top), [], {},
+                                    varentropy=last.varentropy))
         support = recorder.support[b]
         if support is None:  # a row that left its support: its earlier probabilities over [V] too
             raw_probs[b] = recorder.spread(b, raw_probs[b])
@@ -271,7 +272,19 @@ def entropy_rows(probs: torch.Tensor) -> torch.Tensor:
     rows measured): entr is a scalar loop on CPU, while log and multiply are vectorized, 2.4x less
     CPU on a raw [16, 49152] row set. The clamp keeps log away from 0, which the vectorized log
     takes a slow path for (30x), and 0 * log(tiny) = 0 is entr's value at 0 (bench/chain_capture.py)."""
-    return -(probs * probs.clamp(min=_TINY).log()).sum(dim=-1)
+    return entropy_varentropy_rows(probs, varentropy=False)[0]
+
+
+def entropy_varentropy_rows(probs: torch.Tensor, varentropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Entropy H (as ``entropy_rows``) and varentropy Σ p (−log p − H)² (nats², the variance of the
+    surprisal: what entropy-adaptive samplers read beside H) of each row of ``probs`` [R, V] -> [R]
+    each, from one log of the row; p = 0 counts 0 in both. The direct form, not Σ p log² p − H²,
+    which cancels catastrophically on a peaked row."""
+    log_p = probs.clamp(min=_TINY).log()  # [R, V]
+    entropy = -(probs * log_p).sum(dim=-1)  # [R]
+    if not varentropy:
+        return entropy, None
+    return entropy, (probs * (log_p + entropy[:, None]).square()).sum(dim=-1)
 
 
 _TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
@@ -360,7 +373,7 @@ class _RowsRecorder:
         probs = torch.softmax(logits, dim=-1)  # [R, V]; masked tokens get exactly 0
         alive = probs > 0
         kept = alive.sum(dim=-1)  # [R]
-        entropy = entropy_rows(probs)  # [R]
+        entropy, varentropy = entropy_varentropy_rows(probs)  # [R] each
         first = self.prev[rows[0]] is None
         if first:
             mass, tv = [0.0] * len(rows), [0.0] * len(rows)
@@ -368,13 +381,14 @@ class _RowsRecorder:
             prev = self._prev_stacked(rows)
             mass = prev.masked_fill(alive, 0.0).sum(dim=-1).tolist()
             tv = (0.5 * (probs - prev).abs().sum(dim=-1)).tolist()
-        kept_list, entropy_list = kept.tolist(), entropy.tolist()
+        kept_list, entropy_list, varentropy_list = kept.tolist(), entropy.tolist(), varentropy.tolist()
         tops = self._tops(rows, probs, kept_list, support)
         removed = [[] for _ in rows] if first else self._removed(rows, alive, support)
         out = []
         for i, b in enumerate(rows):
             out.append(StageTrace(names[i], kept_list[i], float(mass[i]), entropy_list[i], float(tv[i]),
-                                  tops[i], removed[i], dict(params[i]), dict(states[i]) if states else {}))
+                                  tops[i], removed[i], dict(params[i]), dict(states[i]) if states else {},
+                                  varentropy=varentropy_list[i]))
             self.prev[b], self.prev_top[b] = (probs, i), tops[i]
         return out
 

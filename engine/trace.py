@@ -51,7 +51,9 @@ class StageTrace:
     into a fresh stage (``Stage.load_state``) reproduces this step exactly (what-if). Empty for the
     stateless stages. ``chosen_prob``: the picked token's probability after this stage when
     ``top`` does not hold it (a stage between raw and final; None otherwise: ``top``, the step's
-    raw_prob or its chosen_prob say it)."""
+    raw_prob or its chosen_prob say it). ``varentropy``: the variance of the surprisal,
+    Σ p (−log p − H)² in nats² over the whole vocabulary (None where it was not recorded: a served
+    model's top-N, an older trace)."""
 
     name: str
     kept: int
@@ -63,13 +65,16 @@ class StageTrace:
     params: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     chosen_prob: float | None = None
+    varentropy: float | None = None
 
 
 @dataclass
 class StepTrace:
     """One generated token. ``draw`` is the uniform u in [0, 1) that picked the token under the
     inverse-CDF view of the final distribution, with tokens sorted by probability (highest first);
-    the chosen token owns the interval [draw_low, draw_high). None for greedy or forced picks."""
+    the chosen token owns the interval [draw_low, draw_high). None for greedy or forced picks.
+    ``varentropy`` / ``raw_varentropy``: the final and raw stages' (nats²); left out, they are
+    read from ``stages`` (None where the stages lack them)."""
 
     index: int
     chosen_token_id: int
@@ -85,6 +90,14 @@ class StepTrace:
     elapsed_ms: float = 0.0  # since the run started (prefill included)
     forced: bool = False  # chosen by the user (branching), not by the sampler
     finish_reason: str | None = None  # set on the last step: one of STOP_REASONS
+    varentropy: float | None = None  # of the final distribution, nats²
+    raw_varentropy: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.stages and self.varentropy is None:
+            self.varentropy = getattr(self.stages[-1], "varentropy", None)
+        if self.stages and self.raw_varentropy is None:
+            self.raw_varentropy = getattr(self.stages[0], "varentropy", None)
 
 
 @dataclass

@@ -15,7 +15,7 @@ def test_every_stage_knob_is_in_exactly_one_group():
     assert len(STAGE_KNOBS) == len(set(STAGE_KNOBS))
     assert [title for title, _, _ in KNOB_GROUPS] == ["Temperature shaping", "Truncation", "Penalties",
                                                       "Repetition (DRY, no-repeat n-gram)", "Adaptive (mirostat, XTC)",
-                                                      "Structured output (grammar)"]
+                                                      "Structured output (grammar)", "Watermark"]
 
 
 def test_greedy_greys_exactly_the_sampling_only_knobs():

@@ -94,6 +94,8 @@ RECORDED_PARAMS = {
     "xtc": {"xtc_threshold": 0.1, "xtc_probability": 1, "u": None, "fired": True, "kept_id": 634},
     "mirostat": {"mirostat": 2, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "mu": 10.0, "kept": 12, "mu_after": None},
     "contrast": {"cd_alpha": 0.1, "amateur": "tiny"},
+    "watermark": {"watermark_delta": 2.0, "watermark_gamma": 0.25, "watermark_seeding": "lefthash",
+                  "watermark_key": 15485863, "watermark_context": 1, "raised": 12288},
     "grammar": {"grammar_kind": "json_schema", "allowed": 120, "complete": False, "ended": False,
                 "off_grammar_at": None, "wanted_id": 634, "wanted_p": 0.4, "log_allowed_mass": -0.5},
 }

@@ -35,3 +35,6 @@ from engine.stages.stateful import (  # noqa: F401
 from engine.stages.grammar import (  # noqa: F401
     Grammar, GrammarFacts, grammar_facts, grammar_cost,
 )
+from engine.stages.watermark import (  # noqa: F401
+    Watermark, green_ids,
+)
