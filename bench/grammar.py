@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import runner  # noqa: E402
+from engine.runner import RUNS  # noqa: E402
 from engine.backends.local import ModelSpec, load_model  # noqa: E402
 from engine.cache import KVCache  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
@@ -74,7 +75,7 @@ def lesson_time(lm) -> None:
     lesson = builtin_lessons()["grammar"]
     baseline = ms(lambda: runner.run(RunRequest(lm, lesson.prompt, DecodingConfig(strategy="greedy", max_new_tokens=8),
                                                 chat=True)))
-    total = ms(lambda: evaluate(lm, lesson, run_lesson(lm, lesson)))
+    total = ms(lambda: evaluate(lm, lesson, run_lesson(lm, lesson, runs=RUNS), runs=RUNS))
     print(f"distortion lesson: {total / 1000:.1f} s (one 8-token greedy run of its prompt: {baseline / 1000:.2f} s, "
           f"ratio {total / baseline:.1f}x)")
 

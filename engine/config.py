@@ -19,13 +19,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.backends.quant_methods import WEIGHT_METHODS
-from engine.strategies.spec import STRATEGIES as STRATEGY_SPECS
-from engine.strategies.spec import on_change as on_strategies_change
-# Importing engine.stages registers every stage (its families import no config). The strategies
-# register themselves when engine.strategies is imported (engine/__init__.py does).
-from engine.stages import (MAX_BIAS_ENTRIES, MAX_STRING_LEN, STAGES, ConfigError, Knob, StageSpec,  # noqa: F401
-                           declared, on_change)
+# The base floor only: the knobs and the two registries. The stages and the strategies register
+# themselves when engine.stages and engine.strategies are imported (engine/__init__.py does, so
+# importing anything under engine/ does), and the tables below are derived again at each change.
+from engine.base.knobs import MAX_BIAS_ENTRIES, MAX_STRING_LEN, ConfigError, Knob  # noqa: F401  (re-exported)
+from engine.base.stage_spec import STAGES, StageSpec, declared, on_change  # noqa: F401
+from engine.base.strategy_spec import STRATEGIES as STRATEGY_SPECS
+from engine.base.strategy_spec import on_change as on_strategies_change
 
 # Every strategy, by its spec (engine/strategies/spec.py): the registry itself, so a module that
 # imported it sees every strategy registered since (``name in STRATEGIES``, ``list(STRATEGIES)``).
@@ -46,14 +46,9 @@ STAGE_NAMES: tuple[str, ...] = ()  # the same names
 # transformers' generate(do_sample=False) does.
 SAMPLING_ONLY_STAGES: frozenset[str] = frozenset()
 
-# A quantized copy of the target as drafter or amateur: bitsandbytes, or a 4-bit checkpoint made here
-# (engine.backends.quant_methods)
-SELF_WEIGHT_VARIANTS = ("self-int8", "self-nf4") + tuple(f"self-{name}" for name in WEIGHT_METHODS)
-DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4") + SELF_WEIGHT_VARIANTS[2:]  # plus "model:<id or dir>"
-# KV cache kinds (engine/kv_quant.py builds them), plus "sliding-<N>": a window of the last N positions.
+# KV cache kinds (engine/cache/kv_quant.py builds them), plus "sliding-<N>": a window of the last N positions.
 KV_CACHE_KINDS = ("dynamic", "quantized-int8", "quantized-int4")
 SLIDING_WINDOW_RANGE = (2, 65_536)  # transformers keeps N - 1 cached positions, so N >= 2
-EARLY_STOPPING_CHOICES = (True, False, "never")
 
 
 MAX_SEED = 2**32 - 1
@@ -248,6 +243,7 @@ def check_kv_cache(key: str, value: str) -> str:
 
 
 def check_drafter(key: str, value: str, allowed: tuple[str, ...]) -> str:
+    """One of ``allowed`` (a strategy's drafter or amateur choices) or ``model:<id or dir>``."""
     if value in allowed or (value.startswith("model:") and len(value) > len("model:")):
         return value
     raise ConfigError(key, f"expected one of {' | '.join(allowed)} | model:<id or dir>, got {value!r}")

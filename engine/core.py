@@ -22,8 +22,8 @@ from engine import sampling
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.control import RunControl, check
-from engine.reports.metrics import common_prefix, mean_logprob, perplexity
-from engine.backends.seam import Model
+from engine.base.measures import common_prefix, mean_logprob, perplexity
+from engine.base.seam import Model
 from engine.chain import Chain, Traced, traced_rows
 from engine.trace import StageTrace, StepTrace, Timing, Trace
 
@@ -37,7 +37,7 @@ class RunContext:
     strategy whose spec ``continues``) the tokens it continues after, the token it is forced to
     and the stage records to resume from."""
 
-    lm: Model  # loaded here (LoadedModel) or served (RemoteModel): engine.backends.seam
+    lm: Model  # loaded here (LoadedModel) or served (RemoteModel): engine.base.seam
     prompt: str
     ids: list[int]
     config: DecodingConfig

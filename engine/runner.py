@@ -8,7 +8,7 @@ the tokens it adds to the output (a StepTrace each), the strategy's own record (
 speculative round, contrastive candidates, an MCTS position...) and, on the last event only, the
 whole Trace. Views, the CLI, the API and the benchmarks all come through here, so every surface
 emits the same trace JSON. The strategy's stream is looked up in its spec
-(``engine.strategies.spec.STRATEGIES``: ``stream`` on a model loaded here, ``served`` on a served
+(``engine.base.strategy_spec.STRATEGIES``: ``stream`` on a model loaded here, ``served`` on a served
 one); the ``RunControl`` is checked between events, and strategies check it inside long steps too,
 so a cancelled or timed-out run stops within one step.
 """
@@ -24,7 +24,8 @@ from engine.config import DecodingConfig
 from engine.control import RunControl, under
 from engine.core import RunContext
 from engine.sampling import NO_TOKENS_LEFT
-from engine.strategies.spec import STRATEGIES, StrategySpec
+from engine.scheduler import Scheduler
+from engine.base.strategy_spec import STRATEGIES, StrategySpec
 from engine.trace import Event, StageTrace, StepTrace, Trace
 
 LOCAL = "local"  # the backend of a model loaded in this process (a LoadedModel)
@@ -191,3 +192,22 @@ def partial_trace(lm: Any, prompt: str, prompt_ids: Sequence[int], config: Decod
                   steps: list[StepTrace], chat: bool, branch_of: int | None = None) -> Trace:
     """A Trace of the steps streamed so far (what a view draws while the run goes on)."""
     return core.assemble(lm, prompt, prompt_ids, config, steps, chat, branch_of=branch_of)
+
+
+class EngineRuns:
+    """``engine.reports.runs.Runs`` filled by this module and ``engine.scheduler``: how the reports,
+    which import no orchestrator, run strategies and open a private scheduler."""
+
+    def run(self, lm: Any, prompt: str, config: DecodingConfig, *, chat: bool = False,
+            prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
+            scheduler: Any = None) -> Trace:
+        return run(RunRequest(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=registry,
+                              scheduler=scheduler))
+
+    def scheduler(self, lm: Any, *, max_batch: int | None = None, max_queue: int | None = None,
+                  prefill_chunk: int | None = None, share_prefix: bool = True) -> Scheduler:
+        return Scheduler(lm, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                         share_prefix=share_prefix)
+
+
+RUNS = EngineRuns()

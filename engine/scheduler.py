@@ -60,13 +60,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from engine import kv_quant
-from engine.cache import KVCache
+from engine.cache import KVCache, kv_quant, left_padded
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.core import RunState, advance_rows, check_prompt
 from engine.backends.local import LoadedModel
-from engine.reports.metrics import common_prefix
+from engine.base.measures import common_prefix
 from engine.reports.serving import RunRecord, ServingStats, Tick
 from engine.settings import env_int
 from engine.threads import step_threads
@@ -214,15 +213,6 @@ def shared_prefix(sequences: Sequence[Sequence[int]], minimum: int = MIN_SHARED_
     shared = min(common_prefix(sequences[0], other) for other in sequences[1:])
     shared = min(shared, min(len(s) for s in sequences) - 1)
     return shared if shared >= minimum else 0
-
-
-def left_padded(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sequences`` left-padded to the longest: ids [U, T] and mask [U, T] (1 = real). Pads repeat
-    the row's first token (any real id works: they are masked out)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.tensor([[s[0]] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long, device=device)
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long, device=device)
-    return ids, mask
 
 
 def distinct_sequences(runs: list[_Run]) -> tuple[list[_Run], list[int]]:

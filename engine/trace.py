@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import KNOBS, STAGE_NAMES, ConfigError
-from engine.strategies.spec import STRATEGIES
+from engine.base.strategy_spec import STRATEGIES
 
 STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "no_tokens_left")
 
@@ -207,7 +207,7 @@ def to_dict(record: Any) -> Any:
 def record_fields(strategy: str) -> dict[str, Any]:
     """Where a ``strategy``'s trace keeps its typed records: ``beam`` / ``rounds`` (the Trace
     fields) or a key of ``extra``, mapped to the record type (a dataclass or list[...] of one):
-    its spec's ``records`` (engine.strategies.spec), {} for a strategy without records."""
+    its spec's ``records`` (engine.base.strategy_spec), {} for a strategy without records."""
     spec = STRATEGIES.get(strategy)
     return dict(spec.records) if spec is not None else {}
 

@@ -52,7 +52,7 @@ class UserError(ValueError):
 # the API hands out a top-N per token, not the model's logits, weights, hidden states or cache.
 def require(lm: Any, what: str) -> None:
     """UserError when ``lm``'s capabilities lack what a view needs (``what``: "quantization" or
-    "KV cache", engine.backends.seam.VIEW_NEEDS), in the engine's own words."""
+    "KV cache", engine.base.seam.VIEW_NEEDS), in the engine's own words."""
     reason = lm.capabilities.lacks(what)
     if reason:
         raise UserError(reason)

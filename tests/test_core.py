@@ -15,9 +15,9 @@ import torch
 
 from engine import core, sampling
 from engine.strategies import decode
-from engine.config import SELF_WEIGHT_VARIANTS, ConfigError, DecodingConfig
+from engine.config import ConfigError, DecodingConfig
 from engine.backends.local import EMBEDDED, ModelLoadError, ModelSpec
-from engine.backends.registry import ModelPolicy, ModelRegistry, resolve_variant, variant_spec
+from engine.backends.registry import SELF_VARIANTS, ModelPolicy, ModelRegistry, resolve_variant, variant_spec
 from engine.chain import Chain
 from engine.scheduler import Scheduler
 from engine.trace import StepTrace
@@ -196,7 +196,7 @@ def test_variant_spec_on_the_target_device_and_dtype(tiny_lm):
     assert variant_spec(tiny_lm, "self-nf4", "drafter") == ModelSpec(tiny_lm.source, "nf4", "cpu", "float32")
     assert variant_spec(tiny_lm, "model:org/x", "amateur") == ModelSpec("org/x", "none", "cpu", "float32")
     for bad in ("self-int4", "org/x", "model:", ""):
-        expected = " | ".join(SELF_WEIGHT_VARIANTS + ("model:<id or dir>",))  # self-int8 | self-nf4 | self-<4-bit> ...
+        expected = " | ".join(SELF_VARIANTS + ("model:<id or dir>",))  # self-int8 | self-nf4 | self-<4-bit> ...
         with pytest.raises(ConfigError, match=f"^amateur: expected {re.escape(expected)}, got {bad!r}"):
             variant_spec(tiny_lm, bad, "amateur")
 

@@ -281,7 +281,7 @@ def test_the_recipes_use_the_specs_real_fields():
 
     from engine.runner import RunRequest
     from engine.stages import Export, Interop, Knob, StageSpec
-    from engine.strategies.spec import StrategySpec
+    from engine.base.strategy_spec import StrategySpec
 
     kinds = {c.__name__: {f.name for f in dataclasses.fields(c)}
              for c in (StageSpec, StrategySpec, Knob, Interop, Export, RunRequest)}

@@ -13,6 +13,7 @@ import torch
 
 from engine.config import ConfigError, DecodingConfig
 from engine.reports.distortion import NotEnumerable, distortion_report
+from engine.runner import RUNS
 
 UMBRELLA = ("Should I take an umbrella today?", ("Yes", "No", "Maybe"))
 COLOURS = ("What colour is the sky?", ("Blue", "Grey", "Red", "Green", "Pink", "Gold"))
@@ -102,8 +103,8 @@ def test_the_lesson_checks_its_claim_and_its_batched_sweep_equals_runs_alone(emb
     from engine.runner import RunRequest
 
     lesson = lessons.builtin_lessons()["grammar"]
-    traces = lessons.run_lesson(embedded, lesson)
-    outcome = lessons.evaluate(embedded, lesson, traces)
+    traces = lessons.run_lesson(embedded, lesson, runs=RUNS)
+    outcome = lessons.evaluate(embedded, lesson, traces, runs=RUNS)
     assert outcome.ok and outcome.figures["valid_runs"] == outcome.figures["runs"] == 8, outcome.summary
     assert {s.text for s in outcome.report.strings} == set(UMBRELLA[1])
     assert outcome.figures["exact_sum"] == pytest.approx(1.0, abs=1e-9)
@@ -111,7 +112,7 @@ def test_the_lesson_checks_its_claim_and_its_batched_sweep_equals_runs_alone(emb
     top = max(outcome.report.strings, key=lambda s: s.masked)
     assert f"picks {top.text!r} {top.masked:.0%} of the time" in outcome.summary  # the sentence is the numbers'
     config, ids = lesson.runs[0].config, traces[0].prompt_token_ids
-    for seed_offset, swept in enumerate(lessons._seed_sweep(embedded, lesson, config, ids, 4), start=1):
+    for seed_offset, swept in enumerate(lessons._seed_sweep(embedded, lesson, config, ids, 4, RUNS), start=1):
         alone = runner.run(RunRequest(embedded, lesson.prompt, config.replace(seed=config.seed + seed_offset),
                                       chat=True, prompt_ids=ids))
         assert swept.generated_token_ids == alone.generated_token_ids and swept.text in UMBRELLA[1]

@@ -1,8 +1,11 @@
-"""Issues #28 and #36: no import circle in playground/ or engine/ (views import charts, whatif,
-presenter one way only; no view imports another view; the engine's rooms import the core and
-each other one way). Every import
+"""Issues #28, #36 and #51: no import circle in playground/ or engine/ (views import charts, whatif,
+presenter one way only; no view imports another view), and the engine's floors: a module imports
+only from its own floor or below (FLOORS, lowest first; docs/architecture.md draws them). Every import
 counts, at the top of a file or inside a function (an import put in a function to dodge a circle
-is still a circle); only imports under ``if TYPE_CHECKING:`` are left out: they never run (they
+is still a circle), and so does every package face it runs: ``import engine.strategies.spec`` runs
+``engine/strategies/__init__.py`` first, which imports every strategy module, so it is an arrow to
+``engine.strategies`` too (a module's own packages are left out: Python runs them before the module
+whoever imports it). Only imports under ``if TYPE_CHECKING:`` are left out: they never run (they
 name a type for the type checker)."""
 
 from __future__ import annotations
@@ -43,9 +46,17 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
         for target in targets:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):
-                found.add(target)
+            for face in faces(target):  # the module and each package __init__ that runs before it
+                if face in modules and face != name and not name.startswith(face + "."):
+                    found.add(face)
     return found
+
+
+def faces(target: str) -> list[str]:
+    """``target`` and the packages above it, whose ``__init__.py`` Python runs first
+    (``a.b.c`` -> ``a.b.c``, ``a.b``, ``a``)."""
+    parts = target.split(".") if target else []
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -107,6 +118,64 @@ def test_no_import_circle_in_engine():
     graph = package_graph("engine")
     assert "engine.strategies.beam" in graph and "engine.backends.registry" in graph  # the rooms are real
     assert cycles(graph) == []
+
+
+# The engine's floors, lowest first: a module imports from its own floor and the floors below, never
+# from one above (a climb). A name covers the module and everything under it; "engine" (the package
+# face: importing anything under engine/ registers every stage and strategy) only itself.
+FLOORS = (
+    ("leaves", ("engine.settings", "engine.numbers", "engine.threads", "engine.control", "engine.sampling")),
+    ("base", ("engine.base",)),  # the knobs, the stage and strategy specs and registries, the model seam
+    ("stages", ("engine.stages",)),
+    ("core", ("engine.config", "engine.trace", "engine.chain", "engine.cache", "engine.core", "engine.presets",
+              "engine.sharelink", "engine.interop")),
+    ("backends", ("engine.backends",)),
+    ("strategies", ("engine.strategies", "engine.explore")),
+    ("reports", ("engine.reports",)),
+    ("top", ("engine.runner", "engine.scheduler", "engine.__main__", "engine")),
+)
+
+
+def floor_of(module: str) -> int:
+    """The index in FLOORS of ``module``'s floor (ValueError for a module no floor names)."""
+    for index, (_, names) in enumerate(FLOORS):
+        if any(module == n or (n != "engine" and module.startswith(n + ".")) for n in names):
+            return index
+    raise ValueError(f"{module}: on no floor; add it to FLOORS (tests/test_import_graph.py) and docs/architecture.md")
+
+
+def climbs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every arrow from a module to a module on a higher floor."""
+    return sorted((name, target) for name, targets in graph.items() for target in targets
+                  if floor_of(target) > floor_of(name))
+
+
+def test_faces_count_and_climbs_are_seen(tmp_path, monkeypatch):
+    """An import of ``pkg.room.spec`` runs ``pkg/room/__init__.py``: an arrow to ``pkg.room`` too, so a
+    loop through a package face is a loop; the importer's own packages are not arrows."""
+    pkg = tmp_path / "pkg"
+    (pkg / "room").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("from pkg.room.spec import X\n")
+    (pkg / "room" / "__init__.py").write_text("from pkg.room import impl\n")
+    (pkg / "room" / "spec.py").write_text("X = 1\n")
+    (pkg / "room" / "impl.py").write_text("from pkg.config import X\nfrom pkg.room import spec\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = package_graph("pkg")
+    assert graph["pkg.config"] == {"pkg.room", "pkg.room.spec"}
+    assert graph["pkg.room.impl"] == {"pkg.config", "pkg.room.spec"}
+    assert cycles(graph) == [["pkg.config", "pkg.room", "pkg.room.impl", "pkg.config"]]
+    assert climbs({"engine.config": {"engine.strategies.spec"}, "engine.strategies.spec": {"engine.base.knobs"}}) \
+        == [("engine.config", "engine.strategies.spec")]
+
+
+def test_the_engine_has_floors_without_climbs():
+    """#51: every engine module is on a floor (FLOORS) and imports nothing from a floor above it."""
+    graph = package_graph("engine")
+    assert graph["engine.config"] and graph["engine.strategies"]  # the graph is real
+    for name in graph:
+        floor_of(name)
+    assert climbs(graph) == []
 
 
 def test_the_engine_is_in_rooms():

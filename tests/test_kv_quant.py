@@ -1,4 +1,4 @@
-"""engine.kv_quant and KVCache(kind=...): the KV cache kinds, their bytes against the formula,
+"""engine.cache.kv_quant and KVCache(kind=...): the KV cache kinds, their bytes against the formula,
 exact rewinds, reproducible decoding, the KV drift report and the self-kv drafters."""
 
 import json
@@ -8,7 +8,8 @@ import torch
 
 from engine.strategies import decode
 from engine.reports import drift
-from engine import kv_quant, runner
+from engine import runner
+from engine.cache import kv_quant
 from engine.runner import RunRequest
 from engine.cache import KVCache
 from engine.config import ConfigError, DecodingConfig

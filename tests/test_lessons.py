@@ -6,6 +6,7 @@ import json
 import pytest
 
 from engine.reports.lessons import (CHECKS, LessonError, builtin_lessons, evaluate, parse_lesson, run_lesson, selected_step)
+from engine.runner import RUNS
 
 GOOD = {
     "version": 1, "id": "mine", "title": "My lesson", "view": "step", "prompt": "Hello", "chat": False,
@@ -64,10 +65,10 @@ def test_each_lessons_claim_holds_on_the_embedded_model(embedded, registry, less
     lesson = builtin_lessons()[lesson_id]
     if lesson_id in CHECKPOINT_LESSONS:
         request.getfixturevalue("quant_checkpoints")  # made (or waited for) by deploy/quantize.sh
-    traces = run_lesson(embedded, lesson, registry)
+    traces = run_lesson(embedded, lesson, registry, runs=RUNS)
     assert all(t.steps for t in traces)
     assert 0 <= selected_step(traces[0], lesson.select_step) < len(traces[0].steps)
-    outcome = evaluate(embedded, lesson, traces, registry)
+    outcome = evaluate(embedded, lesson, traces, registry, runs=RUNS)
     assert outcome.ok, outcome.summary
     json.dumps(outcome.figures, allow_nan=False)
 

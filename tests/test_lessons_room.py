@@ -12,6 +12,7 @@ import json
 import pytest
 
 from engine.reports.lessons import (LessonError, builtin_lessons, evaluate, parse_lesson, parse_lesson_json, run_lesson)
+from engine.runner import RUNS
 
 # What each built-in lesson's chart must show (a panel title or the figure's text), the stage it teaches.
 TAUGHT = {
@@ -126,8 +127,8 @@ def test_a_run_that_stops_early_does_not_pass_the_repetition_check(tiny_lm, regi
     data["lanes"][1] = data["lanes"][1] | {"min_new_tokens": 0, "max_new_tokens": 3}  # stops at 3 tokens: 0% repeats
     data["lanes"][0] = data["lanes"][0] | {"min_new_tokens": 12, "max_new_tokens": 12}
     lesson = parse_lesson(data | {"check": {"kind": "less_repetition", "n": 1, "min_tokens": 12}})
-    traces = run_lesson(tiny_lm, lesson, registry)
-    outcome = evaluate(tiny_lm, lesson, traces, registry)
+    traces = run_lesson(tiny_lm, lesson, registry, runs=RUNS)
+    outcome = evaluate(tiny_lm, lesson, traces, registry, runs=RUNS)
     assert not outcome.ok and "needs 12 tokens" in outcome.summary and outcome.figures["tokens_1"] == 3
 
 

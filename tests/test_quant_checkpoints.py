@@ -22,6 +22,7 @@ from conftest import ROOT, make_tiny_llama
 from engine.reports import drift, quant_report
 from engine.backends import quant_methods
 from engine import runner
+from engine.runner import RUNS
 from engine.runner import RunRequest
 from engine.config import DecodingConfig
 from engine.reports.lessons import builtin_lessons, evaluate, run_lesson
@@ -156,7 +157,7 @@ def test_the_cli_runs_a_checkpoint(quant_checkpoints, registry):
 
 def test_the_gptq_vs_awq_lessons_check_holds(quant_checkpoints, registry, embedded):
     lesson = builtin_lessons()["gptq-vs-awq"]
-    outcome = evaluate(embedded, lesson, run_lesson(embedded, lesson, registry), registry)
+    outcome = evaluate(embedded, lesson, run_lesson(embedded, lesson, registry, runs=RUNS), registry, runs=RUNS)
     assert outcome.ok, outcome.summary
     assert "GPTQ" in outcome.summary and "AWQ" in outcome.summary and "code instead of prose" in outcome.summary
     json.dumps(outcome.figures, allow_nan=False)

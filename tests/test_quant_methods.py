@@ -17,6 +17,7 @@ from engine.backends import quant_methods
 from engine.backends.local import QUANTIZATIONS, ModelLoadError, ModelSpec, embedded_model_dir, load_model
 from engine.backends.registry import SELF_VARIANTS, ModelRegistry
 from engine.backends.quant_methods import WEIGHT_METHODS, dequantize, read_layout, unpack_int4
+from engine.strategies import speculative
 
 
 def pack_by_definition(q: list[list[int]]) -> torch.Tensor:
@@ -93,7 +94,7 @@ def test_every_variant_is_accepted_everywhere_a_variant_is():
     assert QUANTIZATIONS == ("none", "int8", "nf4", *names) == settings.QUANTIZATION_CHOICES
     for name in names:
         assert ModelSpec(quantization=name).quantization == name
-        assert f"self-{name}" in SELF_VARIANTS and f"self-{name}" in config.DRAFTER_CHOICES
+        assert f"self-{name}" in SELF_VARIANTS and f"self-{name}" in speculative.DRAFTER_CHOICES
         assert config.DecodingConfig(strategy="speculative", drafter=f"self-{name}").drafter == f"self-{name}"
         assert config.DecodingConfig(strategy="contrastive_decoding", amateur=f"self-{name}").amateur == f"self-{name}"
     assert settings.env_choice("DP_QUANTIZATION", {"DP_QUANTIZATION": "awq-g32"}) == "awq-g32"

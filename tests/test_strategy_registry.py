@@ -1,5 +1,5 @@
 """#28, one point: one entry point for every strategy. ``runner.stream`` looks the strategy up in
-its spec (``engine.strategies.spec.STRATEGIES``: each strategy registers a ``StrategySpec`` whose
+its spec (``engine.base.strategy_spec.STRATEGIES``: each strategy registers a ``StrategySpec`` whose
 ``stream`` is ``fn(ctx: RunContext) -> Iterator[Event]``) instead of an if/elif over the modules."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import inspect
 
 from engine import runner
 from engine.core import RunContext
-from engine.strategies import spec as strategy_spec
+from engine.base import strategy_spec
 from engine.runner import RunRequest
 from engine.config import STRATEGIES, DecodingConfig
 

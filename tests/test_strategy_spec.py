@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import runner
-from engine.backends.seam import served_capabilities
+from engine.base.seam import served_capabilities
 from engine.config import CONFIG_KEYS, KNOBS, STRATEGIES, ConfigError, DecodingConfig, Knob
 from engine.core import RunContext, StopCheck, assemble, checked, check_prompt, step_trace
 from engine.chain import Chain
@@ -21,8 +21,8 @@ from engine.interop import to_llama_cpp, to_textgen_webui
 from engine.presets import Preset
 from engine.runner import RunRequest
 from engine.sampling import Pick
-from engine.strategies import spec as strategy_spec
-from engine.strategies.spec import Exported, StrategySpec, register, unregister
+from engine.base import strategy_spec
+from engine.base.strategy_spec import Exported, StrategySpec, register, unregister
 from engine.trace import Event, Trace
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.backends.seam import LOCAL, Capabilities
+from engine.base.seam import LOCAL, Capabilities
 from engine.backends import quant_methods
 from engine.settings import SettingsError, cache_root, env_choice
 
@@ -88,7 +88,7 @@ class LoadedModel:
     # worker decodes stop strings while handler threads encode prompts): one lock serialises them.
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    backend = "local"  # the seam (engine.backends.seam.Model): loaded in this process
+    backend = "local"  # the seam (engine.base.seam.Model): loaded in this process
 
     @property
     def capabilities(self) -> Capabilities:

@@ -15,7 +15,7 @@ import torch
 
 from engine.backends.client import JsonClient, RemoteError
 from engine.backends.schema import MAX_CONTEXT
-from engine.backends.seam import Capabilities, served_capabilities
+from engine.base.seam import Capabilities, served_capabilities
 from engine.settings import SettingsError, env_list
 
 BACKENDS = ("llamacpp", "openai")
@@ -184,7 +184,7 @@ class RemoteTokenizer:
 
 @dataclass
 class RemoteModel:
-    """A served model (``engine.backends.seam.Model``: what the decoding loop reads of a model);
+    """A served model (``engine.base.seam.Model``: what the decoding loop reads of a model);
     ``api`` speaks its backend's requests (LlamaCppApi, OpenAIApi), everything else is shared."""
 
     name: str
@@ -215,7 +215,7 @@ class RemoteModel:
     @property
     def capabilities(self) -> Capabilities:
         """A top-N per position (step mode asks ``top_n``), streamed generations; no logits,
-        hidden states, cache or weights (engine.backends.seam)."""
+        hidden states, cache or weights (engine.base.seam)."""
         return served_capabilities(self.top_n)
 
     @property

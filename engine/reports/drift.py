@@ -15,7 +15,7 @@ feeds the whole sequence again at every step, with the cache's measured size aga
 length, so the report is capped at MAX_UNCACHED_TOKENS tokens and says so.
 
 ``stream_kv_drift`` / ``kv_drift_report``: the same model with each KV cache kind (dynamic,
-quantized-int8/int4, sliding-<N>; engine/kv_quant.py) against the full-precision reference.
+quantized-int8/int4, sliding-<N>; engine/cache/kv_quant.py) against the full-precision reference.
 Teacher-forced: the kind's cache is fed the reference continuation token by token, and each
 step's distribution is compared with the reference's (KL, TV, top-1 agreement). Free-running:
 the kind decodes greedily on its own, which gives its speed, its memory over the run and the
@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine import kv_quant
+from engine.cache import kv_quant
 from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
 from engine.cache import KVCache
 from engine.config import DecodingConfig

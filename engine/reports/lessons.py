@@ -29,9 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engine import explore, runner
-from engine.runner import RunRequest
-
+from engine import explore
 from engine.reports import metrics
 from engine.config import check_text
 from engine.reports.drift import kv_cache_report, quantization_report
@@ -41,7 +39,7 @@ from engine.reports.quant_report import compare_methods
 from engine.backends.local import LoadedModel, ModelSpec
 from engine.backends.registry import ModelRegistry
 from engine.backends.served import ModelPick
-from engine.scheduler import Scheduler
+from engine.reports.runs import Runs
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from engine.trace import Trace
 
@@ -334,13 +332,12 @@ def run_model(registry: ModelRegistry, source: str, lm: LoadedModel) -> Any:
 
 # --- running and checking --------------------------------------------------------------------
 def run_lesson(lm: LoadedModel, lesson: Lesson, registry: ModelRegistry | None = None,
-               environ: Any = None) -> list[Trace]:
+               environ: Any = None, *, runs: Runs) -> list[Trace]:
     """Every run of the lesson (its lanes, or its one preset) on ``lm``, or on the server its
-    ``models`` name."""
+    ``models`` name, through ``runs`` (``engine.runner.RUNS``)."""
     registry = registry or ModelRegistry()
     sources = run_sources(lesson, getattr(lm, "source", lm.name), environ)
-    return [runner.run(RunRequest(run_model(registry, source, lm), lesson.prompt, p.config, chat=lesson.chat,
-                                  registry=registry))
+    return [runs.run(run_model(registry, source, lm), lesson.prompt, p.config, chat=lesson.chat, registry=registry)
             for p, source in zip(lesson.runs, sources)]
 
 
@@ -365,28 +362,30 @@ def taught_run(lesson: Lesson) -> int | None:
     return None
 
 
-def evaluate(lm: LoadedModel, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None) -> Outcome:
-    """Run the lesson's check over its traces."""
+def evaluate(lm: LoadedModel, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None, *,
+             runs: Runs) -> Outcome:
+    """Run the lesson's check over its traces (a check that runs more goes through ``runs``:
+    ``engine.runner.RUNS``)."""
     if lesson.check is None:
         return Outcome(True, "", {})
     kind = lesson.check["kind"]
-    return CHECKS[kind](lm, lesson, list(traces), registry or ModelRegistry())
+    return CHECKS[kind](lm, lesson, list(traces), registry or ModelRegistry(), runs)
 
 
 def _label(p: Preset) -> str:
     return p.name
 
 
-def _sampling_varies(lm, lesson, traces, registry) -> Outcome:
+def _sampling_varies(lm, lesson, traces, registry, runs) -> Outcome:
     """Lane 0 is greedy: running it again gives the same text. Sampled lanes differ from each other."""
-    again = runner.run(RunRequest(lm, lesson.prompt, lesson.runs[0].config, chat=lesson.chat))
+    again = runs.run(lm, lesson.prompt, lesson.runs[0].config, chat=lesson.chat)
     sampled = {tuple(t.generated_token_ids) for t in traces[1:]}
     ok = again.generated_token_ids == traces[0].generated_token_ids and len(sampled) == len(traces) - 1
     return Outcome(ok, "Greedy gives the same text every time; each seed of sampling gives a different one.",
                    {"distinct_sampled_texts": float(len(sampled))})
 
 
-def _entropy_rises(lm, lesson, traces, registry) -> Outcome:
+def _entropy_rises(lm, lesson, traces, registry, runs) -> Outcome:
     """At the first step (same context for every lane) the final entropy grows lane by lane. A greedy
     lane (T = 0) puts all its mass on one token: entropy 0, whatever its trace's unused stages say."""
     h = [0.0 if p.config.is_greedy else t.steps[0].entropy for p, t in zip(lesson.runs, traces)]
@@ -396,7 +395,7 @@ def _entropy_rises(lm, lesson, traces, registry) -> Outcome:
                    {f"entropy_{i}": x for i, x in enumerate(h)})
 
 
-def _truncation_shapes(lm, lesson, traces, registry) -> Outcome:
+def _truncation_shapes(lm, lesson, traces, registry, runs) -> Outcome:
     """On lane 0's run, re-process its most peaked and its flattest step under every lane's knobs:
     top-p adapts (keeps few tokens where the model is sure, many where it is not), top-k does not."""
     trace = traces[0]
@@ -414,7 +413,7 @@ def _truncation_shapes(lm, lesson, traces, registry) -> Outcome:
                        f"the flat one; top-p keeps {kept[f'peaked_{p_}']:.0f} and {kept[f'flat_{p_}']:.0f}.", kept)
 
 
-def _less_repetition(lm, lesson, traces, registry) -> Outcome:
+def _less_repetition(lm, lesson, traces, registry, runs) -> Outcome:
     """Lane 0 repeats itself (share of repeated 4-grams); every other lane repeats less."""
     n, least = check_field(lesson.check, "n"), check_field(lesson.check, "min_tokens")
     rep = [metrics.rep_n(t.generated_token_ids, n) for t in traces]
@@ -432,10 +431,10 @@ def _sequence_score(trace: Trace, alpha: float) -> float:
     return logp / max(1, len(trace.steps)) ** alpha
 
 
-def _beam_beats_greedy(lm, lesson, traces, registry) -> Outcome:
+def _beam_beats_greedy(lm, lesson, traces, registry, runs) -> Outcome:
     """The beam winner's score (sum of log-probs / length^alpha) is at least greedy's under the same rule."""
     config = lesson.runs[0].config
-    greedy = runner.run(RunRequest(lm, lesson.prompt, config.replace(strategy="greedy", num_beams=1), chat=lesson.chat))
+    greedy = runs.run(lm, lesson.prompt, config.replace(strategy="greedy", num_beams=1), chat=lesson.chat)
     beam_trace = traces[0]
     winner = beam_trace.beam.hypotheses[beam_trace.beam.winner]
     greedy_score = _sequence_score(greedy, config.length_penalty)
@@ -444,10 +443,10 @@ def _beam_beats_greedy(lm, lesson, traces, registry) -> Outcome:
                        f"greedy's scores {greedy_score:.3f}.", {"beam_score": winner.score, "greedy_score": greedy_score})
 
 
-def _speculative_exact(lm, lesson, traces, registry) -> Outcome:
+def _speculative_exact(lm, lesson, traces, registry, runs) -> Outcome:
     """Greedy speculative decoding gives exactly the target's greedy text, with fewer target forwards."""
     config = lesson.runs[0].config
-    target = runner.run(RunRequest(lm, lesson.prompt, config.replace(strategy="greedy"), chat=lesson.chat))
+    target = runs.run(lm, lesson.prompt, config.replace(strategy="greedy"), chat=lesson.chat)
     spec = traces[0]
     rate = spec.summary.get("acceptance_rate", 0.0)
     per_forward = spec.summary.get("tokens_per_target_forward", 0.0)
@@ -457,7 +456,7 @@ def _speculative_exact(lm, lesson, traces, registry) -> Outcome:
                    {"acceptance_rate": rate, "tokens_per_target_forward": per_forward})
 
 
-def _grammar_distortion(lm, lesson, traces, registry) -> Outcome:
+def _grammar_distortion(lm, lesson, traces, registry, runs) -> Outcome:
     """Masked decoding never leaves the grammar: the lesson's run and a sweep of seeds all write one of
     its strings. What it costs: the exact distribution of masked decoding over the strings differs from
     the model's own distribution conditioned on the grammar (engine.reports.distortion), both exact and
@@ -467,7 +466,8 @@ def _grammar_distortion(lm, lesson, traces, registry) -> Outcome:
     config = lesson.runs[0].config
     report = distortion_report(lm, lesson.prompt, config, lesson.chat, prompt_ids=traces[0].prompt_token_ids)
     texts = {s.text for s in report.strings}
-    sweep = [traces[0], *_seed_sweep(lm, lesson, config, traces[0].prompt_token_ids, check_field(lesson.check, "seeds"))]
+    sweep = [traces[0], *_seed_sweep(lm, lesson, config, traces[0].prompt_token_ids, check_field(lesson.check, "seeds"),
+                                     runs)]
     valid = sum(t.text in texts and t.stop_reason == "eos" for t in sweep)
     sums = (sum(s.exact for s in report.strings), sum(s.masked for s in report.strings))
     ok = valid == len(sweep) and abs(sums[0] - 1) < 1e-6 and abs(sums[1] - 1) < 1e-3 and report.total_variation > 0.05
@@ -480,22 +480,22 @@ def _grammar_distortion(lm, lesson, traces, registry) -> Outcome:
                     "allowed_mass": report.allowed_mass, "exact_sum": sums[0], "masked_sum": sums[1]}, report)
 
 
-def _seed_sweep(lm, lesson, config, prompt_ids: Sequence[int], seeds: int) -> list[Trace]:
+def _seed_sweep(lm, lesson, config, prompt_ids: Sequence[int], seeds: int, runs: Runs) -> list[Trace]:
     """The lesson's run again at seeds config.seed + 1 .. + seeds - 1, all at once: their steps share one
-    batched forward (a scheduler of their own, engine.scheduler; each trace equals the run alone)."""
+    batched forward (a scheduler of their own, ``runs.scheduler``; each trace equals the run alone)."""
     if seeds < 2:
         return []
-    scheduler = Scheduler(lm)
+    scheduler = runs.scheduler(lm)
     try:
         with ThreadPoolExecutor(seeds - 1, thread_name_prefix="dp-lesson-sweep") as pool:
-            return list(pool.map(lambda i: runner.run(RunRequest(
-                lm, lesson.prompt, config.replace(seed=config.seed + i), chat=lesson.chat, prompt_ids=prompt_ids,
-                scheduler=scheduler)), range(1, seeds)))
+            return list(pool.map(lambda i: runs.run(lm, lesson.prompt, config.replace(seed=config.seed + i),
+                                                    chat=lesson.chat, prompt_ids=prompt_ids, scheduler=scheduler),
+                                 range(1, seeds)))
     finally:
         scheduler.close()
 
 
-def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
+def _kv_cache_same(lm, lesson, traces, registry, runs) -> Outcome:
     """Cached and recomputed decoding pick the same tokens; the cache feeds one token per step where
     recomputing feeds the whole sequence (O(n) vs O(n²) tokens through the model)."""
 
@@ -509,7 +509,7 @@ def _kv_cache_same(lm, lesson, traces, registry) -> Outcome:
                    {"cached_tokens": float(cached_tokens), "uncached_tokens": float(uncached_tokens)}, report)
 
 
-def _quantization_order(lm, lesson, traces, registry) -> Outcome:
+def _quantization_order(lm, lesson, traces, registry, runs) -> Outcome:
     """nf4 (4-bit) moves the distribution further from full precision than int8 (mean KL)."""
 
     report = quantization_report(registry, lm.source, lesson.prompt, lesson.chat,
@@ -523,7 +523,7 @@ def _quantization_order(lm, lesson, traces, registry) -> Outcome:
 GPTQ_VS_AWQ = ("rtn-g64", "gptq-g64", "awq-g64", "gptq-g64-code", "awq-g64-code")
 
 
-def _gptq_vs_awq(lm, lesson, traces, registry) -> Outcome:
+def _gptq_vs_awq(lm, lesson, traces, registry, runs) -> Outcome:
     """On the held-out text (group 64): AWQ beats round-to-nearest on perplexity and KL from fp32,
     and the calibration set matters: calibrated on code instead of prose, GPTQ (which fits its
     calibration inputs) drifts further from fp32 on held-out prose; AWQ's move is reported."""
@@ -574,7 +574,7 @@ def _apart(ours: Trace, theirs: Trace, positions: int) -> float:
     return max(gaps, default=0.0)
 
 
-def _engines_agree(lm, lesson, traces, registry) -> Outcome:
+def _engines_agree(lm, lesson, traces, registry, runs) -> Outcome:
     """Runs 0-2: greedy on our engine, vLLM and llama.cpp (the same model: our float32 folder is the
     Q4_1 GGUF dequantized; vLLM serves that folder, llama.cpp the GGUF, computing on its 4-bit blocks
     with each activation rounded to 8 bits, Q8_1, for the products). vLLM picks our tokens with

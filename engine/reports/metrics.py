@@ -8,14 +8,12 @@ same text (1 − distinct-n).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Hashable, Sequence
 
+from engine.base.measures import MIN_PROB, common_prefix, mean_logprob, perplexity  # noqa: F401  (re-exported)
 from engine.trace import StepTrace, Trace
-
-MIN_PROB = 1e-45  # log of a zero probability is clamped here, not -inf
 
 
 def ngrams(tokens: Sequence[Hashable], n: int) -> list[tuple]:
@@ -35,19 +33,6 @@ def rep_n(tokens: Sequence[Hashable], n: int = 4) -> float:
     """Share of n-grams that already occurred earlier in the text: 1 − distinct-n (0 if none)."""
     grams = ngrams(tokens, n)
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-def mean_logprob(probs: Sequence[float]) -> float:
-    """Mean natural log of the probabilities (nan for an empty run)."""
-    if not probs:
-        return math.nan
-    return sum(math.log(max(p, MIN_PROB)) for p in probs) / len(probs)
-
-
-def perplexity(probs: Sequence[float]) -> float:
-    """exp(−mean log p): the model's average branching factor along this text."""
-    mean = mean_logprob(probs)
-    return math.exp(-mean) if not math.isnan(mean) else math.nan
 
 
 @dataclass
@@ -91,16 +76,6 @@ def first_divergence(sequences: Sequence[Sequence[Hashable]]) -> int | None:
         if len(column) > 1:
             return i
     return None
-
-
-def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
-    """Length of the longest shared prefix."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def jaccard(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:

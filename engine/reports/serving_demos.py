@@ -14,7 +14,8 @@
 4. ``chunked_demo``: K users decode; a long prompt arrives; the others' inter-token latency while it
    is prefilled, with the prompt prefilled in one forward and in chunks between decode ticks.
 
-Every demonstration runs greedy requests on a private ``Scheduler`` of the page's model, so the
+Every demonstration runs greedy requests on a private scheduler of the page's model (``runs.scheduler``:
+``engine.runner.RUNS`` hands it ``engine.scheduler.Scheduler``), so the
 room's own runs are neither counted in it nor slowed by its settings; each returns its tokens so a
 test can check that the variants produce the same text. Times are wall clock on this machine, with
 the room's load on it: the view prints the load average beside them.
@@ -34,13 +35,13 @@ import torch
 
 from engine.backends.client import JsonClient, RemoteError
 from engine.backends.local import LoadedModel
-from engine.cache import KVCache
+from engine.cache import KVCache, left_padded
 from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.core import RunState, advance_rows
 from engine.reports.serving import BLOCK_SIZE, KVLayout, blocks, kv_layout, percentile
 from engine.reports.vllm_metrics import MetricsWatch, VllmWindow, window
-from engine.scheduler import Scheduler, left_padded
+from engine.reports.runs import Batcher, Runs
 from engine.trace import StepTrace
 
 SUBJECTS = ("a lighthouse", "the moon", "a bicycle", "rain in the city", "an old library", "a lost key",
@@ -88,7 +89,7 @@ class JobResult:
         return [s.chosen_token_id for s in self.steps]
 
 
-def consume(scheduler: Scheduler, ids: Sequence[int], config: DecodingConfig, control: RunControl,
+def consume(scheduler: Batcher, ids: Sequence[int], config: DecodingConfig, control: RunControl,
             result: JobResult, errors: list) -> None:
     """Read one request's stream into ``result`` (a thread's body; an error goes to ``errors``)."""
     try:
@@ -100,7 +101,7 @@ def consume(scheduler: Scheduler, ids: Sequence[int], config: DecodingConfig, co
         errors.append(exc)
 
 
-def run_jobs(scheduler: Scheduler, jobs: Sequence[tuple[list[int], DecodingConfig]], control: RunControl,
+def run_jobs(scheduler: Batcher, jobs: Sequence[tuple[list[int], DecodingConfig]], control: RunControl,
              delays: Sequence[float] | None = None) -> list[JobResult]:
     """Send every job to ``scheduler`` (each from its own thread, after its delay in seconds, all
     at once by default) and wait for all of them; the first error is raised."""
@@ -195,11 +196,11 @@ def batching_side(name: str, results: list[JobResult], start: float, forwards: i
 
 
 def batching_demo(lm: LoadedModel, control: RunControl, requests: int = 8, max_batch: int = 4,
-                  budgets: Sequence[int] = (2, 12, 4, 16, 3, 8, 6, 14)) -> BatchingDemo:
+                  budgets: Sequence[int] = (2, 12, 4, 16, 3, 8, 6, 14), *, runs: Runs) -> BatchingDemo:
     """Continuous vs static batching of the same ``requests`` (budgets cycled), ``max_batch`` rows."""
     plan = [budgets[i % len(budgets)] for i in range(requests)]
     jobs = [(story_prompt(lm, i), greedy(n)) for i, n in enumerate(plan)]
-    scheduler = Scheduler(lm, max_batch=max_batch, max_queue=requests)
+    scheduler = runs.scheduler(lm, max_batch=max_batch, max_queue=requests)
     start = time.perf_counter()
     continuous = run_jobs(scheduler, jobs, control)
     ticks = scheduler.serving.snapshot().ticks
@@ -226,13 +227,14 @@ class PagedDemo:
     at: float
 
 
-def paged_demo(lm: LoadedModel, control: RunControl, requests: int = 8, block: int = BLOCK_SIZE) -> PagedDemo:
+def paged_demo(lm: LoadedModel, control: RunControl, requests: int = 8, block: int = BLOCK_SIZE, *,
+               runs: Runs) -> PagedDemo:
     """Requests with mixed prompt lengths and budgets (32 to 64 tokens, each ending at its first
     sentence's full stop: like a chat answer, shorter than its budget) through the scheduler, then
     the KV layouts of every tick (exact, from the rows' lengths)."""
     jobs = [(story_prompt(lm, i, words=12 * (i % 4)),
              DecodingConfig(strategy="greedy", max_new_tokens=32 + 8 * (i % 5), stop=(".",))) for i in range(requests)]
-    scheduler = Scheduler(lm, max_batch=requests, max_queue=requests)
+    scheduler = runs.scheduler(lm, max_batch=requests, max_queue=requests)
     run_jobs(scheduler, jobs, control)
     snap = scheduler.serving.snapshot()
     layouts = [kv_layout(t.lengths, t.width, t.reserved, snap.bytes_per_position, block) for t in snap.ticks]
@@ -267,14 +269,15 @@ class PrefixDemo:
     at: float
 
 
-def prefix_side(name: str, scheduler: Scheduler, results: list[JobResult]) -> PrefixSide:
+def prefix_side(name: str, scheduler: Batcher, results: list[JobResult]) -> PrefixSide:
     ticks = scheduler.serving.snapshot().ticks
     ttft = [r.steps[0].elapsed_ms for r in results if r.steps]
     return PrefixSide(name, sum(t.prefill_tokens for t in ticks), sum(t.prefill_ms for t in ticks),
                       {"p50": percentile(ttft, 50), "max": max(ttft)})
 
 
-def prefix_demo(lm: LoadedModel, control: RunControl, users: int = 8, block: int = BLOCK_SIZE) -> PrefixDemo:
+def prefix_demo(lm: LoadedModel, control: RunControl, users: int = 8, block: int = BLOCK_SIZE, *,
+                runs: Runs) -> PrefixDemo:
     """``users`` prompts = the lesson's text + a question each, sent at once, with the scheduler's
     shared-prefix prefill and without it; plus the blocks a paged cache would hold for them."""
     prompts = [lm.encode(LESSON + QUESTIONS[i % len(QUESTIONS)] + f" (user {i})") for i in range(users)]
@@ -282,7 +285,7 @@ def prefix_demo(lm: LoadedModel, control: RunControl, users: int = 8, block: int
     jobs = [(p, greedy(4)) for p in prompts]
     sides, tokens = {}, {}
     for name, share in (("shared", True), ("unshared", False)):
-        scheduler = Scheduler(lm, max_batch=users, max_queue=users, share_prefix=share)
+        scheduler = runs.scheduler(lm, max_batch=users, max_queue=users, share_prefix=share)
         results = run_jobs(scheduler, jobs, control)
         sides[name], tokens[name] = prefix_side(name, scheduler, results), [r.tokens for r in results]
     full = shared // block  # full blocks of the shared prefix: a paged cache keeps them once
@@ -331,14 +334,14 @@ def chunked_side(name: str, chunk: int, results: list[JobResult]) -> ChunkedSide
 
 
 def chunked_demo(lm: LoadedModel, control: RunControl, decoding: int = 3, long_words: int = 600, chunk: int = 128,
-                 budget: int = 40) -> ChunkedDemo:
+                 budget: int = 40, *, runs: Runs) -> ChunkedDemo:
     """``decoding`` users decode ``budget`` tokens; once each has its first tokens, a prompt of about
     ``long_words`` words arrives. Run with the prompt prefilled in one forward and in ``chunk``-token chunks."""
     jobs = [(story_prompt(lm, i), greedy(budget)) for i in range(decoding)]
     long_ids = story_prompt(lm, decoding, words=long_words)
     sides = {}
     for name, size in (("one_forward", 0), ("chunked", chunk)):
-        scheduler = Scheduler(lm, max_batch=decoding + 1, max_queue=decoding + 1, prefill_chunk=size)
+        scheduler = runs.scheduler(lm, max_batch=decoding + 1, max_queue=decoding + 1, prefill_chunk=size)
         results = [JobResult(time.perf_counter()) for _ in jobs]
         errors: list[BaseException] = []
         threads = [threading.Thread(target=consume, args=(scheduler, ids, config, control, r, errors), daemon=True)

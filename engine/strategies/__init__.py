@@ -1,5 +1,5 @@
 """The decoding strategies, one module each, each registering its ``StrategySpec``
-(``engine.strategies.spec``): greedy and sampling (``decode``), beam search, speculative decoding,
+(``engine.base.strategy_spec``): greedy and sampling (``decode``), beam search, speculative decoding,
 contrastive search and decoding, MCTS and Medusa, and their streams on a served model
 (``remote_beam``, ``remote_speculative``; greedy and sampling in ``engine.backends.remote``).
 Importing this package registers every strategy, in this order (the strategy pickers' order).

@@ -41,13 +41,13 @@ import torch
 
 from engine import sampling
 from engine.cache import KVCache
-from engine.config import EARLY_STOPPING_CHOICES, SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob
+from engine.config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob
 from engine.core import RunContext, StopCheck, check_prompt, checked
 from engine.backends.local import LoadedModel
-from engine.backends.seam import Model
+from engine.base.seam import Model
 from engine.chain import Chain
 from engine.stages import build_stage
-from engine.strategies.spec import Exported, StrategySpec, register
+from engine.base.strategy_spec import Exported, StrategySpec, register
 from engine.trace import Event, StepTrace, Timing, Trace, from_dict
 
 STATUSES = ("kept", "pruned", "finished", "dropped")
@@ -448,6 +448,8 @@ def check_knobs(config: DecodingConfig) -> None:
     if config.num_beams % config.num_beam_groups != 0:
         raise ConfigError("num_beam_groups", f"{config.num_beam_groups} does not divide num_beams={config.num_beams}")
 
+
+EARLY_STOPPING_CHOICES = (True, False, "never")  # transformers' early_stopping
 
 register(StrategySpec(
     "beam", run, check=check_knobs, records={"beam": BeamTrace}, in_use=("num_beams",), exported_as="greedy",

@@ -36,14 +36,13 @@ import torch
 
 from engine import core, sampling
 from engine.cache import KVCache
-from engine.config import (SAMPLING_ONLY_STAGES, SELF_WEIGHT_VARIANTS, ConfigError, DecodingConfig, Knob,
-                           check_drafter)
+from engine.config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob, check_drafter
 from engine.core import RunContext, StopCheck, assemble, check_prompt, checked, make_generator
 from engine.backends.local import LoadedModel, ModelLoadError
-from engine.backends.registry import ModelRegistry, check_same_tokenizer, resolve_variant
+from engine.backends.registry import SELF_VARIANTS, ModelRegistry, check_same_tokenizer, resolve_variant
 from engine.chain import Chain, Traced
 from engine.stages import build_stage
-from engine.strategies.spec import Exported, StrategySpec, register
+from engine.base.strategy_spec import Exported, StrategySpec, register
 from engine.trace import Event, StageTrace, TokenProb, Trace, from_dict
 
 # Contrastive search feeds top_k candidates as one batch: bound it so a large top_k cannot blow up
@@ -343,6 +342,6 @@ register(StrategySpec(
     knobs=(
         Knob("cd_alpha", "float", 0.1, 0.0, 1.0, doc="Contrastive decoding: plausibility cutoff alpha x max p_expert.",
              step=0.01),
-        Knob("amateur", "str", "self-nf4", check=lambda key, value: check_drafter(key, value, SELF_WEIGHT_VARIANTS),
+        Knob("amateur", "str", "self-nf4", check=lambda key, value: check_drafter(key, value, SELF_VARIANTS),
              doc="Contrastive decoding amateur: self-int8 | self-nf4 | self-<4-bit checkpoint> | model:<id or dir>."),
     )))

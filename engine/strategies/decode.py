@@ -18,7 +18,7 @@ from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.core import RunContext, RunState, assemble, checked, draw_at, pick, step_trace
 from engine.sampling import NoTokensLeft
-from engine.strategies.spec import StrategySpec, register
+from engine.base.strategy_spec import StrategySpec, register
 from engine.trace import Event, StageTrace, StepTrace, Trace
 
 

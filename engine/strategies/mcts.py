@@ -42,11 +42,11 @@ from engine import core, sampling
 from engine.cache import KVCache
 from engine.config import DecodingConfig, Knob
 from engine.control import RunControl, RunStopped, check
-from engine.reports.metrics import MIN_PROB
+from engine.base.measures import MIN_PROB
 from engine.backends.local import LoadedModel
 from engine.chain import Chain
 from engine.core import RunContext
-from engine.strategies.spec import StrategySpec, register
+from engine.base.strategy_spec import StrategySpec, register
 from engine.trace import Event, StepTrace, Trace, from_dict
 
 MIN_LOGPROB = -100.0  # log-probs are clamped here so a zero probability stays finite in JSON

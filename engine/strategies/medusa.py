@@ -50,7 +50,7 @@ from engine.core import RunContext, check_prompt
 from engine.backends.local import LoadedModel
 from engine.chain import Traced
 from engine.strategies.speculative import DraftToken, ExtraToken, SpecRound
-from engine.strategies.spec import StrategySpec, register
+from engine.base.strategy_spec import StrategySpec, register
 from engine.trace import Event, TokenProb, Trace, from_dict
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"  # engine/assets

@@ -28,7 +28,7 @@ from engine.strategies.beam import BeamCandidate, BeamHypothesis, BeamStep, Beam
 from engine.config import DecodingConfig
 from engine.core import check_prompt, checked
 from engine.backends.served import RemoteModel
-from engine.strategies.spec import serve
+from engine.base.strategy_spec import serve
 from engine.trace import Event
 
 APPROXIMATIONS = [

@@ -29,7 +29,7 @@ from engine.backends.served import RemoteModel, RemoteSpec, allowed_remote_model
 from engine.backends.remote import entries_logits, stream_step
 from engine.sampling import NoTokensLeft
 from engine.core import checked
-from engine.strategies.spec import serve
+from engine.base.strategy_spec import serve
 from engine.trace import Event
 
 APPROXIMATIONS = [

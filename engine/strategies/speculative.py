@@ -36,16 +36,16 @@ from engine import core, sampling
 
 from engine.strategies import decode
 from engine.cache import KVCache
-from engine.config import DRAFTER_CHOICES, KNOBS, ConfigError, DecodingConfig, Knob, check_drafter
+from engine.config import KNOBS, ConfigError, DecodingConfig, Knob, check_drafter
 from engine.control import RunControl, check
-from engine.kv_quant import SELF_KV_DRAFTERS
-from engine.reports.metrics import common_prefix
+from engine.cache.kv_quant import SELF_KV_DRAFTERS
+from engine.base.measures import common_prefix
 from engine.backends.local import LoadedModel
-from engine.backends.seam import Model
-from engine.backends.registry import ModelRegistry, resolve_variant
+from engine.base.seam import Model
+from engine.backends.registry import SELF_VARIANTS, ModelRegistry, resolve_variant
 from engine.chain import Chain, Traced
 from engine.core import RunContext, checked
-from engine.strategies.spec import StrategySpec, register
+from engine.base.strategy_spec import StrategySpec, register
 from engine.trace import Event, StepTrace, TokenProb, Trace, from_dict
 
 
@@ -555,6 +555,10 @@ def run(ctx: RunContext) -> Iterator[Event]:
     yield from checked(stream(ctx.lm, ctx.prompt, ctx.ids, ctx.config, chat=ctx.chat, registry=ctx.registry,
                               control=ctx.control, compare_baseline=ctx.compare_baseline), ctx.control)
 
+
+# The drafters of a model loaded here: a quantized copy of the target (bitsandbytes, a 4-bit checkpoint made
+# here, a quantized KV cache), prompt lookup, plus "model:<id or dir>"
+DRAFTER_CHOICES = ("self-int8", "self-nf4", "ngram", "self-kv8", "self-kv4") + SELF_VARIANTS[2:]
 
 register(StrategySpec(
     "speculative", run, records={"rounds": list[SpecRound]}, in_use=("drafter", "num_draft_tokens"),

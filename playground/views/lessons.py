@@ -33,6 +33,7 @@ from engine.reports.drift import DriftReport, KVReport
 from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
 from engine.strategies.speculative import rounds_of
 from engine.reports.quant_report import MethodComparison
+from engine.runner import RUNS
 from engine.trace import StepTrace, Trace
 from playground.charts import beam as beam_charts
 from playground.charts import compare as compare_charts
@@ -388,7 +389,7 @@ class LessonsTab:
             return
         yield from wait_for_checkpoints(kind, control, self.status)
         registry = CheckedRegistry(self.shared.registry, self.shared.policy)
-        session.outcome = engine_lessons.evaluate(lm, lesson, traces, registry)
+        session.outcome = engine_lessons.evaluate(lm, lesson, traces, registry, runs=RUNS)
         done = {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
         report = report_chart(session.outcome)
         yield done | ({self.chart: report} if report is not None else {})

@@ -32,6 +32,7 @@ from engine.control import RunControl
 from engine.reports import serving_demos as demos
 from engine.reports.serving import summarise, utc
 from engine.reports.vllm_metrics import MetricsWatches, window
+from engine.runner import RUNS
 from engine.trace import to_dict
 from playground.charts import serving as charts
 
@@ -189,7 +190,7 @@ def serving_demo(shared: Shared, busy: threading.Lock, name: str, model: str = "
     title, _, run = DEMOS[name]
     lm = local_model(shared, model, quantization, title)
     with one_at_a_time(busy, title):
-        return to_dict(run(lm, control))
+        return to_dict(run(lm, control, runs=RUNS))
 
 
 # --- a served vLLM -------------------------------------------------------------------------------------

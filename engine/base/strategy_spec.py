@@ -9,10 +9,10 @@ strategy names and knobs from ``STRATEGIES``; ``trace`` reads the record types, 
 knobs in use and how other tools run it, ``engine.runner`` the streams, and the views say "not
 available for this model" from ``unavailable``.
 
-No torch here and no engine import but the stages' spec (``Knob``, ``ConfigError``): ``config`` and
-``trace`` import this module, and the strategy modules import them. ``STRATEGIES`` fills when
-``engine.strategies`` is imported, which importing anything under ``engine`` does
-(``engine/__init__.py``).
+On the base floor (docs/architecture.md): no torch here and no engine import but the knobs
+(``Knob``): ``config`` and ``trace`` read this registry, and the strategy modules, on a floor above
+them, register into it. ``STRATEGIES`` fills when ``engine.strategies`` is imported, which importing
+anything under ``engine`` does (``engine/__init__.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.stages.spec import Knob
+from engine.base.knobs import Knob
 
 # What a strategy may need of a model, in words: a served model (an API that hands out a top-N per
 # token) has none of them; a model loaded here has all (engine.backends: ``Capabilities``).

@@ -11,7 +11,7 @@ while any row is padded and feeds as the attention mask, with per-row positions 
 from 0 at its first real token). ``append_rows`` stacks another cache's rows under these,
 ``keep_rows`` selects rows and trims the padding they all share.
 
-``kind`` picks the cache (engine/kv_quant.py): ``dynamic`` (default), ``quantized-int8`` /
+``kind`` picks the cache (``engine.cache.kv_quant``): ``dynamic`` (default), ``quantized-int8`` /
 ``quantized-int4`` or ``sliding-<N>``. Those crop exactly only while the positions to drop are
 unquantized / not yet evicted; otherwise ``rewind`` restores the state saved at the last ``sync``
 and feeds what follows it, or, failing that, rebuilds the cache with one prefill forward.
@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from engine import kv_quant
-from engine.reports.metrics import common_prefix
+from engine.cache import kv_quant
+from engine.base.measures import common_prefix
 
 
 class KVCache:
@@ -175,3 +175,12 @@ def _pad_left(cache: Any, n: int) -> None:
 
 def _pad_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([mask.new_zeros(mask.shape[0], n), mask], dim=1) if n > 0 else mask
+
+
+def left_padded(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequences`` left-padded to the longest: ids [U, T] and mask [U, T] (1 = real). Pads repeat
+    the row's first token (any real id works: they are masked out)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([[s[0]] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long, device=device)
+    return ids, mask
