@@ -2,7 +2,8 @@
 and an OpenAI-compatible server (vLLM's /v1/completions), each a socket thread on 127.0.0.1 that
 answers well, or with one fault on its run requests (``FakeServer.fault``): a 600 MB line without
 a newline, a stream that never ends, a 200 MB body, one byte per second, a redirect to another
-loopback listener, or a number, an id or a type that is wrong.
+loopback listener, a number, an id or a type that is wrong, or keep-alive comments (or events that
+carry no token) forever. Either also answers vLLM's /metrics when given a page (``FakeServer.metrics``).
 
 Every loop here is bounded in count and in time: a lazy answer is sent in 64 KiB pieces and stops
 when the client closes, at its size, or after ``SEND_LIMIT_S``; a connection's reads time out;
@@ -23,6 +24,7 @@ VOCAB = 1000
 EOS = 2
 TOP_IDS = list(range(10, 110))  # the fake model's top-100, most likely first
 SEND_LIMIT_S = 60.0  # no answer of a fake server lasts longer
+PING_S = 0.05  # a "pings" or "empty" fault's pause between two comments or events
 PIECE = 64 << 10
 
 
@@ -109,9 +111,11 @@ BAD = "@@BAD@@"  # where a bad value goes in an answer; replaced by the fault's 
 @dataclass
 class Fault:
     """What a fake server does to its run requests (/completion, /v1/completions; ``paths``: also
-    others). ``kind``: "value" (``raw`` JSON text put at ``at`` in the good answer), "huge_line",
-    "forever", "comments", "huge_body", "declared_body", "slow", "redirect". ``only``: "stream"
-    or "whole" to touch only streamed or only whole answers (a stream's faults: streams only)."""
+    others). ``kind``: "value" (``raw`` JSON text put at ``at`` in the good answer; ``at`` "flat": at
+    every log-probability of it), "huge_line", "forever", "comments", "pings" (a keep-alive comment
+    every PING_S, never an event), "empty" (an event without a token every PING_S), "huge_body",
+    "declared_body", "slow", "redirect". ``only``: "stream" or "whole" to touch only streamed or only
+    whole answers (a stream's faults: streams only)."""
 
     kind: str
     at: str = ""
@@ -120,7 +124,7 @@ class Fault:
     only: str = ""
 
     def applies(self, stream: bool) -> bool:
-        only = self.only or ("stream" if self.kind in ("forever", "comments") else "")
+        only = self.only or ("stream" if self.kind in ("forever", "comments", "pings", "empty") else "")
         return not only or only == ("stream" if stream else "whole")
 
 
@@ -185,11 +189,13 @@ class Request:
 class FakeServer:
     """A fake ``backend`` ("llamacpp" | "openai") on 127.0.0.1: ``url`` is what an operator lists
     (openai: its /v1); ``fault`` applies to run requests; ``requests`` counts what it was asked,
-    ``sent`` the bytes its run answers sent, ``open`` the connections it is answering now."""
+    ``sent`` the bytes its run answers sent, ``open`` the connections it is answering now.
+    ``metrics``: what GET /metrics answers (called per read: a page can change), as vLLM's text."""
 
     backend: str
     fault: Fault | None = None
     redirect_to: str = ""
+    metrics: Callable[[], bytes] | None = None
     requests: list[str] = field(default_factory=list)
     sent: int = 0
     open: int = 0
@@ -250,6 +256,9 @@ class FakeServer:
             return self._faulty(conn, request, fault)
         if request.path in ("/completion", "/v1/completions") and request.body.get("stream"):
             return self._send(conn, "text/event-stream", self._stream(request.body), None)
+        if request.path == "/metrics" and self.metrics is not None:
+            page = self.metrics()
+            return self._send(conn, "text/plain; version=0.0.4", [page], len(page))
         answer = self._good(request)
         if answer is None:
             return send(conn, 404, b'{"error": {"message": "not found"}}')
@@ -307,6 +316,10 @@ class FakeServer:
             return self._send(conn, kind, (event for _ in range(10**6)), None)
         if fault.kind == "comments":  # comment lines, never an event
             return self._send(conn, kind, (b": ping\n" * 9000 for _ in range(10**6)), None)
+        if fault.kind in ("pings", "empty"):  # a keep-alive comment, or an event without a token, every PING_S
+            empty = sse({"completion_probabilities": [], "tokens": []} if self.backend == "llamacpp" else {"choices": []})
+            return self._send(conn, kind, (b": ping\n\n" if fault.kind == "pings" else empty for _ in range(10**6)),
+                              None, pause_s=PING_S)
         if fault.kind == "slow":  # a good answer, one byte per second
             good = b"".join(self._stream(request.body)) if stream else json.dumps(self._good(request)).encode()
             return self._send(conn, kind, (good[i:i + 1] for i in range(len(good))), None, pause_s=1.0)

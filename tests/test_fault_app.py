@@ -232,7 +232,10 @@ def test_a_heavy_fault_is_one_line_and_a_local_user_is_served_as_fast(app, backe
 
 
 VALUES = [("id", "-1"), ("id", "1" + "0" * 30), ("id", "true"), ("id", "321.7"), ("logprob", "1e999"),
-          ("logprob", '"nan"'), ("prob", "5e21"), ("top", '"x"'), ("list", "7")]
+          ("logprob", '"nan"'), ("prob", "5e21"), ("top", '"x"'), ("list", "7"),
+          # issue #50: past exp's range (every log-probability -710 gave "generation failed: OverflowError"),
+          # below any server's floor, positive
+          ("flat", "-710"), ("logprob", "-1e308"), ("logprob", "3.5")]
 
 
 @pytest.mark.parametrize("backend", ["llamacpp", "openai"])
@@ -302,6 +305,23 @@ def test_sixteen_users_on_a_slow_server_hold_no_local_slot(app, backend):
     assert local <= 2 * baseline, f"the local user took {local:.2f} s, {local / baseline:.1f}x its {baseline:.2f} s"
     assert memory.growth < MEMORY_BOUND_MB
     assert_every_served_slot_free(app, backend)
+
+
+@pytest.mark.parametrize("backend", ["llamacpp", "openai"])
+def test_keep_alive_comments_forever_end_at_the_time_limit(app, backend):
+    """Issue #50: a server that answers every stream with ``: ping`` comments only, forever (one
+    each 50 ms), ran 89 s under a 60 s limit once. Each run, step and fast mode, gets the time-limit
+    line at the limit (the request's own timeout, 30 s, is longer)."""
+    server = app.servers[backend]
+    server.fault = Fault("pings")
+    try:
+        results, _, _ = faulted_alongside(app, server, ("step", "fast"), users=2)
+    finally:
+        server.fault = None
+    for result, took in results:
+        assert result == f"stopped: the run went past the {LIMIT_S} s time limit (DP_REQUEST_SECONDS); ask for fewer " \
+                         "tokens", result
+        assert LIMIT_S - 0.5 < took < LIMIT_S + 4, took
 
 
 def assert_every_served_slot_free(app: LiveApp, backend: str) -> None:

@@ -9,18 +9,26 @@ correct reading, never a traceback; memory and bytes read within the documented 
 from __future__ import annotations
 
 import dataclasses
-import math
+import gc
+import itertools
+import random
 import re
+import sys
 import time
-from typing import Iterator
+import tracemalloc
+import types
+from typing import Callable, Iterator
 
 import pytest
 
 from engine import runner
-from engine.backends import remote
+from engine.backends import client, remote
 from engine.backends.client import RemoteError, strict_loads
 from engine.backends.served import RemoteSpec
 from engine.config import DecodingConfig
+from engine.control import RunControl, RunStopped
+from engine.reports import vllm_metrics
+from engine.reports.vllm_metrics import MetricsError, MetricsWatch
 from engine.runner import RunRequest
 from tests.fault_servers import TOP_IDS, FakeServer, Fault
 
@@ -163,3 +171,241 @@ def test_one_log_probability_below_exp_s_range_is_a_probability_0(server, mode):
     else:
         assert trace.generated_token_ids == [TOP_IDS[1]] * 8
         assert all(step.chosen_prob > 0 for step in trace.steps)
+
+
+# --- 2. a vLLM's /metrics: what a watch holds, what it reads ---------------------------------------------
+def metrics_page(step: int = 0, buckets: int = vllm_metrics.MAX_BUCKETS, pad_to: int = 0, histogram: str = "",
+                 counts: Callable[[int], float] | None = None, setting_chars: int = 200_000) -> bytes:
+    """A page vLLM's names fill as a hostile server may, still valid: every gauge and counter (growing with
+    ``step``), each histogram with ``buckets`` bounds (different at each step, so no two samples share
+    them) and cumulative counts (``counts(i)``: bucket i's, for ``histogram`` only), cache settings of
+    ``setting_chars`` characters each, then other series up to ``pad_to`` bytes (under the 2 MiB limit)."""
+    lines = [f"{name} {1 + step}" for name in (*vllm_metrics.GAUGES.values(), *vllm_metrics.COUNTERS.values())
+             if name != "vllm:kv_cache_usage_perc"] + ["vllm:kv_cache_usage_perc 0.5"]
+    for key, name in vllm_metrics.HISTOGRAMS.items():
+        count = (counts if key == histogram and counts else (lambda i: float(i + step)))
+        lines += [f'{name}_bucket{{engine="0",le="{0.001 * (i + 1) + step * 1e-9!r}"}} {count(i)!r}'
+                  for i in range(buckets - 1)]
+        lines += [f'{name}_bucket{{engine="0",le="+Inf"}} {count(buckets - 1)!r}', f"{name}_count {count(buckets - 1)!r}",
+                  f"{name}_sum {1.5 + step}"]
+    settings = ",".join(f'{key}="{"9" * setting_chars}"' for key in vllm_metrics.CONFIG_KEYS)
+    lines.append(f'vllm:cache_config_info{{{settings},engine="0"}} 1.0')
+    page = ("\n".join(lines) + "\n").encode()
+    other = b'vllm:other_total{engine="0",note="' + b"x" * 1000 + b'"} 1\n'
+    return page + other * max(0, (pad_to - len(page)) // len(other))
+
+
+def held_bytes(fill: Callable[[], None]) -> int:
+    """The memory ``fill()`` leaves allocated (tracemalloc: what it made and still holds)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fill()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.fixture
+def metrics_server() -> Iterator[FakeServer]:
+    fake = FakeServer("openai")
+    yield fake
+    fake.close()
+
+
+def test_a_near_limit_page_keeps_only_the_numbers_the_view_draws(metrics_server):
+    """As found, a sample held the parsed page (1.9 MB each; 900 kept: 1.7 GB a server). A page of
+    2 MiB less 1 KiB, every histogram at MAX_BUCKETS and 600 KB of cache settings: what a read keeps
+    is at most SAMPLE_BOUND_BYTES, measured over 8 reads through the watch."""
+    step = itertools.count()
+    metrics_server.metrics = lambda: metrics_page(next(step), pad_to=vllm_metrics.MAX_METRICS_BYTES - 1024)
+    assert vllm_metrics.MAX_METRICS_BYTES - 2048 < len(metrics_page(pad_to=vllm_metrics.MAX_METRICS_BYTES - 1024)) \
+        <= vllm_metrics.MAX_METRICS_BYTES
+    watch = MetricsWatch(metrics_server.root, min_interval_s=0.0)
+    watch.sample()  # a first read makes what every read shares (the client's modules' caches), not measured
+    reads = 8
+    held = held_bytes(lambda: [watch.sample() for _ in range(reads)])
+    samples = watch.history()
+    assert len(samples) == reads + 1 and all(len(s.histograms) == 4 for s in samples)
+    assert all(len(h.bounds) == vllm_metrics.MAX_BUCKETS for s in samples for h in s.histograms.values())
+    assert samples[-1].config == dict.fromkeys(vllm_metrics.CONFIG_KEYS, "9" * vllm_metrics.MAX_CONFIG_CHARS)
+    print(f"a near-limit page: {held / reads / 1024:.1f} KiB kept a read")
+    assert held / reads <= vllm_metrics.SAMPLE_BOUND_BYTES
+
+
+def kept_bytes(records: list) -> int:
+    """The bytes of ``records`` and of every object they hold (each counted once; types and modules,
+    which they only name, not counted): what keeping them costs."""
+    seen: set[int] = set()
+    todo, total = list(records), 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        todo.extend(gc.get_referents(obj))
+    return total
+
+
+@pytest.mark.slow  # SAMPLES_KEPT + 30 reads: ~10 s
+def test_a_watch_holds_at_most_its_bound_however_many_reads(metrics_server):
+    """SAMPLES_KEPT + 30 reads of the largest sample a page can make: the watch keeps SAMPLES_KEPT of
+    them, in at most WATCH_BOUND_BYTES (docs/deployment.md's limits table). Measured as the bytes of
+    the kept samples (tracemalloc over 930 reads costs a minute here; the test above measures a read
+    with it)."""
+    step = itertools.count()
+    metrics_server.metrics = lambda: metrics_page(next(step), setting_chars=100)  # kept: their first 64
+    watch = MetricsWatch(metrics_server.root, min_interval_s=0.0)
+    for _ in range(vllm_metrics.SAMPLES_KEPT + 30):
+        watch.sample()
+    samples = watch.history()
+    assert len(samples) == vllm_metrics.SAMPLES_KEPT and len({id(s) for s in samples}) == vllm_metrics.SAMPLES_KEPT
+    held = kept_bytes(samples)
+    print(f"{vllm_metrics.SAMPLES_KEPT} samples held: {held / 2**20:.1f} MiB "
+          f"(bound {vllm_metrics.WATCH_BOUND_BYTES / 2**20:.1f} MiB)")
+    assert held <= vllm_metrics.WATCH_BOUND_BYTES
+
+
+def test_the_testers_page_of_20000_buckets_is_one_line(metrics_server):
+    """The tester's page: one histogram of 20,000 buckets (19,900 here: the page's other lines and
+    these within the 20,000-line limit; 1.3 MB) is refused, and nothing of it is kept."""
+    page = metrics_page(buckets=8) + "".join(f'{TTFT}_bucket{{engine="1",le="{1000 + i}"}} {i}\n'
+                                             for i in range(19_900)).encode()
+    assert 1 << 20 < len(page) < vllm_metrics.MAX_METRICS_BYTES
+    metrics_server.metrics = lambda: page
+    watch = MetricsWatch(metrics_server.root, min_interval_s=0.0)
+    with pytest.raises(MetricsError) as caught:
+        watch.sample()
+    assert str(caught.value) == (f"vLLM {metrics_server.root}/metrics: vllm:time_to_first_token_seconds has more "
+                                 f"than {vllm_metrics.MAX_BUCKETS} buckets")
+    assert watch.history() == []
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["no-length", "content-length"])
+def test_a_page_over_the_limit_is_read_no_further_than_the_limit(metrics_server, monkeypatch, declared):
+    """As found, the client read 32 MiB (a JSON answer's limit) before the /metrics reader looked at the
+    2 MiB one. A 200 MB page is now read to the 2 MiB limit (+ the client's last chunk) and no further:
+    the bytes the client took from its socket, counted; the server's own count (what it could put in
+    the sockets' buffers besides) far from 32 MiB. A declared length over the limit is not read at all."""
+    got = []
+    readinto = client.DeadlineReader.readinto
+
+    def counted(self, buffer):
+        got.append(readinto(self, buffer))
+        return got[-1]
+
+    monkeypatch.setattr(client.DeadlineReader, "readinto", counted)
+    metrics_server.fault = Fault("declared_body" if declared else "huge_body", paths=("/metrics",))
+    with pytest.raises(RemoteError) as caught:
+        MetricsWatch(metrics_server.root).sample()
+    assert str(caught.value).endswith("is over the 2 MiB limit") and "\n" not in str(caught.value)
+    read = sum(got)
+    time.sleep(0.3)  # the server's writes fail once the closed connection's buffers are full
+    print(f"read {read:,} bytes; the server sent {metrics_server.sent:,}")
+    assert read <= (64 << 10 if declared else vllm_metrics.MAX_METRICS_BYTES + (64 << 10))  # + headers, a chunk
+    assert metrics_server.sent < 12 << 20  # the sockets' buffers hold a few MiB; 32 MiB was read before
+
+
+def two_samples(first: bytes, last: bytes) -> tuple:
+    return vllm_metrics.read_sample("s", first.decode(), 10.0), vllm_metrics.read_sample("s", last.decode(), 20.0)
+
+
+TTFT = vllm_metrics.HISTOGRAMS["ttft"]
+
+
+@pytest.mark.parametrize("bucket, says", [
+    (f'{TTFT}_bucket{{le="-3200000"}} 1', "le='-3200000' = 1.0 is out of range"),  # the tester's p50 of -1.6e6 s
+    (f'{TTFT}_bucket{{le="-Inf"}} 1', "le='-Inf' = 1.0 is out of range"),
+    (f'{TTFT}_bucket{{le="1e300"}} 1', "le='1e300' = 1.0 is out of range"),
+    (f'{TTFT}_bucket{{le="0.5"}} -2', "le='0.5' = -2.0 is out of range"),
+    (f'{TTFT}_bucket{{le="0.5"}} 1e300', "le='0.5' = 1e+300 is out of range"),
+    (f'{TTFT}_bucket{{le="0.0005"}} 1000', "buckets are not cumulative up to +Inf"),  # more below than above
+])
+def test_a_hostile_bucket_is_one_line(bucket, says):
+    page = metrics_page(buckets=8).decode().replace(f"{TTFT}_sum", f"{bucket}\n{TTFT}_sum", 1)
+    with pytest.raises(MetricsError) as caught:
+        vllm_metrics.read_sample("http://h:1", page)
+    assert str(caught.value) == f"vLLM http://h:1/metrics: {TTFT}_bucket {says}" or \
+        str(caught.value) == f"vLLM http://h:1/metrics: {TTFT}'s {says}", str(caught.value)
+
+
+def test_percentiles_and_means_are_never_negative_whatever_two_samples_hold():
+    """Pairs of pages whose histograms pass every check, drawn at random (seeded): buckets that went
+    down between the two reads, a sum that went down, counters that went back; each window's
+    percentiles lie in [0, the largest finite bound], its means are >= 0, its hit rate in [0, 1]."""
+    rng = random.Random(50)
+    for _ in range(300):
+        pages = []
+        for _ in range(2):
+            steps = [rng.choice((0.0, 0.0, 1.0, 7.0, 1e6)) for _ in range(8)]
+            pages.append(metrics_page(rng.randrange(3), buckets=8, histogram="ttft", setting_chars=10,
+                                      counts=lambda i, s=steps: float(sum(s[:i + 1]))))
+        w = vllm_metrics.window(*two_samples(*pages))
+        for stats in (w.ttft_s, w.itl_s, w.iteration_tokens):
+            assert all(v is None or 0 <= v <= 0.008 + 1e-6 for k, v in stats.items() if k.startswith("p")), stats
+            assert stats["mean"] is None or stats["mean"] >= 0, stats
+        assert w.hit_rate is None or 0 <= w.hit_rate <= 1
+        assert w.tokens_per_s is None or w.tokens_per_s >= 0
+
+
+def test_buckets_that_went_down_read_as_a_restart():
+    """A bucket lower than at the read before (with the count higher) is a restarted server (or a
+    hostile one): the window is the later read alone, never a negative difference."""
+    first, last = two_samples(metrics_page(0, buckets=4, histogram="ttft", counts=lambda i: [9.0, 9.0, 9.0, 9.0][i]),
+                              metrics_page(0, buckets=4, histogram="ttft", counts=lambda i: [0.0, 1.0, 9.0, 12.0][i]))
+    assert last.histograms["ttft"].minus(first.histograms["ttft"]) is last.histograms["ttft"]
+    ttft = vllm_metrics.window(first, last).ttft_s  # ranks 6 and 11.4 of 12: in (0.002, 0.003] and +Inf
+    assert ttft["count"] == 12 and ttft["p50"] == pytest.approx(0.002 + 0.001 * 5 / 8) and ttft["p95"] == 0.003
+
+
+# --- 3. one deadline per request, whatever the server sends ------------------------------------------------
+STREAMED = ("step", "fast")  # step mode's continuation and fast mode's generation are streams
+
+
+@pytest.mark.parametrize("mode", STREAMED)
+def test_keep_alive_comments_forever_end_at_the_request_s_timeout(server, mode):
+    """As found: a server that answers a stream with ``: ping`` comments only, forever (one each
+    PING_S). A comment is no event: the stream ends when its first event is due (the request's 1 s
+    timeout here), with one line."""
+    model = model_on(server, mode, timeout_s=1.0)
+    server.fault = Fault("pings")
+    start = time.perf_counter()
+    line = one_line(lambda: run(model))
+    took = time.perf_counter() - start
+    assert line.startswith(f"{SERVER_NAME[server.backend]} {server.url}") and \
+        line.endswith("no answer within the 1 s timeout"), line
+    assert 0.9 < took < 3.0, took  # the deadline's own property (a 2 s margin for a loaded machine)
+
+
+@pytest.mark.parametrize("mode", STREAMED)
+def test_keep_alive_comments_forever_end_at_the_run_s_time_limit(server, mode):
+    """The same server under a run's time limit shorter than the request's timeout (the app's
+    DP_REQUEST_SECONDS): the run's one line, at its limit."""
+    model = model_on(server, mode, timeout_s=30.0)
+    server.fault = Fault("pings")
+    start = time.perf_counter()
+    with pytest.raises(RunStopped) as caught:
+        run(model, RunControl(deadline_s=1.5))
+    took = time.perf_counter() - start
+    assert str(caught.value) == ("stopped: the run went past the 1.5 s time limit (DP_REQUEST_SECONDS); "
+                                 "ask for fewer tokens")
+    assert 1.4 < took < 3.5, took
+
+
+@pytest.mark.parametrize("mode", STREAMED)
+def test_events_without_a_token_forever_end_at_the_stream_s_deadline(server, mode):
+    """Events that carry no token (an empty ``choices``, an empty ``completion_probabilities``), one
+    each PING_S, forever: each is an event, so the stream is never quiet for its timeout, and
+    before, each moved its deadline on (a run without a time limit read them until the line
+    limit). The stream's own deadline, fixed at its start, ends it: 2 s here."""
+    model = model_on(server, mode, timeout_s=1.0)
+    model.api.client.stream_s = 2.0
+    server.fault = Fault("empty")
+    start = time.perf_counter()
+    line = one_line(lambda: run(model))
+    took = time.perf_counter() - start
+    assert line.startswith(f"{SERVER_NAME[server.backend]} {server.url}") and \
+        line.endswith("the stream did not end within its 2 s limit"), line
+    assert 1.9 < took < 4.0, took

@@ -8,11 +8,14 @@ connection per request, ``Connection: close``) holds these rules:
 - **No redirects.** A 3xx answer is one RemoteError line naming the server and the status; the
   ``Location`` is never connected to (a redirect would take the request to a host the operator
   did not list) and never shown.
-- **One deadline per request.** A plain request must be answered whole within ``timeout_s`` of its
-  start; a stream must deliver each event within ``timeout_s`` of the one before. Both are cut to
-  the run's own time limit (``engine.control.active_control()``, the control of the run this
-  thread works for). Every socket operation (connect, send, each read) gets a timeout of the time
-  left, so a server that answers one byte per second is cut off at the deadline, not per byte.
+- **One deadline per request**, fixed when the request starts: nothing the server sends moves it. A
+  plain request must be answered whole within ``timeout_s`` of its start; a stream must end within
+  ``stream_s`` of its start, and besides go quiet for at most ``timeout_s``: its first event must
+  come within ``timeout_s`` of the start and each next within ``timeout_s`` of the one before (a
+  keep-alive comment is no event), never past the stream's deadline. Both are cut to the run's own
+  time limit (``engine.control.active_control()``, the control of the run this thread works for).
+  Every socket operation (connect, send, each read) gets a timeout of the time left, so a server that
+  answers one byte per second, or a comment a second, is cut off at the deadline, not per byte.
   A read that ends because the run's limit passed raises the run's ``RunStopped`` (time limit).
 - **Cancel closes the connection.** Each open socket registers a closer with the active
   control (``RunControl.on_cancel``); a Stop (or a closed tab) shuts the socket down from the
@@ -58,12 +61,13 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 from urllib.parse import urlsplit
 
 from engine.control import RunControl, RunStopped, active_control
 
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_STREAM_S = 600.0  # a whole stream, when no run's limit is shorter (1024 tokens at 2 a second: 512 s)
 MAX_LINE_BYTES = 1 << 20  # one line of a Server-Sent Events stream (a streamed token's top 100: ~26 KB)
 MAX_STREAM_BYTES = 256 << 20  # one whole stream (1024 streamed tokens of top 100: 25 MiB at most measured)
 MAX_STREAM_LINES = 16_384  # lines of one stream (1024 tokens: ~2,000 lines)
@@ -102,20 +106,28 @@ def strict_loads(text: bytes | str) -> Any:
 
 # --- one request's clock and socket ----------------------------------------------------------------
 class Deadline:
-    """When the request (or the stream's next event) must be done: ``timeout_s`` from now, cut
-    to the run's time limit (``control``). ``left()`` is the timeout a socket operation gets."""
+    """When the request must be done: ``limit_s`` from now, cut to the run's time limit
+    (``control``), fixed here (``end``). A stream's (``quiet_s`` set) next event is due sooner: within
+    ``quiet_s`` of the last one (``heard``), never past ``end``. ``at``: the instant the next read must
+    be done by; ``left()`` is the timeout a socket operation gets."""
 
-    def __init__(self, timeout_s: float, control: RunControl | None):
-        self.timeout_s, self.control = timeout_s, control
-        self.restart()
-
-    def restart(self) -> None:
-        """A new ``timeout_s`` from now (a stream's next event), never past the run's limit."""
-        self.at = time.monotonic() + self.timeout_s
-        run_deadline = self.control.deadline() if self.control is not None else None
-        self.by_run = run_deadline is not None and run_deadline <= self.at
+    def __init__(self, limit_s: float, control: RunControl | None, quiet_s: float | None = None):
+        self.control, self.quiet_s = control, quiet_s
+        self.end = time.monotonic() + limit_s
+        run_deadline = control.deadline() if control is not None else None
+        self.by_run = run_deadline is not None and run_deadline <= self.end
         if self.by_run:
-            self.at = run_deadline
+            self.end = run_deadline
+        self.heard()
+
+    def heard(self) -> None:
+        """An event arrived: the next is due within ``quiet_s`` (a plain request: at ``end``)."""
+        self.at = self.end if self.quiet_s is None else min(self.end, time.monotonic() + self.quiet_s)
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the time now due is the quiet limit's, not the request's end."""
+        return self.at < self.end
 
     def left(self) -> float:
         """Seconds left; TimeoutError once none are."""
@@ -179,17 +191,22 @@ class Exchange:
 @dataclass
 class JsonClient:
     """JSON over HTTP to one server (the rules in the module doc); ``timeout_s`` bounds a whole
-    request (a stream: each event); ``server`` names it in error lines."""
+    request (a stream: the wait for each event), ``stream_s`` a whole stream; ``server`` names it in
+    error lines."""
 
     url: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     server: str = "llama.cpp server"
+    stream_s: float = DEFAULT_STREAM_S
+    max_body_bytes: ClassVar[int] = MAX_BODY_BYTES  # a whole answer's limit (a subclass reading smaller ones sets its own)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected http://host:port, got {self.url[:80]!r}")
         if not 0 < self.timeout_s <= 3600:
             raise ValueError(f"timeout_s: expected (0, 3600] seconds, got {self.timeout_s!r}")
+        if not 0 < self.stream_s <= 3600:
+            raise ValueError(f"stream_s: expected (0, 3600] seconds, got {self.stream_s!r}")
         self.url = self.url.rstrip("/")
         parts = urlsplit(self.url)
         try:
@@ -208,13 +225,13 @@ class JsonClient:
 
     def stream_post(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
         """POST ``body`` and yield the JSON of each Server-Sent Event (``data: {...}`` lines, a blank
-        line after each) as it arrives, until ``data: [DONE]`` or the end of the stream. Each event
-        must arrive within ``timeout_s`` of the one before (and within the run's limit); lines,
-        the stream and its JSON are bounded (module doc); an event carrying ``error`` raises
-        RemoteError. Closing the generator early closes the connection, so the server ends the
-        request."""
+        line after each) as it arrives, until ``data: [DONE]`` or the end of the stream. The whole
+        stream must end within ``stream_s``, each event arrive within ``timeout_s`` of the one before
+        (both within the run's limit); lines, the stream and its JSON are bounded (module doc); an
+        event carrying ``error`` raises RemoteError. Closing the generator early closes the
+        connection, so the server ends the request."""
         where = self._where(path)
-        exchange = self._open("POST", path, body, where)
+        exchange = self._open("POST", path, body, where, stream=True)
         try:
             yield from self._events(exchange, where)
         finally:
@@ -246,7 +263,7 @@ class JsonClient:
                 if isinstance(event, dict) and event.get("error"):
                     raise RemoteError(f"{where}: the stream says: {error_detail(text)}")
                 yield event
-                exchange.deadline.restart()  # the next event has its own timeout_s
+                exchange.deadline.heard()  # the next event is due within timeout_s; the stream's end stays
             if not raw:
                 return
 
@@ -259,34 +276,37 @@ class JsonClient:
             exchange.close()
 
     def _read_body(self, exchange: Exchange, where: str) -> bytes:
-        """The whole answer, read in chunks, at most MAX_BODY_BYTES. The chunks go into an
-        anonymous memory map (address space only until written), unmapped when the request ends:
-        an answer cut at the limit gives all its memory back to the system at once (a malloc'd
+        """The whole answer, read in chunks, at most ``max_body_bytes``: a read never asks past the
+        limit + 1 byte, so an answer over it is cut there, not after a bigger one's worth. The chunks go
+        into an anonymous memory map (address space only until written), unmapped when the request
+        ends: an answer cut at the limit gives all its memory back to the system at once (a malloc'd
         buffer of that size would raise glibc's mmap threshold and stay in the process)."""
+        limit = self.max_body_bytes
         length = exchange.response.getheader("Content-Length")
         digits = (length or "").strip()
-        if digits.isascii() and digits.isdigit() and int(digits) > MAX_BODY_BYTES:
-            raise AnswerTooLarge(f"{where}: the answer ({int(digits):,} bytes) is over the "
-                                 f"{MAX_BODY_BYTES >> 20} MiB limit")
-        with mmap.mmap(-1, MAX_BODY_BYTES + READ_CHUNK) as buffer:
+        if digits.isascii() and digits.isdigit() and int(digits) > limit:
+            raise AnswerTooLarge(f"{where}: the answer ({int(digits):,} bytes) is over the {limit >> 20} MiB limit")
+        with mmap.mmap(-1, limit + 1) as buffer:
             size = 0
             while True:
-                with memoryview(buffer)[size:size + READ_CHUNK] as chunk:
+                with memoryview(buffer)[size:min(size + READ_CHUNK, limit + 1)] as chunk:
                     count = self._read(exchange, lambda: exchange.response.readinto(chunk), where)
                 if not count:
                     return buffer[:size]
                 size += count
-                if size > MAX_BODY_BYTES:
-                    raise AnswerTooLarge(f"{where}: the answer is over the {MAX_BODY_BYTES >> 20} MiB limit")
+                if size > limit:
+                    raise AnswerTooLarge(f"{where}: the answer is over the {limit >> 20} MiB limit")
 
     def _where(self, path: str) -> str:
         return f"{self.server} {self.url}{path}"
 
-    def _open(self, method: str, path: str, body: dict[str, Any] | None, where: str) -> Exchange:
-        """Connect, send, and read the status and headers; a status other than 2xx (redirects
-        included: never followed) raises RemoteError, as does a failure to connect or to read."""
+    def _open(self, method: str, path: str, body: dict[str, Any] | None, where: str,
+              stream: bool = False) -> Exchange:
+        """Connect, send, and read the status and headers (``stream``: the deadline of a stream); a
+        status other than 2xx (redirects included: never followed) raises RemoteError, as does a
+        failure to connect or to read."""
         control = active_control()
-        deadline = Deadline(self.timeout_s, control)
+        deadline = Deadline(self.stream_s, control, self.timeout_s) if stream else Deadline(self.timeout_s, control)
         sock = None
         unregister: Callable[[], None] = lambda: None
         try:
@@ -375,8 +395,10 @@ class JsonClient:
         if control is not None and control.cancelled:
             return RunStopped("cancelled", "stopped: the run was cancelled")
         timed_out = isinstance(exc, (TimeoutError, socket.timeout)) or time.monotonic() >= deadline.at
-        if timed_out and deadline.by_run and control is not None:
+        if timed_out and deadline.by_run and not deadline.quiet and control is not None:
             return control.time_limit_error()
+        if timed_out and deadline.quiet_s is not None and not deadline.quiet:
+            return RemoteError(f"{where}: the stream did not end within its {self.stream_s:g} s limit")
         if timed_out:
             return RemoteError(f"{where}: no answer within the {self.timeout_s:g} s timeout")
         if isinstance(exc, http.client.HTTPException) and not isinstance(exc, (http.client.IncompleteRead,

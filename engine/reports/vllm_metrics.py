@@ -6,10 +6,17 @@ tokens) and preemptions.
 Only servers the operator lists (``DP_REMOTE_MODELS``, ``openai:`` entries: ``operator_servers``)
 are read, never an address from a page; each through ``MetricsClient``, the bounded JSON client of
 engine.backends.client reading text (its timeout, no redirects where the client refuses them,
-and at most ``MAX_METRICS_BYTES``), at most once per ``MIN_INTERVAL_S`` per server however many
-pages look (``MetricsWatch``). What a server answers is untrusted: the text is parsed line by line
-with a bound on lines, every value must be a finite number (``+Inf`` only as a bucket's bound),
-counters and gauges must not be negative, and a server without vLLM's metrics is named as such.
+and at most ``MAX_METRICS_BYTES`` read: the client stops reading there), at most once per
+``MIN_INTERVAL_S`` per server however many pages look (``MetricsWatch``). What a server answers is
+untrusted: the text is parsed line by line with a bound on lines, every value must be a number in
+``[0, MAX_VALUE]`` (``+Inf`` only as a bucket's bound; every quantity here is a count, a time or a
+fraction: none is negative), a histogram has at most ``MAX_BUCKETS`` buckets whose cumulative counts
+never decrease, and a server without vLLM's metrics is named as such; each is one MetricsError line.
+
+What is kept of a read is a ``VllmSample``: the gauges, counters, histograms (bounds and counts) and
+the three cache settings the view draws, never the page; at most ``SAMPLE_BOUND_BYTES`` each, whatever
+the page held, so a watch's ``SAMPLES_KEPT`` samples hold at most ``WATCH_BOUND_BYTES``
+(tests/test_hostile_servers.py measures them).
 
 Counters and histograms are cumulative since the server started, so the view shows differences
 between two samples: a prefix-cache hit rate over the window is Δhits / Δqueries, and percentiles
@@ -32,12 +39,19 @@ from engine.backends.served import allowed_remote_models
 
 MAX_METRICS_BYTES = 2 << 20  # vLLM 0.32's page is ~55 KB with one model
 MAX_LINES = 20_000
+MAX_BUCKETS = 64  # one histogram's distinct bounds (vLLM 0.32's have 14-23)
+MAX_VALUE = 1e18  # a count no server reaches (1e18 tokens at 1e9 a second: 30 years); sums of 20,000 stay finite
+CONFIG_KEYS = ("block_size", "enable_prefix_caching", "num_gpu_blocks")  # vllm:cache_config_info's labels shown
+MAX_CONFIG_CHARS = 64  # each of them, as kept
+SAMPLE_BOUND_BYTES = 24 << 10  # what one VllmSample may hold (MAX_BUCKETS in each of the four histograms)
 MIN_INTERVAL_S = 1.0
 SAMPLES_KEPT = 900  # 15 minutes at one sample a second
+WATCH_BOUND_BYTES = SAMPLES_KEPT * SAMPLE_BOUND_BYTES  # 21.1 MiB a listed server, at most
 DEFAULT_TIMEOUT_S = 3.0
 SOURCE_VLLM = "measured: vLLM's /metrics"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+-?\d+)?$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
+# a label's value: runs of plain characters and escapes, possessive (a 2 MiB value is one match, never backtracked)
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]++|\\.)*+)"\s*(,|$)')
 
 
 class MetricsError(RemoteError):
@@ -78,7 +92,7 @@ def parse_prometheus(text: str, where: str = "metrics") -> dict[str, list[tuple[
 
 
 # --- what a sample holds -------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Histogram:
     """A cumulative histogram: upper bounds (the last +Inf) with their cumulative counts, summed
     over every label set (engines, models)."""
@@ -89,8 +103,11 @@ class Histogram:
     count: float  # _count
 
     def minus(self, earlier: "Histogram | None") -> "Histogram":
-        """What was observed between ``earlier`` and this (a restarted server: this alone)."""
-        if earlier is None or earlier.bounds != self.bounds or earlier.count > self.count:
+        """What was observed between ``earlier`` and this (a restarted server: this alone). Any
+        bucket, the count or the sum lower than before means a restart: cumulative numbers only grow,
+        and a difference is never negative."""
+        if earlier is None or earlier.bounds != self.bounds or earlier.count > self.count \
+                or earlier.total > self.total or any(b > a for a, b in zip(self.counts, earlier.counts)):
             return self
         return Histogram(self.bounds, tuple(a - b for a, b in zip(self.counts, earlier.counts)),
                          self.total - earlier.total, self.count - earlier.count)
@@ -123,9 +140,10 @@ HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_tok
               "iteration_tokens": "vllm:iteration_tokens_total", "prefill": "vllm:request_prefill_time_seconds"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class VllmSample:
-    """One read of a vLLM server's /metrics."""
+    """One read of a vLLM server's /metrics: the numbers the view draws (at most
+    SAMPLE_BOUND_BYTES, whatever the page held)."""
 
     server: str
     at: float  # wall clock (time.time())
@@ -139,31 +157,37 @@ class VllmSample:
     generation_tokens: float
     requests: float
     histograms: dict[str, Histogram] = field(default_factory=dict)
-    config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info's labels (block_size...)
+    config: dict[str, str] = field(default_factory=dict)  # CONFIG_KEYS of vllm:cache_config_info's labels
 
 
 def _one_value(series: dict, name: str, where: str, *, fraction: bool = False) -> float:
-    """The sum over label sets of a gauge or counter; finite, not negative (a fraction: at most 1)."""
+    """The sum over label sets of a gauge or counter; each in [0, MAX_VALUE] (a fraction: at most 1)."""
     if name not in series:
         raise MetricsError(f"{where}: no {name} (is this vLLM's /metrics?)")
     total = 0.0
     for _, value in series[name]:
-        if not math.isfinite(value) or value < 0 or (fraction and value > 1):
+        if not 0 <= value <= (1 if fraction else MAX_VALUE):  # (NaN too)
             raise MetricsError(f"{where}: {name} = {value!r} is out of range")
         total += value
     return min(total, 1.0) if fraction else total
 
 
 def _histogram(series: dict, name: str, where: str) -> Histogram | None:
+    """A histogram summed over label sets; MetricsError (one line) for a bound that is not a time or a
+    count (negative, NaN: every histogram here measures seconds or tokens), a count out of range, more
+    than MAX_BUCKETS bounds, or cumulative counts that decrease or do not end at +Inf."""
     buckets: dict[float, float] = collections.defaultdict(float)
     for labels, value in series.get(name + "_bucket", []):
+        le = labels.get("le", "")
         try:
-            bound = float(labels.get("le", ""))
+            bound = float(le)
         except ValueError:
-            raise MetricsError(f"{where}: {name}_bucket has a bad le={labels.get('le')!r}") from None
-        if math.isnan(bound) or not math.isfinite(value) or value < 0:
-            raise MetricsError(f"{where}: {name}_bucket le={labels.get('le')!r} = {value!r} is out of range")
+            raise MetricsError(f"{where}: {name}_bucket has a bad le={le[:40]!r}") from None
+        if not (0 <= bound <= MAX_VALUE or bound == math.inf) or not 0 <= value <= MAX_VALUE:
+            raise MetricsError(f"{where}: {name}_bucket le={le[:40]!r} = {value!r} is out of range")
         buckets[bound] += value
+        if len(buckets) > MAX_BUCKETS:
+            raise MetricsError(f"{where}: {name} has more than {MAX_BUCKETS} buckets")
     if not buckets:
         return None
     bounds = tuple(sorted(buckets))
@@ -180,7 +204,8 @@ def read_sample(server: str, text: str, at: float | None = None) -> VllmSample:
     values = {key: _one_value(series, name, where, fraction=key == "kv_usage") for key, name in GAUGES.items()}
     values |= {key: _one_value(series, name, where) for key, name in COUNTERS.items()}
     histograms = {key: h for key, name in HISTOGRAMS.items() if (h := _histogram(series, name, where)) is not None}
-    config = dict(series.get("vllm:cache_config_info", [({}, 0.0)])[0][0])
+    labels = series.get("vllm:cache_config_info", [({}, 0.0)])[0][0]
+    config = {key: labels[key][:MAX_CONFIG_CHARS] for key in CONFIG_KEYS if key in labels}
     return VllmSample(server=server, at=time.time() if at is None else at, histograms=histograms, config=config,
                       **values)
 
@@ -200,11 +225,11 @@ def operator_servers(environ: Any = None) -> tuple[str, ...]:
 
 class MetricsClient(JsonClient):
     """engine.backends.client's JsonClient (its timeout and error lines) reading a text answer of
-    at most MAX_METRICS_BYTES instead of JSON."""
+    at most MAX_METRICS_BYTES instead of JSON: its reads stop at that limit (+ 1 byte)."""
+
+    max_body_bytes = MAX_METRICS_BYTES
 
     def _parse(self, text: bytes, where: str) -> Any:
-        if len(text) > MAX_METRICS_BYTES:
-            raise MetricsError(f"{where}: the answer is over the {MAX_METRICS_BYTES >> 20} MiB limit")
         return text.decode("utf-8", "replace")
 
 
@@ -306,15 +331,16 @@ def largest_bucket(histogram: Histogram | None) -> list[float | None] | None:
 
 def window(first: VllmSample | None, last: VllmSample) -> VllmWindow:
     """What happened between ``first`` (None or a restarted server: since the server started) and ``last``."""
-    if first is not None and (first.prefix_queries > last.prefix_queries or first.requests > last.requests):
-        first = None  # the counters went back: the server restarted in between
+    if first is not None and any(getattr(first, key) > getattr(last, key) for key in COUNTERS):
+        first = None  # a counter went back: the server restarted in between
     delta = {key: getattr(last, key) - (getattr(first, key) if first else 0.0)
              for key in ("prefix_queries", "prefix_hits", "preemptions", "generation_tokens")}
     hist = {key: h.minus(first.histograms.get(key) if first else None) for key, h in last.histograms.items()}
     span = last.at - first.at if first is not None else 0.0
     return VllmWindow(
         server=last.server, since=first.at if first else 0.0, until=last.at, running=last.running, waiting=last.waiting,
-        kv_usage=last.kv_usage, hit_rate=delta["prefix_hits"] / delta["prefix_queries"] if delta["prefix_queries"] else None,
+        kv_usage=last.kv_usage,
+        hit_rate=min(1.0, delta["prefix_hits"] / delta["prefix_queries"]) if delta["prefix_queries"] else None,
         tokens_per_s=delta["generation_tokens"] / span if span > 0 else None, ttft_s=_quantiles(hist.get("ttft")),
         itl_s=_quantiles(hist.get("itl")), iteration_tokens=_quantiles(hist.get("iteration_tokens")),
         largest_step=largest_bucket(hist.get("iteration_tokens")),
