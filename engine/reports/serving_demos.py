@@ -24,12 +24,13 @@ the room's load on it: the view prints the load average beside them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import uuid
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -39,7 +40,7 @@ from engine.cache import KVCache, left_padded
 from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.core import RunState, advance_rows
-from engine.reports.serving import BLOCK_SIZE, KVLayout, blocks, kv_layout, percentile
+from engine.reports.serving import BLOCK_SIZE, KVLayout, Tick, blocks, kv_layout, percentile
 from engine.reports.vllm_metrics import MetricsWatch, VllmWindow, window
 from engine.reports.runs import Batcher, Runs
 from engine.trace import StepTrace
@@ -141,6 +142,12 @@ class BatchingSide:
     waits_s: list[float]  # each request's, in request order
     row_steps: int  # rows computed by the decode forwards
     forwards: int  # decode forwards
+    # Counted, not timed (the machine's other load does not change them): each request's wait in
+    # decode forwards (sent to its last token; continuous: sorted, as the ticks say how many requests
+    # each one finished, not which) and their mean. None where the ticks cannot say (a request
+    # finished at its first token).
+    wait_ticks: list[int] | None = None
+    mean_wait_ticks: float | None = None
 
 
 @dataclass
@@ -161,8 +168,9 @@ def static_batch(lm: LoadedModel, jobs: Sequence[tuple[list[int], DecodingConfig
     """Static batching: waves of ``max_batch`` requests in arrival order, each prefilled left-padded
     and stepped until its longest request is done (finished rows keep being computed: their last
     token is fed again and its output ignored); every request of a wave gets its answer at the
-    wave's end. Returns the results, the decode forwards and the rows they computed."""
-    start, results, forwards, row_steps = time.perf_counter(), [], 0, 0
+    wave's end. Returns the results, the decode forwards, the rows they computed and each request's
+    wait in decode forwards (its wave's end)."""
+    start, results, forwards, row_steps, wait_ticks = time.perf_counter(), [], 0, 0, []
     for w in range(0, len(jobs), max_batch):
         wave = jobs[w:w + max_batch]
         states = [RunState(lm, ids, config) for ids, config in wave]
@@ -184,15 +192,65 @@ def static_batch(lm: LoadedModel, jobs: Sequence[tuple[list[int], DecodingConfig
                 forwards, row_steps = forwards + 1, row_steps + len(wave)
         done = time.perf_counter()
         results += [JobResult(start, s, [done] * len(s), done) for s in steps]
-    return results, forwards, row_steps
+        wait_ticks += [forwards] * len(wave)
+    return results, forwards, row_steps, wait_ticks
 
 
-def batching_side(name: str, results: list[JobResult], start: float, forwards: int, row_steps: int) -> BatchingSide:
+def continuous_wait_ticks(ticks: Sequence[Tick], requests: int) -> list[int] | None:
+    """Each request's wait in decode forwards under continuous batching, sorted, from the scheduler's
+    ticks (every request queued before the first: ``gathered``): tick k's forward ran ``rows[k]`` rows
+    and left ``queued[k]`` waiting, so ``queued[k-1] - queued[k]`` joined in tick k and the rows it
+    finished are ``rows[k] - rows[k+1] + joined[k+1]`` (none after the last). None when the counts
+    do not add up to ``requests`` (a request finished at its first token never held a row)."""
+    if not ticks:
+        return None
+    rows = [t.rows for t in ticks] + [0]
+    queued = [requests] + [t.queued for t in ticks] + [ticks[-1].queued]  # queued[k + 1]: after tick k
+    finished = [rows[k] - rows[k + 1] + queued[k + 1] - queued[k + 2] for k in range(len(ticks))]
+    if sum(finished) != requests or any(f < 0 for f in finished):
+        return None
+    return [k + 1 for k, f in enumerate(finished) for _ in range(f)]
+
+
+def batching_verdict(d: Any) -> str:
+    """What the demonstration shows, in words, from its own numbers: the counts first (row-steps and
+    waits in decode forwards, which the machine's other load does not change), then the wall clock,
+    and where the wall clock disagrees, why."""
+    c, s = _side(d, "continuous"), _side(d, "static")
+    counted = (f"Counted in the scheduler's own steps, which the machine's other load does not change: continuous "
+               f"batching computed {c['row_steps']:,} row-steps against static's {s['row_steps']:,}")
+    if c["mean_wait_ticks"] is not None and s["mean_wait_ticks"] is not None:
+        counted += (f" and answered a request after {c['mean_wait_ticks']:.1f} decode forwards on average against "
+                    f"{s['mean_wait_ticks']:.1f}")
+    faster = c["tokens_per_s"] >= s["tokens_per_s"] and c["mean_wait_s"] <= s["mean_wait_s"]
+    if faster:
+        return counted + (f"; the wall clock agrees ({c['tokens_per_s']:,.1f} against {s['tokens_per_s']:,.1f} "
+                          f"tokens/s, mean wait {c['mean_wait_s']:,.1f} s against {s['mean_wait_s']:,.1f} s).")
+    per = {k: 1000 * x["wall_s"] / max(1, x["forwards"]) for k, x in (("c", c), ("s", s))}
+    load = d["load"] if isinstance(d, dict) else d.load
+    return counted + (f". The wall clock disagrees here ({c['tokens_per_s']:,.1f} against {s['tokens_per_s']:,.1f} "
+                      f"tokens/s, mean wait {c['mean_wait_s']:,.1f} s against {s['mean_wait_s']:,.1f} s) because a "
+                      f"continuous forward took {per['c']:,.0f} ms and a static one {per['s']:,.0f} ms: the two ran one "
+                      f"after the other, so each met a different share of this machine's other work"
+                      f"{'' if load is None else f' (load average {load:.1f})'}, and a continuous tick also does "
+                      f"the scheduler's bookkeeping (a thread per request, joins as rows free). The counts are the "
+                      f"demonstration's result; the times are this machine's, now.")
+
+
+def _side(d: Any, name: str) -> dict:
+    """One side of a BatchingDemo (or of its JSON) as a dict."""
+    side = d[name] if isinstance(d, dict) else getattr(d, name)
+    return side if isinstance(side, dict) else dataclasses.asdict(side)
+
+
+def batching_side(name: str, results: list[JobResult], start: float, forwards: int, row_steps: int,
+                  wait_ticks: list[int] | None) -> BatchingSide:
     wall = max(r.done for r in results) - start
     tokens = sum(len(r.steps) for r in results)
     waits = [r.done - start for r in results]
+    mean_ticks = sum(wait_ticks) / len(wait_ticks) if wait_ticks else None
     return BatchingSide(name, wall, tokens, tokens / wall if wall > 0 else 0.0, sum(waits) / len(waits), waits,
-                        row_steps, forwards)
+                        row_steps, forwards, wait_ticks, mean_ticks)
 
 
 def batching_demo(lm: LoadedModel, control: RunControl, requests: int = 8, max_batch: int = 4,
@@ -204,12 +262,13 @@ def batching_demo(lm: LoadedModel, control: RunControl, requests: int = 8, max_b
     start = time.perf_counter()
     continuous = run_jobs(scheduler, jobs, control)
     ticks = scheduler.serving.snapshot().ticks
-    static, forwards, row_steps = static_batch(lm, jobs, max_batch, control)
+    static, forwards, row_steps, static_ticks = static_batch(lm, jobs, max_batch, control)
     c_tokens, s_tokens = [r.tokens for r in continuous], [r.tokens for r in static]
     return BatchingDemo(
         requests=requests, max_batch=max_batch, budgets=plan,
-        continuous=batching_side("continuous", continuous, start, len(ticks), sum(t.rows for t in ticks)),
-        static=batching_side("static", static, static[0].sent, forwards, row_steps),
+        continuous=batching_side("continuous", continuous, start, len(ticks), sum(t.rows for t in ticks),
+                                 continuous_wait_ticks(ticks, requests)),
+        static=batching_side("static", static, static[0].sent, forwards, row_steps, static_ticks),
         same_tokens=sum(a == b for a, b in zip(c_tokens, s_tokens)), tokens={"continuous": c_tokens, "static": s_tokens},
         load=load_average(), at=time.time())
 

@@ -20,6 +20,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from engine.numbers import percent
+from engine.reports.serving_demos import batching_verdict
 from engine.reports.serving import SOURCE_COMPUTED, SOURCE_SCHEDULER, KVLayout, ServingSummary, utc
 from engine.reports.vllm_metrics import SOURCE_VLLM, VllmSample, VllmWindow
 
@@ -184,22 +185,33 @@ def batching_html(d: Any) -> str:
             f'continuous batching <b>{c.tokens_per_s:,.1f} tokens/s</b>, mean wait <b>{c.mean_wait_s:,.1f} s</b>; '
             f'static batching <b>{s.tokens_per_s:,.1f} tokens/s</b>, mean wait <b>{s.mean_wait_s:,.1f} s</b>. '
             f'Rows computed: {c.row_steps:,} vs {s.row_steps:,} ({s.row_steps - c.row_steps:,} for requests already done). '
-            f'Same tokens both ways: {d.same_tokens} of {d.requests}.<br><small>measured: our scheduler and a static '
-            f'batch of the same model, {utc(d.at)}{load_text(d.load)}</small></div>')
+            f'Same tokens both ways: {d.same_tokens} of {d.requests}.'
+            f'<p id="demo-batching-verdict">{html.escape(batching_verdict(d))}</p><small>measured: our scheduler and a '
+            f'static batch of the same model, {utc(d.at)}{load_text(d.load)}</small></div>')
+
+
+# The batching chart's panels: (title, the BatchingSide field, decimals). The top row is counted
+# (the machine's other load does not change it), the bottom one timed; batching_verdict reads the same fields.
+BATCHING_PANELS = (("row-steps computed (counted)", "row_steps", 0),
+                   ("mean wait, decode forwards (counted)", "mean_wait_ticks", 1),
+                   ("tokens/s (wall clock)", "tokens_per_s", 1), ("mean wait, s (wall clock)", "mean_wait_s", 1))
 
 
 def batching_figure(d: Any) -> go.Figure:
+    """Continuous vs static batching, four panels: what the scheduler counted above what the clock said."""
+    from plotly.subplots import make_subplots
+
     sides = [d.continuous, d.static]
-    fig = go.Figure()
-    fig.add_trace(go.Bar(x=[x.name for x in sides], y=[x.tokens_per_s for x in sides], name="tokens/s",
-                         marker_color=COLOURS["padded"], yaxis="y"))
-    fig.add_trace(go.Bar(x=[x.name for x in sides], y=[x.mean_wait_s for x in sides], name="mean wait (s)",
-                         marker_color=COLOURS["reserved"], yaxis="y2"))
-    fig.update_layout(**LAYOUT, barmode="group", yaxis={"title": "tokens/s"},
-                      yaxis2={"title": "mean wait (s)", "overlaying": "y", "side": "right"},
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[p[0] for p in BATCHING_PANELS], vertical_spacing=0.2)
+    for i, (_, field, decimals) in enumerate(BATCHING_PANELS):
+        values = [getattr(x, field) for x in sides]
+        fig.add_trace(go.Bar(x=[x.name for x in sides], y=values, showlegend=False, cliponaxis=False,
+                             marker_color=[COLOURS["used"], COLOURS["reserved"]], textposition="outside",
+                             text=["–" if v is None else f"{v:,.{decimals}f}" for v in values]),
+                      row=i // 2 + 1, col=i % 2 + 1)
+    fig.update_layout(**(LAYOUT | {"height": 520, "margin": {"l": 56, "r": 20, "t": 96, "b": 40}}),
                       title=title("Continuous vs static batching", "measured: our scheduler", utc(d.at)))
-    fig.data[1].update(offsetgroup=1)
-    fig.data[0].update(offsetgroup=0)
+    fig.update_annotations(font_size=14)
     return fig
 
 
