@@ -16,7 +16,7 @@ from .assets import static_text
 from .events import ModelEvents
 from .shared import LessonTarget, PanelView, PlaygroundBlocks, Shared, model_pickers, user_presets_state
 from .shared import wire_model_check
-from .views import beam, compare, lessons, presets, quantization, search, serving, speculative, step
+from .views import beam, compare, inside, lessons, presets, quantization, search, serving, speculative, step
 from .whatif_service import WhatIfService
 
 # (tab title, view module, share-link view name), in the design's order of importance. A tab's id
@@ -27,6 +27,7 @@ VIEWS = (
     ("Beam search", beam, "beam"),
     ("Speculative", speculative, "speculative"),
     ("Search & heads", search, "search"),
+    ("Inside the model", inside, "inside"),
     ("Quantization & KV cache", quantization, "quantization"),
     ("Serving", serving, "serving"),
     ("Presets", presets, "presets"),

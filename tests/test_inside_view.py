@@ -1,0 +1,127 @@
+"""Inside the model's endpoints and charts (issue #54), on the tiny model: each endpoint's JSON is
+strict and carries the sentence the view shows, the same numbers the chart draws; bad input is one
+line naming the argument; the view's handlers run end to end and Stop's control stops them."""
+
+import json
+
+import gradio as gr
+import pytest
+
+from engine.config import ConfigError
+from engine.control import RunControl, RunStopped
+from engine.reports import ranks
+from engine.trace import dumps_strict, from_dict
+from playground.charts import inside as charts
+from playground.shared import UserError
+from playground.views import inside
+
+from conftest import shared_over
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_lm):
+    with gr.Blocks():
+        yield shared_over(tiny_lm)
+
+
+@pytest.fixture(scope="module")
+def trace(shared, tiny_lm):
+    config = {"strategy": "sample", "seed": 1, "max_new_tokens": 12, "watermark_delta": 4.0}
+    from playground.views.step import step_trace
+
+    return step_trace(shared, PROMPT, config, control=RunControl())
+
+
+def strict(data: dict) -> dict:
+    return json.loads(dumps_strict(data))
+
+
+def test_logit_lens_endpoint(shared, trace, tiny_lm):
+    data = strict(inside.logit_lens_api(shared, trace, 4, top_k=3, control=RunControl()))
+    assert len(data["layers"]) == tiny_lm.model.config.num_hidden_layers + 1
+    assert data["last_matches_logits"] and data["raw_max_diff"] < 1e-5
+    assert data["chosen_token_id"] == trace["generated_token_ids"][4] and data["sentence"].startswith("Step 4:")
+    fig = charts.lens_figure(inside.lens.trace_lens(tiny_lm, inside.untrusted_trace(trace), 4, 3))
+    heat = fig.data[0]
+    assert [list(row) for row in heat.z] == [[t["prob"] for t in layer["top"]] for layer in data["layers"]]
+    with pytest.raises(ConfigError, match=r"^step: expected a step number in \[0, 11\], got 99$"):
+        inside.logit_lens_api(shared, trace, 99, control=RunControl())
+    with pytest.raises(UserError, match="^trace: "):
+        inside.logit_lens_api(shared, {"steps": "x"}, 0, control=RunControl())
+
+
+def test_token_ranks_endpoint(shared, trace):
+    data = strict(inside.token_ranks_api(shared, " the sea was calm", context=PROMPT, control=RunControl()))
+    assert all(t["rank"] >= 1 for t in data["tokens"]) and sum(data["histogram"].values()) == len(data["tokens"])
+    found = ranks.TokenRanks(**{k: v for k, v in data.items() if k in ("model", "context_tokens")},
+                             histogram=data["histogram"])
+    fig = charts.rank_histogram([("text", found)])
+    assert list(fig.data[0].y) == [found.share(b) for b in ranks.BUCKET_NAMES]
+    with pytest.raises(UserError, match=r"^text: 9,000 characters is over the 8,000-character limit$"):
+        inside.token_ranks_api(shared, "x" * 9000, control=RunControl())
+    with pytest.raises(ConfigError, match=r"^text: [0-9,]+ tokens is over the 512-token limit$"):
+        inside.token_ranks_api(shared, "a b " * 600, control=RunControl())
+
+
+def test_watermark_endpoints(shared, trace):
+    marked = strict(inside.watermark_detect_api(shared, trace["text"], control=RunControl()))
+    plain = strict(inside.watermark_detect_api(shared, "The cat sat on the mat and looked at the dog for a while.",
+                                               control=RunControl()))
+    assert marked["z"] > plain["z"] and "green" in marked["sentence"]
+    assert len(marked["tokens"]) == len(marked["z_series"]) + 1  # lefthash: the first token is not scored
+    with pytest.raises(ConfigError, match=r"^watermark_gamma: 1\.0 is out of range"):
+        inside.watermark_detect_api(shared, "text", watermark_gamma=1.0, control=RunControl())
+    with pytest.raises(ConfigError, match="^z_threshold: "):
+        inside.watermark_detect_api(shared, "text", z_threshold=0.0, control=RunControl())
+    report = strict(inside.watermark_robustness_api(shared, PROMPT, {"max_new_tokens": 8, "watermark_delta": 4.0},
+                                                    edited_text="Once upon a time a dog.", control=RunControl()))
+    assert report["rows"][0]["case"] == "as configured" and "sentence" in report
+    rebuilt = from_dict(inside.wm.Robustness, {k: v for k, v in report.items() if k != "sentence"})
+    assert [r[0] for r in charts.robustness_rows(rebuilt)] == [r["case"] for r in report["rows"]]
+    assert rebuilt.sentence() == report["sentence"]  # the words are read from the rows the table shows
+
+
+def test_calibration_and_hesitation_endpoints(shared, trace):
+    data = strict(inside.calibration_report_api(shared, bins=5, control=RunControl()))
+    assert len(data["at_one"]["bins"]) == 5 and data["tokens"] > 100 and "ECE" in data["sentence"]
+    with pytest.raises(ConfigError, match=r"^bins: expected an integer in \[2, 50\], got 1$"):
+        inside.calibration_report_api(shared, bins=1, control=RunControl())
+    steps = strict(inside.hesitation_steps(trace, entropy_threshold=0.0, varentropy_threshold=0.0))
+    assert steps["hesitations"] == list(range(len(trace["steps"])))
+    assert [s["varentropy"] for s in steps["steps"]] == [s["raw_varentropy"] for s in trace["steps"]]
+
+
+def test_a_served_model_gets_one_line(shared):
+    from types import SimpleNamespace
+    from engine.backends.seam import served_capabilities
+
+    served = SimpleNamespace(capabilities=served_capabilities(100))
+    with pytest.raises(ConfigError, match="^model: logit lens: not available for a served model"):
+        inside.lens.require_lens(served)
+
+
+def test_the_view_handlers_run_and_stop(shared, tiny_lm):
+    """Generate, then every section's handler, as the page calls them; a cancelled control stops a run."""
+    with gr.Blocks():
+        view = inside.build_tab(shared)
+    handlers = view.handlers
+    values = [c.value for c in view.panel.inputs]
+    updates = list(handlers.on_generate(PROMPT, False, "embedded", "none", inside.COLOUR_BY[0], *values,
+                                        control=RunControl()))
+    run = updates[-1][handlers.out.state]
+    assert run.ranks is not None and len(updates[-1][handlers.out.text]) == len(run.trace.steps)
+    lens_updates = list(handlers.on_lens(run, 2, "embedded", "none", control=RunControl()))
+    assert lens_updates[-1][handlers.sections.lens_note].startswith("Step 2:")
+    rank_updates = list(handlers.on_ranks(run, "The salt road ran inland.", "embedded", "none", control=RunControl()))
+    assert len(rank_updates[-1][handlers.sections.rank_chart].data) == 2  # the run's text and the person's
+    detect = list(handlers.on_detect(run, "", 4.0, "embedded", "none", *values, control=RunControl()))
+    assert "scored tokens" in detect[-1][handlers.sections.detect_note]
+    cancelled = RunControl()
+    cancelled.cancel()
+    with pytest.raises(RunStopped):
+        list(handlers.on_calibration(5, "embedded", "none", control=cancelled))
+    with pytest.raises(UserError, match="^generate a run first$"):
+        list(handlers.on_lens(None, 0, "embedded", "none", control=RunControl()))
+
