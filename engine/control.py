@@ -60,6 +60,7 @@ class RunControl:
 
     deadline_s: float | None = None
     started: float = field(default_factory=time.monotonic)
+    priority: bool = False  # a presenter's run: the scheduler queues it first and gives it its reserved row
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     _closers: dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -70,10 +71,12 @@ class RunControl:
         and the start travel, the flag does not (a cancel reaches that process only through its
         own deadline; ``threading.Event`` cannot be pickled); nor do closers (they close this
         process's sockets)."""
-        return {"deadline_s": self.deadline_s, "started": self.started, "cancelled": self.cancelled}
+        return {"deadline_s": self.deadline_s, "started": self.started, "cancelled": self.cancelled,
+                "priority": self.priority}
 
     def __setstate__(self, state: dict) -> None:
         self.deadline_s, self.started = state["deadline_s"], state["started"]
+        self.priority = bool(state.get("priority", False))
         self._cancelled = threading.Event()
         self._closers, self._lock, self._keys = {}, threading.Lock(), itertools.count()
         if state["cancelled"]:

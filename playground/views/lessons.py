@@ -31,6 +31,7 @@ from engine.control import RunControl, RunStopped
 from engine.reports.distortion import DistortionReport
 from engine.reports.drift import DriftReport, KVReport
 from engine.reports.lessons import Lesson, LessonError, Outcome, parse_lesson_json
+from engine.reports.lesson_results import RESULTS, LessonResult, LessonResults, result_key
 from engine.strategies.speculative import rounds_of
 from engine.reports.quant_report import MethodComparison
 from engine.runner import RUNS
@@ -340,6 +341,8 @@ class LessonsTab:
     stop_btn: gr.Button = None
     width: gr.Number = None  # hidden: the page width (px) the page's script writes (the chart's layout)
     redraw: gr.Button = None  # hidden: pressed by the page's script when the chart was laid out for another width
+    live_btn: gr.Button = None  # "Run it live": the lesson run again, not this deployment's kept result
+    results: LessonResults | None = None  # the deployment's checked results (None: every press runs)
 
     @property
     def offered(self) -> dict[str, Lesson]:
@@ -357,20 +360,54 @@ class LessonsTab:
             return session.lesson
         return lesson_from_token(choice or "", self.offered)
 
-    def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, width: Any = None, *,
-               control: RunControl) -> Iterator[dict]:
+    def on_run(self, choice: str, session: LessonSession | None, model: str, quant: str, width: Any = None,
+               present: Any = False, *, control: RunControl, live: bool = False) -> Iterator[dict]:
         """Run the lesson's runs, draw its chart (for a page ``width`` px wide) and the presenter's
-        first step, then run its check."""
+        first step, then run its check. A result this deployment already checked (``results``) is
+        shown at once, unless ``live`` ("Run it live"). A presenter's runs (``present``: the
+        presenter view is on) go first on the scheduler, in its reserved row (``RunControl.priority``)."""
         lesson = self.current(session, choice)
+        control.priority = bool(present)
         # The previous lesson's chart and texts go at once: a Stop or an error must not leave them as this run's.
         yield {self.status: status_html(f"running {len(lesson.runs)} run(s)…"), self.outcome: "", self.texts: "",
                self.chart: None, self.presenter.chart: None, self.presenter.text: ""}
+        key = result_key(lesson, str(model), str(quant))
+        results = self.results if isinstance(self.results, LessonResults) else None  # (a test's stand-in: none)
+        kept = results.get(key) if results is not None and not live else None
+        if kept is not None:
+            yield self.kept_updates(lesson, kept, width)
+            return
         lm = self.shared.lm(model, quant)
         traces = [self.shared.run(run_lm, lesson.prompt, p.config, chat=lesson.chat, control=control,
                                   prompt_ids=self.shared.encode_prompt(run_lm, lesson.prompt, lesson.chat))
                   for p, run_lm in zip(lesson.runs, self.run_models(lesson, lm, model, quant))]
+        updates = self.shown_updates(lesson, traces, width)
+        session = updates[self.session]
+        yield updates
+        kind = (lesson.check or {}).get("kind")
+        if lm.capabilities.served and kind in engine_lessons.NEEDS_MODEL:
+            yield {self.status: status_html(f"done; lesson check: not available for a served model "
+                                            f"({engine_lessons.NEEDS_MODEL[kind]})")}
+            return
+        yield from wait_for_checkpoints(kind, control, self.status)
+        registry = CheckedRegistry(self.shared.registry, self.shared.policy)
+        session.outcome = outcome = engine_lessons.evaluate(lm, lesson, traces, registry, runs=RUNS)
+        if results is not None:
+            results.put(key, traces, outcome)
+        done = {self.outcome: outcome_html(outcome), self.status: status_html("done")}
+        report = report_chart(session.outcome)
+        yield done | ({self.chart: report} if report is not None else {})
+
+    def on_run_live(self, choice: str, session: LessonSession | None, model: str, quant: str, width: Any = None,
+                    present: Any = False, *, control: RunControl) -> Iterator[dict]:
+        """"Run it live": ``on_run`` without the kept result (and the new one kept)."""
+        yield from self.on_run(choice, session, model, quant, width, present, control=control, live=True)
+
+    def shown_updates(self, lesson: Lesson, traces: list[Trace], width: Any, outcome: Outcome | None = None) -> dict:
+        """A new LessonSession of ``traces`` (its check's ``outcome`` when known): the runs' texts, the
+        chart, the selected step and the presenter's first step."""
         shown = shown_run(traces, lesson.select_step, engine_lessons.taught_run(lesson))
-        session = LessonSession(lesson, traces, shown=shown)
+        session = LessonSession(lesson, traces, outcome=outcome, shown=shown)
         trace = traces[shown]
         at = engine_lessons.selected_step(trace, lesson.select_step)
         which = f"the run {lesson.runs[shown].name!r}" if len(traces) > 1 else "the run"
@@ -381,18 +418,15 @@ class LessonsTab:
             updates |= self.presenter.show(trace, 0, False, lesson_step=at)
         else:
             updates |= {self.presenter.text: NO_PRESENTER_STEPS, self.presenter.chart: None, self.presenter.index: 0}
-        yield updates
-        kind = (lesson.check or {}).get("kind")
-        if lm.capabilities.served and kind in engine_lessons.NEEDS_MODEL:
-            yield {self.status: status_html(f"done; lesson check: not available for a served model "
-                                            f"({engine_lessons.NEEDS_MODEL[kind]})")}
-            return
-        yield from wait_for_checkpoints(kind, control, self.status)
-        registry = CheckedRegistry(self.shared.registry, self.shared.policy)
-        session.outcome = engine_lessons.evaluate(lm, lesson, traces, registry, runs=RUNS)
-        done = {self.outcome: outcome_html(session.outcome), self.status: status_html("done")}
-        report = report_chart(session.outcome)
-        yield done | ({self.chart: report} if report is not None else {})
+        return updates
+
+    def kept_updates(self, lesson: Lesson, kept: LessonResult, width: Any) -> dict:
+        """This deployment's checked result of the lesson, shown at once."""
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(kept.at))
+        return self.shown_updates(lesson, list(kept.traces), width, kept.outcome) | {
+            self.outcome: outcome_html(kept.outcome),
+            self.status: status_html(f"done: this deployment's checked result, computed at {at} (Run it live runs "
+                                     "it again)")}
 
     def on_width(self, session: LessonSession | None, width: Any) -> dict:
         """The page crossed a layout width (or the chart was laid out for another one): the lesson's
@@ -453,12 +487,15 @@ class LessonsTab:
         self.present.change(lambda on: gr.update(visible=bool(on)), [self.present], [self.presenter.column], **local)
         outputs = [self.status, self.outcome, self.texts, self.chart, self.session, self.presenter.text,
                    self.presenter.chart, self.presenter.index, self.presenter.temperature, self.presenter.key]
-        run = self.shared.events.on([self.run_btn.click], self.on_run,
-                                     [self.pick, self.session, self.shared.model, self.shared.quantization, self.width],
-                                     outputs, on_error=cleared(self.status, outputs), what="lesson")
+        inputs = [self.pick, self.session, self.shared.model, self.shared.quantization, self.width, self.present]
+        runs = [self.shared.events.on([self.run_btn.click], self.on_run, inputs, outputs,
+                                      on_error=cleared(self.status, outputs), what="lesson")]
+        if self.live_btn is not None:
+            runs.append(self.shared.events.on([self.live_btn.click], self.on_run_live, inputs, outputs,
+                                              on_error=cleared(self.status, outputs), what="lesson"))
         gr.on([self.width.change, self.redraw.click], self.on_width, [self.session, self.width], [self.chart], **local)
         if self.stop_btn is not None:
-            stop_button(self.stop_btn, self.status, [run], status_html("stopped"))
+            stop_button(self.stop_btn, self.status, runs, status_html("stopped"))
         self.presenter.wire(lambda s: s.shown_trace() if isinstance(s, LessonSession) else None, self.session,
                             self.shared.model, self.shared.quantization,
                             step_of=lambda s: s.lesson_step() if isinstance(s, LessonSession) else None)
@@ -536,6 +573,7 @@ def build_tab(shared: Shared) -> LessonsTab:
                 run_btn = gr.Button("Run and check", variant="primary", elem_id=ids.LESSONS_RUN, min_width=120)
                 stop_btn = gr.Button("Stop", elem_id="lessons-stop", min_width=70, scale=0)
                 open_btn = gr.Button("Open in its view", elem_id=ids.LESSONS_OPEN, min_width=120)
+                live_btn = gr.Button("Run it live", elem_id="lessons-run-live", min_width=100, scale=0)
             status = gr.HTML("", elem_id="lessons-status")
             steps = gr.HTML(steps_html(first), elem_id="lessons-steps")
             present = gr.Checkbox(False, label="Presenter view (large, one step at a time)", elem_id=ids.LESSONS_PRESENT)
@@ -555,6 +593,6 @@ def build_tab(shared: Shared) -> LessonsTab:
             outcome = gr.HTML("", elem_id="lessons-outcome")
             texts = gr.HTML(elem_id="lessons-texts")
     tab = LessonsTab(shared, pick, steps, open_btn, run_btn, status, outcome, texts, chart, custom, load_btn, link,
-                     present, base_url, presenter, gr.State(None), open_run, stop_btn, width, redraw)
+                     present, base_url, presenter, gr.State(None), open_run, stop_btn, width, redraw, live_btn, RESULTS)
     tab.wire()
     return tab
