@@ -16,6 +16,7 @@ import pytest
 
 from engine.backends import quant_methods
 from engine.backends.local import embedded_model_dir
+from engine.reports.lesson_results import RESULTS
 from engine.reports.lessons import GPTQ_VS_AWQ
 from playground import checkpoint_maker
 
@@ -50,6 +51,7 @@ def fresh_cache(quant_checkpoints, tmp_path, monkeypatch):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     monkeypatch.setattr(checkpoint_maker, "_makers", {})
+    RESULTS.clear()  # an earlier test's kept result of the lesson would be shown without the checkpoints
     monkeypatch.setattr(checkpoint_maker, "COMMAND", lambda variants: (
         [sys.executable, str(script), str(quant_checkpoints), str(out)], {"QUANTIZE_VARIANTS": " ".join(variants)}))
     return model

@@ -47,6 +47,10 @@ class LessonResults:
         self._lock = threading.Lock()
         self._results: OrderedDict[str, LessonResult] = OrderedDict()
 
+    def clear(self) -> None:
+        with self._lock:
+            self._results.clear()
+
     def get(self, key: str) -> LessonResult | None:
         with self._lock:
             result = self._results.get(key)
