@@ -317,7 +317,8 @@ class FakeServer:
         if fault.kind == "comments":  # comment lines, never an event
             return self._send(conn, kind, (b": ping\n" * 9000 for _ in range(10**6)), None)
         if fault.kind in ("pings", "empty"):  # a keep-alive comment, or an event without a token, every PING_S
-            empty = sse({"completion_probabilities": [], "tokens": []} if self.backend == "llamacpp" else {"choices": []})
+            nothing = {"completion_probabilities": [], "tokens": []} if self.backend == "llamacpp" else {"choices": []}
+            empty = sse(nothing)
             return self._send(conn, kind, (b": ping\n\n" if fault.kind == "pings" else empty for _ in range(10**6)),
                               None, pause_s=PING_S)
         if fault.kind == "slow":  # a good answer, one byte per second

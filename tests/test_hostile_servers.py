@@ -154,12 +154,14 @@ def test_a_null_for_the_chosen_token_s_log_probability_is_one_line_on_an_openai_
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_one_log_probability_below_exp_s_range_is_a_probability_0(server, mode):
     """-710 for one token (1e-309 where the slot is a probability) is a good number: its probability is
-    0 to a float (1e-309: a subnormal one). Step mode's greedy then picks the next token of the top-N (the fake's first is the
-    one made 0); fast mode keeps the server's token, its top-N showing 0 for it; the trace is strict."""
+    0 to a float (1e-309: a subnormal one). Step mode's greedy then picks the next token of the top-N
+    (the fake's first is the one made 0); fast mode keeps the server's token, its top-N showing 0 for
+    it; the trace is strict."""
     model = model_on(server, mode)
     slot_is_prob = probability_slot(server.backend, mode)
     # llama-server's fast mode also asks the raw top-N in a whole request: the fault is its stream's only
-    server.fault = Fault("value", "logprob", "1e-309" if slot_is_prob else "-710", only="stream" if slot_is_prob else "")
+    server.fault = Fault("value", "logprob", "1e-309" if slot_is_prob else "-710",
+                         only="stream" if slot_is_prob else "")
     trace = run(model)
     text = trace.to_json()
     assert "Infinity" not in text and "NaN" not in text
@@ -186,7 +188,8 @@ def metrics_page(step: int = 0, buckets: int = vllm_metrics.MAX_BUCKETS, pad_to:
         count = (counts if key == histogram and counts else (lambda i: float(i + step)))
         lines += [f'{name}_bucket{{engine="0",le="{0.001 * (i + 1) + step * 1e-9!r}"}} {count(i)!r}'
                   for i in range(buckets - 1)]
-        lines += [f'{name}_bucket{{engine="0",le="+Inf"}} {count(buckets - 1)!r}', f"{name}_count {count(buckets - 1)!r}",
+        last = count(buckets - 1)
+        lines += [f'{name}_bucket{{engine="0",le="+Inf"}} {last!r}', f"{name}_count {last!r}",
                   f"{name}_sum {1.5 + step}"]
     settings = ",".join(f'{key}="{"9" * setting_chars}"' for key in vllm_metrics.CONFIG_KEYS)
     lines.append(f'vllm:cache_config_info{{{settings},engine="0"}} 1.0')

@@ -116,7 +116,7 @@ class Deadline:
         self.end = time.monotonic() + limit_s
         run_deadline = control.deadline() if control is not None else None
         self.by_run = run_deadline is not None and run_deadline <= self.end
-        if self.by_run:
+        if run_deadline is not None and self.by_run:
             self.end = run_deadline
         self.heard()
 
@@ -198,7 +198,7 @@ class JsonClient:
     timeout_s: float = DEFAULT_TIMEOUT_S
     server: str = "llama.cpp server"
     stream_s: float = DEFAULT_STREAM_S
-    max_body_bytes: ClassVar[int] = MAX_BODY_BYTES  # a whole answer's limit (a subclass reading smaller ones sets its own)
+    max_body_bytes: ClassVar[int] = MAX_BODY_BYTES  # a whole answer's limit (a subclass reading less sets its own)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
