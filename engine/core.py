@@ -37,7 +37,7 @@ class RunContext:
     strategy whose spec ``continues``) the tokens it continues after, the token it is forced to
     and the stage records to resume from."""
 
-    lm: Model  # loaded here (LoadedModel) or served (RemoteModel): engine.base.seam
+    lm: Model  # loaded here or served (engine.base.seam): asked its capabilities, never its class
     prompt: str
     ids: list[int]
     config: DecodingConfig

@@ -22,10 +22,9 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.backends import remote, served
-from engine.cache import KVCache
+from engine.backends.served import STEP_TOP_N, RemoteLabel
+from engine.base.seam import Cache, Model
 from engine.config import ConfigError, DecodingConfig
-from engine.backends.local import LoadedModel
 from engine.chain import Chain
 from engine.trace import StageTrace, Trace
 
@@ -37,17 +36,14 @@ def step_context(trace: Trace, step: int) -> list[int]:
     return list(trace.prompt_token_ids) + list(trace.generated_token_ids[:step])
 
 
-def raw_logits(lm: LoadedModel, trace: Trace, step: int, cache: KVCache | None = None) -> torch.Tensor:
-    """Step ``step``'s raw next-token logits [1, V]: one forward over what ``cache`` lacks of the
-    step's context (a fresh cache costs one prefill of it). A served model (engine.backends): the
-    server's top-N there, one request, as step mode reads it (log p inside the top-N, -inf outside;
-    N: the run's own in step mode, so its own knobs give its own stages back)."""
-    if lm.capabilities.served:
-        label = trace.extra.get("remote") or {}
-        top_n = int(label["top_n"]) if label.get("mode") == "step" else served.STEP_TOP_N
-        return remote.top_logits(lm, step_context(trace, step), top_n)[0]
-    cache = cache or KVCache(lm.model)
-    return cache.sync(step_context(trace, step))
+def raw_logits(lm: Model, trace: Trace, step: int, cache: Cache | None = None) -> torch.Tensor:
+    """Step ``step``'s raw next-token logits [1, V] (``Model.next_logits``): on a model loaded here one
+    forward over what ``cache`` lacks of the step's context (a fresh cache costs one prefill of it); on
+    a served model the server's top-N there, one request, as step mode reads it (log p inside the
+    top-N, -inf outside; N: the run's own in step mode, so its own knobs give its own stages back)."""
+    label = RemoteLabel.of(trace)
+    top_n = int(label.top_n) if label is not None and label.mode == "step" else STEP_TOP_N
+    return lm.next_logits(step_context(trace, step), top_n=top_n, cache=cache)
 
 
 def explore_config(trace: Trace, knobs: Any) -> DecodingConfig:
@@ -59,8 +55,8 @@ def explore_config(trace: Trace, knobs: Any) -> DecodingConfig:
     return DecodingConfig.from_dict(dict(trace.config) | knobs)
 
 
-def explore_step(lm: LoadedModel, trace: Trace, step: int, knobs: Any = None, *,
-                 logits: torch.Tensor | None = None, cache: KVCache | None = None) -> list[StageTrace]:
+def explore_step(lm: Model, trace: Trace, step: int, knobs: Any = None, *,
+                 logits: torch.Tensor | None = None, cache: Cache | None = None) -> list[StageTrace]:
     """Step ``step`` of ``trace`` re-processed under ``knobs``: its stage records (raw, each active
     stage in the new order, final), in the trace JSON's ``stages`` format.
 
@@ -75,7 +71,7 @@ def explore_step(lm: LoadedModel, trace: Trace, step: int, knobs: Any = None, *,
     return chain.traced(ids, logits.float(), config.top_n, lm.token_text).stages
 
 
-def step_chain(lm: LoadedModel, trace: Trace, step: int, config: DecodingConfig) -> Chain:
+def step_chain(lm: Model, trace: Trace, step: int, config: DecodingConfig) -> Chain:
     """``config``'s stage chain as it stood at step ``step`` of ``trace``: the stateful stages hold
     the state the run recorded there (mirostat's μ, XTC's draw), so the run's own knobs reproduce
     the step exactly; a stage the run lacked draws from ``whatif_generator``."""

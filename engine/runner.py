@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from engine import core
 from engine.backends.registry import ModelRegistry
+from engine.base.seam import Model
 from engine.config import DecodingConfig
 from engine.control import RunControl, under
 from engine.core import RunContext
@@ -28,7 +29,6 @@ from engine.scheduler import Scheduler
 from engine.base.strategy_spec import STRATEGIES, StrategySpec
 from engine.trace import Event, StageTrace, StepTrace, Trace
 
-LOCAL = "local"  # the backend of a model loaded in this process (a LoadedModel)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class RunRequest:
     (``core.RunState``). ``prefix`` / ``force`` / ``resume``: only strategies whose spec
     ``continues`` on that model (ValueError otherwise)."""
 
-    lm: Any
+    lm: Model
     prompt: str
     config: DecodingConfig
     chat: bool = False
@@ -64,30 +64,30 @@ class RunRequest:
     resume: Sequence[StageTrace] | None = None
 
 
-def backend_of(lm: Any) -> str:
-    """The backend a model runs on: a served model says which (``RemoteModel.backend``); a model
-    loaded here has none (local)."""
-    return getattr(lm, "backend", LOCAL)
+def backend_of(lm: Model) -> str:
+    """The backend a model runs on ("local", "llamacpp", "openai": ``Model.backend``)."""
+    return lm.backend
 
 
-def is_served(lm: Any) -> bool:
-    """Whether ``lm`` runs on a server (its strategies are the specs' ``served`` streams)."""
-    return lm.capabilities.served
+def is_served(lm: Model) -> bool:
+    """Whether ``lm`` runs behind a server's API (not ``capabilities.in_process``): its strategies
+    are the specs' ``served`` streams."""
+    return not lm.capabilities.in_process
 
 
-def runs_on(lm: Any) -> list[str]:
+def runs_on(lm: Model) -> list[str]:
     """The strategies ``lm`` runs, in registration order."""
     return [name for name, spec in STRATEGIES.items() if _stream_of(spec, lm) is not None]
 
 
-def continues_on(lm: Any) -> list[str]:
+def continues_on(lm: Model) -> list[str]:
     """The strategies that continue from a step on ``lm`` (branching, "continue from here")."""
     served = is_served(lm)
     return [name for name, spec in STRATEGIES.items()
             if _stream_of(spec, lm) is not None and (spec.served_continues if served else spec.continues)]
 
 
-def _stream_of(spec: StrategySpec, lm: Any) -> Any:
+def _stream_of(spec: StrategySpec, lm: Model) -> Any:
     return spec.served if is_served(lm) else spec.stream
 
 
@@ -115,7 +115,7 @@ def _events(r: RunRequest) -> Iterator[Event]:
                              tuple(r.resume) if r.resume is not None else None))
 
 
-def _check_continuation(lm: Any, strategy: str, prefix: tuple[int, ...], force: int | None) -> None:
+def _check_continuation(lm: Model, strategy: str, prefix: tuple[int, ...], force: int | None) -> None:
     """ValueError naming the argument when ``prefix`` / ``force`` are given to a strategy that
     cannot continue, or hold a token outside the vocabulary."""
     continuable = continues_on(lm)
@@ -142,7 +142,7 @@ def run(request: RunRequest) -> Trace:
     return collect(stream(request))
 
 
-def branch(lm: Any, parent: Trace, at_step: int, token_id: int | None, *, config: DecodingConfig | None = None,
+def branch(lm: Model, parent: Trace, at_step: int, token_id: int | None, *, config: DecodingConfig | None = None,
            control: RunControl | None = None, scheduler: Any = None) -> Iterator[Event]:
     """Continue ``parent`` (a greedy or sampling trace) from step ``at_step``: with ``token_id``
     forced there (a branch), or with ``token_id`` None, drawn under ``config`` (default the parent's
@@ -166,7 +166,7 @@ def branch(lm: Any, parent: Trace, at_step: int, token_id: int | None, *, config
     return _branch_events(lm, parent, at_step, token_id, config, config == own, control, scheduler)
 
 
-def _branch_events(lm: Any, parent: Trace, at_step: int, token_id: int | None, config: DecodingConfig,
+def _branch_events(lm: Model, parent: Trace, at_step: int, token_id: int | None, config: DecodingConfig,
                    own_knobs: bool, control: RunControl | None, scheduler: Any) -> Iterator[Event]:
     """``branch``'s events once its arguments are checked (``branch`` raises at the call, not at
     the first event, so a caller can refuse before it draws anything)."""
@@ -188,7 +188,7 @@ def _branch_events(lm: Any, parent: Trace, at_step: int, token_id: int | None, c
         yield Event(trace=trace)
 
 
-def partial_trace(lm: Any, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+def partial_trace(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
                   steps: list[StepTrace], chat: bool, branch_of: int | None = None) -> Trace:
     """A Trace of the steps streamed so far (what a view draws while the run goes on)."""
     return core.assemble(lm, prompt, prompt_ids, config, steps, chat, branch_of=branch_of)
@@ -198,13 +198,13 @@ class EngineRuns:
     """``engine.reports.runs.Runs`` filled by this module and ``engine.scheduler``: how the reports,
     which import no orchestrator, run strategies and open a private scheduler."""
 
-    def run(self, lm: Any, prompt: str, config: DecodingConfig, *, chat: bool = False,
+    def run(self, lm: Model, prompt: str, config: DecodingConfig, *, chat: bool = False,
             prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
             scheduler: Any = None) -> Trace:
         return run(RunRequest(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=registry,
                               scheduler=scheduler))
 
-    def scheduler(self, lm: Any, *, max_batch: int | None = None, max_queue: int | None = None,
+    def scheduler(self, lm: Model, *, max_batch: int | None = None, max_queue: int | None = None,
                   prefill_chunk: int | None = None, share_prefix: bool = True) -> Scheduler:
         return Scheduler(lm, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
                          share_prefix=share_prefix)

@@ -60,11 +60,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from engine.base.seam import Model
 from engine.cache import KVCache, kv_quant, left_padded
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.core import RunState, advance_rows, check_prompt
-from engine.backends.local import LoadedModel
 from engine.base.measures import common_prefix
 from engine.reports.serving import RunRecord, ServingStats, Tick
 from engine.settings import env_int
@@ -104,14 +104,14 @@ def default_prefill_chunk() -> int:
     return env_limit("DP_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK, 0)
 
 
-def bytes_per_position(lm: LoadedModel) -> int:
+def bytes_per_position(lm: Model) -> int:
     """Bytes one cached position of one row holds in a full-precision cache: 2 (K and V) × layers ×
     KV heads × head dim × the model's bytes per element."""
     geo = kv_quant.geometry(lm.model.config, lm.dtype)
     return geo.values_per_position * geo.bytes_per_element
 
 
-def batchable(lm: LoadedModel) -> bool:
+def batchable(lm: Model) -> bool:
     """Whether the model's KV cache is made of plain full-attention layers, whose rows can be padded
     and stacked. (Sliding-window and linear-attention layers cannot; those run one row at a time.)"""
     layers = DynamicCache(config=lm.model.config).layers
@@ -123,7 +123,7 @@ class _Run:
     """One user's run: its ``RunState`` (chain, generator, stop rules, token row) plus its control
     and output queue. Built in the caller's thread (so config errors raise there); stepped by the worker."""
 
-    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
+    def __init__(self, lm: Model, prompt_ids: Sequence[int], config: DecodingConfig,
                  prefix: Sequence[int], force: int | None, control: RunControl | None,
                  resume: Sequence[StageTrace] | None = None):
         self.lm, self.control = lm, control
@@ -236,7 +236,7 @@ class Scheduler:
     """Steps many runs of one model in one batched forward per tick. Thread-safe: any number of
     handler threads may call ``stream`` at once. Holds its model only weakly."""
 
-    def __init__(self, lm: LoadedModel, *, max_batch: int | None = None, max_queue: int | None = None,
+    def __init__(self, lm: Model, *, max_batch: int | None = None, max_queue: int | None = None,
                  prefill_chunk: int | None = None, share_prefix: bool = True):
         self._model = weakref.ref(lm)
         self.device = lm.device
@@ -576,7 +576,7 @@ class Schedulers:
         self._lock = threading.Lock()
         self._of: dict[int, Scheduler] = {}
 
-    def get(self, lm: LoadedModel) -> Scheduler:
+    def get(self, lm: Model) -> Scheduler:
         """The scheduler of ``lm``, created on first use (thread-safe)."""
         with self._lock:
             scheduler = self._of.get(id(lm))
@@ -599,6 +599,6 @@ class Schedulers:
 _PROCESS_SCHEDULERS = Schedulers()
 
 
-def scheduler_for(lm: LoadedModel) -> Scheduler:
+def scheduler_for(lm: Model) -> Scheduler:
     """The process-wide scheduler of this loaded model (``Schedulers``); the app uses its own."""
     return _PROCESS_SCHEDULERS.get(lm)

@@ -19,10 +19,11 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkabl
 import gradio as gr
 
 from engine import runner
+from engine.base.seam import Model
 from engine.runner import RunRequest
 from engine.config import STRATEGIES, ConfigError, DecodingConfig, check_flag, check_text
 from engine.control import RunControl
-from engine.backends.local import EMBEDDED, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
+from engine.backends.local import EMBEDDED, QUANTIZATIONS, ModelLoadError, ModelSpec
 from engine.backends.registry import ModelPolicy, ModelRegistry
 from engine.backends.registry import is_remote_source, model_policy
 from engine.backends.client import RemoteError
@@ -75,7 +76,7 @@ class CheckedRegistry:
     registry: ModelRegistry
     policy: ModelPolicy
 
-    def get(self, spec: ModelSpec, progress: Callable[[str], None] | None = None, *, key: str = "model") -> LoadedModel:
+    def get(self, spec: ModelSpec, progress: Callable[[str], None] | None = None, *, key: str = "model") -> Model:
         self.policy.check(spec.source, key)
         claim_model_slot(is_remote_source(spec.source))  # a drafter or amateur of another kind: that pool's slot too
         return self.registry.get(spec, progress, key=key)
@@ -96,7 +97,7 @@ class Shared:
     schedulers: Schedulers = dataclasses.field(default_factory=Schedulers)  # the app's own, one per model
     whatif: Any = None  # the app's one WhatIfService (playground.whatif_service), set by build_app
 
-    def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    def lm(self, source: str, quantization: str, progress: Callable[[str], None] | None = None) -> Model:
         """The loaded model if the policy allows ``source``, else a UserError naming what is wrong;
         a served model is connected to on first use (a failed connection: its one-line RemoteError).
         ``source`` is a model pick's value (engine.backends.served.ModelPick: ``fast:<server>`` runs
@@ -111,11 +112,11 @@ class Shared:
             raise UserError(one_line(str(exc))) from None
         if pick.mode == "step":
             return lm
-        if not lm.capabilities.served:
+        if lm.capabilities.in_process:
             raise UserError(f"model: {source[:80]!r}: fast mode needs a served model (the server's own sampler)")
         return lm.with_mode(pick.mode)
 
-    def loaded_lm(self, source: Any, quantization: Any) -> LoadedModel | None:
+    def loaded_lm(self, source: Any, quantization: Any) -> Model | None:
         """The model the pickers name if the policy allows it and it is loaded already, else None
         (a page route that must not load a model: engine.backends.registry.ModelRegistry.peek)."""
         try:
@@ -131,13 +132,13 @@ class Shared:
         return ModelSpec(source=source, quantization="none" if is_remote_source(source) else quantization or "none")
 
     def prepare(self, panel: Any, values: Sequence, model: str, quantization: str, prompt: str,
-                chat: bool) -> tuple[DecodingConfig, LoadedModel, list[int]]:
+                chat: bool) -> tuple[DecodingConfig, Model, list[int]]:
         """Validate a run's inputs: the panel's config, the model, the prompt ids (UserError if bad)."""
         config = panel.config(*values)
         lm = self.lm(model, quantization)
         return config, lm, self.encode_prompt(lm, prompt, chat)
 
-    def encode_prompt(self, lm: LoadedModel, prompt: Any, chat: bool) -> list[int]:
+    def encode_prompt(self, lm: Model, prompt: Any, chat: bool) -> list[int]:
         """Validated prompt ids: a string, not empty, not too long."""
         try:
             prompt = check_text("prompt", prompt, max_len=MAX_PROMPT_CHARS, allow_empty=True)
@@ -157,12 +158,12 @@ class Shared:
             raise UserError(f"prompt: {len(ids):,} tokens is over the {self.max_prompt_tokens:,}-token limit")
         return ids
 
-    def scheduler_for(self, lm: LoadedModel) -> Scheduler | None:
+    def scheduler_for(self, lm: Model) -> Scheduler | None:
         """The batched scheduler of ``lm``: every user's greedy/sampling runs share its forwards
         (None for a served model: its server batches)."""
-        return None if lm.capabilities.served else self.schedulers.get(lm)
+        return self.schedulers.get(lm) if lm.capabilities.scheduled else None
 
-    def stream(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
+    def stream(self, lm: Model, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
                control: RunControl, compare_baseline: bool = False) -> Iterator[Event]:
         """Every run of every view and endpoint: engine.runner.stream with this app's registry.
         ``chat`` and ``compare_baseline`` must be True or False (a UserError names them otherwise)."""
@@ -178,7 +179,7 @@ class Shared:
                              registry=CheckedRegistry(self.registry, self.policy),
                              control=control, compare_baseline=compare_baseline, scheduler=self.scheduler_for(lm)))
 
-    def run(self, lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
+    def run(self, lm: Model, prompt: str, config: DecodingConfig, *, chat: bool, prompt_ids: Sequence[int],
             control: RunControl, compare_baseline: bool = False) -> Trace:
         """``stream`` collected: the run's Trace."""
         for event in self.stream(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, control=control,
@@ -187,7 +188,7 @@ class Shared:
                 return event.trace
         raise RuntimeError("run ended without a trace")
 
-    def branch(self, lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *,
+    def branch(self, lm: Model, parent: Trace, at_step: int, token_id: int, *,
                control: RunControl) -> Iterator[Event]:
         """``parent`` continued from ``at_step`` with ``token_id`` (one prefill, no kept cache)."""
         return runner.branch(lm, parent, at_step, token_id, control=control, scheduler=self.scheduler_for(lm))
@@ -408,7 +409,7 @@ def wire_model_check(shared: Shared) -> gr.HTML:
         except (ModelLoadError, UserError) as exc:
             yield {shared.model: last, status: error_html(f"{one_line(str(exc))}; still using {last}")}
             return
-        note = f"model: {picked} (a served model, step mode: our stages over its top-{lm.top_n})" if lm else ""
+        note = f"model: {picked} (a served model, step mode: our stages over its top-{lm.capabilities.top_n})" if lm else ""
         yield {current: picked, status: status_html(note) if note else ""}
 
     shared.events.on([shared.model.input], on_model, [shared.model, current], [shared.model, current, status],
@@ -425,7 +426,7 @@ def page_width(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
-def parent_trace(shared: Shared, lm: LoadedModel, parent: Any, key: str = "parent") -> Trace:
+def parent_trace(shared: Shared, lm: Model, parent: Any, key: str = "parent") -> Trace:
     """An untrusted trace JSON (object or text) as a Trace whose token ids fit ``lm``; errors name
     ``key`` (the API argument that carried it)."""
     try:
@@ -441,11 +442,11 @@ def parent_trace(shared: Shared, lm: LoadedModel, parent: Any, key: str = "paren
     return trace
 
 
-def _token_in(value: Any, lm: LoadedModel) -> bool:
+def _token_in(value: Any, lm: Model) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < lm.vocab_size
 
 
-def check_parent_steps(trace: Trace, lm: LoadedModel, key: str = "parent") -> None:
+def check_parent_steps(trace: Trace, lm: Model, key: str = "parent") -> None:
     """The token ids inside a parent's steps (each step's ``chosen_token_id``, the same as its
     ``generated_token_ids`` entry, and its stages' top and removed ids) fit ``lm``: a branch
     keeps and shows the steps before it, so a forged id would be echoed or decoded. UserError

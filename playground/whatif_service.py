@@ -35,10 +35,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine.base.seam import Model
 from engine.strategies import decode
 from engine import explore
 from engine.config import ConfigError, DecodingConfig
-from engine.backends.local import LoadedModel
 from engine.numbers import decimal, interval, percent
 from engine.settings import env_flag
 from engine.trace import StepTrace, Trace
@@ -108,13 +108,13 @@ def context_key(model: str, quantization: str, trace: Trace, step: int) -> str:
 
 
 @torch.inference_mode()
-def keep(lm: LoadedModel, trace: Trace, step: int, kept: KeptLogits | None, key: str) -> KeptLogits:
+def keep(lm: Model, trace: Trace, step: int, kept: KeptLogits | None, key: str) -> KeptLogits:
     """``kept`` if its key is ``key``, else step ``step``'s raw logits, recomputed with one forward."""
     return kept if kept is not None and kept.key == key else KeptLogits(key, explore.raw_logits(lm, trace, step))
 
 
 @torch.inference_mode()
-def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict, kept: KeptLogits | None,
+def whatif_step(lm: Model, trace: Trace, step: int, knobs: dict, kept: KeptLogits | None,
                 key: str) -> tuple[StepTrace, KeptLogits]:
     """Step ``step`` of ``trace`` re-processed under ``knobs``: its stages, and the token the new
     knobs would pick with the run's own draw u (engine.strategies.decode.whatif_step); and the kept logits
@@ -304,7 +304,7 @@ class WhatIfService:
         """The lock every reader and writer of ``session.kept`` holds (route, prepare, fallback)."""
         return self.locks[hash(session.whatif_key) % len(self.locks)]
 
-    def kept_for(self, session: Any, lm: LoadedModel, trace: Trace, step: int, key: str) -> KeptLogits:
+    def kept_for(self, session: Any, lm: Model, trace: Trace, step: int, key: str) -> KeptLogits:
         """The session's kept logits for ``key`` (step ``step`` of ``trace``), computed with one
         forward if it holds other ones; a concurrent request for the same session waits for it."""
         with self.kept_lock(session):
@@ -316,7 +316,7 @@ class WhatIfService:
         """Whether ``session`` keeps the logits of ``key`` already."""
         return session.kept is not None and session.kept.key == key
 
-    def compute(self, session: Any, lm: LoadedModel, trace: Trace, at: int, knobs: dict, key: str) -> StepTrace:
+    def compute(self, session: Any, lm: Model, trace: Trace, at: int, knobs: dict, key: str) -> StepTrace:
         """Step ``at`` of ``trace`` under ``knobs`` from the session's kept logits, under its lock
         (a served model's: the server's top-N at the step, engine.explore.raw_logits)."""
         with self.kept_lock(session):
@@ -344,7 +344,7 @@ class WhatIfService:
         return changed if isinstance(changed, dict) else figure_answer(
             charts.fitted_stage_chart, changed, width, at, trace, knobs)
 
-    def in_slot(self, session: Any, lm: LoadedModel, trace: Trace, at: int, knobs: dict, key: str,
+    def in_slot(self, session: Any, lm: Model, trace: Trace, at: int, knobs: dict, key: str,
                 control: str) -> StepTrace | dict:
         """``compute`` in one of the route's slots; the answer itself when none frees up in time."""
         if not self.slots.acquire(timeout=ROUTE_WAIT_S):

@@ -47,7 +47,7 @@ def test_vllm_scores_every_drafted_position_in_one_request_exactly(vllm):  # noq
     assert dict((t, lp) for t, lp, _ in rows[0])[ids[1]] == recorded_rows[1][str(ids[1])]["logprob"]  # rank 133 kept
     last = {int(k.split(":")[1]): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
     assert [t for t, _, _ in rows[-1]] == sorted(last, key=last.get, reverse=True)  # after the last token
-    cache = remote_speculative.RemoteCache(model.with_mode("step", SCORED_LENGTH))  # as speculative feeds it
+    cache = model.with_mode("step", SCORED_LENGTH).cache()  # as speculative feeds it (a RemoteCache)
     logits = cache.forward(torch.tensor([ids]), all_logits=True).logits
     assert logits.shape == (1, len(ids), VOCAB) and cache.tokens == ids
     assert math.isclose(float(logits[0, 0, ids[1]]), recorded_rows[1][str(ids[1])]["logprob"], rel_tol=1e-6)

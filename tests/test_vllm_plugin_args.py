@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from deploy.vllm_plugin import dp_args
 from deploy.vllm_plugin.dp_args import MAX_STAGES, MAX_TOP, STAGE_BOUNDS, STATE_BYTES, DrawArgs, draw_args
 from engine.backends import remote
+from engine.base.seam import served_capabilities
 from engine.chain import Chain
 from engine.config import ConfigError, DecodingConfig
 from engine.sampling import sample_rows
@@ -150,7 +151,7 @@ def test_every_value_the_engine_drafts_is_accepted_and_every_accepted_value_is_t
         config = None
     accepted = dp_args.stage_value(name, value)
     if config is not None and name in config.active_stages():
-        model = SimpleNamespace(api=SimpleNamespace(server_draws=True))
+        model = SimpleNamespace(capabilities=served_capabilities(100, our_draws=True))
         sent = remote.server_draws(model, SimpleNamespace(config=config, generator=torch.Generator(), force=None), 100)
         assert sent is None or draw_args(sent).chain == ((name, getattr(config, name)),)  # None: greedy (T 0)
     if accepted is not None:
@@ -216,7 +217,7 @@ def test_a_valid_request_picks_our_engine_s_token_with_its_draws(dp_draws, confi
     """Eight positions of a 49,152-token vocabulary: the processor's only finite logit is the engine's
     pick from the same state, and both generators end in the same state."""
     vocab, top = 49_152, 100
-    model = SimpleNamespace(api=SimpleNamespace(server_draws=True))
+    model = SimpleNamespace(capabilities=served_capabilities(100, our_draws=True))
     ours = torch.Generator().manual_seed(config.seed)
     xargs = remote.server_draws(model, SimpleNamespace(config=config, generator=ours, force=None), top)
     processor = dp_draws.OurDraws(None, torch.device("cpu"), False)

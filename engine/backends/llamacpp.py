@@ -73,6 +73,10 @@ class LlamaCppApi:
     context: int = 4096
     backend: str = "llamacpp"
     vocab_size: int = VOCAB_BOUND  # the ids its answers may hold (connect sets the server's n_vocab)
+    # What it adds to a served model's capabilities (engine.base.seam): no prompt log-probabilities (one
+    # position per request), no logits processor of ours
+    prompt_logprobs = False
+    server_draws = False
 
     def schema(self, path: str) -> Schema:
         """The checks for an answer to ``path`` (engine.backends.schema)."""

@@ -21,11 +21,12 @@ import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from engine.base.seam import LOCAL, Capabilities
+from engine.base.seam import LOCAL, Cache, Capabilities
+from engine.cache import KVCache
 from engine.backends import quant_methods
 from engine.settings import SettingsError, cache_root, env_choice
 
@@ -118,7 +119,7 @@ class LoadedModel:
             text = self.prompt_text(prompt, chat)
             return list(self.tokenizer(text, add_special_tokens=not chat)["input_ids"])
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -130,6 +131,21 @@ class LoadedModel:
                 text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
+
+    def with_mode(self, mode: str, top_n: int | None = None) -> "LoadedModel":
+        """Itself: our chain picks every token of a model loaded here (ValueError for fast mode)."""
+        if mode != "step":
+            raise ValueError(f"mode: {self.name} runs here, in step mode only (fast mode is a server's sampler)")
+        return self
+
+    def cache(self) -> KVCache:
+        """A fresh KV cache of this model (dynamic; ``engine.cache.KVCache`` for the other kinds)."""
+        return KVCache(self.model)
+
+    def next_logits(self, ids: Sequence[int], *, top_n: int | None = None, cache: Cache | None = None) -> torch.Tensor:
+        """The raw next-token logits after ``ids`` [1, V]: one forward over what ``cache`` (default a
+        fresh one) lacks of them (``top_n``: unused, every token is here)."""
+        return (cache or self.cache()).sync(ids)
 
 
 def gguf_path() -> Path:

@@ -122,6 +122,12 @@ class OpenAIApi:
     vocab_size: int = VOCAB_BOUND  # the ids its answers may hold (the operator's vocab=, or llama-server's n_vocab)
     server_draws: bool = False  # a vLLM with deploy/vllm_plugin/dp_draws.py loaded (the spec's draws=1)
 
+    @property
+    def prompt_logprobs(self) -> bool:
+        """One request scores every position of a sequence: vLLM's ``prompt_logprobs`` (llama-server's
+        OpenAI-compatible endpoint has none)."""
+        return self.dialect == "vllm"
+
     def schema(self, path: str, root: bool = False) -> Schema:
         """The checks for an answer to ``path`` (at the server root when ``root``)."""
         client = self.root if root else self.client

@@ -54,7 +54,8 @@ import torch
 from engine.backends.client import DEFAULT_TIMEOUT_S, RemoteError
 from engine.backends.llamacpp import connect
 from engine.backends.openai import connect_openai
-from engine.backends.served import STEP_TOP_N, Entry, FastAnswer, FastToken, RemoteModel, RemoteSpec
+from engine.backends.served import (STEP_TOP_N, Entry, FastAnswer, FastToken, RemoteLabel, RemoteModel,  # noqa: F401
+                                   RemoteSpec, entries_logits, entries_row)
 from engine.config import DecodingConfig
 from engine.core import RunState, assemble, checked
 from engine.sampling import NoTokensLeft
@@ -93,29 +94,6 @@ def top_logits(model: RemoteModel, ids: Sequence[int], top_n: int) -> tuple[torc
     (``model.api.next_top``: one request): logits [1, V] (log p inside the top-N, -inf outside) and
     the tail mass 1 - sum(top-N)."""
     return entries_logits(model, model.api.next_top(ids, top_n))
-
-
-def entries_row(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """A server's top-N as step mode's row on its ids: the log-probabilities [1, N] at the ids [N]
-    (ascending: every other logit is -inf, ``RunState.advance``'s support) and the tail mass
-    1 - sum(top-N)."""
-    model.learn_pieces(top)
-    outside = [t for t, _, _ in top if not 0 <= t < model.vocab_size]  # the API checked its own bound
-    if outside:
-        raise RemoteError(f"{model.client.server} {model.url}: token {outside[0]} is outside the "
-                          f"vocabulary of {model.vocab_size} (vocab_size)")
-    tail = max(0.0, 1.0 - math.fsum(math.exp(lp) for _, lp, _ in top))
-    pairs = sorted((t, lp) for t, lp, _ in top)  # by id (the schema refused an id listed twice)
-    return (torch.tensor([[lp for _, lp in pairs]], dtype=torch.float32),
-            torch.tensor([t for t, _ in pairs], dtype=torch.long), tail)
-
-
-def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, float]:
-    """A server's top-N as logits [1, V] (log p inside, -inf outside) and the tail mass."""
-    values, ids, tail = entries_row(model, top)
-    logits = torch.full((1, model.vocab_size), -math.inf)
-    logits[0, ids] = values[0]
-    return logits, tail
 
 
 def stream_step(model: RemoteModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
@@ -223,7 +201,7 @@ def ours_to_draw(model: RemoteModel, config: DecodingConfig, force: int | None) 
     """True when the server drafts this run with our chain and draws (``server_draws``): it has our logits
     processor (``RemoteSpec.draws``), the run samples, starts with a draw (no forced token) and every
     stage is one the processor runs (SERVER_DRAW_STAGES)."""
-    return bool(getattr(model.api, "server_draws", False)) and not config.is_greedy and force is None \
+    return model.capabilities.our_draws and not config.is_greedy and force is None \
         and set(config.active_stages()) <= set(SERVER_DRAW_STAGES)
 
 
@@ -296,7 +274,7 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
     """What ``engine.runner.stream`` runs for a remote model: an Event per token, then one holding
     the Trace (labelled: ``extra["remote"]``), in the model's ``mode``. Fast mode cannot continue
     from a step (the server samples the whole text): ``prefix`` / ``force`` raise ValueError."""
-    if model.mode == "fast":
+    if not model.capabilities.our_chain:  # fast mode: the server's sampler picks
         if prefix or force is not None:
             raise ValueError(f"{'prefix' if prefix else 'force'}: a fast-mode run of {model.url} cannot continue "
                              "from a step (the server samples); use step mode")
@@ -322,9 +300,10 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
         trace.end_with_no_tokens_left()
         if type(ended) is not NoTokensLeft:  # a stage said why (the grammar: none of the top-N allowed)
             approximations.append(str(ended))
-    trace.extra["remote"] = _label(model, "step", model.top_n, approximations) | {"tail_mass": tails}
-    if verified is not None:
-        trace.extra["remote"]["verified"] = verified.label()
+    label = _label(model, "step", model.top_n, approximations)
+    label.tail_mass = tails
+    label.verified = verified.label() if verified is not None else None
+    trace.extra["remote"] = label.to_json()
     yield Event(trace=trace)
 
 
@@ -340,11 +319,12 @@ def run_step(model: RemoteModel, prompt: str, config: DecodingConfig, *, chat: b
 
 
 def _label(model: RemoteModel, mode: str, top_n: int, approximations: list[str],
-           notes: dict[str, list] | None = None) -> dict:
-    """``extra["remote"]``; ``notes``: in fast mode, the knobs the server's sampler did not run as
-    ours (step mode runs our own chain: nothing unmapped)."""
-    return {"backend": model.backend, "url": model.url, "mode": mode, "top_n": top_n,
-            "approximations": approximations} | (notes or {"unmapped": [], "caveats": []})
+           notes: dict[str, list[dict[str, str]]] | None = None) -> RemoteLabel:
+    """``extra["remote"]``'s record; ``notes``: in fast mode, the knobs the server's sampler did not run
+    as ours (step mode runs our own chain: nothing unmapped)."""
+    notes = notes or {}
+    return RemoteLabel(model.backend, model.url, mode, top_n, approximations, list(notes.get("unmapped", [])),
+                       list(notes.get("caveats", [])))
 
 
 # --- fast mode -------------------------------------------------------------------------------------
@@ -404,8 +384,10 @@ def _stream_fast(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], con
     if outside and answer.raw:
         approximations.append(f"{outside} of the {len(steps)} tokens lie outside the raw top {config.top_n}, so their "
                               "raw p is unknown and so are the raw mean log-prob and perplexity")
-    trace.extra["remote"] = _label(model, "fast", config.top_n, approximations, answer.notes) | {
-        "timings": answer.timings, "streamed": True} | server_speculative(answer.timings)
+    label = _label(model, "fast", config.top_n, approximations, answer.notes)
+    label.timings, label.streamed = answer.timings, True
+    label.server_speculative = server_speculative(answer.timings).get("server_speculative")
+    trace.extra["remote"] = label.to_json()
     yield Event(trace=trace)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
 
 import torch
@@ -154,6 +154,49 @@ class FastAnswer:
 
 
 @dataclass
+class RemoteLabel:
+    """A served model's run as its trace labels it (``trace.extra["remote"]``, strict JSON): which server
+    (``backend``, ``url``), which ``mode`` ("step": our chain over its top-N; "fast": its sampler), its
+    ``top_n`` per step, every approximation in words, and the knobs its sampler did not run as ours
+    (``unmapped``, ``caveats``: ``{"key", "reason"}`` each; none in step mode). What only some runs have
+    is None and left out of the JSON: ``tail_mass`` (step mode: each step's mass outside the top-N),
+    ``verified`` (step mode verifying continuations: ``remote.Verified.label``), ``timings``,
+    ``streamed`` and ``server_speculative`` (fast mode: the server's own timings and drafting),
+    ``requests`` (a served beam search) and ``scoring_calls`` (served speculative decoding)."""
+
+    backend: str
+    url: str
+    mode: str
+    top_n: int
+    approximations: list[str]
+    unmapped: list[dict[str, str]] = field(default_factory=list)
+    caveats: list[dict[str, str]] = field(default_factory=list)
+    tail_mass: list[float] | None = None
+    verified: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    streamed: bool | None = None
+    server_speculative: dict[str, Any] | None = None
+    requests: int | None = None
+    scoring_calls: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The label as ``trace.extra["remote"]`` holds it: every field in this order, those that are
+        None left out."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def of(cls, trace: Any) -> "RemoteLabel | None":
+        """``trace``'s label (a Trace, possibly read from JSON), or None for a run of a model loaded here
+        (no label, or not an object). A missing field reads as its empty value."""
+        found = (getattr(trace, "extra", None) or {}).get("remote")
+        if not isinstance(found, dict) or not found:
+            return None
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in found.items() if k in known}
+        return cls(**({"backend": "", "url": "", "mode": "step", "top_n": 0, "approximations": []} | values))
+
+
+@dataclass
 class RemoteTokenizer:
     """The server's tokenizer, as the stages call a tokenizer (``encode`` without special tokens,
     ``decode`` of one token for DRY's breakers); answers are memoised. ``texts``: a tokenizer held here
@@ -199,6 +242,8 @@ class RemoteModel:
     mode: str = "step"  # how runner.stream runs greedy/sample on it: "step" (our chain) or "fast" (it samples)
     top_n: int = STEP_TOP_N  # step mode: tokens per step the server returns
     verify: int | None = None  # step mode: continuation tokens verified per request (None: DP_STEP_VERIFY_TOKENS)
+    model: Any = None  # no network in this process (engine.base.seam.Model: capabilities.in_process is False)
+    dtype: Any = None  # nor weights
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -214,9 +259,26 @@ class RemoteModel:
 
     @property
     def capabilities(self) -> Capabilities:
-        """A top-N per position (step mode asks ``top_n``), streamed generations; no logits,
+        """A top-N per position (step mode asks ``top_n``), streamed generations, what its API adds
+        (vLLM's prompt log-probabilities, our draws); its sampler picks in fast mode; no logits,
         hidden states, cache or weights (engine.base.seam)."""
-        return served_capabilities(self.top_n)
+        return served_capabilities(self.top_n, fast=self.mode == "fast", prompt_logprobs=self.api.prompt_logprobs,
+                                   our_draws=self.api.server_draws)
+
+    @property
+    def source(self) -> str:
+        """What it was connected as: its name (``backend:url``)."""
+        return self.name
+
+    def next_logits(self, ids: Sequence[int], *, top_n: int | None = None, cache: Any = None) -> torch.Tensor:
+        """The server's raw next-token distribution after ``ids``, truncated to its top ``top_n`` (default
+        its own; one request): logits [1, V], log p inside the top-N, -inf outside (``cache``: unused,
+        the server keeps its own prompt cache)."""
+        return entries_logits(self, self.api.next_top(list(ids), self.top_n if top_n is None else top_n))[0]
+
+    def cache(self) -> "RemoteCache":
+        """Its positions as speculative decoding holds them: the server's top-N at each position fed."""
+        return RemoteCache(self)
 
     @property
     def backend(self) -> str:
@@ -243,7 +305,7 @@ class RemoteModel:
             return self.api.chat_ids(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i not in self.eos_token_ids])
 
     def token_text(self, token_id: int) -> str:
@@ -254,6 +316,73 @@ class RemoteModel:
         for token, _, piece in entries:
             if piece is not None:
                 self.tokenizer._pieces.setdefault(token, piece)
+
+
+# --- a server's top-N as logits, and its cache -------------------------------------------------------
+def entries_row(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A server's top-N as step mode's row on its ids: the log-probabilities [1, N] at the ids [N]
+    (ascending: every other logit is -inf, ``RunState.advance``'s support) and the tail mass
+    1 - sum(top-N)."""
+    model.learn_pieces(top)
+    outside = [t for t, _, _ in top if not 0 <= t < model.vocab_size]  # the API checked its own bound
+    if outside:
+        raise RemoteError(f"{model.client.server} {model.url}: token {outside[0]} is outside the "
+                          f"vocabulary of {model.vocab_size} (vocab_size)")
+    tail = max(0.0, 1.0 - math.fsum(math.exp(lp) for _, lp, _ in top))
+    pairs = sorted((t, lp) for t, lp, _ in top)  # by id (the schema refused an id listed twice)
+    return (torch.tensor([[lp for _, lp in pairs]], dtype=torch.float32),
+            torch.tensor([t for t, _ in pairs], dtype=torch.long), tail)
+
+
+def entries_logits(model: RemoteModel, top: list[Entry]) -> tuple[torch.Tensor, float]:
+    """A server's top-N as logits [1, V] (log p inside, -inf outside) and the tail mass."""
+    values, ids, tail = entries_row(model, top)
+    logits = torch.full((1, model.vocab_size), -math.inf)
+    logits[0, ids] = values[0]
+    return logits, tail
+
+
+class RemoteCache:
+    """A served model's cache (``engine.base.seam.Cache``: what speculative decoding's rounds ask of a
+    KV cache), answered by its server: the tokens are only remembered, every "forward" is the server's
+    top-N at the positions fed (``api.positions``: one request on vLLM, one per position on llama-server)."""
+
+    def __init__(self, model: RemoteModel):
+        self.model = model
+        self.tokens: list[int] = []
+        self.forwards = 0  # "forwards": scoring calls (each one request on vLLM, one per position on llama-server)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def forward(self, input_ids: torch.Tensor, *, all_logits: bool = False) -> Any:
+        """Feed ``input_ids`` [1, T]; ``.logits`` [1, T, V] (the top-N after each fed position) with
+        ``all_logits``, else [1, 1, V]."""
+        start = len(self.tokens) + 1
+        self.tokens += input_ids[0].tolist()
+        positions = self.model.api.positions(self.tokens, start if all_logits else len(self.tokens), self.model.top_n)
+        self.forwards += 1
+        rows = torch.cat([entries_logits(self.model, top)[0] for top in positions])  # [T or 1, V]
+        return _Output(rows.unsqueeze(0))
+
+    def step(self, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.forward(torch.tensor([list(token_ids)])).logits[:, -1, :]
+
+    def sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Hold ``token_ids``; the top-N after the last one [1, V]."""
+        self.tokens = list(token_ids[:-1])
+        return self.step(token_ids[-1:])
+
+    def rewind(self, n: int) -> None:
+        if n < 0 or n > self.length:
+            raise ValueError(f"rewind: n={n} must be in [0, {self.length}]")
+        del self.tokens[len(self.tokens) - n:]
+
+
+class _Output:
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
 
 
 # --- is it a model? --------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ strategy names and knobs from ``STRATEGIES``; ``trace`` reads the record types, 
 knobs in use and how other tools run it, ``engine.runner`` the streams, and the views say "not
 available for this model" from ``unavailable``.
 
-On the base floor (docs/architecture.md): no torch here and no engine import but the knobs
-(``Knob``): ``config`` and ``trace`` read this registry, and the strategy modules, on a floor above
-them, register into it. ``STRATEGIES`` fills when ``engine.strategies`` is imported, which importing
+On the base floor (docs/architecture.md): no torch here and no engine import but the knobs (``Knob``)
+and the seam (``Capabilities``): ``config`` and ``trace`` read this registry, and the strategy
+modules, on a floor above them, register into it. ``STRATEGIES`` fills when ``engine.strategies`` is imported, which importing
 anything under ``engine`` does (``engine/__init__.py``).
 """
 
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.base.knobs import Knob
+from engine.base.seam import Capabilities
 
-# What a strategy may need of a model, in words: a served model (an API that hands out a top-N per
-# token) has none of them; a model loaded here has all (engine.backends: ``Capabilities``).
+# What a strategy may need of a model (``Capabilities`` fields), in words: a served model (an API that
+# hands out a top-N per token) has none of them; a model loaded here has all (engine.base.seam).
 NEEDS = {
     "full_logits": "full logits",
     "hidden_states": "the model's hidden states",
@@ -98,13 +99,14 @@ class StrategySpec:
         """What it needs of a model, in words ("needs the model's hidden states")."""
         return self.needs_why or "needs " + " and ".join(NEEDS[n] for n in self.needs)
 
-    def runs_on(self, capabilities: Any) -> bool:
-        """Whether a model with ``capabilities`` (engine.backends.Capabilities) runs it."""
-        if getattr(capabilities, "served", False):
+    def runs_on(self, capabilities: Capabilities) -> bool:
+        """Whether a model with ``capabilities`` runs it: in this process, when it has what the
+        strategy needs; behind a server's API, when the strategy has a served stream."""
+        if not capabilities.in_process:
             return self.served is not None
-        return all(getattr(capabilities, n) for n in self.needs)
+        return all(capabilities.has(n) for n in self.needs)
 
-    def unavailable(self, capabilities: Any) -> str | None:
+    def unavailable(self, capabilities: Capabilities) -> str | None:
         """One line saying why a model with ``capabilities`` cannot run it, or None when it can."""
         if self.runs_on(capabilities):
             return None

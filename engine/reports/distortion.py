@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.backends.local import LoadedModel
+from engine.base.seam import Model
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl, check
 from engine.stages import build_stage
@@ -74,7 +74,7 @@ class NotEnumerable(ConfigError):
     """The grammar has too many strings or token prefixes to enumerate here."""
 
 
-def distortion_report(lm: LoadedModel, prompt: str, config: DecodingConfig, chat: bool = False, *,
+def distortion_report(lm: Model, prompt: str, config: DecodingConfig, chat: bool = False, *,
                       prompt_ids: Sequence[int] | None = None, max_prefixes: int = MAX_PREFIXES,
                       control: RunControl | None = None) -> DistortionReport:
     """The exact distributions of ``config``'s grammar over its strings after ``prompt`` (see the
@@ -115,14 +115,14 @@ def distortion_report(lm: LoadedModel, prompt: str, config: DecodingConfig, chat
 
 
 @torch.inference_mode()
-def _prefill(lm: LoadedModel, ids: list[int]) -> tuple[Any, torch.Tensor]:
+def _prefill(lm: Model, ids: list[int]) -> tuple[Any, torch.Tensor]:
     """The prompt's KV cache and the raw logits [1, V] (float32) after it."""
     out = lm.model(input_ids=torch.tensor([ids], device=lm.device), use_cache=True, logits_to_keep=1)
     return out.past_key_values, out.logits[:, -1].float()
 
 
 @torch.inference_mode()
-def _scored(lm: LoadedModel, prompt_kv: Any, root: torch.Tensor, stage: Any, ids: list[int],
+def _scored(lm: Model, prompt_kv: Any, root: torch.Tensor, stage: Any, ids: list[int],
             generated: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The raw model's log-probabilities [R, V] (float64) after the prompt and each of ``generated``
     (prefixes of one length: one forward over R copies of the prompt's cache), and the tokens the

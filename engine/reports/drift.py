@@ -35,8 +35,9 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.base.seam import Model, WeightedModel
 from engine.cache import kv_quant
-from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec
+from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS, ModelLoadError, ModelSpec
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped, check
@@ -70,7 +71,7 @@ class VariantDrift:
     """A variant: its footprint, its drift from the reference, and its own greedy run."""
 
     quantization: str  # none | int8 | nf4 | a 4-bit checkpoint (engine.backends.quant_methods)
-    memory_bytes: int  # LoadedModel.memory_bytes (weights and buffers, as computed with)
+    memory_bytes: int  # the loaded model's memory_bytes (weights and buffers, as computed with)
     load_s: float  # how long loading took (when it was first loaded)
     was_loaded: bool  # already in the registry before this report (no load time spent now)
     positions: list[PositionDrift]
@@ -127,7 +128,7 @@ def greedy_config(max_new_tokens: int) -> DecodingConfig:
 
 
 @torch.inference_mode()
-def teacher_forced_logits(lm: LoadedModel, prompt_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+def teacher_forced_logits(lm: Model, prompt_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
     """Next-token logits [T, V] (float32) for each of the T continuation tokens, from ONE forward
     over prompt + continuation[:-1]: row t is the distribution that picked continuation[t]."""
     ids = torch.tensor([list(prompt_ids) + list(continuation[:-1])], dtype=torch.long, device=lm.device)
@@ -156,7 +157,7 @@ def compare_logits(ref_logits: torch.Tensor, var_logits: torch.Tensor, reference
     ]
 
 
-def measure_variant(ref_lm: LoadedModel, lm: LoadedModel, prompt_ids: Sequence[int], reference: Sequence[StepTrace],
+def measure_variant(ref_lm: WeightedModel, lm: WeightedModel, prompt_ids: Sequence[int], reference: Sequence[StepTrace],
                     ref_logits: torch.Tensor, own: Sequence[StepTrace], was_loaded: bool = False) -> VariantDrift:
     """A VariantDrift from the reference run's steps and logits, and the variant's own greedy steps."""
     ref_ids = [s.chosen_token_id for s in reference]
@@ -273,13 +274,13 @@ class KVReport:
     stopped: str = ""  # why the report ended early ("" when complete); speeds then cover the steps both loops ran
 
 
-def kv_geometry(lm: LoadedModel) -> tuple[int, int, int, int]:
+def kv_geometry(lm: Model) -> tuple[int, int, int, int]:
     """(layers, kv_heads, head_dim, bytes per element) from the model config and compute dtype."""
     geo = kv_quant.geometry(lm.model.config, lm.dtype)
     return geo.layers, geo.kv_heads, geo.head_dim, geo.bytes_per_element
 
 
-def uncached_steps(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+def uncached_steps(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, *,
                    control: RunControl | None = None) -> Iterator[tuple[int, float]]:
     """The nanoGPT loop: feed the WHOLE sequence at every step, take the argmax. Yields each
     generated id and the milliseconds its step took; ``control`` is checked before every forward."""
@@ -299,7 +300,7 @@ def uncached_steps(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingC
         ids = torch.cat([ids, torch.tensor([[token]], device=lm.device)], dim=1)  # [1, S + 1]
 
 
-def checked_stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, cache: KVCache,
+def checked_stream(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, cache: KVCache,
                    control: RunControl | None) -> Iterator[StepTrace]:
     """``decode.stream`` with ``control`` checked before each forward."""
     check(control)
@@ -315,7 +316,7 @@ def capped(max_new_tokens: int, cap: int, why: str) -> tuple[int, str]:
     return cap, f"capped at {cap} of the {max_new_tokens} tokens asked: {why}"
 
 
-def kv_cache_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32, *,
+def kv_cache_report(lm: Model, prompt: str, chat: bool = False, max_new_tokens: int = 32, *,
                     control: RunControl | None = None) -> KVReport:
     """Greedy with the KV cache (``decode.stream``, trace capture included) vs without it.
     ``control`` is checked before every forward of both loops; stopped during the uncached loop, the
@@ -421,7 +422,7 @@ class KVDriftReport:
 
 
 @torch.inference_mode()
-def teacher_forced_cached_logits(lm: LoadedModel, prompt_ids: Sequence[int], continuation: Sequence[int],
+def teacher_forced_cached_logits(lm: Model, prompt_ids: Sequence[int], continuation: Sequence[int],
                                  cache: KVCache, control: RunControl | None = None) -> torch.Tensor:
     """Next-token logits [T, V] (float32) through ``cache``: prefill the prompt, then feed the
     continuation one token per forward (as decoding does); row t picked continuation[t]."""
@@ -433,7 +434,7 @@ def teacher_forced_cached_logits(lm: LoadedModel, prompt_ids: Sequence[int], con
     return torch.cat(rows)  # [T, V]
 
 
-def measure_kind(lm: LoadedModel, prompt_ids: Sequence[int], ref_ids: Sequence[int], ref_logits: torch.Tensor,
+def measure_kind(lm: Model, prompt_ids: Sequence[int], ref_ids: Sequence[int], ref_logits: torch.Tensor,
                  kind: str, residual_length: int, control: RunControl | None = None) -> KVKindDrift:
     """Drift, own greedy run and bytes of one cache kind against the reference run."""
     config = greedy_config(len(ref_ids)).replace(kv_cache=kind, kv_residual_length=residual_length)
@@ -463,7 +464,7 @@ def measure_kind(lm: LoadedModel, prompt_ids: Sequence[int], ref_ids: Sequence[i
     )
 
 
-def stream_kv_drift(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32,
+def stream_kv_drift(lm: Model, prompt: str, chat: bool = False, max_new_tokens: int = 32,
                     kinds: Sequence[str] = ("dynamic", "quantized-int8", "quantized-int4"), residual_length: int = 32,
                     *, control: RunControl | None = None) -> Iterator[KVDriftReport]:
     """Yield the report after the reference run, then again as each kind finishes (the same object,
@@ -495,7 +496,7 @@ def stream_kv_drift(lm: LoadedModel, prompt: str, chat: bool = False, max_new_to
         yield report
 
 
-def kv_drift_report(lm: LoadedModel, prompt: str, chat: bool = False, max_new_tokens: int = 32,
+def kv_drift_report(lm: Model, prompt: str, chat: bool = False, max_new_tokens: int = 32,
                     kinds: Sequence[str] = ("dynamic", "quantized-int8", "quantized-int4"), residual_length: int = 32,
                     *, control: RunControl | None = None) -> KVDriftReport:
     """The whole KV drift report (see ``stream_kv_drift``)."""

@@ -36,9 +36,10 @@ from engine.reports.drift import kv_cache_report, quantization_report
 from engine.reports.kv_arith import shown
 from engine.numbers import percent
 from engine.reports.quant_report import compare_methods
-from engine.backends.local import LoadedModel, ModelSpec
+from engine.backends.local import ModelSpec
 from engine.backends.registry import ModelRegistry
-from engine.backends.served import ModelPick
+from engine.backends.served import ModelPick, RemoteLabel
+from engine.base.seam import Capabilities, Model
 from engine.reports.runs import Runs
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from engine.trace import Trace
@@ -321,7 +322,7 @@ def run_sources(lesson: Lesson, page_model: str, environ: Any = None, offered: S
     return out
 
 
-def run_model(registry: ModelRegistry, source: str, lm: LoadedModel) -> Any:
+def run_model(registry: ModelRegistry, source: str, lm: Model) -> Any:
     """The model a run's source names: ``lm`` itself, or the listed server (fast mode after ``fast:``)."""
     if source == getattr(lm, "source", lm.name):
         return lm
@@ -331,7 +332,7 @@ def run_model(registry: ModelRegistry, source: str, lm: LoadedModel) -> Any:
 
 
 # --- running and checking --------------------------------------------------------------------
-def run_lesson(lm: LoadedModel, lesson: Lesson, registry: ModelRegistry | None = None,
+def run_lesson(lm: Model, lesson: Lesson, registry: ModelRegistry | None = None,
                environ: Any = None, *, runs: Runs) -> list[Trace]:
     """Every run of the lesson (its lanes, or its one preset) on ``lm``, or on the server its
     ``models`` name, through ``runs`` (``engine.runner.RUNS``)."""
@@ -362,7 +363,7 @@ def taught_run(lesson: Lesson) -> int | None:
     return None
 
 
-def evaluate(lm: LoadedModel, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None, *,
+def evaluate(lm: Model, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None, *,
              runs: Runs) -> Outcome:
     """Run the lesson's check over its traces (a check that runs more goes through ``runs``:
     ``engine.runner.RUNS``)."""
@@ -556,11 +557,21 @@ NEEDS_MODEL = {
     "beam_beats_greedy": "a served beam search scores by vLLM's rule (the prompt's length counts), not the lesson's",
     "grammar_distortion": "it walks every token prefix of the grammar with the model's whole distribution",
 }
+# The capability each of them needs (engine.base.seam.Capabilities)
+CHECK_NEEDS = {"kv_cache_same": "kv_cache", "quantization_order": "weights", "gptq_vs_awq": "weights",
+               "beam_beats_greedy": "full_logits", "grammar_distortion": "full_logits"}
+
+
+def check_unavailable(kind: str | None, capabilities: Capabilities) -> str | None:
+    """Why a model with ``capabilities`` cannot run the check ``kind`` (NEEDS_MODEL's words), or None."""
+    need = CHECK_NEEDS.get(kind or "")
+    return NEEDS_MODEL[kind or ""] if need is not None and not capabilities.has(need) else None
 
 def _raw_top(trace: Trace, i: int) -> dict[int, float]:
     """Step ``i``'s raw top tokens and their log p under the model's whole vocabulary (a step-mode run
     on a server renormalised them over the server's top-N: its tail mass is put back)."""
-    tails = (trace.extra.get("remote") or {}).get("tail_mass") or []
+    label = RemoteLabel.of(trace)
+    tails = (label.tail_mass if label is not None else None) or []
     keep = 1.0 - (tails[i] if i < len(tails) else 0.0)
     raw = trace.steps[i].stages[0]
     return {t.token_id: math.log(t.prob * keep) for t in raw.top if t.prob > 0}
@@ -618,6 +629,6 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
     "engines_agree": _engines_agree,
 }
 
-__all__ = ["NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "available_lessons", "builtin_lessons", "evaluate",
-           "parse_lesson", "parse_lesson_json", "run_lesson", "run_sources", "selected_step", "served_lessons",
-           "taught_run"]
+__all__ = ["CHECK_NEEDS", "NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "available_lessons", "builtin_lessons",
+           "check_unavailable", "evaluate", "parse_lesson", "parse_lesson_json", "run_lesson", "run_sources",
+           "selected_step", "served_lessons", "taught_run"]

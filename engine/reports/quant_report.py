@@ -26,7 +26,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.backends.local import QUANTIZATIONS, LoadedModel, ModelLoadError, ModelSpec, embedded_model_dir
+from engine.base.seam import Model, WeightedModel
+from engine.backends.local import QUANTIZATIONS, ModelLoadError, ModelSpec, embedded_model_dir
 from engine.backends.quant_methods import CALIBRATION_SETS, HELDOUT, RECIPE, WEIGHT_METHODS, checkpoint_meta
 from engine.control import RunControl, RunStopped, check
 
@@ -74,18 +75,18 @@ class MethodComparison:
         return next((r for r in self.rows if r.variant == variant), None)
 
 
-def heldout_ids(lm: LoadedModel, max_tokens: int = HELDOUT_TOKENS) -> list[int]:
+def heldout_ids(lm: Model, max_tokens: int = HELDOUT_TOKENS) -> list[int]:
     return lm.encode(HELDOUT.read_text(encoding="utf-8"))[:max_tokens]
 
 
 @torch.inference_mode()
-def next_token_logits(lm: LoadedModel, ids: Sequence[int]) -> torch.Tensor:
+def next_token_logits(lm: Model, ids: Sequence[int]) -> torch.Tensor:
     """Logits [T − 1, V] (float32): row t predicts ids[t + 1]."""
     out = lm.model(input_ids=torch.tensor([list(ids)], device=lm.device), use_cache=False)
     return out.logits[0, :-1].float()
 
 
-def heldout_perplexity(lm: LoadedModel) -> float:
+def heldout_perplexity(lm: WeightedModel) -> float:
     """The model's perplexity on the held-out text, computed once per loaded model."""
     if "heldout_perplexity" not in lm.measures:
         ids = heldout_ids(lm)
@@ -106,7 +107,7 @@ def score(ref_logits: torch.Tensor, logits: torch.Tensor, ids: Sequence[int]) ->
     return math.exp(float(nll.mean())), float(kl.mean()), float(top1.mean())
 
 
-def bits_per_weight(lm: LoadedModel, variant: str) -> float:
+def bits_per_weight(lm: WeightedModel, variant: str) -> float:
     """Storage bits of each quantized Linear weight, scales included (32 for the float model)."""
     if variant in WEIGHT_METHODS:
         weights = sum(m.weight.numel() for n, m in lm.model.named_modules()
@@ -119,7 +120,7 @@ def bits_per_weight(lm: LoadedModel, variant: str) -> float:
     return 32.0
 
 
-def measure(ref_logits: torch.Tensor, lm: LoadedModel, ids: Sequence[int], variant: str) -> HeldoutScore:
+def measure(ref_logits: torch.Tensor, lm: WeightedModel, ids: Sequence[int], variant: str) -> HeldoutScore:
     ppl, kl, top1 = score(ref_logits, next_token_logits(lm, ids), ids)
     method = WEIGHT_METHODS.get(variant)
     meta = checkpoint_meta(embedded_model_dir(), variant) if method else {}
@@ -167,7 +168,7 @@ def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None
     ids = heldout_ids(ref)
     reference: list[torch.Tensor] = []  # the float model's logits, computed when a variant needs them
 
-    def measured(lm: LoadedModel, variant: str, key: tuple[str, str, str]) -> HeldoutScore:
+    def measured(lm: WeightedModel, variant: str, key: tuple[str, str, str]) -> HeldoutScore:
         if not reference:
             reference.append(next_token_logits(ref, ids))
         row = measure(reference[0], lm, ids, variant)
@@ -227,7 +228,7 @@ class InsideLayer:
 
 
 @torch.inference_mode()
-def layer_inputs(lm: LoadedModel, path: str, ids: Sequence[int]) -> torch.Tensor:
+def layer_inputs(lm: Model, path: str, ids: Sequence[int]) -> torch.Tensor:
     """The inputs [T, in] that the module at ``path`` receives when the model reads ``ids``."""
     module = lm.model.get_submodule(path)
     seen: list[torch.Tensor] = []
@@ -239,13 +240,13 @@ def layer_inputs(lm: LoadedModel, path: str, ids: Sequence[int]) -> torch.Tensor
     return seen[0]
 
 
-def calibration_ids(lm: LoadedModel, name: str = "prose", max_tokens: int = 128) -> list[list[int]]:
+def calibration_ids(lm: Model, name: str = "prose", max_tokens: int = 128) -> list[list[int]]:
     text = CALIBRATION_SETS[name].read_text(encoding="utf-8")
     samples = [s.strip() for s in text.split("\n=====\n") if s.strip()]
     return [lm.encode(s)[: min(max_tokens, RECIPE["max_tokens"])] for s in samples]
 
 
-def effective_weight(ref: LoadedModel, lm: LoadedModel, path: str, norm: str, method: str) -> torch.Tensor:
+def effective_weight(ref: Model, lm: Model, path: str, norm: str, method: str) -> torch.Tensor:
     """The weight that multiplies the float model's input: AWQ's scales folded back out."""
     weight = lm.model.get_submodule(path).weight.float()
     if method != "awq":
@@ -253,7 +254,7 @@ def effective_weight(ref: LoadedModel, lm: LoadedModel, path: str, norm: str, me
     return weight / awq_scales(ref, lm, norm)[None, :]
 
 
-def awq_scales(ref: LoadedModel, awq: LoadedModel, norm_path: str) -> torch.Tensor:
+def awq_scales(ref: Model, awq: Model, norm_path: str) -> torch.Tensor:
     """s per input channel: the float norm weight / AWQ's (AWQ divided the norm by s)."""
     return ref.model.get_submodule(norm_path).weight.float() / awq.model.get_submodule(norm_path).weight.float()
 

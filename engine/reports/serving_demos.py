@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.base.seam import Model
 from engine.backends.client import JsonClient, RemoteError
-from engine.backends.local import LoadedModel
 from engine.cache import KVCache, left_padded
 from engine.config import DecodingConfig
 from engine.control import RunControl
@@ -60,7 +60,7 @@ QUESTIONS = ("Why does the cache grow?", "What is a block?", "Who shares what?",
              "Why reserve memory?", "What does attention read?", "When is a prefix shared?", "What is a position?")
 
 
-def story_prompt(lm: LoadedModel, user: int, words: int = 0) -> list[int]:
+def story_prompt(lm: Model, user: int, words: int = 0) -> list[int]:
     """A distinct plain-text prompt per user; ``words`` more words of padding text make it longer."""
     extra = " ".join(["and then the story went on"] * (words // 6))
     return lm.encode(f"User {user} writes a story about {SUBJECTS[user % len(SUBJECTS)]}. {extra} Once upon a time,")
@@ -163,7 +163,7 @@ class BatchingDemo:
     at: float
 
 
-def static_batch(lm: LoadedModel, jobs: Sequence[tuple[list[int], DecodingConfig]], max_batch: int,
+def static_batch(lm: Model, jobs: Sequence[tuple[list[int], DecodingConfig]], max_batch: int,
                  control: RunControl) -> tuple[list[JobResult], int, int]:
     """Static batching: waves of ``max_batch`` requests in arrival order, each prefilled left-padded
     and stepped until its longest request is done (finished rows keep being computed: their last
@@ -253,7 +253,7 @@ def batching_side(name: str, results: list[JobResult], start: float, forwards: i
                         row_steps, forwards, wait_ticks, mean_ticks)
 
 
-def batching_demo(lm: LoadedModel, control: RunControl, requests: int = 8, max_batch: int = 4,
+def batching_demo(lm: Model, control: RunControl, requests: int = 8, max_batch: int = 4,
                   budgets: Sequence[int] = (2, 12, 4, 16, 3, 8, 6, 14), *, runs: Runs) -> BatchingDemo:
     """Continuous vs static batching of the same ``requests`` (budgets cycled), ``max_batch`` rows."""
     plan = [budgets[i % len(budgets)] for i in range(requests)]
@@ -286,7 +286,7 @@ class PagedDemo:
     at: float
 
 
-def paged_demo(lm: LoadedModel, control: RunControl, requests: int = 8, block: int = BLOCK_SIZE, *,
+def paged_demo(lm: Model, control: RunControl, requests: int = 8, block: int = BLOCK_SIZE, *,
                runs: Runs) -> PagedDemo:
     """Requests with mixed prompt lengths and budgets (32 to 64 tokens, each ending at its first
     sentence's full stop: like a chat answer, shorter than its budget) through the scheduler, then
@@ -335,7 +335,7 @@ def prefix_side(name: str, scheduler: Batcher, results: list[JobResult]) -> Pref
                       {"p50": percentile(ttft, 50), "max": max(ttft)})
 
 
-def prefix_demo(lm: LoadedModel, control: RunControl, users: int = 8, block: int = BLOCK_SIZE, *,
+def prefix_demo(lm: Model, control: RunControl, users: int = 8, block: int = BLOCK_SIZE, *,
                 runs: Runs) -> PrefixDemo:
     """``users`` prompts = the lesson's text + a question each, sent at once, with the scheduler's
     shared-prefix prefill and without it; plus the blocks a paged cache would hold for them."""
@@ -392,7 +392,7 @@ def chunked_side(name: str, chunk: int, results: list[JobResult]) -> ChunkedSide
                        long.tokens, [r.tokens for r in others])
 
 
-def chunked_demo(lm: LoadedModel, control: RunControl, decoding: int = 3, long_words: int = 600, chunk: int = 128,
+def chunked_demo(lm: Model, control: RunControl, decoding: int = 3, long_words: int = 600, chunk: int = 128,
                  budget: int = 40, *, runs: Runs) -> ChunkedDemo:
     """``decoding`` users decode ``budget`` tokens; once each has its first tokens, a prompt of about
     ``long_words`` words arrives. Run with the prompt prefilled in one forward and in ``chunk``-token chunks."""

@@ -43,7 +43,6 @@ from engine import sampling
 from engine.cache import KVCache
 from engine.config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob
 from engine.core import RunContext, StopCheck, check_prompt, checked
-from engine.backends.local import LoadedModel
 from engine.base.seam import Model
 from engine.chain import Chain
 from engine.stages import build_stage
@@ -265,18 +264,18 @@ def _diversity(log_probs: torch.Tensor, chosen: list[int], penalty: float) -> to
 
 
 # --- the search -------------------------------------------------------------------------------
-def _chain(lm: LoadedModel, config: DecodingConfig, prompt_length: int) -> Chain:
+def _chain(lm: Model, config: DecodingConfig, prompt_length: int) -> Chain:
     """The processors generate(do_sample=False) would apply: sampling-only stages are left out."""
     names = [n for n in config.active_stages() if n not in SAMPLING_ONLY_STAGES]
     return Chain([build_stage(n, config, prompt_length, lm.tokenizer, lm.eos_token_ids) for n in names])
 
 
-def candidates_per_step(lm: LoadedModel, config: DecodingConfig) -> int:
+def candidates_per_step(lm: Model, config: DecodingConfig) -> int:
     """K: candidates considered per step and group, as transformers: max(2, 1 + n_eos) x group size."""
     return max(2, 1 + len(lm.eos_token_ids)) * (config.num_beams // config.num_beam_groups)
 
 
-def _rules(lm: LoadedModel, config: DecodingConfig) -> _Rules:
+def _rules(lm: Model, config: DecodingConfig) -> _Rules:
     return _Rules(candidates_per_step(lm, config), config.length_penalty, config.early_stopping,
                   config.max_new_tokens, config.diversity_penalty)
 
@@ -286,7 +285,7 @@ def _row_entropy(raw: torch.Tensor) -> list[float]:
     return (-(raw.exp() * raw).nan_to_num().sum(dim=-1)).tolist()
 
 
-def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
+def stream(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
            chat: bool = False) -> Iterator[Event]:
     """An Event per search step as it is decided (record: its BeamStep; no steps: the output is
     only known at the end), then one holding the Trace (its ``beam``: the whole BeamTrace)."""
@@ -353,7 +352,7 @@ def _search_step(groups: list[_Group], logits: torch.Tensor, chain: Chain, ids: 
             torch.tensor(feed, dtype=torch.long, device=ids.device).unsqueeze(1))
 
 
-def _finish(trace: BeamTrace, groups: list[_Group], config: DecodingConfig, lm: LoadedModel) -> None:
+def _finish(trace: BeamTrace, groups: list[_Group], config: DecodingConfig, lm: Model) -> None:
     """Collect every group's finished hypotheses, best first."""
     found = []
     for n, g in enumerate(groups):

@@ -35,10 +35,11 @@ from typing import Iterator, Sequence
 import torch
 
 from engine import core, sampling
+from engine.base.seam import Model
 from engine.cache import KVCache
 from engine.config import SAMPLING_ONLY_STAGES, ConfigError, DecodingConfig, Knob, check_drafter
 from engine.core import RunContext, StopCheck, assemble, check_prompt, checked, make_generator
-from engine.backends.local import LoadedModel, ModelLoadError
+from engine.backends.local import ModelLoadError
 from engine.backends.registry import SELF_VARIANTS, ModelRegistry, check_same_tokenizer, resolve_variant
 from engine.chain import Chain, Traced
 from engine.stages import build_stage
@@ -95,13 +96,13 @@ class ContrastStep:
 # --- shared pieces -------------------------------------------------------------------------------
 
 
-def processor_chain(config: DecodingConfig, prompt_length: int, lm: LoadedModel) -> Chain:
+def processor_chain(config: DecodingConfig, prompt_length: int, lm: Model) -> Chain:
     """The penalty and constraint stages of the config, in the user's order (no sampling stages)."""
     names = [n for n in config.active_stages() if n not in SAMPLING_ONLY_STAGES]
     return Chain([build_stage(n, config, prompt_length, lm.tokenizer, lm.eos_token_ids) for n in names])
 
 
-def sampling_chain(config: DecodingConfig, lm: LoadedModel) -> Chain:
+def sampling_chain(config: DecodingConfig, lm: Model) -> Chain:
     """The sampling stages of the config (empty when greedy)."""
     names = [n for n in config.active_stages() if n in SAMPLING_ONLY_STAGES]
     return Chain([build_stage(n, config, 0, lm.tokenizer, lm.eos_token_ids) for n in names])
@@ -144,7 +145,7 @@ def _keep_row(cache: KVCache, row: int, token_id: int) -> None:
     cache.tokens.append(token_id)
 
 
-def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig) -> Iterator[Event]:
+def stream_search(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig) -> Iterator[Event]:
     """Contrastive search, one Event (steps: [its StepTrace], record: its SearchStep) per token."""
     check_prompt(prompt_ids)
     k = _check_search(config, lm.vocab_size)
@@ -183,7 +184,7 @@ def stream_search(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingCo
 # --- contrastive decoding ------------------------------------------------------------------------
 
 
-def resolve_amateur(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistry) -> LoadedModel:
+def resolve_amateur(lm: Model, config: DecodingConfig, registry: ModelRegistry) -> Model:
     """The amateur model for ``config.amateur`` on the expert's device and dtype; refuses one whose
     tokenizer differs from the expert's."""
     try:
@@ -211,7 +212,7 @@ def _common_vocab(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> 
 
 
 def contrast_stage(scores: torch.Tensor, plausible: torch.Tensor, expert_lp: torch.Tensor, alpha: float,
-                   top_n: int, lm: LoadedModel, amateur_name: str) -> StageTrace:
+                   top_n: int, lm: Model, amateur_name: str) -> StageTrace:
     """The 'contrast' panel: softmax of the scores over the plausible set, as a stage record."""
     probs = torch.softmax(scores[0], dim=-1)
     expert_p = expert_lp[0].exp()
@@ -225,7 +226,7 @@ def contrast_stage(scores: torch.Tensor, plausible: torch.Tensor, expert_lp: tor
 
 
 def contrast_record(index: int, chosen: int, scores: torch.Tensor, plausible: torch.Tensor, expert_lp: torch.Tensor,
-                    amateur_lp: torch.Tensor, alpha: float, top_n: int, lm: LoadedModel) -> ContrastStep:
+                    amateur_lp: torch.Tensor, alpha: float, top_n: int, lm: Model) -> ContrastStep:
     """The best-scoring plausible tokens, plus the expert's and the amateur's favourite."""
     count = int(plausible.sum())
     best = torch.topk(scores[0], min(top_n, count)).indices.tolist()
@@ -237,7 +238,7 @@ def contrast_record(index: int, chosen: int, scores: torch.Tensor, plausible: to
     return ContrastStep(index, alpha, count, threshold, chosen, candidates)
 
 
-def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
+def stream_contrast(expert: Model, amateur: Model, prompt_ids: Sequence[int], config: DecodingConfig,
                     amateur_name: str | None = None) -> Iterator[Event]:
     """Contrastive decoding, one Event (steps: [its StepTrace], record: its ContrastStep) per token.
     Both models keep their own KV cache and take one forward per token."""
@@ -272,8 +273,8 @@ def stream_contrast(expert: LoadedModel, amateur: LoadedModel, prompt_ids: Seque
 # --- entry points --------------------------------------------------------------------------------
 
 
-def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
-           registry: ModelRegistry | None = None, amateur: LoadedModel | None = None) -> Iterator[Event]:
+def stream(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
+           registry: ModelRegistry | None = None, amateur: Model | None = None) -> Iterator[Event]:
     """An Event per token for either strategy; the last holds the Trace (``extra[config.strategy]``:
     the per-step records; contrastive decoding, ``extra["amateur"]``: the amateur's name). The
     amateur loads through ``registry`` unless ``amateur`` is given. A step with nothing left to

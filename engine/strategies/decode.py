@@ -12,8 +12,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from engine import explore, sampling
+from engine.base.seam import Model
 from engine.backends import remote
-from engine.backends.local import LoadedModel
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.core import RunContext, RunState, assemble, checked, draw_at, pick, step_trace
@@ -22,7 +22,7 @@ from engine.base.strategy_spec import StrategySpec, register
 from engine.trace import Event, StageTrace, StepTrace, Trace
 
 
-def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *,
+def stream(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, *,
            prefix: Sequence[int] = (), force: int | None = None, cache: KVCache | None = None,
            resume: Sequence[StageTrace] | None = None) -> Iterator[StepTrace]:
     """Yield a StepTrace per generated token until EOS, a stop string or max_new_tokens.
@@ -43,7 +43,7 @@ def stream(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, *
         logits = cache.step([step.chosen_token_id])
 
 
-def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = False,
+def run(lm: Model, prompt: str, config: DecodingConfig, *, chat: bool = False,
         cache: KVCache | None = None) -> Trace:
     """Greedy or sampling run to completion."""
     prompt_ids = lm.encode(prompt, chat)
@@ -51,7 +51,7 @@ def run(lm: LoadedModel, prompt: str, config: DecodingConfig, *, chat: bool = Fa
     return assemble(lm, prompt, prompt_ids, config, steps, chat)
 
 
-def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, cache: KVCache | None = None) -> Iterator[StepTrace]:
+def branch(lm: Model, parent: Trace, at_step: int, token_id: int, *, cache: KVCache | None = None) -> Iterator[StepTrace]:
     """Continue ``parent`` from step ``at_step`` with ``token_id`` instead of what it chose.
     Yields the parent's steps before ``at_step`` unchanged, then the new ones."""
     if not 0 <= at_step < len(parent.steps):
@@ -65,7 +65,7 @@ def branch(lm: LoadedModel, parent: Trace, at_step: int, token_id: int, *, cache
 
 
 @torch.inference_mode()
-def whatif_step(lm: LoadedModel, trace: Trace, step: int, knobs: dict | None, logits: torch.Tensor) -> StepTrace:
+def whatif_step(lm: Model, trace: Trace, step: int, knobs: dict | None, logits: torch.Tensor) -> StepTrace:
     """Step ``step`` of ``trace`` re-processed under ``knobs`` (over the trace's config) from the
     step's raw ``logits`` [1, V]: the new chain's stages, and the token the new knobs would pick
     there with the run's own randomness. Greedy knobs: the argmax. Sampling knobs: where the run's

@@ -39,11 +39,11 @@ from typing import Iterator, Sequence
 import torch
 
 from engine import core, sampling
+from engine.base.seam import Model
 from engine.cache import KVCache
 from engine.config import DecodingConfig, Knob
 from engine.control import RunControl, RunStopped, check
 from engine.base.measures import MIN_PROB
-from engine.backends.local import LoadedModel
 from engine.chain import Chain
 from engine.core import RunContext
 from engine.base.strategy_spec import StrategySpec, register
@@ -123,7 +123,7 @@ def puct(child: MctsNode, parent_visits: int, c_puct: float) -> float:
 class _Search:
     """One position's tree. ``root_logits`` [1, V]: the model's logits after the root sequence."""
 
-    def __init__(self, lm: LoadedModel, cache: KVCache, chain: Chain, config: DecodingConfig,
+    def __init__(self, lm: Model, cache: KVCache, chain: Chain, config: DecodingConfig,
                  sequence: list[int], root_logits: torch.Tensor, remaining: int):
         self.lm, self.cache, self.chain, self.config = lm, cache, chain, config
         self.sequence, self.remaining = sequence, remaining
@@ -200,7 +200,7 @@ class _Search:
         return max(children, key=lambda ch: (ch.visits, ch.q, ch.prior))
 
 
-def raw_logprob(lm: LoadedModel, prompt_ids: Sequence[int], tokens: Sequence[int]) -> float:
+def raw_logprob(lm: Model, prompt_ids: Sequence[int], tokens: Sequence[int]) -> float:
     """Sum of the raw model's log-probs of ``tokens`` after ``prompt_ids``, by one uncached
     forward: the yardstick for comparing MCTS, greedy and beam outputs on one prompt."""
     if not tokens:
@@ -213,7 +213,7 @@ def raw_logprob(lm: LoadedModel, prompt_ids: Sequence[int], tokens: Sequence[int
 
 
 # --- the loop ---------------------------------------------------------------------------------
-def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig,
+def positions(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig,
               control: RunControl | None = None) -> Iterator[Event]:
     """Search, commit, repeat: yield an Event per committed token (steps: [its StepTrace], record:
     its MctsPosition, the search tree) until EOS, a stop string or max_new_tokens. ``control`` is checked once per simulation: stopped, it raises
@@ -253,7 +253,7 @@ def positions(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig
         logits = cache.step([chosen.token_id])
 
 
-def _step_trace(lm: LoadedModel, chain: Chain, config: DecodingConfig, sequence: list[int], logits: torch.Tensor,
+def _step_trace(lm: Model, chain: Chain, config: DecodingConfig, sequence: list[int], logits: torch.Tensor,
                 token: int, index: int, start: float) -> StepTrace:
     """The committed token's StepTrace: the root's stages, as a greedy step would record them."""
     ids = torch.tensor([sequence], dtype=torch.long, device=lm.device)
@@ -262,7 +262,7 @@ def _step_trace(lm: LoadedModel, chain: Chain, config: DecodingConfig, sequence:
     return core.step_trace(lm, traced, chosen, index, (time.perf_counter() - start) * 1000)
 
 
-def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
+def stream(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
            control: RunControl | None = None) -> Iterator[Event]:
     """One Event per committed token (steps: [its StepTrace]; record: its MctsPosition); the last
     Event holds the Trace with the trees under ``extra["mcts"]`` and search totals in ``summary``.

@@ -43,11 +43,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine import sampling
+from engine.base.seam import Model
 from engine.strategies import speculative
 from engine.config import ConfigError, DecodingConfig, Knob
 from engine.control import RunControl, check
 from engine.core import RunContext, check_prompt
-from engine.backends.local import LoadedModel
 from engine.chain import Traced
 from engine.strategies.speculative import DraftToken, ExtraToken, SpecRound
 from engine.base.strategy_spec import StrategySpec, register
@@ -137,7 +137,7 @@ def save_heads(heads: MedusaHeads, path: Path, meta: dict) -> str:
     return digest
 
 
-def load_heads(lm: LoadedModel, path: Path | None = None) -> MedusaHeads:
+def load_heads(lm: Model, path: Path | None = None) -> MedusaHeads:
     """The trained heads for ``lm`` (checksum verified), in the model's dtype and device."""
     path = path or heads_path(lm.name)
     if not path.is_file():
@@ -337,7 +337,7 @@ class _MedusaVerifier(speculative._Verifier):
     """speculative's verifier (same trace capture, bonus and emit code) with candidates from the
     heads, verified as a tree in one forward that also returns the final hidden states."""
 
-    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
+    def __init__(self, lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
                  shape: TreeShape = TREE):
         super().__init__(lm, prompt_ids, config, _HeadsName(heads_name(config, shape)), None)
         self.heads, self.shape = heads, shape
@@ -477,7 +477,7 @@ class _MedusaVerifier(speculative._Verifier):
         )
 
 
-def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
+def rounds(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
            control: RunControl | None = None, shape: TreeShape | None = None) -> Iterator[MedusaRound]:
     """Yield MedusaRounds until EOS, a stop string or max_new_tokens (``control`` checked per forward).
     ``shape``: default the config's tree (``shape_of``)."""
@@ -495,7 +495,7 @@ def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, h
         index += 1
 
 
-def assemble(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
+def assemble(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig,
              collected: Sequence[MedusaRound], chat: bool, shape: TreeShape = TREE) -> Trace:
     """The Trace: steps in ``steps``, rounds (without their steps) in ``rounds``, speculative's
     summary (``tokens_per_target_forward``...) plus the heads' per-head acceptance."""
@@ -516,7 +516,7 @@ def head_acceptance(collected: Sequence[SpecRound]) -> list[float]:
     return out
 
 
-def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
+def stream(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
            control: RunControl | None = None, heads: MedusaHeads | None = None,
            compare_baseline: bool = False, shape: TreeShape | None = None) -> Iterator[Event]:
     """One Event per round (steps: its tokens; record: the MedusaRound); the last holds the Trace.

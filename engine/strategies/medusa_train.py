@@ -42,8 +42,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.base.seam import Model
 from engine.strategies.medusa import ASSETS, MedusaHeads, head_logits, heads_path, save_heads, shortlist_logits
-from engine.backends.local import LoadedModel, ModelSpec, load_model
+from engine.backends.local import ModelSpec, load_model
 from engine.threads import set_threads
 
 PROMPTS = ASSETS / "medusa_prompts.txt"
@@ -79,7 +80,7 @@ def say(text: str) -> None:
 
 
 @torch.inference_mode()
-def generate_text(lm: LoadedModel, prompts: list[str],
+def generate_text(lm: Model, prompts: list[str],
                   settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Generate a greedy continuation per prompt; return the final hidden states [N, H] of the
     positions that chose a generated token, the tokens they chose [N] and the length of each
@@ -130,14 +131,14 @@ def _labels(generated: list[int], num_heads: int) -> torch.Tensor:
 CACHE_FILES = ("train.safetensors", "heldout.safetensors")
 
 
-def _cache_key(lm: LoadedModel, prompts: list[str], settings: Settings) -> dict[str, str]:
+def _cache_key(lm: Model, prompts: list[str], settings: Settings) -> dict[str, str]:
     """What the self-distilled text depends on (stored with it and checked when it is loaded)."""
     digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
     return {"base_model": lm.name, "tokens": str(settings.tokens), "holdout": str(settings.holdout),
             "prompts_sha256": digest}
 
 
-def cached_text(lm: LoadedModel, prompts: list[str], settings: Settings,
+def cached_text(lm: Model, prompts: list[str], settings: Settings,
                 cache: Path | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """The self-distilled (hidden, tokens, lengths) of the training and the held-out prompts:
     loaded from ``cache`` (a directory of safetensors files) when it holds them for the same
@@ -210,7 +211,7 @@ def teacher_logprobs(heads: MedusaHeads, lm_head: torch.nn.Module, hidden: torch
     return torch.cat(out)
 
 
-def train(lm: LoadedModel, heads: MedusaHeads, data: tuple[torch.Tensor, torch.Tensor], held: tuple[torch.Tensor, torch.Tensor],
+def train(lm: Model, heads: MedusaHeads, data: tuple[torch.Tensor, torch.Tensor], held: tuple[torch.Tensor, torch.Tensor],
           settings: Settings) -> list[float]:
     """AdamW on the per-head loss over the shortlist (head k weighted 0.8^k); prints progress and
     held-out accuracy. The loss mixes the cross-entropy against the hard label (weight 1 - soft)

@@ -27,7 +27,7 @@ from engine.strategies import beam as local_beam
 from engine.strategies.beam import BeamCandidate, BeamHypothesis, BeamStep, BeamTrace
 from engine.config import DecodingConfig
 from engine.core import check_prompt, checked
-from engine.backends.served import RemoteModel
+from engine.backends.served import RemoteLabel, RemoteModel
 from engine.base.strategy_spec import serve
 from engine.trace import Event
 
@@ -93,9 +93,8 @@ def stream(model: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: D
             break
     _finish(model, trace, completed, len(prompt_ids), config)
     out = local_beam.assemble(model, prompt, prompt_ids, config, trace, chat)
-    out.extra["remote"] = {"backend": model.backend, "url": model.url, "mode": "step", "top_n": top_n,
-                           "approximations": APPROXIMATIONS, "unmapped": [], "caveats": [],
-                           "requests": sum(len({c.parent for c in s.candidates}) for s in trace.steps)}
+    out.extra["remote"] = RemoteLabel(model.backend, model.url, "step", top_n, APPROXIMATIONS,
+                                      requests=sum(len({c.parent for c in s.candidates}) for s in trace.steps)).to_json()
     yield Event(trace=out)
 
 

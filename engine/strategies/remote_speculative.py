@@ -1,7 +1,7 @@
 """Speculative decoding on a remote target (issue #29): engine.strategies.speculative's own rounds (the same
-drafters, acceptance tests, residual draws and records), with the target's "cache" a
-``RemoteCache``: feeding K + 1 tokens returns the target's top-N at each of those positions from
-the server instead of a forward.
+drafters, acceptance tests, residual draws and records), with the target's cache its own
+(``RemoteModel.cache()``, an ``engine.backends.served.RemoteCache``): feeding K + 1 tokens returns the
+target's top-N at each of those positions from the server instead of a forward.
 
 - Scoring: vLLM scores the K drafts in ONE request (``prompt_logprobs``: each drafted token's
   log-probability is exact, in or out of the top-N); llama-server's endpoints have no prompt
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-import torch
-
 from engine.strategies import speculative
 from engine.config import DecodingConfig
 from engine.control import RunControl
 from engine.backends.registry import ModelRegistry
 from engine.backends.local import ModelSpec
-from engine.backends.served import RemoteModel, RemoteSpec, allowed_remote_models
-from engine.backends.remote import entries_logits, stream_step
+from engine.backends.served import RemoteLabel, RemoteModel, RemoteSpec, allowed_remote_models
+from engine.backends.remote import stream_step
 from engine.sampling import NoTokensLeft
 from engine.core import checked
 from engine.base.strategy_spec import serve
@@ -36,49 +34,6 @@ APPROXIMATIONS = [
     "the target's p and the draft's q are over the server's top-N, renormalised (as step mode): the residual "
     "normalise(max(0, p - q)) and the bonus token come from the top-N only",
 ]
-
-
-class RemoteCache:
-    """What engine.strategies.speculative asks of a KV cache (``tokens``, ``length``, ``forwards``, ``sync``,
-    ``step``, ``forward(ids, all_logits=True)``, ``rewind``), answered by a remote model: the tokens
-    are only remembered, every "forward" is the server's top-N at the positions fed."""
-
-    def __init__(self, model: RemoteModel):
-        self.model = model
-        self.tokens: list[int] = []
-        self.forwards = 0  # "forwards": scoring calls (each one request on vLLM, one per position on llama-server)
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def forward(self, input_ids: torch.Tensor, *, all_logits: bool = False) -> Any:
-        """Feed ``input_ids`` [1, T]; ``.logits`` [1, T, V] (the top-N after each fed position) with
-        ``all_logits``, else [1, 1, V]."""
-        start = len(self.tokens) + 1
-        self.tokens += input_ids[0].tolist()
-        positions = self.model.api.positions(self.tokens, start if all_logits else len(self.tokens), self.model.top_n)
-        self.forwards += 1
-        rows = torch.cat([entries_logits(self.model, top)[0] for top in positions])  # [T or 1, V]
-        return _Output(rows.unsqueeze(0))
-
-    def step(self, token_ids: Sequence[int]) -> torch.Tensor:
-        return self.forward(torch.tensor([list(token_ids)])).logits[:, -1, :]
-
-    def sync(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Hold ``token_ids``; the top-N after the last one [1, V]."""
-        self.tokens = list(token_ids[:-1])
-        return self.step(token_ids[-1:])
-
-    def rewind(self, n: int) -> None:
-        if n < 0 or n > self.length:
-            raise ValueError(f"rewind: n={n} must be in [0, {self.length}]")
-        del self.tokens[len(self.tokens) - n:]
-
-
-class _Output:
-    def __init__(self, logits: torch.Tensor):
-        self.logits = logits
 
 
 def drafter(target: RemoteModel, config: DecodingConfig, registry: ModelRegistry, environ: Any = None
@@ -99,7 +54,7 @@ def drafter(target: RemoteModel, config: DecodingConfig, registry: ModelRegistry
     draft = registry.get(ModelSpec(str(spec), "none"), key="drafter").with_mode("step", target.top_n)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"drafter: {name} has {draft.vocab_size} tokens, the target {target.vocab_size}")
-    return speculative.ModelDrafter(draft, str(spec), RemoteCache(draft))  # type: ignore[arg-type]
+    return speculative.ModelDrafter(draft, str(spec), draft.cache())
 
 
 def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *,
@@ -110,7 +65,7 @@ def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: 
     target alone in step mode, one request per token (summary ``baseline_ms``, ``speedup``),
     checking ``control`` per token."""
     draft = drafter(target, config, registry or ModelRegistry())
-    cache = RemoteCache(target)
+    cache = target.cache()
     collected, ended = [], False
     try:
         for spec_round in speculative.rounds(target, prompt_ids, config, draft, cache=cache):  # type: ignore[arg-type]
@@ -121,11 +76,11 @@ def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: 
     trace = speculative.assemble(target, prompt, prompt_ids, config, collected, draft, chat)  # type: ignore[arg-type]
     if ended:
         trace.end_with_no_tokens_left()
-    scoring = "prompt_logprobs (one request per round)" if getattr(target.api, "dialect", "") == "vllm" \
+    scoring = "prompt_logprobs (one request per round)" if target.capabilities.prompt_logprobs \
         else "one request per position"
-    trace.extra["remote"] = {"backend": target.backend, "url": target.url, "mode": "step", "top_n": target.top_n,
-                             "approximations": APPROXIMATIONS + [f"the target scores the drafts by {scoring}"],
-                             "unmapped": [], "caveats": [], "scoring_calls": cache.forwards}
+    trace.extra["remote"] = RemoteLabel(target.backend, target.url, "step", target.top_n,
+                                        APPROXIMATIONS + [f"the target scores the drafts by {scoring}"],
+                                        scoring_calls=cache.forwards).to_json()
     if compare_baseline:
         stepper = target.with_mode("step")
         trace.summary |= speculative.compare_with_baseline(

@@ -40,7 +40,6 @@ from engine.config import KNOBS, ConfigError, DecodingConfig, Knob, check_drafte
 from engine.control import RunControl, check
 from engine.cache.kv_quant import SELF_KV_DRAFTERS
 from engine.base.measures import common_prefix
-from engine.backends.local import LoadedModel
 from engine.base.seam import Model
 from engine.backends.registry import SELF_VARIANTS, ModelRegistry, resolve_variant
 from engine.chain import Chain, Traced
@@ -220,7 +219,7 @@ class ModelDrafter:
     """A draft model with its own KV cache. It drafts autoregressively with the target's stage
     chain (greedy argmax, or a seeded sample from q)."""
 
-    def __init__(self, lm: LoadedModel, name: str | None = None, cache: KVCache | None = None):
+    def __init__(self, lm: Model, name: str | None = None, cache: KVCache | None = None):
         self.lm = lm
         self.name = name or lm.name
         self.cache = cache or KVCache(lm.model)
@@ -250,7 +249,7 @@ class ModelDrafter:
         self.cache.rewind(self.cache.length - common_prefix(self.cache.tokens, sequence))
 
 
-def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistry) -> Drafter:
+def make_drafter(lm: Model, config: DecodingConfig, registry: ModelRegistry) -> Drafter:
     """The drafter named by ``config.drafter`` (loads draft models through the registry)."""
     if config.drafter == "ngram":
         return NgramDrafter(config.ngram_size)
@@ -270,7 +269,7 @@ def make_drafter(lm: LoadedModel, config: DecodingConfig, registry: ModelRegistr
 class _Verifier:
     """Runs rounds for one prompt: holds the target cache, the sequence and the stage chain."""
 
-    def __init__(self, lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter,
+    def __init__(self, lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter,
                  cache: KVCache | None):
         self.lm, self.config, self.drafter = lm, config, drafter
         self.cache = cache or KVCache(lm.model)
@@ -401,7 +400,7 @@ def next_k(k: int, num_drafted: int, num_accepted: int) -> int:
     return k
 
 
-def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter, *,
+def rounds(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter, *,
            cache: KVCache | None = None) -> Iterator[SpecRound]:
     """Yield one SpecRound per draft-then-verify round until EOS, a stop string or max_new_tokens."""
     core.check_prompt(prompt_ids)
@@ -419,7 +418,7 @@ def rounds(lm: LoadedModel, prompt_ids: Sequence[int], config: DecodingConfig, d
         index += 1
 
 
-def stream(lm: LoadedModel, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
+def stream(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingConfig, *, chat: bool = False,
            registry: ModelRegistry | None = None, drafter: Drafter | None = None, control: RunControl | None = None,
            compare_baseline: bool = False) -> Iterator[Event]:
     """One Event per round (steps: its tokens; record: the SpecRound); the last holds the Trace
@@ -487,7 +486,7 @@ def baseline_config(config: DecodingConfig) -> DecodingConfig:
     return config.replace(strategy="greedy" if config.is_greedy else "sample")
 
 
-def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, trace: Trace, chat: bool,
+def compare_with_baseline(lm: Model, prompt: str, config: DecodingConfig, trace: Trace, chat: bool,
                           control: RunControl | None = None, *,
                           steps: Callable[[list[int], DecodingConfig], Iterator[StepTrace]] | None = None) -> dict:
     """Time a target-only run of the same knobs (checking ``control`` per step). ``steps``: the
@@ -524,7 +523,7 @@ def compare_with_baseline(lm: LoadedModel, prompt: str, config: DecodingConfig, 
     }
 
 
-def first_difference(lm: LoadedModel, prompt_ids: Sequence[int], got: Sequence[int], expected: Sequence[int]) -> dict:
+def first_difference(lm: Model, prompt_ids: Sequence[int], got: Sequence[int], expected: Sequence[int]) -> dict:
     """Where a greedy run (``got``) first leaves target-only greedy (``expected``), and whether the
     target's logits of the two tokens there lie within two rounding steps of the model's dtype (an
     uncached recompute of the shared prefix): ``baseline_first_difference`` (None: equal) and

@@ -25,9 +25,9 @@ import gradio as gr
 import torch
 
 from engine import explore, runner
+from engine.base.seam import Model
 from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl
-from engine.backends.local import LoadedModel
 from engine.trace import Event, StageTrace, Trace, to_dict
 
 from .. import ids
@@ -40,7 +40,7 @@ WHATIF_INTRO = ("*What if:* select a step, then move any knob on the left: the c
                 "knobs, without generating again.")
 
 
-def continue_events(shared: Shared, lm: LoadedModel, parent: Trace, at: int, config: DecodingConfig,
+def continue_events(shared: Shared, lm: Model, parent: Trace, at: int, config: DecodingConfig,
                     control: RunControl) -> Iterator[Event]:
     """``parent``'s steps before ``at`` unchanged, then steps ``at``... generated under ``config``:
     the runner's own continuation (``runner.branch`` with no forced token, the app's batched

@@ -16,10 +16,10 @@ from typing import Any, Iterator
 
 import gradio as gr
 
+from engine.base.seam import Model
 from engine.strategies import beam, remote_beam
 from engine.config import KNOBS, DecodingConfig
 from engine.control import RunControl
-from engine.backends.local import LoadedModel
 from engine.trace import Trace
 from playground.charts import beam as charts
 from playground.charts.remote import remote_markdown
@@ -110,7 +110,7 @@ def _score_length(search: Trace | None, greedy: Trace) -> int | None:
     return remote_beam.sequence_length(len(search.prompt_token_ids), greedy.generated_token_ids, eos)
 
 
-def _partial(lm: LoadedModel, config: DecodingConfig, steps: list[beam.BeamStep]) -> beam.BeamTrace:
+def _partial(lm: Model, config: DecodingConfig, steps: list[beam.BeamStep]) -> beam.BeamTrace:
     """A BeamTrace shell for the steps so far (no hypotheses yet)."""
     return beam.BeamTrace(config.num_beams, config.num_beam_groups, config.length_penalty, config.early_stopping,
                           beam.candidates_per_step(lm, config), steps=list(steps))
@@ -120,7 +120,7 @@ def _partial(lm: LoadedModel, config: DecodingConfig, steps: list[beam.BeamStep]
 class BeamRequest:
     """One validated search: what to run and how to draw it."""
 
-    lm: LoadedModel
+    lm: Model
     prompt: str
     prompt_ids: list[int]
     config: DecodingConfig

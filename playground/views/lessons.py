@@ -385,9 +385,9 @@ class LessonsTab:
         session = updates[self.session]
         yield updates
         kind = (lesson.check or {}).get("kind")
-        if lm.capabilities.served and kind in engine_lessons.NEEDS_MODEL:
-            yield {self.status: status_html(f"done; lesson check: not available for a served model "
-                                            f"({engine_lessons.NEEDS_MODEL[kind]})")}
+        lacking = engine_lessons.check_unavailable(kind, lm.capabilities)
+        if lacking is not None:
+            yield {self.status: status_html(f"done; lesson check: not available for a served model ({lacking})")}
             return
         yield from wait_for_checkpoints(kind, control, self.status)
         registry = CheckedRegistry(self.shared.registry, self.shared.policy)

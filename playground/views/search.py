@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
+from engine.base.seam import Model
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.strategies.mcts import NOT_COMMITTED, MctsPosition, interrupted_of, positions_of, raw_logprob
 from engine.strategies.medusa import MedusaRound, rounds_of
-from engine.backends.local import LoadedModel
 from engine.numbers import percent
 from engine.trace import Trace
 from playground.charts import mcts as mcts_charts
@@ -92,7 +92,7 @@ def tree_updates(out: MctsOutputs, session: MctsSession | None, index: Any) -> d
     return {out.tree: mcts_charts.tree_figure(chosen), out.visits: visit_rows(chosen)}
 
 
-def quality_rows(lm: LoadedModel, prompt_ids: list[int], traces: dict[str, Trace]) -> list[tuple[str, float, int, str]]:
+def quality_rows(lm: Model, prompt_ids: list[int], traces: dict[str, Trace]) -> list[tuple[str, float, int, str]]:
     """(strategy, total raw log-prob, tokens, text) per trace, scored by one uncached forward each."""
     return [(name, raw_logprob(lm, prompt_ids, t.generated_token_ids), len(t.generated_token_ids), t.text)
             for name, t in traces.items()]
@@ -118,14 +118,14 @@ def mcts_render(out: MctsOutputs, session: MctsSession, status: str) -> dict:
 class RunRequest:
     """One validated run."""
 
-    lm: LoadedModel
+    lm: Model
     prompt: str
     prompt_ids: list[int]
     config: DecodingConfig
     chat: bool
 
 
-def progress_updates(out: MctsOutputs, lm: LoadedModel, session: MctsSession, max_new_tokens: int) -> dict:
+def progress_updates(out: MctsOutputs, lm: Model, session: MctsSession, max_new_tokens: int) -> dict:
     """While searching: the text so far, the picker and the last tree (what Stop leaves on the page)."""
     last = session.positions[-1].index
     return tree_updates(out, session, None) | {
@@ -331,7 +331,7 @@ def round_updates(out: MedusaOutputs, session: MedusaSession | None, index: Any)
     return {out.round_tree: medusa_charts.round_figure(session.rounds[i], first)}
 
 
-def first_tokens(lm: LoadedModel, trace: Trace, rounds: list[MedusaRound]) -> list[str]:
+def first_tokens(lm: Model, trace: Trace, rounds: list[MedusaRound]) -> list[str]:
     """The token each round fed first: the last one emitted before it (the prompt's last token for round 0)."""
     tokens = [s.chosen_token for s in trace.steps]
     prompt_last = lm.token_text(trace.prompt_token_ids[-1])

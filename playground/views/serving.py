@@ -102,7 +102,7 @@ def room_summary(shared: Shared, model: Any, quantization: Any, window_s: float)
     lm = shared.loaded_lm(model, quantization)
     if lm is None:
         return None, f"{model}: not loaded yet: no run has used it since the server started"
-    if lm.capabilities.served:  # its server batches the requests, not our scheduler
+    if not lm.capabilities.scheduled:  # its server batches the requests, not our scheduler
         return None, f"{model}: a served model; its server batches the requests (see 'A served vLLM' below)"
     return summarise(shared.scheduler_for(lm).serving.snapshot(window_s)), None
 
@@ -152,7 +152,7 @@ def one_at_a_time(busy: threading.Lock, title: str) -> Iterator[None]:
 def local_model(shared: Shared, model: Any, quantization: Any, title: str) -> Any:
     """The header's model, loaded here (a served one is refused: these run on our scheduler)."""
     lm = shared.lm(model, quantization)
-    if lm.capabilities.served:  # the demonstrations run on our scheduler
+    if not lm.capabilities.scheduled:  # the demonstrations run on our scheduler
         raise UserError(f"{title}: runs on our scheduler; {str(model)[:80]} is a served model (see its own "
                         "demonstrations below)")
     return lm
@@ -171,7 +171,7 @@ def demo_updates(out: ResultOutputs, shared: Shared, busy: threading.Lock, name:
     lm = local_model(shared, model, quantization, title)
     with one_at_a_time(busy, title):
         yield {out.status: status_html(f"{title}: running on {lm.name}…"), out.text: "", out.plot: None}
-        result = run(lm, control)
+        result = run(lm, control, runs=RUNS)
     yield {out.status: status_html(f"{title}: done at {utc(result.at)}"), out.text: DEMO_HTML[name](result),
            out.plot: DEMO_FIGURE[name](result)}
 

@@ -15,9 +15,9 @@ from typing import Any, Iterator
 
 import gradio as gr
 
+from engine.base.seam import Model
 from engine.config import DecodingConfig
 from engine.control import RunControl
-from engine.backends.local import LoadedModel
 from engine.strategies.speculative import SpecRound, rounds_of
 from engine.trace import Trace
 from playground.charts import speculative as charts
@@ -126,7 +126,7 @@ def render(out: Outputs, session: SpecSession, status: str | None = None, full: 
 class SpecRequest:
     """One validated run: what to run and whether to time a target-only baseline too."""
 
-    lm: LoadedModel
+    lm: Model
     prompt: str
     prompt_ids: list[int]
     config: DecodingConfig

@@ -22,11 +22,11 @@ from typing import Any, Iterator, Sequence
 
 import gradio as gr
 
+from engine.base.seam import Model
 from engine.reports import lessons as engine_lessons
 from engine.reports.lessons import Lesson
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
-from engine.backends.local import LoadedModel
 from engine.backends.registry import is_remote_source
 from engine import runner
 from engine.trace import Trace
@@ -131,7 +131,7 @@ class StepView(PanelView):
 class StepRequest:
     """One validated run of the view: what to run and how to draw it."""
 
-    lm: LoadedModel
+    lm: Model
     prompt: str
     prompt_ids: list[int]
     config: DecodingConfig

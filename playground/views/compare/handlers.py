@@ -27,8 +27,8 @@ from ...user_presets import CUSTOM, lane_configs, preset_choices
 from ...stale import cleared
 from .lanes import (
     DONE, FAILED, LANE_FIELDS, MAX_LANES, RUN_KNOBS, RUNNING, STOPPED, WAITING, CompareSession, LaneSpec, add_lane,
-    default_spec, duplicate_lane, lane_config, lane_name, remove_lane, served_words, spec_from_config, spec_from_preset,
-    sweep_seeds,
+    default_spec, duplicate_lane, lane_config, lane_name, lane_served_words, remove_lane, spec_from_config,
+    spec_from_preset, sweep_seeds,
 )
 from .layout import LaneWidgets, Page, summary_of
 from .run import lane_models, run_lanes, run_sweep
@@ -249,7 +249,7 @@ def run_all(shared: Shared, page: Page, prompt: str, chat: bool, model: str, qua
     models = lane_models(shared, list(zip(names, picks)), model, quant, prompt, chat)
     session = CompareSession([None] * count, [""] * count, configs[0].max_new_tokens,
                              [c.max_new_tokens for c in configs], [RUNNING] * count,
-                             served=[served_words(m.lm.name, m.lm.mode) if m.lm.capabilities.served else "" for m in models])
+                             served=[lane_served_words(m.lm) for m in models])
     raw = kind == RAW_ENTROPY
     note = status_html(f"running {count} lanes at once…")
     # The previous run's divergence, table, chart and inspected step go at once (a Stop keeps only this run's).

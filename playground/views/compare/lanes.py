@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from engine.base.seam import Model
 from engine.config import KNOBS, ConfigError, DecodingConfig, check_knob
 from engine.reports.metrics import first_divergence
 from engine.trace import Trace
@@ -163,6 +164,14 @@ def sweep_seeds(seed: int, count: Any) -> list[int]:
 def served_words(model: str, mode: str) -> str:
     """A served lane's model and mode in words, as its status line ends."""
     return f"on {model}" + (" (fast mode: its own sampler)" if mode == "fast" else "")
+
+
+def lane_served_words(lm: Model) -> str:
+    """Where a lane's model runs, in words: "" on our own engine, else its server (and its mode: fast
+    when the server's sampler picks)."""
+    if lm.capabilities.in_process:
+        return ""
+    return served_words(lm.name, "step" if lm.capabilities.our_chain else "fast")
 
 
 # A lane's phase in a run: each lane's status line is drawn from its own phase, never from which

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from engine import runner
+from engine.base.seam import Model
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped, run_under
 from engine.backends.client import RemoteError
-from engine.backends.local import LoadedModel
 from engine.trace import Event, StepTrace, Trace
 
 from ...events import error_message
@@ -109,7 +109,7 @@ class LaneModel:
     """The model a lane runs on and the prompt's ids under its tokenizer (lanes may differ: our
     engine in one, a llama.cpp server the operator lists in another)."""
 
-    lm: LoadedModel
+    lm: Model
     prompt_ids: list[int]
 
 
@@ -209,7 +209,7 @@ def record(session: CompareSession, runs: Sequence[LaneRun], drawn: dict[int, in
             session.phases[i] = RUNNING
 
 
-def run_sweep(shared: Shared, lm: LoadedModel, prompt: str, prompt_ids: list[int], config: DecodingConfig,
+def run_sweep(shared: Shared, lm: Model, prompt: str, prompt_ids: list[int], config: DecodingConfig,
               seeds: Sequence[int], chat: bool, control: RunControl) -> Iterator[list[Trace]]:
     """One lane over several seeds, all at once; yields the finished traces (in seed order) as runs
     end. A failed run raises its error; a Stop or the time limit raises RunStopped at once."""
