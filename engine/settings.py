@@ -108,6 +108,10 @@ SETTINGS = (
             "twice what the last request kept, at most 8); 0: one request per token", minimum=0),
     Setting("DP_QUEUE_SIZE", "int", 64, "requests waiting in Gradio's queue", shown="64 (100 in public mode)",
             minimum=1),
+    Setting("DP_MODEL_MEMORY_MB", "int", 0, "megabytes (10^6 bytes) the loaded models may keep together: the page's "
+            "models, their quantized variants, drafters and amateurs, and a report's variants while it runs (it releases "
+            "them); past it the least recently used model is evicted, and a load that cannot fit is refused in one line "
+            "(0: no limit)", shown="0: no limit (6000 in public mode)", minimum=0),
     Setting("DP_SESSIONS", "int", 500, "browser/API sessions whose state the server keeps", minimum=1),
     Setting("DP_RUNS_PER_SESSION", "int", 3, "model requests one page or API client may have in flight",
             minimum=1),

@@ -50,6 +50,12 @@ class OneModelRegistry:
     def loaded(self):
         return [ModelSpec("tiny", "none")]
 
+    def lend(self, spec: ModelSpec, use, *, key="model"):
+        return use(self.get(spec))
+
+    def check_room(self, need: int, what: str, key: str = "model") -> None:
+        """No memory budget here."""
+
 
 def test_stream_drift_yields_reference_first_then_each_variant_and_records_failures(tiny_lm):
     reports = [

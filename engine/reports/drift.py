@@ -28,6 +28,7 @@ far as it got, with ``stopped`` saying why; stopped before that, ``RunStopped`` 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -43,7 +44,7 @@ from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped, check
 from engine.core import StopCheck, check_prompt, timing
 from engine.reports.metrics import first_divergence
-from engine.reports.quant_report import heldout_perplexity
+from engine.reports.quant_report import check_room, heldout_perplexity
 from engine.strategies import decode
 from engine.trace import StepTrace
 
@@ -181,14 +182,17 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
     """Yield the report after the reference run, then again as each variant finishes (the same
     object each time, growing).
 
-    ``registry``: a ModelRegistry (``get(spec)``, ``loaded()``). A variant that cannot be loaded
-    (e.g. bitsandbytes missing) is recorded in ``errors``; the reference failing raises.
+    ``registry``: a ModelRegistry (``get(spec)``, ``loaded()``, ``lend``, ``check_room``). A variant that
+    cannot be loaded (e.g. bitsandbytes missing) is recorded in ``errors``; the reference failing raises.
+    Each variant is lent for its measure and released after it (one in memory beside the reference);
+    a report whose largest variant would not fit the memory budget is refused before the reference run.
     ``control`` is checked before every forward and every load: once it stops the run, the report
     is yielded a last time with ``stopped`` set (RunStopped is raised if the reference run was cut)."""
     requested = normalise_variants(variants)
     config = greedy_config(max_new_tokens)
     check(control)
     ref_lm = registry.get(ModelSpec(source, REFERENCE))
+    check_room(registry, ref_lm, [q for q in requested if q != REFERENCE], "the drift report")
     prompt_ids = ref_lm.encode(prompt, chat)
     reference = list(checked_stream(ref_lm, prompt_ids, config, None, control))
     ref_ids = [s.chosen_token_id for s in reference]
@@ -200,20 +204,23 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
         requested=requested,
     )
     yield report
+
+    def measured(lm: WeightedModel, quantization: str, was_loaded: bool) -> VariantDrift:
+        own = reference if quantization == REFERENCE else list(checked_stream(lm, prompt_ids, config, None, control))
+        check(control)  # before the variant's teacher-forced forward
+        return measure_variant(ref_lm, lm, prompt_ids, reference, ref_logits, own, was_loaded)
+
     try:
         for quantization in requested:
             check(control)
             spec = ModelSpec(source, quantization)
             was_loaded = spec in registry.loaded()
-            try:
-                lm = registry.get(spec)
+            try:  # lent for its measure and released after it (a variant the registry keeps stays kept)
+                row = registry.lend(spec, functools.partial(measured, quantization=quantization, was_loaded=was_loaded))
             except ModelLoadError as exc:
                 report.errors[quantization] = str(exc)
-                yield report
-                continue
-            own = reference if quantization == REFERENCE else list(checked_stream(lm, prompt_ids, config, None, control))
-            check(control)  # before the variant's teacher-forced forward
-            report.variants.append(measure_variant(ref_lm, lm, prompt_ids, reference, ref_logits, own, was_loaded))
+            else:
+                report.variants.append(row)
             yield report
     except RunStopped as exc:
         report.stopped = str(exc)

@@ -17,6 +17,7 @@ weight; the report sets s beside the mean |activation| of each input channel on 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from engine.base.seam import Model, WeightedModel
 from engine.backends.local import QUANTIZATIONS, ModelLoadError, ModelSpec, embedded_model_dir
 from engine.backends.quant_methods import CALIBRATION_SETS, HELDOUT, RECIPE, WEIGHT_METHODS, checkpoint_meta
+from engine.backends.registry import estimated_bytes, model_bytes
 from engine.control import RunControl, RunStopped, check
 
 HELDOUT_TOKENS = 1024
@@ -157,18 +159,31 @@ def _cached(key: tuple[str, str, str]) -> HeldoutScore | None:
         return _SCORES.get(key)
 
 
+def check_room(registry: Any, ref: Model, variants: Sequence[str], what: str) -> None:
+    """Refuse (ModelLoadError, one line naming the budget) a report whose float model and largest
+    variant, loaded one at a time beside it, would pass the registry's memory budget."""
+    if variants:
+        largest = max(estimated_bytes(ref, v) for v in variants)
+        registry.check_room(model_bytes(ref) + largest, what, key="variants")
+
+
 def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None = None, *,
                       control: RunControl | None = None) -> Iterator[MethodComparison]:
     """Yield the comparison after the float model, then as each variant is measured (the same
     object, growing). A variant that cannot be loaded goes to ``errors`` (one line). A variant
-    measured before in this process is not measured again (``_SCORES``)."""
+    measured before in this process is not measured again (``_SCORES``). Each variant is lent by the
+    registry for its measure and released after it: at most one is in memory beside the float model,
+    and a comparison whose largest variant would not fit the memory budget is refused first."""
     requested = normalise(variants)
     check(control)
     ref = registry.get(ModelSpec(source, "none"))
+    check_room(registry, ref, [v for v in requested[1:] if _cached(_score_key(source, v)) is None],
+               "the methods' comparison")
     ids = heldout_ids(ref)
     reference: list[torch.Tensor] = []  # the float model's logits, computed when a variant needs them
 
     def measured(lm: WeightedModel, variant: str, key: tuple[str, str, str]) -> HeldoutScore:
+        check(control)
         if not reference:
             reference.append(next_token_logits(ref, ids))
         row = measure(reference[0], lm, ids, variant)
@@ -182,14 +197,13 @@ def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None
         for variant in requested[1:]:
             check(control)
             key = _score_key(source, variant)
-            cached = _cached(key)
             try:
-                lm = None if cached else registry.get(ModelSpec(source, variant))
+                row = _cached(key) or registry.lend(ModelSpec(source, variant),
+                                                    functools.partial(measured, variant=variant, key=key))
             except ModelLoadError as exc:
                 report.errors[variant] = str(exc)
             else:
-                check(control)
-                report.rows.append(cached or measured(lm, variant, key))
+                report.rows.append(row)
             yield report
     except RunStopped as exc:
         report.stopped = str(exc)
@@ -287,19 +301,24 @@ def inside_layer(registry: Any, source: str, layer: int = 15, module: str = "q_p
         raise ValueError(f"layer: expected a whole number in [0, {layers - 1}], got {layer!r}")
     sub, norm = LAYER_MODULES[module]
     path, norm_path = f"model.layers.{layer}.{sub}", f"model.layers.{layer}.{norm}"
+    names = [f"{m}-g{group_size}" for m in INSIDE_METHODS]
+    check_room(registry, ref, names, "the inside-one-layer report")
     check(control)
     x = layer_inputs(ref, path, heldout_ids(ref))
     activations = torch.cat([layer_inputs(ref, path, ids) for ids in calibration_ids(ref)]).abs().mean(0)
     w = ref.model.get_submodule(path).weight.float()
-    names = [f"{m}-g{group_size}" for m in INSIDE_METHODS]
     weight_error, output_error, scales = {}, {}, None
-    for method, name in zip(INSIDE_METHODS, names):
-        check(control)
-        lm = registry.get(ModelSpec(source, name))
+
+    def errors(lm: Model, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per-channel errors (and AWQ's scales) of one variant: new tensors, none of them the variant's."""
         we, oe = channel_errors(w, effective_weight(ref, lm, path, norm_path, method), x)
+        return we, oe, awq_scales(ref, lm, norm_path) if method == "awq" else None
+
+    for method, name in zip(INSIDE_METHODS, names):
+        check(control)  # each variant is lent for its errors and released: one in memory at a time
+        we, oe, found = registry.lend(ModelSpec(source, name), functools.partial(errors, method=method))
         weight_error[name], output_error[name] = we.tolist(), oe.tolist()
-        if method == "awq":
-            scales = awq_scales(ref, lm, norm_path)
+        scales = found if found is not None else scales
     return InsideLayer(layer, module, group_size, names, weight_error, output_error,
                        {k: sum(v) / len(v) for k, v in weight_error.items()},
                        {k: sum(v) / len(v) for k, v in output_error.items()},
