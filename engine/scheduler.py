@@ -74,6 +74,10 @@ from engine.trace import StageTrace, StepTrace
 DEFAULT_MAX_BATCH_CPU = 16
 DEFAULT_MAX_BATCH_GPU = 32
 DEFAULT_MAX_QUEUE = 256
+# Rows the app's schedulers (``Schedulers``) keep for a presenter's runs (``RunControl.priority``,
+# issue #52): the room's runs fill at most max_batch - PRESENTER_ROWS rows, so a presenter's run
+# joins at the next tick however full the room (none kept on a scheduler of one row).
+PRESENTER_ROWS = 1
 DEFAULT_PREFILL_CHUNK = 256
 # Joiners prefilled together share a common prompt prefix's forward once it is this long (shorter
 # ones cost less than the extra forward that feeding the prefix alone takes).
@@ -231,13 +235,18 @@ def distinct_sequences(runs: list[_Run]) -> tuple[list[_Run], list[int]]:
     return fed, rows
 
 
+def _priority(run: _Run) -> bool:
+    """Whether ``run`` is a presenter's (its control says so): it goes first and may take a kept row."""
+    return run.control is not None and run.control.priority
+
+
 # --- the scheduler ---------------------------------------------------------------------------------------
 class Scheduler:
     """Steps many runs of one model in one batched forward per tick. Thread-safe: any number of
     handler threads may call ``stream`` at once. Holds its model only weakly."""
 
     def __init__(self, lm: Model, *, max_batch: int | None = None, max_queue: int | None = None,
-                 prefill_chunk: int | None = None, share_prefix: bool = True):
+                 prefill_chunk: int | None = None, share_prefix: bool = True, presenter_rows: int = 0):
         self._model = weakref.ref(lm)
         self.device = lm.device
         self.max_batch = max_batch if max_batch is not None else default_max_batch(lm.device)
@@ -246,9 +255,11 @@ class Scheduler:
         self.share_prefix = share_prefix  # joiners' common prompt prefix fed once (``_feed``)
         if not batchable(lm):
             self.max_batch = 1
-        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_chunk < 0:
-            raise ValueError(f"scheduler: max_batch must be >= 1, max_queue and prefill_chunk >= 0, got "
-                             f"{self.max_batch}, {self.max_queue}, {self.prefill_chunk}")
+        # rows kept for a presenter's runs (PRESENTER_ROWS on the app's schedulers; a private one keeps none)
+        self.presenter_rows = min(presenter_rows, self.max_batch - 1)
+        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_chunk < 0 or presenter_rows < 0:
+            raise ValueError(f"scheduler: max_batch must be >= 1, max_queue, prefill_chunk and presenter_rows >= 0, "
+                             f"got {self.max_batch}, {self.max_queue}, {self.prefill_chunk}, {presenter_rows}")
         self.serving = ServingStats(bytes_per_position(lm))  # every tick and ended run, for the Serving view
         self._lock = threading.Lock()
         self._waiting: list[_Run] = []
@@ -309,11 +320,15 @@ class Scheduler:
         with self._lock:
             if self._closing:
                 raise RuntimeError("scheduler: the server is shutting down")
-            if self._active + len(self._waiting) >= self.max_batch + self.max_queue:
+            if not _priority(run) and self._active + len(self._waiting) >= self.max_batch + self.max_queue:
                 raise SchedulerFull(
                     f"scheduler: the queue is full ({len(self._waiting)} runs waiting, {self._active} running, "
                     f"limit DP_MAX_QUEUE={self.max_queue}); try again in a moment")
-            self._waiting.append(run)
+            if _priority(run):  # a presenter's run goes before the room's, after earlier presenters'
+                place = next((i for i, r in enumerate(self._waiting) if not _priority(r)), len(self._waiting))
+                self._waiting.insert(place, run)
+            else:
+                self._waiting.append(run)
             if self._worker is None and not self._held:
                 self._start_worker()
 
@@ -352,7 +367,7 @@ class Scheduler:
                 with self._lock:
                     self._waiting = [run for run in self._waiting if self._still_wanted(run)]  # cancelled in line
                     free = self.max_batch - len(self._batch.runs) - len(self._chunking)
-                    joiners, self._waiting = self._waiting[:free], self._waiting[free:]
+                    joiners = self._admit(free)
                     if self._closing:
                         self._fail(self._batch.runs + self._chunking + joiners + self._waiting,
                                    RuntimeError("scheduler: the server is shutting down"))
@@ -463,8 +478,21 @@ class Scheduler:
             if self._closing:
                 return []
             free = max(self.max_batch - len(self._batch.runs) - len(self._chunking), 0)
-            joiners, self._waiting = self._waiting[:free], self._waiting[free:]
-            return joiners
+            return self._admit(free)
+
+    def _admit(self, free: int) -> list[_Run]:
+        """Take the waiting runs that get one of ``free`` rows (the lock held by the caller), in line
+        order: a presenter's run any free row, the room's only rows outside the ``presenter_rows`` kept."""
+        room = self.max_batch - self.presenter_rows - sum(not _priority(r) for r in self._batch.runs + self._chunking)
+        joiners, left = [], []
+        for run in self._waiting:
+            if len(joiners) < free and (_priority(run) or room > 0):
+                joiners.append(run)
+                room -= not _priority(run)
+            else:
+                left.append(run)
+        self._waiting = left
+        return joiners
 
     def _step(self, runs: list[_Run], logits: torch.Tensor) -> None:
         """Each run's own step on its row of ``logits`` [R, V] (``core.advance_rows``: the batched
@@ -577,11 +605,11 @@ class Schedulers:
         self._of: dict[int, Scheduler] = {}
 
     def get(self, lm: Model) -> Scheduler:
-        """The scheduler of ``lm``, created on first use (thread-safe)."""
+        """The scheduler of ``lm``, created on first use (thread-safe), with PRESENTER_ROWS kept."""
         with self._lock:
             scheduler = self._of.get(id(lm))
             if scheduler is None or scheduler._model() is not lm:
-                scheduler = Scheduler(lm)
+                scheduler = Scheduler(lm, presenter_rows=PRESENTER_ROWS)
                 self._of[id(lm)] = scheduler
                 weakref.finalize(lm, self._forget, id(lm), scheduler)
             return scheduler
