@@ -125,3 +125,22 @@ def test_the_view_handlers_run_and_stop(shared, tiny_lm):
     with pytest.raises(UserError, match="^generate a run first$"):
         list(handlers.on_lens(None, 0, "embedded", "none", control=RunControl()))
 
+
+
+def test_step_through_draws_varentropy_and_marks_hesitations(trace):
+    """The Step view's run chart: the final varentropy beside entropy and surprisal, and a star on
+    each hesitation step (raw H and V above their thresholds), which its dropdown lists."""
+    from engine.trace import Trace
+    from playground.charts import step as step_charts
+    from playground.views.step import hesitation_choices
+
+    run = Trace.from_dict(trace)
+    for s in run.steps:  # every other step made to hesitate (the random model's own hesitate everywhere)
+        s.raw_entropy, s.raw_varentropy = (4.0, 7.0) if s.index % 2 == 0 else (4.0, 1.0)
+    fig = step_charts.run_chart(run.steps, selected=0)
+    names = [t.name for t in fig.data]
+    varentropy = fig.data[names.index("varentropy (nats²)")]
+    assert list(varentropy.y) == [s.varentropy for s in run.steps]
+    stars = next(t for t in fig.data if (t.name or "").startswith("hesitation"))
+    assert list(stars.x) == step_charts.hesitation_steps(run.steps) == list(range(0, len(run.steps), 2))
+    assert [i for _, i in hesitation_choices(run)] == list(stars.x)

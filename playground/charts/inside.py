@@ -27,6 +27,8 @@ RANK_COLOURS = {"top-10": "#7fc97f", "top-100": "#f2d45c", "top-1000": "#f28e8e"
 GREEN, RED, UNSCORED = "#7fc97f", "#f28e8e", "#e0e0e0"
 WATERMARK_COLOURS = {"green": GREEN, "red": RED, "not scored": UNSCORED}
 LAYOUT = dict(template="plotly_white", font=dict(size=FONT), margin=dict(l=10, r=10, t=30, b=10))
+ROW_PX = 22  # a layer's row in the lens grid: one line of 14 px text and its gap
+LENS_LINES_PX = 200
 
 
 def rank_highlights(ranks: TokenRanks) -> list[tuple[str, str]]:
@@ -41,22 +43,23 @@ def watermark_highlights(found: Detection) -> list[tuple[str, str]]:
 
 
 def lens_figure(lens: LogitLens) -> go.Figure:
-    """Layers (rows, the embeddings at the bottom) × each layer's top tokens (columns, by rank),
-    coloured by probability, the followed token's cells outlined; under it the followed token's
-    probability and the read-out's entropy by layer."""
+    """Layers (rows, the embeddings at the bottom) × each layer's top tokens (columns, most likely
+    first), coloured by probability, the followed token's cells outlined; under it the followed
+    token's probability and the read-out's entropy by layer."""
     layers = [x.layer for x in lens.layers]
-    fig = make_subplots(rows=2, cols=1, row_heights=[0.7, 0.3], vertical_spacing=0.08,
-                        subplot_titles=(f"top {lens.top_k} tokens read out at each layer",
+    grid = ROW_PX * len(layers)
+    fig = make_subplots(rows=2, cols=1, row_heights=[grid, LENS_LINES_PX], vertical_spacing=90 / (grid + 400),
+                        subplot_titles=(f"each layer's top {lens.top_k} (most likely first)",
                                         f"p of {readable(lens.chosen_token)} and entropy by layer"))
     z = [[t.prob for t in x.top] for x in lens.layers]
-    text = [[html.escape(readable(t.token)) for t in x.top] for x in lens.layers]
+    text = [[html.escape(readable(t.token), quote=False) for t in x.top] for x in lens.layers]
     fig.add_trace(go.Heatmap(z=z, x=list(range(1, lens.top_k + 1)), y=layers, text=text, texttemplate="%{text}",
-                             colorscale="Blues", zmin=0, zmax=1, showscale=False,
+                             colorscale="Blues", zmin=0, zmax=1, showscale=False, xgap=1, ygap=1,
                              hovertemplate="layer %{y}, rank %{x}: %{text}<br>p = %{z:.3f}<extra></extra>"), 1, 1)
     hits = [(rank_at, x.layer) for x in lens.layers for rank_at, t in enumerate(x.top, start=1)
             if t.token_id == lens.chosen_token_id]
     fig.add_trace(go.Scatter(x=[h[0] for h in hits], y=[h[1] for h in hits], mode="markers", name="the chosen token",
-                             marker=dict(symbol="square-open", size=18, color=MARKER, line=dict(width=2)),
+                             marker=dict(symbol="square-open", size=16, color=MARKER, line=dict(width=2)),
                              hoverinfo="skip"), 1, 1)
     fig.add_trace(go.Scatter(x=layers, y=[x.chosen_prob for x in lens.layers], mode="lines+markers", name="p (chosen)",
                              line=dict(color=SURPRISAL), customdata=[[x.chosen_rank] for x in lens.layers],
@@ -65,10 +68,11 @@ def lens_figure(lens: LogitLens) -> go.Figure:
                              line=dict(color=ENTROPY, dash="dot"),
                              hovertemplate="layer %{x}: H = %{y:.2f} nats<extra></extra>"), 2, 1)
     fig.update_yaxes(title="layer", dtick=max(1, len(layers) // 8), row=1, col=1)
-    fig.update_xaxes(title="rank at that layer", dtick=1, row=1, col=1)
+    fig.update_xaxes(dtick=1, showticklabels=False, row=1, col=1)
     fig.update_yaxes(title="p / nats", rangemode="tozero", row=2, col=1)
     fig.update_xaxes(title="layer", row=2, col=1)
-    fig.update_layout(height=760, legend=dict(orientation="h", x=0, y=-0.08, yanchor="top"), **LAYOUT)
+    fig.update_layout(height=grid + LENS_LINES_PX + 230, legend=dict(orientation="h", x=0, y=-0.06, yanchor="top"),
+                      **LAYOUT)
     return fig
 
 
@@ -110,9 +114,10 @@ def robustness_rows(report: Robustness) -> list[list[str]]:
 
 def reliability_figure(report: CalibrationReport) -> go.Figure:
     """The reliability diagram at T = 1 and at the best T (accuracy per confidence bin against the
-    diagonal of a calibrated model), and beside it the ECE and NLL over the temperature sweep."""
-    fig = make_subplots(rows=2, cols=1, row_heights=[0.62, 0.38], vertical_spacing=0.14,
-                        subplot_titles=("accuracy against confidence", "ECE and NLL by temperature"))
+    diagonal of a calibrated model), and under it the ECE (right axis) and NLL over the temperatures."""
+    fig = make_subplots(rows=2, cols=1, row_heights=[0.62, 0.38], vertical_spacing=0.2,
+                        specs=[[{}], [{"secondary_y": True}]],
+                        subplot_titles=("accuracy against confidence", "NLL and ECE by temperature"))
     fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1], mode="lines", name="calibrated", line=dict(color="#767676", dash="dot"),
                              hoverinfo="skip"), 1, 1)
     for calibration, colour in ((report.at_one, SURPRISAL), (report.at_best, ENTROPY)):
@@ -122,20 +127,23 @@ def reliability_figure(report: CalibrationReport) -> go.Figure:
                                  line=dict(color=colour), marker=dict(size=[6 + 14 * (b.count / report.tokens) ** 0.5
                                                                             for b in shown]),
                                  customdata=[[b.count, b.low, b.high] for b in shown],
-                                 hovertemplate="confidence %{x:.2f} (bin %{customdata[1]:.1f}–%{customdata[2]:.1f}, "
+                                 hovertemplate="confidence %{x:.2f} (bin %{customdata[1]:.2f}–%{customdata[2]:.2f}, "
                                                "%{customdata[0]} positions): right %{y:.0%}<extra></extra>"), 1, 1)
     sweep = sorted([*report.sweep, report.at_best], key=lambda c: c.temperature)
     ts = [c.temperature for c in sweep]
-    fig.add_trace(go.Scatter(x=ts, y=[c.ece for c in sweep], mode="lines+markers", name="ECE", line=dict(color=MARKER),
-                             hovertemplate="T %{x:.2f}: ECE %{y:.3f}<extra></extra>"), 2, 1)
     fig.add_trace(go.Scatter(x=ts, y=[c.nll for c in sweep], mode="lines+markers", name="NLL (nats)",
                              line=dict(color=ENTROPY, dash="dot"),
-                             hovertemplate="T %{x:.2f}: NLL %{y:.3f} nats<extra></extra>"), 2, 1)
+                             hovertemplate="T %{x:.2f}: NLL %{y:.3f} nats<extra></extra>"), 2, 1, secondary_y=False)
+    fig.add_trace(go.Scatter(x=ts, y=[c.ece for c in sweep], mode="lines+markers", name="ECE (right axis)",
+                             line=dict(color=MARKER), hovertemplate="T %{x:.2f}: ECE %{y:.3f}<extra></extra>"),
+                  2, 1, secondary_y=True)
     fig.add_vline(x=report.best_temperature, line_color=ENTROPY, line_dash="dash", row=2, col=1)
     fig.update_xaxes(title="confidence (top token's p)", range=[0, 1], row=1, col=1)
     fig.update_yaxes(title="right", range=[0, 1], tickformat=".0%", row=1, col=1)
     fig.update_xaxes(title="temperature", type="log", row=2, col=1)
-    fig.update_layout(height=640, legend=dict(orientation="h", x=0, y=-0.1, yanchor="top"), **LAYOUT)
+    fig.update_yaxes(title="NLL", row=2, col=1, secondary_y=False)
+    fig.update_yaxes(title="ECE", rangemode="tozero", row=2, col=1, secondary_y=True)
+    fig.update_layout(height=680, legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), **LAYOUT)
     return fig
 
 

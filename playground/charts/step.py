@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.numbers import decimal, interval, percent
+from engine.reports.uncertainty import HESITATION_ENTROPY, HESITATION_VARENTROPY, uncertainty_series
 from engine.stages import grammar_cost
 from engine.trace import StageTrace, StepTrace, TokenProb, Trace
 from playground.page_js import PHONE_PX
@@ -39,6 +40,7 @@ DRAW = "#222222"  # the u line
 REST = "#c8c8c8"  # the draw panel's share of the tokens outside the top-N (a fill, no text on it)
 REST_SHOWN = 0.005  # the draw panel draws that share when it is at least this wide
 MARKER = "#6a1b9a"  # the selected step on the run chart (not a data line's colour)
+VARENTROPY = "#2e7d32"  # the run chart's varentropy line
 ENTROPY, SURPRISAL = "#4c78a8", "#a35d00"
 PANELS_PER_ROW = 3
 PHONE_GAP_PX = 100  # between a phone's rows: a panel's 3-4 title lines, nothing more
@@ -375,6 +377,7 @@ def run_chart(steps: Sequence[StepTrace], selected: int | None = None) -> go.Fig
                              line=dict(color=SURPRISAL, dash="dot"), marker=dict(symbol="square"), customdata=tokens,
                              hovertemplate="step %{x}: %{customdata[0]}<br>−ln p = %{y:.2f} nats<br>"
                                            + html.escape(glossary.hover("surprisal")) + "<extra></extra>"))
+    _uncertainty_traces(fig, steps, tokens)
     if selected is not None and 0 <= selected < len(steps):
         fig.add_vline(x=selected, line_color=MARKER, line_width=2, opacity=0.8)
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"selected step ({selected})",
@@ -383,6 +386,29 @@ def run_chart(steps: Sequence[StepTrace], selected: int | None = None) -> go.Fig
                       legend=dict(orientation="h", x=0, y=-0.3, yanchor="top"), xaxis_title="step",
                       yaxis=dict(rangemode="tozero", title="nats"))
     return fig
+
+
+def hesitation_steps(steps: Sequence[StepTrace]) -> list[int]:
+    """The steps where the model hesitates: raw entropy and varentropy both above the thresholds of
+    ``engine.reports.uncertainty`` (none for a trace without varentropy)."""
+    return uncertainty_series(steps).hesitations
+
+
+def _uncertainty_traces(fig: go.Figure, steps: Sequence[StepTrace], tokens: list) -> None:
+    """The final distribution's varentropy per step and the hesitation steps (stars on the entropy
+    line), where the trace recorded varentropy."""
+    if not any(s.varentropy is not None for s in steps):
+        return
+    fig.add_trace(go.Scatter(x=[s.index for s in steps], y=[s.varentropy for s in steps], mode="lines",
+                             name="varentropy (nats²)", line=dict(color=VARENTROPY, dash="dashdot"), customdata=tokens,
+                             hovertemplate="step %{x}: %{customdata[0]}<br>V = %{y:.2f} nats²<extra></extra>"))
+    marked = set(hesitation_steps(steps))
+    if marked:
+        shown = [s for s in steps if s.index in marked]
+        fig.add_trace(go.Scatter(x=[s.index for s in shown], y=[s.entropy for s in shown], mode="markers",
+                                 name=f"hesitation (raw H ≥ {HESITATION_ENTROPY:g}, V ≥ {HESITATION_VARENTROPY:g})",
+                                 marker=dict(symbol="star", size=13, color=MARKER),
+                                 hovertemplate="step %{x}: the model hesitates<extra></extra>"))
 
 
 def highlight_text(token: str) -> str:

@@ -44,6 +44,7 @@ GENERATE_ID, STOP_ID = "inside-generate", "inside-stop"
 MAX_TEXT_CHARS = 8_000
 HUMAN_TEXT = " ".join(HELDOUT.read_text(encoding="utf-8").split()[:80])  # a person's paragraph (the held-out text)
 COLOUR_BY = ("rank (GLTR)", "watermark")
+LENS_TOP = 5  # the lens chart's columns: five tokens a layer stay legible on a phone
 COLOUR_MAP = {**charts.RANK_COLOURS, **charts.WATERMARK_COLOURS}
 
 
@@ -172,7 +173,8 @@ def build_tab(shared: Shared) -> InsideView:
         with gr.Column(scale=2, min_width=330):
             colour_by = gr.Radio(list(COLOUR_BY), value=COLOUR_BY[0], label="Colour the text by", elem_id="inside-colour")
             text = gr.HighlightedText(label="Generated text", combine_adjacent=False, show_legend=False,
-                                      color_map=COLOUR_MAP, interactive=False, elem_id="inside-text")
+                                      show_inline_category=False, color_map=COLOUR_MAP, interactive=False,
+                                      elem_id="inside-text")
             legend = gr.HTML(charts.legend_html(charts.RANK_COLOURS, "rank of each token under the model"),
                              elem_id="inside-legend")
             text_note = gr.Markdown(elem_id="inside-text-note")
@@ -180,11 +182,12 @@ def build_tab(shared: Shared) -> InsideView:
             over_run_note = gr.Markdown(elem_id="inside-over-run-note")
             hesitations = gr.Dropdown([], label="Hesitation steps: pick one to read its layers", elem_id="inside-hesitations")
             lens_step = gr.Slider(0, 1, value=0, step=1, label="Step for the logit lens", elem_id="inside-lens-step")
+            sections = Sections.build()  # right under the run, beside the knobs (a phone: after them)
     out = Outputs(status, text, legend, text_note, over_run, over_run_note, hesitations, lens_step,
                   gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
     view = InsideView(NAME, prompt, panel, chat)
-    view.handlers = Handlers(shared, view, out, Sections.build(), colour_by)
+    view.handlers = Handlers(shared, view, out, sections, colour_by)
     runs = wire(view.handlers, generate)
     stop_button(stop, status, runs, status_html("stopped"))
     register_api(shared)
@@ -228,7 +231,8 @@ class Sections:
         human = gr.Textbox(HUMAN_TEXT, lines=4, label="A person's text (or any text)", elem_id="inside-human")
         rank_run = gr.Button("Rank both texts", elem_id="inside-rank-run")
         human_text = gr.HighlightedText(label="The person's text by rank", combine_adjacent=False, show_legend=False,
-                                        color_map=charts.RANK_COLOURS, interactive=False, elem_id="inside-human-text")
+                                        show_inline_category=False, color_map=charts.RANK_COLOURS, interactive=False,
+                                        elem_id="inside-human-text")
         rank_note = gr.Markdown(elem_id="inside-rank-note")
         rank_chart = gr.Plot(label="Ranks: the run against the person", elem_id="inside-rank-chart")
         gr.Markdown("### Watermark detector\nGreen or red per token under the knob panel's watermark key (γ, seeding, "
@@ -332,7 +336,7 @@ class Handlers:
         lens.require_lens(lm)
         at = int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else step
         yield {self.out.status: status_html(f"reading every layer at step {at}…")}
-        found = lens.trace_lens(lm, trace, at, control=control)
+        found = lens.trace_lens(lm, trace, at, LENS_TOP, control=control)
         yield {s.lens_chart: charts.lens_figure(found), s.lens_note: found.sentence(),
                self.out.status: status_html(f"logit lens: step {at}")}
 
@@ -413,7 +417,7 @@ def wire(handlers: Handlers, generate: gr.Button) -> list:
         on([s.calibration_run.click], h.on_calibration, [s.bins, *models],
            [s.calibration_chart, s.calibration_note, out.status], on_error=failed, what="measurement"),
     ]
-    local = {"api_visibility": "private", "queue": False}
+    local: dict[str, Any] = {"api_visibility": "private", "queue": False}
     handlers.colour_by.change(lambda run, colour: text_updates(out, run, colour), [out.state, handlers.colour_by],
                               [out.text, out.text_note, out.legend], **local)
     out.hesitations.input(lambda step: step if step is not None else gr.skip(), out.hesitations, out.lens_step, **local)

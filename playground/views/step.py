@@ -170,6 +170,7 @@ class Outputs(OutputSet):
     # puts them back, so no what-if of an earlier run or step stays beside the chart.
     whatif_note: Any
     whatif_figure: Any  # hidden box: the fallback event's figure (DRAW_JS)
+    hesitations: Any = None  # the run's hesitation steps: picking one shows its stage chart
 
 
 def own(state: StepSession | None, owner: Any) -> StepSession | None:
@@ -213,7 +214,14 @@ def render(out: Outputs, session: StepSession, selected: int | None, colour_by: 
                     out.alternatives: gr.update(choices=charts.alternatives(step), value=None),
                     out.compare: compare_markdown(session), out.over_run: charts.run_chart(trace.steps, sel),
                     out.download: downloads.trace_file(trace)}
+        if out.hesitations is not None:
+            updates[out.hesitations] = gr.update(choices=hesitation_choices(trace), value=None)
     return updates
+
+
+def hesitation_choices(trace: Trace) -> list[tuple[str, int]]:
+    """(label, step) of each step where the model hesitates (charts.hesitation_steps)."""
+    return [(f"step {i}: {charts.readable(trace.steps[i].chosen_token)}", i) for i in charts.hesitation_steps(trace.steps)]
 
 
 def own_explain(trace: Trace, at: int) -> str:
@@ -353,12 +361,14 @@ def build_tab(shared: Shared) -> StepView:
             runs = gr.Radio([], label="Runs", elem_id="step-runs")
             compare = gr.Markdown(elem_id="step-compare")
             over_run = gr.Plot(label="Entropy and surprisal over the run", elem_id="step-over-run")
+            hesitations = gr.Dropdown([], label="Hesitation steps (stars above): pick one to see its stages",
+                                      elem_id="step-hesitations")
             summary = gr.Markdown(elem_id="step-summary")
             download = gr.DownloadButton("Download trace JSON", elem_id="step-download")
     out = Outputs(text, step_slider, explain, chart, alternatives, runs, compare, over_run, summary, status, download,
                   gr.State(None, time_to_live=SESSION_TTL_S),
                   gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET), what_if.key,
-                  what_if.note, what_if.figure)
+                  what_if.note, what_if.figure, hesitations)
     panel.wire()
     view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width, remote_mode=remote_mode)
     # the mode radio is there only while the model box holds a served model
@@ -560,6 +570,10 @@ class Handlers:
         out.step.release(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
         self.colour_by.change(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
         out.runs.input(on_pick_run, [*mine, out.runs, self.colour_by, width], out.all(), **local)
+        if out.hesitations is not None:
+            out.hesitations.input(lambda state, owner, index, colour, w: {out.chart: gr.skip()} if index is None
+                                  else redraw(state, owner, index, colour, w),
+                                  [*mine, out.hesitations, self.colour_by, width], out.all(), **local)
         gr.on([width.change, self.redraw.click], on_width, [*mine, out.step, width],
               [out.chart, out.explain, out.whatif_note, out.whatif_figure], **local)
 

@@ -1,0 +1,77 @@
+"""Inside the model (issue #54) in a real browser on the embedded model, as a person uses it, on a
+phone (390x844) and a projector (1280x720): a share link opens the view with its prompt and
+watermark knobs, Generate colours the text, the logit lens, the ranks, the detector and the
+calibration diagram draw inside the page's width, and Stop stops a long run."""
+
+import pytest
+
+from engine.config import DecodingConfig
+from engine.presets import Preset
+from engine.sharelink import ShareState, share_query
+from tests.conftest import browser_page
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+SIZES = [(390, 844), (1280, 720)]
+PROMPT = "Name three rivers of France."
+WAIT_MS = 300_000
+
+
+def link(tokens: int) -> str:
+    config = DecodingConfig(strategy="sample", seed=3, max_new_tokens=tokens, watermark_delta=3.0)
+    return share_query(ShareState("inside", PROMPT, Preset.create("Watermarked", "A watermarked run.", config), 3, True))
+
+
+def fits(page, selector: str, width: int) -> None:
+    """The element is drawn and lies inside the page's width; the page does not scroll sideways."""
+    box = page.locator(selector).first.bounding_box()
+    assert box is not None and box["width"] > 100 and box["x"] >= -1 and box["x"] + box["width"] <= width + 1, box
+    assert page.evaluate("() => document.scrollingElement.scrollWidth") <= width + 1
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["phone", "projector"])
+def test_inside_the_model_draws_every_part_inside_the_page(browser, live_app, artifacts, size):
+    width = size[0]
+    for page in browser_page(browser, *size, timeout_ms=WAIT_MS):
+        page.goto(live_app + "/" + link(8))
+        page.wait_for_function(f"() => document.querySelector('#inside-prompt textarea')?.value === {PROMPT!r}")
+        page.locator("#inside-group-watermark").get_by_text("Watermark").first.click()  # its accordion opens
+        assert page.locator("#inside-knob-watermark_delta input[type=number]").first.input_value() == "3"
+        page.click("#inside-generate")
+        page.wait_for_selector("#inside-status:has-text('done:')", timeout=WAIT_MS)
+        assert page.locator("#inside-text-note").inner_text().startswith("Of ")  # the ranks' sentence
+        fits(page, "#inside-over-run .js-plotly-plot", width)
+        page.click("#inside-lens-run")
+        page.wait_for_selector("#inside-lens-chart .js-plotly-plot", timeout=WAIT_MS)
+        assert page.locator("#inside-lens-note").inner_text().startswith("Step ")
+        fits(page, "#inside-lens-chart .js-plotly-plot", width)
+        page.click("#inside-detect-run")
+        page.wait_for_selector("#inside-detect-chart .js-plotly-plot", timeout=WAIT_MS)
+        assert "scored tokens are green" in page.locator("#inside-detect-note").inner_text()
+        fits(page, "#inside-detect-chart .js-plotly-plot", width)
+        page.locator("#inside-colour label", has_text="watermark").click()
+        page.wait_for_function("() => document.querySelector('#inside-text-note')?.textContent.includes('z =')")
+        if width > 600:  # the held-out forward once is enough: the projector's
+            page.click("#inside-rank-run")
+            page.wait_for_selector("#inside-rank-chart .js-plotly-plot", timeout=WAIT_MS)
+            fits(page, "#inside-rank-chart .js-plotly-plot", width)
+            page.click("#inside-calibration-run")
+            page.wait_for_selector("#inside-calibration-chart .js-plotly-plot", timeout=WAIT_MS)
+            assert "ECE" in page.locator("#inside-calibration-note").inner_text()
+            fits(page, "#inside-calibration-chart .js-plotly-plot", width)
+        page.screenshot(path=str(artifacts / f"inside-{width}.png"), full_page=True)
+
+
+def test_stop_stops_a_long_run_and_a_bad_value_is_one_line(projector_page, live_app):
+    page = projector_page
+    page.goto(live_app + "/" + link(1024))
+    page.wait_for_function(f"() => document.querySelector('#inside-prompt textarea')?.value === {PROMPT!r}")
+    page.click("#inside-generate")
+    page.wait_for_selector("#inside-status:has-text('generating')", timeout=WAIT_MS)
+    page.click("#inside-stop")
+    page.wait_for_selector("#inside-status:has-text('stopped')", timeout=60_000)
+    page.fill("#inside-human textarea", "")
+    page.click("#inside-rank-run")
+    page.wait_for_selector("#inside-status .dp-error", timeout=WAIT_MS)
+    message = page.locator("#inside-status .dp-error").inner_text()
+    assert "text: empty" in message and "\n" not in message.strip()
