@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from engine.config import ConfigError, DecodingConfig, check_text, parse_set_value
 from engine.backends.local import DTYPES, QUANTIZATIONS, ModelLoadError, ModelSpec
@@ -16,7 +17,7 @@ from engine.presets import PresetError, load_preset
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
 

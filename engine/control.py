@@ -130,7 +130,7 @@ class RunControl:
 
     @property
     def timed_out(self) -> bool:
-        return bool(self.deadline_s) and time.monotonic() - self.started > self.deadline_s
+        return self.deadline_s is not None and self.deadline_s > 0 and time.monotonic() - self.started > self.deadline_s
 
     def check(self) -> None:
         """Raise RunStopped if the run was cancelled or is past its time limit."""

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -55,7 +54,7 @@ def checked(source: Iterator, control: RunControl | None) -> Iterator:
     """Items of ``source``, checking ``control`` before each one is computed (a cancelled or
     timed-out run stops within one step). A stopped run closes ``source`` at once (a served
     model's streamed request then ends on the server too)."""
-    with closing(source):  # type: ignore[type-var]
+    try:
         while True:
             check(control)
             try:
@@ -63,6 +62,10 @@ def checked(source: Iterator, control: RunControl | None) -> Iterator:
             except StopIteration:
                 return
             yield item
+    finally:
+        close = getattr(source, "close", None)  # a generator (every stream is one)
+        if close is not None:
+            close()
 
 
 def check_prompt(prompt_ids: Sequence[int]) -> None:
@@ -143,12 +146,13 @@ def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torc
     out: list[sampling.Pick | Exception | None] = [None] * len(finals)
     for i, token in enumerate(forces):
         if token is not None:
-            if generators[i] is not None:
-                sampling.skip_draws(generators[i], 1, vocab[i], probs[i].device)
+            generator = generators[i]
+            if generator is not None:
+                sampling.skip_draws(generator, 1, vocab[i], probs[i].device)
             out[i] = sampling.Pick(token, traced[i].prob(probs[i], token))
     free = [i for i, token in enumerate(forces) if token is None]
     if not free:
-        return out  # type: ignore[return-value]
+        return every(out)
     dense = [i for i in free if traced[i].support is None]
     has = dict(zip(dense, sampling.rows_with_tokens(torch.cat([traced[i].logits for i in dense])) if dense else []))
     has |= {i: sampling.rows_with_tokens(traced[i].final_logits())[0] for i in free if traced[i].support is not None}
@@ -161,17 +165,31 @@ def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torc
         for i, token in zip(greedy, tokens):
             out[i] = sampling.Pick(token, float(probs[i][token]))
     if drawn:
-        picks = sampling.sample_rows(torch.stack([probs[i] for i in drawn]), [generators[i] for i in drawn])
+        drawing = [g for i in drawn if (g := generators[i]) is not None]
+        picks = sampling.sample_rows(torch.stack([probs[i] for i in drawn]), drawing)
         for i, chosen in zip(drawn, picks):
             out[i] = chosen
-    for i in (i for i in free if has[i] and traced[i].support is not None):  # a row on its support: the same, on n
-        support = traced[i].support
-        if generators[i] is None:  # argmax over n in id order: the lowest id of a tie, as over V
+    for i in (i for i in free if has[i]):  # a row on its support: the same, on n
+        support, generator = traced[i].support, generators[i]
+        if support is None:
+            continue
+        if generator is None:  # argmax over n in id order: the lowest id of a tie, as over V
             at = int(torch.argmax(traced[i].final_logits()[0]))
             out[i] = sampling.Pick(int(support[at]), float(probs[i][at]))
         else:
-            out[i] = sampling.sample_at(probs[i], support, vocab[i], generators[i])
-    return out  # type: ignore[return-value]
+            out[i] = sampling.sample_at(probs[i], support, vocab[i], generator)
+    return every(out)
+
+
+T = TypeVar("T")
+
+
+def every(items: list[T | None]) -> list[T]:
+    """``items`` once each one is set (a row left without its result is a bug: RuntimeError)."""
+    done = [item for item in items if item is not None]
+    if len(done) != len(items):
+        raise RuntimeError("a row was left without its result")
+    return done
 
 
 def draw_at(probs: torch.Tensor, u: float) -> sampling.Pick:
@@ -315,16 +333,17 @@ def advance_rows(states: Sequence[RunState], logits: torch.Tensor | Sequence[tor
         raise RuntimeError("replay: a stateful chain with a prefix must replay the prefix first")
     traced = traced_rows([s.chain for s in states], [s.ids for s in states], logits,
                          [s.config.top_n for s in states], states[0].lm.token_text, supports, states[0].lm.vocab_size)
-    ok = [b for b, t in enumerate(traced) if not isinstance(t, Exception)]
-    picks = pick_rows([traced[b] for b in ok], [states[b].generator for b in ok], [states[b].force for b in ok],
-                      [len(states[b].generated) for b in ok])
-    out: list[StepTrace | Exception] = list(traced)  # the failed rows keep their exception
-    for b, chosen in zip(ok, picks):
+    ok = [(b, t) for b, t in enumerate(traced) if not isinstance(t, Exception)]
+    picks = pick_rows([t for _, t in ok], [states[b].generator for b, _ in ok], [states[b].force for b, _ in ok],
+                      [len(states[b].generated) for b, _ in ok])
+    # the failed rows keep their exception
+    out: list[StepTrace | Exception | None] = [t if isinstance(t, Exception) else None for t in traced]
+    for (b, row), chosen in zip(ok, picks):
         try:
-            out[b] = chosen if isinstance(chosen, Exception) else states[b].finish(traced[b], chosen)
+            out[b] = chosen if isinstance(chosen, Exception) else states[b].finish(row, chosen)
         except Exception as exc:  # noqa: BLE001 (one run's failure ends that run only)
             out[b] = exc
-    return out
+    return every(out)
 
 
 # --- trace assembly ----------------------------------------------------------------------------------

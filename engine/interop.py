@@ -102,11 +102,13 @@ def _stage_unmapped(config: DecodingConfig, keys: list[str], tool: str) -> list[
     view, out = _view(config, keys), []
     for spec in STAGES.values():
         export: Export = getattr(spec.interop, tool)
-        used = _in_use(spec, keys)
-        if used and callable(export.unmapped):
-            out += [Note(k, reason) for k, reason in export.unmapped(config, view)]
-        elif used and export.unmapped:
-            out += [Note(k, export.unmapped) for k in used]
+        used, unmapped = _in_use(spec, keys), export.unmapped
+        if not used or not unmapped:
+            continue
+        if isinstance(unmapped, str):
+            out += [Note(k, unmapped) for k in used]
+        else:
+            out += [Note(k, reason) for k, reason in unmapped(config, view)]
     position = {k: i for i, k in enumerate(KNOBS)}
     return sorted(out, key=lambda n: position.get(n.key, len(position)))
 

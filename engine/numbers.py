@@ -36,7 +36,7 @@ def _significant(value: float, digits: int = 2) -> str:
 
 def percent(p: float | None) -> str:
     """``p`` (a probability or a mass in [0, 1]) as a percentage; see the module doc."""
-    if _unknown(p):
+    if p is None or _unknown(p):
         return UNKNOWN
     if p == 0 or p == 1:
         return f"{p:.0%}"
@@ -53,7 +53,7 @@ def percent(p: float | None) -> str:
 def decimal(x: float | None, digits: int = 3) -> str:
     """``x`` with ``digits`` decimal places; a non-zero value those would write as 0 (or as 1,
     when it is below 1) gets two significant digits of itself (or of 1 − x)."""
-    if _unknown(x):
+    if x is None or _unknown(x):
         return UNKNOWN
     text = f"{x:.{digits}f}"
     if x != 0 and float(text) == 0:
@@ -77,7 +77,7 @@ def interval_places(low: float, high: float, digits: int = 3) -> int:
 
 def interval(low: float | None, high: float | None, digits: int = 3) -> str:
     """The slice [low, high) of [0, 1), e.g. "[0.300, 0.512)" or "[0.905120, 0.905130)"."""
-    if _unknown(low) or _unknown(high):
+    if low is None or high is None or _unknown(low) or _unknown(high):
         return f"[{UNKNOWN})"
     places = interval_places(low, high, digits)
     return f"[{low:.{places}f}, {high:.{places}f})"

@@ -137,7 +137,7 @@ SETTINGS = (
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 # name -> smallest allowed value (read by the tests and docs/deployment.md's table).
-INTEGER_SETTINGS = {s.name: s.minimum for s in SETTINGS if s.kind == "int"}
+INTEGER_SETTINGS = {s.name: s.minimum or 0 for s in SETTINGS if s.kind == "int"}  # no minimum: 0
 SECONDS_SETTINGS = {s.name for s in SETTINGS if s.kind == "seconds"}
 
 

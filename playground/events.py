@@ -625,7 +625,7 @@ def stop_button(button: gr.Button, status: Any, events: list, message: Any = "st
             raise NothingToCancel()
 
     stop.__name__ = getattr(message, "__name__", "stop") if callable(message) else "stop"
-    private = {"queue": False, "api_visibility": "private"}
+    private: dict[str, Any] = {"queue": False, "api_visibility": "private"}
     button.click(stop, outputs if callable(message) else None, outputs, **private).then(
         settle, None, None, **private).success(None, None, None, cancels=events, **private)
 

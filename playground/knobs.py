@@ -94,7 +94,7 @@ def knob_component(knob: Knob, value: Any = None, prefix: str = "", interactive:
     label = knob.name
     info = knob.doc
     elem_id = f"{prefix}knob-{knob.name}"
-    common = {"label": label, "elem_id": elem_id, "interactive": interactive}
+    common: dict[str, Any] = {"label": label, "elem_id": elem_id, "interactive": interactive}
     if knob.kind in ("float", "int") and knob.widget == "number":
         # No minimum/maximum here: the engine's validation names the knob and its range in the message.
         return gr.Number(value=value, info=f"{info} Range {knob.range_text()}.", precision=0, **common)
@@ -304,7 +304,7 @@ class KnobPanel:
             note = {self.modified: self._preset_note(choice, False)}
             return note if preset is None else self.fill(preset.config) | note
 
-        local = {"api_visibility": "private", "queue": False}
+        local: dict[str, Any] = {"api_visibility": "private", "queue": False}
         self.preset.input(on_pick, [self.preset, self.shared.user_presets], self.inputs + [self.modified], **local)
         for component in self.inputs:  # in the page: Gradio runs one trigger's events one after another
             component.input(None, [self.preset], [self.modified], js=MODIFIED_JS, **local)

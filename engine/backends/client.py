@@ -61,7 +61,7 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Generator, Iterator
 from urllib.parse import urlsplit
 
 from engine.control import RunControl, RunStopped, active_control
@@ -223,7 +223,7 @@ class JsonClient:
     def post(self, path: str, body: dict[str, Any]) -> Any:
         return self._call("POST", path, body)
 
-    def stream_post(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
+    def stream_post(self, path: str, body: dict[str, Any]) -> Generator[Any, None, None]:
         """POST ``body`` and yield the JSON of each Server-Sent Event (``data: {...}`` lines, a blank
         line after each) as it arrives, until ``data: [DONE]`` or the end of the stream. The whole
         stream must end within ``stream_s``, each event arrive within ``timeout_s`` of the one before

@@ -398,7 +398,7 @@ PACK_ROWS = 16  # the rows the packed layout is tuned for (a room's decode step)
 def plain_products(model: Any):
     """Inside it, ``model``'s packed Linear layers take F.linear (in every thread: for comparisons and
     benchmarks, not for serving); their packed copies are kept for after."""
-    packed = [m for m in model.modules() if type(m) is PackedLinear]
+    packed: list[torch.nn.Module] = [m for m in model.modules() if type(m) is PackedLinear]
     for module in packed:
         module.__class__ = torch.nn.Linear
     try:
@@ -458,6 +458,7 @@ def pack_linears(model: Any) -> int:
         if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32):
             module.__class__ = PackedLinear
+            assert isinstance(module, PackedLinear)  # as it now is
             module.packed_weight()
             total += module.weight.numel() * module.weight.element_size()
     return total

@@ -29,8 +29,8 @@ class Knob:
     name: str
     kind: str  # "float" | "int" | "bool" | "str" | "text" | "str_list" | "choice" | "bias_map"
     neutral: Any
-    low: float | None = None
-    high: float | None = None
+    low: float = 0.0  # bounds: read only by the kinds that have them (numbers, lists, texts, bias maps)
+    high: float = 0.0
     low_open: bool = False  # True: low itself is not allowed
     # Smallest allowed non-zero magnitude ("0 or >= floor"): keeps 1/T and logit/penalty away from
     # float underflow, which turns a whole distribution into NaN.

@@ -11,8 +11,8 @@ available for this model" from ``unavailable``.
 
 On the base floor (docs/architecture.md): no torch here and no engine import but the knobs (``Knob``)
 and the seam (``Capabilities``): ``config`` and ``trace`` read this registry, and the strategy
-modules, on a floor above them, register into it. ``STRATEGIES`` fills when ``engine.strategies`` is imported, which importing
-anything under ``engine`` does (``engine/__init__.py``).
+modules, on a floor above them, register into it. ``STRATEGIES`` fills when ``engine.strategies`` is
+imported, which importing anything under ``engine`` does (``engine/__init__.py``).
 """
 
 from __future__ import annotations

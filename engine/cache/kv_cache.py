@@ -32,7 +32,8 @@ class KVCache:
         self.model = model
         self.device = next(model.parameters()).device
         self.kind, self.residual_length = kind, residual_length
-        self.cache = kv_quant.make_cache(model.config, kind, residual_length)
+        # transformers' cache; Any: it types a layer's keys and values as optional
+        self.cache: Any = kv_quant.make_cache(model.config, kind, residual_length)
         self.tokens: list[int] = []  # ids held, for batch size 1
         self.forwards = 0  # model calls made through this cache
         self._saved: tuple[list[int], list] | None = None  # (tokens, state) at the last sync
@@ -49,7 +50,7 @@ class KVCache:
         return keys.shape[0] if keys is not None and keys.numel() else 0
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.LongTensor, *, mask: torch.Tensor | None = None, all_logits: bool = False,
+    def forward(self, input_ids: torch.Tensor, *, mask: torch.Tensor | None = None, all_logits: bool = False,
                 output_hidden_states: bool = False) -> Any:
         """Feed input_ids [B, T] after what the cache holds. ``mask`` [B, T]: which fed positions are
         real (1) and which left padding (0); None: all real. Returns the model output; its logits
@@ -113,7 +114,7 @@ class KVCache:
             self._saved = (list(self.tokens), kv_quant.snapshot(self.cache))
         return logits
 
-    def reorder(self, index: torch.LongTensor) -> None:
+    def reorder(self, index: torch.Tensor) -> None:
         """Select / reorder batch rows (beam search; a row may be repeated)."""
         index = index.to(self.device)
         self.cache.reorder_cache(index)

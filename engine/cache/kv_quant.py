@@ -112,7 +112,7 @@ def crop(cache: Cache, n: int) -> bool:
     """Drop the last n positions in place when the cache can do it exactly; False when it cannot
     (a quantized cache whose last n positions were already quantized, a sliding window that has
     already evicted), and then the cache is unchanged."""
-    layers = cache.layers
+    layers: list[Any] = list(cache.layers)  # transformers types a layer's tensors as optional
     if all(type(layer) is DynamicLayer for layer in layers):
         cache.crop(-n)
         return True

@@ -196,7 +196,7 @@ class ServingSummary:
 def summarise(snap: Snapshot, block: int = BLOCK_SIZE) -> ServingSummary:
     """The window's figures (exact, from the recorded ticks and runs)."""
     ticks, runs = snap.ticks, snap.runs
-    ttft = [r.ttft_ms for r in runs if r.tokens]
+    ttft = [r.ttft_ms for r in runs if r.tokens and r.ttft_ms is not None]  # a run with a token has its time
     tpot = [r.tpot_ms for r in runs if r.tpot_ms is not None]
     by_rows: dict[int, list[Tick]] = collections.defaultdict(list)
     for t in ticks:

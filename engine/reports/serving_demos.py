@@ -164,7 +164,7 @@ class BatchingDemo:
 
 
 def static_batch(lm: Model, jobs: Sequence[tuple[list[int], DecodingConfig]], max_batch: int,
-                 control: RunControl) -> tuple[list[JobResult], int, int]:
+                 control: RunControl) -> tuple[list[JobResult], int, int, list[int]]:
     """Static batching: waves of ``max_batch`` requests in arrival order, each prefilled left-padded
     and stepped until its longest request is done (finished rows keep being computed: their last
     token is fed again and its output ignored); every request of a wave gets its answer at the

@@ -42,16 +42,16 @@ class Stage:
         self.knobs = knobs
         self._last: dict[str, Any] = {}  # the last call's (and pick's) diagnostics, for ``params``
 
-    def apply(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    def apply(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The new logits [B, V] and this call's diagnostics (JSON-ready)."""
         raise NotImplementedError
 
-    def run(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    def run(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """``apply``, remembering the diagnostics for ``params`` (the chain calls this)."""
         out, self._last = self.apply(input_ids, logits)
         return out, self._last
 
-    def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return self.run(input_ids, logits)[0]
 
     @property
@@ -59,7 +59,7 @@ class Stage:
         """The knobs and the last call's diagnostics (a new dict: writing to it changes nothing)."""
         return {**self.knobs, **self._last}
 
-    def accept(self, input_ids: torch.LongTensor, token_id: int) -> dict[str, Any]:
+    def accept(self, input_ids: torch.Tensor, token_id: int) -> dict[str, Any]:
         """Called after every pick with the ids before it [1, S] and the token picked; returns what
         the stage learnt from it (mirostat: μ after, the surprise), {} for most."""
         return {}

@@ -113,7 +113,8 @@ class LogitBias(Wrapped):
 
     def __init__(self, sequence_bias: dict[tuple[int, ...], float], logit_bias: dict[str, float] | None = None):
         require(bool(sequence_bias), "logit_bias", logit_bias, "a non-empty object for a stage")
-        super().__init__(tlp.SequenceBiasLogitsProcessor({k: float(v) for k, v in sequence_bias.items()}),
+        # transformers' list form ([ids, bias] each), which it reads into the same {ids: bias} in the same order
+        super().__init__(tlp.SequenceBiasLogitsProcessor([[list(k), float(v)] for k, v in sequence_bias.items()]),
                          logit_bias=dict(logit_bias or {}))
         self.largest_id = max(max(seq) for seq in sequence_bias)
 

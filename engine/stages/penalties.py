@@ -58,7 +58,7 @@ register(StageSpec(
 ))
 
 
-def _generated_counts(input_ids: torch.LongTensor, prompt_length: int, vocab_size: int) -> torch.Tensor:
+def _generated_counts(input_ids: torch.Tensor, prompt_length: int, vocab_size: int) -> torch.Tensor:
     """[B, V] how often each token occurs among the generated (non-prompt) tokens."""
     generated = input_ids[:, prompt_length:]
     counts = torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.float32, device=input_ids.device)

@@ -69,7 +69,7 @@ register(StageSpec(
 TOP_P_FLOOR = 1e-6  # the fast path sorts only the tokens at least this likely
 
 
-def top_p_fast(input_ids: torch.LongTensor, logits: torch.Tensor, top_p: float, oracle: Callable,
+def top_p_fast(input_ids: torch.Tensor, logits: torch.Tensor, top_p: float, oracle: Callable,
                floor: float = TOP_P_FLOOR) -> torch.Tensor:
     """``oracle(input_ids, logits)`` (transformers' top-p: sort the whole row ascending, remove the
     tokens whose float32 cumulative probability is <= 1 - top_p, keep at least one) computed by

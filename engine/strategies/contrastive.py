@@ -247,7 +247,8 @@ def stream_contrast(expert: Model, amateur: Model, prompt_ids: Sequence[int], co
     expert_cache, amateur_cache = KVCache(expert.model), KVCache(amateur.model)
     chain, warpers = processor_chain(config, len(prompt_ids), expert), sampling_chain(config, expert)
     generator = None if config.is_greedy else make_generator(config, expert.device)
-    stopper, ids, generated = StopCheck(expert, config), torch.tensor([list(prompt_ids)], device=expert.device), []
+    stopper, ids = StopCheck(expert, config), torch.tensor([list(prompt_ids)], device=expert.device)
+    generated: list[int] = []
     logits, amateur_logits = expert_cache.step(prompt_ids), amateur_cache.step(prompt_ids)  # prefill both
     while True:
         logits, amateur_logits = _common_vocab(logits, amateur_logits)
@@ -309,8 +310,10 @@ def stream(lm: Model, prompt: str, prompt_ids: Sequence[int], config: DecodingCo
 
 def records(trace: Trace) -> list[SearchStep] | list[ContrastStep]:
     """The per-step records of a contrastive trace, rebuilt as dataclasses after a JSON round trip."""
-    cls = SearchStep if trace.strategy == "contrastive_search" else ContrastStep
-    return from_dict(list[cls], trace.extra.get(trace.strategy, []))
+    data = trace.extra.get(trace.strategy, [])
+    if trace.strategy == "contrastive_search":
+        return from_dict(list[SearchStep], data)
+    return from_dict(list[ContrastStep], data)
 
 
 # --- the strategies -----------------------------------------------------------------------------------

@@ -76,6 +76,13 @@ class MctsNode:
     committed: bool = False
 
 
+def token_of(node: MctsNode) -> int:
+    """A child node's token id (only the root has none)."""
+    if node.token_id is None:
+        raise ValueError("the search tree's root has no token")
+    return node.token_id
+
+
 @dataclass
 class MctsPosition:
     """The search that chose generated token ``index``."""
@@ -159,7 +166,7 @@ class _Search:
     def simulate(self) -> None:
         path = self._select()
         leaf = path[-1]
-        tokens = [n.token_id for n in path]
+        tokens = [token_of(n) for n in path]
         logprobs = [n.logprob for n in path]
         terminal = leaf.token_id in self.lm.eos_token_ids or leaf.depth >= self.remaining
         rollout: list[int] = []
@@ -239,18 +246,19 @@ def positions(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig,
             search.simulate()
         chosen = search.best_child()
         chosen.committed = True
-        step = _step_trace(lm, chain, config, sequence, logits, chosen.token_id, len(generated), start)
-        chain.observe(torch.tensor([sequence], dtype=torch.long, device=lm.device), chosen.token_id)  # mirostat's μ moves
+        token = token_of(chosen)
+        step = _step_trace(lm, chain, config, sequence, logits, token, len(generated), start)
+        chain.observe(torch.tensor([sequence], dtype=torch.long, device=lm.device), token)  # mirostat's μ moves
         chain.annotate(step.stages)
-        generated.append(chosen.token_id)
+        generated.append(token)
         step.finish_reason = stopper.reason(generated)
-        record = MctsPosition(step.index, chosen.token_id, chosen.token, config.mcts_simulations,
+        record = MctsPosition(step.index, token, chosen.token, config.mcts_simulations,
                               search.forwards, (time.perf_counter() - t0) * 1000, search.nodes)
         yield Event(steps=[step], record=record)
         if step.finish_reason is not None:
             return
-        sequence.append(chosen.token_id)
-        logits = cache.step([chosen.token_id])
+        sequence.append(token)
+        logits = cache.step([token])
 
 
 def _step_trace(lm: Model, chain: Chain, config: DecodingConfig, sequence: list[int], logits: torch.Tensor,

@@ -44,6 +44,7 @@ from torch import nn
 
 from engine import sampling
 from engine.base.seam import Model
+from engine.cache import KVCache
 from engine.strategies import speculative
 from engine.config import ConfigError, DecodingConfig, Knob
 from engine.control import RunControl, check
@@ -63,6 +64,8 @@ class MedusaHeads(nn.Module):
     [V'] token ids): the shortlist the heads read out and may propose (the tokens of the model's
     own training text); empty: the whole vocabulary."""
 
+    vocab: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, hidden: int, num_heads: int, vocab: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden, hidden))  # [K, H_out, H_in]
@@ -80,7 +83,7 @@ class MedusaHeads(nn.Module):
         z = torch.einsum("...i,koi->...ko", hidden, self.weight) + self.bias
         return hidden.unsqueeze(-2) + nn.functional.silu(z)
 
-    def readout_rows(self, lm_head: nn.Module) -> torch.Tensor:
+    def readout_rows(self, lm_head: nn.Linear) -> torch.Tensor:
         """The LM head's weight rows of the shortlist [V', H] (copied once per LM head: a
         contiguous slice is what makes the read-out cheap)."""
         weight = lm_head.weight
@@ -90,7 +93,7 @@ class MedusaHeads(nn.Module):
         return self._rows[1]
 
 
-def head_logits(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+def head_logits(heads: MedusaHeads, lm_head: nn.Linear, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
     """[..., H] -> [..., K, V]: all heads read out in ONE matmul with the base LM head (on CPU
     the LM head's weight read dominates, so reading it once for every head matters). With a
     shortlist only its V' rows are read (6x fewer for the embedded model's heads); every other
@@ -107,7 +110,7 @@ def head_logits(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, nu
     return full
 
 
-def shortlist_logits(heads: MedusaHeads, lm_head: nn.Module, states: torch.Tensor) -> torch.Tensor:
+def shortlist_logits(heads: MedusaHeads, lm_head: nn.Linear, states: torch.Tensor) -> torch.Tensor:
     """Head states [..., K, H] read out over the shortlist only: [..., K, V'] (float32)."""
     rows = heads.readout_rows(lm_head)
     flat = states.reshape(-1, states.shape[-1])
@@ -321,10 +324,17 @@ def keep_rows(cache, start: int, rows: Sequence[int]) -> None:
 # --- the loop ---------------------------------------------------------------------------------
 @dataclass
 class _HeadsName:
-    """What speculative's summary asks of a drafter: a name and its own forwards (none)."""
+    """The heads as speculative's verifier and summary see a drafter (``speculative.Drafter``): a name
+    and their own forwards (none). They draft through ``_MedusaVerifier.propose``, never these."""
 
     name: str
     forwards: int = 0
+
+    def draft(self, sequence: list[int], k: int, ctx: speculative.DraftContext) -> speculative.Draft:
+        raise NotImplementedError("Medusa's heads propose in _MedusaVerifier.propose")
+
+    def rewind_to(self, sequence: list[int]) -> None:
+        raise NotImplementedError("Medusa's heads keep no cache of their own")
 
 
 def heads_name(config: DecodingConfig, shape: TreeShape) -> str:
@@ -339,7 +349,8 @@ class _MedusaVerifier(speculative._Verifier):
 
     def __init__(self, lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, heads: MedusaHeads,
                  shape: TreeShape = TREE):
-        super().__init__(lm, prompt_ids, config, _HeadsName(heads_name(config, shape)), None)
+        self.kv = KVCache(lm.model)  # the target's own cache: the tree's forward feeds it directly
+        super().__init__(lm, prompt_ids, config, _HeadsName(heads_name(config, shape)), self.kv)
         self.heads, self.shape = heads, shape
         self.lm_head = lm.model.get_output_embeddings()
         self.hidden: torch.Tensor | None = None  # [H] at the position that produced the last token
@@ -369,7 +380,7 @@ class _MedusaVerifier(speculative._Verifier):
         fed = torch.tensor([[self.sequence[-1], *(n.token_id for n in tree)]], dtype=torch.long, device=self.lm.device)
         positions = cached + torch.tensor([[0, *(n.depth for n in tree)]], dtype=torch.long, device=self.lm.device)
         mask = tree_attention_mask(tree, cached, self.lm.dtype).to(self.lm.device)
-        kwargs = dict(input_ids=fed, attention_mask=mask, position_ids=positions, past_key_values=self.cache.cache,
+        kwargs = dict(input_ids=fed, attention_mask=mask, position_ids=positions, past_key_values=self.kv.cache,
                       use_cache=True)
         with torch.inference_mode():
             if self.plain_readout:
@@ -404,6 +415,7 @@ class _MedusaVerifier(speculative._Verifier):
             record, child = self.test_children(len(drafted), children, traced)
             drafted.append(record)
             if child is None:
+                assert record.resampled is not None  # every child refused: the target's token was drawn
                 emitted.append((record.resampled.token_id, traced))
                 return drafted, emitted, None, path
             emitted.append((child.token_id, traced))
@@ -422,9 +434,9 @@ class _MedusaVerifier(speculative._Verifier):
             best = sampling.greedy(traced.logits).token_id  # as decode's greedy pick
             for child in children:
                 child.status = "accepted" if child.token_id == best else "rejected"
-            child = next((c for c in children if c.token_id == best), None)
-            found = child is not None
-            return self._draft_record(depth, child or children[0], traced, float(found), None, found, p), child
+            match = next((c for c in children if c.token_id == best), None)
+            found = match is not None
+            return self._draft_record(depth, match or children[0], traced, float(found), None, found, p), match
         residual = p
         for child in children:
             accept_prob = float(residual[child.token_id])
@@ -465,7 +477,7 @@ class _MedusaVerifier(speculative._Verifier):
         steps, reason = self._emit(emitted)
         t3 = time.perf_counter()
         kept = len(self.sequence) - 1 - cached  # the root and the accepted nodes emitted before a stop
-        keep_rows(self.cache.cache, cached, [0, *(i + 1 for i in path)][:kept])
+        keep_rows(self.kv.cache, cached, [0, *(i + 1 for i in path)][:kept])
         self.cache.tokens = list(self.sequence[:-1])
         ids = self.generated[start:]
         return MedusaRound(

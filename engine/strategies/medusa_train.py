@@ -159,7 +159,7 @@ def cached_text(lm: Model, prompts: list[str], settings: Settings,
         return parts[0], parts[1]
     data = generate_text(lm, prompts[: -settings.holdout], settings)
     held = generate_text(lm, prompts[-settings.holdout:], settings)
-    if files:
+    if cache is not None:  # files name its contents
         cache.mkdir(parents=True, exist_ok=True)
         for f, part in zip(files, (data, held)):
             save_file({n: t.contiguous() for n, t in zip(("hidden", "tokens", "lengths"), part)}, str(f), metadata=key)
@@ -185,7 +185,7 @@ def to_shortlist(labels: torch.Tensor, vocab: torch.Tensor | None, vocab_size: i
 
 
 @torch.inference_mode()
-def accuracy(heads: MedusaHeads, lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> list[float]:
+def accuracy(heads: MedusaHeads, lm_head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> list[float]:
     """Per-head top-1 accuracy over the positions that have a label (full-vocabulary ids)."""
     hits = torch.zeros(heads.num_heads)
     counts = torch.zeros(heads.num_heads)
@@ -199,7 +199,7 @@ def accuracy(heads: MedusaHeads, lm_head: torch.nn.Module, hidden: torch.Tensor,
 
 
 @torch.inference_mode()
-def teacher_logprobs(heads: MedusaHeads, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def teacher_logprobs(heads: MedusaHeads, lm_head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """The base model's own next-token log-probabilities at every position [N, V'] (float16),
     renormalised over the shortlist (the whole vocabulary without one): computed once, read by
     every epoch (0.55 GB for the defaults' 58k positions x 4.7k tokens; 10x that with --vocab 0)."""
@@ -239,7 +239,7 @@ def train(lm: Model, heads: MedusaHeads, data: tuple[torch.Tensor, torch.Tensor]
             states = heads(hidden[idx])  # [B, K, H]
             logits = shortlist_logits(heads, lm_head, states) if len(heads.vocab) else lm_head(states).float()
             y = targets[idx]  # [B, K]
-            loss = 0.0
+            loss = torch.zeros(())
             if settings.soft < 1:
                 per_head = torch.nn.functional.cross_entropy(logits.permute(0, 2, 1), y, ignore_index=-100,
                                                              reduction="none")  # [B, K]
@@ -273,6 +273,13 @@ def _fmt(acc: list[float]) -> str:
 
 
 def parse(argv: list[str] | None) -> Settings:
+    """The training settings of a command line (``parse_run``'s first)."""
+    return parse_run(argv)[0]
+
+
+def parse_run(argv: list[str] | None) -> tuple[Settings, str | None, str | None]:
+    """A command line's training settings, its ``--out`` file and its ``--data-cache`` directory
+    (None: not given); a bad value exits in one line naming the argument."""
     defaults = Settings()
     p = argparse.ArgumentParser(prog="python -m engine.strategies.medusa_train", description=__doc__.split("\n")[0])
     for name, value in asdict(defaults).items():
@@ -298,13 +305,11 @@ def parse(argv: list[str] | None) -> Settings:
     for name in ("heads", "tokens", "epochs", "batch", "holdout", "gen_batch", "threads"):
         if getattr(settings, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(settings, name)}")
-    settings.out = out  # type: ignore[attr-defined]
-    settings.data_cache = args.data_cache  # type: ignore[attr-defined]
-    return settings
+    return settings, out, args.data_cache
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse(argv)
+    settings, out, data_cache = parse_run(argv)
     set_threads(settings.threads)
     torch.manual_seed(settings.seed)
     t0 = time.perf_counter()
@@ -314,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.holdout >= len(prompts):
         raise SystemExit(f"--holdout: {settings.holdout} leaves no training prompts (the file has {len(prompts)})")
     say(f"{lm.name}: self-distilling {len(prompts)} prompts x {settings.tokens} tokens, {settings.heads} heads")
-    cache = Path(settings.data_cache) if settings.data_cache else None
+    cache = Path(data_cache) if data_cache else None
     text, held_text = cached_text(lm, prompts, settings, cache)
     data = (text[0], labels_for(text[1], text[2], settings.heads))
     held = (held_text[0], labels_for(held_text[1], held_text[2], settings.heads))
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = MedusaHeads(int(lm.model.config.hidden_size), settings.heads, vocab).to(lm.device)
     say(f"shortlist: {len(vocab) if vocab is not None else lm.vocab_size} tokens")
     acc = train(lm, heads, (data[0].to(lm.device), data[1].to(lm.device)), (held[0].to(lm.device), held[1].to(lm.device)), settings)
-    path = settings.out and os.path.abspath(settings.out) or heads_path(lm.name)
+    path = out and os.path.abspath(out) or heads_path(lm.name)
     meta = {"base_model": lm.name, "heads": settings.heads, "hidden": int(lm.model.config.hidden_size)}
     digest = save_heads(heads, Path(path), meta)
     info = {"command": "python -m engine.strategies.medusa_train " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -103,7 +103,9 @@ def _step(model: RemoteModel, prompt_ids: list[int], running: list[_Beam], index
     """One step: every running beam (slot b) extends with its top-N; returns the record, the next
     running beams (slot order = the record's ``beam``) and the beams completed at this step."""
     eos, prompt_length = model.eos_token_ids, len(prompt_ids)
-    candidates, extended, entropies = [], [], []
+    candidates: list[BeamCandidate] = []
+    extended: list[_Beam] = []
+    entropies: list[float] = []
     for slot, beam in enumerate(running):
         top = model.api.next_top(prompt_ids + beam.tokens, top_n)
         model.learn_pieces(top)

@@ -68,12 +68,12 @@ def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: 
     cache = target.cache()
     collected, ended = [], False
     try:
-        for spec_round in speculative.rounds(target, prompt_ids, config, draft, cache=cache):  # type: ignore[arg-type]
+        for spec_round in speculative.rounds(target, prompt_ids, config, draft, cache=cache):
             collected.append(spec_round)
             yield Event(steps=list(spec_round.steps), record=spec_round)
     except NoTokensLeft:
         ended = True
-    trace = speculative.assemble(target, prompt, prompt_ids, config, collected, draft, chat)  # type: ignore[arg-type]
+    trace = speculative.assemble(target, prompt, prompt_ids, config, collected, draft, chat)
     if ended:
         trace.end_with_no_tokens_left()
     scoring = "prompt_logprobs (one request per round)" if target.capabilities.prompt_logprobs \
@@ -84,7 +84,7 @@ def stream(target: RemoteModel, prompt: str, prompt_ids: Sequence[int], config: 
     if compare_baseline:
         stepper = target.with_mode("step")
         trace.summary |= speculative.compare_with_baseline(
-            target, prompt, config, trace, chat, control,  # type: ignore[arg-type]
+            target, prompt, config, trace, chat, control,
             steps=lambda ids, base: stream_step(stepper, ids, base, top_n=stepper.top_n))
     yield Event(trace=trace)
 

@@ -28,7 +28,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ from engine.config import KNOBS, ConfigError, DecodingConfig, Knob, check_drafte
 from engine.control import RunControl, check
 from engine.cache.kv_quant import SELF_KV_DRAFTERS
 from engine.base.measures import common_prefix
-from engine.base.seam import Model
+from engine.base.seam import Cache, Model
 from engine.backends.registry import SELF_VARIANTS, ModelRegistry, resolve_variant
 from engine.chain import Chain, Traced
 from engine.core import RunContext, checked
@@ -191,7 +191,9 @@ class DraftContext:
 
 class Drafter(Protocol):
     name: str
-    forwards: int
+
+    @property
+    def forwards(self) -> int: ...  # the drafter's model calls so far
 
     def draft(self, sequence: list[int], k: int, ctx: DraftContext) -> Draft: ...
 
@@ -219,10 +221,10 @@ class ModelDrafter:
     """A draft model with its own KV cache. It drafts autoregressively with the target's stage
     chain (greedy argmax, or a seeded sample from q)."""
 
-    def __init__(self, lm: Model, name: str | None = None, cache: KVCache | None = None):
+    def __init__(self, lm: Model, name: str | None = None, cache: Cache | None = None):
         self.lm = lm
         self.name = name or lm.name
-        self.cache = cache or KVCache(lm.model)
+        self.cache = cache or lm.cache()
 
     @property
     def forwards(self) -> int:
@@ -270,9 +272,9 @@ class _Verifier:
     """Runs rounds for one prompt: holds the target cache, the sequence and the stage chain."""
 
     def __init__(self, lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter,
-                 cache: KVCache | None):
+                 cache: Cache | None):
         self.lm, self.config, self.drafter = lm, config, drafter
-        self.cache = cache or KVCache(lm.model)
+        self.cache = cache or lm.cache()
         self.chain = Chain.from_config(config, len(prompt_ids), lm.tokenizer, lm.eos_token_ids)
         self.generator = None if config.is_greedy else core.make_generator(config, lm.device)
         self.ctx = DraftContext(self.chain, self.generator, lm.vocab_size)
@@ -329,9 +331,12 @@ class _Verifier:
                 return drafted, emitted, bonus
             record = self._test(i, draft.tokens[i], traced, draft.q[i] if draft.q else None)
             drafted.append(record)
-            emitted.append((record.token_id if record.accepted else record.resampled.token_id, traced))
-            if not record.accepted:
-                return drafted, emitted, None
+            if record.accepted:
+                emitted.append((record.token_id, traced))
+                continue
+            assert record.resampled is not None  # _test sets it on a rejected token
+            emitted.append((record.resampled.token_id, traced))
+            return drafted, emitted, None
         raise AssertionError("unreachable: the loop returns at the bonus position")
 
     def _test(self, position: int, x: int, traced: Traced, q: torch.Tensor | None) -> DraftToken:
@@ -401,7 +406,7 @@ def next_k(k: int, num_drafted: int, num_accepted: int) -> int:
 
 
 def rounds(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, drafter: Drafter, *,
-           cache: KVCache | None = None) -> Iterator[SpecRound]:
+           cache: Cache | None = None) -> Iterator[SpecRound]:
     """Yield one SpecRound per draft-then-verify round until EOS, a stop string or max_new_tokens."""
     core.check_prompt(prompt_ids)
     verifier = _Verifier(lm, prompt_ids, config, drafter, cache)
@@ -496,7 +501,7 @@ def compare_with_baseline(lm: Model, prompt: str, config: DecodingConfig, trace:
     base_config = baseline_config(config)
     prompt_ids = list(trace.prompt_token_ids)
     local = steps is None
-    source = decode.stream(lm, prompt_ids, base_config) if local else steps(prompt_ids, base_config)
+    source = decode.stream(lm, prompt_ids, base_config) if steps is None else steps(prompt_ids, base_config)
     collected = []
     try:
         for step in source:
@@ -508,7 +513,7 @@ def compare_with_baseline(lm: Model, prompt: str, config: DecodingConfig, trace:
     spec_ms = trace.summary.get("total_ms", 0.0)
     base_ms = base.timing.total_ms
     got, expected = trace.generated_token_ids, base.generated_token_ids
-    difference = {}
+    difference: dict[str, Any] = {}
     if config.is_greedy:
         difference = first_difference(lm, prompt_ids, got, expected) if local else \
             {"baseline_first_difference": None if got == expected else common_prefix(got, expected)}

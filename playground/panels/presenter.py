@@ -149,7 +149,7 @@ class PresenterPanel:
         """``trace_of(state)``: the trace the presenter steps through (the lesson's shown run);
         ``step_of(state)``: the lesson's step in it (None: not said); ``model``, ``quantization``:
         the header's pickers (the what-if uses the loaded model)."""
-        local = {"api_visibility": "private", "queue": False}
+        local: dict[str, Any] = {"api_visibility": "private", "queue": False}
         outputs = [self.text, self.chart, self.index, self.temperature]
 
         def move(by: int):

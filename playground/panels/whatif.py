@@ -82,7 +82,7 @@ class WhatIfPanel:
             note = gr.Markdown(WHATIF_INTRO, elem_id="step-whatif-note")
             button = gr.Button("Continue from here with these knobs", scale=0, min_width=200,
                                elem_id="step-whatif-continue")
-        hidden = {"show_label": False, "container": False, "elem_classes": ["dp-hidden"]}
+        hidden: dict[str, Any] = {"show_label": False, "container": False, "elem_classes": ["dp-hidden"]}
         figure = gr.Textbox("", elem_id="step-whatif-figure", **hidden)
         key = gr.Textbox("", elem_id="step-whatif-key", **hidden)
         fallback = gr.Button("what if", elem_id=ids.STEP_WHATIF_FALLBACK, elem_classes=["dp-hidden"])

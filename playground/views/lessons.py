@@ -478,7 +478,7 @@ class LessonsTab:
                 self.presenter.qr: qr_block(base_url, f"{query}&{PRESENT_PARAM}=1")}
 
     def wire(self) -> None:
-        local = {"api_visibility": "private", "queue": False}
+        local: dict[str, Any] = {"api_visibility": "private", "queue": False}
         self.pick.change(self.on_pick, [self.pick, self.session], [self.steps, self.status, self.outcome], **local)
         self.load_btn.click(self.on_load_custom, [self.custom, self.session],
                             [self.session, self.steps, self.outcome, self.pick, self.status], **local)

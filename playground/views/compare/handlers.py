@@ -158,7 +158,7 @@ def wire_lanes(shared: Shared, page: Page) -> None:
     """Preset pickers fill their lane; any edit rewrites the lane's header (and a hand edit marks
     the lane custom); the strategy greys the knobs it ignores; add / duplicate / remove reshape
     the lanes (and their results)."""
-    local = {"api_visibility": "private", "queue": False}
+    local: dict[str, Any] = {"api_visibility": "private", "queue": False}
     for i, lane in enumerate(page.lanes):
         lane.preset.input(lambda *values, i=i, lane=lane: fill_lane(lane, i, values[:-1], values[-1]),
                           [*lane.controls, shared.user_presets], lane.controls + [lane.header], **local)
@@ -320,7 +320,7 @@ def wire_run(shared: Shared, page: Page) -> Any:
 def wire_inspect(page: Page) -> None:
     panel = page.inspect
     outputs = [panel.lane, panel.step, panel.explain, panel.chart]
-    local = {"api_visibility": "private", "queue": False}
+    local: dict[str, Any] = {"api_visibility": "private", "queue": False}
     for i, lane in enumerate(page.lanes):
         def on_select(session: CompareSession | None, evt: gr.SelectData, i: int = i) -> dict:
             index = evt.index if isinstance(evt.index, int) else evt.index[0]
