@@ -2,7 +2,7 @@
 "top-k vs top-p vs min-p" lesson took 537 s and stopped at the 120 s limit).
 
 The lesson's runs (three sampled lanes of 24 tokens) go through the app's kind of scheduler (one per
-model, default rows) as the Lessons tab sends them: one after the other, each with a ``RunControl``
+model, default rows, PRESENTER_ROWS kept) as the Lessons tab sends them: one after the other, each with a ``RunControl``
 whose ``priority`` says the presenter view is on. Timed alone, then with ``--users`` simulated users
 streaming long sampling runs through the same scheduler (their rows full, more waiting), then the
 same with ``priority`` off (the room's order: the presenter queues; bounded by ``--limit`` seconds,
@@ -24,7 +24,7 @@ from engine.backends.local import ModelSpec, load_model
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.reports.lessons import builtin_lessons
-from engine.scheduler import Scheduler
+from engine.scheduler import PRESENTER_ROWS, Scheduler
 
 ROOM_TOKENS = 1024  # each user's run: long enough to outlast the measurement; a new one starts when it ends
 
@@ -76,7 +76,7 @@ def main() -> None:
         raise SystemExit(f"--lesson: expected one of {', '.join(lessons)}, got {args.lesson!r}")
     lesson = lessons[args.lesson]
     lm = load_model(ModelSpec())
-    scheduler = Scheduler(lm)
+    scheduler = Scheduler(lm, presenter_rows=PRESENTER_ROWS)  # as the app's (engine.scheduler.Schedulers)
     lesson_time(lm, scheduler, lesson, True, args.limit)  # warm-up: first-call costs out of the timing
     alone = lesson_time(lm, scheduler, lesson, True, args.limit)
     stop = threading.Event()
