@@ -10,6 +10,7 @@ rules). Likewise ``pick`` is the one-row case of ``pick_rows``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -50,11 +51,14 @@ class RunContext:
     resume: tuple[StageTrace, ...] | None = None  # the run's stage records at the step after prefix (same knobs)
 
 
-def checked(source: Iterator, control: RunControl | None) -> Iterator:
+T = TypeVar("T")
+
+
+def checked(source: Iterator[T], control: RunControl | None) -> Iterator[T]:
     """Items of ``source``, checking ``control`` before each one is computed (a cancelled or
     timed-out run stops within one step). A stopped run closes ``source`` at once (a served
     model's streamed request then ends on the server too)."""
-    try:
+    with closing_stream(source):
         while True:
             check(control)
             try:
@@ -62,8 +66,16 @@ def checked(source: Iterator, control: RunControl | None) -> Iterator:
             except StopIteration:
                 return
             yield item
+
+
+@contextlib.contextmanager
+def closing_stream(source: Iterator[T]) -> Iterator[Iterator[T]]:
+    """``source``, closed on leaving the block when it can be (a generator: every stream is one; a
+    served model's streamed request then ends on the server too)."""
+    try:
+        yield source
     finally:
-        close = getattr(source, "close", None)  # a generator (every stream is one)
+        close = getattr(source, "close", None)
         if close is not None:
             close()
 
@@ -179,9 +191,6 @@ def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torc
         else:
             out[i] = sampling.sample_at(probs[i], support, vocab[i], generator)
     return every(out)
-
-
-T = TypeVar("T")
 
 
 def every(items: list[T | None]) -> list[T]:

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from engine import core
 from engine.backends.registry import ModelRegistry
-from engine.base.seam import Model
+from engine.base.seam import Model, Models
 from engine.config import DecodingConfig
 from engine.control import RunControl, under
 from engine.core import RunContext
@@ -55,7 +55,7 @@ class RunRequest:
     config: DecodingConfig
     chat: bool = False
     prompt_ids: Sequence[int] | None = None
-    registry: ModelRegistry | None = None
+    registry: Models | None = None
     control: RunControl | None = None
     compare_baseline: bool = False
     scheduler: Any = None
@@ -199,7 +199,7 @@ class EngineRuns:
     which import no orchestrator, run strategies and open a private scheduler."""
 
     def run(self, lm: Model, prompt: str, config: DecodingConfig, *, chat: bool = False,
-            prompt_ids: Sequence[int] | None = None, registry: ModelRegistry | None = None,
+            prompt_ids: Sequence[int] | None = None, registry: Models | None = None,
             scheduler: Any = None) -> Trace:
         return run(RunRequest(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, registry=registry,
                               scheduler=scheduler))

@@ -134,7 +134,7 @@ class ModelSlots:
 
     def in_use(self, kind: str) -> int:
         """Slots of ``kind`` held now (for tests and the bench)."""
-        return self.limits[kind] - self._free[kind]._value  # type: ignore[attr-defined]
+        return self.limits[kind] - self._free[kind]._value
 
 
 class RunSlots:
@@ -195,7 +195,7 @@ def zero_gpu(fn: Callable) -> Callable:
     if not on_space():
         return fn
     try:
-        import spaces  # type: ignore[import-not-found]
+        import spaces
     except ImportError:
         return fn
     return spaces.GPU(duration=env_int("DP_GPU_SECONDS", 120))(carrying_user_errors(fn))
@@ -389,7 +389,7 @@ def toast_text(message: str) -> str:
     return message.replace("<", "&lt;")
 
 
-def _without_control(fn: Callable, wrapper: Callable) -> Callable:
+def _without_control(fn: Callable, wrapper: Any) -> Callable:
     """``wrapper`` presented to Gradio with ``fn``'s name, doc, signature and type hints, minus
     the ``control`` parameter the wrapper supplies itself (``fn`` may be a functools.partial)."""
     target = fn.func if isinstance(fn, functools.partial) else fn
@@ -442,7 +442,7 @@ def as_rows(handler: Callable[..., Iterator[dict]], outputs: list) -> Callable[.
     return rows
 
 
-def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[[str], dict], what: str,
+def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[..., dict], what: str,
              outputs: list | None = None, sessions: SessionRuns | None = None, group: str | None = None,
              slots: ModelSlots | None = None) -> Callable:
     """An async generator for Gradio that drives ``handler`` in a worker thread. Cancelling the
@@ -660,5 +660,5 @@ def _run_groups(events: list) -> Iterator[tuple[SessionRuns, str]]:
     """(the runs, the event group) of each of ``events`` that ``ModelEvents.on`` registered."""
     for event in events:
         runs, group = getattr(event, "dp_stop", (None, None))
-        if runs is not None:
+        if runs is not None and group is not None:
             yield runs, group

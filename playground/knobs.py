@@ -254,8 +254,9 @@ class KnobPanel:
                         control.info = f"{IGNORED_BY_GREEDY} {control.info or ''}"
 
     @property
-    def inputs(self) -> list[gr.components.Component]:
-        """Controls in a fixed order: strategy, knobs..., stage order (if shown)."""
+    def inputs(self) -> list[Any]:
+        """Controls in a fixed order: strategy, knobs..., stage order (if shown): components of several
+        kinds (each has its events)."""
         return [self.strategy, *self.components.values()] + ([self.stage_order] if self.stage_order else [])
 
     def values(self, *values: Any) -> dict[str, Any]:
@@ -308,7 +309,7 @@ class KnobPanel:
         self.preset.input(on_pick, [self.preset, self.shared.user_presets], self.inputs + [self.modified], **local)
         for component in self.inputs:  # in the page: Gradio runs one trigger's events one after another
             component.input(None, [self.preset], [self.modified], js=MODIFIED_JS, **local)
-        if self.stage_order is not None:  # a preset or share link filled the order: redraw the list
+        if self.stage_order is not None and self.stage_list is not None:  # a preset or share link filled the order
             target = f"{self.prefix}stage-order"
             self.stage_order.change(lambda text: stage_list_html(parse_stage_order(text), target), [self.stage_order],
                                     [self.stage_list], **local)

@@ -268,7 +268,8 @@ class LessonTarget(Protocol):
     (the one place that knows every view) hands it the pages. ``name``: the share-link view name
     (its tab is ``tab-<name>``, a lesson's ``view``)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def lesson_outputs(self) -> list:
         """Every component ``lesson_updates`` may set."""
@@ -305,6 +306,7 @@ class PanelView:
         return updates, RUN_BUTTONS.get(self.name, "")
 
 
+@dataclasses.dataclass
 class OutputSet:
     """Base for a view's bundle of output components (a dataclass): ``all()`` lists them, for an
     event's ``outputs=``; handlers return ``{component: value}`` dicts, so order never matters."""

@@ -8,7 +8,8 @@ dropdowns, gr.State, hidden keys) are left alone, so the page can run again as i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import gradio as gr
 
@@ -34,17 +35,24 @@ def empty_value(component: Any) -> Any:
 
 
 def cleared(status: Any, outputs: Iterable[Any], keep: Iterable[Any] = (),
-            also: dict | None = None) -> Callable[[str], dict]:
+            also: dict | None = None) -> "Cleared":
     """An ``on_error`` for a run event with ``outputs``: ``{status: the message}`` plus every
     chart, text and download output (but ``keep``) emptied, with a line saying why; ``also``:
     more values to set (e.g. a hidden key the page's script reads, emptied)."""
     kept = {id(c) for c in keep} | {id(status)}
     empties = {c: v for c in outputs if id(c) not in kept and (v := empty_value(c)) is not _LEAVE} | (also or {})
+    return Cleared(status, empties)
 
-    def on_error(message: str, stopped: bool = False) -> dict:
+
+@dataclass(frozen=True)
+class Cleared:
+    """``cleared``'s ``on_error``: called with the message (and ``stopped``); ``status`` is read by
+    events.streamed, so a stopped run keeps the outputs it has set itself."""
+
+    status: Any
+    empties: dict
+
+    def __call__(self, message: str, stopped: bool = False) -> dict:
         if stopped:  # Stop or the time limit: not an error, and this run's own output stays (events.streamed)
-            return empties | {status: status_html(f"{message}; {STOPPED_NOTE}")}
-        return empties | {status: error_html(message) + status_html(CLEARED_NOTE)}
-
-    on_error.status = status  # events.streamed: a stopped run keeps the outputs it has set itself
-    return on_error
+            return self.empties | {self.status: status_html(f"{message}; {STOPPED_NOTE}")}
+        return self.empties | {self.status: error_html(message) + status_html(CLEARED_NOTE)}

@@ -101,8 +101,9 @@ class KeptLogits:
     logits: torch.Tensor
 
 
-def context_key(model: str, quantization: str, trace: Trace, step: int) -> str:
-    """A digest of (model, quantization, the token ids before ``step``): equal keys, equal raw logits."""
+def context_key(model: Any, quantization: Any, trace: Trace, step: int) -> str:
+    """A digest of (model, quantization, the token ids before ``step``): equal keys, equal raw logits
+    (``model`` and ``quantization`` as the page sent them)."""
     ids = explore.step_context(trace, step)
     return hashlib.sha256(repr((model, quantization, ids)).encode()).hexdigest()
 
@@ -202,8 +203,9 @@ def axis_note(fig: Any, panels: int) -> str:
     """What the probability axes of ``fig``'s ``panels`` stage panels are, read from the figure:
     one shared axis (every panel set to the same range, named) or each panel on its own scale."""
     spans = stage_axis_spans(fig, panels)
-    if spans and all(s is not None and s == spans[0] for s in spans):
-        low, high = spans[0]
+    first = spans[0] if spans else None
+    if first is not None and all(s == first for s in spans):
+        low, high = first
         return f"one probability axis for all stages, {'0' if low == 0 else pct(low)} to {pct(high)}"
     return "each panel on its own scale"  # the words of the run's own chart (charts.step.stage_chart)
 
@@ -332,6 +334,7 @@ class WhatIfService:
         try:
             knobs = self.panel.values(*values)
             key = context_key(model, quant, trace, at)
+            changed: StepTrace | dict
             if load:
                 changed = self.compute(session, self.shared.lm(model, quant), trace, at, knobs, key)
             else:
@@ -434,8 +437,9 @@ class WhatIfService:
         if trace is None or not trace.steps or trace.strategy not in STAGE_STRATEGIES:
             return {"figure": None, "note": None}  # nothing to draw
         step = request.get("step")
-        number = isinstance(step, (int, float)) and not isinstance(step, bool)
-        return session, trace, max(0, min(int(step), len(trace.steps) - 1)) if number else 0
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            return session, trace, max(0, min(int(step), len(trace.steps) - 1))
+        return session, trace, 0
 
 
 def dumps(payload: dict) -> str:

@@ -75,7 +75,7 @@ class LlamaCppApi:
     vocab_size: int = VOCAB_BOUND  # the ids its answers may hold (connect sets the server's n_vocab)
     # What it adds to a served model's capabilities (engine.base.seam): no prompt log-probabilities (one
     # position per request), no logits processor of ours
-    prompt_logprobs = False
+    scores_prompt = False
     server_draws = False
 
     def schema(self, path: str) -> Schema:

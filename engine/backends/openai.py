@@ -123,7 +123,7 @@ class OpenAIApi:
     server_draws: bool = False  # a vLLM with deploy/vllm_plugin/dp_draws.py loaded (the spec's draws=1)
 
     @property
-    def prompt_logprobs(self) -> bool:
+    def scores_prompt(self) -> bool:
         """One request scores every position of a sequence: vLLM's ``prompt_logprobs`` (llama-server's
         OpenAI-compatible endpoint has none)."""
         return self.dialect == "vllm"

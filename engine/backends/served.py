@@ -98,8 +98,9 @@ class RemoteSpec:
                                  "&eos=<id>+<id>[&top=<1..1000>][&draws=0|1][&tokenizer=embedded] (llamacpp reports "
                                  "both itself)")
             found[name] = tuple(int(n) for n in numbers)
-        return cls(backend, url.rstrip("/"), *found.get("vocab", (None,)), found.get("eos", ()),
-                   *found.get("top", (None,)), bool(found.get("draws", (0,))[0]), tokenizer)
+        vocab, top = found.get("vocab"), found.get("top")
+        return cls(backend, url.rstrip("/"), vocab_size=vocab[0] if vocab else None, eos_token_ids=found.get("eos", ()),
+                   top_n=top[0] if top else None, draws=bool(found.get("draws", (0,))[0]), tokenizer=tokenizer)
 
     def __str__(self) -> str:
         options = ([f"vocab={self.vocab_size}"] if self.vocab_size else []) + \
@@ -262,7 +263,7 @@ class RemoteModel:
         """A top-N per position (step mode asks ``top_n``), streamed generations, what its API adds
         (vLLM's prompt log-probabilities, our draws); its sampler picks in fast mode; no logits,
         hidden states, cache or weights (engine.base.seam)."""
-        return served_capabilities(self.top_n, fast=self.mode == "fast", prompt_logprobs=self.api.prompt_logprobs,
+        return served_capabilities(self.top_n, fast=self.mode == "fast", prompt_logprobs=self.api.scores_prompt,
                                    our_draws=self.api.server_draws)
 
     @property

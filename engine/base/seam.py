@@ -173,3 +173,10 @@ class WeightedModel(Model, Protocol):
     disk_bytes: int  # a 4-bit checkpoint's weight files on disk (0: not loaded from one)
     packed_bytes: int  # its packed 4-bit weights and scales
     measures: dict[str, float]  # measures of the model alone, computed once (held-out perplexity)
+
+
+class Models(Protocol):
+    """Where models come from, by spec (``engine.backends.registry.ModelRegistry``, or the page's
+    registry that checks each one against the operator's policy first)."""
+
+    def get(self, spec: Any, progress: Any = None, *, key: str = "model") -> Model: ...

@@ -39,7 +39,7 @@ from engine.reports.quant_report import compare_methods
 from engine.backends.local import ModelSpec
 from engine.backends.registry import ModelRegistry
 from engine.backends.served import ModelPick, RemoteLabel
-from engine.base.seam import Capabilities, Model
+from engine.base.seam import Capabilities, Model, Models
 from engine.reports.runs import Runs
 from engine.presets import MAX_PRESET_BYTES, Preset, PresetError, loads_strict, parse_preset
 from engine.trace import Trace
@@ -322,7 +322,7 @@ def run_sources(lesson: Lesson, page_model: str, environ: Any = None, offered: S
     return out
 
 
-def run_model(registry: ModelRegistry, source: str, lm: Model) -> Any:
+def run_model(registry: Models, source: str, lm: Model) -> Model:
     """The model a run's source names: ``lm`` itself, or the listed server (fast mode after ``fast:``)."""
     if source == getattr(lm, "source", lm.name):
         return lm
@@ -332,7 +332,7 @@ def run_model(registry: ModelRegistry, source: str, lm: Model) -> Any:
 
 
 # --- running and checking --------------------------------------------------------------------
-def run_lesson(lm: Model, lesson: Lesson, registry: ModelRegistry | None = None,
+def run_lesson(lm: Model, lesson: Lesson, registry: Models | None = None,
                environ: Any = None, *, runs: Runs) -> list[Trace]:
     """Every run of the lesson (its lanes, or its one preset) on ``lm``, or on the server its
     ``models`` name, through ``runs`` (``engine.runner.RUNS``)."""
@@ -363,7 +363,7 @@ def taught_run(lesson: Lesson) -> int | None:
     return None
 
 
-def evaluate(lm: Model, lesson: Lesson, traces: Sequence[Trace], registry: ModelRegistry | None = None, *,
+def evaluate(lm: Model, lesson: Lesson, traces: Sequence[Trace], registry: Models | None = None, *,
              runs: Runs) -> Outcome:
     """Run the lesson's check over its traces (a check that runs more goes through ``runs``:
     ``engine.runner.RUNS``)."""

@@ -315,7 +315,7 @@ HYPOTHESES_HEADERS = ["rank", "found", "text", "tokens", "log-prob", "score", "s
 HYPOTHESES_NOTE = ("rank: under the slider's length penalty · found: the search's own rank · log-prob: summed, in nats · "
                    "score: at the search's length penalty · score now: at the slider's. "
                    + glossary.hover("length penalty"))
-HYPOTHESES_WIDTHS = ["9%", "9%", "37%", "9%", "12%", "12%", "12%"]  # for gr.Dataframe(column_widths=...)
+HYPOTHESES_WIDTHS: list[str | int] = ["9%", "9%", "37%", "9%", "12%", "12%", "12%"]  # for gr.Dataframe(column_widths=...)
 
 
 def winner_note(beam: BeamTrace, length_penalty: float) -> str:

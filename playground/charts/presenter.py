@@ -37,7 +37,7 @@ def step_chart(step: StepTrace, width: float | None = None, source: Source = LOC
     bars = max(charts.panel_rows(step), default=1)
     font = PHONE_FONT if narrow else BIG_FONT
     tick_font = font if narrow or (rows == 1 and bars <= 7) else WIDE_TICK_FONT  # 10 bars fit 720 px at 18 px
-    if narrow:
+    if narrow and width is not None:  # (narrow: a width was given)
         label_px = max((len(t) for t in charts.tick_labels(step)), default=4) * CHAR_EM * tick_font + 12
         gap = min(0.45, label_px / max(1.0, width - 40 - label_px)) if columns > 1 else 0.12
         fig = legible_stage_chart(step, source, columns=columns, gap_px=130, panel_px=int(bars * BAR_PX), column_gap=gap)

@@ -57,12 +57,12 @@ def clock(values: Sequence[float]) -> np.ndarray:
 
 def thin(xs: np.ndarray, ys: Sequence[float], limit: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
     """At most ``limit`` points: consecutive buckets, each drawn at its largest value (peaks stay)."""
-    ys = np.asarray(ys, dtype=float)
+    values = np.asarray(ys, dtype=float)
     if len(xs) <= limit:
-        return xs, ys
+        return xs, values
     size = -(-len(xs) // limit)
-    keep = [i + int(np.argmax(ys[i:i + size])) for i in range(0, len(xs), size)]
-    return xs[keep], ys[keep]
+    keep = [i + int(np.argmax(values[i:i + size])) for i in range(0, len(xs), size)]
+    return xs[keep], values[keep]
 
 
 def card(value: str, label: str, source: str, key: str) -> str:
@@ -238,10 +238,10 @@ def prefix_html(d: Any) -> str:
             f'<br><small>measured: our scheduler, {utc(d.at)}{load_text(d.load)}</small></div>')
 
 
-def grouped_bars(names: Sequence[str], bars: Sequence[tuple[str, Sequence[float], str, str]], heading: str,
+def grouped_bars(names: Sequence[str], bars: Sequence[tuple[str, Sequence[float], str, str]], heading: dict,
                  **axes: Any) -> go.Figure:
     """Measured quantities side by side for each of ``names``: ``bars`` are (legend label, one value
-    a name, colour, y axis); a bar on "y2" reads the right-hand scale, and each bar then keeps its own
+    a name, colour, y axis), ``heading`` the figure's title (``title``); a bar on "y2" reads the right-hand scale, and each bar then keeps its own
     offset group so bars on the two scales stand beside each other, not on top."""
     fig = go.Figure()
     for label, values, colour, axis in bars:

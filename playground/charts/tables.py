@@ -23,10 +23,10 @@ def longest_word(text: Any) -> int:
     return max((len(word) for word in str(text).split()), default=0)
 
 
-def column_widths(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+def column_widths(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str | int]:
     """Each column's width in px (Gradio's ``column_widths``): its longest word, header or cell, whole
     on one line; PROSE_PX at least for a column of sentences."""
-    widths = []
+    widths: list[str | int] = []
     for j, header in enumerate(headers):
         cells = [row[j] for row in rows if j < len(row)]
         chars = max([longest_word(header), *(longest_word(c) for c in cells)])

@@ -66,7 +66,7 @@ class Outputs(OutputSet):
 def rerank_outputs(session: BeamSession | None, length_penalty: float, collapse: bool) -> list:
     """Tree (highlighting the re-ranked winner), table, greedy and winner notes: pure, no model."""
     search = session.beam() if session else None
-    if search is None or not search.hypotheses:
+    if session is None or search is None or not search.hypotheses:
         return [gr.update()] * 4
     best = charts.rerank(search.hypotheses, length_penalty)[0][0]
     return [charts.tree_figure(search, collapse, highlight=best),
@@ -78,6 +78,8 @@ def rerank_outputs(session: BeamSession | None, length_penalty: float, collapse:
 def render(out: Outputs, session: BeamSession, length_penalty: float, collapse: bool, status: str) -> dict:
     """Every output for a finished run."""
     search = session.beam()
+    if search is None:
+        raise ValueError("beam: the run holds no search to draw")
     return rerank_updates(out, session, length_penalty, collapse) | {
         out.summary: "\n\n".join(filter(None, [charts.step_summary(search), remote_markdown(session.trace)])),
         out.slider: gr.update(value=length_penalty), out.status: status,
@@ -87,17 +89,18 @@ def render(out: Outputs, session: BeamSession, length_penalty: float, collapse: 
 def rerank_updates(out: Outputs, session: BeamSession | None, length_penalty: float, collapse: bool) -> dict:
     """``rerank_outputs`` keyed by component (empty when there is nothing to re-rank)."""
     values = rerank_outputs(session, length_penalty, collapse)
-    if session is None or session.beam() is None or not session.beam().hypotheses:
+    search = session.beam() if session is not None else None
+    if search is None or not search.hypotheses:
         return {}
     return dict(zip((out.tree, out.hypotheses, out.greedy, out.winner), values))
 
 
 def _greedy_markdown(session: BeamSession, length_penalty: float) -> str:
-    g = session.greedy
-    if g is None:
+    g, search = session.greedy, session.beam()
+    if g is None or search is None:
         return ""
     logprobs = [math.log(max(s.chosen_prob, 1e-45)) for s in g.steps]
-    return charts.greedy_note(g.generated_token_ids, g.text, logprobs, session.beam(), length_penalty,
+    return charts.greedy_note(g.generated_token_ids, g.text, logprobs, search, length_penalty,
                               _score_length(session.trace, g))
 
 
@@ -146,6 +149,8 @@ def stream_run(out: Outputs, shared: Shared, session: BeamSession, req: BeamRequ
             yield {out.tree: charts.tree_figure(partial, req.collapse), out.summary: charts.step_summary(partial),
                    out.status: status_html(f"searching… step {len(steps)} / {req.config.max_new_tokens}")}
     final = session.beam()
+    if final is None:
+        raise ValueError("beam: the run ended without its search")
     yield {out.tree: charts.tree_figure(final, req.collapse), out.summary: charts.step_summary(final),
            out.status: status_html("search finished; decoding greedily for comparison…"), out.session: session}
     session.greedy = shared.run(req.lm, req.prompt, req.config.replace(strategy="greedy"), chat=req.chat,

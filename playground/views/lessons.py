@@ -213,9 +213,9 @@ def contrastive_figure(trace: Trace, at: int) -> go.Figure | None:
     """Contrastive search at step ``at``: each top-k candidate's probability, degeneration penalty
     (its largest cosine similarity with the context) and score; the chosen token is outlined."""
     records = contrastive.records(trace)
-    if not 0 <= at < len(records) or not hasattr(records[at], "candidates"):
+    record = records[at] if 0 <= at < len(records) else None
+    if not isinstance(record, contrastive.SearchStep):
         return None
-    record = records[at]
     cands = record.candidates
     labels = [f"{readable(c.token)} #{i}" if [readable(d.token) for d in cands].count(readable(c.token)) > 1
               else readable(c.token) for i, c in enumerate(cands)]
@@ -336,12 +336,12 @@ class LessonsTab:
     present: gr.Checkbox
     base_url: gr.Textbox
     presenter: PresenterPanel
-    session: gr.State = None
-    open_run: gr.Textbox = None  # hidden: the run button "Open in its view" presses ("" none)
-    stop_btn: gr.Button = None
-    width: gr.Number = None  # hidden: the page width (px) the page's script writes (the chart's layout)
-    redraw: gr.Button = None  # hidden: pressed by the page's script when the chart was laid out for another width
-    live_btn: gr.Button = None  # "Run it live": the lesson run again, not this deployment's kept result
+    session: gr.State
+    open_run: gr.Textbox  # hidden: the run button "Open in its view" presses ("" none)
+    stop_btn: gr.Button
+    width: gr.Number  # hidden: the page width (px) the page's script writes (the chart's layout)
+    redraw: gr.Button  # hidden: pressed by the page's script when the chart was laid out for another width
+    live_btn: gr.Button  # "Run it live": the lesson run again, not this deployment's kept result
     results: LessonResults | None = None  # the deployment's checked results (None: every press runs)
 
     @property

@@ -25,7 +25,7 @@ from ..shared import Shared, error_html, status_html
 
 TARGETS = {"text-generation-webui (YAML preset)": to_textgen_webui, "llama.cpp (command-line flags)": to_llama_cpp}
 TABLE_HEADERS = ["Name", "Strategy", "Settings", "Description"]
-COLUMN_WIDTHS = ["18%", "14%", "30%", "38%"]
+COLUMN_WIDTHS: list[str | int] = ["18%", "14%", "30%", "38%"]
 DEFAULT_CHOICE = "balanced"
 
 
@@ -194,7 +194,7 @@ def _wire_editor(shared: Shared, c: Editor, interop: Interop) -> None:
         language = "yaml" if which.startswith("text-generation") else "shell"
         return gr.update(value=out_text, language=language), notes, gr.update(value=path, visible=path is not None)
 
-    private = {"api_visibility": "private"}
+    private: dict[str, Any] = {"api_visibility": "private"}
     c.picker.input(on_pick, [c.picker, shared.user_presets], [c.editor, c.status], **private
                       ).then(on_interop, [c.editor, target], [interop_text, interop_notes, interop_file], **private)
     # blur, not input: the export (and its file) is rebuilt once per edit, not once per keystroke
@@ -219,7 +219,7 @@ def _wire_editor(shared: Shared, c: Editor, interop: Interop) -> None:
 
 
 def _wire_mine(shared: Shared, c: Editor, m: Mine) -> None:
-    private = {"api_visibility": "private"}
+    private: dict[str, Any] = {"api_visibility": "private"}
 
     def refresh(stored: Any, choice: str, mine_choice: str):
         presets, errors = ui.read_user_presets(stored)

@@ -159,16 +159,19 @@ def stream_mcts(out: MctsOutputs, shared: Shared, req: RunRequest, control: RunC
             session.positions.append(event.record)
         if redraw and event.trace is None and session.positions:
             yield progress_updates(out, req.lm, session, req.config.max_new_tokens)
-    session.positions = positions_of(session.trace)
-    if session.trace.summary.get("stopped"):
-        interrupted = interrupted_of(session.trace)
+    trace = session.trace
+    if trace is None:
+        raise RuntimeError("stream ended without a trace")
+    session.positions = positions_of(trace)
+    if trace.summary.get("stopped"):
+        interrupted = interrupted_of(trace)
         session.positions += [interrupted] if interrupted is not None else []
-        yield mcts_render(out, session, status_html(stopped_status(session.trace, req.config.max_new_tokens, control)))
+        yield mcts_render(out, session, status_html(stopped_status(trace, req.config.max_new_tokens, control)))
         return
     yield mcts_render(out, session, status_html("search finished; greedy and beam on the same prompt for comparison…"))
-    traces, stopped = side_by_side(shared, req, session.trace, control)
+    traces, stopped = side_by_side(shared, req, trace, control)
     session.quality = quality_rows(req.lm, req.prompt_ids, traces)
-    done = f"{len(session.positions)} tokens, {session.trace.summary.get('simulations', 0)} simulations"
+    done = f"{len(session.positions)} tokens, {trace.summary.get('simulations', 0)} simulations"
     if stopped is not None:
         why = "time limit reached" if stopped.reason == "time_limit" else "stopped"
         yield mcts_render(out, session, status_html(
@@ -367,6 +370,8 @@ def stream_medusa(out: MedusaOutputs, shared: Shared, req: RunRequest, control: 
         if redraw and event.trace is None and session.rounds:
             yield {out.text: text, out.accept: medusa_charts.accept_figure(session.rounds),
                    out.status: status_html(f"round {len(session.rounds)}…")}
+    if session.trace is None:
+        raise RuntimeError("stream ended without a trace")
     session.rounds = rounds_of(session.trace)
     session.first_tokens = first_tokens(req.lm, session.trace, session.rounds)
     yield medusa_render(out, session, status_html("done: pick a round to see the heads' proposals."))

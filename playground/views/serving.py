@@ -102,9 +102,10 @@ def room_summary(shared: Shared, model: Any, quantization: Any, window_s: float)
     lm = shared.loaded_lm(model, quantization)
     if lm is None:
         return None, f"{model}: not loaded yet: no run has used it since the server started"
-    if not lm.capabilities.scheduled:  # its server batches the requests, not our scheduler
+    scheduler = shared.scheduler_for(lm)
+    if scheduler is None:  # its server batches the requests, not our scheduler
         return None, f"{model}: a served model; its server batches the requests (see 'A served vLLM' below)"
-    return summarise(shared.scheduler_for(lm).serving.snapshot(window_s)), None
+    return summarise(scheduler.serving.snapshot(window_s)), None
 
 
 def live_updates(out: LiveOutputs, shared: Shared, model: Any, quantization: Any, label: Any, start: Any) -> dict:
@@ -284,7 +285,7 @@ def _wire_live(shared: Shared, out: LiveOutputs, label: Any, start: Any, refresh
             updates |= vllm_updates(vllm["cards"], vllm["plot"], vllm["watches"], server, picked, since)
         return updates
 
-    private = {"api_visibility": "private", "queue": False}
+    private: dict[str, Any] = {"api_visibility": "private", "queue": False}
     gr.on([refresh.click, timer.tick, label.change], on_refresh, inputs, outputs, **private)
     live.change(lambda on: gr.Timer(active=bool(on)), live, timer, **private)
     new_window.click(lambda: time.time(), None, start, **private).then(on_refresh, inputs, outputs, **private)

@@ -83,7 +83,7 @@ def selection_note(session: SpecSession) -> str:
     """What the selected position is and what to do next."""
     sel = session.selected
     spec_round = charts.find_round(session.rounds, sel[0]) if sel else None
-    if spec_round is None:
+    if sel is None or spec_round is None:
         return "Click a chip to see its acceptance test."
     rejected = sel[1] < len(spec_round.drafted) and not spec_round.drafted[sel[1]].accepted
     what = "the first rejected draft" if rejected else "the first drafted token (every draft was accepted)"
@@ -95,7 +95,7 @@ def detail(out: Outputs, session: SpecSession) -> dict:
     sel = session.selected
     spec_round = charts.find_round(session.rounds, sel[0]) if sel else None
     choices = charts.position_choices(session.rounds)
-    if spec_round is None:
+    if sel is None or spec_round is None:
         explain = PICK_A_TOKEN if session.rounds else ""
         return {out.position: gr.update(choices=choices, value=None), out.explain: explain, out.pq: None,
                 out.residual: None}
@@ -154,6 +154,8 @@ def stream_run(out: Outputs, shared: Shared, session: SpecSession, req: SpecRequ
                     note += "; then timing a target-only run of the same settings…"
                 yield render(out, session, status_html(note), full=False)
     session.selected = default_position(session.rounds)  # the first rejection: p vs q shows something at once
+    if session.trace is None:
+        raise RuntimeError("stream ended without a trace")
     done = (f"done: {len(session.trace.generated_token_ids)} tokens in {len(session.rounds)} rounds, stopped by "
             f"{session.trace.stop_reason}. {selection_note(session)}")
     yield render(out, session, status_html(done))
@@ -245,7 +247,7 @@ def _wire(shared: Shared, view: PanelView, out: Outputs, compare: gr.Checkbox, g
             return {}
         return select(state, position)
 
-    local = {"api_visibility": "private", "queue": False}
+    local: dict[str, Any] = {"api_visibility": "private", "queue": False}
     out.rounds.click(on_chip, [out.session], out.all(), **local)
     out.position.input(lambda s, v: select(s, charts.parse_position(v)), [out.session, out.position], out.all(), **local)
     shared.events.api(functools.partial(speculative_trace, shared), "speculative_trace")

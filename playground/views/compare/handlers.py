@@ -44,7 +44,7 @@ def specs_from(values: Sequence[Any], count: int) -> list[LaneSpec]:
 
 def lane_updates(lane: LaneWidgets, i: int, spec: LaneSpec) -> dict:
     """``{control: update}`` showing ``spec`` in lane ``i``: values, header, greyed knobs."""
-    out = {lane.preset: spec.preset, lane.strategy: spec.strategy, lane.more: spec.more,
+    out: dict[Any, Any] = {lane.preset: spec.preset, lane.strategy: spec.strategy, lane.more: spec.more,
            lane.header: charts.lane_header(lane_name(i), *summary_of(spec))}
     for name, control in lane.knobs.items():
         out[control] = gr.update(value=spec.knob(name), **compact_knob_state(name, spec.strategy))

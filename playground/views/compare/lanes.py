@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from engine.backends.served import RemoteLabel
 from engine.base.seam import Model
 from engine.config import KNOBS, ConfigError, DecodingConfig, check_knob
 from engine.reports.metrics import first_divergence
@@ -126,7 +127,10 @@ def default_spec(used: Sequence[LaneSpec]) -> LaneSpec:
     lane's seed and max_new_tokens, so lanes compare on one seed and budget unless changed."""
     taken = {s.preset for s in used}
     choice = next((p for p in LANE_PRESETS if p not in taken), LANE_PRESETS[0])
-    return spec_from_preset(choice, keep=used[-1] if used else None)
+    spec = spec_from_preset(choice, keep=used[-1] if used else None)
+    if spec is None:
+        raise ValueError(f"lanes: the built-in preset {choice!r} is missing")
+    return spec
 
 
 def add_lane(specs: Sequence[Any], new: Any) -> list:
@@ -203,8 +207,9 @@ class CompareSession:
         """Where lane ``i`` runs, in words: its served model (and mode), "" on our own engine."""
         if i < len(self.served):
             return self.served[i]
-        remote = self.traces[i].extra.get("remote") if i < len(self.traces) and self.traces[i] else None
-        return served_words(self.traces[i].model, remote["mode"]) if remote else ""
+        trace = self.traces[i] if i < len(self.traces) else None
+        label = RemoteLabel.of(trace) if trace is not None else None
+        return served_words(trace.model, label.mode) if trace is not None and label is not None else ""
 
     def made(self, i: int) -> int:
         """Lane ``i``'s tokens so far (a beam search's: its search steps, its tokens come at the end)."""

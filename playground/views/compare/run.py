@@ -16,7 +16,6 @@ import functools
 import queue
 import threading
 import time
-from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -24,6 +23,7 @@ from engine import runner
 from engine.base.seam import Model
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped, run_under
+from engine.core import closing_stream
 from engine.backends.client import RemoteError
 from engine.trace import Event, StepTrace, Trace
 
@@ -61,7 +61,7 @@ class LaneRun:
 def drive(run: LaneRun, events: Callable[[], Iterator[Event]], ended: queue.SimpleQueue, i: int) -> None:
     """Lane ``i``'s thread: record its events in ``run``; put ``i`` on ``ended`` when it ends."""
     try:
-        with closing(events()) as stream:  # an error of ours closes the run's stream (and a server's request)
+        with closing_stream(events()) as stream:  # an error of ours closes the run's stream (and a server's request)
             for event in stream:
                 run.steps.extend(event.steps)  # one C call: the run's thread may copy the list at any time
                 if event.record is not None and not event.steps:
@@ -77,7 +77,7 @@ def drive(run: LaneRun, events: Callable[[], Iterator[Event]], ended: queue.Simp
 
 def start(jobs: Sequence[Callable[[], Iterator[Event]]]) -> tuple[list[LaneRun], queue.SimpleQueue]:
     """Every job in a daemon thread of its own; (their records, the queue their ends go on)."""
-    runs, ended = [LaneRun() for _ in jobs], queue.SimpleQueue()
+    runs, ended = [LaneRun() for _ in jobs], queue.SimpleQueue[int]()
     for i, job in enumerate(jobs):
         threading.Thread(target=drive, args=(runs[i], job, ended, i), daemon=True, name=f"dp-lane-{i}").start()
     return runs, ended
