@@ -406,6 +406,9 @@ class DecodingConfig:
         check = STRATEGIES[self.strategy].check
         if check is not None:  # the strategy's knobs together (beam: num_return_sequences <= num_beams, ...)
             check(self)
+        for spec in STAGES.values():  # each stage's knobs together (the grammar's text read as its kind says)
+            if spec.check is not None:
+                spec.check(self)
 
     # --- construction and serialisation -------------------------------------------------------
     @classmethod

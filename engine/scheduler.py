@@ -21,6 +21,14 @@ tick (continuous batching: runs join and leave at any tick):
    runs, with the stage statistics, argmax and draw intervals computed on [B, V]; each
    StepTrace goes to its run's stream. Finished rows leave; left padding shared by all is trimmed.
 
+A stage may compute ahead, off this thread (``Stage.prepare`` / ``ready``: the grammar's mask, in
+its own pool, engine/stages/grammar.py): after each pick the row's stages start their next step's
+work, which runs beside the next forward. A row whose stages are not ready when its logits come
+keeps them and skips ticks ("parked"): its position in each forward meanwhile is masked out (a hole
+no attention reads, no position counts), and it steps with its kept logits at the first tick its
+stages are ready, so its trace is the same; the other rows never wait for it. When every row is
+parked the worker waits ``PARK_POLL_S`` instead of forwarding.
+
 Every run's StepTraces equal ``decode.stream(lm, prompt_ids, config, prefix=, force=)``'s: the same
 tokens and stage top lists, probabilities within float tolerance (a batched matmul may round
 differently from a batch of one; ~1e-6 in float32). Nothing of one run reaches another: each row
@@ -86,6 +94,9 @@ PAD_SLACK = 2.0  # joiners prefilled together may hold at most this many times t
 # An idle scheduler's worker waits this long before its first prefill, so runs sent together (a
 # Compare's lanes start in threads a few ms apart) share one prefill instead of the first going alone.
 GATHER_S = 0.02
+# How long a worker whose rows all wait for their stages (``_Run.parked``) sleeps before it looks again:
+# a mask is a few ms at most, so a short wait; the worker holds no lock meanwhile.
+PARK_POLL_S = 0.002
 
 
 class SchedulerFull(RuntimeError):
@@ -138,6 +149,9 @@ class _Run:
         self.steps, self.first_ms, self.last_ms = 0, None, 0.0  # what its user received (for ServingStats)
         self.chunk_kv: KVCache | None = None  # its own cache while a long prompt is prefilled in chunks
         self.fed = 0  # prompt positions that cache holds
+        self.parked: torch.Tensor | None = None  # its logits [1, V] while its stages are not ready
+        if not self.state.needs_replay:
+            prepare(self)  # its first step's stage work (the grammar's first mask) runs while it waits and prefills
 
     def record(self, reason: str) -> RunRecord:
         """What the run's user received, as the Serving view's record of it."""
@@ -161,6 +175,17 @@ class _Run:
         return None
 
 
+def prepare(run: _Run) -> None:
+    """Start the run's stages' work for its next step (``Stage.prepare``), off the worker's thread."""
+    for stage in run.state.chain.stages:
+        stage.prepare(run.state.ids)
+
+
+def ready(run: _Run) -> bool:
+    """Whether the run's stages can step it at once (``Stage.ready``)."""
+    return all(stage.ready() for stage in run.state.chain.stages)
+
+
 # --- the batched KV cache ------------------------------------------------------------------------------
 class _Batch:
     """The active rows: one ``KVCache`` whose rows are left-padded (its mask says where) and the
@@ -172,9 +197,13 @@ class _Batch:
         self.runs: list[_Run] = []
 
     def forward(self) -> torch.Tensor:
-        """Feed every row's last token; returns the next-token logits [B, V] in float32."""
+        """Feed every row's last token, a parked row's masked out (it has no new token yet: its
+        position is a hole); returns the next-token logits [B, V] in float32 (a parked row's: unused)."""
         ids = torch.tensor([[run.last_token] for run in self.runs], dtype=torch.long, device=self.device)  # [B, 1]
-        return self.kv.forward(ids).logits[:, -1, :].float()
+        parked = [run.parked is not None for run in self.runs]
+        mask = torch.tensor([[int(not p)] for p in parked], dtype=torch.long, device=self.device) if any(parked) \
+            else None  # [B, 1]
+        return self.kv.forward(ids, mask=mask).logits[:, -1, :].float()
 
     def add(self, runs: list[_Run], kv: KVCache) -> None:
         """Append prefilled runs (``kv`` holds their rows) as the last rows."""
@@ -396,12 +425,20 @@ class Scheduler:
             self._join([run for run in joiners if self._still_wanted(run)])
             joiners = self._take_waiting()
         self._feed_chunk()
+        self._unpark()
         prefilled = time.perf_counter()
         if not self._batch.runs:
             return
-        running = list(self._batch.runs)
-        with step_threads(self._batch.device, len(running)):
+        rows = list(self._batch.runs)
+        live = [i for i, run in enumerate(rows) if run.parked is None]
+        if not live:  # every row waits for its stages: no forward until one is ready
+            time.sleep(PARK_POLL_S)
+            return
+        running = [rows[i] for i in live]
+        with step_threads(self._batch.device, len(rows)):
             logits = self._batch.forward()  # [B, V]
+        if len(live) < len(rows):
+            logits = logits[live]  # [R, V]: the rows that step
         forwarded = time.perf_counter()
         lengths = tuple(run.state.ids.shape[1] for run in running)  # real positions each row holds now
         width = self._batch.kv.length
@@ -472,6 +509,17 @@ class Scheduler:
             run.chunk_kv = None
             self._step([run], logits)
 
+    def _unpark(self) -> None:
+        """Step the parked rows whose stages are ready now (a grammar's mask done, or past its
+        budget: that step ends its run with one line), with the logits they kept, so their next
+        token is in this tick's forward."""
+        due = [run for run in self._batch.runs if run.parked is not None and ready(run)]
+        if due:
+            logits = torch.cat([run.parked for run in due])  # [D, V]
+            for run in due:
+                run.parked = None
+            self._step(due, logits)
+
     def _take_waiting(self) -> list[_Run]:
         """Runs that arrived while the last joiners were prefilled, as many as there are free rows."""
         with self._lock:
@@ -496,9 +544,18 @@ class Scheduler:
 
     def _step(self, runs: list[_Run], logits: torch.Tensor) -> None:
         """Each run's own step on its row of ``logits`` [R, V] (``core.advance_rows``: the batched
-        capture, equal to each row's ``RunState.advance``); finished and failed runs leave the
-        batch (and are recorded in ``serving``), then every StepTrace (or the run's exception) goes
-        to its stream."""
+        capture, equal to each row's ``RunState.advance``); a run whose stages are not ready keeps
+        its row and is parked instead (``_unpark`` steps it). Finished and failed runs leave the
+        batch (and are recorded in ``serving``); the others' stages start their next step's work;
+        then every StepTrace (or the run's exception) goes to its stream."""
+        now = [i for i, run in enumerate(runs) if ready(run)]
+        if len(now) < len(runs):
+            for i, run in enumerate(runs):
+                if i not in now:
+                    run.parked = logits[i:i + 1].clone()  # [1, V]
+            runs, logits = [runs[i] for i in now], logits[now]
+        if not runs:
+            return
         results = advance_rows([run.state for run in runs], logits)
         done = {}
         for run, item in zip(runs, results):
@@ -515,6 +572,9 @@ class Scheduler:
             for run in runs:
                 if id(run) in done:
                     self.serving.add_run(run.record(done[id(run)]))
+        for run in runs:
+            if id(run) not in done:
+                prepare(run)
         with self._lock:  # before the outputs go out, so a consumer that saw its last step sees its row gone
             self._active = len(self._batch.runs) + len(self._chunking)
         for run, item in zip(runs, results):

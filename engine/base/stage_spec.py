@@ -148,7 +148,8 @@ class StageSpec:
     apart). ``knobs``: the config keys it owns (``knobs[0]`` is its main knob; ``register`` sets
     each knob's ``stage``). ``sampling_only``: greedy decoding ignores it. ``active(config)``: it
     changes the distribution (default: its main knob is not neutral). ``build(config, ctx)``: the
-    ``Stage``. ``shareable``: its output row depends only on that row's logits and on params fixed
+    ``Stage``. ``check(config)``: ConfigError naming the knob when its knobs do not fit together
+    (the grammar's text read as its kind says), called at validation. ``shareable``: its output row depends only on that row's logits and on params fixed
     at construction (no ids, no state, no draws), so rows with equal params share one call.
     ``label``: its short name in sentences, followed by the main knob's value when ``label_value``.
     ``note(trace)``: one line on what it did at a step (default: the mass it moved or removed).
@@ -163,6 +164,7 @@ class StageSpec:
     order: int
     knobs: tuple[Knob, ...]
     build: Callable[["DecodingConfig", BuildContext], Any]
+    check: Callable[["DecodingConfig"], None] | None = None
     active: Callable[["DecodingConfig"], bool] | None = None
     sampling_only: bool = False
     shareable: bool = False

@@ -92,6 +92,16 @@ class Stage:
     def load_state(self, state: dict[str, Any]) -> None:
         """Make the next call behave as the call that reported ``state`` (see ``state``)."""
 
+    def prepare(self, input_ids: torch.Tensor) -> None:
+        """Start, off the caller's thread, what the next call after ``input_ids`` [1, S] needs (the
+        grammar's mask): the batched scheduler calls this after each pick, so that work runs beside
+        its next forward. Most stages need nothing."""
+
+    def ready(self) -> bool:
+        """Whether the next call would start at once, not waiting for what ``prepare`` started
+        (the scheduler's row skips its ticks until then). True for most stages."""
+        return True
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.knobs.items())
         return f"{type(self).__name__}({args})"
