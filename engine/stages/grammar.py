@@ -2,11 +2,23 @@
 masks every token the grammar forbids, and ends the run when the grammar is complete.
 
 The grammar is compiled for the model's tokenizer by LLGuidance (``llguidance``, the library behind
-vLLM's ``guidance`` backend and llama.cpp's ``%llguidance`` grammars): its lexer and parser work
-lazily under fuel limits (``LIMITS``), so a hostile grammar costs a bounded amount per step and
-cannot hang a worker; the compile itself runs in a worker thread with a time limit
-(``COMPILE_SECONDS``). Compiled grammars are cached per tokenizer, at most ``MAX_COMPILED`` of
-them (the tokenizers' own tables: ``MAX_TOKENIZERS``).
+vLLM's ``guidance`` backend and llama.cpp's ``%llguidance`` grammars); the compile runs in a worker
+thread with a time limit (``COMPILE_SECONDS``). Compiled grammars are cached per tokenizer, at most
+``MAX_COMPILED`` of them (the tokenizers' own tables: ``MAX_TOKENIZERS``).
+
+What a step costs. LLGuidance's fuel (``LIMITS``) counts its lexer's work and the Earley items a mask
+pushes, not the completions an ambiguous grammar multiplies (each completed item scans the whole row
+where it started), so its defaults let a 52-character grammar take seconds per mask. The stage
+therefore (1) refuses at its compile a GBNF rule that derives itself with nothing around it (``x
+::= x x`` with x able to match the empty text: infinitely ambiguous), (2) runs LLGuidance with its item
+fuel tightened to where ambiguity trips it within a few tokens while every grammar we measured needs a
+tenth of it, and (3) measures each step's matcher work (sync and mask) in CPU time and stops the run
+with one line naming ``grammar`` past ``STEP_BUDGET_S`` at a step or ``RUN_BUDGET_S`` over the run
+(``GrammarBudget``). The matcher's work runs in a small pool of threads (``MASK_WORKERS``; LLGuidance
+drops the GIL while it computes a mask, not while it takes tokens): ``prepare`` starts the next
+step's mask right after a pick, so the batched scheduler's next forward runs beside it, and a row
+whose mask is late skips ticks while the others go on (engine/scheduler.py). A mask cannot be
+interrupted: one past its budget ends its run at once, and its thread finishes it in the background.
 
 The matcher's state is a function of the tokens generated so far (``input_ids`` after the prompt),
 so the stage derives it from them at every call: its matcher is rolled back to the tokens it shares
@@ -31,14 +43,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import threading
+import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import llguidance
 import llguidance.hf
@@ -57,16 +71,35 @@ if TYPE_CHECKING:
 
 KINDS = ("json_schema", "regex", "gbnf")
 KIND_WORDS = {"json_schema": "JSON schema", "regex": "regular expression", "gbnf": "GBNF grammar"}
-MAX_GRAMMAR_CHARS = 4_000  # a grammar travels in presets (16 KiB) and share links (6,000 characters packed)
+# A grammar travels in presets (16 KiB, engine/presets.py) and share links (6,000 characters packed,
+# engine/sharelink.py): 4,000 bytes of UTF-8 (no control characters but tab and newlines, so JSON
+# escapes at most double it) fit both, whatever the characters: 4,000 emoji would be 16,000 bytes.
+MAX_GRAMMAR_CHARS = 4_000
+MAX_GRAMMAR_BYTES = 4_000
 COMPILE_SECONDS = 10.0
 MAX_COMPILED = 32  # compiled grammars kept (per tokenizer and text)
 MAX_TOKENIZERS = 4  # LLGuidance's table of a tokenizer: ~1-2 s to build, so it is kept
 MAX_CANDIDATES = 1_000  # step mode: the most top-N tokens checked byte by byte at a step
-# LLGuidance's resource limits (its defaults, tightened): per-step lexer fuel ~14k/ms and Earley items
-# ~20k/ms bound a mask's time; the grammar's size and the lexer's states bound its memory.
-LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+# LLGuidance's resource limits: its defaults but step_max_items (50,000 -> 5,000). The Earley items a
+# mask may push: none of the grammars measured for issue #50 (the presets, llama.cpp's json.gbnf, a
+# 30-field schema with anyOf and arrays, a 400-value enum, a 300-word alternation, C-like statements)
+# needs over ~300 on 300-token random walks, while the 52-character ambiguous grammar of issue #50
+# pushes 5,000 within ~7 tokens (masks of ~15 ms) but 50,000 only once its masks take seconds.
+# Lexer fuel (~14k/ms) bounds a mask's lexing; the grammar's size and the lexer's states its memory.
+LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=5_000,
               max_lexer_states=100_000, max_grammar_size=200_000)
+# The CPU a grammar may take, whatever LLGuidance's fuel counts: per step (sync + mask) ~7x the
+# slowest step of those grammars on a loaded 2-core machine (~7 ms), and per run ~2x the costliest
+# of them over 1,024 tokens (~2.5 s: any JSON). CPU time, not wall time: waiting for a core on a
+# busy machine is not the grammar's cost.
+STEP_BUDGET_S = 0.05
+RUN_BUDGET_S = 5.0
+# Threads computing masks (LLGuidance drops the GIL there): two, so one slow mask does not hold up
+# every other run's, and no more, so masks do not take the cores the forward runs on.
+MASK_WORKERS = 2
+POLL_S = 0.005  # how often a wait for a mask checks its budget
 KEY = "grammar"  # the knob every message names
+MESSAGE_CHARS = 280  # a message is one line of at most this many characters (playground/events.py)
 
 
 class GrammarDeadEnd(NoTokensLeft):
@@ -79,10 +112,51 @@ class GrammarDeadEnd(NoTokensLeft):
                                  "allowed token outside them cannot be drawn); the run ends there")
 
 
+class GrammarBudget(ConfigError):
+    """The grammar's matcher went past its CPU budget (``STEP_BUDGET_S`` at a step, ``RUN_BUDGET_S``
+    over the run): the run stops there. ``step``: the generated tokens before that step; ``scope``:
+    "step" or "run"; ``seconds``: the CPU it had taken."""
+
+    def __init__(self, step: int, scope: str, seconds: float):
+        self.step, self.scope, self.seconds = step, scope, seconds
+        if scope == "step":
+            what = (f"its mask at step {step} took {seconds * 1000:,.0f} ms of CPU, over the "
+                    f"{STEP_BUDGET_S * 1000:,.0f} ms budget per step")
+        else:
+            what = f"its masks took {seconds:.1f} s of CPU by step {step}, over the {RUN_BUDGET_S:g} s budget per run"
+        super().__init__(KEY, f"{what} (an ambiguous grammar costs more at every token); the run stopped there")
+
+
 def one_line(text: str, limit: int = 300) -> str:
     """A library's (multi-line) message as one line of at most ``limit`` characters."""
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def refusal(message: str) -> ConfigError:
+    """ConfigError naming ``grammar`` whose whole message is one line within MESSAGE_CHARS."""
+    return ConfigError(KEY, one_line(message, MESSAGE_CHARS - len(KEY) - 2))
+
+
+_SOURCE_LINE = re.compile(r"^\s*(\d+ \||\^+\s*$)")  # LLGuidance's echo of the grammar: "  2 | start: ..." and "  ^"
+_AT = re.compile(r"^at \d+\(\d+\): ")
+
+
+def reason(error: str, limit: int = 150) -> str:
+    """What is wrong, from LLGuidance's error: its echo of our wrapper grammar (``%llguidance`` and
+    ``start:`` lines, carets) and of the pattern dropped, a regex's own reason kept ("unclosed
+    group"), at most ``limit`` characters."""
+    lines = [line for line in str(error).splitlines() if line.strip() and not _SOURCE_LINE.match(line)]
+    if not lines:
+        return "LLGuidance gave no reason"
+    first = _AT.sub("", lines[0].strip())
+    regex_error = next((line.strip()[len("error: "):] for line in lines if line.strip().startswith("error: ")), None)
+    if regex_error is not None:
+        where = "a pattern in it: " if first.startswith("failed to compile JSON schema") else ""
+        return one_line(where + regex_error, limit)
+    first = first.replace("failed to compile JSON schema: ", "").replace("parser error: ", "")
+    first = first.replace("Parser Error: ", "")
+    return one_line(first.split(" <state>")[0], limit)
 
 
 # --- LLGuidance's view of a tokenizer ---------------------------------------------------------------
@@ -133,6 +207,165 @@ def llg_tokenizer(tokenizer: Any) -> Any:
     return table
 
 
+# --- reading a grammar's text ------------------------------------------------------------------------
+_LARK = re.compile(r"(?m)^[ \t]*(%[A-Za-z]+|[A-Za-z_][\w.-]*[ \t]*:(?!:=))")  # a directive or a Lark rule "name:"
+# What made LLGuidance's converter take a text as Lark, not GBNF (its ``is_lark_syntax``): a directive or
+# a ``start:`` rule at a line's start.
+_LARK_MARKER = re.compile(r"(?m)^[ \t]*(%[A-Za-z]+|start[ \t]*:(?!:=))")
+
+
+def refuse_lark(text: str, pattern: re.Pattern = _LARK) -> None:
+    """ConfigError naming ``grammar`` ("not GBNF") when ``text`` holds Lark syntax (``pattern``:
+    ``name:`` rules and ``%`` directives; at validation only ``_LARK_MARKER``), which llama.cpp
+    answers with a 400."""
+    lark = pattern.search(text)
+    if lark is not None:
+        raise refusal(f"not GBNF: {lark.group(1).strip()!r} on line {text.count(chr(10), 0, lark.start()) + 1} is "
+                      "Lark syntax, which llama.cpp refuses; write rules as name ::= ..., without % directives")
+
+
+def gbnf_rules(text: str) -> dict[str, Any]:
+    """The rules of a GBNF grammar (llama.cpp's syntax), by name, as LLGuidance's converter parses
+    them (``gbnf_to_lark.RuleNode``); ConfigError naming ``grammar`` when it is not GBNF (Lark's
+    ``name:`` rules or ``%`` directives: llama.cpp refuses them) or does not parse."""
+    refuse_lark(text)
+    try:
+        rules = gbnf_to_lark.GrammarParser().parse(text)
+        if "root" not in rules:
+            raise ValueError("no rule named root (llama.cpp starts there)")
+        for name, node in _references(rules):
+            if name not in rules:
+                raise ValueError(f"rule {name!r} (used in {node!r}) is not defined")
+    except Exception as exc:  # noqa: BLE001 (its parser raises bare exceptions of several kinds)
+        raise refusal(f"this GBNF grammar does not parse: {one_line(exc, 160)}") from None
+    return rules
+
+
+def _children(node: Any) -> list[Any]:
+    return list(node.children()) if node is not None else []
+
+
+def _references(rules: dict[str, Any]) -> list[tuple[str, str]]:
+    """(referenced rule, the rule that uses it) for every rule reference."""
+    found = []
+    for name, rule in rules.items():
+        stack = _children(rule)
+        while stack:
+            node = stack.pop()
+            if isinstance(node, gbnf_to_lark.RuleRefNode):
+                found.append((node.name, name))
+            stack.extend(_children(node))
+    return found
+
+
+def _nullable(node: Any, empty: set[str]) -> bool:
+    """Whether ``node`` can match the empty text, given the rules known to (``empty``)."""
+    if isinstance(node, gbnf_to_lark.LiteralNode):
+        return node.value == ""
+    if isinstance(node, gbnf_to_lark.RuleRefNode):
+        return node.name in empty
+    if isinstance(node, gbnf_to_lark.SequenceNode):
+        return all(_nullable(n, empty) for n in node.nodes)
+    if isinstance(node, gbnf_to_lark.AlternativeNode):
+        return any(_nullable(n, empty) for n in node.alternatives)
+    if isinstance(node, gbnf_to_lark.RepetitionNode):
+        return node.min_times == 0 or _nullable(node.node, empty)
+    return False  # a character class or "."
+
+
+def _alone(node: Any, empty: set[str]) -> set[str]:
+    """The rules ``node`` can derive alone: everything around them matching the empty text."""
+    if isinstance(node, gbnf_to_lark.RuleRefNode):
+        return {node.name}
+    if isinstance(node, gbnf_to_lark.SequenceNode):
+        found: set[str] = set()
+        for i, part in enumerate(node.nodes):
+            if all(_nullable(n, empty) for j, n in enumerate(node.nodes) if j != i):
+                found |= _alone(part, empty)
+        return found
+    if isinstance(node, gbnf_to_lark.AlternativeNode):
+        return set().union(*(_alone(n, empty) for n in node.alternatives))
+    if isinstance(node, gbnf_to_lark.RepetitionNode):
+        once = (node.min_times <= 1 or _nullable(node.node, empty)) and node.max_times != 0
+        return _alone(node.node, empty) if once else set()
+    return set()
+
+
+def self_deriving_rule(rules: dict[str, Any]) -> list[str] | None:
+    """A cycle of rules each deriving the next alone, back to the first (``x ::= x x`` with x able
+    to match the empty text derives x from x): the grammar is infinitely ambiguous, and an Earley
+    parser's masks cost more at every token. None when there is none."""
+    empty: set[str] = set()
+    while True:
+        more = {name for name, rule in rules.items() if name not in empty and _nullable(rule.alternatives, empty)}
+        if not more:
+            break
+        empty |= more
+    edges = {name: _alone(rule.alternatives, empty) for name, rule in rules.items()}
+    for start in rules:
+        path, seen, stack = {start: [start]}, {start}, [start]
+        while stack:
+            name = stack.pop()
+            for nxt in sorted(edges.get(name, ())):
+                if nxt == start:
+                    return path[name] + [start]
+                if nxt not in seen and nxt in rules:
+                    seen.add(nxt)
+                    path[nxt] = path[name] + [nxt]
+                    stack.append(nxt)
+    return None
+
+
+def check_gbnf(text: str) -> None:
+    """ConfigError naming ``grammar`` in one line for a GBNF grammar we refuse before compiling it:
+    not GBNF or not parsing (``gbnf_rules``), an empty alternative in ``root`` (the whole output
+    could be empty: write "" if that is meant; in other rules it is llama.cpp's empty text, as in
+    its ``ws ::= | " "``), or a rule deriving itself alone (``self_deriving_rule``)."""
+    rules = gbnf_rules(text)
+    root = rules["root"].alternatives
+    if any(isinstance(alt, gbnf_to_lark.SequenceNode) and not alt.nodes for alt in getattr(root, "alternatives", [])):
+        raise refusal('rule root has an empty alternative (nothing after a "|" or "::="), so the whole output could '
+                      'be empty; remove the "|", or write "" if the empty text is meant')
+    cycle = self_deriving_rule(rules)
+    if cycle:
+        raise refusal(f"rule {cycle[0]} derives itself with nothing around it ({' -> '.join(cycle)}, the rest able to "
+                      "match the empty text): the grammar is infinitely ambiguous and its masks cost more at every "
+                      "token; make it unambiguous, e.g. x ::= [a-z]+")
+
+
+def parse_schema(text: str) -> dict:
+    """A JSON schema's text as a JSON object (strict: no NaN, no duplicate keys: ConfigError naming
+    the first one)."""
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise refusal(f"the JSON schema has the key {json.dumps(key, ensure_ascii=False)[:60]} twice in one "
+                              "object; JSON readers keep only one of them: write it once")
+            seen[key] = value
+        return seen
+
+    try:
+        schema = json.loads(text, parse_constant=refuse, object_pairs_hook=unique)
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise refusal(f"the JSON schema is not valid JSON: {one_line(exc, 160)}") from None
+    if not isinstance(schema, dict):
+        raise refusal(f"a JSON schema is a JSON object, got a JSON {type(schema).__name__}")
+    return schema
+
+
+def check_syntax(kind: str, text: str) -> None:
+    """Before a compile, the checks of a GBNF grammar's rules (``check_gbnf``); nothing for the other
+    kinds (a JSON schema's JSON is read by ``parse_schema``)."""
+    if kind == "gbnf":
+        check_gbnf(text)
+
+
 # --- compiling ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Compiled:
@@ -162,56 +395,47 @@ NO_FORCING = '%llguidance {"no_forcing": true}'
 
 def grammar_source(kind: str, text: str) -> str:
     """LLGuidance's grammar (Lark) for ``text`` of ``kind``; ConfigError naming ``grammar`` when it
-    does not parse (a schema that is not JSON, a GBNF rule that is not defined)."""
+    does not parse (a schema that is not JSON, a GBNF rule that is not defined: ``check_syntax``)."""
     if kind not in KINDS:
         raise ConfigError("grammar_kind", f"expected one of {' | '.join(KINDS)}, got {kind!r:.40}")
     if not text.strip():
         raise ConfigError(KEY, "empty; give a JSON schema, a regular expression or a GBNF grammar")
+    check_syntax(kind, text)
     if kind == "json_schema":
         schema = json.dumps(parse_schema(text), ensure_ascii=False)
         return llguidance.LLMatcher.grammar_from_lark(f"{NO_FORCING}\nstart: %json {schema}")
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_lark(f"{NO_FORCING}\nstart: /{llguidance.regex_to_lark(text)}/")
     try:
-        lark = gbnf_to_lark.any_to_lark(text)
+        lark = gbnf_to_lark.gbnf_to_lark(text)
     except Exception as exc:  # noqa: BLE001 (its parser raises bare exceptions of several kinds)
-        raise ConfigError(KEY, f"this {KIND_WORDS[kind]} does not parse: {one_line(exc)}") from None
+        raise refusal(f"this {KIND_WORDS[kind]} does not parse: {one_line(exc, 160)}") from None
     lark = lark.removeprefix("%llguidance {}")
     return llguidance.LLMatcher.grammar_from_lark(f"{NO_FORCING}\n{lark}")
 
 
-def parse_schema(text: str) -> dict:
-    """A JSON schema's text as a JSON object (strict: no NaN, no duplicate keys kept silently)."""
-    def refuse(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        schema = json.loads(text, parse_constant=refuse)
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(KEY, f"the JSON schema is not valid JSON: {one_line(exc, 160)}") from None
-    if not isinstance(schema, dict):
-        raise ConfigError(KEY, f"a JSON schema is a JSON object, got a JSON {type(schema).__name__}")
-    return schema
+def new_matcher(table: Any, source: str) -> Any:
+    """An LLMatcher of ``source`` under ``LIMITS`` (its errors terse: no parser state in them)."""
+    return llguidance.LLMatcher(table, source, log_level=0,
+                                limits=llguidance.LLParserLimits(**LIMITS, verbose_errors=False))
 
 
 def _compile(kind: str, text: str, table: Any, bytes_only: bool) -> Compiled:
     source = grammar_source(kind, text)
-    matcher = llguidance.LLMatcher(table, source, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+    matcher = new_matcher(table, source)
+    what = KIND_WORDS[kind]
     if matcher.is_error():
-        raise ConfigError(KEY, f"this {KIND_WORDS[kind]} does not compile: {one_line(matcher.get_error())}")
+        raise refusal(f"this {what} does not compile: {reason(matcher.get_error())}")
     allowed = unpack(matcher.compute_bitmask(), table.vocab_size)  # the first mask: also warms the lexer
     if matcher.is_error() and matcher.get_error().startswith("NoExtensionBias"):  # no byte can start it
-        raise ConfigError(KEY, f"this {KIND_WORDS[kind]} matches nothing: no token can start it")
+        raise refusal(f"this {what} matches nothing: no token can start it")
     if matcher.is_error():
-        raise ConfigError(KEY, f"this {KIND_WORDS[kind]} went past its resource limits at the first token: "
-                               f"{one_line(matcher.get_error())}")
+        raise refusal(f"this {what} went past its resource limits at the first token: {reason(matcher.get_error())}")
     allowed[table.eos_token] = False
     if not bool(allowed.any()):
-        what = "matches only the empty text" if matcher.is_accepting() else "matches nothing"
-        raise ConfigError(KEY, f"this {KIND_WORDS[kind]} {what}: no token can start it")
+        words = "matches only the empty text" if matcher.is_accepting() else "matches nothing"
+        raise refusal(f"this {what} {words}: no token can start it")
     return Compiled(kind, text, matcher, table.vocab_size, table.eos_token, bytes_only, table)
-
-
 def compile_grammar(kind: str, text: str, tokenizer: Any) -> Compiled:
     """``text`` of ``kind`` compiled for ``tokenizer`` (cached; in a worker thread with a time limit
     of COMPILE_SECONDS). Every failure is a ConfigError naming ``grammar`` in one line: a schema that
@@ -243,12 +467,129 @@ def unpack(bitmask: bytes, vocab: int) -> torch.Tensor:
     return torch.from_numpy(bits.astype(bool))
 
 
+# --- the matcher's work, off the caller's thread ------------------------------------------------------
+def thread_cpu_clock() -> Callable[[], float]:
+    """A clock of the calling thread's CPU time that any thread can read (Linux's per-thread CPU
+    clock); where there is none, the wall clock (which also counts waiting for a core)."""
+    try:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        return time.perf_counter
+    return lambda: time.clock_gettime(clock)
+
+
+@dataclass
+class _Cursor:
+    """A matcher and the generated tokens it has taken (``sync`` moves it to any prefix of them).
+    ``units_of(token)``: what the matcher is fed for a token (None: it cannot be fed)."""
+
+    matcher: Any
+    units_of: Callable[[int], list[int] | None]
+    fed: list[int]  # the generated tokens the matcher has taken, in order
+    units: list[int]  # how many of the matcher's tokens each of them was (bytes: its length)
+    off: tuple[int, int] | None = None  # (position, token) of the first generated token it refused
+    mask: bytes | None = None  # the mask computed at the matcher's present state (after ``fed``), if any
+
+    def sync(self, generated: Sequence[int]) -> int | None:
+        """Bring the matcher to the state after ``generated`` (rolled back to what it shares with
+        the tokens it took, then fed the rest). Returns the position of the first token the grammar
+        refuses (the row is off the grammar from there), else None."""
+        shared = 0
+        for a, b in zip(self.fed, generated):
+            if a != b:
+                break
+            shared += 1
+        if shared < len(self.fed):
+            self.matcher.rollback(sum(self.units[shared:]))
+            del self.fed[shared:], self.units[shared:]
+            self.off, self.mask = None, None
+        if self.off is not None:
+            at, token = self.off
+            if len(generated) > at and generated[at] == token:
+                return at
+            self.off = None
+        for at in range(len(self.fed), len(generated)):
+            units = self.units_of(int(generated[at]))
+            if not units or not (self._masked_in(units) or self.matcher.validate_tokens(units) == len(units)):
+                self.off = (at, int(generated[at]))
+                return at
+            self.mask = None
+            self.matcher.consume_tokens(units)
+            self.fed.append(int(generated[at]))
+            self.units.append(len(units))
+        return None
+
+    def _masked_in(self, units: list[int]) -> bool:
+        """Whether the mask at this state allows the one token ``units`` (then it need not be
+        validated again: LLGuidance holds the GIL while it validates or takes a token)."""
+        if self.mask is None or len(units) != 1 or units[0] >= 8 * len(self.mask):
+            return False
+        return bool(self.mask[units[0] // 8] >> (units[0] % 8) & 1)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """The matcher after some generated tokens: ``off`` (the first one it refused, or None), the
+    mask's bits (None: not computed: off the grammar, or a byte-level stage), LLGuidance's error
+    ("" when none), whether only the end is left (``stopped``) and whether the text is whole."""
+
+    off: int | None
+    bitmask: bytes | None = None
+    error: str = ""
+    stopped: bool = False
+    accepting: bool = False
+
+
+def _find(cursor: _Cursor, generated: tuple[int, ...], with_mask: bool) -> _Found:
+    off = cursor.sync(generated)
+    if off is not None:
+        return _Found(off)
+    bitmask = cursor.matcher.compute_bitmask() if with_mask else None  # drops the GIL while it computes
+    cursor.mask = bitmask
+    matcher = cursor.matcher
+    return _Found(None, bitmask, matcher.get_error() if matcher.is_error() else "", matcher.is_stopped(),
+                  matcher.is_accepting())
+
+
+_masks = ThreadPoolExecutor(max_workers=MASK_WORKERS, thread_name_prefix="dp-grammar-mask")
+
+
+class _Job:
+    """One step's matcher work (``_find``) in the mask pool; ``cpu()`` reads the CPU seconds it has
+    taken so far from its thread's clock (0 while it waits for a thread)."""
+
+    def __init__(self, cursor: _Cursor, generated: tuple[int, ...], with_mask: bool):
+        self.generated = generated
+        self.spent: float | None = None  # its CPU seconds, once done
+        self._clock: tuple[Callable[[], float], float] | None = None
+        self.future: Future = _masks.submit(self._run, cursor, with_mask)
+
+    def _run(self, cursor: _Cursor, with_mask: bool) -> _Found:
+        clock = thread_cpu_clock()
+        self._clock = (clock, clock())
+        try:
+            return _find(cursor, self.generated, with_mask)
+        finally:
+            self.spent = clock() - self._clock[1]
+
+    def cpu(self) -> float:
+        if self.spent is not None:
+            return self.spent
+        started = self._clock
+        return 0.0 if started is None else started[0]() - started[1]
+
+
 # --- the stage ------------------------------------------------------------------------------------------
 class Grammar(Stage):
     """Mask the tokens ``compiled`` forbids after the tokens generated so far (``input_ids`` after
     the first ``prompt_length``), row by row; the end of text (``eos_token_ids``) is allowed exactly
     when the grammar is complete, and is all that is left once nothing can follow. ``tokenizer``:
-    for a byte-level grammar (a served model), each candidate token's text."""
+    for a byte-level grammar (a served model), each candidate token's text.
+
+    The matcher's work of a call runs in the mask pool (``prepare`` may start it earlier) and is
+    charged to the stage's budgets: GrammarBudget once a step or the run goes past them (in flight
+    too: the call does not wait for the rest of a mask past its budget)."""
 
     name = "grammar"
 
@@ -257,11 +598,8 @@ class Grammar(Stage):
         super().__init__(grammar_kind=compiled.kind)  # the text stays in the run's config, not on every step
         self.compiled, self.prompt_length, self.tokenizer = compiled, int(prompt_length), tokenizer
         self.eos = sorted({int(e) for e in eos_token_ids})
-        self._matcher = compiled.template.deep_copy()
-        self._fed: list[int] = []  # the generated tokens the matcher has taken, in order
-        self._units: list[int] = []  # how many of the matcher's tokens each of them was (bytes: its length)
-        self._off: tuple[int, int] | None = None  # (position, token) of the first generated token it refused
         self._texts: dict[int, list[int] | None] = {}  # byte mode: a token's bytes (None: not known exactly)
+        self.reset()
 
     def clone(self) -> "Grammar":
         twin = Grammar(self.compiled, self.prompt_length, self.eos, self.tokenizer)
@@ -270,9 +608,11 @@ class Grammar(Stage):
 
     def reset(self) -> None:
         super().reset()
-        self._matcher, self._fed, self._units, self._off = self.compiled.template.deep_copy(), [], [], None
+        self._cursor = _Cursor(self.compiled.template.deep_copy(), self._token_units, [], [])
+        self._job: _Job | None = None  # the matcher's work in flight (it owns the cursor meanwhile)
+        self.spent = 0.0  # CPU seconds its matcher has taken (RUN_BUDGET_S)
+        self._over: GrammarBudget | None = None  # once past a budget, every call says so
 
-    # --- the matcher at a prefix ------------------------------------------------------------------------
     def _token_units(self, token: int) -> list[int] | None:
         """What the matcher is fed for ``token``: itself, or (byte mode) its bytes (None when its
         text is not known exactly: part of a character, shown as U+FFFD)."""
@@ -283,77 +623,113 @@ class Grammar(Stage):
             self._texts[token] = None if "\ufffd" in text or not text else list(text.encode("utf-8"))
         return self._texts[token]
 
-    def sync(self, generated: Sequence[int]) -> int | None:
-        """Bring the matcher to the state after ``generated`` (rolled back to what it shares with
-        the tokens it took, then fed the rest). Returns the position of the first token the grammar
-        refuses (the row is off the grammar from there), else None."""
-        shared = 0
-        for a, b in zip(self._fed, generated):
-            if a != b:
-                break
-            shared += 1
-        if shared < len(self._fed):
-            self._matcher.rollback(sum(self._units[shared:]))
-            del self._fed[shared:], self._units[shared:]
-            self._off = None
-        if self._off is not None:
-            at, token = self._off
-            if len(generated) > at and generated[at] == token:
-                return at
-            self._off = None
-        for at in range(len(self._fed), len(generated)):
-            units = self._token_units(int(generated[at]))
-            if not units or self._matcher.validate_tokens(units) != len(units):
-                self._off = (at, int(generated[at]))
-                return at
-            self._matcher.consume_tokens(units)
-            self._fed.append(int(generated[at]))
-            self._units.append(len(units))
+    # --- the matcher's work -------------------------------------------------------------------------------
+    def prepare(self, input_ids: torch.Tensor) -> None:
+        """Start the mask after ``input_ids`` [1, S] in the mask pool (the batched scheduler calls
+        this after each pick, so the mask is computed beside the next forward)."""
+        if self.compiled.bytes_only or self._job is not None or self._over is not None:
+            return
+        self._job = _Job(self._cursor, tuple(input_ids[0, self.prompt_length:].tolist()), True)
+
+    def ready(self) -> bool:
+        """Whether a call would not wait: no mask in flight, or it is done, or past its budget."""
+        job = self._job
+        return job is None or job.future.done() or self._past_budget(job) is not None
+
+    def _past_budget(self, job: _Job) -> GrammarBudget | None:
+        cpu = job.cpu()
+        if cpu > STEP_BUDGET_S:
+            return GrammarBudget(len(job.generated), "step", cpu)
+        if self.spent + cpu > RUN_BUDGET_S:
+            return GrammarBudget(len(job.generated), "run", self.spent + cpu)
         return None
 
-    def _allowed(self, logits_row: torch.Tensor) -> torch.Tensor:
-        """The tokens [V] the grammar allows next (the matcher synced), the end of text included
-        when the grammar is complete."""
+    def _wait(self, job: _Job) -> _Found:
+        """``job``'s result once done, charged to the budgets; GrammarBudget (and the stage stays
+        past it) as soon as it goes past one, done or not."""
+        while True:
+            try:
+                found = job.future.result(timeout=POLL_S)
+                break
+            except FutureTimeout:
+                over = self._past_budget(job)
+                if over is not None:
+                    self._over = over
+                    raise over from None
+        self._job = None
+        over = self._past_budget(job)
+        self.spent += job.cpu()
+        if over is not None:
+            self._over = over
+            raise over
+        return found
+
+    def _found(self, generated: tuple[int, ...]) -> _Found:
+        """The matcher after ``generated``: the job prepared for it, or one started now."""
+        if self._over is not None:
+            raise self._over
+        job = self._job
+        if job is not None and job.generated != generated:
+            self._wait(job)  # the cursor is the job's until it is done
+            job = None
+        if job is None:
+            job = self._job = _Job(self._cursor, generated, not self.compiled.bytes_only)
+        return self._wait(job)
+
+    def _allowed(self, logits_row: torch.Tensor, found: _Found, generated: int) -> torch.Tensor:
+        """The tokens [V] the grammar allows next (``found``: the matcher synced), the end of text
+        included when the grammar is complete."""
         vocab = logits_row.shape[-1]
         allowed = torch.zeros(vocab, dtype=torch.bool)
         if self.compiled.bytes_only:
-            candidates = torch.isfinite(logits_row).nonzero().flatten().tolist()[:MAX_CANDIDATES]
-            for token in candidates:
-                units = None if token in self.eos else self._token_units(token)
-                allowed[token] = bool(units) and self._matcher.validate_tokens(units) == len(units)
+            self._check_candidates(logits_row, allowed, generated)
         else:
-            mask = unpack(self._matcher.compute_bitmask(), self.compiled.vocab)[:vocab]
+            mask = unpack(found.bitmask, self.compiled.vocab)[:vocab]
             allowed[: mask.shape[0]] = mask
             if self.compiled.eos < vocab:
                 allowed[self.compiled.eos] = False
-        if self._matcher.is_error():
-            raise ConfigError(KEY, f"the grammar went past its resource limits after {len(self._fed)} generated "
-                                   f"tokens: {one_line(self._matcher.get_error())}")
-        if self._matcher.is_stopped():
+        if found.error:
+            raise refusal(f"the grammar went past LLGuidance's resource limits after {generated} generated tokens "
+                          f"(an ambiguous grammar's parse grows at every token): {reason(found.error)}")
+        if found.stopped:
             allowed[:] = False
-        accepting = self._matcher.is_accepting()
         for e in self.eos:
             if e < vocab:
-                allowed[e] = accepting
+                allowed[e] = found.accepting
         return allowed.to(logits_row.device)
+
+    def _check_candidates(self, logits_row: torch.Tensor, allowed: torch.Tensor, generated: int) -> None:
+        """Byte mode: each finite token of ``logits_row`` checked against the synced matcher, in
+        this thread (a served model's top-N), its CPU charged to the budgets."""
+        start = time.thread_time()
+        matcher = self._cursor.matcher
+        for token in torch.isfinite(logits_row).nonzero().flatten().tolist()[:MAX_CANDIDATES]:
+            units = None if token in self.eos else self._token_units(token)
+            allowed[token] = bool(units) and matcher.validate_tokens(units) == len(units)
+        cpu = time.thread_time() - start
+        self.spent += cpu
+        if cpu > STEP_BUDGET_S or self.spent > RUN_BUDGET_S:
+            self._over = GrammarBudget(generated, "step" if cpu > STEP_BUDGET_S else "run",
+                                       cpu if cpu > STEP_BUDGET_S else self.spent)
+            raise self._over
 
     # --- a call ---------------------------------------------------------------------------------------------
     def apply(self, input_ids, logits):
         out = logits.clone()
-        found: dict[str, Any] = {}
+        found_row0: dict[str, Any] = {}
         for b in range(logits.shape[0]):
-            generated = input_ids[b, self.prompt_length:].tolist() if input_ids is not None else []
-            off = self.sync(generated)
-            if off is not None:  # a forced token left the grammar: nothing to mask after it
+            generated = tuple(input_ids[b, self.prompt_length:].tolist()) if input_ids is not None else ()
+            found = self._found(generated)
+            if found.off is not None:  # a forced token left the grammar: nothing to mask after it
                 row = {"allowed": int(torch.isfinite(logits[b]).sum()), "complete": False, "ended": False,
-                       "off_grammar_at": off, "wanted_id": None, "wanted_p": None, "log_allowed_mass": 0.0}
+                       "off_grammar_at": found.off, "wanted_id": None, "wanted_p": None, "log_allowed_mass": 0.0}
             else:
-                allowed = self._allowed(logits[b])
-                row = self._facts(logits[b], allowed, len(generated))
+                allowed = self._allowed(logits[b], found, len(generated))
+                row = self._facts(logits[b], allowed, len(generated), found)
                 out[b] = self._masked(logits[b], allowed)
             if b == 0:
-                found = row
-        return out, found
+                found_row0 = row
+        return out, found_row0
 
     def _masked(self, logits_row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """``logits_row`` [V] with the forbidden tokens at -inf. When only the end of text is
@@ -365,11 +741,10 @@ class Grammar(Stage):
             out[ends[0]] = 0.0
         return out
 
-    def _facts(self, logits_row: torch.Tensor, allowed: torch.Tensor, step: int) -> dict[str, Any]:
+    def _facts(self, logits_row: torch.Tensor, allowed: torch.Tensor, step: int, found: _Found) -> dict[str, Any]:
         """The call's records for one row (see the module docstring); GrammarDeadEnd when a
         byte-level step allows none of its candidates."""
         count = int(allowed.sum())
-        ended = self._matcher.is_stopped()
         if count == 0 and self.compiled.bytes_only:  # a model loaded here: the pick says "no tokens left"
             raise GrammarDeadEnd(step, int(torch.isfinite(logits_row).sum()))
         logp = torch.log_softmax(logits_row.double(), dim=-1)  # [V]
@@ -377,7 +752,7 @@ class Grammar(Stage):
         log_allowed = float(torch.logsumexp(logp[finite], dim=0)) if bool(finite.any()) else None
         top = int(torch.argmax(logp))
         wanted = not bool(allowed[top]) and math.isfinite(float(logp[top]))
-        return {"allowed": count, "complete": bool(self._matcher.is_accepting()), "ended": bool(ended),
+        return {"allowed": count, "complete": found.accepting, "ended": found.stopped,
                 "off_grammar_at": None, "wanted_id": top if wanted else None,
                 "wanted_p": math.exp(float(logp[top])) if wanted else None,
                 "log_allowed_mass": min(0.0, log_allowed) if log_allowed is not None and math.isfinite(log_allowed)
@@ -565,10 +940,31 @@ def server_fields(config: "DecodingConfig", server: str) -> tuple[dict[str, Any]
     return {"json_schema" if kind == "json_schema" else "grammar": value}, []
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # control characters but tab, newline, CR
+
+
 def _check_text(key: str, value: str) -> str:
+    """The grammar knob's text: not only whitespace, at most MAX_GRAMMAR_BYTES as UTF-8, no control
+    characters but tab and newlines (so that any grammar accepted fits a preset and a share link)."""
     if value and not value.strip():
         raise ConfigError(key, "only whitespace; give a grammar, or leave it empty for none")
+    size = len(value.encode("utf-8"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise ConfigError(key, f"{size:,} bytes as UTF-8 is over the {MAX_GRAMMAR_BYTES:,}-byte limit (a grammar "
+                               "travels in presets and share links); make it shorter")
+    control = _CONTROL.search(value)
+    if control:
+        raise ConfigError(key, f"a control character (U+{ord(control.group()):04X}) at character {control.start()}; "
+                               "write it as an escape (\\x01 in a regex or GBNF, \\u0001 in JSON)")
     return value
+
+
+def _check_config(config: "DecodingConfig") -> None:
+    """At validation, a GBNF grammar that LLGuidance would read as Lark (``_LARK_MARKER``): "not
+    GBNF", so no preset carries it to llama.cpp, which answers 400. The rest of its checks
+    (``check_gbnf``) come at its compile: a config may hold a grammar it never runs."""
+    if config.grammar and config.grammar_kind == "gbnf":
+        refuse_lark(config.grammar, _LARK_MARKER)
 
 
 register(StageSpec(
@@ -581,6 +977,7 @@ register(StageSpec(
                 doc="What the grammar is: json_schema (a JSON schema), regex (a regular expression the whole output "
                     "matches) or gbnf (llama.cpp's GBNF, its rule root).")),
     build=_build,
+    check=_check_config,
     note=_note,
     heading=_heading,
     interop=Interop(webui=Export(lines=_webui_lines, unmapped=_webui_unmapped, caveat=_webui_caveat),
