@@ -29,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # CPU seconds to make one checkpoint of the embedded model, one thread (docs/quantization.md's table).
 METHOD_S = {"rtn": 5.0, "gptq": 90.0, "awq": 170.0}
 INSTALL_S = 150.0  # llm-compressor's venv, once per machine
+# Each start: importing llm-compressor and loading the model (rtn-g64 alone took 117 s of wall clock at load 16,
+# 1 s of it quantizing).
+STARTUP_S = 60.0
 LOG_NAME = "quantize-on-demand.log"
 
 
@@ -69,6 +72,7 @@ class Maker:
         self.started = time.monotonic()
         self.process: subprocess.Popen | None = None
         self.finished_at: dict[str, float] = {}  # variant -> when this maker first saw it made
+        self.install_planned = 0.0  # the install's estimate when the maker started (0: the venv was there)
 
     def missing(self) -> list[str]:
         made = set(quant_methods.made_variants(self.model_dir))
@@ -86,6 +90,7 @@ class Maker:
             self.process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **extra}, stdout=out, stderr=out,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         self.log, self.started = log, time.monotonic()
+        self.install_planned = 0.0 if self.venv_ready() else INSTALL_S
 
     def progress(self) -> Progress:
         missing = self.missing()
@@ -97,11 +102,13 @@ class Maker:
         done_here = [v for v in self.variants if v in self.finished_at and self.finished_at[v] > self.started]
         planned = sum(METHOD_S[v.split("-")[0]] for v in done_here)
         # how much slower than one free core this run goes, from what it finished (1 until then)
-        pace = max(1.0, (max(self.finished_at[v] for v in done_here) - self.started) / planned) if planned else 1.0
+        base = self.install_planned + STARTUP_S + planned
+        pace = max(1.0, (max(self.finished_at[v] for v in done_here) - self.started) / base) if planned else 1.0
         install = 0.0 if self.venv_ready() else INSTALL_S
+        startup = 0.0 if done_here else STARTUP_S  # past once this run made one
         running = self.process is not None and self.process.poll() is None
         elapsed = now - max([self.started, *(self.finished_at[v] for v in done_here)]) if running else 0.0
-        left_s = max(30.0, (install + left) * pace - elapsed) if missing else 0.0
+        left_s = max(30.0, (install + startup + left) * pace - elapsed) if missing else 0.0
         error = ""
         if missing and self.process is not None and self.process.poll() not in (None, 0):
             error = self.last_line()

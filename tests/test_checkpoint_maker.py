@@ -15,7 +15,7 @@ import pytest
 
 from engine.backends import quant_methods
 from playground import checkpoint_maker
-from playground.checkpoint_maker import INSTALL_S, METHOD_S, Maker
+from playground.checkpoint_maker import INSTALL_S, METHOD_S, STARTUP_S, Maker
 
 STAND_IN = """
 import os, sys, time
@@ -64,7 +64,7 @@ def test_a_fresh_cache_makes_the_missing_checkpoints_with_progress_and_resumes(f
     out = quant_methods.checkpoints_dir(model)
     maker = Maker(model, variants, stand_in(script, out, record))
     before = maker.progress()  # nothing made, no venv: the install counts
-    expected_s = INSTALL_S + METHOD_S["rtn"] + METHOD_S["gptq"] + METHOD_S["awq"]
+    expected_s = INSTALL_S + STARTUP_S + METHOD_S["rtn"] + METHOD_S["gptq"] + METHOD_S["awq"]
     assert (before.made, before.total, before.left_s) == (0, 3, expected_s)
     assert before.sentence().endswith(f"step 1 of 3, about {round(expected_s / 60)} min left")
 
