@@ -45,7 +45,7 @@ class Chain:
         every pick, and resuming mid-run must replay the chain over the earlier steps."""
         return any(s.stateful for s in self.stages)
 
-    def observe(self, input_ids: torch.LongTensor, token_id: int) -> None:
+    def observe(self, input_ids: torch.Tensor, token_id: int) -> None:
         """Tell every stage which token was picked after ``input_ids`` [1, S] (``Stage.accept``)."""
         self._accepted = [stage.accept(input_ids, token_id) for stage in self.stages]
 
@@ -95,12 +95,12 @@ class Chain:
             if learnt:
                 trace.params = {**trace.params, **learnt}
 
-    def __call__(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
             logits = stage(input_ids, logits)
         return logits
 
-    def traced(self, input_ids: torch.LongTensor, logits: torch.Tensor, top_n: int,
+    def traced(self, input_ids: torch.Tensor, logits: torch.Tensor, top_n: int,
                token_text: Callable[[int], str]) -> "Traced":
         """Apply the chain to one row (B = 1) and record raw, every stage, and final: the one-row
         case of ``traced_rows`` (a stage's exception is raised). Cost: one softmax and one top-k
@@ -170,7 +170,7 @@ class Traced:
         return self.logits[:, self.support]
 
 
-def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
+def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.Tensor],
                 logits: torch.Tensor | Sequence[torch.Tensor], top_n: Sequence[int], token_text: Callable[[int], str],
                 supports: Sequence[torch.Tensor | None] | None = None,
                 vocab_size: int | None = None) -> list["Traced | Exception"]:
@@ -189,8 +189,8 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
     ``logits``: [B, V], or the B rows as a list ([1, V] or [1, n] each)."""
     every = list(range(len(chains)))
     # [1, V] each (or [1, n] on a support): row b's logits so far
-    rows: list[torch.Tensor] = [r.float() for r in logits] if isinstance(logits, (list, tuple)) \
-        else [logits[b:b + 1].float() for b in every]
+    rows: list[torch.Tensor] = [logits[b:b + 1].float() for b in every] if isinstance(logits, torch.Tensor) \
+        else [r.float() for r in logits]
     if not vocab_size and supports is not None and any(
             s is not None and r.shape[-1] == len(s) for r, s in zip(rows, supports)):
         raise ValueError("vocab_size: needed for a row given on its support ([1, n])")
@@ -236,7 +236,7 @@ def traced_rows(chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
     return out
 
 
-def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_ids: Sequence[torch.LongTensor],
+def _apply_position(j: int, active: list[int], chains: Sequence[Chain], input_ids: Sequence[torch.Tensor],
                     rows: list, found: dict[int, dict]) -> dict[int, Exception]:
     """Apply stage ``j`` of each active row's chain to ``rows[b]`` (in place in the list; its
     diagnostics into ``found[b]``): shareable stages with equal knobs once on the stacked rows
@@ -311,10 +311,11 @@ class _RowsRecorder:
 
     def spread_row(self, b: int, row: torch.Tensor) -> torch.Tensor:
         """Row b's logits over [1, V] (-inf outside its support where given on it)."""
-        if not self.on_support(b, row):
+        support = self.support[b]
+        if support is None or row.shape[-1] != len(support):  # not on its support (``on_support``)
             return row
         out = torch.full((1, self.vocab_size), -math.inf, dtype=row.dtype, device=row.device)
-        return out.index_copy_(1, self.support[b], row)
+        return out.index_copy_(1, support, row)
 
     def check_support(self, b: int, row: torch.Tensor) -> None:
         """Row b's logits ``row`` [1, V] hold -inf at every id outside its support (a row given on
@@ -349,20 +350,29 @@ class _RowsRecorder:
                                                    [states[i] for i in dense] if states else None)):
                 out[i] = trace
         for i, b in enumerate(active):
-            if self.support[b] is not None:
-                on = rows[b] if self.on_support(b, rows[b]) else rows[b][:, self.support[b]]
+            support = self.support[b]
+            if support is not None:
+                on = rows[b] if self.on_support(b, rows[b]) else rows[b][:, support]
                 out[i] = self.record([b], on, [names[i]], [params[i]], [states[i]] if states else None,
-                                     self.support[b])[0]
+                                     support)[0]
         return [out[i] for i in range(len(active))]
+
+    def previous(self, b: int) -> tuple[torch.Tensor, int]:
+        """Row b's latest record: (the probabilities it was made on [R, V] or [1, n], its row there)."""
+        held = self.prev[b]
+        if held is None:
+            raise RuntimeError(f"chain: row {b} has no record yet")
+        return held
 
     def probs_of(self, rows: list[int]) -> list[torch.Tensor]:
         """The latest probabilities of each of ``rows``: [V], or [n] on its support."""
-        return [self.prev[b][0][self.prev[b][1]] for b in rows]
+        return [probs[at] for probs, at in (self.previous(b) for b in rows)]
 
     def _prev_stacked(self, rows: list[int]) -> torch.Tensor:
         """The previous probabilities of ``rows`` as [R, V] (no copy when they are one record's rows)."""
-        first = self.prev[rows[0]][0]
-        if all(self.prev[b][0] is first for b in rows) and [self.prev[b][1] for b in rows] == list(range(first.shape[0])):
+        held = [self.previous(b) for b in rows]
+        first = held[0][0]
+        if all(probs is first for probs, _ in held) and [at for _, at in held] == list(range(first.shape[0])):
             return first
         return torch.stack(self.probs_of(rows))
 
@@ -374,6 +384,7 @@ class _RowsRecorder:
         alive = probs > 0
         kept = alive.sum(dim=-1)  # [R]
         entropy, varentropy = entropy_varentropy_rows(probs)  # [R] each
+        assert varentropy is not None  # (asked for)
         first = self.prev[rows[0]] is None
         if first:
             mass, tv = [0.0] * len(rows), [0.0] * len(rows)
