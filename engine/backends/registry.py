@@ -21,6 +21,7 @@ from engine.backends import quant_methods
 from engine.backends.local import (EMBEDDED, LoadedModel, ModelLoadError, ModelSpec, Progress, load_model,
                                    resolve_device, resolve_dtype)
 from engine.backends.remote import connect_spec
+from engine.base.seam import Model, Models
 from engine.backends.served import BACKENDS, RemoteSpec, allowed_remote_models
 from engine.config import ConfigError, check_text
 from engine.settings import GPU_HUB_MODELS, env_flag, env_int, env_list, env_text, public_mode
@@ -374,7 +375,7 @@ SELF_VARIANTS = ("self-int8", "self-nf4") + tuple(f"self-{name}" for name in qua
 REMOTE_VARIANT = "a remote model cannot be a drafter or amateur of a model loaded here (it drafts only for a remote target)"
 
 
-def variant_spec(lm: LoadedModel, name: str, key: str) -> ModelSpec:
+def variant_spec(lm: Model, name: str, key: str) -> ModelSpec:
     """The ModelSpec of ``self-int8 | self-nf4 | self-<checkpoint variant> | model:<id or dir>`` on ``lm``'s device and dtype
     (so a drafter and an amateur of one target share a registry entry). ConfigError naming ``key``
     for any other name."""
@@ -391,7 +392,7 @@ def variant_spec(lm: LoadedModel, name: str, key: str) -> ModelSpec:
                      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto")
 
 
-def check_same_tokenizer(target: LoadedModel, other: LoadedModel, key: str, label: str | None = None) -> None:
+def check_same_tokenizer(target: Model, other: Model, key: str, label: str | None = None) -> None:
     """ConfigError naming ``key`` unless ``other``'s token ids mean what ``target``'s mean: the
     same vocabulary, and an output layer scoring every token of it."""
     label = label or other.name
@@ -408,7 +409,7 @@ def check_same_tokenizer(target: LoadedModel, other: LoadedModel, key: str, labe
             f"the {key} must score every token of {target.name!r}'s vocabulary"))
 
 
-def resolve_variant(lm: LoadedModel, name: str, registry: ModelRegistry, key: str) -> LoadedModel:
+def resolve_variant(lm: Model, name: str, registry: Models, key: str) -> Model:
     """The model a ``self-int8 | self-nf4 | model:<x>`` value names, loaded through ``registry`` (so
     its allow-list applies, errors naming ``key``) on ``lm``'s device and dtype, and checked to share
     ``lm``'s tokenizer. Raises ConfigError (bad name, other tokenizer) or ModelLoadError."""
