@@ -8,5 +8,5 @@ Add a strategy: a module here with its ``stream(ctx)`` and one ``register(Strate
 its import below (docs/architecture.md).
 """
 
-from engine.strategies import decode, beam, speculative, contrastive, mcts, medusa  # noqa: F401  (the order matters)
+from engine.strategies import decode, beam, speculative, contrastive, mcts, medusa, eagle  # noqa: F401  (the order matters)
 from engine.strategies import remote_beam, remote_speculative  # noqa: F401  (their served streams)

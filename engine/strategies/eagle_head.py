@@ -1,0 +1,169 @@
+"""The EAGLE-3 draft head: it predicts the target's next token from the target's own features.
+
+At sequence position i the head reads the token x_{i+1} (its embedding, the target's own, frozen)
+and a feature of position i: on the target's positions, the target's hidden states after a low, a
+middle and a high layer (``layers``: indices into transformers' ``hidden_states``) fused by one
+linear layer [3H -> H]; on the head's own draft positions, the head's own output there (EAGLE's
+autoregression over features). ``in_proj`` [2H -> H] mixes token and feature; ONE Llama decoder
+layer (the target's layer shape, its own KV cache) and a final RMSNorm give the draft state g_i,
+read out over a draft vocabulary trimmed by frequency (``d2t``: draft index -> target token id;
+``t2d``: target id -> in the draft vocabulary) with the target's own LM-head rows (frozen, never
+stored): g_i predicts x_{i+2}.
+
+Saved as safetensors (float16; no pickle) beside a JSON config and a ``.sha256``; ``load_head``
+checks the checksum and that the head fits the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from engine.base.seam import Model
+from engine.config import ConfigError
+from engine.strategies.medusa import ASSETS, slug
+
+
+def feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle, high: indices into ``hidden_states`` (0 = the embeddings) of an N-layer model
+    (EAGLE-3's choice: after layer 2, the middle one and N - 2)."""
+    return min(2, num_layers), num_layers // 2, max(num_layers - 2, 0)
+
+
+@dataclass
+class HeadConfig:
+    """What a head is for and its shape (the JSON beside the weights)."""
+
+    base_model: str
+    hidden: int
+    vocab_size: int  # the target's
+    draft_vocab: int
+    layers: tuple[int, int, int]
+    meta: dict = field(default_factory=dict)  # how it was trained (command, settings, accuracy)
+
+
+class EagleHead(nn.Module):
+    """Fusion, one decoder layer, a norm; the read-out rows come from the target (``bind``)."""
+
+    d2t: torch.Tensor  # buffers
+    t2d: torch.Tensor
+
+    def __init__(self, target_config, head: HeadConfig, d2t: torch.Tensor):
+        super().__init__()
+        h = head.hidden
+        self.head = head
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.in_proj = nn.Linear(2 * h, h, bias=False)
+        config = type(target_config).from_dict(target_config.to_dict())
+        config._attn_implementation = "sdpa"
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.norm = LlamaRMSNorm(h, eps=getattr(config, "rms_norm_eps", 1e-6))
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", d2t.long(), persistent=False)
+        t2d = torch.zeros(head.vocab_size, dtype=torch.bool)
+        t2d[d2t.long()] = True
+        self.register_buffer("t2d", t2d, persistent=False)
+        self.embed: torch.Tensor | None = None  # [V, H] the target's embeddings (bind)
+        self.rows: torch.Tensor | None = None  # [V', H] the target's LM-head rows of d2t (bind)
+
+    def bind(self, target: nn.Module) -> "EagleHead":
+        """Take the target's embeddings and its LM-head rows of the draft vocabulary (frozen)."""
+        with torch.inference_mode(False), torch.no_grad():
+            self.embed = target.get_input_embeddings().weight.detach()
+            self.rows = target.get_output_embeddings().weight.detach()[self.d2t.to(self.embed.device)].contiguous()
+        return self
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., 3H] (low, middle, high concatenated) -> [..., H]."""
+        return self.fc(features)
+
+    def forward(self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """tokens [B, T], fused features [B, T, H], positions [B, T], an additive mask [B, 1, T, K]
+        (None: causal over the fed rows alone) -> draft states g [B, T, H] (before the norm)."""
+        assert self.embed is not None, "bind the head to its target first"
+        x = self.in_proj(torch.cat([self.embed[tokens].to(feature.dtype), feature], dim=-1))
+        if mask is None:
+            mask = causal_mask(tokens.shape[1], x.dtype)
+        out = self.layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
+                         position_embeddings=self.rotary(x, positions))
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft states [..., H] -> logits over the draft vocabulary [..., V'] (float32)."""
+        assert self.rows is not None, "bind the head to its target first"
+        normed = self.norm(states)
+        flat = normed.reshape(-1, normed.shape[-1]).to(self.rows.dtype)
+        return (self.rows @ flat.T).T.reshape(*normed.shape[:-1], self.rows.shape[0]).float()
+
+
+def causal_mask(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, T, T] additive causal mask."""
+    allowed = torch.ones(size, size, dtype=torch.bool).tril()
+    return torch.zeros(size, size, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def head_path(model_name: str) -> Path:
+    return ASSETS / f"eagle-{slug(model_name)}.safetensors"
+
+
+_TRAINED = ("fc.weight", "in_proj.weight", "norm.weight")
+
+
+def save_head(head: EagleHead, path: Path) -> str:
+    """Write the head (float16 safetensors), its JSON config and a ``.sha256`` atomically: each file
+    goes to a temporary name first and is renamed into place, the weights last but one and the
+    checksum last, so an interrupted save leaves the old files or none. Returns the hex digest."""
+    tensors = {name: t.detach().to(torch.float16).cpu().contiguous() for name, t in head.state_dict().items()
+               if name.startswith("layer.") or name in _TRAINED}
+    tensors["d2t"] = head.d2t.to(torch.int32).cpu().contiguous()
+    config = asdict(head.head)
+    _atomic(path.with_suffix(".json"), lambda f: Path(f).write_text(json.dumps(config, indent=2, allow_nan=False)))
+    _atomic(path, lambda f: save_file(tensors, f))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    _atomic(path.with_suffix(".sha256"), lambda f: Path(f).write_text(f"{digest}  {path.name}\n"))
+    return digest
+
+
+def _atomic(path: Path, write) -> None:
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(handle)
+    try:
+        write(temp)
+        os.chmod(temp, 0o644)  # mkstemp's 0600 would keep the shipped files from other readers
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+
+
+def load_head(lm: Model, path: Path | None = None) -> EagleHead:
+    """The trained head for ``lm`` (checksum verified), bound to it, in its dtype and device."""
+    path = path or head_path(lm.name)
+    if not path.is_file():
+        raise ConfigError("strategy", f"eagle: no trained head for {lm.name} (expected {path.name}); "
+                                      f"train one with python -m engine.strategies.eagle_train --model <source>")
+    sums = path.with_suffix(".sha256")
+    if not sums.is_file() or sums.read_text().split()[0] != hashlib.sha256(path.read_bytes()).hexdigest():
+        raise ConfigError("strategy", f"eagle: {path.name} does not match its checksum; retrain or restore it")
+    raw = json.loads(path.with_suffix(".json").read_text())
+    config = HeadConfig(**{**raw, "layers": tuple(raw["layers"])})
+    target = lm.model.config
+    if config.hidden != int(target.hidden_size) or config.vocab_size != lm.vocab_size:
+        raise ConfigError("strategy", f"eagle: {path.name} is for hidden size {config.hidden} and vocabulary "
+                                      f"{config.vocab_size}; {lm.name} has {target.hidden_size} and {lm.vocab_size}")
+    tensors = load_file(str(path))
+    d2t = tensors.pop("d2t").long()
+    head = EagleHead(target, config, d2t)
+    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    head = head.to(device=lm.device, dtype=lm.dtype).eval().requires_grad_(False)
+    return head.bind(lm.model)

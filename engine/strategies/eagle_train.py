@@ -1,0 +1,250 @@
+"""Train the EAGLE-3 draft head (engine.strategies.eagle_head) on the target's own text.
+
+    python -m engine.strategies.eagle_train [--model embedded] [--prompts 320] [--tokens 64]
+                                            [--vocab 8192] [--minutes 6] [--ttt 3]
+
+1. Data (self-distillation, as Medusa's heads: the same prompt file, engine/assets/medusa_prompts.txt,
+   reused): the target continues the first ``--prompts`` prompts (chat template, greedy, batched),
+   then ONE forward over each whole sequence returns its hidden states after the low, middle and
+   high layers (``eagle_head.feature_layers``). The last ``--holdout`` prompts are held out.
+2. The draft vocabulary: the ``--vocab`` most frequent tokens of the generated text (``d2t``);
+   labels outside it count as misses.
+3. Training-time test (EAGLE-3): step 1 feeds the target's fused features; step s > 1 feeds the
+   head's own outputs of step s - 1, one position further on, attending to the target-fed keys up
+   to where it branched and to its own earlier steps there (the keys it sees when drafting a tree
+   at decode time). Cross-entropy on the generated tokens only, step s weighted 0.8^(s-1).
+4. Per-step top-1 accuracy on the held-out text is printed with the wall time; the head goes to
+   ``engine/assets/eagle-<model>.safetensors`` (+ ``.json``, ``.sha256``), written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.backends.local import ModelSpec, load_model
+from engine.base.seam import Model
+from engine.strategies.eagle_head import EagleHead, HeadConfig, feature_layers, head_path, save_head
+from engine.strategies.medusa_train import PROMPTS, read_prompts, say
+from engine.threads import set_threads
+
+STEP_DECAY = 0.8
+
+
+@dataclass
+class Settings:
+    model: str = "embedded"
+    prompts: int = 320  # the first N prompts of the file
+    holdout: int = 16  # of those, the last ones (evaluation only)
+    tokens: int = 64  # generated per prompt
+    vocab: int = 8192
+    ttt: int = 3  # training-time-test steps
+    batch: int = 4  # sequences per optimiser step
+    lr: float = 1e-3
+    minutes: float = 6.0  # training wall-time budget
+    max_steps: int = 0  # 0: until the budget is spent
+    gen_batch: int = 64
+    seed: int = 0
+    threads: int = 2
+    out: str = ""  # default: engine/assets/eagle-<model>.safetensors
+
+
+@dataclass
+class Sample:
+    tokens: torch.Tensor  # [T] prompt + continuation
+    features: torch.Tensor  # [T, 3H] float16
+    start: int  # first generated position
+
+
+@torch.inference_mode()
+def make_samples(lm: Model, prompts: list[str], settings: Settings, layers: tuple[int, int, int]) -> list[Sample]:
+    """Greedy continuations, then each sequence's features from one batched forward."""
+    tok = lm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else lm.eos_token_ids[0]
+    samples, t0 = [], time.perf_counter()
+    encoded = sorted((lm.encode(p, chat=True) for p in prompts), key=len)
+    for start in range(0, len(encoded), settings.gen_batch):
+        rows = encoded[start: start + settings.gen_batch]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=lm.device)
+        mask = (torch.arange(width) >= torch.tensor([width - len(r) for r in rows])[:, None]).long().to(lm.device)
+        out = lm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.tokens, do_sample=False,
+                                pad_token_id=pad, eos_token_id=list(lm.eos_token_ids))
+        full_mask = torch.cat([mask, (out[:, width:] != -1).long()], dim=1)
+        for row, prompt in enumerate(rows):
+            generated = out[row, width:].tolist()
+            ends = [i for i, t in enumerate(generated) if t in lm.eos_token_ids]
+            keep = ends[0] + 1 if ends else len(generated)
+            full_mask[row, width + keep:] = 0
+        positions = (full_mask.cumsum(dim=1) - 1).clamp(min=0)
+        hidden = lm.model(input_ids=out, attention_mask=full_mask, position_ids=positions,
+                          output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i] for i in layers], dim=-1).to(torch.float16).cpu()  # [B, W, 3H]
+        for row, prompt in enumerate(rows):
+            real = full_mask[row].bool().cpu()
+            samples.append(Sample(out[row].cpu()[real], feats[row][real], len(prompt)))
+        say(f"  data: {start + len(rows)}/{len(encoded)} prompts ({time.perf_counter() - t0:.0f} s)")
+    return samples
+
+
+def draft_vocab(samples: list[Sample], size: int, eos_ids) -> torch.Tensor:
+    """The ``size`` most frequent generated tokens (EOS always in), most frequent first."""
+    counts = Counter(t for s in samples for t in s.tokens[s.start:].tolist())
+    top = [t for t, _ in counts.most_common(size)]
+    missing = [e for e in eos_ids if e not in top]
+    return torch.tensor((top[: size - len(missing)] + missing) if size > len(missing) else top, dtype=torch.long)
+
+
+def ttt_mask(n: int, steps: int) -> torch.Tensor:
+    """[steps * n, steps * n] bool: row (s, j) sees (1, j') for j' <= j and (t, j) for 2 <= t <= s."""
+    j = torch.arange(n)
+    allowed = torch.zeros(steps, n, steps, n, dtype=torch.bool)
+    allowed[:, :, 0, :] = j[None, :, None] >= j[None, None, :]
+    for s in range(1, steps):
+        for t in range(1, s + 1):
+            allowed[s, j, t, j] = True
+    return allowed.reshape(steps * n, steps * n)
+
+
+def batch_of(samples: list[Sample], lookup: torch.Tensor):
+    """Right-padded tokens [B, T], features [B, T, 3H], label mask (generated, in the draft vocab
+    or not) [B, T] and draft labels [B, T] (-100 outside the vocabulary)."""
+    width = max(len(s.tokens) for s in samples)
+    tokens = torch.zeros(len(samples), width, dtype=torch.long)
+    feats = torch.zeros(len(samples), width, samples[0].features.shape[-1])
+    generated = torch.zeros(len(samples), width, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        tokens[i, : len(s.tokens)] = s.tokens
+        feats[i, : len(s.tokens)] = s.features.float()
+        generated[i, s.start: len(s.tokens)] = True
+    return tokens, feats, generated, lookup[tokens]
+
+
+def unroll(head: EagleHead, tokens, feats, generated, labels, steps: int):
+    """Training-time test: per step s (1-based), the draft logits [B, n, V'] for the token at j + s + 1
+    and which of them count (their label generated and known). Returns [(logits, labels, valid)]."""
+    b, width = tokens.shape
+    n = width - 1
+    allowed = ttt_mask(n, steps)
+    j = torch.arange(n)
+    fused = head.fuse(feats[:, :n])
+    inputs_tok, inputs_feat, out = [], [], []
+    prev: torch.Tensor | None = None
+    for s in range(1, steps + 1):
+        shift = (j + s).clamp(max=width - 1)
+        inputs_tok.append(tokens[:, shift])
+        inputs_feat.append(fused if prev is None else prev[:, -n:])
+        size = s * n
+        mask = torch.zeros(size, size).masked_fill(~allowed[:size, :size], torch.finfo(torch.float32).min)
+        positions = torch.cat([j + t for t in range(s)])[None].expand(b, -1)
+        prev = head(torch.cat(inputs_tok, 1), torch.cat(inputs_feat, 1), positions, mask[None, None])
+        target = (j + s + 1).clamp(max=width - 1)
+        valid = generated[:, target] & (j + s + 1 < width)[None]
+        out.append((head.logits(prev[:, -n:]), labels[:, target], valid))
+    return out
+
+
+def accuracy(head: EagleHead, samples: list[Sample], lookup: torch.Tensor, steps: int) -> list[float]:
+    """Per step, the share of held-out generated tokens the head's top-1 got right."""
+    hits, totals = [0] * steps, [0] * steps
+    with torch.no_grad():
+        for i in range(0, len(samples), 4):
+            for s, (logits, labels, valid) in enumerate(unroll(head, *batch_of(samples[i: i + 4], lookup), steps)):
+                right = (logits.argmax(-1) == labels) & valid
+                hits[s] += int(right.sum())
+                totals[s] += int(valid.sum())
+    return [h / max(t, 1) for h, t in zip(hits, totals)]
+
+
+def initial_head(lm: Model, vocab: torch.Tensor, layers: tuple[int, int, int], meta: dict) -> EagleHead:
+    """A head whose decoder layer and norm start as the target's last ones (their scale fits its
+    states); the fusion starts random."""
+    config = HeadConfig(lm.name, int(lm.model.config.hidden_size), lm.vocab_size, len(vocab), layers, meta)
+    head = EagleHead(lm.model.config, config, vocab)
+    base = lm.model.model
+    head.layer.load_state_dict(base.layers[-1].state_dict())
+    head.norm.load_state_dict(base.norm.state_dict())
+    return head.float().bind(lm.model)
+
+
+def train(head: EagleHead, data: list[Sample], held: list[Sample], settings: Settings) -> tuple[list[float], int]:
+    lookup = torch.full((head.head.vocab_size,), -100, dtype=torch.long)
+    lookup[head.d2t] = torch.arange(len(head.d2t))
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimiser = torch.optim.AdamW(params, lr=settings.lr)
+    generator = torch.Generator().manual_seed(settings.seed)
+    t0, step = time.perf_counter(), 0
+    weights = [STEP_DECAY ** s for s in range(settings.ttt)]
+    while time.perf_counter() - t0 < settings.minutes * 60 and (not settings.max_steps or step < settings.max_steps):
+        picks = torch.randint(len(data), (settings.batch,), generator=generator).tolist()
+        loss = torch.zeros(())
+        for w, (logits, labels, valid) in zip(weights, unroll(head, *batch_of([data[i] for i in picks], lookup),
+                                                               settings.ttt)):
+            labels = labels.masked_fill(~valid, -100)
+            if (labels != -100).any():
+                loss = loss + w * torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        optimiser.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimiser.step()
+        step += 1
+        if step % 25 == 0:
+            say(f"  step {step}: loss {float(loss):.3f} ({time.perf_counter() - t0:.0f} s)")
+    acc = accuracy(head, held, lookup, settings.ttt)
+    say(f"held-out top-1 per draft position: {', '.join(f'{a:.3f}' for a in acc)} after {step} steps")
+    return acc, step
+
+
+def parse(argv: list[str] | None) -> Settings:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(prog="python -m engine.strategies.eagle_train", description=__doc__.split("\n")[0])
+    for name, value in asdict(defaults).items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    settings = Settings(**vars(parser.parse_args(argv)))
+    for name in ("prompts", "tokens", "vocab", "ttt", "batch", "gen_batch", "threads"):
+        if getattr(settings, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
+    if not 1 <= settings.holdout < settings.prompts:
+        parser.error(f"--holdout must be in [1, --prompts), got {settings.holdout}")
+    if not (settings.minutes > 0 and math.isfinite(settings.minutes)):
+        parser.error(f"--minutes must be a positive number, got {settings.minutes}")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse(argv)
+    set_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+    t0 = time.perf_counter()
+    lm = load_model(ModelSpec(settings.model, device="cpu", dtype="float32"))
+    layers = feature_layers(int(lm.model.config.num_hidden_layers))
+    prompts = read_prompts(PROMPTS)[: settings.prompts]
+    samples = make_samples(lm, prompts, settings, layers)
+    held_prompts = {tuple(lm.encode(p, chat=True)) for p in prompts[-settings.holdout:]}
+    held = [s for s in samples if tuple(s.tokens[: s.start].tolist()) in held_prompts]
+    data = [s for s in samples if tuple(s.tokens[: s.start].tolist()) not in held_prompts]
+    vocab = draft_vocab(data, settings.vocab, lm.eos_token_ids)
+    say(f"data: {len(data)} training and {len(held)} held-out sequences, draft vocabulary {len(vocab)} "
+        f"({time.perf_counter() - t0:.0f} s)")
+    meta = {"command": "python -m engine.strategies.eagle_train " + " ".join(sys.argv[1:] if argv is None else argv),
+            "settings": asdict(settings), "data": "greedy continuations of engine/assets/medusa_prompts.txt"}
+    head = initial_head(lm, vocab, layers, meta)
+    acc, steps = train(head, data, held, settings)
+    seconds = time.perf_counter() - t0
+    head.head.meta |= {"heldout_top1": [round(a, 4) for a in acc], "steps": steps, "seconds": round(seconds, 1)}
+    path = Path(settings.out) if settings.out else head_path(lm.name)
+    digest = save_head(head, path)
+    size = path.stat().st_size / 1e6
+    say(f"wrote {path} ({size:.1f} MB, sha256 {digest[:12]}); wall time {seconds:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
