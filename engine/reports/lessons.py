@@ -48,7 +48,7 @@ LESSONS_DIR = Path(__file__).resolve().parents[2] / "presets" / "lessons"
 SERVED_DIR = LESSONS_DIR / "served"  # lessons whose runs go to the operator's servers (``models``)
 ROLES = {"vllm": "openai", "llamacpp": "llamacpp"}  # a lesson's server role -> the backend it is listed as
 LESSON_VERSION = 1
-VIEWS = ("step", "compare", "beam", "speculative", "quantization")
+VIEWS = ("step", "compare", "beam", "speculative", "quantization", "inside")
 LESSON_KEYS = ("version", "id", "title", "view", "prompt", "chat", "preset", "lanes", "select_step", "steps", "check",
                "models")
 MAX_STEP_CHARS = 600
@@ -196,11 +196,14 @@ CHECK_FIELDS: dict[str, dict[str, tuple[int, int, int]]] = {
     "grammar_distortion": {"seeds": (8, 1, 32)},
     "gptq_vs_awq": {},
     "engines_agree": {},
+    "lens_forms": {"step": (0, 0, 1023)},
+    "watermark_washes_out": {"share": (50, 1, 100)},
 }
 ENGINE_RUNS = ("", "vllm", "llamacpp")  # engines_agree: runs 0-2, greedy, on our engine, vLLM and llama.cpp
 # What a check reads from the lesson's runs: how many it compares, or which strategy run 0 must be.
 CHECK_RUNS = {"sampling_varies": 2, "entropy_rises": 2, "truncation_shapes": 2, "less_repetition": 2}
-CHECK_STRATEGY = {"beam_beats_greedy": "beam", "speculative_exact": "speculative", "grammar_distortion": "sample"}
+CHECK_STRATEGY = {"beam_beats_greedy": "beam", "speculative_exact": "speculative", "grammar_distortion": "sample",
+                  "watermark_washes_out": "sample"}
 
 
 def _whole(key: str, value: Any, low: int, high: int) -> int:
@@ -556,10 +559,11 @@ NEEDS_MODEL = {
     "gptq_vs_awq": "it loads the model's 4-bit checkpoints made here",
     "beam_beats_greedy": "a served beam search scores by vLLM's rule (the prompt's length counts), not the lesson's",
     "grammar_distortion": "it walks every token prefix of the grammar with the model's whole distribution",
+    "lens_forms": "it reads every layer's hidden state",
 }
 # The capability each of them needs (engine.base.seam.Capabilities)
 CHECK_NEEDS = {"kv_cache_same": "kv_cache", "quantization_order": "weights", "gptq_vs_awq": "weights",
-               "beam_beats_greedy": "full_logits", "grammar_distortion": "full_logits"}
+               "beam_beats_greedy": "full_logits", "grammar_distortion": "full_logits", "lens_forms": "hidden_states"}
 
 
 def check_unavailable(kind: str | None, capabilities: Capabilities) -> str | None:
@@ -615,6 +619,39 @@ def _piece(trace: Trace, i: int) -> str:
     return trace.steps[i].chosen_token if i < len(trace.steps) else "(the end)"
 
 
+def _lens_forms(lm, lesson, traces, registry, runs) -> Outcome:
+    """The logit lens at the check's step: the token the model picks is not what the embeddings or
+    the first half of the layers read out (outside their top 10); it becomes the most likely token
+    only in the second half of the network and stays so to the last layer."""
+    from engine.reports.lens import trace_lens
+
+    found = trace_lens(lm, traces[0], min(check_field(lesson.check, "step"), len(traces[0].steps) - 1))
+    half = found.layers[-1].layer / 2
+    early = min(x.chosen_rank for x in found.layers if x.layer < half)  # its best rank in the first half
+    ok = found.first_top1 is not None and found.first_top1 > half and early > 10 and found.last_matches_logits
+    return Outcome(ok, found.sentence(), {"first_top1": float(-1 if found.first_top1 is None else found.first_top1),
+                                          "layers": float(found.layers[-1].layer), "best_early_rank": float(early)})
+
+
+def _watermark_washes_out(lm, lesson, traces, registry, runs) -> Outcome:
+    """The run's watermark is detected (z above the paper's 4); the same run without it is not; and
+    replacing the check's share of the tokens (an edit that keeps the length) takes it back under 4."""
+    from engine.reports import watermark as wm
+
+    config, ids = lesson.runs[0].config, traces[0].generated_token_ids
+    key = wm.WatermarkKey.of(config)
+    planted = wm.detect(ids, lm.vocab_size, key)
+    plain = runs.run(lm, lesson.prompt, config.replace(watermark_delta=0.0), chat=lesson.chat)
+    unmarked = wm.detect(plain.generated_token_ids, lm.vocab_size, key)
+    share = check_field(lesson.check, "share") / 100
+    washed = wm.detect(wm.replaced(ids, share, lm.vocab_size, config.seed), lm.vocab_size, key)
+    ok = planted.detected and not unmarked.detected and not washed.detected and config.watermark_delta > 0
+    return Outcome(ok, f"Watermarked: z = {planted.z:.1f} over {planted.scored} tokens ({planted.green_fraction:.0%} "
+                       f"green, chance {key.gamma:.0%}); the same prompt without it: z = {unmarked.z:.1f}; with "
+                       f"{share:.0%} of the tokens replaced: z = {washed.z:.1f} (the threshold is {planted.threshold:g}).",
+                   {"z_planted": planted.z, "z_unmarked": unmarked.z, "z_washed": washed.z})
+
+
 CHECKS: dict[str, Callable[..., Outcome]] = {
     "sampling_varies": _sampling_varies,
     "entropy_rises": _entropy_rises,
@@ -627,6 +664,8 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
     "grammar_distortion": _grammar_distortion,
     "gptq_vs_awq": _gptq_vs_awq,
     "engines_agree": _engines_agree,
+    "lens_forms": _lens_forms,
+    "watermark_washes_out": _watermark_washes_out,
 }
 
 __all__ = ["CHECK_NEEDS", "NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "available_lessons", "builtin_lessons",
