@@ -22,7 +22,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from engine.config import KNOBS, STAGE_NAMES, ConfigError
 from engine.base.strategy_spec import STRATEGIES
@@ -224,7 +224,7 @@ def from_dict(cls: Any, data: Any) -> Any:
     if origin in (list, tuple):
         (item,) = typing.get_args(cls)[:1] or (Any,)
         return [from_dict(item, x) for x in data]
-    if dataclasses.is_dataclass(cls):
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls):
         if isinstance(data, cls):
             return data
         hints = typing.get_type_hints(cls)
@@ -246,7 +246,7 @@ MAX_DEPTH = 12  # nesting of the free-form fields (config, params, state, summar
 MAX_FREE_NODES = 500_000
 
 
-def _fail(field: str, message: str) -> None:
+def _fail(field: str, message: str) -> NoReturn:
     raise ConfigError(field, message)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 from engine.backends.client import DEFAULT_TIMEOUT_S, AnswerTooLarge, JsonClient, RemoteError
 from engine.backends.schema import MAX_PIECE_CHARS, VOCAB_BOUND, Schema
@@ -239,9 +239,12 @@ class _Stream:
 
     def __init__(self, schema: Schema, config: DecodingConfig):
         self.schema, self.config = schema, config
-        self.stop_reason, self.timings, self.notes = "max_new_tokens", {}, []
+        self.stop_reason = "max_new_tokens"
+        self.timings: dict[str, Any] = {}
+        self.notes: list[str] = []
 
-    def tokens(self, chunks: Iterator[Any]) -> Iterator[tuple[int, tuple[float, list[Entry]] | None]]:
+    def tokens(self, chunks: Generator[Any, None, None]
+               ) -> Generator[tuple[int, tuple[float, list[Entry]] | None], None, None]:
         """(id, (p, top-N after the sampler) or None) per token as the chunks arrive. Ends at the
         chunk with ``stop: true``; past ``max_new_tokens`` tokens, or ``MAX_TRAILING_CHUNKS``
         chunks after the last one without the stop, the stream is closed (the server stops too)."""

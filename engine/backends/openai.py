@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 from engine.backends.client import DEFAULT_TIMEOUT_S, JsonClient, RemoteError
 from engine.backends.llamacpp import MAX_CHUNK_TOKENS, MAX_TRAILING_CHUNKS, llama_entries
@@ -63,7 +63,7 @@ def _top(top: Any, s: Schema, field: str, most: int) -> list[Entry]:
     """vLLM's ``{"token_id:<id>": logprob}`` top-N as Entries, checked: an entry that passes every check
     is read at once; one that fails is checked again field by field for the line naming it (a step
     reads N of them per token: the names are built only for a bad one)."""
-    entries = []
+    entries: list[Entry] = []
     for k, v in s.obj(top or {}, field).items():
         token = _plain_id(k)
         if token is not None and token < s.vocab and type(v) is float and LOGPROB_FLOOR <= v <= PROB_SLACK:
@@ -94,7 +94,7 @@ def _token_id(key: Any, s: Schema, field: str) -> int:
 def _row(row: Any, s: Schema, field: str, most: int) -> dict[int, float]:
     """A prompt_logprobs row, ``{"<id>": {"logprob": x, ...}}``, as {id: logprob}, checked: the
     prompt's own token and the top-N (at most ``most`` entries, probabilities adding up to <= 1)."""
-    entries = [(_id_key(k, s, f"{field}[{k[:20]!r}]"),
+    entries: list[Entry] = [(_id_key(k, s, f"{field}[{k[:20]!r}]"),
                 s.logprob(s.get(v, "logprob", f"{field}[{k[:20]!r}]"), f"{field}[{k[:20]!r}].logprob"), None)
                for k, v in s.obj(row, field).items()]
     return {token: lp for token, lp, _ in s.top(entries, field, most)}
@@ -241,7 +241,9 @@ class OpenAIApi:
         if self.dialect != "vllm":
             return [self.next_top(ids[:i], top_n) for i in range(start, len(ids) + 1)]
         rows, last = self._scored(ids, top_n)
-        return [[(t, lp, None) for t, lp in (rows[i] or {}).items()] for i in range(start, len(ids))] + [last]
+        scored: list[list[Entry]] = [[(t, lp, None) for t, lp in (rows[i] or {}).items()]
+                                     for i in range(start, len(ids))]
+        return scored + [last]
 
     def generate(self, ids: Sequence[int], config: DecodingConfig, raw: bool) -> Iterator[FastToken | FastAnswer]:
         """Fast mode: one streamed request; the server samples with the knobs it has
@@ -283,7 +285,7 @@ class _Stream:
         self.stopped_by: str | int | None = None  # vLLM's stop_reason: the stop string (or token) that ended it
         self.notes: list[str] = []
 
-    def tokens(self, chunks: Iterator[Any]) -> Iterator[tuple[int, float, list[Entry]]]:
+    def tokens(self, chunks: Generator[Any, None, None]) -> Generator[tuple[int, float, list[Entry]], None, None]:
         """(id, logprob, top-N) per token as the chunks arrive, until the stream ends; past
         ``max_new_tokens`` tokens, or ``MAX_TRAILING_CHUNKS`` chunks after the last one, the
         stream is closed (the server stops too)."""
@@ -330,7 +332,9 @@ def _openai_fields(config: DecodingConfig, dialect: str = "vllm") -> tuple[dict[
     mapped = [name for name, spec in STAGES.items() if spec.served.openai is not None]
     for name in mapped:
         served = STAGES[name].served
-        fields.update((served.openai_llamacpp if dialect == "llamacpp" and served.openai_llamacpp else served.openai)(config))
+        to_fields = served.openai_llamacpp if dialect == "llamacpp" and served.openai_llamacpp else served.openai
+        if to_fields is not None:  # (every mapped stage has its openai fields)
+            fields.update(to_fields(config))
     if config.is_greedy:
         fields["temperature"] = 0.0
     unmapped = [{"key": k.name, "reason": "the OpenAI-compatible API has no such sampling parameter"}

@@ -160,9 +160,11 @@ def dense_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], int]:
         parts = {s: tensors.pop(f"{prefix}.{s}", None) for s in ("weight_packed", "weight_scale", "weight_shape",
                                                                   "weight_g_idx")}
         packed_bytes += sum(t.numel() * t.element_size() for t in parts.values() if t is not None)
-        shape = tuple(int(v) for v in parts["weight_shape"])
-        tensors[f"{prefix}.weight"] = dequantize(parts["weight_packed"], parts["weight_scale"], shape,
-                                                 parts["weight_g_idx"])
+        packed, scale, shape = parts["weight_packed"], parts["weight_scale"], parts["weight_shape"]
+        if packed is None or scale is None or shape is None:  # a TypeError would escape the loader's one line
+            raise ValueError(f"{prefix}: a packed weight without its weight_scale or weight_shape")
+        rows, cols = (int(v) for v in shape)  # a shape of another length: ValueError, one line
+        tensors[f"{prefix}.weight"] = dequantize(packed, scale, (rows, cols), parts["weight_g_idx"])
     return tensors, packed_bytes
 
 

@@ -246,10 +246,10 @@ def stream_verified(model: RemoteModel, prompt_ids: Sequence[int], config: Decod
         with closing(model.api.continuation(ids, count, top_n, **({"draws": draws} if draws else {}))) as drafted:
             for token, top in drafted:
                 verified.drafted += 1
-                values, ids, tail = entries_row(model, top)
+                values, support, tail = entries_row(model, top)
                 if tails is not None:
                     tails.append(tail)
-                step = state.advance(values, ids)
+                step = state.advance(values, support)
                 verified.server.append(step.chosen_token_id == token)
                 verified.gave[-1] += 1
                 yield step
