@@ -10,7 +10,7 @@ one ``RunState.advance`` per row as each user's run makes it, on the top-100's i
 ids)``, as ``remote.entries_row`` gives them) against the same rows over the whole vocabulary (-inf
 elsewhere) with every draw over V (the path before: ``sampling.COMPACT_MOST`` = 0).
 
-The old path is today's code with the replaced parts put back: ``chain.entropy_rows`` as
+The old path is today's code with the replaced parts put back: ``chain.entropy_varentropy_rows``' entropy as
 ``torch.special.entr(p).sum(-1)`` (entr is a scalar loop on CPU) and every draw's race over the whole
 vocabulary (``sampling.COMPACT_MOST`` = 0: V exponentials from ``exponential_``, not the race on a
 truncated row's nonzero entries).
@@ -43,19 +43,23 @@ CONFIGS = {
 }
 
 
-def old_entropy_rows(probs: torch.Tensor) -> torch.Tensor:
-    return torch.special.entr(probs).sum(dim=-1)
+def old_entropy_rows(probs: torch.Tensor, varentropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The entropy as it was (entr's scalar loop), with today's varentropy beside it (the records compare equal)."""
+    entropy = torch.special.entr(probs).sum(dim=-1)
+    if not varentropy:
+        return entropy, None
+    return entropy, (probs * (probs.clamp(min=torch.finfo(torch.float32).tiny).log() + entropy[:, None]).square()).sum(-1)
 
 
 @contextmanager
 def old_path():
     """The capture as it was before the exact wins (the replaced parts put back)."""
-    saved = chain.entropy_rows, sampling.COMPACT_MOST
-    chain.entropy_rows, sampling.COMPACT_MOST = old_entropy_rows, 0
+    saved = chain.entropy_varentropy_rows, sampling.COMPACT_MOST
+    chain.entropy_varentropy_rows, sampling.COMPACT_MOST = old_entropy_rows, 0
     try:
         yield
     finally:
-        chain.entropy_rows, sampling.COMPACT_MOST = saved
+        chain.entropy_varentropy_rows, sampling.COMPACT_MOST = saved
 
 
 def row_logits(lm, rows: int) -> tuple[list[list[int]], torch.Tensor]:
