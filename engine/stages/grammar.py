@@ -86,8 +86,8 @@ MAX_CANDIDATES = 1_000  # step mode: the most top-N tokens checked byte by byte 
 # needs over ~300 on 300-token random walks, while the 52-character ambiguous grammar of issue #50
 # pushes 5,000 within ~7 tokens (masks of ~15 ms) but 50,000 only once its masks take seconds.
 # Lexer fuel (~14k/ms) bounds a mask's lexing; the grammar's size and the lexer's states its memory.
-LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=5_000,
-              max_lexer_states=100_000, max_grammar_size=200_000)
+LIMITS: dict[str, Any] = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                              step_max_items=5_000, max_lexer_states=100_000, max_grammar_size=200_000)
 # The CPU a grammar may take, whatever LLGuidance's fuel counts: per step (sync + mask) ~7x the
 # slowest step of those grammars on a loaded 2-core machine (~7 ms), and per run ~2x the costliest
 # of them over 1,024 tokens (~2.5 s: any JSON). CPU time, not wall time: waiting for a core on a
@@ -127,7 +127,7 @@ class GrammarBudget(ConfigError):
         super().__init__(KEY, f"{what} (an ambiguous grammar costs more at every token); the run stopped there")
 
 
-def one_line(text: str, limit: int = 300) -> str:
+def one_line(text: object, limit: int = 300) -> str:
     """A library's (multi-line) message as one line of at most ``limit`` characters."""
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
@@ -684,6 +684,8 @@ class Grammar(Stage):
         if self.compiled.bytes_only:
             self._check_candidates(logits_row, allowed, generated)
         else:
+            if found.bitmask is None:  # a job computes the mask unless bytes_only (_Job)
+                raise RuntimeError("grammar: the matcher computed no mask")
             mask = unpack(found.bitmask, self.compiled.vocab)[:vocab]
             allowed[: mask.shape[0]] = mask
             if self.compiled.eos < vocab:
@@ -705,7 +707,7 @@ class Grammar(Stage):
         matcher = self._cursor.matcher
         for token in torch.isfinite(logits_row).nonzero().flatten().tolist()[:MAX_CANDIDATES]:
             units = None if token in self.eos else self._token_units(token)
-            allowed[token] = bool(units) and matcher.validate_tokens(units) == len(units)
+            allowed[token] = units is not None and len(units) > 0 and matcher.validate_tokens(units) == len(units)
         cpu = time.thread_time() - start
         self.spent += cpu
         if cpu > STEP_BUDGET_S or self.spent > RUN_BUDGET_S:
@@ -801,7 +803,8 @@ def _note(stage: "StageTrace") -> str:
 
 
 def _heading(stage: "StageTrace") -> str:
-    return f"grammar ({KIND_WORDS.get(stage.params.get('grammar_kind'), 'structured output')}): forbidden tokens masked"
+    kind = KIND_WORDS.get(stage.params.get("grammar_kind") or "", "structured output")
+    return f"grammar ({kind}): forbidden tokens masked"
 
 
 @dataclass(frozen=True)
