@@ -146,7 +146,8 @@ class _Run:
         self.sequence = self.state.sequence  # what the prefill feeds
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # StepTrace | BaseException
         self.closed = False  # the consumer went away
-        self.steps, self.first_ms, self.last_ms = 0, None, 0.0  # what its user received (for ServingStats)
+        self.steps, self.last_ms = 0, 0.0  # what its user received (for ServingStats)
+        self.first_ms: float | None = None
         self.chunk_kv: KVCache | None = None  # its own cache while a long prompt is prefilled in chunks
         self.fed = 0  # prompt positions that cache holds
         self.parked: torch.Tensor | None = None  # its logits [1, V] while its stages are not ready
@@ -155,7 +156,8 @@ class _Run:
 
     def record(self, reason: str) -> RunRecord:
         """What the run's user received, as the Serving view's record of it."""
-        tpot = (self.last_ms - self.first_ms) / (self.steps - 1) if self.steps > 1 else None
+        first = self.first_ms
+        tpot = (self.last_ms - first) / (self.steps - 1) if self.steps > 1 and first is not None else None
         return RunRecord(time.time(), self.state.prompt_length, self.steps, self.first_ms, tpot, reason)
 
     @property
@@ -196,6 +198,13 @@ class _Batch:
         self.kv: KVCache | None = None
         self.runs: list[_Run] = []
 
+    @property
+    def cache(self) -> KVCache:
+        """The rows' cache (RuntimeError while the batch holds no row)."""
+        if self.kv is None:
+            raise RuntimeError("scheduler: the batch holds no rows")
+        return self.kv
+
     def forward(self) -> torch.Tensor:
         """Feed every row's last token, a parked row's masked out (it has no new token yet: its
         position is a hole); returns the next-token logits [B, V] in float32 (a parked row's: unused)."""
@@ -203,14 +212,14 @@ class _Batch:
         parked = [run.parked is not None for run in self.runs]
         mask = torch.tensor([[int(not p)] for p in parked], dtype=torch.long, device=self.device) if any(parked) \
             else None  # [B, 1]
-        return self.kv.forward(ids, mask=mask).logits[:, -1, :].float()
+        return self.cache.forward(ids, mask=mask).logits[:, -1, :].float()
 
     def add(self, runs: list[_Run], kv: KVCache) -> None:
         """Append prefilled runs (``kv`` holds their rows) as the last rows."""
         if not self.runs:
             self.kv, self.runs = kv, list(runs)
             return
-        self.kv.append_rows(kv)
+        self.cache.append_rows(kv)
         self.runs.extend(runs)
 
     def keep(self, rows: list[int]) -> None:
@@ -218,7 +227,7 @@ class _Batch:
         if not rows:
             self.kv, self.runs = None, []
             return
-        self.kv.keep_rows(rows)
+        self.cache.keep_rows(rows)
         self.runs = [self.runs[i] for i in rows]
 
 
@@ -441,7 +450,7 @@ class Scheduler:
             logits = logits[live]  # [R, V]: the rows that step
         forwarded = time.perf_counter()
         lengths = tuple(run.state.ids.shape[1] for run in running)  # real positions each row holds now
-        width = self._batch.kv.length
+        width = self._batch.cache.length
         # Runs that arrived during the forward get their first token before the rows' capture,
         # so a newcomer waits at most one forward or one capture, not both.
         for late in iter(self._take_waiting, []):
@@ -478,7 +487,7 @@ class Scheduler:
         groups += [[run] for run in joiners if run.state.needs_replay]
         for group in groups:
             runs, logits = self._prefill(group, replay=group[0].state.needs_replay)
-            if runs:
+            if runs and logits is not None:
                 self._step(runs, logits)
 
     def _chunked(self, run: _Run) -> bool:
@@ -494,9 +503,12 @@ class Scheduler:
         run = self._chunking[0]
         size = self.prefill_chunk if self._batch.runs else len(run.sequence) - run.fed
         piece = run.sequence[run.fed:run.fed + size]
+        kv = run.chunk_kv
         try:
+            if kv is None:
+                raise RuntimeError("scheduler: a chunked prompt without its cache")
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)  # [1, C]
-            logits = run.chunk_kv.forward(ids).logits[:, -1, :].float()  # [1, V]
+            logits = kv.forward(ids).logits[:, -1, :].float()  # [1, V]
         except Exception as exc:  # noqa: BLE001 (that run fails; the rows go on)
             self._chunking.pop(0)
             self._fail([run], exc)
@@ -505,7 +517,7 @@ class Scheduler:
         self._tick_fed += len(piece)
         if run.fed == len(run.sequence):
             self._chunking.pop(0)
-            self._batch.add([run], run.chunk_kv)
+            self._batch.add([run], kv)
             run.chunk_kv = None
             self._step([run], logits)
 
@@ -513,12 +525,12 @@ class Scheduler:
         """Step the parked rows whose stages are ready now (a grammar's mask done, or past its
         budget: that step ends its run with one line), with the logits they kept, so their next
         token is in this tick's forward."""
-        due = [run for run in self._batch.runs if run.parked is not None and ready(run)]
+        due = [(run, parked) for run in self._batch.runs if (parked := run.parked) is not None and ready(run)]
         if due:
-            logits = torch.cat([run.parked for run in due])  # [D, V]
-            for run in due:
+            logits = torch.cat([parked for _, parked in due])  # [D, V]
+            for run, _ in due:
                 run.parked = None
-            self._step(due, logits)
+            self._step([run for run, _ in due], logits)
 
     def _take_waiting(self) -> list[_Run]:
         """Runs that arrived while the last joiners were prefilled, as many as there are free rows."""
@@ -532,7 +544,8 @@ class Scheduler:
         """Take the waiting runs that get one of ``free`` rows (the lock held by the caller), in line
         order: a presenter's run any free row, the room's only rows outside the ``presenter_rows`` kept."""
         room = self.max_batch - self.presenter_rows - sum(not _priority(r) for r in self._batch.runs + self._chunking)
-        joiners, left = [], []
+        joiners: list[_Run] = []
+        left: list[_Run] = []
         for run in self._waiting:
             if len(joiners) < free and (_priority(run) or room > 0):
                 joiners.append(run)
