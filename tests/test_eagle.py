@@ -39,7 +39,8 @@ def target_only(lm, ids, config) -> list[int]:
     return [s.chosen_token_id for s in decode.stream(lm, ids, base)]
 
 
-@pytest.mark.parametrize("budget", [Budget(1, 1, 1), Budget(12, 5, 4), Budget(24, 6, 3)], ids=["one", "default", "deep"])
+@pytest.mark.parametrize("budget", [Budget(1, 1, 1), Budget(12, 5, 4), Budget(24, 6, 3)],
+                         ids=["one", "default", "deep"])
 def test_greedy_eagle_equals_target_greedy(tiny_lm, budget):
     ids = tiny_lm.encode("a b a b a b")
     trace = runner.collect(eagle.stream(tiny_lm, "", ids, GREEDY, head=random_head(tiny_lm, 512), budget=budget))
@@ -97,7 +98,8 @@ def test_sampling_eagle_keeps_the_target_distribution(tiny_lm):
     siblings per node tested one after another) and the rejection rule: their joint is the target's."""
     target = wrap(make_tiny_llama(vocab_size=8, seed=0, layers=1, hidden=32), tiny_lm, "tiny8-target", eos=())
     head = random_head(target, 8, seed=3)
-    config = DecodingConfig(strategy="eagle", temperature=2.0, top_k=6, frequency_penalty=1.0, max_new_tokens=3, top_n=3)
+    config = DecodingConfig(strategy="eagle", temperature=2.0, top_k=6, frequency_penalty=1.0, max_new_tokens=3,
+                            top_n=3)
     prompt = [3, 5]
     joint = exact_two_token_joint(target, prompt, config)
     firsts, seconds, refused, deep = [], [], 0, 0

@@ -26,6 +26,7 @@ accepted path and the depth where the target refused); the last holds the Trace.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -209,7 +210,7 @@ class _EagleVerifier(medusa._MedusaVerifier):
         order = sorted(best, key=lambda c: (pool[c].depth, c))
         index = {c: i for i, c in enumerate(order)}
         return [TreeNode(i, index[pool[c].parent] if pool[c].parent >= 0 else -1, pool[c].depth, pool[c].rank,
-                         pool[c].token_id, self.lm.token_text(pool[c].token_id), float(torch.tensor(pool[c].logscore).exp()))
+                         pool[c].token_id, self.lm.token_text(pool[c].token_id), math.exp(pool[c].logscore))
                 for i, c in enumerate(order)]
 
     def verify(self, tree: Sequence[TreeNode]) -> tuple[torch.Tensor, torch.Tensor]:
