@@ -96,10 +96,12 @@ def reliability(confidence: torch.Tensor, correct: torch.Tensor, bins: int = DEF
     out, ece = [], 0.0
     for b in range(bins):
         c = counts[b]
-        conf, acc = (conf_sum[b] / c, right[b] / c) if c else (None, None)
+        if not c:
+            out.append(ReliabilityBin(b / bins, (b + 1) / bins, c, None, None))
+            continue
+        conf, acc = conf_sum[b] / c, right[b] / c
         out.append(ReliabilityBin(b / bins, (b + 1) / bins, c, conf, acc))
-        if c:
-            ece += c / n * abs(acc - conf)
+        ece += c / n * abs(acc - conf)
     return out, ece
 
 

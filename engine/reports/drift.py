@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -230,10 +230,7 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
 def quantization_report(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
                         variants: Sequence[str] = BNB_QUANTIZATIONS, *, control: RunControl | None = None) -> DriftReport:
     """The whole drift report (see ``stream_drift``); as far as it got when ``control`` stopped it."""
-    report = None
-    for report in stream_drift(registry, source, prompt, chat, max_new_tokens, variants, control=control):
-        pass
-    return report
+    return last(stream_drift(registry, source, prompt, chat, max_new_tokens, variants, control=control))
 
 
 # ---------------------------------------------------------------------------------------- KV cache
@@ -307,9 +304,22 @@ def uncached_steps(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig,
         ids = torch.cat([ids, torch.tensor([[token]], device=lm.device)], dim=1)  # [1, S + 1]
 
 
-def checked_stream(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, cache: KVCache,
+R = TypeVar("R")
+
+
+def last(reports: Iterator[R]) -> R:
+    """The last of a report's stream of updates (each stream yields at least one)."""
+    final: R | None = None
+    for final in reports:
+        pass
+    if final is None:
+        raise RuntimeError("the report's stream yielded nothing")
+    return final
+
+
+def checked_stream(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, cache: KVCache | None,
                    control: RunControl | None) -> Iterator[StepTrace]:
-    """``decode.stream`` with ``control`` checked before each forward."""
+    """``decode.stream`` with ``control`` checked before each forward (``cache``: None, a fresh one)."""
     check(control)
     for step in decode.stream(lm, prompt_ids, config, cache=cache):
         yield step
@@ -507,7 +517,4 @@ def kv_drift_report(lm: Model, prompt: str, chat: bool = False, max_new_tokens: 
                     kinds: Sequence[str] = ("dynamic", "quantized-int8", "quantized-int4"), residual_length: int = 32,
                     *, control: RunControl | None = None) -> KVDriftReport:
     """The whole KV drift report (see ``stream_kv_drift``)."""
-    report = None
-    for report in stream_kv_drift(lm, prompt, chat, max_new_tokens, kinds, residual_length, control=control):
-        pass
-    return report
+    return last(stream_kv_drift(lm, prompt, chat, max_new_tokens, kinds, residual_length, control=control))

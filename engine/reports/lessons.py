@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from engine import explore
 from engine.reports import metrics
@@ -100,7 +100,7 @@ class Outcome:
 
     ok: bool
     summary: str
-    figures: dict[str, float]
+    figures: Mapping[str, float | None]  # None: not measured (a z-score over too few tokens)
     report: Any = field(default=None, compare=False)  # a check's own measurement (KV / drift report), for its chart
 
 

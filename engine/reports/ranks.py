@@ -63,9 +63,9 @@ class TokenRanks:
         if not self.ranked:
             return "No token could be ranked (a one-token text with no context)."
         parts = ", ".join(f"{self.share(name):.0%} {name}" for name in BUCKET_NAMES)
-        worst = max((t for t in self.tokens if t.rank is not None), key=lambda t: t.rank)
+        rank, worst = max(((t.rank, t) for t in self.tokens if t.rank is not None), key=lambda pair: pair[0])
         return (f"Of {self.ranked} ranked tokens: {parts}; the least expected is {worst.token!r} "
-                f"(rank {worst.rank:,}).")
+                f"(rank {rank:,}).")
 
 
 def check_ids(key: str, ids: Sequence[int], limit: int = MAX_RANK_TOKENS) -> None:
