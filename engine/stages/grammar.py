@@ -441,6 +441,7 @@ def compile_grammar(kind: str, text: str, tokenizer: Any) -> Compiled:
     of COMPILE_SECONDS). Every failure is a ConfigError naming ``grammar`` in one line: a schema that
     does not compile, a regular expression that matches nothing, a grammar no token can start, one
     too large to compile in time."""
+    check_syntax(kind, text)  # a GBNF grammar we refuse is refused before the tokenizer's table is built
     table = llg_tokenizer(tokenizer)
     key = (id(table), kind, text)
     with _lock:
