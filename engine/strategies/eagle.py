@@ -99,6 +99,13 @@ class _Candidate:
     slot: int = -1
 
 
+def fed_state(candidate: _Candidate) -> torch.Tensor:
+    """A candidate's draft state, once it was fed to the head (RuntimeError before)."""
+    if candidate.state is None:
+        raise RuntimeError("eagle: a candidate read before the head was fed it")
+    return candidate.state
+
+
 def draft_mask(rows_ancestors: Sequence[Sequence[int]], context: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, R, context + slots] additive mask for R rows fed after ``slots`` - R tree slots: every
     row sees the context and the slots listed as its ancestors (itself included)."""
@@ -124,7 +131,7 @@ class _EagleVerifier(medusa._MedusaVerifier):
         speculative._Verifier.__init__(self, lm, prompt_ids, config, medusa._HeadsName(head_name(budget)), kv)
         self.start = t0  # the prefill above is the run's
         self.prefill_ms = self.elapsed_ms()
-        self.kv, self.heads, self.shape = kv, None, None
+        self.kv = kv  # (Medusa's heads and tree shape are not read: eagle_round grows its own tree)
         self.lm_head = lm.model.get_output_embeddings()
         self.plain_readout = type(lm.model).__name__ == "LlamaForCausalLM" and hasattr(lm.model, "model")
         self.head, self.budget = head, budget
@@ -174,7 +181,7 @@ class _EagleVerifier(medusa._MedusaVerifier):
             if not frontier:
                 break
             self.feed_frontier(pool, frontier, slots, state, depth)
-            made = [child for c in frontier for child in self.children(c, pool, pool[c].state, depth)]
+            made = [child for c in frontier for child in self.children(c, pool, fed_state(pool[c]), depth)]
             frontier = list(range(len(pool), len(pool) + len(made)))
             pool.extend(made)
         extra = self.draft_cache.get_seq_length() - self.head_len
@@ -195,7 +202,7 @@ class _EagleVerifier(medusa._MedusaVerifier):
             ancestors.append(chain)
             pool[c].slot = first + offset
         slots.extend(frontier)
-        feats = torch.stack([pool[pool[c].parent].state if pool[c].parent >= 0 else root_state for c in frontier])
+        feats = torch.stack([fed_state(pool[pool[c].parent]) if pool[c].parent >= 0 else root_state for c in frontier])
         tokens = torch.tensor([[pool[c].token_id for c in frontier]], device=self.lm.device)
         positions = torch.full((1, len(frontier)), self.head_len + depth - 2, device=self.lm.device)
         mask = draft_mask(ancestors, self.head_len, len(slots), self.lm.dtype).to(self.lm.device)

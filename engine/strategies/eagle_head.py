@@ -22,6 +22,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -75,7 +76,7 @@ class EagleHead(nn.Module):
         self.embed: torch.Tensor | None = None  # [V, H] the target's embeddings (bind)
         self.rows: torch.Tensor | None = None  # [V', H] the target's LM-head rows of d2t (bind)
 
-    def bind(self, target: nn.Module) -> "EagleHead":
+    def bind(self, target: Any) -> "EagleHead":  # a transformers causal LM
         """Take the target's embeddings and its LM-head rows of the draft vocabulary (frozen)."""
         with torch.inference_mode(False), torch.no_grad():
             self.embed = target.get_input_embeddings().weight.detach()

@@ -113,7 +113,8 @@ def ttt_mask(n: int, steps: int) -> torch.Tensor:
     return allowed.reshape(steps * n, steps * n)
 
 
-def batch_of(samples: list[Sample], lookup: torch.Tensor):
+def batch_of(samples: list[Sample], lookup: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded tokens [B, T], features [B, T, 3H], label mask (generated, in the draft vocab
     or not) [B, T] and draft labels [B, T] (-100 outside the vocabulary)."""
     width = max(len(s.tokens) for s in samples)
