@@ -14,6 +14,7 @@ import html
 import json
 import math
 import textwrap
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import plotly.graph_objects as go
@@ -95,7 +96,15 @@ def _hover(stage: StageTrace) -> str:
     return "<br>".join(html.escape(p) for p in parts)
 
 
-def _chosen_outside(stage: StageTrace, step: StepTrace) -> TokenProb | None:
+@dataclass(frozen=True)
+class Outside:
+    """The chosen token as a bar beside a stage's top-N: its text and its probability (None: unknown)."""
+
+    token: str
+    prob: float | None
+
+
+def _chosen_outside(stage: StageTrace, step: StepTrace) -> Outside | None:
     """The chosen token as an extra bar when the stage's stored top-N misses it: its probability
     where the trace records it (raw: raw_prob; final: chosen_prob; a stage between them: its own
     chosen_prob), else None as the probability (a trace from before stages recorded it, or a
@@ -103,7 +112,7 @@ def _chosen_outside(stage: StageTrace, step: StepTrace) -> TokenProb | None:
     if any(t.token_id == step.chosen_token_id for t in stage.top):
         return None
     prob = step.raw_prob if stage.name == "raw" else step.chosen_prob if stage is step.stages[-1] else stage.chosen_prob
-    return TokenProb(step.chosen_token_id, step.chosen_token, prob if prob is not None and math.isfinite(prob) else None)
+    return Outside(step.chosen_token, prob if prob is not None and math.isfinite(prob) else None)
 
 
 def _missing_p(stage: StageTrace, step: StepTrace) -> str:
@@ -123,7 +132,7 @@ def _stage_traces(stage: StageTrace, step: StepTrace) -> list[dict]:
     entries = list(stage.top)
     labels = [short_label(x) for x in _unique_labels([t.token for t in entries], [t.token_id for t in entries])]
     colors = [ACCENT if t.token_id == step.chosen_token_id else BAR for t in entries]
-    probs = [t.prob for t in entries]
+    probs: list[float | None] = [t.prob for t in entries]
     texts = [""] * len(entries)
     outside = _chosen_outside(stage, step)
     known = list(probs)
@@ -268,7 +277,7 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
             axis.update(autorange="reversed", tickfont=dict(size=FONT), automargin=True)
         else:
             axis.update(tickformat=".0%", rangemode="tozero", tickfont=dict(size=FONT), nticks=3)
-    if with_draw:
+    if with_draw and step.draw is not None:
         axis = suffix[len(panels)]
         data += [bar | dict(xaxis=f"x{axis}", yaxis=f"y{axis}") for bar in _draw_traces(step)]
         shape, label = _u_line(step.draw, axis)

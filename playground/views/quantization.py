@@ -157,7 +157,7 @@ class QuantPage:
         budget = check.get("max_new_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool):  # a pasted lesson's check may say anything
             budget = lesson.runs[0].config.max_new_tokens
-        section = {"kv_cache_same": "kv", "gptq_vs_awq": "methods"}.get(check.get("kind"), "drift")
+        section = {"kv_cache_same": "kv", "gptq_vs_awq": "methods"}.get(check.get("kind") or "", "drift")
         return self.open_lesson(lesson.prompt, lesson.chat, budget, section)
 
     def open_lesson(self, prompt: str, chat: bool, max_new_tokens: int, section: str) -> tuple[dict, str]:
@@ -671,7 +671,7 @@ def _calculator_section() -> None:
                                  label="MHA vs GQA vs MQA (weights kept as the real model's)", elem_id="calc-table")
             chart = gr.Plot(first["chart"], label="weights + KV cache", elem_id="calc-chart")
     out = CalcOutputs(formula, table, chart)
-    inputs = [arch, context, batch, kv_dtype, w_dtype, *custom, params]
+    inputs: list[Any] = [arch, context, batch, kv_dtype, w_dtype, *custom, params]  # components of several kinds
     for component in inputs:
         component.change(lambda *v: calculator_updates(out, *v), inputs, out.all(), api_visibility="private", queue=False)
     data_api(kv_calculator, "kv_calculator", what="calculation")
