@@ -31,7 +31,7 @@ from engine.base.strategy_spec import on_change as on_strategies_change
 # imported it sees every strategy registered since (``name in STRATEGIES``, ``list(STRATEGIES)``).
 STRATEGIES = STRATEGY_SPECS
 
-# The stages are declared in engine/stages/, one StageSpec each (engine/stages/spec.py); the tables
+# The stages are declared in engine/stages/, one StageSpec each (engine/base/stage_spec.py); the tables
 # below are derived from them (``_derive``). The default order is transformers' own
 # (generation/utils.py `_get_logits_processor`): processors first (repetition penalty,
 # no-repeat-n-gram), then the sampling warpers. Frequency and presence penalties (OpenAI's rule)
