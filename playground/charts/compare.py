@@ -183,27 +183,81 @@ def lane_status(name: str, trace: Trace | None, max_new_tokens: int, phase: str 
             f'{trace.timing.tokens_per_s:.1f} tok/s{note}</div>')
 
 
+def lane_source(trace: Trace) -> str:
+    """Where a lane's tokens came from, in words: its model, and the server and mode of a served one
+    (a local model's quantization where it is not none)."""
+    remote = trace.extra.get("remote") if isinstance(trace.extra, dict) else None
+    if isinstance(remote, dict) and remote.get("url"):
+        return f"{trace.model} ({remote.get('mode', 'step')} mode on {remote['url']})"
+    return trace.model + (f" ({trace.quantization})" if trace.quantization not in ("", "none") else "")
+
+
+def same_text_groups(traces: Sequence[Trace]) -> list[list[int]]:
+    """The indices of lanes that wrote the same tokens, a group per text (two lanes or more), in
+    the order of their first lane."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, trace in enumerate(traces):
+        if trace.steps:
+            groups.setdefault(tuple(trace.generated_token_ids), []).append(i)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _names(names: Sequence[str]) -> str:
+    escaped = [html.escape(n) for n in names]
+    return " and ".join(escaped) if len(escaped) < 3 else ", ".join(escaped[:-1]) + " and " + escaped[-1]
+
+
+def ignored_by_greedy(key: str) -> bool:
+    """Whether a greedy pick ignores knob ``key`` between lanes that all pick greedily: a
+    sampling-only stage's, or the strategy (greedy, or sampling at T 0)."""
+    knob = KNOBS.get(key)
+    return key == "strategy" or (knob is not None and knob.stage in SAMPLING_ONLY_STAGES)
+
+
+def same_text_reason(traces: Sequence[Trace]) -> str:
+    """Why lanes that wrote the same tokens did, from their traces: "" when there is nothing to
+    explain (one model, one config: the same run again). Greedy picks draw nothing: the same
+    most likely token at every step (the same weights, where the models differ; knobs that did not
+    change it). Draws: every step cut to one token, or one seed drawing the same u each step."""
+    configs = [{k: v for k, v in t.config.items() if k != "seed"} for t in traces]
+    knobs = sorted({k for c in configs for k in c if any(c.get(k) != o.get(k) for o in configs)})
+    sources = list(dict.fromkeys(lane_source(t) for t in traces))
+    greedy = [picks_greedily(t) for t in traces]
+    seeds = {t.config.get("seed", 0) for t, g in zip(traces, greedy) if not g}
+    if len(sources) == 1 and not knobs and len(seeds) <= 1:
+        return ""  # the same model, knobs and seed: the same run again
+    steps = min(len(t.steps) for t in traces)
+    single = sum(1 for i in range(steps) if all(t.steps[i].stages and t.steps[i].stages[-1].kept == 1 for t in traces))
+    differ = f"their knobs differ ({', '.join(knobs)}), but no difference changed the pick at any step; " if knobs else ""
+    models = "; ".join(html.escape(s) for s in sources) if len(sources) > 1 else ""
+    if all(greedy):
+        why = "all pick greedily, so nothing is drawn: each step takes the most likely token"
+        if knobs and all(ignored_by_greedy(k) for k in knobs):
+            differ = f"their knobs differ only in ones a greedy pick ignores ({', '.join(knobs)}); "
+        return differ + why + (f", and the models ({models}) put the same token first at every step, as the same "
+                               "weights do (a quantized copy may part ways at a near-tie)" if models else "")
+    if single == steps:
+        why = "at every step their stages (top-p, top-k, min-p...) cut the choice to one token, so there was nothing to draw"
+    elif any(greedy):
+        why = (f"the sampled lanes' draws landed on the most likely token at every step, the one the greedy lanes take "
+               f"({single} of {steps} steps had only one token left)")
+    elif len(seeds) == 1:
+        why = (f"they share a seed, so each step drew the same u, and it landed in the same token every time "
+               f"({single} of {steps} steps had only one token left); try another seed")
+    else:
+        return ""  # other seeds, other draws: a coincidence this page cannot explain
+    return differ + why + (f"; the models ({models}) gave distributions close enough for that, as the same "
+                           "weights do" if models else "")
+
+
 def same_text_note(names: Sequence[str], traces: Sequence[Trace]) -> str:
-    """When two sampling lanes with the same seed produced identical text, say why, from the
-    traces: every step's final distribution kept one token (nothing to sample), or the same seed
-    drew the same u each step and it fell in the same token both times. "" otherwise."""
+    """One sentence per group of lanes that wrote the same text, saying the true reason
+    (``same_text_reason``); "" when no lanes did, or when they are the same run again."""
     notes = []
-    for i in range(len(traces)):
-        for j in range(i + 1, len(traces)):
-            a, b = traces[i], traces[j]
-            if not a.steps or a.generated_token_ids != b.generated_token_ids or a.config == b.config:
-                continue
-            if a.config.get("seed", 0) != b.config.get("seed", 0):
-                continue
-            single = sum(1 for sa, sb in zip(a.steps, b.steps) if sa.stages[-1].kept == 1 and sb.stages[-1].kept == 1)
-            pair = f"{html.escape(names[i])} and {html.escape(names[j])}"
-            if single == len(a.steps):
-                why = ("at every step their stages (top-p, top-k, min-p...) cut the choice to one token, "
-                       "so sampling had nothing to choose between")
-            else:
-                why = (f"they share a seed, so each step drew the same u, and it landed in the same token both times "
-                       f"({single} of {len(a.steps)} steps had only one token left); try another seed")
-            notes.append(f"**{pair} wrote the same text although their knobs differ:** {why}.")
+    for group in same_text_groups(traces):
+        why = same_text_reason([traces[i] for i in group])
+        if why:
+            notes.append(f"**{_names([names[i] for i in group])} wrote the same text:** {why}.")
     return "\n\n".join(notes)
 
 
