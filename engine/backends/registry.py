@@ -204,10 +204,7 @@ class ModelRegistry:
             return use(lm)
         finally:
             if not kept:
-                gone = weakref.ref(lm)
-                del lm
-                if gone() is not None:  # a reference cycle, or another request uses it too
-                    gc.collect()
+                del lm  # freed now unless another request uses it too (a load short of room collects cycles)
                 trim_heap()
                 with self._room:
                     self._room.notify_all()
@@ -265,6 +262,7 @@ class ModelRegistry:
             if waited is not None:
                 return waited
         lm = load_model(spec, progress)
+        trim_heap()  # a load's temporaries (bitsandbytes quantizes from the float weights) leave heap behind
         nbytes = model_bytes(lm)
         if need is None and self.memory_bytes:
             try:
@@ -305,10 +303,15 @@ class ModelRegistry:
 
     def _evict(self, newest: ModelSpec) -> None:
         """Drop the least recently used models past the count, then past the budget (never ``newest``)."""
+        evicted = 0
         while len(self._models) > self.capacity:
             self._models.pop(next(iter(self._models)))
+            evicted += 1
         while self.memory_bytes and self._held() > self.memory_bytes and len(self._models) > 1:
             self._models.pop(next(s for s in self._models if s != newest))
+            evicted += 1
+        if evicted:
+            trim_heap()
 
     def _make_room(self, need: int, spec: ModelSpec, key: str) -> None:
         """Evict until ``need`` more bytes fit the budget; wait up to ROOM_WAIT_S for running requests to
@@ -326,6 +329,7 @@ class ModelRegistry:
             evictable = [s for s in self._models if s != spec]
             if evictable:
                 self._models.pop(evictable[0])
+                trim_heap()
                 continue
             if not collected:  # a model in a reference cycle is freed only by the collector
                 gc.collect()

@@ -319,7 +319,11 @@ def inside_layer(registry: Any, source: str, layer: int = 15, module: str = "q_p
     check_room(registry, ref, names, "the inside-one-layer report")
     check(control)
     x = layer_inputs(ref, path, heldout_ids(ref))
-    activations = torch.cat([layer_inputs(ref, path, ids) for ids in calibration_ids(ref)]).abs().mean(0)
+    seen = []
+    for ids in calibration_ids(ref):
+        check(control)  # one forward per calibration sample: a time limit or a Stop lands between them
+        seen.append(layer_inputs(ref, path, ids))
+    activations = torch.cat(seen).abs().mean(0)
     w = ref.model.get_submodule(path).weight.float()
     weight_error, output_error, scales = {}, {}, None
 
