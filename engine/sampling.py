@@ -165,7 +165,10 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
         rows = probs if len(full) == len(generators) else probs[full]
         for r, chosen in zip(full, _race_rows(rows, [generators[r] for r in full])):
             out[r] = chosen
-    return out  # type: ignore[return-value]
+    picks = [chosen for chosen in out if chosen is not None]
+    if len(picks) != len(out):
+        raise RuntimeError("sample_rows: a row was left without its pick")
+    return picks
 
 
 def _race_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[Pick]:

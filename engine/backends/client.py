@@ -61,7 +61,7 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Generator, Iterator
+from typing import Any, Callable, ClassVar, Generator, Iterator, cast
 from urllib.parse import urlsplit
 
 from engine.control import RunControl, RunStopped, active_control
@@ -312,7 +312,8 @@ class JsonClient:
         try:
             sock, unregister = self._connect(deadline, control)
             self._send(sock, deadline, method, path, body)
-            response = http.client.HTTPResponse(DeadlineSocket(sock, deadline), method=method)  # type: ignore[arg-type]
+            # HTTPResponse reads its socket through makefile() alone, which DeadlineSocket gives
+            response = http.client.HTTPResponse(cast(socket.socket, DeadlineSocket(sock, deadline)), method=method)
             exchange = Exchange(sock, response, deadline, unregister)
             response.begin()  # the status line and headers: http.client bounds their sizes
             if control is not None and control.cancelled:

@@ -153,7 +153,9 @@ def _fast_head(step: StepTrace, source: Source) -> str:
     if raw is None and final is None:
         return "The server sent no probabilities for this token. "
     if final is None or not final.top:
-        return (f"Only the raw model's top {_top_n(raw, source)} are known here (the server's log-probabilities); "  # type: ignore[arg-type]
+        if raw is None:  # (a final panel without tokens, and no raw one)
+            return "The server sent no probabilities for this token. "
+        return (f"Only the raw model's top {_top_n(raw, source)} are known here (the server's log-probabilities); "
                 "the server's sampler ran on its side, unseen. ")
     kept = (f"it kept {tokens_word(final.kept)}" if final.kept < _top_n(final, source)
             else f"only its top {_top_n(final, source)} are known")
