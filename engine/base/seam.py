@@ -1,6 +1,6 @@
 """The model seam: what every model gives the engine and the views, whatever runs it.
 
-A model loaded in this process (``engine.backends.local.LoadedModel``) and a served one
+A model loaded in this process (what ``engine.backends.local.load_model`` returns) and a served one
 (``engine.backends.served.RemoteModel``: llama.cpp's server, an OpenAI-compatible server) both
 implement ``Model``. What differs between them is data, ``Capabilities``: a served model's API
 hands out a top-N per position, not the model's logits, hidden states, cache or weights. The
