@@ -3,6 +3,7 @@ strict and carries the sentence the view shows, the same numbers the chart draws
 line naming the argument; the view's handlers run end to end and Stop's control stops them."""
 
 import json
+import re
 
 import gradio as gr
 import pytest
@@ -144,3 +145,15 @@ def test_step_through_draws_varentropy_and_marks_hesitations(trace):
     stars = next(t for t in fig.data if (t.name or "").startswith("hesitation"))
     assert list(stars.x) == step_charts.hesitation_steps(run.steps) == list(range(0, len(run.steps), 2))
     assert [i for _, i in hesitation_choices(run)] == list(stars.x)
+
+
+def test_a_quantized_pick_is_calibrated_beside_fp32(shared):
+    """The header's quantization other than none: fp32 and that variant, each line from its own report
+    (the test's registry hands the tiny model for both, so both are named fp32)."""
+    with gr.Blocks():
+        view = inside.build_tab(shared)
+    updates = list(view.handlers.on_calibration(5.0, "embedded", "int8", control=RunControl()))
+    fig, note = updates[-1][view.handlers.sections.calibration_chart], updates[-1][view.handlers.sections.calibration_note]
+    assert note.count("**fp32**:") == 2 and note.count("At T = 1") == 2
+    curves = [t for t in fig.data if re.search(r", T = 1(\.00)? \(", t.name or "")]  # each variant's T = 1
+    assert len(curves) == 2 and list(curves[0].y) == list(curves[1].y)  # the same model twice: the same bins

@@ -112,9 +112,10 @@ def robustness_rows(report: Robustness) -> list[list[str]]:
              "yes" if r.detected else "no"] for r in report.rows]
 
 
-def reliability_figure(report: CalibrationReport) -> go.Figure:
+def reliability_figure(report: CalibrationReport, beside: Sequence[CalibrationReport] = ()) -> go.Figure:
     """The reliability diagram at T = 1 and at the best T (accuracy per confidence bin against the
-    diagonal of a calibrated model), and under it the ECE (right axis) and NLL over the temperatures."""
+    diagonal of a calibrated model), and under it the ECE (right axis) and NLL over the temperatures;
+    ``beside``: other variants' T = 1 curves (fp32 beside a quantized model)."""
     fig = make_subplots(rows=2, cols=1, row_heights=[0.62, 0.38], vertical_spacing=0.2,
                         specs=[[{}], [{"secondary_y": True}]],
                         subplot_titles=("accuracy against confidence", "NLL and ECE by temperature"))
@@ -123,12 +124,18 @@ def reliability_figure(report: CalibrationReport) -> go.Figure:
     for calibration, colour in ((report.at_one, SURPRISAL), (report.at_best, ENTROPY)):
         shown = [b for b in calibration.bins if b.count]
         fig.add_trace(go.Scatter(x=[b.confidence for b in shown], y=[b.accuracy for b in shown], mode="lines+markers",
-                                 name=f"T = {calibration.temperature:.2f} (ECE {calibration.ece:.3f})",
+                                 name=f"{_variant(report)}, T = {calibration.temperature:.2f} (ECE {calibration.ece:.3f})",
                                  line=dict(color=colour), marker=dict(size=[6 + 14 * (b.count / report.tokens) ** 0.5
                                                                             for b in shown]),
                                  customdata=[[b.count, b.low, b.high] for b in shown],
                                  hovertemplate="confidence %{x:.2f} (bin %{customdata[1]:.2f}–%{customdata[2]:.2f}, "
                                                "%{customdata[0]} positions): right %{y:.0%}<extra></extra>"), 1, 1)
+    for other in beside:
+        shown = [b for b in other.at_one.bins if b.count]
+        fig.add_trace(go.Scatter(x=[b.confidence for b in shown], y=[b.accuracy for b in shown], mode="lines+markers",
+                                 name=f"{_variant(other)}, T = 1 (ECE {other.at_one.ece:.3f})",
+                                 line=dict(color="#5e5e5e", dash="dash"),
+                                 hovertemplate="confidence %{x:.2f}: right %{y:.0%}<extra></extra>"), 1, 1)
     sweep = sorted([*report.sweep, report.at_best], key=lambda c: c.temperature)
     ts = [c.temperature for c in sweep]
     fig.add_trace(go.Scatter(x=ts, y=[c.nll for c in sweep], mode="lines+markers", name="NLL (nats)",
@@ -145,6 +152,10 @@ def reliability_figure(report: CalibrationReport) -> go.Figure:
     fig.update_yaxes(title="ECE", rangemode="tozero", row=2, col=1, secondary_y=True)
     fig.update_layout(height=680, legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), **LAYOUT)
     return fig
+
+
+def _variant(report: CalibrationReport) -> str:
+    return "fp32" if report.quantization == "none" else report.quantization
 
 
 def uncertainty_figure(series: UncertaintySeries, selected: int | None = None) -> go.Figure:

@@ -378,12 +378,17 @@ class Handlers:
                self.out.status: status_html("measured")}
 
     def on_calibration(self, bins: Any, model: str, quant: str, *, control: RunControl) -> Iterator[dict]:
+        """The header's model on the held-out text; a quantized pick is measured beside fp32."""
         s = self.sections
-        lm = self.shared.lm(model, quant)
-        yield {self.out.status: status_html("reading the held-out text…")}
-        report = calibration.calibration_report(lm, bins=int(bins) if isinstance(bins, float) else bins,
-                                                control=control)
-        yield {s.calibration_chart: charts.reliability_figure(report), s.calibration_note: report.sentence(),
+        bins = int(bins) if isinstance(bins, float) and bins.is_integer() else bins
+        picks = ["none", quant] if quant not in (None, "", "none") else ["none"]
+        reports = []
+        for pick in picks:
+            yield {self.out.status: status_html(f"reading the held-out text ({pick})…")}
+            lm = self.shared.lm(model, pick)
+            reports.append(calibration.calibration_report(lm, bins=bins, control=control))
+        note = " ".join(f"**{r.quantization if r.quantization != 'none' else 'fp32'}**: {r.sentence()}" for r in reports)
+        yield {s.calibration_chart: charts.reliability_figure(reports[-1], reports[:-1]), s.calibration_note: note,
                self.out.status: status_html("measured")}
 
 
