@@ -193,6 +193,16 @@ def pick_rows(finals: Sequence[Traced | torch.Tensor], generators: Sequence[torc
     return every(out)
 
 
+def last(reports: Iterator[T]) -> T:
+    """The last of a report's stream of updates (each stream yields at least one)."""
+    final: T | None = None
+    for final in reports:
+        pass
+    if final is None:
+        raise RuntimeError("the report's stream yielded nothing")
+    return final
+
+
 def every(items: list[T | None]) -> list[T]:
     """``items`` once each one is set (a row left without its result is a bug: RuntimeError)."""
     done = [item for item in items if item is not None]

@@ -36,7 +36,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets" / "quant"  # engine/asse
 CALIBRATION_SETS = {"prose": ASSETS / "calibration-prose.txt", "code": ASSETS / "calibration-code.txt"}
 HELDOUT = ASSETS / "heldout.txt"
 # What deploy/quantize.py is asked to do; any change here (or in a calibration file) names a new cache folder.
-RECIPE = {"format": "pack-quantized", "bits": 4, "symmetric": True, "max_tokens": 64, "gptq_dampening": 0.1,
+RECIPE: dict[str, Any] = {"format": "pack-quantized", "bits": 4, "symmetric": True, "max_tokens": 64, "gptq_dampening": 0.1,
           "gptq_actorder": "static", "awq_n_grid": 10, "llmcompressor": "0.14.0.1", "version": 1}
 QUANTIZE_HINT = "run `make quantize` (deploy/quantize.sh, a few minutes the first time)"
 

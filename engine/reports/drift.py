@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS, ModelLoadErr
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped, check
-from engine.core import StopCheck, check_prompt, timing
+from engine.core import StopCheck, check_prompt, last, timing
 from engine.reports.metrics import first_divergence
 from engine.reports.quant_report import check_room, heldout_perplexity
 from engine.strategies import decode
@@ -302,19 +302,6 @@ def uncached_steps(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig,
         if stopper.reason(generated) is not None:
             return
         ids = torch.cat([ids, torch.tensor([[token]], device=lm.device)], dim=1)  # [1, S + 1]
-
-
-R = TypeVar("R")
-
-
-def last(reports: Iterator[R]) -> R:
-    """The last of a report's stream of updates (each stream yields at least one)."""
-    final: R | None = None
-    for final in reports:
-        pass
-    if final is None:
-        raise RuntimeError("the report's stream yielded nothing")
-    return final
 
 
 def checked_stream(lm: Model, prompt_ids: Sequence[int], config: DecodingConfig, cache: KVCache | None,

@@ -32,6 +32,7 @@ from engine.backends.local import QUANTIZATIONS, ModelLoadError, ModelSpec, embe
 from engine.backends.quant_methods import CALIBRATION_SETS, HELDOUT, RECIPE, WEIGHT_METHODS, checkpoint_meta
 from engine.backends.registry import estimated_bytes, model_bytes
 from engine.control import RunControl, RunStopped, check
+from engine.core import last
 
 HELDOUT_TOKENS = 1024
 COMPARED = ("none", "int8", "nf4", "rtn-g64", "gptq-g64", "awq-g64", "rtn-g32", "gptq-g32", "awq-g32")
@@ -226,10 +227,7 @@ def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None
 
 def compare_methods(registry: Any, source: str, variants: Sequence[str] | None = None, *,
                     control: RunControl | None = None) -> MethodComparison:
-    report = None
-    for report in stream_comparison(registry, source, variants, control=control):
-        pass
-    return report
+    return last(stream_comparison(registry, source, variants, control=control))
 
 
 # --- inside one layer ------------------------------------------------------------------------------
@@ -337,6 +335,8 @@ def inside_layer(registry: Any, source: str, layer: int = 15, module: str = "q_p
         we, oe, found = registry.lend(ModelSpec(source, name), functools.partial(errors, method=method))
         weight_error[name], output_error[name] = we.tolist(), oe.tolist()
         scales = found if found is not None else scales
+    if scales is None:  # INSIDE_METHODS holds AWQ, whose scales are measured
+        raise ValueError("inside one layer: AWQ's scales were not measured")
     return InsideLayer(layer, module, group_size, names, weight_error, output_error,
                        {k: sum(v) / len(v) for k, v in weight_error.items()},
                        {k: sum(v) / len(v) for k, v in output_error.items()},
