@@ -108,7 +108,7 @@ def test_a_variant_is_estimated_and_refused_before_it_is_built(fake_loads, monke
     float_lm = registry.get(ModelSpec("tiny"))
     # a 4-bit checkpoint is dequantized at load: the float model's bytes, known before loading
     assert estimated_bytes(float_lm, "rtn-g64") == model_bytes(float_lm) == 2 * MB
-    with pytest.raises(ModelLoadError, match=r"^variants: the inside-one-layer report needs about 4 MB of models in "
+    with pytest.raises(ModelLoadError, match=r"^model: the inside-one-layer report needs about 4 MB of models in "
                                              r"memory at once, more than the 3 MB this server allows "
                                              r"\(DP_MODEL_MEMORY_MB; the operator can raise it\)$"):
         quant_report.inside_layer(registry, "tiny", 0, "q_proj", 64)
@@ -290,7 +290,7 @@ def refused(client, *args, api_name: str) -> str:
 
 GREEDY4 = {"strategy": "greedy", "max_new_tokens": 4}
 PROMPT = "The sky is"
-BUDGET_LINE = (r"^variants: the {what} needs about 2,\d{{3}} MB of models in memory at once, more than the 1,500 MB "
+BUDGET_LINE = (r"^{key}: the {what} needs about 2,\d{{3}} MB of models in memory at once, more than the 1,500 MB "
                r"this server allows \(DP_MODEL_MEMORY_MB; the operator can raise it\)$")
 
 
@@ -323,9 +323,9 @@ def test_a_public_app_keeps_no_report_s_variants_and_its_models_fit_the_budget()
         report_keeps_nothing("the drift report")
         for layer, module, group in ((15, "q_proj", 64), (3, "gate_proj", 32)):
             said = refused(client, layer, module, group, "embedded", api_name="/quantization_inside_layer")
-            assert re.match(BUDGET_LINE.format(what="inside-one-layer report"), said), said
+            assert re.match(BUDGET_LINE.format(key="model", what="inside-one-layer report"), said), said
         said = refused(client, None, "embedded", api_name="/quantization_methods_report")
-        assert re.match(BUDGET_LINE.format(what="methods' comparison"), said), said
+        assert re.match(BUDGET_LINE.format(key="variants", what="methods' comparison"), said), said
         report_keeps_nothing("the refused reports")
 
         int8 = client.predict(PROMPT, GREEDY4, "", False, "embedded", "int8", api_name="/step_trace")

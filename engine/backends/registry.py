@@ -341,8 +341,7 @@ class ModelRegistry:
                 raise ModelLoadError(f"{key}: {what} needs about {megabytes(need)} in memory, and running requests "
                                      f"hold {megabytes(self._held())} of the {megabytes(self.memory_bytes)} this "
                                      f"server allows its models ({MEMORY_SETTING}); try again when they end")
-            self._room.wait(min(left, 0.5))
-            collected = False
+            self._room.wait(min(left, 0.5))  # a lent model's release notifies at once
 
 
 def _placed(spec: ModelSpec) -> tuple[str, str, torch.device, torch.dtype] | None:

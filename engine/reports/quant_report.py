@@ -174,12 +174,12 @@ def _cached(key: tuple[str, str, str]) -> HeldoutScore | None:
         return _SCORES.get(key)
 
 
-def check_room(registry: Any, ref: Model, variants: Sequence[str], what: str) -> None:
-    """Refuse (ModelLoadError, one line naming the budget) a report whose float model and largest
-    variant, loaded one at a time beside it, would pass the registry's memory budget."""
+def check_room(registry: Any, ref: Model, variants: Sequence[str], what: str, key: str = "variants") -> None:
+    """Refuse (ModelLoadError naming ``key``, one line naming the budget) a report whose float model and
+    largest variant, loaded one at a time beside it, would pass the registry's memory budget."""
     if variants:
         largest = max(estimated_bytes(ref, v) for v in variants)
-        registry.check_room(model_bytes(ref) + largest, what, key="variants")
+        registry.check_room(model_bytes(ref) + largest, what, key=key)
 
 
 def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None = None, *,
@@ -314,7 +314,7 @@ def inside_layer(registry: Any, source: str, layer: int = 15, module: str = "q_p
     sub, norm = LAYER_MODULES[module]
     path, norm_path = f"model.layers.{layer}.{sub}", f"model.layers.{layer}.{norm}"
     names = [f"{m}-g{group_size}" for m in INSIDE_METHODS]
-    check_room(registry, ref, names, "the inside-one-layer report")
+    check_room(registry, ref, names, "the inside-one-layer report", key="model")
     check(control)
     x = layer_inputs(ref, path, heldout_ids(ref))
     seen = []
