@@ -126,7 +126,7 @@ SETTINGS = (
             "Gradio's events only (a proxy that passes only Gradio's own paths)"),
     Setting("DP_DOWNLOAD_DIR", "text", "", "where the private download folder is made", shown="the system temp folder"),
     Setting("DP_BROWSER_SECRET", "text", "decoding-playground-presets-v1", "the key the browser encrypts stored "
-            "presets and the page's owner secret with"),
+            "presets with"),
     Setting("DECODING_PLAYGROUND_CACHE", "text", "", "where the embedded model's safetensors conversion, the "
             "llama-server build and the vLLM environment are kept",
             shown="`~/.cache/decoding-playground`"),

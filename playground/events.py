@@ -453,11 +453,13 @@ def streamed(handler: Callable[..., Iterator[dict]], on_error: Callable[..., dic
     gpu_handler = zero_gpu(as_rows(handler, outputs) if outputs is not None else handler)
 
     def error(exc: Exception, touched: set[int]) -> Any:
-        status = getattr(on_error, "status", None)
+        # the output(s) that say the message (stale.cleared's status; a tuple: the lesson's overlay too)
+        says = getattr(on_error, "status", None)
+        says = says if isinstance(says, tuple) else (says,)
         stopped = isinstance(exc, RunStopped) or getattr(exc, "stopped", False)  # (CarriedUserError: from ZeroGPU)
-        if stopped and status is not None:  # a stopped run keeps what it showed
+        if stopped and says[0] is not None:  # a stopped run keeps what it showed
             update = on_error(error_message(exc, what), stopped=True)
-            update = {c: v for c, v in update.items() if c is status or id(c) not in touched}
+            update = {c: v for c, v in update.items() if any(c is s for s in says) or id(c) not in touched}
         else:
             update = on_error(error_message(exc, what))
         return update if outputs is None else [update.get(component, gr.skip()) for component in outputs]
@@ -559,13 +561,14 @@ class ModelEvents:
         return thread_budget(self.concurrency_limit, self.served_limit)
 
     def on(self, triggers: list, handler: Callable[..., Iterator[dict]], inputs: list, outputs: list, *,
-           on_error: Callable[[str], dict], what: str = "generation") -> Any:
+           on_error: Callable[[str], dict], what: str = "generation", js: str | None = None) -> Any:
         """Register ``handler`` (a generator of ``{component: value}`` updates taking ``control``)
         for every trigger (e.g. ``[button.click, prompt.submit]``); UI-only, not an API endpoint.
+        ``js``: the page's function of the inputs, run as the event is sent (its result is sent).
         Returns the dependency, for ``stop_button``."""
         group = f"event-{next(self._groups)}"
         dependency = gr.on(triggers, streamed(handler, on_error, what, outputs, self.sessions, group, self.slots),
-                           inputs, outputs, api_visibility="private", **self._queue)
+                           inputs, outputs, api_visibility="private", js=js, **self._queue)
         dependency.dp_stop = (self.sessions, group)
         return dependency
 

@@ -3,7 +3,8 @@ view, the sortable stage list, arrow keys through Step through's tokens, a slide
 that refuses an out-of-range value with the typed value named (instead of clamping silently), and
 the page width for the presenter's and Step through's charts (laid out on the server for the width
 they are shown at), the selected token of Step through outlined, and the run a lesson's "Open in its
-view" presses (``OPEN_RUN_JS``). The code is in playground/static/ (page.js, open_run.js, page.css).
+view" presses (``OPEN_RUN_JS``), and the page's owner secret every Step-through event carries
+(``owner_js``). The code is in playground/static/ (page.js, open_run.js, page.css).
 """
 
 import json
@@ -34,6 +35,12 @@ LESSON_PARAM = "lesson"  # a lesson link's query parameter (views/lessons.py rea
 HEAD = "<script>" + static_text("page.js", PROMPTS=json.dumps(PROMPT_BUTTONS), NARROW=str(PRESENT_NARROW_PX),
                                 PHONE=str(PHONE_PX), LESSON_PARAM=json.dumps(LESSON_PARAM)) + "</script>"
 CSS = static_text("page.css")
+
+
+def owner_js(at: int) -> str:
+    """An event's js: the page's owner secret (made by page.js at load) put into its inputs at
+    ``at`` as the event is sent (views/step.py: every event that reads or writes the page's runs)."""
+    return static_text("page_owner.js", AT=str(int(at)))
 
 
 # --- the what-if (playground/whatif_service.py: its route, ROUTE, answers these) ----------------

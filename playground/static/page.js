@@ -2,6 +2,11 @@
   const PROMPTS = __PROMPTS__;
   // The page's one global, shared with the js= snippets (playground/static/*.js): window.dp.
   window.dp = window.dp || {};
+  // The page's owner secret (views/step.py's StepSession), made here, before Gradio mounts anything:
+  // every event that carries it fills it in as it is sent (page_owner.js), so the first click after
+  // load carries the same owner as the startup example's poll, with no answer to wait for.
+  window.dp.owner = window.dp.owner || Array.from(crypto.getRandomValues(new Uint8Array(16)),
+                                                  b => b.toString(16).padStart(2, '0')).join('');
   // The element ``selector`` names inside element ``id`` (an id from playground/ids.py).
   const inside = (id, selector) => document.querySelector('#' + id + ' ' + selector);
   const visible = el => el && el.offsetParent !== null;

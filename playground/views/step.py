@@ -28,6 +28,7 @@ from engine.reports.lessons import Lesson
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.backends.registry import is_remote_source
+from engine.backends.remote import step_approximations
 from engine import runner
 from engine.trace import Trace
 from playground.charts import step as charts
@@ -38,12 +39,12 @@ from playground.charts import tokens as token_charts
 from .. import downloads, examples, ids
 from ..events import stop_button, zero_gpu
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..page_js import DRAW_JS
+from ..page_js import DRAW_JS, owner_js
 from ..whatif_service import STAGE_STRATEGIES, KeptLogits, Registered, WhatIfService, register
 from .. import stale
 from ..panels.whatif import WHATIF_CONCURRENCY, WHATIF_INTRO, WhatIfPanel, continue_events, explore_api
-from ..shared import BROWSER_SECRET, SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
-from ..shared import page_width, parent_trace, remote_mode_radio, with_mode
+from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, status_html, throttle
+from ..shared import REMOTE_MODE_LABEL, page_width, parent_trace, remote_mode_radio, with_mode
 
 STREAM_EVERY_S = 0.25  # throttle UI updates while streaming
 MAX_RUNS = 8  # runs kept per session: the original and the latest branches
@@ -57,9 +58,9 @@ EMPTY_EXPLAIN = ("Press **Generate** (or Ctrl/Cmd+Enter in the prompt) to run it
 
 @dataclass
 class StepSession(Registered):
-    """``owner``: the page's secret (kept in its browser storage). Gradio finds session state by a
-    session hash alone; the owner check keeps a raw queue call that names another session's hash
-    from reading or replacing that session's runs."""
+    """``owner``: the page's secret (made by the page's script at load, sent by every event of the
+    view: ``owned``). Gradio finds session state by a session hash alone; the owner check keeps a raw
+    queue call that names another session's hash from reading or replacing that session's runs."""
 
     runs: list[Trace] = field(default_factory=list)
     current: int = 0
@@ -164,13 +165,21 @@ class Outputs(OutputSet):
     status: Any
     download: Any
     session: Any
-    owner: Any  # gr.BrowserState: this page's secret, see StepSession
+    owner: Any  # hidden box: this page's secret, see StepSession (the page's script fills it in: ``owned``)
     whatif_key: Any  # hidden box: the session's what-if key (page_js.WHATIF_JS)
     # The what-if row's outputs (panels/whatif.py): every run and every redraw of the run's own step
     # puts them back, so no what-if of an earlier run or step stays beside the chart.
     whatif_note: Any
     whatif_figure: Any  # hidden box: the fallback event's figure (DRAW_JS)
     hesitations: Any = None  # the run's hesitation steps: picking one shows its stage chart
+
+
+def owned(inputs: Sequence[Any], owner: Any) -> dict:
+    """An event's ``js=`` keyword: the page's owner secret (page.js makes it as the page loads) put
+    into ``inputs``' ``owner`` as the event is sent. The page holds it before any of its events can
+    fire, so no event waits for an answer that brings it: a Generate pressed the moment the tab
+    appears carries the same owner as the startup example's poll that may make the session first."""
+    return {"js": owner_js(next(i for i, c in enumerate(inputs) if c is owner))}
 
 
 def own(state: StepSession | None, owner: Any) -> StepSession | None:
@@ -309,9 +318,32 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
         what = f"the lesson's step {shown}"
     else:
         shown, what = most_uncertain(final.steps), "the most uncertain step"
-    done = (f"done: {len(steps)} tokens, stopped by {final.stop_reason}. Showing {what}; click any token "
-            f"(or use ←/→) to inspect another.")
+    done = f"done: {len(steps)} tokens, stopped by {final.stop_reason}."
+    why = ended_why(final)
+    if why:
+        done = f"done: {charts.tokens_word(len(steps))}: {why}"
+    if steps:
+        done += f" Showing {what}; click any token (or use ←/→) to inspect another."
     yield render(out, session, shown, req.colour_by, status_html(done), width=width)
+
+
+FAST_MODE_HINT = ("In fast mode the server's own grammar constrains its sampler over its whole vocabulary: pick "
+                  f"\"fast\" under \"{REMOTE_MODE_LABEL}\" and run it again.")
+
+
+def ended_why(trace: Trace) -> str:
+    """Why a run ended with nothing left to pick, in words ("" after any other end). A served
+    model's step-mode trace carries the message of the stage that ended it (a grammar that allows
+    none of the server's top-N tokens) beside its usual caveats (engine.backends.remote.stream);
+    where a grammar did, fast mode is the way on (FAST_MODE_HINT)."""
+    remote = trace.extra.get("remote") if isinstance(trace.extra, dict) else None
+    if trace.stop_reason != "no_tokens_left" or not isinstance(remote, dict) or remote.get("mode") != "step":
+        return ""
+    config = DecodingConfig.from_dict({"strategy": trace.strategy, **trace.config})
+    usual = step_approximations(config, int(remote.get("top_n") or 0))
+    said = [a for a in remote.get("approximations") or [] if isinstance(a, str) and a not in usual]
+    why = said[-1] if said else f"step {len(trace.steps)}: no token of the server's top {remote.get('top_n')} was left"
+    return f"{why.rstrip('.')}. {FAST_MODE_HINT}" if config.grammar else f"{why.rstrip('.')}."
 
 
 def lesson_select(value: Any) -> str | int | None:
@@ -367,7 +399,8 @@ def build_tab(shared: Shared) -> StepView:
             download = gr.DownloadButton("Download trace JSON", elem_id="step-download")
     out = Outputs(text, step_slider, explain, chart, alternatives, runs, compare, over_run, summary, status, download,
                   gr.State(None, time_to_live=SESSION_TTL_S),
-                  gr.BrowserState("", storage_key="decoding-playground-owner", secret=BROWSER_SECRET), what_if.key,
+                  gr.Textbox("", show_label=False, container=False, elem_id="step-owner", elem_classes=["dp-hidden"]),
+                  what_if.key,
                   what_if.note, what_if.figure, hesitations)
     panel.wire()
     view = StepView("step", prompt, panel, chat, select_once=gr.State(None), width=width, remote_mode=remote_mode)
@@ -450,11 +483,12 @@ class Handlers:
                               # no what-if of the previous run into the cleared chart
                               # (the what-if note is a Markdown output: emptied with the rest)
                               on_error=stale.cleared(out.status, out.all(), also={out.whatif_key: "",
-                                                                                  out.whatif_figure: ""}))
-        branch_event = events.on([branch.click], self.on_branch, [shared.model, shared.quantization, self.colour_by,
-                                                                  out.session, out.owner, out.step, out.alternatives,
-                                                                  self.view.width],
-                                 out.all(), on_error=self.error)
+                                                                                  out.whatif_figure: ""}),
+                              **owned(gen_inputs, out.owner))
+        branch_inputs = [shared.model, shared.quantization, self.colour_by, out.session, out.owner, out.step,
+                         out.alternatives, self.view.width]
+        branch_event = events.on([branch.click], self.on_branch, branch_inputs, out.all(), on_error=self.error,
+                                 **owned(branch_inputs, out.owner))
         stop_button(stop, out.status, [gen_event, branch_event], status_html("stopped"))
         self.wire_local()
         self.wire_example()
@@ -498,13 +532,15 @@ class Handlers:
         what_if.wire_page(shared, panel, out.step, out.chart, out.explain, self.view.width)
         inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, self.view.width, *panel.inputs]
         knob = gr.on([what_if.fallback.click], zero_gpu(self.on_knob), inputs, [what_if.figure, what_if.note, out.explain],
-                     api_visibility="private", trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY)
+                     api_visibility="private", trigger_mode="always_last", show_progress="hidden", **WHATIF_CONCURRENCY,
+                     **owned(inputs, out.owner))
         knob.success(None, [what_if.figure], None, js=DRAW_JS, queue=False, show_progress="hidden",
                      api_visibility="private")
-        shared.events.on([what_if.continue_btn.click], self.on_continue,
-                         [shared.model, shared.quantization, self.colour_by, out.session, out.owner, out.step,
-                          self.view.width, *panel.inputs],
-                         out.all(), on_error=lambda message: {out.status: error_html(message)}, what="continue")
+        continued = [shared.model, shared.quantization, self.colour_by, out.session, out.owner, out.step,
+                     self.view.width, *panel.inputs]
+        shared.events.on([what_if.continue_btn.click], self.on_continue, continued, out.all(),
+                         on_error=lambda message: {out.status: error_html(message)}, what="continue",
+                         **owned(continued, out.owner))
         shared.events.api(functools.partial(explore_api, shared), "explore_step", what="what-if")
 
     def on_example(self, timer: gr.Timer, model: str, quant: str, colour: str, state: StepSession | None,
@@ -530,7 +566,7 @@ class Handlers:
         inputs = [self.shared.model, self.shared.quantization, self.colour_by, out.session, out.owner, self.view.prompt,
                   self.view.chat, *self.view.panel.inputs]
         timer.tick(functools.partial(self.on_example, timer), inputs, [*out.all(), timer], api_visibility="private",
-                   queue=False)
+                   queue=False, **owned(inputs, out.owner))
 
     def wire_local(self) -> None:
         """Events that only redraw the session's traces (no model): not queued, not API endpoints."""
@@ -566,6 +602,7 @@ class Handlers:
                     out.whatif_figure: ""}
 
         mine, width = [out.session, out.owner], self.view.width
+        local |= owned(mine, out.owner)  # (the owner is second in every one's inputs)
         out.text.select(on_select, [*mine, self.colour_by, width], out.all(), **local)
         out.step.release(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
         self.colour_by.change(redraw, [*mine, out.step, self.colour_by, width], out.all(), **local)
