@@ -208,9 +208,14 @@ class Robustness:
 
     def sentence(self) -> str:
         """The table in one sentence, from the same numbers."""
-        base = self.rows[0]
-        weakest = min(self.rows[1:] or self.rows, key=lambda r: -math.inf if r.z is None else r.z)
-        head = f"The watermarked run scores z = {_z(base.z)}; {weakest.case} brings it to z = {_z(weakest.z)}"
+        base, control = self.rows[0], self.rows[1] if len(self.rows) > 1 else None
+        tries = [r for r in self.rows[2:] if r.z is not None]  # the attempts to wash it out (rows[1]: no stage)
+        head = f"The watermarked run scores z = {_z(base.z)}"
+        if control is not None:
+            head += f" (the same prompt without the stage: z = {_z(control.z)})"
+        if tries:
+            weakest = min(tries, key=lambda r: r.z)
+            head += f"; of the attempts to wash it out, {weakest.case} brings it lowest, to z = {_z(weakest.z)}"
         if self.spike is None or self.spike.low_green is None:
             return head + "."
         return (head + f"; peaked steps (spike entropy below {self.spike.median_spike:.2f}) turn green "

@@ -19,7 +19,7 @@ hardware (transformers seeds its generator on the model's device; on CPU the two
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
