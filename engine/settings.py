@@ -130,6 +130,9 @@ SETTINGS = (
     Setting("DECODING_PLAYGROUND_CACHE", "text", "", "where the embedded model's safetensors conversion, the "
             "llama-server build and the vLLM environment are kept",
             shown="`~/.cache/decoding-playground`"),
+    Setting("QUANTIZE_VENV", "text", "", "the llm-compressor environment deploy/quantize.sh makes the 4-bit "
+            "checkpoints with (the Lessons' maker reuses one already installed)",
+            shown="`llmcompressor-0.14` in the cache folder"),
     # Set by Hugging Face.
     Setting("SPACE_ID", "platform", None, "a Hugging Face Space: public mode, listen on 0.0.0.0", shown="unset"),
     Setting("SPACES_ZERO_GPU", "platform", None, "a ZeroGPU Space: model events run under `spaces.GPU`, no "

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from engine.backends import quant_methods
 from engine.backends.local import embedded_model_dir
-from engine.settings import cache_root
+from engine.settings import cache_root, env_text
 
 ROOT = Path(__file__).resolve().parents[1]
 # CPU seconds to make one checkpoint of the embedded model, one thread (docs/quantization.md's table).
@@ -117,7 +117,7 @@ class Maker:
         return Progress(len(self.variants) - len(missing), len(self.variants), left_s, error)
 
     def venv_ready(self) -> bool:
-        venv = os.environ.get("QUANTIZE_VENV") or str(cache_root() / "llmcompressor-0.14")
+        venv = env_text("QUANTIZE_VENV") or str(cache_root() / "llmcompressor-0.14")
         return any(Path(venv).glob(".installed-*"))
 
     def last_line(self) -> str:
