@@ -214,7 +214,7 @@ class Robustness:
         if control is not None:
             head += f" (the same prompt without the stage: z = {_z(control.z)})"
         if tries:
-            weakest = min(tries, key=lambda r: r.z)
+            weakest = min(tries, key=lambda r: r.z if r.z is not None else math.inf)
             head += f"; of the attempts to wash it out, {weakest.case} brings it lowest, to z = {_z(weakest.z)}"
         if self.spike is None or self.spike.low_green is None:
             return head + "."

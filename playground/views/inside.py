@@ -367,7 +367,8 @@ class Handlers:
     def on_washout(self, run: Run | None, text: str, threshold: Any, model: str, quant: str, *,
                    control: RunControl) -> Iterator[dict]:
         s = self.sections
-        trace = _trace_of(run)
+        run = _run_of(run)
+        trace = run.trace
         lm = self.shared.lm(model, quant)
         edited = _text("text", text, allow_empty=True)
         yield {self.out.status: status_html("running the variants (about seven runs)…")}
@@ -392,10 +393,15 @@ class Handlers:
                self.out.status: status_html("measured")}
 
 
-def _trace_of(run: Run | None) -> Trace:
+def _run_of(run: Run | None) -> Run:
+    """The page's run (UserError before one was generated)."""
     if run is None or not run.trace.steps:
         raise UserError("generate a run first")
-    return run.trace
+    return run
+
+
+def _trace_of(run: Run | None) -> Trace:
+    return _run_of(run).trace
 
 
 def wire(handlers: Handlers, generate: gr.Button) -> list:
