@@ -36,6 +36,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+TIME_LIMIT_ADVICE = "ask for fewer tokens"  # the time limit's advice (a lesson, whose runs are fixed, gives its own)
+
+
 def request_seconds() -> float:
     """The per-request time limit in seconds (env ``DP_REQUEST_SECONDS``, default 120; 0 = none)."""
     return env_seconds("DP_REQUEST_SECONDS", DEFAULT_REQUEST_SECONDS)
@@ -122,7 +125,7 @@ class RunControl:
     def time_limit_error(self) -> "RunStopped":
         """The RunStopped of a run past its time limit (``check`` raises it)."""
         return RunStopped("time_limit", f"stopped: the run went past the {self.deadline_s:g} s time limit "
-                                        "(DP_REQUEST_SECONDS); ask for fewer tokens")
+                                        f"(DP_REQUEST_SECONDS); {TIME_LIMIT_ADVICE}")
 
     @property
     def cancelled(self) -> bool:

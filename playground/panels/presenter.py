@@ -20,6 +20,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from engine.config import KNOBS
+from engine.control import TIME_LIMIT_ADVICE
 from engine.numbers import percent
 from engine.trace import Trace
 from playground import ids, qr
@@ -78,6 +79,34 @@ def context_html(trace: Trace, index: int, hidden: bool, lesson_step: int | None
         label += " · the lesson's step" if lesson_step == index else f" · the lesson's step is {lesson_step}"
     return (f'<div class="dp-present-text"><span>{before}</span><mark class="dp-present-token">{token}</mark>{prob}'
             f'<p class="dp-present-label" data-step="{index}" data-hidden="{int(hidden)}">{label}</p></div>')
+
+
+def failure_advice(message: str, stopped: bool = False) -> str:
+    """What a presenter can do about a lesson run that ended with ``message`` (the one line the
+    page shows; ``stopped``: Stop or the time limit). A lesson's runs are fixed, so the time limit's
+    usual "ask for fewer tokens" is no advice here."""
+    if stopped and "time limit" in message:
+        return ("Run the lesson again: the room's runs share this machine, and a second run often finishes in "
+                "time; the operator can raise the limit (DP_REQUEST_SECONDS).")
+    if stopped:
+        return "Run the lesson again to see it whole."
+    if message.startswith("lesson failed: "):  # a fault of ours (events.error_message), not the lesson's
+        return "Run the lesson again; if it fails again, pick another lesson (Exit or Esc leaves the presenter view)."
+    return ("The lesson cannot run as written: fix what the line names in the lesson's JSON, or pick another "
+            "lesson, then run it again (Exit or Esc leaves the presenter view).")
+
+
+def lesson_line(message: str) -> str:
+    """``message`` without the time limit's advice, which a lesson cannot follow (``failure_advice``)."""
+    return message.removesuffix(f"; {TIME_LIMIT_ADVICE}")
+
+
+def failure_html(message: str, stopped: bool = False) -> str:
+    """The overlay's text after a failed or stopped lesson run: the one line and what to do."""
+    line = html.escape(lesson_line(message))
+    said = f'<div class="dp-status">{line}</div>' if stopped else f'<div class="dp-error" role="alert">⚠ {line}</div>'
+    return (f'<div class="dp-present-text dp-present-failed">{said}'
+            f'<p class="dp-present-label">{html.escape(failure_advice(message, stopped))}</p></div>')
 
 
 def qr_block(base_url: str, query: str) -> str:
@@ -145,6 +174,11 @@ class PresenterPanel:
                 self.temperature: run_temperature(trace),
                 self.chart: None if hidden else revised(presenter_chart(trace, index, width))}
 
+    def failed(self, message: str, stopped: bool = False) -> dict:
+        """Updates showing a failed or stopped lesson run in the overlay (``failure_html``), which
+        would otherwise stand blank over the page's own status line; no step is shown (index None)."""
+        return {self.text: failure_html(message, stopped), self.chart: None, self.index: None}
+
     def wire(self, trace_of: Any, state: gr.State, model: Any, quantization: Any, step_of: Any = None) -> None:
         """``trace_of(state)``: the trace the presenter steps through (the lesson's shown run);
         ``step_of(state)``: the lesson's step in it (None: not said); ``model``, ``quantization``:
@@ -153,16 +187,20 @@ class PresenterPanel:
         outputs = [self.text, self.chart, self.index, self.temperature]
 
         def move(by: int):
-            def handler(session: Any, index: int, hidden: bool, width: float | None) -> dict:
+            def handler(session: Any, index: int | None, hidden: bool, width: float | None) -> dict:
                 marked = step_of(session) if step_of is not None else None
                 return self.show(trace_of(session), (index or 0) + by, hidden, width or None, marked)
             return handler
+
+        def relaid(session: Any, index: int | None, hidden: bool, width: float | None) -> dict:
+            """The shown step for the new width; a failure's line (index None: ``failed``) stays."""
+            return {self.chart: gr.skip()} if index is None else move(0)(session, index, hidden, width)
 
         inputs = [state, self.index, self.guess, self.width]
         self.prev.click(move(-1), inputs, outputs, **local)
         self.next.click(move(+1), inputs, outputs, **local)
         self.guess.change(move(0), inputs, outputs, **local)
-        gr.on([self.width.change, self.redraw.click], move(0), inputs, outputs, **local)  # page resized / relaid out
+        gr.on([self.width.change, self.redraw.click], relaid, inputs, outputs, **local)  # page resized / relaid out
         self.reveal.click(move(0), [state, self.index, gr.State(False), self.width], outputs, **local)
         self.temperature.input(None, [self.key, model, quantization, self.width, self.temperature], None,
                                js=PRESENTER_JS, trigger_mode="always_last", show_progress="hidden", **local)

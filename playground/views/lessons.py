@@ -19,7 +19,7 @@ import json
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import gradio as gr
 
@@ -51,7 +51,7 @@ from ..assets import static_text
 from .. import checkpoint_maker, ids
 from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS
 from ..shared import CheckedRegistry, LessonTarget, Shared, UserError, error_html, page_width, status_html
-from ..panels.presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, qr_block
+from ..panels.presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, failure_advice, lesson_line, qr_block
 from ..stale import cleared
 from ..whatif_service import KeptLogits, Registered, register
 
@@ -477,6 +477,20 @@ class LessonsTab:
         return {self.link: f"{base_url}?{query}" if base_url else f"?{query}",
                 self.presenter.qr: qr_block(base_url, f"{query}&{PRESENT_PARAM}=1")}
 
+    def failed(self, outputs: list) -> Callable[..., dict]:
+        """A lesson run's ``on_error``: ``cleared``'s, with the line and a lesson's advice
+        (presenter.failure_advice: its runs are fixed, so never "ask for fewer tokens") in the status
+        and in the presenter's overlay, which would otherwise stand blank over the status."""
+        base = cleared(self.status, outputs)
+
+        def on_error(message: str, stopped: bool = False) -> dict:
+            update = base(lesson_line(message), stopped)
+            update[self.status] += status_html(failure_advice(message, stopped))
+            return update | self.presenter.failed(message, stopped)
+
+        on_error.status = (self.status, self.presenter.text)  # events.streamed: both say a stop's line
+        return on_error
+
     def wire(self) -> None:
         local: dict[str, Any] = {"api_visibility": "private", "queue": False}
         self.pick.change(self.on_pick, [self.pick, self.session], [self.steps, self.status, self.outcome], **local)
@@ -489,10 +503,10 @@ class LessonsTab:
                    self.presenter.chart, self.presenter.index, self.presenter.temperature, self.presenter.key]
         inputs = [self.pick, self.session, self.shared.model, self.shared.quantization, self.width, self.present]
         runs = [self.shared.events.on([self.run_btn.click], self.on_run, inputs, outputs,
-                                      on_error=cleared(self.status, outputs), what="lesson")]
+                                      on_error=self.failed(outputs), what="lesson")]
         if self.live_btn is not None:
             runs.append(self.shared.events.on([self.live_btn.click], self.on_run_live, inputs, outputs,
-                                              on_error=cleared(self.status, outputs), what="lesson"))
+                                              on_error=self.failed(outputs), what="lesson"))
         gr.on([self.width.change, self.redraw.click], self.on_width, [self.session, self.width], [self.chart], **local)
         if self.stop_btn is not None:
             stop_button(self.stop_btn, self.status, runs, status_html("stopped"))
