@@ -56,8 +56,9 @@ def _chip(kind: str, token: str, round_index: int, pos: int, title: str, selecte
 def extra_origin(x: ExtraToken) -> str:
     """Where the target's own token came from: in greedy mode (no draw) the target's argmax, else a
     draw from the residual normalise(max(0, p − q)) after a rejection, or from p for the bonus."""
-    if x.draw is None:
-        return f"{x.kind} {readable(x.token)}: the target's argmax of p"
+    if x.draw is None:  # nothing was drawn: "resampled" would misname a greedy round's own token
+        why = "the draft differed from it" if x.kind == "resampled" else "every draft was accepted"
+        return f"the target's own token {readable(x.token)}: its argmax of p ({why})"
     what = "residual normalise(max(0, p − q))" if x.kind == "resampled" else "target distribution p"
     return f"{x.kind} {readable(x.token)} from the {what}"
 

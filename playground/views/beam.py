@@ -12,9 +12,10 @@ import copy
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import gradio as gr
+import plotly.graph_objects as go
 
 from engine.base.seam import Model
 from engine.strategies import beam, remote_beam
@@ -63,16 +64,26 @@ class Outputs(OutputSet):
     session: Any
 
 
-def rerank_outputs(session: BeamSession | None, length_penalty: float, collapse: bool) -> list:
-    """Tree (highlighting the re-ranked winner), table, greedy and winner notes: pure, no model."""
+class Reranked(NamedTuple):
+    """What a new length penalty (or the tree's collapse) redraws, each named as its output in
+    ``Outputs`` (``rerank_updates`` keys them by component)."""
+
+    tree: go.Figure  # highlighting the re-ranked winner
+    hypotheses: list  # the table's rows
+    greedy: str  # greedy's note beside the search
+    winner: str
+
+
+def rerank_outputs(session: BeamSession | None, length_penalty: float, collapse: bool) -> Reranked | None:
+    """The re-ranked outputs: pure, no model; None when there is nothing to re-rank."""
     search = session.beam() if session else None
     if session is None or search is None or not search.hypotheses:
-        return [gr.update()] * 4
+        return None
     best = charts.rerank(search.hypotheses, length_penalty)[0][0]
-    return [charts.tree_figure(search, collapse, highlight=best),
-            charts.hypotheses_rows(search, length_penalty),
-            _greedy_markdown(session, length_penalty),
-            charts.winner_note(search, length_penalty)]
+    return Reranked(tree=charts.tree_figure(search, collapse, highlight=best),
+                    hypotheses=charts.hypotheses_rows(search, length_penalty),
+                    greedy=_greedy_markdown(session, length_penalty),
+                    winner=charts.winner_note(search, length_penalty))
 
 
 def render(out: Outputs, session: BeamSession, length_penalty: float, collapse: bool, status: str) -> dict:
@@ -86,13 +97,18 @@ def render(out: Outputs, session: BeamSession, length_penalty: float, collapse: 
         out.download: downloads.trace_file(session.trace, "beam-trace"), out.session: session}
 
 
+def rerank_targets(out: Outputs) -> list:
+    """The outputs ``Reranked`` names."""
+    return [getattr(out, name) for name in Reranked._fields]
+
+
 def rerank_updates(out: Outputs, session: BeamSession | None, length_penalty: float, collapse: bool) -> dict:
-    """``rerank_outputs`` keyed by component (empty when there is nothing to re-rank)."""
-    values = rerank_outputs(session, length_penalty, collapse)
-    search = session.beam() if session is not None else None
-    if search is None or not search.hypotheses:
-        return {}
-    return dict(zip((out.tree, out.hypotheses, out.greedy, out.winner), values))
+    """``rerank_outputs`` keyed by component (the tree skipped when there is nothing to re-rank:
+    an empty dict would read as one value for every output)."""
+    reranked = rerank_outputs(session, length_penalty, collapse)
+    if reranked is None:
+        return {out.tree: gr.skip()}
+    return {getattr(out, name): value for name, value in reranked._asdict().items()}
 
 
 def _greedy_markdown(session: BeamSession, length_penalty: float) -> str:
@@ -226,10 +242,9 @@ def _wire(shared: Shared, view: PanelView, out: Outputs, collapse: gr.Checkbox, 
     run_event = shared.events.on([run.click, view.prompt.submit], on_run, inputs, out.all(),
                                  on_error=stale.cleared(out.status, out.all()), what="search")
     stop_button(stop, out.status, [run_event], status_html("stopped"))
-    rerank_targets = [out.tree, out.hypotheses, out.greedy, out.winner]
     for trigger in (out.slider.change, collapse.change):
         trigger(lambda session, lp, c: rerank_updates(out, session, lp, c), [out.session, out.slider, collapse],
-                rerank_targets, api_visibility="private", queue=False)
+                rerank_targets(out), api_visibility="private", queue=False)
     shared.events.api(functools.partial(beam_trace, shared), "beam_trace", what="search")
 
 
