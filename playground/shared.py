@@ -188,9 +188,10 @@ class Shared:
                 return event.trace
         raise RuntimeError("run ended without a trace")
 
-    def branch(self, lm: Model, parent: Trace, at_step: int, token_id: int, *,
+    def branch(self, lm: Model, parent: Trace, at_step: int, token_id: int | None, *,
                control: RunControl) -> Iterator[Event]:
-        """``parent`` continued from ``at_step`` with ``token_id`` (one prefill, no kept cache)."""
+        """``parent`` continued from ``at_step`` with ``token_id`` (None: drawn under the parent's knobs;
+        one prefill, no kept cache)."""
         return runner.branch(lm, parent, at_step, token_id, control=control, scheduler=self.scheduler_for(lm))
 
     def api_config(self, preset: Any, overrides: Any, *, default_strategy: str,

@@ -279,7 +279,7 @@ def stream_run(out: Outputs, shared: Shared, session: StepSession, req: StepRequ
     if events is not None:
         pass  # a what-if continuation (whatif.continue_events): the caller made the run's events
     elif branch:
-        events = shared.branch(req.lm, branch[0], at, branch[2], control=control)
+        events = shared.branch(req.lm, branch[0], branch[1], branch[2], control=control)
     else:
         events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids,
                                control=control)
@@ -421,7 +421,7 @@ class Handlers:
     """The view's event handlers; ``wire`` registers them."""
 
     shared: Shared
-    view: PanelView
+    view: StepView
     out: Outputs
     colour_by: gr.Radio
     example: examples.ExampleRequest | None = None
@@ -461,11 +461,11 @@ class Handlers:
     def on_branch(self, model: str, quant: str, colour: str, state: StepSession | None, owner: str, at: Any,
                   token: Any, width: Any = None, *, control: RunControl) -> Iterator[dict]:
         state = own(state, owner)
-        if state is None or state.trace() is None:
+        parent = state.trace() if state is not None else None
+        if state is None or parent is None:
             raise UserError("branch: generate a run first")
         if token is None:
             raise UserError("branch: pick a token from the list first")
-        parent = state.trace()
         lm = self.shared.lm(model, quant)
         req = StepRequest(lm, parent.prompt, parent.prompt_token_ids, DecodingConfig.from_dict(parent.config),
                           parent.chat, colour)
@@ -499,13 +499,15 @@ class Handlers:
                 *values: Any) -> dict:
         """The what-if as a Gradio event (the route cannot answer: the model is not loaded, a ZeroGPU
         Space, ``DP_WHATIF_ROUTE=0``): the service's own answer, its figure through the hidden box."""
-        panel = self.what_if
+        panel, service = self.what_if, self.whatif
+        if panel is None or service is None:
+            raise RuntimeError("step: the what-if is not wired (wire_whatif)")
         state = own(state, owner)
         trace = state.trace() if state is not None else None
         if trace is None or not trace.steps or trace.strategy not in STAGE_STRATEGIES:
             return {panel.note: gr.skip(), panel.figure: ""}  # nothing to draw
         at = max(0, min(int(step or 0), len(trace.steps) - 1))
-        answer = self.whatif.step_answer(state, trace, at, model, quant, width, list(values), load=True)
+        answer = service.step_answer(state, trace, at, model, quant, width, list(values), load=True)
         if answer["figure"] is None:
             return {panel.note: answer["note"], panel.figure: ""}
         return {panel.figure: str(answer["figure"]), panel.note: answer["note"], self.out.explain: answer["explain"]}
@@ -514,9 +516,9 @@ class Handlers:
                     width: Any, *values: Any, control: RunControl) -> Iterator[dict]:
         """Continue from the selected step with the panel's knobs: a branch streamed into the view."""
         state = own(state, owner)
-        if state is None or state.trace() is None or not state.trace().steps:
+        parent = state.trace() if state is not None else None
+        if state is None or parent is None or not parent.steps:
             raise UserError("continue: generate a run first")
-        parent = state.trace()
         at = max(0, min(int(step or 0), len(parent.steps) - 1))
         config = self.view.panel.config(*values)
         lm = self.shared.lm(model, quant)
@@ -529,6 +531,8 @@ class Handlers:
         """The what-if row: knob changes in the page (the route), the fallback event, Continue, and
         the ``/explore_step`` API."""
         out, shared, panel, what_if = self.out, self.shared, self.view.panel, self.what_if
+        if what_if is None:
+            raise RuntimeError("step: the what-if row was not built")
         what_if.wire_page(shared, panel, out.step, out.chart, out.explain, self.view.width)
         inputs = [out.session, out.owner, out.step, shared.model, shared.quantization, self.view.width, *panel.inputs]
         knob = gr.on([what_if.fallback.click], zero_gpu(self.on_knob), inputs, [what_if.figure, what_if.note, out.explain],
@@ -548,6 +552,8 @@ class Handlers:
         """A fresh page's first screen: the example run with its most uncertain step selected, once
         the startup thread has it. Polling stops once filled, once this page ran something, or once
         its prompt or knobs differ from the example's (edited, or filled by a share link)."""
+        if self.example is None:
+            raise RuntimeError("step: no example was asked for (wire_example)")
         fresh = state is None and examples.matches(self.example, prompt, chat, self.view.panel, values)
         done, example = examples.poll(self.shared.registry, self.example, timer, self.out.status, model, quant, fresh)
         if example is None:
@@ -570,7 +576,8 @@ class Handlers:
 
     def wire_local(self) -> None:
         """Events that only redraw the session's traces (no model): not queued, not API endpoints."""
-        out, local = self.out, {"api_visibility": "private", "queue": False}
+        out = self.out
+        local: dict[str, Any] = {"api_visibility": "private", "queue": False}
 
         def on_select(state: StepSession | None, owner: str, colour: str, width: Any, evt: gr.SelectData) -> dict:
             index = evt.index if isinstance(evt.index, int) else evt.index[0]
@@ -586,7 +593,9 @@ class Handlers:
             if state is None or index is None or not 0 <= int(index) < len(state.runs):
                 return {out.chart: gr.skip()}
             state.current = int(index)
-            return render(out, state, state.trace().branch_of or 0, colour, width=page_width(width))
+            trace = state.trace()
+            return render(out, state, (trace.branch_of if trace is not None else None) or 0, colour,
+                          width=page_width(width))
 
         def on_width(state: StepSession | None, owner: str, index: Any, width: Any) -> dict:
             """The page crossed the narrow width (or the chart was laid out for the other one): the
@@ -611,7 +620,8 @@ class Handlers:
             out.hesitations.input(lambda state, owner, index, colour, w: {out.chart: gr.skip()} if index is None
                                   else redraw(state, owner, index, colour, w),
                                   [*mine, out.hesitations, self.colour_by, width], out.all(), **local)
-        gr.on([width.change, self.redraw.click], on_width, [*mine, out.step, width],
+        redrawn = [self.redraw.click] if self.redraw is not None else []
+        gr.on([width.change, *redrawn], on_width, [*mine, out.step, width],
               [out.chart, out.explain, out.whatif_note, out.whatif_figure], **local)
 
 
@@ -634,7 +644,6 @@ def branch_trace(shared: Shared, parent: dict | str, step: int, token_id: int, m
     (``branch_of`` = ``step``; steps before it are the parent's)."""
     lm = shared.lm(model, quantization)
     trace = parent_trace(shared, lm, parent)
-    *_, last = shared.branch(lm, trace, step, token_id, control=control)
-    return last.trace.to_dict()
+    return runner.collect(shared.branch(lm, trace, step, token_id, control=control)).to_dict()
 
 
