@@ -255,6 +255,7 @@ class ModelRegistry:
     def _load(self, spec: ModelSpec, progress: Progress | None, key: str) -> LoadedModel:
         """Load ``spec`` after making room for it (its bytes estimated from its float model when that is
         alive); a model that turns out not to fit is dropped and refused."""
+        self._held()  # forgets the models freed since: without a budget nothing else would
         need = self._estimate(spec)
         if need is not None:
             self._make_room(need, spec, key)
