@@ -52,7 +52,7 @@ from .. import checkpoint_maker, ids
 from ..page_js import LESSON_PARAM, LESSON_READY_JS, OPEN_RUN_JS
 from ..shared import CheckedRegistry, LessonTarget, Shared, UserError, error_html, page_width, status_html
 from ..panels.presenter import ARROW_KEYS_JS, PRESENT_PARAM, PresenterPanel, failure_advice, lesson_line, qr_block
-from ..stale import cleared
+from ..stale import Cleared, cleared
 from ..whatif_service import KeptLogits, Registered, register
 
 TOKEN_PREFIX = "l1."
@@ -317,6 +317,25 @@ def list_lessons() -> list[dict]:
     return [lesson.to_dict() for lesson in engine_lessons.available_lessons().values()]
 
 
+@dataclass(frozen=True)
+class LessonFailure:
+    """``LessonsTab.failed``'s ``on_error``: ``cleared``'s update with the lesson's line and advice, and
+    the presenter's overlay. ``status``: where events.streamed writes a stopped run's line (both)."""
+
+    base: Cleared
+    box: gr.HTML
+    presenter: PresenterPanel
+
+    @property
+    def status(self) -> tuple:
+        return (self.box, self.presenter.text)
+
+    def __call__(self, message: str, stopped: bool = False) -> dict:
+        update = self.base(lesson_line(message), stopped)
+        update[self.box] += status_html(failure_advice(message, stopped))
+        return update | self.presenter.failed(message, stopped)
+
+
 @dataclass
 class LessonsTab:
     """The tab's components; ``wire_page`` needs the pages a lesson opens in, so the app calls it last."""
@@ -481,15 +500,7 @@ class LessonsTab:
         """A lesson run's ``on_error``: ``cleared``'s, with the line and a lesson's advice
         (presenter.failure_advice: its runs are fixed, so never "ask for fewer tokens") in the status
         and in the presenter's overlay, which would otherwise stand blank over the status."""
-        base = cleared(self.status, outputs)
-
-        def on_error(message: str, stopped: bool = False) -> dict:
-            update = base(lesson_line(message), stopped)
-            update[self.status] += status_html(failure_advice(message, stopped))
-            return update | self.presenter.failed(message, stopped)
-
-        on_error.status = (self.status, self.presenter.text)  # events.streamed: both say a stop's line
-        return on_error
+        return LessonFailure(cleared(self.status, outputs), self.status, self.presenter)
 
     def wire(self) -> None:
         local: dict[str, Any] = {"api_visibility": "private", "queue": False}
