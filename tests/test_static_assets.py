@@ -27,6 +27,7 @@ JS_FUNCTIONS = [  # js= snippets: a function expression each
     (page_js.PRESENTER_JS, "whatif_presenter.js", {"POST": page_js._POST, "DRAW_INTO": page_js._DRAW_INTO}),
     (page_js.PREPARE_JS, "whatif_prepare.js", {"POST": page_js._POST}),
     (page_js.PRESENTER_PREPARE_JS, "whatif_presenter_prepare.js", {"POST": page_js._POST}),
+    (page_js.owner_js(3), "page_owner.js", {"AT": "3"}),  # the owner secret at an event's input 3
     (presenter.ARROW_KEYS_JS, "presenter_keys.js", {}),
     (presenter.EXIT_JS, "presenter_exit.js", {}),
     (presenter.RUN_JS, "presenter_run.js", {}),
