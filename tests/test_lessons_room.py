@@ -27,6 +27,8 @@ TAUGHT = {
     "contrastive-search": "contrastive search",
     "grammar": "masked decoding",  # the distortion: masked decoding beside the model conditioned on the grammar
     "gptq-vs-awq": "perplexity",
+    "logit-lens": "raw model",  # its Lessons-tab figure is the step chart (the lens itself opens in Inside the model)
+    "watermark": "watermark",
 }
 # Lessons whose check loads quantized copies of the real model (the tiny Llama here has none):
 # tests/test_lessons_browser_room.py and tests/test_quant_checkpoints.py run them on the embedded model.
