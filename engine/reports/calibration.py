@@ -105,53 +105,75 @@ def reliability(confidence: torch.Tensor, correct: torch.Tensor, bins: int = DEF
     return out, ece
 
 
+def centered(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits − each row's max [N, V], the targets' entries of it [N]): softmax(β z) = softmax(β c)
+    for every β > 0, and every term of the sums below is exp(β c) <= 1 (computed once per report)."""
+    c = logits - logits.max(dim=-1, keepdim=True).values
+    return c, c.gather(1, targets[:, None])[:, 0]
+
+
 def nll_at(logits: torch.Tensor, targets: torch.Tensor, beta: float) -> float:
     """Mean −log softmax(β · logits)[target] over the rows of ``logits`` [N, V]."""
-    scaled = logits * beta
-    return float((torch.logsumexp(scaled, dim=-1) - scaled.gather(1, targets[:, None])[:, 0]).mean())
+    return _nll(*centered(logits, targets), beta)
+
+
+def _nll(c: torch.Tensor, at: torch.Tensor, beta: float) -> float:
+    return float((torch.exp(c * beta).sum(dim=-1).double().log() - beta * at.double()).mean())
 
 
 def calibration_at(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   bins: int = DEFAULT_BINS) -> Calibration:
-    """The reliability at ``temperature`` of next-token ``logits`` [N, V] for ``targets`` [N]."""
+                   bins: int = DEFAULT_BINS, shifted: tuple[torch.Tensor, torch.Tensor] | None = None) -> Calibration:
+    """The reliability at ``temperature`` of next-token ``logits`` [N, V] for ``targets`` [N]
+    (``shifted``: ``centered(logits, targets)``, when the caller has it). One exp of the rows gives
+    both the top token's p (1 / Σ exp(β c), the top's term being 1) and the NLL (log Σ − β c_y)."""
+    c, at = shifted if shifted is not None else centered(logits, targets)
     beta = 1.0 / temperature
-    top, top_id = logits.max(dim=-1)  # [N]: the top token does not depend on T
-    confidence = 1.0 / torch.exp((logits - top[:, None]) * beta).sum(dim=-1)  # softmax's max
-    correct = top_id == targets
+    total = torch.exp(c * beta).sum(dim=-1).double()  # [N]
+    confidence = 1.0 / total
+    correct = logits.argmax(dim=-1) == targets  # the top token does not depend on T
     table, ece = reliability(confidence, correct, bins)
-    return Calibration(temperature, ece, nll_at(logits, targets, beta), float(correct.double().mean()),
-                       float(confidence.double().mean()), table)
+    return Calibration(temperature, ece, float((total.log() - beta * at.double()).mean()),
+                       float(correct.double().mean()), float(confidence.mean()), table)
 
 
 def nll_slope(logits: torch.Tensor, targets: torch.Tensor, beta: float) -> tuple[float, float]:
     """The mean NLL's first and second derivatives in β: mean(E_p[z] − z_y) and mean(Var_p[z]),
     p = softmax(β z) (the second is >= 0: the NLL is convex in β)."""
-    probs = torch.softmax(logits * beta, dim=-1)
-    mean = (probs * logits).sum(dim=-1)  # [N]
-    spread = (probs * (logits - mean[:, None]).square()).sum(dim=-1)
-    slope = (mean - logits.gather(1, targets[:, None])[:, 0]).mean()
-    return float(slope), float(spread.mean())
+    return _slope(*centered(logits, targets), beta)
+
+
+def _slope(c: torch.Tensor, at: torch.Tensor, beta: float) -> tuple[float, float]:
+    """``nll_slope`` on ``centered`` rows: one exp, then its sums weighted by c and c², in place."""
+    e = torch.exp(c * beta)  # [N, V]
+    total = e.sum(dim=-1).double()
+    first = e.mul_(c).sum(dim=-1).double() / total  # E[c]
+    second = e.mul_(c).sum(dim=-1).double() / total  # E[c²]
+    return float((first - at.double()).mean()), float((second - first.square()).clamp(min=0).mean())
 
 
 def best_temperature(logits: torch.Tensor, targets: torch.Tensor, low: float = T_LOW, high: float = T_HIGH,
-                     control: RunControl | None = None) -> float:
+                     control: RunControl | None = None,
+                     shifted: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
     """The T in [low, high] minimising the mean NLL. The NLL (−β z_y + logsumexp(β z), β = 1/T) is
     convex in β, so its slope rises through 0 once: Newton's steps on the slope from β = 1, kept
-    inside a bracket that each step narrows (bisection where a Newton step would leave it)."""
+    inside a bracket that each step narrows (bisection where a Newton step would leave it); the
+    bracket's ends are evaluated only when the search reaches one."""
+    c, at = shifted if shifted is not None else centered(logits, targets)
     a, b = 1.0 / high, 1.0 / low
-    if nll_slope(logits, targets, a)[0] >= 0:
-        return high
-    if nll_slope(logits, targets, b)[0] <= 0:
-        return low
-    beta = min(max(1.0, a), b)
+    beta, ends = min(max(1.0, a), b), {a, b}  # the bracket's ends not evaluated yet
     for _ in range(MAX_SEARCH_STEPS):
         check(control)
-        slope, curve = nll_slope(logits, targets, beta)
+        slope, curve = _slope(c, at, beta)
         a, b = (beta, b) if slope < 0 else (a, beta)
-        step = beta - slope / curve if curve > 0 else math.nan
-        beta = step if a < step < b else (a + b) / 2
         if b - a < SEARCH_TOLERANCE * beta or abs(slope) < 1e-9:
             break
+        step = beta - slope / curve if curve > 0 else math.nan
+        end = a if not step > a else b if not step < b else None
+        if end in ends:  # Newton heads out of the bracket: is the minimum at that end?
+            ends.discard(end)
+            if (_slope(c, at, end)[0] >= 0) == (end == a):
+                return 1.0 / end
+        beta = step if a < step < b else (a + b) / 2
     return 1.0 / beta
 
 
@@ -175,8 +197,9 @@ def calibration_report(lm: Any, ids: Sequence[int] | None = None, bins: int = DE
     check(control)
     logits, targets = teacher_forced(lm, ids)
     check(control)
-    best = best_temperature(logits, targets, control=control)
-    sweep = [calibration_at(logits, targets, t, bins) for t in temperatures]
+    shifted = centered(logits, targets)
+    best = best_temperature(logits, targets, control=control, shifted=shifted)
+    sweep = [calibration_at(logits, targets, t, bins, shifted) for t in temperatures]
     return CalibrationReport(getattr(lm, "name", ""), getattr(lm, "quantization", "none"), len(targets),
-                             calibration_at(logits, targets, 1.0, bins), best,
-                             calibration_at(logits, targets, best, bins), sweep, METHOD)
+                             calibration_at(logits, targets, 1.0, bins, shifted), best,
+                             calibration_at(logits, targets, best, bins, shifted), sweep, METHOD)
