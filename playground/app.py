@@ -62,7 +62,8 @@ def build_app(registry: ModelRegistry | None = None, default_model: str = EMBEDD
         whatif = shared.whatif = WhatIfService(shared)  # the app's one what-if: Step through's knobs, the presenter's slider
         handles: list[PanelView] = []
         pages: dict = {}  # every view's handle by name (Compare's page is not a PanelView)
-        with gr.Tabs(elem_id="dp-tabs") as tabs:
+        # wrap: every view's tab stays in the bar (a menu hid the last ones at 1400 px and on a projector)
+        with gr.Tabs(elem_id="dp-tabs", overflow_behavior="wrap") as tabs:
             with gr.Tab("Lessons", id="tab-lessons", elem_id="tab-lessons"):  # first: the entry point for newcomers
                 lessons_tab = lessons.build_tab(shared)
             for title, module, name in VIEWS:

@@ -14,7 +14,7 @@ import html
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar, runtime_checkable
 
 import gradio as gr
 
@@ -37,6 +37,8 @@ from engine.trace import Event, Trace, untrusted_trace
 from .events import ModelEvents, claim_model_slot, toast_text
 from .page_js import RUN_BUTTONS
 from .user_presets import matching_choice
+
+T = TypeVar("T")
 
 USER_PRESETS_KEY = "decoding-playground-user-presets"
 # The browser encrypts stored presets with this; a fixed value lets them survive app restarts.
@@ -80,6 +82,15 @@ class CheckedRegistry:
         self.policy.check(spec.source, key)
         claim_model_slot(is_remote_source(spec.source))  # a drafter or amateur of another kind: that pool's slot too
         return self.registry.get(spec, progress, key=key)
+
+    def lend(self, spec: ModelSpec, use: Callable[[Model], T], *, key: str = "model") -> T:
+        """``ModelRegistry.lend`` (a report's variant, released after ``use``), the policy checked first."""
+        self.policy.check(spec.source, key)
+        claim_model_slot(is_remote_source(spec.source))
+        return self.registry.lend(spec, use, key=key)
+
+    def check_room(self, need: int, what: str, key: str = "model") -> None:
+        self.registry.check_room(need, what, key=key)
 
     def loaded(self) -> list[ModelSpec]:
         return self.registry.loaded()

@@ -20,7 +20,8 @@ NAMED_ENDPOINTS = {"/step_trace", "/branch", "/compare", "/compare_sweep", "/bea
                    "/quantization_report", "/kv_cache_report", "/preset_validate", "/preset_interop", "/share_link",
                    "/explore_step", "/lessons", "/mcts_trace", "/medusa_trace", "/kv_cache_kinds_report", "/kv_calculator",
                    "/quantization_methods_report", "/quantization_inside_layer", "/serving_stats",
-                   "/serving_demo"}
+                   "/serving_demo", "/logit_lens", "/token_ranks", "/watermark_detect", "/watermark_robustness",
+                   "/calibration_report", "/hesitation_steps"}
 
 
 def test_cancelled_job_stops_its_run_within_a_step(live_app, live_forwards):

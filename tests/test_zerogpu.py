@@ -32,9 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 # Small arguments for each model API endpoint (beside ``prompt``); ``branch`` and ``explore_step`` take the
 # step_trace result instead of a prompt.
-TRACE_ENDPOINTS = ("branch", "explore_step")
-# Endpoints that read no prompt (they measure on the project's own held-out text).
-NO_PROMPT = ("quantization_methods_report", "quantization_inside_layer", "serving_demo")
+TRACE_ENDPOINTS = ("branch", "explore_step", "logit_lens", "hesitation_steps")
+# Endpoints that read no prompt (they measure on the project's own held-out text, or read a text).
+NO_PROMPT = ("quantization_methods_report", "quantization_inside_layer", "serving_demo", "calibration_report",
+             "token_ranks", "watermark_detect")
 ENDPOINT_ARGS: dict[str, dict] = {
     "step_trace": {"config": {"strategy": "greedy", "max_new_tokens": 3}},
     "beam_trace": {"config": {"max_new_tokens": 3}},
@@ -48,6 +49,10 @@ ENDPOINT_ARGS: dict[str, dict] = {
     "mcts_trace": {"config": {"max_new_tokens": 2, "mcts_simulations": 4, "mcts_rollout_tokens": 1}},
     "medusa_trace": {"config": {"max_new_tokens": 4}},
     "serving_demo": {"name": "paged"},
+    "token_ranks": {"text": " Paris, a city of light.", "context": PROMPT},
+    "watermark_detect": {"text": " Paris, a city of light and of the river Seine."},
+    "watermark_robustness": {"config": {"strategy": "sample", "max_new_tokens": 4, "watermark_delta": 2.0}},
+    "calibration_report": {"bins": 5},
 }
 
 
@@ -152,6 +157,10 @@ def run_endpoints(url: str, api_names: list[str]) -> dict:
         runs["branch"].pop("result", None)
     if "explore_step" in api_names:
         runs["explore_step"] = call(client, "explore_step", {"trace": parent, "step": 0, "knobs": {"temperature": 2.0}})
+    if "logit_lens" in api_names:
+        runs["logit_lens"] = call(client, "logit_lens", {"trace": parent, "step": 1, "top_k": 3})
+    if "hesitation_steps" in api_names:
+        runs["hesitation_steps"] = call(client, "hesitation_steps", {"trace": parent})
     # A user's error raised in the worker reaches the client as its own one line, not "ZeroGPU worker error"
     runs["bad_argument"] = call(client, "step_trace", {"prompt": PROMPT, "config": {"temperature": -1}})
     for run in runs.values():

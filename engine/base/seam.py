@@ -14,7 +14,9 @@ On the base floor (docs/architecture.md): no engine import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar, cast
+
+T = TypeVar("T")
 
 # What a view may need of a model beyond a strategy, in words (the same words as a strategy's needs).
 VIEW_NEEDS = {
@@ -175,8 +177,28 @@ class WeightedModel(Model, Protocol):
     measures: dict[str, float]  # measures of the model alone, computed once (held-out perplexity)
 
 
+def with_weights(lm: Model, what: str) -> WeightedModel:
+    """``lm`` as a ``WeightedModel`` when its weights are here (``capabilities.weights``), else
+    ValueError saying why ``what`` (a ``VIEW_NEEDS`` key) cannot run on it."""
+    reason = lm.capabilities.lacks(what)
+    if reason is not None:
+        raise ValueError(reason)
+    return cast(WeightedModel, lm)
+
+
 class Models(Protocol):
     """Where models come from, by spec (``engine.backends.registry.ModelRegistry``, or the page's
     registry that checks each one against the operator's policy first)."""
 
     def get(self, spec: Any, progress: Any = None, *, key: str = "model") -> Model: ...
+
+
+class LendingModels(Models, Protocol):
+    """``Models`` as the reports use them: a variant lent for one measure and released after it
+    (``lend``), the memory budget checked before anything is built (``check_room``), what is loaded."""
+
+    def lend(self, spec: Any, use: Callable[[Any], T], *, key: str = "model") -> T: ...
+
+    def check_room(self, need: int, what: str, key: str = "model") -> None: ...
+
+    def loaded(self) -> list[Any]: ...

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.base.seam import Model, WeightedModel
+from engine.base.seam import LendingModels, Model, WeightedModel, with_weights
 from engine.cache import kv_quant
 from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS, ModelLoadError, ModelSpec
 from engine.cache import KVCache
@@ -176,7 +176,7 @@ def measure_variant(ref_lm: WeightedModel, lm: WeightedModel, prompt_ids: Sequen
     )
 
 
-def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
+def stream_drift(registry: LendingModels, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
                  variants: Sequence[str] = BNB_QUANTIZATIONS, *, control: RunControl | None = None
                  ) -> Iterator[DriftReport]:
     """Yield the report after the reference run, then again as each variant finishes (the same
@@ -191,7 +191,7 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
     requested = normalise_variants(variants)
     config = greedy_config(max_new_tokens)
     check(control)
-    ref_lm = registry.get(ModelSpec(source, REFERENCE))
+    ref_lm = with_weights(registry.get(ModelSpec(source, REFERENCE)), "quantization")
     check_room(registry, ref_lm, [q for q in requested if q != REFERENCE], "the drift report")
     prompt_ids = ref_lm.encode(prompt, chat)
     reference = list(checked_stream(ref_lm, prompt_ids, config, None, control))
@@ -227,7 +227,7 @@ def stream_drift(registry: Any, source: str, prompt: str, chat: bool = False, ma
         yield report
 
 
-def quantization_report(registry: Any, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
+def quantization_report(registry: LendingModels, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
                         variants: Sequence[str] = BNB_QUANTIZATIONS, *, control: RunControl | None = None) -> DriftReport:
     """The whole drift report (see ``stream_drift``); as far as it got when ``control`` stopped it."""
     return last(stream_drift(registry, source, prompt, chat, max_new_tokens, variants, control=control))

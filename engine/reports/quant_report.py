@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.base.seam import Model, WeightedModel
+from engine.base.seam import LendingModels, Model, WeightedModel, with_weights
 from engine.backends.local import QUANTIZATIONS, ModelLoadError, ModelSpec, embedded_model_dir
 from engine.backends.quant_methods import CALIBRATION_SETS, HELDOUT, RECIPE, WEIGHT_METHODS, checkpoint_meta
 from engine.backends.registry import estimated_bytes, model_bytes
@@ -174,7 +174,7 @@ def _cached(key: tuple[str, str, str]) -> HeldoutScore | None:
         return _SCORES.get(key)
 
 
-def check_room(registry: Any, ref: Model, variants: Sequence[str], what: str, key: str = "variants") -> None:
+def check_room(registry: LendingModels, ref: Model, variants: Sequence[str], what: str, key: str = "variants") -> None:
     """Refuse (ModelLoadError naming ``key``, one line naming the budget) a report whose float model and
     largest variant, loaded one at a time beside it, would pass the registry's memory budget."""
     if variants:
@@ -182,7 +182,7 @@ def check_room(registry: Any, ref: Model, variants: Sequence[str], what: str, ke
         registry.check_room(model_bytes(ref) + largest, what, key=key)
 
 
-def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None = None, *,
+def stream_comparison(registry: LendingModels, source: str, variants: Sequence[str] | None = None, *,
                       control: RunControl | None = None) -> Iterator[MethodComparison]:
     """Yield the comparison after the float model, then as each variant is measured (the same
     object, growing). A variant that cannot be loaded goes to ``errors`` (one line). A variant
@@ -191,7 +191,7 @@ def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None
     and a comparison whose largest variant would not fit the memory budget is refused first."""
     requested = normalise(variants)
     check(control)
-    ref = registry.get(ModelSpec(source, "none"))
+    ref = with_weights(registry.get(ModelSpec(source, "none")), "quantization")
     check_room(registry, ref, [v for v in requested[1:] if _cached(_score_key(source, v)) is None],
                "the methods' comparison")
     ids = heldout_ids(ref)
@@ -225,7 +225,7 @@ def stream_comparison(registry: Any, source: str, variants: Sequence[str] | None
         yield report
 
 
-def compare_methods(registry: Any, source: str, variants: Sequence[str] | None = None, *,
+def compare_methods(registry: LendingModels, source: str, variants: Sequence[str] | None = None, *,
                     control: RunControl | None = None) -> MethodComparison:
     return last(stream_comparison(registry, source, variants, control=control))
 
@@ -300,14 +300,14 @@ def channel_errors(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> tup
 
 
 @torch.inference_mode()  # the float weights are Parameters; no autograd record is wanted
-def inside_layer(registry: Any, source: str, layer: int = 15, module: str = "q_proj", group_size: int = 64, *,
+def inside_layer(registry: LendingModels, source: str, layer: int = 15, module: str = "q_proj", group_size: int = 64, *,
                  control: RunControl | None = None) -> InsideLayer:
     """RTN, GPTQ and AWQ on one Linear (see the module docstring); ValueError naming a bad argument."""
     if module not in LAYER_MODULES:
         raise ValueError(f"module: expected {' | '.join(LAYER_MODULES)}, got {module!r}")
     if group_size not in (64, 32):
         raise ValueError(f"group_size: expected 64 or 32, got {group_size!r}")
-    ref = registry.get(ModelSpec(source, "none"))
+    ref = with_weights(registry.get(ModelSpec(source, "none")), "quantization")
     layers = ref.model.config.num_hidden_layers
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
         raise ValueError(f"layer: expected a whole number in [0, {layers - 1}], got {layer!r}")

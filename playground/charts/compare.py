@@ -234,8 +234,10 @@ def same_text_reason(traces: Sequence[Trace]) -> str:
         why = "all pick greedily, so nothing is drawn: each step takes the most likely token"
         if knobs and all(ignored_by_greedy(k) for k in knobs):
             differ = f"their knobs differ only in ones a greedy pick ignores ({', '.join(knobs)}); "
+        quantized = len({t.quantization for t in traces}) > 1  # a copy of other weights: a near-tie may flip
         return differ + why + (f", and the models ({models}) put the same token first at every step, as the same "
-                               "weights do (a quantized copy may part ways at a near-tie)" if models else "")
+                               "weights do" + (" (a quantized copy can pick another token at a near-tie)"
+                                                if quantized else "") if models else "")
     if single == steps:
         why = "at every step their stages (top-p, top-k, min-p...) cut the choice to one token, so there was nothing to draw"
     elif any(greedy):
