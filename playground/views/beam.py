@@ -254,7 +254,4 @@ def beam_trace(shared: Shared, prompt: str, config: dict | None = None, preset: 
     """Run beam search on the prompt and return the trace JSON: text = the winning hypothesis;
     beam.steps[].candidates[] (parent, token, token_id, logprob, score, normalized_score, status),
     beam.hypotheses[], beam.winner. ``preset``: a built-in preset; ``config``: knobs overriding it."""
-    cfg = shared.api_config(preset, config, default_strategy="beam", strategies=("beam",))
-    lm = shared.lm(model, quantization)
-    prompt_ids = shared.encode_prompt(lm, prompt, chat)
-    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
+    return shared.trace_json(prompt, config, preset, chat, model, quantization, strategies=("beam",), control=control)

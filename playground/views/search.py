@@ -257,10 +257,7 @@ def mcts_trace(shared: Shared, prompt: str, config: dict | None = None, preset: 
     the time limit returns its partial trace: summary.stopped = "time_limit" (and stopped_message),
     the search under way under extra.mcts_interrupted.
     ``preset``: a built-in preset; ``config``: knobs overriding it."""
-    cfg = shared.api_config(preset, config, default_strategy="mcts", strategies=("mcts",))
-    lm = shared.lm(model, quantization)
-    prompt_ids = shared.encode_prompt(lm, prompt, chat)
-    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
+    return shared.trace_json(prompt, config, preset, chat, model, quantization, strategies=("mcts",), control=control)
 
 
 # --- Medusa -------------------------------------------------------------------------------------
@@ -405,11 +402,8 @@ def medusa_trace(shared: Shared, prompt: str, config: dict | None = None, preset
     """Run Medusa decoding and return the trace JSON: rounds[] (drafted[] with p, accept_prob,
     accepted; proposals[] per head with its top candidates), summary.tokens_per_target_forward,
     summary.head_acceptance, and with ``compare_baseline`` summary.speedup over target-only."""
-    cfg = shared.api_config(preset, config, default_strategy="medusa", strategies=("medusa",))
-    lm = shared.lm(model, quantization)
-    prompt_ids = shared.encode_prompt(lm, prompt, chat)
-    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control,
-                      compare_baseline=bool(compare_baseline)).to_dict()
+    return shared.trace_json(prompt, config, preset, chat, model, quantization, strategies=("medusa",), control=control,
+                             compare_baseline=compare_baseline)
 
 
 def build_tab(shared: Shared) -> None:

@@ -259,8 +259,5 @@ def speculative_trace(shared: Shared, prompt: str, config: dict | None = None, p
     """Run speculative decoding on the prompt and return the trace JSON (rounds[].drafted[] with q, p,
     accept_prob, u, accepted, resampled). ``preset``: a built-in preset; ``config``: knobs overriding it;
     ``compare_baseline``: also time a target-only run and report the speed-up in ``summary``."""
-    cfg = shared.api_config(preset, config, default_strategy="speculative", strategies=("speculative",))
-    lm = shared.lm(model, quantization)
-    prompt_ids = shared.encode_prompt(lm, prompt, chat)
-    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control,
-                      compare_baseline=compare_baseline).to_dict()
+    return shared.trace_json(prompt, config, preset, chat, model, quantization, strategies=("speculative",),
+                             control=control, compare_baseline=compare_baseline)

@@ -631,10 +631,8 @@ def step_trace(shared: Shared, prompt: str, config: dict | None = None, preset: 
     """Run greedy or sampling on the prompt and return the trace JSON (same as the CLI's --json).
     ``preset``: a built-in preset name (or preset JSON); ``config``: knobs overriding it;
     ``remote_mode``: on a served model, "step" (our chain over its top-N) or "fast" (it samples)."""
-    cfg = shared.api_config(preset, config, default_strategy="sample", strategies=STEP_STRATEGIES)
-    lm = shared.lm(with_mode(model, remote_mode, api=True), quantization)
-    prompt_ids = shared.encode_prompt(lm, prompt, chat)
-    return shared.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control).to_dict()
+    return shared.trace_json(prompt, config, preset, chat, with_mode(model, remote_mode, api=True), quantization,
+                             strategies=STEP_STRATEGIES, default_strategy="sample", control=control)
 
 
 def branch_trace(shared: Shared, parent: dict | str, step: int, token_id: int, model: str = "embedded",
