@@ -49,6 +49,11 @@ KV_SECTION = "kv-section"  # the KV cache section's heading (Open scrolls it int
 METHODS_MEASURE = "methods-measure"  # the 4-bit methods section's run button (the GPTQ vs AWQ lesson's Open)
 METHODS_SECTION = "methods-intro"  # that section's heading (Open scrolls it into view too)
 
+# Inside the model: the entropy chart a click on a step opens that step's stage chart from
+INSIDE_OVER_RUN = "inside-over-run"
+INSIDE_PICK = "inside-pick-step"  # hidden: the clicked step (its change draws the stage chart)
+INSIDE_WIDTH = "inside-width"  # hidden: the page width the script writes
+
 # Every id above by its name (the ``__ID_<NAME>__`` placeholders).
 IDS: dict[str, str] = {name: value for name, value in dict(globals()).items()
                        if name.isupper() and isinstance(value, str)}

@@ -157,3 +157,110 @@ def test_a_quantized_pick_is_calibrated_beside_fp32(shared):
     assert note.count("**fp32**:") == 2 and note.count("At T = 1") == 2
     curves = [t for t in fig.data if re.search(r", T = 1(\.00)? \(", t.name or "")]  # each variant's T = 1
     assert len(curves) == 2 and list(curves[0].y) == list(curves[1].y)  # the same model twice: the same bins
+
+
+def test_a_clicked_or_picked_step_opens_its_stage_chart(shared):
+    """Point 5: the step a click on the entropy chart writes into the hidden pick box (or a pick in the
+    hesitation steps) draws that step's stage chart, laid out for the page width the script wrote, its
+    panels the step's own stages; the lens's step follows; a step the run lacks changes nothing."""
+    from playground.charts import step as step_charts
+
+    with gr.Blocks():
+        view = inside.build_tab(shared)
+    h, out = view.handlers, view.handlers.out
+    values = [c.value for c in view.panel.inputs]
+    run = list(h.on_generate(PROMPT, False, "embedded", "none", inside.COLOUR_BY[0], *values,
+                             control=RunControl()))[-1][out.state]
+    at = len(run.trace.steps) // 2
+    step = run.trace.steps[at]
+    for width, phone in ((390.0, True), (1280.0, False)):
+        drawn = inside.picked_step(out, run, float(at), width)
+        fig = drawn[out.stage_chart]
+        assert fig.layout.title.text.startswith(f"step {at}: chose ") and fig.layout.meta["phone"] is phone
+        expected = step_charts.fitted_stage_chart(step, width, step_charts.source_of(run.trace, at))
+        assert fig.to_plotly_json() == expected.to_plotly_json()
+        assert drawn[out.lens_step] == at and drawn[out.stage_note].startswith(f"**Step {at}**")
+    for bad in (None, len(run.trace.steps), -1, 1.5, True):
+        assert set(inside.picked_step(out, run, bad, 1280.0)) == {out.stage_chart}  # gr.skip(): nothing drawn
+    assert set(inside.picked_step(out, None, 0, 1280.0)) == {out.stage_chart}
+
+
+def test_a_variant_whose_checkpoint_is_not_made_says_so_in_one_line(tiny_lm, monkeypatch):
+    """Calibration beside fp32 with a 4-bit checkpoint not made yet: its one line (make quantize),
+    before fp32's forward is spent on a diagram that cannot be drawn."""
+    from engine.backends.local import ModelLoadError
+    from engine.backends.quant_methods import missing_message
+
+    with gr.Blocks():
+        shared = shared_over(tiny_lm)
+        view = inside.build_tab(shared)
+    real_get = shared.registry.get
+
+    def get(spec, progress=None, *, key="model"):
+        if spec.quantization != "none":
+            raise ModelLoadError(missing_message(spec.quantization))
+        return real_get(spec, progress, key=key)
+
+    monkeypatch.setattr(shared.registry, "get", get)
+    measured = []
+    monkeypatch.setattr(inside.calibration, "calibration_report", lambda lm, **kw: measured.append(lm))
+    with pytest.raises(UserError) as err:
+        list(view.handlers.on_calibration(5, "embedded", "gptq-g64", control=RunControl()))
+    assert str(err.value) == missing_message("gptq-g64") and "\n" not in str(err.value) and measured == []
+
+
+LONG = " ".join(["the salt road ran inland past the old mill"] * 12)  # > 64 tokens: the detector checks Stop
+
+
+@pytest.mark.parametrize("endpoint", ["logit_lens", "token_ranks", "watermark_detect", "watermark_robustness",
+                                      "calibration_report"])
+def test_stop_stops_every_model_endpoint(shared, trace, endpoint):
+    """Stop (a cancelled control, as the page's Stop and a closed API stream leave it) stops each
+    endpoint that runs the model, before it answers."""
+    calls = {
+        "logit_lens": lambda c: inside.logit_lens_api(shared, trace, 4, control=c),
+        "token_ranks": lambda c: inside.token_ranks_api(shared, LONG, control=c),
+        "watermark_detect": lambda c: inside.watermark_detect_api(shared, LONG, control=c),
+        "watermark_robustness": lambda c: inside.watermark_robustness_api(
+            shared, PROMPT, {"max_new_tokens": 8, "watermark_delta": 4.0}, control=c),
+        "calibration_report": lambda c: inside.calibration_report_api(shared, control=c),
+    }
+    control = RunControl()
+    control.cancel()
+    with pytest.raises(RunStopped):
+        calls[endpoint](control)
+
+
+BAD_INPUT = [  # (endpoint, its arguments, the argument the one line names, the value it says)
+    ("logit_lens", dict(step=-1), "step", "-1"),
+    ("logit_lens", dict(step=2, top_k=0), "top_k", "0"),
+    ("token_ranks", dict(text="ok", context="x" * 9000), "context", "9,000"),
+    ("watermark_detect", dict(text="x" * 9000), "text", "9,000"),
+    ("watermark_detect", dict(text="some text", watermark_gamma=0.0), "watermark_gamma", "0.0"),
+    ("watermark_detect", dict(text="some text", watermark_gamma=-0.5), "watermark_gamma", "-0.5"),
+    ("watermark_detect", dict(text="some text", watermark_gamma=1.5), "watermark_gamma", "1.5"),
+    ("watermark_detect", dict(text="some text", watermark_seeding="nohash"), "watermark_seeding", "nohash"),
+    ("watermark_robustness", dict(prompt=PROMPT, config={"watermark_delta": 2.0, "watermark_gamma": 1.0}),
+     "watermark_gamma", "1.0"),
+    ("watermark_robustness", dict(prompt=PROMPT, config={"watermark_delta": 2.0}, edited_text="x" * 9000),
+     "edited_text", "9,000"),
+    ("calibration_report", dict(bins=51), "bins", "51"),
+    ("hesitation_steps", dict(entropy_threshold=-1.0), "entropy_threshold", "-1"),
+]
+
+
+@pytest.mark.parametrize("endpoint, kwargs, key, value", BAD_INPUT,
+                         ids=[f"{e}-{k}-{v[:8]}" for e, _, k, v in BAD_INPUT])
+def test_bad_input_is_one_line_naming_the_argument_and_its_value(shared, trace, endpoint, kwargs, key, value):
+    """A text too long, a step or top-k out of range, γ outside (0, 1): one line naming the argument
+    and what it was given, from each endpoint, before any model runs."""
+    if endpoint == "logit_lens":
+        call = lambda: inside.logit_lens_api(shared, trace, control=RunControl(), **kwargs)  # noqa: E731
+    elif endpoint == "hesitation_steps":
+        call = lambda: inside.hesitation_steps(trace, **kwargs)  # noqa: E731
+    else:
+        call = lambda: getattr(inside, f"{endpoint}_api")(shared, control=RunControl(), **kwargs)  # noqa: E731
+    with pytest.raises((ConfigError, UserError)) as err:
+        call()
+    message = str(err.value)
+    assert message.startswith(f"{key}: ") and value in message and "\n" not in message, message

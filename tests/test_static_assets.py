@@ -13,7 +13,7 @@ from playground import app, assets, ids, knobs, page_js, share_links
 from playground.assets import STATIC, AssetError, static_text
 from playground.user_presets import CUSTOM
 from playground.panels import presenter
-from playground.views import lessons, speculative
+from playground.views import inside, lessons, speculative
 
 # (the constant Gradio gets, its file, the placeholders' values); a constant may hold another one.
 JS_FUNCTIONS = [  # js= snippets: a function expression each
@@ -35,6 +35,7 @@ JS_FUNCTIONS = [  # js= snippets: a function expression each
     (knobs.STAGE_MODIFIED_JS, "knobs_stage_modified.js", {"MODIFIED": knobs.MODIFIED_JS}),
     (share_links.COPY_LINK_JS, "share_copy_link.js", {"SHARE_PARAM": json.dumps(SHARE_PARAM)}),
     (lessons.BASE_URL_JS, "lessons_base_url.js", {}),
+    (inside.PICK_JS, "inside_pick_step.js", {}),
 ]
 PAGE_SCRIPT = page_js.HEAD.removeprefix("<script>").removesuffix("</script>")
 JS_BODIES = [  # a script (launch's head) and a js_on_load body (element, trigger, props given)

@@ -29,10 +29,14 @@ from engine.reports import watermark as wm
 from engine.reports.lessons import Lesson
 from engine.trace import Trace, to_dict, untrusted_trace
 from playground.charts import inside as charts
+from playground.charts import step as step_charts
 
+from .. import ids
+from ..assets import static_text
 from ..events import data_api, stop_button
 from ..knobs import STAGE_KNOBS, KnobPanel
-from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, parent_trace, status_html
+from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, UserError, error_html, page_width, parent_trace
+from ..shared import status_html
 from ..stale import cleared
 
 NAME = "inside"
@@ -46,6 +50,7 @@ HUMAN_TEXT = " ".join(HELDOUT.read_text(encoding="utf-8").split()[:80])  # a per
 COLOUR_BY = ("rank (GLTR)", "watermark")
 LENS_TOP = 5  # the lens chart's columns: five tokens a layer stay legible on a phone
 COLOUR_MAP = {**charts.RANK_COLOURS, **charts.WATERMARK_COLOURS}
+PICK_JS = static_text("inside_pick_step.js")  # a click on a step of the entropy chart opens its stage chart
 
 
 # --- the API -----------------------------------------------------------------------------------------
@@ -154,6 +159,9 @@ class Outputs(OutputSet):
     over_run_note: Any
     hesitations: Any
     lens_step: Any
+    pick: Any
+    stage_chart: Any
+    stage_note: Any
     state: Any
 
 
@@ -178,20 +186,64 @@ def build_tab(shared: Shared) -> InsideView:
             legend = gr.HTML(charts.legend_html(charts.RANK_COLOURS, "rank of each token under the model"),
                              elem_id="inside-legend")
             text_note = gr.Markdown(elem_id="inside-text-note")
-            over_run = gr.Plot(label="Entropy and varentropy over the run", elem_id="inside-over-run")
+            over_run = gr.Plot(label="Entropy and varentropy over the run: click a step (a star: it hesitates) for "
+                               "its stages", elem_id=ids.INSIDE_OVER_RUN)
             over_run_note = gr.Markdown(elem_id="inside-over-run-note")
-            hesitations = gr.Dropdown([], label="Hesitation steps: pick one to read its layers", elem_id="inside-hesitations")
+            hesitations = gr.Dropdown([], label="Hesitation steps: pick one for its stages and its layers",
+                                      elem_id="inside-hesitations")
+            picked = Picked.build()
             lens_step = gr.Slider(0, 1, value=0, step=1, label="Step for the logit lens", elem_id="inside-lens-step")
             sections = Sections.build()  # right under the run, beside the knobs (a phone: after them)
-    out = Outputs(status, text, legend, text_note, over_run, over_run_note, hesitations, lens_step,
-                  gr.State(None, time_to_live=SESSION_TTL_S))
+    out = Outputs(status, text, legend, text_note, over_run, over_run_note, hesitations, lens_step, picked.pick,
+                  picked.chart, picked.note, gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
     view = InsideView(NAME, prompt, panel, chat)
     view.handlers = Handlers(shared, view, out, sections, colour_by)
     runs = wire(view.handlers, generate)
+    picked.wire(out)
     stop_button(stop, status, runs, status_html("stopped"))
     register_api(shared)
     return view
+
+
+@dataclass
+class Picked:
+    """The picked step's stage chart (issue #54's point 5): a click on a step of the entropy chart
+    (the page's script writes it into the hidden ``pick`` box) or a pick in the hesitation steps."""
+
+    pick: Any
+    width: Any
+    chart: Any
+    note: Any
+
+    @classmethod
+    def build(cls) -> "Picked":
+        pick = gr.Number(None, show_label=False, elem_id=ids.INSIDE_PICK, elem_classes=["dp-hidden"])
+        width = gr.Number(None, show_label=False, elem_id=ids.INSIDE_WIDTH, elem_classes=["dp-hidden"])
+        note = gr.Markdown(elem_id="inside-stage-note")
+        chart = gr.Plot(label="The picked step's stages", elem_id="inside-stage-chart")
+        return cls(pick, width, chart, note)
+
+    def wire(self, out: "Outputs") -> None:
+        local: dict[str, Any] = {"api_visibility": "private", "queue": False}
+        shown = [out.stage_chart, out.stage_note, out.lens_step]
+        draw = functools.partial(picked_step, out)
+        self.pick.change(draw, [out.state, self.pick, self.width], shown, **local)
+        out.hesitations.input(draw, [out.state, out.hesitations, self.width], shown, **local)
+        out.over_run.change(None, js=PICK_JS, **local)
+
+
+def picked_step(out: "Outputs", run: "Run | None", step: Any, width: Any) -> dict:
+    """Step ``step`` of the run: its stage chart laid out for the page ``width``, what its stages
+    did, and the logit lens's step set to it (no update for no step or one the run lacks)."""
+    if run is None or isinstance(step, bool) or step not in range(len(run.trace.steps)):  # (1.0 is step 1; nan none)
+        return {out.stage_chart: gr.skip()}
+    at, steps = int(step), run.trace.steps
+    source = step_charts.source_of(run.trace, at)
+    return {out.stage_chart: step_charts.fitted_stage_chart(steps[at], page_width(width), source),
+            out.stage_note: f"**Step {at}** ({step_charts.readable(steps[at].chosen_token)}): "
+                         + step_charts.explain_step(steps[at], source=source),
+            out.lens_step: at}
 
 
 @dataclass
@@ -310,7 +362,8 @@ class Handlers:
         out = self.out
         config, lm, prompt_ids = self.shared.prepare(self.view.panel, values, model, quant, prompt, chat)
         yield {out.status: status_html("generating…"), out.text: [], out.text_note: "", out.over_run: None,
-               out.over_run_note: "", out.state: None}
+               out.over_run_note: "", out.pick: None, out.stage_chart: None, out.stage_note: "",
+               out.state: None}
         trace = self.shared.run(lm, prompt, config, chat=chat, prompt_ids=prompt_ids, control=control)
         yield {out.status: status_html("ranking the tokens…")}
         run = Run(trace, config)
@@ -379,14 +432,15 @@ class Handlers:
                self.out.status: status_html("measured")}
 
     def on_calibration(self, bins: Any, model: str, quant: str, *, control: RunControl) -> Iterator[dict]:
-        """The header's model on the held-out text; a quantized pick is measured beside fp32."""
+        """The header's model on the held-out text; a quantized pick is measured beside fp32 (both
+        loaded first: a 4-bit checkpoint not made yet is its one line before any forward)."""
         s = self.sections
         bins = int(bins) if isinstance(bins, float) and bins.is_integer() else bins
         picks = ["none", quant] if quant not in (None, "", "none") else ["none"]
+        lms = [(pick, self.shared.lm(model, pick)) for pick in picks]
         reports = []
-        for pick in picks:
+        for pick, lm in lms:
             yield {self.out.status: status_html(f"reading the held-out text ({pick})…")}
-            lm = self.shared.lm(model, pick)
             reports.append(calibration.calibration_report(lm, bins=bins, control=control))
         note = " ".join(f"**{r.quantization if r.quantization != 'none' else 'fp32'}**: {r.sentence()}" for r in reports)
         yield {s.calibration_chart: charts.reliability_figure(reports[-1], reports[:-1]), s.calibration_note: note,
@@ -431,5 +485,4 @@ def wire(handlers: Handlers, generate: gr.Button) -> list:
     local: dict[str, Any] = {"api_visibility": "private", "queue": False}
     handlers.colour_by.change(lambda run, colour: text_updates(out, run, colour), [out.state, handlers.colour_by],
                               [out.text, out.text_note, out.legend], **local)
-    out.hesitations.input(lambda step: step if step is not None else gr.skip(), out.hesitations, out.lens_step, **local)
     return events
