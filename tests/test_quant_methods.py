@@ -181,8 +181,9 @@ def test_comparison_rows_sentence_and_chart_say_the_same_numbers():
     assert "GPTQ 160.1 (KL 0.520, +7.7% perplexity vs RTN: does not beat RTN)" in sentence
     assert "AWQ 116.0 (KL 0.180, -22.0% perplexity vs RTN: beats RTN)" in sentence
     fig = charts.comparison_figure(report)
-    assert [list(t.y) for t in fig.data] == [[r.perplexity for r in report.rows], [r.mean_kl for r in report.rows]]
-    assert list(fig.data[0].x) == ["fp32 (none)", "nf4", "rtn-g64", "gptq-g64", "awq-g64"]
+    # horizontal bars (names level on a phone): the numbers on x, the variants' names on y
+    assert [list(t.x) for t in fig.data] == [[r.perplexity for r in report.rows], [r.mean_kl for r in report.rows]]
+    assert list(fig.data[0].y) == ["fp32 (none)", "nf4", "rtn-g64", "gptq-g64", "awq-g64"]
     json.dumps(fig.to_plotly_json(), default=str, allow_nan=False)
 
 
@@ -241,7 +242,8 @@ def test_the_methods_handler_streams_the_comparison_and_refuses_bad_variants(met
     updates = list(quantization.methods_updates(out, shared, ["rtn-g64", "nf4"], "embedded", RunControl()))
     assert "fp32 reads the held-out text" in updates[0]["status"] and updates[0]["table"] == []
     assert "done" in updates[-1]["status"] and updates[-1]["download"] is not None
-    assert [r[0] for r in updates[-1]["table"]] == ["fp32 (none)", "nf4", "rtn-g64"]
+    # the table's update carries its column widths (each as wide as its longest word), as the drift table's does
+    assert [r[0] for r in updates[-1]["table"]["value"]] == ["fp32 (none)", "nf4", "rtn-g64"]
     for bad in (["<b>gptq</b>"], ["gptq-g128"], ["\ud800"]):
         with pytest.raises(ValueError) as err:
             list(quantization.methods_updates(out, shared, bad, "embedded", RunControl()))

@@ -54,7 +54,8 @@ def lens_figure(lens: LogitLens) -> go.Figure:
     z = [[t.prob for t in x.top] for x in lens.layers]
     text = [[html.escape(readable(t.token), quote=False) for t in x.top] for x in lens.layers]
     fig.add_trace(go.Heatmap(z=z, x=list(range(1, lens.top_k + 1)), y=layers, text=text, texttemplate="%{text}",
-                             colorscale="Blues", zmin=0, zmax=1, showscale=False, xgap=1, ygap=1,
+                             colorscale=[[0, "#ffffff"], [1, "#7fb2e5"]], zmin=0, zmax=1, showscale=False,
+                             xgap=1, ygap=1,
                              hovertemplate="layer %{y}, rank %{x}: %{text}<br>p = %{z:.3f}<extra></extra>"), 1, 1)
     hits = [(rank_at, x.layer) for x in lens.layers for rank_at, t in enumerate(x.top, start=1)
             if t.token_id == lens.chosen_token_id]

@@ -10,6 +10,7 @@ from plotly.subplots import make_subplots
 
 from engine.numbers import percent
 from engine.reports.quant_report import HeldoutScore, InsideLayer, MethodComparison
+from .compare import with_phone_layout
 from .quantization import colour, variant_label
 from .step import FONT
 
@@ -57,33 +58,53 @@ def comparison_sentence(report: MethodComparison) -> str:
     return " ".join(parts)
 
 
+TITLES = ("held-out perplexity (lower is better)", "mean KL from fp32, nats (lower is better)")
+ROW_PX = 24  # a variant's bar: its name, level, at 14 px on every layout
+
+
 def comparison_figure(report: MethodComparison) -> go.Figure:
-    """Held-out perplexity (left) and mean KL from fp32 (right), one bar per variant."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("held-out perplexity (lower is better)",
-                                                        "mean KL from fp32, nats (lower is better)"))
+    """Held-out perplexity and mean KL from fp32, a horizontal bar per variant (its name level, at
+    any width): the two side by side, sharing the names; in a box narrower than a phone's
+    (compare.PHONE_LAYOUT_PX) one above the other, each with its names (the page swaps the
+    layouts: compare.with_phone_layout). A phone's 326 px held both, names turned 40° over each other."""
+    return with_phone_layout(_comparison(report, phone=False), _comparison(report, phone=True))
+
+
+def _comparison(report: MethodComparison, phone: bool) -> go.Figure:
     rows = report.rows
+    fig = make_subplots(rows=2 if phone else 1, cols=1 if phone else 2, subplot_titles=TITLES,
+                        horizontal_spacing=0.06, vertical_spacing=90 / _height(len(rows), phone))
     names = [variant_label(r.variant) for r in rows]
     colours = [colour(r.variant) for r in rows]
     hover = [html.escape(f"{r.about} · {r.bits_per_weight:.2f} bits/weight") for r in rows]
-    fig.add_trace(go.Bar(x=names, y=[r.perplexity for r in rows], marker_color=colours, customdata=hover,
-                         text=[f"{r.perplexity:.1f}" for r in rows], textposition="outside",
-                         hovertemplate="%{x}: perplexity %{y:.1f}<br>%{customdata}<extra></extra>"), 1, 1)
-    fig.add_trace(go.Bar(x=names, y=[r.mean_kl for r in rows], marker_color=colours, customdata=hover,
-                         text=[f"{r.mean_kl:.2f}" for r in rows], textposition="outside",
-                         hovertemplate="%{x}: KL %{y:.3f} nats<br>%{customdata}<extra></extra>"), 1, 2)
+    for i, (values, text, what) in enumerate((([r.perplexity for r in rows], [f"{r.perplexity:.1f}" for r in rows],
+                                                "perplexity %{x:.1f}"),
+                                               ([r.mean_kl for r in rows], [f"{r.mean_kl:.2f}" for r in rows],
+                                                "KL %{x:.3f} nats"))):
+        fig.add_trace(go.Bar(y=names, x=values, orientation="h", marker_color=colours, customdata=hover, text=text,
+                             textposition="outside", cliponaxis=False,
+                             hovertemplate="%{y}: " + what + "<br>%{customdata}<extra></extra>"),
+                      row=i + 1 if phone else 1, col=1 if phone else i + 1)
     ref = report.row("none")
-    if ref is not None:
-        fig.add_hline(y=ref.perplexity, line_dash="dot", line_color=colour("none"), row=1, col=1,
-                      annotation_text=f"fp32 {ref.perplexity:.1f}", annotation_position="top left")
+    if ref is not None:  # dotted: where fp32 is (its own bar is in the list too)
+        fig.add_vline(x=ref.perplexity, line_dash="dot", line_color=colour("none"), row=1, col=1)
     top_ppl = max([r.perplexity for r in rows] or [1.0])
     top_kl = max([r.mean_kl for r in rows] or [0.1])
-    fig.update_yaxes(range=[0, top_ppl * 1.18], row=1, col=1)
-    fig.update_yaxes(range=[0, max(top_kl, 0.01) * 1.2], row=1, col=2)
-    fig.update_layout(showlegend=False, height=420, font={"size": FONT}, margin={"l": 50, "r": 10, "t": 50, "b": 10},
-                      title={"text": "", "x": 0.01})
+    fig.update_xaxes(range=[0, top_ppl * 1.25], row=1, col=1)  # room for the numbers beside the bars
+    fig.update_xaxes(range=[0, max(top_kl, 0.01) * 1.3], row=2 if phone else 1, col=1 if phone else 2)
+    fig.update_yaxes(autorange="reversed", tickmode="linear", dtick=1, automargin=True, tickfont={"size": FONT})
+    if not phone:  # the right panel's bars are the left panel's rows: its names once, on the left
+        fig.update_yaxes(matches="y", showticklabels=False, row=1, col=2)
+    fig.update_xaxes(nticks=4, tickfont={"size": FONT})
+    fig.update_layout(showlegend=False, height=_height(len(rows), phone), font={"size": FONT},
+                      margin={"l": 10, "r": 30, "t": 40, "b": 30}, title={"text": "", "x": 0.01})  # b: the x ticks
     fig.update_annotations(font_size=FONT)
-    fig.update_xaxes(tickangle=-40)
     return fig
+
+
+def _height(variants: int, phone: bool) -> int:
+    """The figure's height: a row per variant (twice on a phone, panels stacked), titles and ticks."""
+    return (2 if phone else 1) * (max(variants, 2) * ROW_PX + 40) + (90 if phone else 0) + 70  # margins 40 + 30
 
 
 def inside_sentence(report: InsideLayer) -> str:

@@ -126,9 +126,20 @@ def _percents(values: Sequence[float | None]) -> list[list[str]]:
     return [[percent(v)] for v in values]
 
 
-def _stage_traces(stage: StageTrace, step: StepTrace) -> list[dict]:
+def removed_rows(stage: StageTrace, step: StepTrace, max_rows: int | None) -> int | None:
+    """How many rows a panel of at most ``max_rows`` rows (None: no limit) gives the tokens the
+    stage removed (one at least, when it removed any): what its top-N and the chosen token leave."""
+    if max_rows is None or not stage.removed:
+        return None
+    used = len(stage.top) + (2 if _chosen_outside(stage, step) is not None else 0)
+    return max(1, max_rows - used)
+
+
+def _stage_traces(stage: StageTrace, step: StepTrace, max_rows: int | None = None) -> list[dict]:
     """The stage's top-N bars (chosen token in ACCENT), then a gap row and the chosen token when
-    it is not among them (labelled with its rank bound), then the tokens it removed, hatched."""
+    it is not among them (labelled with its rank bound), then the tokens it removed, hatched; past
+    ``max_rows`` rows the last removed row sums the rest ("✕ 7 more": a projector's panel has room
+    for about twelve labelled rows)."""
     entries = list(stage.top)
     labels = [short_label(x) for x in _unique_labels([t.token for t in entries], [t.token_id for t in entries])]
     colors = [ACCENT if t.token_id == step.chosen_token_id else BAR for t in entries]
@@ -149,12 +160,20 @@ def _stage_traces(stage: StageTrace, step: StepTrace) -> list[dict]:
         hovertemplate="%{y}<br>p = %{customdata[0]}<br>" + _hover(stage) + "<extra>" + stage.name + "</extra>",
     )]
     if stage.removed:
-        rem_labels = _unique_labels([t.token for t in stage.removed], [t.token_id for t in stage.removed])
+        cap = removed_rows(stage, step, max_rows)
+        shown = stage.removed if cap is None or cap >= len(stage.removed) else stage.removed[:cap - 1]
+        rem_labels = [f"✕ {short_label(lab)}" for lab in
+                      _unique_labels([t.token for t in shown], [t.token_id for t in shown])]
+        probs_removed = [t.prob for t in shown]
+        if len(shown) < len(stage.removed):
+            rest = stage.removed[len(shown):]
+            rem_labels.append(f"✕ {len(rest)} more")
+            probs_removed.append(sum(t.prob for t in rest))
         bars.append(dict(
-            type="bar", x=[t.prob for t in stage.removed], y=[f"✕ {short_label(lab)}" for lab in rem_labels],
+            type="bar", x=probs_removed, y=rem_labels,
             orientation="h",
             marker=dict(color="rgba(0,0,0,0)", line=dict(color=REMOVED, width=1.5), pattern=dict(shape="/")),
-            name="removed", showlegend=False, customdata=_percents([t.prob for t in stage.removed]),
+            name="removed", showlegend=False, customdata=_percents(probs_removed),
             hovertemplate="%{y}: removed here (had p = %{customdata[0]})<extra>" + stage.name + "</extra>",
         ))
     return bars
@@ -241,9 +260,50 @@ def _shared_range(panels: Sequence[StageTrace], step: StepTrace) -> float:
     return min(1.0, max((p for p in probs if math.isfinite(p)), default=1.0) * 1.08)
 
 
+TITLE_LINE_PX = 20  # a panel title's line at FONT + 1 px, as plotly spaces lines
+SUP_LINE_PX = 15  # a <sup> line of it
+MAIN_TITLE_PX = 70  # the chart's own title (a line and a <sup> line) from the figure's top, and a gap under it
+XTICK_PX = 30  # a panel's x tick labels under its bars: the next row's titles start below them
+ROW_PX = 20  # a token row: its FONT px label whole (plotly drops every other label of a crowded axis)
+
+
+def title_px(title: str, scale: float = 1.0) -> float:
+    """The height a panel title takes above its panel: its lines, <sup> ones smaller (``scale``:
+    the title's font against FONT + 1 px)."""
+    return scale * sum(SUP_LINE_PX if line.startswith("<sup>") else TITLE_LINE_PX for line in title.split("<br>"))
+
+
+@dataclass(frozen=True)
+class Room:
+    """A stage chart's vertical layout in px: the top margin (the chart's title and the first row's
+    panel titles), the gap between rows (a row's titles and the x ticks above them), a panel's height."""
+
+    top: float
+    gap: float
+    panel: float
+
+    def height(self, rows: int) -> int:
+        """The figure's height for ``rows`` rows of panels, its 70 px bottom margin included."""
+        return round(self.top + rows * self.panel + (rows - 1) * self.gap + 70)
+
+
+def chart_room(titles: Sequence[str], rows: int, cols: int, bars: int, gap_px: int | None, panel_px: int) -> Room:
+    """The room ``stage_chart`` gives: its usual layout (330 px a row, or ``panel_px`` + ``gap_px``),
+    grown where a row's titles, or a panel's ``bars`` labelled rows of ROW_PX, need more. The
+    yes/no/maybe grammar's panel held 19 rows in 220 px (every other label dropped, the chosen one
+    among them) under a five-line title that ran into the chart's own."""
+    heads = [max(title_px(t) for t in titles[r * cols:(r + 1) * cols]) for r in range(rows)]
+    usual = max(360, (330 if gap_px is None else panel_px + gap_px) * rows + 120) - 180  # the plot area
+    gap = (min(0.3, 0.5 / rows) * usual if gap_px is None else gap_px) if rows > 1 else 0.0
+    return Room(top=max(110.0, MAIN_TITLE_PX + heads[0]),
+                gap=max(gap, max(heads[1:], default=0) + XTICK_PX) if rows > 1 else 0.0,
+                panel=max((usual - (rows - 1) * gap) / rows, bars * ROW_PX))
+
+
 def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS_PER_ROW,
                 gap_px: int | None = None, meta: dict | None = None, panel_px: int = 260,
-                column_gap: float = 0.12, source: Source = LOCAL) -> go.Figure:
+                column_gap: float = 0.12, source: Source = LOCAL, title_wrap: int | None = None,
+                max_rows: int | None = None) -> go.Figure:
     """Small multiples: the top-N tokens raw, after each stage in order, and final; tokens a stage
     removed are hatched; the chosen token is always drawn (after a gap when outside the top-N);
     the last panel shows where u landed. ``shared_axis``: every stage panel on one probability
@@ -254,27 +314,33 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
     given; ``column_gap``: the room between columns, a share of the width (their token labels sit in it);
     ``source``: where the numbers come from (``source_of``): a served model's top-N and the raw
     mass outside it (the tail) are said under the raw panel's title; in fast mode each panel says
-    it holds the server's top-N, not a count of kept tokens."""
+    it holds the server's top-N, not a count of kept tokens. ``title_wrap``: characters a panel
+    title's line holds (None: TITLE_WRAP, twice that in one column); ``max_rows``: rows a panel
+    draws at most (``_stage_traces``). Every bar is labelled, the rows and titles given the room
+    they need (``chart_room``)."""
     panels = list(step.stages)
     with_draw = step.draw is not None
     count = len(panels) + (1 if with_draw else 0)
     cols = max(1, min(columns, count))
     rows = math.ceil(count / cols)
-    titles = panel_titles(step, TITLE_WRAP if cols > 1 else 2 * TITLE_WRAP, source)  # one column: a phone's width
-    height = max(360, (330 if gap_px is None else panel_px + gap_px) * rows + 120)
-    spacing = min(0.3, 0.5 / rows) if gap_px is None else gap_px / (height - 180)  # 180: top + bottom margins
-    axes_json, positions = _grid(rows, cols, spacing if rows > 1 else 0.1, column_gap if cols > 1 else 0.12)
+    wrap = title_wrap or (TITLE_WRAP if cols > 1 else 2 * TITLE_WRAP)  # one column: a phone's width
+    titles = panel_titles(step, wrap, source)
+    room = chart_room(titles, rows, cols, max(panel_rows(step, max_rows), default=1), gap_px, panel_px)
+    height = room.height(rows)
+    spacing = round(room.gap / (height - room.top - 70), 4) if rows > 1 else 0.1
+    axes_json, positions = _grid(rows, cols, spacing, column_gap if cols > 1 else 0.12)
     layout: dict = json.loads(axes_json)
     suffix = ["" if i == 0 else str(i + 1) for i in range(count)]  # panel i's axes: x, y, x2, y2...
     data: list[dict] = []
     for i, stage in enumerate(panels):
-        data += [bar | dict(xaxis=f"x{suffix[i]}", yaxis=f"y{suffix[i]}") for bar in _stage_traces(stage, step)]
+        data += [bar | dict(xaxis=f"x{suffix[i]}", yaxis=f"y{suffix[i]}")
+                 for bar in _stage_traces(stage, step, max_rows)]
     annotations = [dict(font=dict(size=FONT + 1), showarrow=False, text=title, x=x, xanchor="center", xref="paper",
                         y=y, yanchor="bottom", yref="paper") for title, (x, y) in zip(titles, positions)]
     shapes = []
     for name, axis in layout.items():
         if name.startswith("yaxis"):
-            axis.update(autorange="reversed", tickfont=dict(size=FONT), automargin=True)
+            axis.update(autorange="reversed", tickfont=dict(size=FONT), automargin=True, tickmode="linear", dtick=1)
         else:
             axis.update(tickformat=".0%", rangemode="tozero", tickfont=dict(size=FONT), nticks=3)
     if with_draw and step.draw is not None:
@@ -291,9 +357,11 @@ def stage_chart(step: StepTrace, shared_axis: bool = True, columns: int = PANELS
             layout[f"xaxis{suffix[i]}"].update(range=[0, top], tickformat=tick_format(top))
     axis_note = "one probability axis for all stages" if shared_axis else "each panel on its own scale"
     layout.update(
-        annotations=annotations, height=height, margin=dict(l=10, r=10, t=110, b=70), bargap=0.25, barmode="overlay",
+        annotations=annotations, height=height, margin=dict(l=10, r=10, t=round(room.top), b=70), bargap=0.25,
+        barmode="overlay",
         title=dict(text=f"step {step.index}: chose {html.escape(readable(step.chosen_token))} (p = {percent(step.chosen_prob)})"
-                        f"<br><sup>{axis_note}</sup>", x=0.01, xanchor="left", yref="container", y=1 - 12 / height,
+                        f"<br><sup>{axis_note}</sup>", x=0.01, xanchor="left", yref="container",
+                   y=1 - 16 / height,  # 12 px put its first line's box 3 px above the figure's top
                    yanchor="top", font=dict(size=FONT + 3)),
         template="plotly_white", font=dict(size=FONT),
         legend=dict(orientation="h", x=0, xanchor="left", yref="container", y=0, yanchor="bottom", font=dict(size=FONT)),
@@ -329,19 +397,22 @@ def panel_titles(step: StepTrace, wrap: int, source: Source = LOCAL) -> list[str
     return titles
 
 
-def panel_rows(step: StepTrace) -> list[int]:
-    """How many bars (token rows) each panel of ``stage_chart`` draws, the draw panel last."""
-    counts = [len(s.top) + len(s.removed) + (2 if _chosen_outside(s, step) is not None else 0) for s in step.stages]
+def panel_rows(step: StepTrace, max_rows: int | None = None) -> list[int]:
+    """How many bars (token rows) each panel of ``stage_chart`` draws (``max_rows``: see
+    ``_stage_traces``), the draw panel last."""
+    counts = [len(s.top) + min(len(s.removed), removed_rows(s, step, max_rows) or len(s.removed))
+              + (2 if _chosen_outside(s, step) is not None else 0) for s in step.stages]
     if step.draw is not None:
         counts.append(len(step.stages[-1].top) + (0 if any(t.token_id == step.chosen_token_id
                                                              for t in step.stages[-1].top) else 1))
     return counts
 
 
-def tick_labels(step: StepTrace) -> list[str]:
+def tick_labels(step: StepTrace, max_rows: int | None = None) -> list[str]:
     """Every token label the chart's panels write on their y axes."""
     labels = []
-    for trace in [t for s in step.stages for t in _stage_traces(s, step)] + (_draw_traces(step) if step.draw is not None else []):
+    for trace in ([t for s in step.stages for t in _stage_traces(s, step, max_rows)]
+                  + (_draw_traces(step) if step.draw is not None else [])):
         labels += [y for y in trace["y"] if y is not None]
     return labels
 

@@ -467,7 +467,8 @@ def render_methods(out: MethodOutputs, report: quant_report.MethodComparison, fi
     message = (f"{report.stopped} · partial: {done} of {len(report.requested)} variants" if report.stopped
                else "done" if final else f"measured {done} of {len(report.requested)} variants{RUNNING}")
     updates = {out.status: status_html(message), out.sentence: html.escape(method_charts.comparison_sentence(report)),
-               out.table: method_charts.comparison_rows(report), out.chart: method_charts.comparison_figure(report)}
+               out.table: sized(method_charts.COMPARE_HEADERS, method_charts.comparison_rows(report)),
+               out.chart: method_charts.comparison_figure(report)}
     if final:
         updates[out.download] = downloads.json_file("quantization-methods.json", to_dict(report))
     return updates
@@ -512,10 +513,12 @@ def _methods_section(shared: Shared) -> list[tuple[Any, Any]]:
             status = gr.HTML("", elem_id="methods-status")
         with gr.Column(scale=2, min_width=480):
             sentence = gr.HTML(elem_id="methods-sentence")
-            table = gr.Dataframe(headers=method_charts.COMPARE_HEADERS, value=[], interactive=False, wrap=True,
-                                 label="Held-out text: perplexity and drift; bytes", elem_id="methods-table")
             chart = gr.Plot(label="RTN vs GPTQ vs AWQ vs NF4 vs int8", elem_id="methods-chart")
             download = gr.DownloadButton("Download report JSON", elem_id="methods-download")
+    # the page's whole width: its ten columns, each as wide as its longest word (sized), fit 1280 px
+    table = gr.Dataframe(headers=method_charts.COMPARE_HEADERS, value=[], interactive=False, wrap=True,
+                         column_widths=column_widths(method_charts.COMPARE_HEADERS, []),
+                         label="Held-out text: perplexity and drift; bytes", elem_id="methods-table")
     out = MethodOutputs(status, sentence, table, chart, download)
     gr.Markdown(INSIDE_INTRO, elem_id="inside-intro")
     with gr.Row(equal_height=False):
