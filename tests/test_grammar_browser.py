@@ -32,6 +32,20 @@ GRAMMAR_PANEL = """() => {
 }"""
 
 
+# Elements of the step view that reach past the page's right edge and are not inside a box that scrolls
+# sideways on its own (a wide chart's or code block's): what a reader would scroll the page for.
+WIDER_THAN_PAGE = """(width) => {
+  const clipped = el => { for (let a = el.parentElement; a && a.id !== 'tab-step'; a = a.parentElement) {
+      const s = getComputedStyle(a);
+      if (['auto', 'scroll', 'hidden'].includes(s.overflowX) && a.getBoundingClientRect().right <= width + 1) return true; }
+    return false; };
+  return [...document.querySelectorAll('#tab-step *')].filter(el => {
+      const r = el.getBoundingClientRect();
+      return r.width > 0 && r.height > 0 && r.right > width + 1 && !clipped(el);
+    }).slice(0, 8).map(el => `${el.tagName}#${el.id}.${el.className?.baseVal ?? el.className} ${Math.round(el.getBoundingClientRect().right)}`);
+}"""
+
+
 @pytest.fixture(params=[(1280, 720), (390, 844)], ids=["projector", "phone"])
 def sized_page(browser, request):
     yield from browser_page(browser, *request.param)
@@ -70,6 +84,9 @@ def test_a_presenter_sees_the_grammar_remove_the_prose(sized_page, live_app, art
     assert "grammar cost" in summary and "nats" in summary, summary
     chart = page.locator("#step-chart").bounding_box()
     assert chart["x"] >= 0 and chart["x"] + chart["width"] <= width + 1  # the chart fits the screen
+    # Issue #52: after a JSON-schema run, elements of the view were 468-1,101 px wide on a 390 px phone
+    assert page.evaluate(WIDER_THAN_PAGE, width) == [], width
+    assert page.evaluate("() => document.scrollingElement.scrollWidth") <= width + 1
     page.screenshot(path=str(artifacts / f"grammar-step0-{width}.png"), full_page=False)
     if "…" not in wanted:  # named in the chart as removed, and in the sentence above it
         assert f"“{wanted}”" in explain, (wanted, explain)
