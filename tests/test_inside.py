@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import runner
-from engine.backends.seam import served_capabilities
+from engine.base.seam import served_capabilities
 from engine.chain import Chain, entropy_varentropy_rows
 from engine.config import ConfigError, DecodingConfig
 from engine.reports import calibration as cal

@@ -96,7 +96,7 @@ def test_calibration_and_hesitation_endpoints(shared, trace):
 
 def test_a_served_model_gets_one_line(shared):
     from types import SimpleNamespace
-    from engine.backends.seam import served_capabilities
+    from engine.base.seam import served_capabilities
 
     served = SimpleNamespace(capabilities=served_capabilities(100))
     with pytest.raises(ConfigError, match="^model: logit lens: not available for a served model"):
