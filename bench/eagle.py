@@ -5,7 +5,7 @@ warm-up of each. Greedy, so all three must produce the same tokens (``same``; ex
 CPU, embedded model, chat template; prompts: bench/medusa.py's (held out from both heads' training).
 
     .venv/bin/python -m bench.eagle [--tokens 128] [--repeats 2] [--eagle-tokens 12] [--eagle-depth 5]
-                                    [--eagle-topk 4] [--dtype float32|bfloat16]
+                                    [--eagle-topk 4] [--dtype float32|bfloat16] [--threads 2] [--no-medusa]
 
 Prints per prompt and method: tokens per target forward (mean acceptance length) and the wall-clock
 ratio to target-only (median over back-to-back pairs). Goals (issue 53): >= 2.5 tokens per target
@@ -26,7 +26,7 @@ from bench.medusa import PROMPTS  # noqa: E402
 from engine import runner  # noqa: E402
 from engine.backends.local import ModelSpec, load_model  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
-from engine.strategies import decode, eagle, medusa  # noqa: E402
+from engine.strategies import decode, eagle, eagle_head, medusa  # noqa: E402
 from engine.threads import set_threads  # noqa: E402
 
 GOAL_PER_FORWARD = 2.5
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eagle-topk", type=int, default=4)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-medusa", action="store_true", help="EAGLE against target-only alone (half the time)")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.repeats < 1:
         parser.error(f"--tokens and --repeats must be at least 1, got {args.tokens} and {args.repeats}")
@@ -56,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     config = DecodingConfig(strategy="eagle", temperature=0.0, max_new_tokens=args.tokens,
                             eagle_tokens=args.eagle_tokens, eagle_depth=args.eagle_depth, eagle_topk=args.eagle_topk)
     greedy = config.replace(strategy="greedy")
+    head = eagle_head.load_head(lm)  # once: reading and checksumming 10 MB is no part of a round
     methods = {
-        "eagle": lambda ids: runner.collect(eagle.stream(lm, "", ids, config)),
+        "eagle": lambda ids: runner.collect(eagle.stream(lm, "", ids, config, head=head)),
         "medusa": lambda ids: runner.collect(medusa.stream(lm, "", ids, config.replace(strategy="medusa"))),
     }
+    if args.no_medusa:
+        del methods["medusa"]
     print(f"embedded model, {args.dtype}, {args.tokens} greedy tokens, {args.repeats} repeats, eagle tree "
           f"{args.eagle_tokens} nodes / depth {args.eagle_depth} / top-{args.eagle_topk}")
     print(f"{'prompt':24} {'method':7} {'tok/forward':>11} {'x target-only':>13} same")

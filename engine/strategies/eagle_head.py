@@ -121,30 +121,54 @@ _TRAINED = ("fc.weight", "in_proj.weight", "norm.weight")
 
 
 def save_head(head: EagleHead, path: Path) -> str:
-    """Write the head (float16 safetensors), its JSON config and a ``.sha256`` atomically: each file
-    goes to a temporary name first and is renamed into place, the weights last but one and the
-    checksum last, so an interrupted save leaves the old files or none. Returns the hex digest."""
+    """Write the head (float16 safetensors), its JSON config and a ``.sha256`` naming the digests of
+    both. All three go to temporary names first and are renamed into place, the checksum last: an
+    interrupted save leaves the old files (or, between renames, files whose checksum no longer
+    matches, which ``load_head`` refuses), never a half-written one. Returns the weights' digest."""
     tensors = {name: t.detach().to(torch.float16).cpu().contiguous() for name, t in head.state_dict().items()
                if name.startswith("layer.") or name in _TRAINED}
     tensors["d2t"] = head.d2t.to(torch.int32).cpu().contiguous()
-    config = asdict(head.head)
-    _atomic(path.with_suffix(".json"), lambda f: Path(f).write_text(json.dumps(config, indent=2, allow_nan=False)))
-    _atomic(path, lambda f: save_file(tensors, f))
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    _atomic(path.with_suffix(".sha256"), lambda f: Path(f).write_text(f"{digest}  {path.name}\n"))
+    config = json.dumps(asdict(head.head), indent=2, allow_nan=False)
+    temps: list[str] = []
+    try:
+        weights = _temp(path, temps, lambda f: save_file(tensors, f))
+        meta = _temp(path.with_suffix(".json"), temps, lambda f: Path(f).write_text(config))
+        digest, meta_digest = _sha(Path(weights)), _sha(Path(meta))
+        sums = _temp(path.with_suffix(".sha256"), temps, lambda f: Path(f).write_text(
+            f"{digest}  {path.name}\n{meta_digest}  {path.with_suffix('.json').name}\n"))
+        for temp, final in ((weights, path), (meta, path.with_suffix(".json")), (sums, path.with_suffix(".sha256"))):
+            os.replace(temp, final)
+    finally:
+        for temp in temps:
+            if os.path.exists(temp):
+                os.unlink(temp)
     return digest
 
 
-def _atomic(path: Path, write) -> None:
+def _temp(path: Path, temps: list[str], write) -> str:
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     os.close(handle)
-    try:
-        write(temp)
-        os.chmod(temp, 0o644)  # mkstemp's 0600 would keep the shipped files from other readers
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    temps.append(temp)
+    write(temp)
+    os.chmod(temp, 0o644)  # mkstemp's 0600 would keep the shipped files from other readers
+    return temp
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _checksums_match(path: Path) -> bool:
+    """Every file the ``.sha256`` names (the weights first; the JSON too since heads record it)
+    exists beside it with that digest."""
+    sums = path.with_suffix(".sha256")
+    if not sums.is_file():
+        return False
+    lines = [line.split() for line in sums.read_text().splitlines() if line.strip()]
+    if not lines or lines[0][-1] != path.name:
+        return False
+    return all(len(line) == 2 and (path.parent / line[1]).is_file() and _sha(path.parent / line[1]) == line[0]
+               for line in lines)
 
 
 def load_head(lm: Model, path: Path | None = None) -> EagleHead:
@@ -153,8 +177,7 @@ def load_head(lm: Model, path: Path | None = None) -> EagleHead:
     if not path.is_file():
         raise ConfigError("strategy", f"eagle: no trained head for {lm.name} (expected {path.name}); "
                                       f"train one with python -m engine.strategies.eagle_train --model <source>")
-    sums = path.with_suffix(".sha256")
-    if not sums.is_file() or sums.read_text().split()[0] != hashlib.sha256(path.read_bytes()).hexdigest():
+    if not _checksums_match(path):
         raise ConfigError("strategy", f"eagle: {path.name} does not match its checksum; retrain or restore it")
     raw = json.loads(path.with_suffix(".json").read_text())
     config = HeadConfig(**{**raw, "layers": tuple(raw["layers"])})
