@@ -47,13 +47,13 @@ def tab(embedded):
     return lessons.LessonsTab(**(fields | {"shared": shared, "presenter": presenter, "results": LessonResults()}))
 
 
-def press(tab, embedded, live=False, present=False):
+def press(tab, embedded, live=False, present=False, lesson=LESSON):
     """One press: the updates, the forwards of the model it cost, and its control."""
     count = [0]
     handle = embedded.model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
     control = RunControl()
     try:
-        updates = list(tab.on_run(LESSON, None, "embedded", "none", None, present, control=control, live=live))
+        updates = list(tab.on_run(lesson, None, "embedded", "none", None, present, control=control, live=live))
     finally:
         handle.remove()
     return updates, count[0], control
@@ -76,3 +76,21 @@ def test_the_second_press_shows_the_kept_result_and_run_it_live_runs_again(tab, 
     assert forwards > 0  # Run it live: the runs and the check again, the same seeded texts and outcome
     assert live[-1]["outcome"] == outcome and live[1]["texts"] == first[1]["texts"]
     assert live[1]["session"].traces[0] is not first[1]["session"].traces[0]
+
+
+def last_chart(updates: list[dict]):
+    """The chart a press leaves on the page: the last one its updates set."""
+    return [u["chart"] for u in updates if "chart" in u][-1]
+
+
+@pytest.mark.slow
+def test_a_kept_result_shows_the_checks_own_chart_as_the_live_run_ends_with(tab, embedded):
+    """The grammar lesson's check draws its distortion chart after the runs' stage chart; a kept
+    result shown at once drew the runs' chart instead (found on a phone after a projector's press)."""
+    first, forwards, _ = press(tab, embedded, lesson="grammar")
+    assert forwards > 0
+    again, forwards, _ = press(tab, embedded, lesson="grammar")
+    assert forwards == 0 and "this deployment&#x27;s checked result" in again[-1]["status"]
+    live_chart, kept_chart = last_chart(first), last_chart(again)
+    assert [t.name.split(",")[0].split(" (")[0] for t in live_chart.data] == ["the model", "masked decoding"]
+    assert kept_chart.to_json() == live_chart.to_json()
