@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from engine.base.seam import LendingModels, Model, WeightedModel, with_weights
 from engine.cache import kv_quant
 from engine.backends.local import BNB_QUANTIZATIONS, QUANTIZATIONS, ModelLoadError, ModelSpec
+from engine.backends.registry import trim_heap
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped, check
@@ -229,8 +230,12 @@ def stream_drift(registry: LendingModels, source: str, prompt: str, chat: bool =
 
 def quantization_report(registry: LendingModels, source: str, prompt: str, chat: bool = False, max_new_tokens: int = 16,
                         variants: Sequence[str] = BNB_QUANTIZATIONS, *, control: RunControl | None = None) -> DriftReport:
-    """The whole drift report (see ``stream_drift``); as far as it got when ``control`` stopped it."""
-    return last(stream_drift(registry, source, prompt, chat, max_new_tokens, variants, control=control))
+    """The whole drift report (see ``stream_drift``); as far as it got when ``control`` stopped it. The
+    heap its runs freed (the reference's logits and traces, after the variants' own) goes back to the
+    system once the stream's frame is gone: an API call leaves only its report."""
+    report = last(stream_drift(registry, source, prompt, chat, max_new_tokens, variants, control=control))
+    trim_heap()
+    return report
 
 
 # ---------------------------------------------------------------------------------------- KV cache

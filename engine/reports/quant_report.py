@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from engine.base.seam import LendingModels, Model, WeightedModel, with_weights
 from engine.backends.local import QUANTIZATIONS, ModelLoadError, ModelSpec, embedded_model_dir
 from engine.backends.quant_methods import CALIBRATION_SETS, HELDOUT, RECIPE, WEIGHT_METHODS, checkpoint_meta
-from engine.backends.registry import estimated_bytes, model_bytes
+from engine.backends.registry import estimated_bytes, model_bytes, trim_heap
 from engine.control import RunControl, RunStopped, check
 from engine.core import last
 
@@ -227,7 +227,10 @@ def stream_comparison(registry: LendingModels, source: str, variants: Sequence[s
 
 def compare_methods(registry: LendingModels, source: str, variants: Sequence[str] | None = None, *,
                     control: RunControl | None = None) -> MethodComparison:
-    return last(stream_comparison(registry, source, variants, control=control))
+    """The whole comparison (``stream_comparison``), the heap it freed given back (``drift.quantization_report``)."""
+    report = last(stream_comparison(registry, source, variants, control=control))
+    trim_heap()
+    return report
 
 
 # --- inside one layer ------------------------------------------------------------------------------
