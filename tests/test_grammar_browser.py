@@ -115,6 +115,9 @@ def test_the_distortion_lesson_draws_what_masking_costs(sized_page, live_app, ar
     page.wait_for_selector("#lessons-status:has-text('done'), #lessons-status .dp-error", timeout=600_000)
     outcome = page.locator("#lesson-outcome-text").inner_text()
     assert outcome.startswith("✓") and "Masked decoding picks" in outcome, outcome
+    # the chart comes in the update that says done (at once when this deployment kept the result): drawn just after
+    page.wait_for_function("() => document.querySelector('#lessons-chart .js-plotly-plot')?.data?.length > 0",
+                           timeout=30_000)
     bars = page.evaluate("""() => {
         const plot = document.querySelector('#lessons-chart .js-plotly-plot');
         return plot ? plot.data.map(t => ({name: t.name, y: t.y, x: t.x})) : [];
