@@ -225,13 +225,15 @@ class Shared:
                    default_strategy: str | None = None) -> dict:
         """The one body of every run endpoint (/step_trace, /beam_trace, /speculative_trace,
         /mcts_trace, /medusa_trace): the call's config (``api_config``; without a preset,
-        ``default_strategy``, else the first of ``strategies``), the model, the prompt's ids, the run, its trace JSON. Each endpoint keeps
-        its own signature: its parameters' names, order and defaults are the public API."""
+        ``default_strategy``, else the first of ``strategies``), the model, the prompt's ids, the
+        run, its trace JSON. Each endpoint keeps its own signature: its parameters' names, order and
+        defaults are the public API. ``compare_baseline`` must be true or false ("yes" is refused)."""
+        check_flag("compare_baseline", compare_baseline)
         cfg = self.api_config(preset, config, default_strategy=default_strategy or strategies[0], strategies=strategies)
         lm = self.lm(model, quantization)
         prompt_ids = self.encode_prompt(lm, prompt, chat)
         return self.run(lm, prompt, cfg, chat=chat, prompt_ids=prompt_ids, control=control,
-                        compare_baseline=bool(compare_baseline)).to_dict()
+                        compare_baseline=compare_baseline).to_dict()
 
 
 MAX_CHOICE_CHARS = 1_000  # a value of a choice component (dropdown, radio, checkbox group); the longest choice is ~100
