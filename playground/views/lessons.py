@@ -442,9 +442,7 @@ class LessonsTab:
     def kept_updates(self, lesson: Lesson, kept: LessonResult, width: Any) -> dict:
         """This deployment's checked result of the lesson, shown at once."""
         at = time.strftime("%H:%M:%S UTC", time.gmtime(kept.at))
-        report = report_chart(kept.outcome)  # the check's own chart, as the live run ends with
-        return self.shown_updates(lesson, list(kept.traces), width, kept.outcome) | (
-            {self.chart: report} if report is not None else {}) | {
+        return self.shown_updates(lesson, list(kept.traces), width, kept.outcome) | {
             self.outcome: outcome_html(kept.outcome),
             self.status: status_html(f"done: this deployment's checked result, computed at {at} (Run it live runs "
                                      "it again)")}
