@@ -12,7 +12,8 @@
   if (width && width.value !== String(Math.round(window.innerWidth))) put(width, String(Math.round(window.innerWidth)));
   let tries = 0;
   const attach = () => {
-    // The chart is drawn after this event; a later run may draw a fresh plot: each plot gets one listener.
+    // The chart is drawn after this event (this script runs on each change): each plot gets one listener,
+    // and the polling ends once it has it.
     const plot = inside(__ID_INSIDE_OVER_RUN__, '.js-plotly-plot');
     if (plot && typeof plot.on === 'function' && !plot.dpPick) {
       plot.dpPick = true;
@@ -22,7 +23,7 @@
         if (point && box && Number.isInteger(point.x)) put(box, String(point.x));
       });
     }
-    if (++tries < 40) setTimeout(attach, 250);
+    else if (!(plot && plot.dpPick) && ++tries < 40) setTimeout(attach, 250);  // not drawn yet: look again
   };
   attach();
 }
