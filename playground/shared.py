@@ -227,8 +227,8 @@ class Shared:
         /mcts_trace, /medusa_trace): the call's config (``api_config``; without a preset,
         ``default_strategy``, else the first of ``strategies``), the model, the prompt's ids, the
         run, its trace JSON. Each endpoint keeps its own signature: its parameters' names, order and
-        defaults are the public API. ``compare_baseline`` must be true or false ("yes" is refused)."""
-        check_flag("compare_baseline", compare_baseline)
+        defaults are the public API (whose boundary, ``config.check_arguments``, has checked each
+        argument's type: ``compare_baseline`` is true or false here)."""
         cfg = self.api_config(preset, config, default_strategy=default_strategy or strategies[0], strategies=strategies)
         lm = self.lm(model, quantization)
         prompt_ids = self.encode_prompt(lm, prompt, chat)
