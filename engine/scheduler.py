@@ -41,6 +41,17 @@ Limits (environment variables, read when the scheduler is created):
   ``SchedulerFull``.
 - ``DP_PREFILL_CHUNK``: prompt tokens prefilled per tick for a long prompt (default 256; 0: a prompt
   is prefilled in one forward whatever its length).
+- ``DP_PRESENTER_SHARE``: while a presenter's run is in the batch, the room's rows are forwarded
+  every this many ticks (default 4; 1: every tick). See "A presenter's rows" below.
+
+A presenter's rows (``RunControl.priority``, issue #52): a presenter's run jumps the queue, may take
+the row kept for it (``presenter_rows``), and is a row of a second, small batch with its own KV
+cache (``_front``), forwarded every tick before the room's. While that batch holds a row, the room's
+batch is forwarded only every ``presenter_share``-th tick, so the presenter's token costs a forward
+of its own few rows plus a share of the room's, not the room's whole forward every time. The room
+keeps going (it still gets a forward every ``presenter_share`` ticks, and every tick once the
+presenter's runs end); a row that skips a tick is only later, never different: its state, generator
+and KV row wait unchanged, as a parked row's do.
 
 Every tick and every run that ends is recorded in ``serving`` (engine.reports.serving.ServingStats:
 two bounded rings) for the Serving view: rows, queue, row lengths, prefill, forward and step times,
@@ -86,6 +97,10 @@ DEFAULT_MAX_QUEUE = 256
 # issue #52): the room's runs fill at most max_batch - PRESENTER_ROWS rows, so a presenter's run
 # joins at the next tick however full the room (none kept on a scheduler of one row).
 PRESENTER_ROWS = 1
+# While a presenter's run is in the batch the room's rows are forwarded every this many ticks
+# (DP_PRESENTER_SHARE): on the 2-core CPU a forward of the room's 15 rows costs about twice one of
+# the presenter's row, so every 4th tick keeps the presenter's lesson within ~1.5x its time alone.
+DEFAULT_PRESENTER_SHARE = 4
 DEFAULT_PREFILL_CHUNK = 256
 # Joiners prefilled together share a common prompt prefix's forward once it is this long (shorter
 # ones cost less than the extra forward that feeding the prefix alone takes).
@@ -119,6 +134,11 @@ def default_prefill_chunk() -> int:
     return env_limit("DP_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK, 0)
 
 
+def default_presenter_share() -> int:
+    """Ticks per room forward while a presenter's run is in the batch: env ``DP_PRESENTER_SHARE`` (>= 1)."""
+    return env_limit("DP_PRESENTER_SHARE", DEFAULT_PRESENTER_SHARE, 1)
+
+
 def bytes_per_position(lm: Model) -> int:
     """Bytes one cached position of one row holds in a full-precision cache: 2 (K and V) × layers ×
     KV heads × head dim × the model's bytes per element."""
@@ -142,6 +162,7 @@ class _Run:
                  prefix: Sequence[int], force: int | None, control: RunControl | None,
                  resume: Sequence[StageTrace] | None = None):
         self.lm, self.control = lm, control
+        self.front = control is not None and control.priority  # a presenter's: a row of the scheduler's ``_front``
         self.state = RunState(lm, prompt_ids, config, prefix=prefix, force=force, resume=resume)
         self.sequence = self.state.sequence  # what the prefill feeds
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # StepTrace | BaseException
@@ -274,8 +295,9 @@ def distinct_sequences(runs: list[_Run]) -> tuple[list[_Run], list[int]]:
 
 
 def _priority(run: _Run) -> bool:
-    """Whether ``run`` is a presenter's (its control says so): it goes first and may take a kept row."""
-    return run.control is not None and run.control.priority
+    """Whether ``run`` is a presenter's (its control said so when it was sent): it goes first, may
+    take a kept row, and is a row of the presenter's batch."""
+    return run.front
 
 
 # --- the scheduler ---------------------------------------------------------------------------------------
@@ -284,7 +306,8 @@ class Scheduler:
     handler threads may call ``stream`` at once. Holds its model only weakly."""
 
     def __init__(self, lm: Model, *, max_batch: int | None = None, max_queue: int | None = None,
-                 prefill_chunk: int | None = None, share_prefix: bool = True, presenter_rows: int = 0):
+                 prefill_chunk: int | None = None, share_prefix: bool = True, presenter_rows: int = 0,
+                 presenter_share: int | None = None):
         self._model = weakref.ref(lm)
         self.device = lm.device
         self.max_batch = max_batch if max_batch is not None else default_max_batch(lm.device)
@@ -295,13 +318,20 @@ class Scheduler:
             self.max_batch = 1
         # rows kept for a presenter's runs (PRESENTER_ROWS on the app's schedulers; a private one keeps none)
         self.presenter_rows = min(presenter_rows, self.max_batch - 1)
+        # ticks per forward of the room's rows while a presenter's run is in the batch
+        self.presenter_share = presenter_share if presenter_share is not None else default_presenter_share()
         if self.max_batch < 1 or self.max_queue < 0 or self.prefill_chunk < 0 or presenter_rows < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1, max_queue, prefill_chunk and presenter_rows >= 0, "
                              f"got {self.max_batch}, {self.max_queue}, {self.prefill_chunk}, {presenter_rows}")
+        if self.presenter_share < 1:
+            raise ValueError(f"scheduler: presenter_share must be >= 1, got {self.presenter_share}")
         self.serving = ServingStats(bytes_per_position(lm))  # every tick and ended run, for the Serving view
         self._lock = threading.Lock()
         self._waiting: list[_Run] = []
-        self._batch = _Batch(lm.device)
+        self._batch = _Batch(lm.device)  # the room's rows
+        self._front = _Batch(lm.device)  # a presenter's rows (``_priority``), forwarded every tick
+        self._front_ticks = 0  # ticks with a presenter's row (the room's rows go every presenter_share-th)
+        self._room_beside = 0  # of those, ticks that forwarded the room's rows too
         self._chunking: list[_Run] = []  # long prompts being prefilled, a chunk per tick (worker only)
         self._tick_fed = self._tick_saved = 0  # prompt tokens fed / not fed thanks to sharing, this tick
         self._worker: threading.Thread | None = None
@@ -339,10 +369,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Active runs (rows and long prompts being prefilled), queued runs, ticks (batched
-        forwards) and the mean rows per tick, with the limits."""
+        forwards) and the mean rows per tick, with the limits; ``presenter_ticks``: ticks that
+        forwarded a presenter's rows, ``room_beside_presenter``: those that forwarded the room's too."""
         with self._lock:
             return {"active": self._active, "queued": len(self._waiting), "ticks": self._ticks,
                     "mean_batch": self._rows_stepped / self._ticks if self._ticks else 0.0,
+                    "presenter_ticks": self._front_ticks, "room_beside_presenter": self._room_beside,
                     "max_batch": self.max_batch, "max_queue": self.max_queue, "prefill_chunk": self.prefill_chunk}
 
     def close(self, timeout: float = 5.0) -> None:
@@ -353,6 +385,17 @@ class Scheduler:
             worker = self._worker
         if worker is not None:
             worker.join(timeout)
+
+    def _rows(self) -> list[_Run]:
+        """Every run holding a row: the presenter's batch's, then the room's."""
+        return self._front.runs + self._batch.runs
+
+    def _batch_of(self, run: _Run) -> _Batch:
+        return self._front if _priority(run) else self._batch
+
+    def _reset(self) -> None:
+        """Forget every row (their runs were failed by the caller)."""
+        self._batch, self._front, self._chunking = _Batch(self.device), _Batch(self.device), []
 
     def _submit(self, run: _Run) -> None:
         with self._lock:
@@ -404,30 +447,33 @@ class Scheduler:
             while True:
                 with self._lock:
                     self._waiting = [run for run in self._waiting if self._still_wanted(run)]  # cancelled in line
-                    free = self.max_batch - len(self._batch.runs) - len(self._chunking)
+                    free = self.max_batch - len(self._rows()) - len(self._chunking)
                     joiners = self._admit(free)
                     if self._closing:
-                        self._fail(self._batch.runs + self._chunking + joiners + self._waiting,
+                        self._fail(self._rows() + self._chunking + joiners + self._waiting,
                                    RuntimeError("scheduler: the server is shutting down"))
-                        self._batch, self._chunking, self._waiting, joiners = _Batch(self.device), [], [], []
-                    if not joiners and not self._batch.runs and not self._chunking:
+                        self._reset()
+                        self._waiting, joiners = [], []
+                    if not joiners and not self._rows() and not self._chunking:
                         self._worker, self._active = None, 0
                         return
                 try:
                     self._tick(joiners)
                 except BaseException as exc:  # noqa: BLE001 (a bug here must reach the users, not kill the worker)
-                    self._fail(self._batch.runs + self._chunking + joiners, exc)
-                    self._batch, self._chunking = _Batch(self.device), []
+                    self._fail(self._rows() + self._chunking + joiners, exc)
+                    self._reset()
                 with self._lock:
-                    self._active = len(self._batch.runs) + len(self._chunking)
+                    self._active = len(self._rows()) + len(self._chunking)
 
     def _tick(self, joiners: list[_Run]) -> None:
         """Drop stopped rows; prefill the joiners and hand out their first token (runs that arrived
-        meanwhile join too, up to ``max_batch``) and feed one chunk of a long prompt; then one
-        batched forward of every row, the runs that arrived during it, and each row's step. Joiners
-        go first so a newcomer's first token never waits for both a forward and a capture of the
-        rows already running. The tick goes to ``serving``."""
-        self._drop([i for i, run in enumerate(self._batch.runs) if not self._still_wanted(run)])
+        meanwhile join too, up to ``max_batch``) and feed one chunk of a long prompt; then, for each
+        batch due this tick (``_due``: the presenter's, and the room's), one batched forward of its
+        rows, the runs that arrived during it, and each row's step. Joiners go first so a newcomer's
+        first token never waits for both a forward and a capture of the rows already running. The
+        tick goes to ``serving``."""
+        for batch in (self._front, self._batch):
+            self._drop(batch, [i for i, run in enumerate(batch.runs) if not self._still_wanted(run)])
         self._tick_fed = self._tick_saved = 0
         started = time.perf_counter()
         while joiners:
@@ -435,32 +481,52 @@ class Scheduler:
             joiners = self._take_waiting()
         self._feed_chunk()
         self._unpark()
-        prefilled = time.perf_counter()
-        if not self._batch.runs:
+        prefill_s, forward_s, step_s = time.perf_counter() - started, 0.0, 0.0
+        due = self._due()
+        if not due:
+            if self._rows():  # every row waits for its stages: no forward until one is ready
+                time.sleep(PARK_POLL_S)
             return
-        rows = list(self._batch.runs)
-        live = [i for i, run in enumerate(rows) if run.parked is None]
-        if not live:  # every row waits for its stages: no forward until one is ready
-            time.sleep(PARK_POLL_S)
-            return
-        running = [rows[i] for i in live]
-        with step_threads(self._batch.device, len(rows)):
-            logits = self._batch.forward()  # [B, V]
-        if len(live) < len(rows):
-            logits = logits[live]  # [R, V]: the rows that step
-        forwarded = time.perf_counter()
-        lengths = tuple(run.state.ids.shape[1] for run in running)  # real positions each row holds now
-        width = self._batch.cache.length
-        # Runs that arrived during the forward get their first token before the rows' capture,
-        # so a newcomer waits at most one forward or one capture, not both.
-        for late in iter(self._take_waiting, []):
-            self._join([run for run in late if self._still_wanted(run)])
-        joined = time.perf_counter()
-        with step_threads(self._batch.device, len(running)):
-            self._step(running, logits)
-        stepped = time.perf_counter()
-        self._record_tick(running, lengths, width, prefill_s=prefilled - started + joined - forwarded,
-                          forward_s=forwarded - prefilled, step_s=stepped - joined)
+        stepped: list[_Run] = []
+        lengths: list[int] = []
+        width = 0
+        for batch in due:
+            rows = list(batch.runs)
+            live = [i for i, run in enumerate(rows) if run.parked is None]
+            running = [rows[i] for i in live]
+            began = time.perf_counter()
+            with step_threads(batch.device, len(rows)):
+                logits = batch.forward()  # [B, V]
+            if len(live) < len(rows):
+                logits = logits[live]  # [R, V]: the rows that step
+            forwarded = time.perf_counter()
+            lengths += [run.state.ids.shape[1] for run in running]  # real positions each row holds now
+            width = max(width, batch.cache.length)
+            # Runs that arrived during the forward get their first token before the rows' capture,
+            # so a newcomer waits at most one forward or one capture, not both.
+            for late in iter(self._take_waiting, []):
+                self._join([run for run in late if self._still_wanted(run)])
+            joined = time.perf_counter()
+            with step_threads(batch.device, len(running)):
+                self._step(running, logits)
+            stepped += running
+            prefill_s += joined - forwarded
+            forward_s += forwarded - began
+            step_s += time.perf_counter() - joined
+        self._record_tick(stepped, tuple(lengths), width, prefill_s=prefill_s, forward_s=forward_s, step_s=step_s)
+
+    def _due(self) -> list[_Batch]:
+        """The batches forwarded this tick, each with a row to step: the presenter's every tick; the
+        room's every tick while the presenter's has none to step, else every ``presenter_share``-th."""
+        front, room = (any(run.parked is None for run in b.runs) for b in (self._front, self._batch))
+        if not front:
+            return [self._batch] if room else []
+        with self._lock:
+            self._front_ticks += 1
+            if not room or self._front_ticks % self.presenter_share:
+                return [self._front]
+            self._room_beside += 1
+        return [self._front, self._batch]
 
     def _record_tick(self, running: list[_Run], lengths: tuple[int, ...], width: int, *, prefill_s: float,
                      forward_s: float, step_s: float) -> None:
@@ -483,7 +549,9 @@ class Scheduler:
             run.chunk_kv = KVCache(run.lm.model)
         self._chunking.extend(chunked)
         joiners = [run for run in joiners if run.chunk_kv is None]
-        groups = length_groups([run for run in joiners if not run.state.needs_replay])
+        groups = [group for front in (True, False)  # a presenter's runs join their own batch
+                  for group in length_groups([run for run in joiners if not run.state.needs_replay
+                                              and _priority(run) == front])]
         groups += [[run] for run in joiners if run.state.needs_replay]
         for group in groups:
             runs, logits = self._prefill(group, replay=group[0].state.needs_replay)
@@ -501,7 +569,7 @@ class Scheduler:
         if not self._chunking:
             return
         run = self._chunking[0]
-        size = self.prefill_chunk if self._batch.runs else len(run.sequence) - run.fed
+        size = self.prefill_chunk if self._rows() else len(run.sequence) - run.fed
         piece = run.sequence[run.fed:run.fed + size]
         kv = run.chunk_kv
         try:
@@ -517,7 +585,7 @@ class Scheduler:
         self._tick_fed += len(piece)
         if run.fed == len(run.sequence):
             self._chunking.pop(0)
-            self._batch.add([run], kv)
+            self._batch_of(run).add([run], kv)
             run.chunk_kv = None
             self._step([run], logits)
 
@@ -525,7 +593,7 @@ class Scheduler:
         """Step the parked rows whose stages are ready now (a grammar's mask done, or past its
         budget: that step ends its run with one line), with the logits they kept, so their next
         token is in this tick's forward."""
-        due = [(run, parked) for run in self._batch.runs if (parked := run.parked) is not None and ready(run)]
+        due = [(run, parked) for run in self._rows() if (parked := run.parked) is not None and ready(run)]
         if due:
             logits = torch.cat([parked for _, parked in due])  # [D, V]
             for run, _ in due:
@@ -537,13 +605,13 @@ class Scheduler:
         with self._lock:
             if self._closing:
                 return []
-            free = max(self.max_batch - len(self._batch.runs) - len(self._chunking), 0)
+            free = max(self.max_batch - len(self._rows()) - len(self._chunking), 0)
             return self._admit(free)
 
     def _admit(self, free: int) -> list[_Run]:
         """Take the waiting runs that get one of ``free`` rows (the lock held by the caller), in line
         order: a presenter's run any free row, the room's only rows outside the ``presenter_rows`` kept."""
-        room = self.max_batch - self.presenter_rows - sum(not _priority(r) for r in self._batch.runs + self._chunking)
+        room = self.max_batch - self.presenter_rows - sum(not _priority(r) for r in self._rows() + self._chunking)
         joiners: list[_Run] = []
         left: list[_Run] = []
         for run in self._waiting:
@@ -581,7 +649,9 @@ class Scheduler:
             if item.finish_reason is not None:
                 done[id(run)] = item.finish_reason
         if done:
-            self._batch.keep([i for i, run in enumerate(self._batch.runs) if id(run) not in done])
+            for batch in (self._front, self._batch):
+                if any(id(run) in done for run in batch.runs):
+                    batch.keep([i for i, run in enumerate(batch.runs) if id(run) not in done])
             for run in runs:
                 if id(run) in done:
                     self.serving.add_run(run.record(done[id(run)]))
@@ -589,7 +659,7 @@ class Scheduler:
             if id(run) not in done:
                 prepare(run)
         with self._lock:  # before the outputs go out, so a consumer that saw its last step sees its row gone
-            self._active = len(self._batch.runs) + len(self._chunking)
+            self._active = len(self._rows()) + len(self._chunking)
         for run, item in zip(runs, results):
             run.out.put(item)
 
@@ -617,7 +687,7 @@ class Scheduler:
         if len(fed) < len(runs):  # each run gets its own copy of its sequence's KV rows: [U, ...] -> [J, ...]
             kv.keep_rows(rows)
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
-        self._batch.add(runs, kv)
+        self._batch_of(runs[0]).add(runs, kv)  # ``_join`` groups a presenter's runs apart from the room's
         return runs, logits  # [J, V]
 
     def _feed(self, kv: KVCache, sequences: list[list[int]]) -> tuple[torch.Tensor, int]:
@@ -652,10 +722,11 @@ class Scheduler:
             self.serving.add_run(run.record("error"))
             run.out.put(exc)
 
-    def _drop(self, rows: list[int]) -> None:
+    @staticmethod
+    def _drop(batch: _Batch, rows: list[int]) -> None:
         if rows:
             gone = set(rows)
-            self._batch.keep([i for i in range(len(self._batch.runs)) if i not in gone])
+            batch.keep([i for i in range(len(batch.runs)) if i not in gone])
 
 
 _ALL: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()

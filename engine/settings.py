@@ -97,6 +97,8 @@ SETTINGS = (
             shown="256 (128 in public mode)", minimum=0),
     Setting("DP_PREFILL_CHUNK", "int", 256, "prompt tokens prefilled per tick for a longer prompt, between the "
             "batch's decode forwards (0: one forward)", minimum=0),
+    Setting("DP_PRESENTER_SHARE", "int", 4, "while a presenter's lesson run is in the batch, the room's rows are "
+            "forwarded every this many ticks (the presenter's every tick; 1: the room's every tick too)", minimum=1),
     Setting("DP_CONCURRENCY", "int", None, "model events running at once", shown="= `DP_MAX_BATCH`", minimum=1),
     Setting("DP_SERVED_CONCURRENCY", "int", 16, "runs on served models (DP_REMOTE_MODELS) at once, besides "
             "`DP_CONCURRENCY`: a slow server never holds the local model's slots; one more is refused in one line",
