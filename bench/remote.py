@@ -36,7 +36,7 @@ import time
 import urllib.request
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,16 +54,16 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 @contextmanager
-def started_server(threads: int, slots: int = 1) -> Iterator[str]:
+def started_server(threads: int, slots: int = 1, extra: Sequence[str] = ()) -> Iterator[str]:
     """The cached llama-server over the embedded GGUF on a free loopback port (``slots``: -np, each
-    with a 2048-token context); yields its URL."""
+    with a 2048-token context; ``extra``: more flags); yields its URL."""
     binary = subprocess.run(["sh", os.path.join(ROOT, "deploy", "llama_server.sh"), sys.executable],
                             check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([binary, "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(port),
-                               "-c", str(2048 * slots), "-t", str(threads), "-np", str(slots)],
+                               "-c", str(2048 * slots), "-t", str(threads), "-np", str(slots), *extra],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,7 +1,7 @@
 """vLLM serving the embedded model on 127.0.0.1 (issue #37): the one command line that `make vllm`,
 the live tests (tests/conftest.py), bench.remote and tests/data/vllm/record.py start.
 
-    python -m deploy.vllm_serve [--port 8000] [--checkpoint gptq-g64] [more vLLM flags...]
+    python -m deploy.vllm_serve [--port 8000] [--checkpoint gptq-g64] [--spec ngram:4] [more vLLM flags...]
 
 The first call installs vLLM into its own cached environment (deploy/vllm.sh, minutes); later calls
 start the server at once (about a minute to load on 2 cores). The operator lists it for the app with
@@ -28,7 +28,8 @@ Flags (each for a reason):
   a sampled step-mode run's continuation is drafted with our chain and our seeded draws, so the server's
   token is our pick at nearly every position and a request gives many tokens instead of about two
   (issue #38; the spec's ``draws=1`` tells the app the server has it). Requests without its arguments are
-  untouched.
+  untouched. Left out under ``--spec`` (vLLM's own speculative decoding, ``speculative_flags``): vLLM
+  refuses custom logits processors beside a drafter.
 
 Environment, for a small machine shared with other work (vLLM's CPU docs, vllm/utils/ompmultiprocessing.py):
 vLLM's automatic binding pins its OpenMP threads to all cores but one (kept for its API server and
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -87,13 +89,38 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def server_command(python: str, model_dir: str, port: int, extra: Sequence[str] = ()) -> list[str]:
     """vLLM's OpenAI-compatible server over ``model_dir`` on 127.0.0.1:``port`` (``extra``: more flags,
-    later ones win)."""
+    later ones win). With ``--speculative-config`` among them, no dp_draws: vLLM 0.32 refuses custom
+    logits processors beside speculative decoding ("Custom logits processors are not supported when
+    speculative decoding is enabled")."""
+    draws = () if "--speculative-config" in extra else ("--logits-processors", "dp_draws:OurDraws")
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-logprobs", "100",
             "--logprobs-mode", "raw_logprobs", "--enforce-eager", *(() if has_gpu() else ("--block-size", "32")),
-            "--generation-config", "vllm", "--sse-keep-alive-interval", "5",
-            "--logits-processors", "dp_draws:OurDraws", *extra]
+            "--generation-config", "vllm", "--sse-keep-alive-interval", "5", *draws, *extra]
+
+
+SPEC_METHODS = ("ngram", "eagle3")
+SPEC_MAX_TOKENS = 8
+
+
+def speculative_flags(spec: str) -> list[str]:
+    """The ``--speculative-config`` for ``spec`` (``make vllm VLLM_SPEC=...``): ``ngram[:K]`` (prompt
+    lookup, n-grams of 2 to 3 tokens: our ngram drafter's default size) or ``eagle3[:K]`` (our EAGLE head as
+    engine.strategies.eagle_export writes it into the cache); K draft tokens, 4 by default. ValueError
+    naming the value when it is neither."""
+    method, colon, count = spec.partition(":")
+    if method not in SPEC_METHODS or (colon and not (count.isdigit() and 1 <= int(count) <= SPEC_MAX_TOKENS)):
+        raise ValueError(f"VLLM_SPEC: {spec!r} is not one of {', '.join(SPEC_METHODS)}, optionally with "
+                         f":K draft tokens (1 to {SPEC_MAX_TOKENS}), e.g. ngram:4")
+    config: dict[str, object] = {"method": method, "num_speculative_tokens": int(count or 4)}
+    if method == "ngram":
+        config.update(prompt_lookup_min=2, prompt_lookup_max=3)
+    else:
+        from engine.strategies.eagle_export import export
+
+        config["model"] = str(export())
+    return ["--speculative-config", json.dumps(config, allow_nan=False)]
 
 
 def has_gpu() -> bool:
@@ -224,8 +251,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--checkpoint", choices=list(WEIGHT_METHODS), help="serve a 4-bit checkpoint made here")
+    parser.add_argument("--spec", default="", help="speculative decoding: ngram[:K] or eagle3[:K] (VLLM_SPEC)")
     args, extra = parser.parse_known_args(argv)
     folder, flags = model_folder(args.checkpoint)
+    if args.spec:
+        try:
+            flags += speculative_flags(args.spec)
+        except ValueError as exc:
+            raise SystemExit(f"vllm: {exc}") from None
     try:
         python = install()
     except VllmError as exc:
@@ -233,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     url = f"http://127.0.0.1:{args.port}"
     print(f"vllm: serving {SERVED_NAME} ({args.checkpoint or 'float32'}) on {url}; list it for the app with\n"
-          f"  DP_REMOTE_MODELS='{remote_spec(url)}'", file=sys.stderr, flush=True)
+          f"  DP_REMOTE_MODELS='{remote_spec(url, draws=not args.spec)}'", file=sys.stderr, flush=True)
     command = server_command(python, folder, args.port, [*flags, *extra])
     os.execve(python, command, server_env())
 
