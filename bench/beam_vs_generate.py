@@ -3,7 +3,7 @@ process, same model, interleaved runs (a warm-up of each first).
 
     .venv/bin/python -m bench.beam_vs_generate [--runs 3] [--tokens 64] [--beams 4]
 
-Both searches are the same algorithm and return the same sequences (tests/test_beam.py checks
+Both searches are the same algorithm and return the same sequences (tests/engine/test_beam.py checks
 that), so tokens/s compares the cost of our loop and trace capture against generate()'s loop.
 Target: ours / generate >= 0.8. On a shared machine wall-clock times swing with other load, so the
 table also shows process CPU seconds, and the ratio is reported per interleaved pair.

@@ -7,7 +7,7 @@ the same tokens and stage records (floats within 1e-6), then prints steps per CP
 
 Then step mode's capture (issue #38): each row as a served model's step (its top-100 log-probabilities),
 one ``RunState.advance`` per row as each user's run makes it, on the top-100's ids (``advance(values,
-ids)``, as ``remote.entries_row`` gives them) against the same rows over the whole vocabulary (-inf
+ids)``, as ``served.entries_row`` gives them) against the same rows over the whole vocabulary (-inf
 elsewhere) with every draw over V (the path before: ``sampling.COMPACT_MOST`` = 0).
 
 The old path is today's code with the replaced parts put back: ``chain.entropy_varentropy_rows``' entropy as
@@ -86,9 +86,9 @@ def same_steps(a: list, b: list, draw_tol: float = 1e-9) -> None:
 
 
 def step_rows(logits: torch.Tensor, top: int = 100) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each row as step mode builds it from a server's top-``top`` (``remote.entries_row``): the
+    """Each row as step mode builds it from a server's top-``top`` (``served.entries_row``): the
     log-probabilities at the ids [1, top] and the ids (ascending); and over the vocabulary [1, V], -inf
-    elsewhere (``remote.entries_logits``, the path before)."""
+    elsewhere (``served.entries_logits``, the path before)."""
     out = []
     for row in torch.log_softmax(logits, dim=-1):
         ids = torch.sort(torch.topk(row, top).indices).values

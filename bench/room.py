@@ -13,7 +13,7 @@ Printed: the load average, the run's UTC window, aggregate tokens/s (client wall
 traces the users received the time to first token and per output token (p50 / p95, nearest rank, the
 definitions the scheduler's records use: the first step's ``elapsed_ms``; (last - first) / (steps - 1)),
 then what ``/serving_stats`` says over the same window: the Serving view's numbers, which it shows in
-the same words (tests/test_serving_browser.py compares the page with this printout). The two TTFT/TPOT
+the same words (tests/browser/test_serving_browser.py compares the page with this printout). The two TTFT/TPOT
 lines agree when nothing else ran in the window.
 
     python -m bench.room --engines local,llamacpp,vllm [--users-list 1,16] [--tokens 32]

@@ -34,7 +34,7 @@ WATCH_JS = """() => {
 
 def open_step(page, url: str, step: int = 2) -> None:
     """Step through at ``url``: generate 5 tokens of the default prompt and select step ``step``
-    (its chart drawn). Also the browser test's setup (tests/test_workshop_browser.py)."""
+    (its chart drawn). Also the browser test's setup (tests/browser/test_workshop_browser.py)."""
     page.goto(url)
     page.get_by_role("tab", name="Step through").click()
     page.fill("#step-knob-max_new_tokens input[type=number]", "5")

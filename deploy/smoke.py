@@ -3,7 +3,7 @@
     python -m deploy.smoke URL [--model embedded] [--wait 300]
 
 Prints one JSON line (page status, tokens generated, seconds) and exits 0 when both answer.
-Used by ``make image`` (the container) and tests/test_space.py (the Space folder).
+Used by ``make image`` (the container) and tests/project/test_space.py (the Space folder).
 """
 
 from __future__ import annotations

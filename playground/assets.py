@@ -6,7 +6,7 @@ A file may hold placeholders, ``__NAME__`` in capitals, where a Python value goe
 width, another snippet): ``static_text(name, NAME=value)`` puts each value in. Every placeholder a file
 holds must be given and every value given must have its placeholder, so nothing is left unfilled.
 A placeholder stands where the value is used as an expression, so each file parses as JavaScript as
-it is (tests/test_static_assets.py).
+it is (tests/browser/test_static_assets.py).
 
 An element id is named ``__ID_<NAME>__`` and filled by itself, with the JSON string of
 ``playground.ids.<NAME>`` (the one table of the ids the page's scripts name)."""

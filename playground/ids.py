@@ -1,6 +1,6 @@
 """Every element id the page's JavaScript names, in one table. The views give their components these
 ids (``elem_id=ids.STEP_CHART``); a file in playground/static/ names one as ``__ID_STEP_CHART__``,
-which ``assets.static_text`` fills with its JSON string. tests/test_static_assets.py checks that
+which ``assets.static_text`` fills with its JSON string. tests/browser/test_static_assets.py checks that
 each id a script names is in the built page, so renaming a component cannot silently break a script.
 """
 

@@ -47,7 +47,7 @@ def allow_long_request_heads() -> None:
     """Let uvicorn's h11 parser hold a request head of up to MAX_REQUEST_HEAD_BYTES, so a too-long link
     reaches LinkTooLong however it arrives. Gradio builds uvicorn's Config without
     ``h11_max_incomplete_event_size``, so uvicorn falls back to its module's default, raised here
-    (never lowered); a uvicorn without that default is left alone (tests/test_fault_app.py would
+    (never lowered); a uvicorn without that default is left alone (tests/browser/test_fault_app.py would
     see the 400)."""
     from uvicorn.protocols.http import h11_impl
 

@@ -14,7 +14,7 @@ and our own tests fuzz it without vLLM.
 - ``dp_chain`` (default none): JSON text of at most 2,048 characters (no NaN or Infinity), a list of at
   most 16 ``[name, value]`` pairs, each name one of ``STAGE_BOUNDS``'s and each value a finite number in
   that stage's bounds: those our engine allows an active stage (engine/stages' knobs and constructors;
-  tests/test_vllm_plugin_args.py checks them against the engine).
+  tests/remote/test_vllm_plugin_args.py checks them against the engine).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ The sizes: the largest legitimate answer is llama-server's whole (unstreamed) ``
 the top 100 log-probabilities of 1024 tokens (fast mode's raw request at our knobs' maximum). Each
 of its ~103,000 entries carries an id, the token's text, its bytes and a log-probability: ~90
 bytes for a typical token, 8-10 MB in all; 25 MiB when every entry is one of the embedded model's
-100 longest tokens (81 bytes; ``tests/test_fault_servers.py`` builds that answer and reads it).
+100 longest tokens (81 bytes; ``tests/remote/test_fault_servers.py`` builds that answer and reads it).
 ``MAX_BODY_BYTES`` = 32 MiB holds it. (A model whose top tokens are all much longer could pass it:
 that optional raw request is then left out and the trace says so, see ``engine.backends.llamacpp``.)
 A streamed chunk is one token's top 100: 25 KiB in that worst case, far under ``MAX_LINE_BYTES`` =
@@ -45,7 +45,7 @@ bounds the work, not the memory).
 
 What a request may cost, then: a few MiB of buffers while it reads and one body of at most 32 MiB
 (its parsed JSON a few times that) while it is parsed, freed when the request ends (measured in
-``tests/test_fault_servers.py``: +35 MB peak for a 600 MB answer). Not bounded by a timeout:
+``tests/remote/test_fault_servers.py``: +35 MB peak for a 600 MB answer). Not bounded by a timeout:
 resolving a host name (``getaddrinfo``; list servers by IP address to avoid it) and a TLS
 handshake's reads (each bounded by the time left when it starts).
 """

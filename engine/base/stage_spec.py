@@ -96,7 +96,7 @@ class Interop:
 
 # What step mode (our chain over a served model's top-N, engine.backends.remote) cannot do exactly,
 # in words: a stage's ``served.step_caveats`` name the ones that touch it (measured against
-# llama.cpp's own samplers in tests/test_remote_llamacpp.py: temperature, top-k, min-p, XTC, DRY and
+# llama.cpp's own samplers in tests/remote/test_remote_llamacpp.py: temperature, top-k, min-p, XTC, DRY and
 # typical after a top-k agree exactly).
 STEP_TAIL = ("top-p, typical, eta, top-H, mirostat and the cutoffs weigh the top-N renormalised (the tail mass is "
              "left out)")

@@ -8,7 +8,7 @@ asked about, never for a whole run. Read-out ``l`` (0 = the embeddings, L = the 
 ``softmax(head(norm(h_l)))``. transformers hands ``hidden_states[-1]`` out *after* the final norm
 (it is tied to ``last_hidden_state``), so the last layer's residual is taken at the norm's input (a
 forward pre-hook) instead: the norm is applied once to every layer, and read-out L is the model's
-own logits, bit for bit (``last_matches_logits``; tests/test_inside.py checks it and the trace's
+own logits, bit for bit (``last_matches_logits``; tests/engine/test_inside.py checks it and the trace's
 raw stage). A served model has no hidden states: ``require_lens`` says so in one line.
 """
 

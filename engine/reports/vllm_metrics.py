@@ -16,7 +16,7 @@ never decrease, and a server without vLLM's metrics is named as such; each is on
 What is kept of a read is a ``VllmSample``: the gauges, counters, histograms (bounds and counts) and
 the three cache settings the view draws, never the page; at most ``SAMPLE_BOUND_BYTES`` each, whatever
 the page held, so a watch's ``SAMPLES_KEPT`` samples hold at most ``WATCH_BOUND_BYTES``
-(tests/test_hostile_servers.py measures them).
+(tests/remote/test_hostile_servers.py measures them).
 
 Counters and histograms are cumulative since the server started, so the view shows differences
 between two samples: a prefix-cache hit rate over the window is Δhits / Δqueries, and percentiles

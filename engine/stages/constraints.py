@@ -100,7 +100,7 @@ register(StageSpec(
                                           "list to carry over"),
                     llama=Export(unmapped="llama.cpp bans tokens by id, not by word; there is no word list to "
                                           "carry over")),
-    oracle="tests/test_processors.py::test_constraints_mask_allowed_and_banned_sequences",
+    oracle="tests/engine/test_processors.py::test_constraints_mask_allowed_and_banned_sequences",
 ))
 
 
@@ -174,8 +174,8 @@ register(StageSpec(
                         f"--logit-bias {k}{'+' if b >= 0 else '-'}{number(abs(b))}"
                         for k, b in c.logit_bias.items() if k.isdigit()]),
                     export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers "
-           "tests/test_samplers.py::test_logit_bias_ids_and_words",
+    oracle="tests/engine/test_samplers.py::test_wrapped_stage_equals_transformers "
+           "tests/engine/test_samplers.py::test_logit_bias_ids_and_words",
     served=Served(lambda c, context: {"logit_bias": llama_bias_pairs(c.logit_bias)}, step_caveats=(STEP_LIFT,)),
 ))
 
@@ -209,6 +209,6 @@ register(StageSpec(
     interop=Interop("MinNewTokensLengthLogitsProcessor",
                     webui=Export(unmapped="not part of a text-generation-webui preset"),
                     llama=Export(unmapped="llama.cpp has no minimum-length setting"), export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers "
-           "tests/test_samplers.py::test_min_new_tokens_by_hand",
+    oracle="tests/engine/test_samplers.py::test_wrapped_stage_equals_transformers "
+           "tests/engine/test_samplers.py::test_min_new_tokens_by_hand",
 ))

@@ -993,7 +993,7 @@ register(StageSpec(
                   openai_llamacpp=lambda c: server_fields(c, "llamacpp")[0],
                   refused=lambda c, server: server_fields(c, server)[1],
                   step_caveats=(STEP_CAVEAT,)),
-    oracle="tests/test_grammar.py::test_mask_equals_the_languages_prefixes_by_hand "
-           "tests/test_grammar.py::test_every_output_validates_at_every_seed "
-           "tests/test_grammar_remote.py::test_greedy_json_schema_equals_llama_servers",
+    oracle="tests/engine/test_grammar.py::test_mask_equals_the_languages_prefixes_by_hand "
+           "tests/engine/test_grammar.py::test_every_output_validates_at_every_seed "
+           "tests/remote/test_grammar_remote.py::test_greedy_json_schema_equals_llama_servers",
 ))

@@ -52,7 +52,7 @@ register(StageSpec(
                     webui=Export("repetition_penalty", knobs=("repetition_penalty",),
                                  lines=lambda c, x: ["repetition_penalty_range: 0"]),  # 0 = the whole context
                     llama=Export("penalties", flag="--repeat-penalty", lines=_llama_whole_context)),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor",
     served=Served(lambda c, context: {"repeat_penalty": c.repetition_penalty, "repeat_last_n": context},
                   same_fields("repetition_penalty"), step_caveats=(STEP_REPETITION, STEP_LIFT)),
 ))
@@ -103,7 +103,7 @@ register(StageSpec(
     interop=Interop(webui=Export("frequency_penalty", knobs=("frequency_penalty",), caveat=_WEBUI_COUNTS_PROMPT),
                     llama=Export("penalties", flag="--frequency-penalty", lines=_llama_whole_context,
                                  caveat=_LLAMA_COUNTS_PROMPT)),
-    oracle="tests/test_processors.py::test_frequency_and_presence_penalties_by_hand",
+    oracle="tests/engine/test_processors.py::test_frequency_and_presence_penalties_by_hand",
     served=Served(same_fields("frequency_penalty"), same_fields("frequency_penalty"), step_caveats=(STEP_LIFT,)),
 ))
 
@@ -126,7 +126,7 @@ register(StageSpec(
     interop=Interop(webui=Export("presence_penalty", knobs=("presence_penalty",), caveat=_WEBUI_COUNTS_PROMPT),
                     llama=Export("penalties", flag="--presence-penalty", lines=_llama_whole_context,
                                  caveat=_LLAMA_COUNTS_PROMPT)),
-    oracle="tests/test_processors.py::test_frequency_and_presence_penalties_by_hand",
+    oracle="tests/engine/test_processors.py::test_frequency_and_presence_penalties_by_hand",
     served=Served(same_fields("presence_penalty"), same_fields("presence_penalty"), step_caveats=(STEP_LIFT,)),
 ))
 
@@ -150,7 +150,7 @@ register(StageSpec(
                     webui=Export("no_repeat_ngram", knobs=("no_repeat_ngram_size",)),
                     llama=Export(unmapped="llama.cpp has no n-gram ban (its DRY sampler penalises repeats instead of "
                                           "banning them)")),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor",
 ))
 
 
@@ -283,8 +283,8 @@ register(StageSpec(
     interop=Interop(webui=Export("dry", knobs=("dry_multiplier", "dry_base", "dry_allowed_length"),
                                  lines=_dry_webui_lines, unmapped=_dry_webui_unmapped),
                     llama=Export("dry", lines=_dry_llama_flags), export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_dry_by_hand "
-           "tests/test_samplers.py::test_dry_equals_brute_force_on_random_contexts",
+    oracle="tests/engine/test_samplers.py::test_dry_by_hand "
+           "tests/engine/test_samplers.py::test_dry_equals_brute_force_on_random_contexts",
     served=Served(_dry_llama_fields, step_caveats=(STEP_LIFT,)),
 ))
 

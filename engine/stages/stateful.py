@@ -116,8 +116,8 @@ register(StageSpec(
                     llama=Export("xtc", lines=lambda c, x: [f"--xtc-probability {number(c.xtc_probability)}",
                                                             f"--xtc-threshold {number(c.xtc_threshold)}"]),
                     export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_xtc_removes_top_choices_but_the_least_likely "
-           "tests/test_samplers.py::test_xtc_fires_with_its_probability",
+    oracle="tests/engine/test_samplers.py::test_xtc_removes_top_choices_but_the_least_likely "
+           "tests/engine/test_samplers.py::test_xtc_fires_with_its_probability",
     served=Served(same_fields("xtc_probability", "xtc_threshold")),
 ))
 
@@ -249,8 +249,8 @@ register(StageSpec(
                         f"--mirostat {c.mirostat}", f"--mirostat-lr {number(c.mirostat_eta)}",
                         f"--mirostat-ent {number(c.mirostat_tau)}"]),
                     export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_mirostat_v2_truncates_by_surprise_and_updates_mu "
-           "tests/test_samplers.py::test_mirostat_v1_keeps_k_from_the_zipf_estimate",
+    oracle="tests/engine/test_samplers.py::test_mirostat_v2_truncates_by_surprise_and_updates_mu "
+           "tests/engine/test_samplers.py::test_mirostat_v1_keeps_k_from_the_zipf_estimate",
     served=Served(lambda c, context: {"mirostat": 0 if c.is_greedy else c.mirostat, "mirostat_tau": c.mirostat_tau,
                                      "mirostat_eta": c.mirostat_eta}, step_caveats=(STEP_TAIL,)),
 ))

@@ -43,7 +43,7 @@ register(StageSpec(
     heading=lambda s: f"temperature: logits ÷ {param(s, 'temperature')}",
     interop=Interop("TemperatureLogitsWarper", webui=Export("temperature", knobs=("temperature",)),
                     llama=Export("temperature", flag="--temp")),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor",
     served=Served(same_fields("temperature"), same_fields("temperature")),
 ))
 
@@ -115,7 +115,7 @@ register(StageSpec(
                         f"--temp {number(c.temperature)}", f"--dynatemp-range {number(c.dynatemp_range)}",
                         f"--dynatemp-exp {number(c.dynatemp_exponent)}"]),
                     export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_dynamic_temperature_by_hand",
+    oracle="tests/engine/test_samplers.py::test_dynamic_temperature_by_hand",
     served=Served(same_fields("dynatemp_range", "dynatemp_exponent"), step_caveats=(STEP_SPREAD,)),
 ))
 
@@ -152,5 +152,5 @@ register(StageSpec(
     heading=lambda s: f"smoothing: factor {param(s, 'smoothing_factor')}, curve {param(s, 'smoothing_curve')}",
     interop=Interop(webui=Export("quadratic_sampling", knobs=("smoothing_factor", "smoothing_curve")),
                     llama=Export(unmapped="llama.cpp has no quadratic (smoothing) sampler"), export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_smoothing_by_hand",
+    oracle="tests/engine/test_samplers.py::test_smoothing_by_hand",
 ))

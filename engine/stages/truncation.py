@@ -33,7 +33,7 @@ register(StageSpec(
     note=truncation_note,
     heading=lambda s: f"top-k: keep the top {param(s, 'top_k')}",
     interop=Interop("TopKLogitsWarper", webui=Export("top_k", knobs=("top_k",)), llama=Export("top_k", flag="--top-k")),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor",
     served=Served(same_fields("top_k"), lambda c: {"top_k": c.top_k or -1})  # OpenAI's "off" is -1, ours 0,
 ))
 
@@ -60,8 +60,8 @@ register(StageSpec(
     note=truncation_note,
     heading=lambda s: f"top-p: keep the top {param(s, 'top_p')} of the mass",
     interop=Interop("TopPLogitsWarper", webui=Export("top_p", knobs=("top_p",)), llama=Export("top_p", flag="--top-p")),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor "
-           "tests/test_processors.py::test_top_p_fast_path_equals_transformers_bit_for_bit",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor "
+           "tests/engine/test_processors.py::test_top_p_fast_path_equals_transformers_bit_for_bit",
     served=Served(same_fields("top_p"), same_fields("top_p"), step_caveats=(STEP_TAIL,)),
 ))
 
@@ -135,7 +135,7 @@ register(StageSpec(
     note=truncation_note,
     heading=lambda s: f"min-p: drop p below {param(s, 'min_p')} × the top p",
     interop=Interop("MinPLogitsWarper", webui=Export("min_p", knobs=("min_p",)), llama=Export("min_p", flag="--min-p")),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor",
     served=Served(same_fields("min_p"), same_fields("min_p")),
 ))
 
@@ -157,7 +157,7 @@ register(StageSpec(
     heading=lambda s: f"typical-p: keep {param(s, 'typical_p')} of the mass nearest typical",
     interop=Interop("TypicalLogitsWarper", webui=Export("typical_p", knobs=("typical_p",)),
                     llama=Export("typ_p", flag="--typical")),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor",
     served=Served(same_fields("typical_p"), step_caveats=(STEP_TAIL,)),
 ))
 
@@ -189,7 +189,7 @@ register(StageSpec(
     interop=Interop("EpsilonLogitsWarper", webui=Export("epsilon_cutoff", knobs=("epsilon_cutoff",), scale=10_000),
                     llama=Export(unmapped="llama.cpp has no absolute probability cutoff; --min-p is the nearest "
                                           "(relative) one")),
-    oracle="tests/test_processors.py::test_stage_equals_transformers_processor",
+    oracle="tests/engine/test_processors.py::test_stage_equals_transformers_processor",
     served=Served(step_caveats=(STEP_TAIL,)),
 ))
 
@@ -231,7 +231,7 @@ register(StageSpec(
     heading=lambda s: f"top-nσ: keep logits within {param(s, 'top_n_sigma')}σ of the top",
     interop=Interop(webui=Export("top_n_sigma", knobs=("top_n_sigma",)),
                     llama=Export("top_n_sigma", flag="--top-nsigma"), export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_top_n_sigma_by_hand",
+    oracle="tests/engine/test_samplers.py::test_top_n_sigma_by_hand",
     served=Served(same_fields("top_n_sigma"), step_caveats=(STEP_SPREAD,)),
 ))
 
@@ -251,7 +251,7 @@ register(StageSpec(
     heading=lambda s: f"η-cutoff: drop p below {param(s, 'eta_cutoff')} (entropy-scaled)",
     interop=Interop("EtaLogitsWarper", webui=Export("eta_cutoff", knobs=("eta_cutoff",), scale=10_000),
                     llama=Export(unmapped="llama.cpp has no eta sampler"), export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers",
+    oracle="tests/engine/test_samplers.py::test_wrapped_stage_equals_transformers",
     served=Served(step_caveats=(STEP_TAIL,)),
 ))
 
@@ -279,7 +279,7 @@ register(StageSpec(
     heading=lambda s: f"top-a: drop p below {param(s, 'top_a')} × top p²",
     interop=Interop(webui=Export("top_a", knobs=("top_a",)), llama=Export(unmapped="llama.cpp has no top-a sampler"),
                     export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_top_a_by_hand",
+    oracle="tests/engine/test_samplers.py::test_top_a_by_hand",
     served=Served(step_caveats=(STEP_TAIL,)),
 ))
 
@@ -304,6 +304,6 @@ register(StageSpec(
     heading=lambda s: f"top-H: keep entropy within {param(s, 'top_h')} of the whole",
     interop=Interop("TopHLogitsWarper", webui=Export(unmapped="text-generation-webui has no top-H sampler"),
                     llama=Export(unmapped="llama.cpp has no top-H sampler"), export_all_knobs=True),
-    oracle="tests/test_samplers.py::test_wrapped_stage_equals_transformers",
+    oracle="tests/engine/test_samplers.py::test_wrapped_stage_equals_transformers",
     served=Served(step_caveats=(STEP_TAIL,)),
 ))

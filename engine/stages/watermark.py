@@ -5,7 +5,7 @@ the step; the stage adds δ to the green tokens' logits, so the text it helps wr
 green tokens than chance (γ of them), which a detector holding the same key counts
 (``engine.reports.watermark``). Two seeding schemes, as transformers' ``WatermarkLogitsProcessor``
 (generation/logits_process.py) and ``WatermarkDetector`` (generation/watermarking.py) have them,
-hashed exactly as they do so both give the same green lists (tests/test_watermark.py):
+hashed exactly as they do so both give the same green lists (tests/engine/test_watermark.py):
 
 - ``lefthash`` (the paper's Algorithm 2): the seed is key × the previous token.
 - ``selfhash`` (Algorithm 3): a candidate token is green when it is in the green list seeded from
@@ -151,7 +151,7 @@ register(StageSpec(
     interop=Interop("WatermarkLogitsProcessor",
                     webui=Export(unmapped="text-generation-webui has no green-list watermark"),
                     llama=Export(unmapped="llama.cpp has no green-list watermark sampler"), export_all_knobs=True),
-    oracle="tests/test_watermark.py::test_green_lists_and_biased_logits_equal_transformers "
-           "tests/test_watermark.py::test_detector_equals_transformers",
+    oracle="tests/engine/test_watermark.py::test_green_lists_and_biased_logits_equal_transformers "
+           "tests/engine/test_watermark.py::test_detector_equals_transformers",
     served=Served(step_caveats=(STEP_LIFT,)),
 ))

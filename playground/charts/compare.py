@@ -1,5 +1,5 @@
 """Compare-view builders: pure functions of traces and metrics -> plotly figures, table rows and
-short texts. No gradio here; unit-tested on hand-made traces (tests/test_compare_view.py)."""
+short texts. No gradio here; unit-tested on hand-made traces (tests/browser/test_compare_view.py)."""
 
 from __future__ import annotations
 

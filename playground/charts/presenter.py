@@ -76,7 +76,7 @@ def step_chart(step: StepTrace, width: float | None = None, source: Source = LOC
     fit = max(1, int(area // (WIDE_TICK_FONT * ROW_EM)))
     bars = max(charts.panel_rows(step, fit), default=1)
     # never under 18 px: a top-N of 10 and the chosen token after a gap (12 rows, T 2.5) sit at ~20 px a
-    # row, their label boxes meeting (tests/test_chart_legibility_browser.py measures them drawn)
+    # row, their label boxes meeting (tests/browser/test_chart_legibility_browser.py measures them drawn)
     tick_font = BIG_FONT if bars * BIG_FONT * ROW_EM <= area and bars <= 7 else WIDE_TICK_FONT
     fig = legible_stage_chart(step, source, columns=columns, title_wrap=wrap, max_rows=fit)
     fig.update_layout(font=dict(size=BIG_FONT), title_font_size=BIG_FONT + 4, showlegend=False,

@@ -1,4 +1,4 @@
-"""Record a real vLLM's answers for the offline tests (tests/test_remote_openai.py, test_remote_stream.py,
+"""Record a real vLLM's answers for the offline tests (tests/remote/test_remote_openai.py, test_remote_stream.py,
 test_remote_speculative.py): each scenario below runs engine.backends' own code against the server through
 a recording client, so the files hold exactly the requests the tests make and what vLLM answered.
 

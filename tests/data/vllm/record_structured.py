@@ -1,4 +1,4 @@
-"""Record a real vLLM's greedy answers under structured outputs, for tests/test_grammar_remote.py.
+"""Record a real vLLM's greedy answers under structured outputs, for tests/remote/test_grammar_remote.py.
 
     python tests/data/vllm/record_structured.py http://127.0.0.1:PORT/v1 [BACKEND]
 
