@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.concurrency import prompt_for  # noqa: E402
 from bench.remote import started_server  # noqa: E402
 from deploy import vllm_serve  # noqa: E402
+from engine.strategies import served_decode
 from engine import runner  # noqa: E402
 from engine.backends import llamacpp, remote, served  # noqa: E402
 from engine.config import DecodingConfig  # noqa: E402
@@ -163,7 +164,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--users", type=int, default=16)
-    parser.add_argument("--verify", type=int, default=remote.VERIFY_TOKENS)
+    parser.add_argument("--verify", type=int, default=served_decode.VERIFY_TOKENS)
     parser.add_argument("--threads", type=int, default=2, help="llama-server threads (-t)")
     parser.add_argument("--url", default="", help="an already running llama-server")
     parser.add_argument("--vllm-url", default="", help="an already running vLLM (make vllm)")

@@ -2,7 +2,7 @@
 
 Step mode asks a server for its greedy continuation and keeps it while our pick (our chain on the
 server's raw top-N, our draw from the run's seeded generator) is the server's token
-(engine.backends.remote.stream_verified). Greedy, our pick is the server's argmax; sampling, it is
+(engine.backends.served_decode.stream_verified). Greedy, our pick is the server's argmax; sampling, it is
 the server's token only with our probability of it, so a sampled run cost about a request per two
 tokens. With this processor loaded (``deploy/vllm_serve.py`` starts vLLM with
 ``--logits-processors dp_draws:OurDraws``), a step-mode request may carry in ``vllm_xargs``:

@@ -22,7 +22,7 @@ import json
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

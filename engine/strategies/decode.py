@@ -11,9 +11,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from engine.strategies import served_decode
 from engine import explore, sampling
 from engine.base.seam import Model
-from engine.backends import remote
 from engine.cache import KVCache
 from engine.config import DecodingConfig
 from engine.core import RunContext, RunState, assemble, checked, draw_at, pick, step_trace
@@ -119,4 +119,4 @@ def stepwise(ctx: RunContext) -> Iterator[Event]:
 
 for _name, _doc in (("greedy", "The most probable token at every step."),
                     ("sample", "A seeded draw from the final distribution at every step.")):
-    register(StrategySpec(_name, stepwise, continues=True, doc=_doc, served=remote.stepwise, served_continues=True))
+    register(StrategySpec(_name, stepwise, continues=True, doc=_doc, served=served_decode.stepwise, served_continues=True))

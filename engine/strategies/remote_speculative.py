@@ -24,7 +24,7 @@ from engine.control import RunControl
 from engine.backends.registry import ModelRegistry
 from engine.backends.local import ModelSpec
 from engine.backends.served import RemoteLabel, RemoteModel, RemoteSpec, allowed_remote_models
-from engine.backends.remote import stream_step
+from engine.strategies.served_decode import stream_step
 from engine.sampling import NoTokensLeft
 from engine.core import checked
 from engine.base.strategy_spec import serve

@@ -28,7 +28,7 @@ from engine.reports.lessons import Lesson
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.backends.registry import is_remote_source
-from engine.backends.remote import step_approximations
+from engine.strategies.served_decode import step_approximations
 from engine import runner
 from engine.trace import Trace
 from playground.charts import step as charts
@@ -334,7 +334,7 @@ FAST_MODE_HINT = ("In fast mode the server's own grammar constrains its sampler 
 def ended_why(trace: Trace) -> str:
     """Why a run ended with nothing left to pick, in words ("" after any other end). A served
     model's step-mode trace carries the message of the stage that ended it (a grammar that allows
-    none of the server's top-N tokens) beside its usual caveats (engine.backends.remote.stream);
+    none of the server's top-N tokens) beside its usual caveats (engine.backends.served_decode.stream);
     where a grammar did, fast mode is the way on (FAST_MODE_HINT)."""
     remote = trace.extra.get("remote") if isinstance(trace.extra, dict) else None
     if trace.stop_reason != "no_tokens_left" or not isinstance(remote, dict) or remote.get("mode") != "step":
