@@ -10,7 +10,9 @@ served run never waits, and one more than the served slots is refused in one lin
 many served runs are stuck on a slow server, they hold at most ``DP_SERVED_CONCURRENCY`` of
 Gradio's slots, never a local one, and a local user is served as fast as without them. (The
 wait is in the run's worker thread: Gradio's thread pool is sized for both pools, see
-``thread_budget``.)
+``thread_budget``.) A presenter's run (``RunControl.priority``) whose local slots are all taken by
+the room takes the one kept for it (``PRESENTER_ROWS``, as the scheduler keeps a row), so it never
+waits for a room's run to end.
 
 The run's RunControl is the active control (``engine.control``) in its worker thread while it
 runs: a served model's requests take their deadline from it, and its cancel (Stop, a closed tab,
@@ -51,7 +53,7 @@ from engine.control import RunControl, RunStopped, run_under
 from engine.backends.local import ModelLoadError
 from engine.presets import PresetError
 from engine.backends.client import RemoteError
-from engine.scheduler import default_max_batch
+from engine.scheduler import PRESENTER_ROWS, default_max_batch
 from engine.settings import env_int, on_space
 from engine.sharelink import ShareLinkError
 from engine.trace import finite
@@ -110,24 +112,29 @@ class ServedBusy(ValueError):
 
 
 class ModelSlots:
-    """The two pools of model-event slots: ``local`` (runs on models loaded here) and ``served``
-    (runs on a served model). See the module doc."""
+    """The pools of model-event slots: ``local`` (runs on models loaded here), ``served`` (runs on
+    a served model) and ``presenter`` (local slots only a presenter's run takes, when every local
+    one is busy). See the module doc."""
 
-    def __init__(self, local: int, served: int):
-        self.limits = {"local": local, "served": served}
+    def __init__(self, local: int, served: int, presenter: int = PRESENTER_ROWS):
+        self.limits = {"local": local, "served": served, "presenter": presenter}
         self._free = {kind: threading.BoundedSemaphore(n) for kind, n in self.limits.items()}
 
-    def acquire(self, kind: str, control: RunControl) -> None:
-        """Take a ``kind`` slot: a local one waits (its control checked every SLOT_POLL_S); a
-        served one is refused at once (ServedBusy) when none is free."""
+    def acquire(self, kind: str, control: RunControl) -> str:
+        """Take a ``kind`` slot and return the pool it came from: a local one waits (its control
+        checked every SLOT_POLL_S; a presenter's run takes a ``presenter`` slot instead when one is
+        free); a served one is refused at once (ServedBusy) when none is free."""
         free = self._free[kind]
         if kind == "served":
             if not free.acquire(blocking=False):
                 raise ServedBusy(f"served models: {self.limits['served']} runs already use them "
                                  "(DP_SERVED_CONCURRENCY); try again in a moment")
-            return
+            return kind
         while not free.acquire(timeout=SLOT_POLL_S):
+            if control.priority and self._free["presenter"].acquire(blocking=False):
+                return "presenter"
             control.check()
+        return kind
 
     def release(self, kind: str) -> None:
         self._free[kind].release()
@@ -148,11 +155,11 @@ class RunSlots:
     def claim(self, served: bool) -> None:
         kind = "served" if served else "local"
         with self._lock:
-            if kind in self._held:
+            if kind in self._held or (kind == "local" and "presenter" in self._held):
                 return
-        self.pool.acquire(kind, self.control)
+        taken = self.pool.acquire(kind, self.control)
         with self._lock:
-            self._held.add(kind)
+            self._held.add(taken)
 
     def release(self) -> None:
         with self._lock:
@@ -540,8 +547,8 @@ def api_endpoint(fn: Callable[..., Any], what: str, uses_model: bool = True,
 
 class ModelEvents:
     """Registers model events: every one shares one queue concurrency id, whose limit is the local
-    slots (``concurrency_limit``) plus the served ones (``served_limit``); each run then takes a
-    slot of its model's kind (``slots``, see the module doc)."""
+    slots (``concurrency_limit``) plus the served ones (``served_limit``) and the presenter's; each
+    run then takes a slot of its model's kind (``slots``, see the module doc)."""
 
     def __init__(self, concurrency_limit: int | None = None, sessions: SessionRuns | None = None,
                  served_limit: int | None = None):
@@ -553,12 +560,13 @@ class ModelEvents:
 
     @property
     def _queue(self) -> dict[str, Any]:
-        return {"concurrency_id": MODEL_CONCURRENCY_ID, "concurrency_limit": self.concurrency_limit + self.served_limit}
+        return {"concurrency_id": MODEL_CONCURRENCY_ID,
+                "concurrency_limit": self.concurrency_limit + self.served_limit + PRESENTER_ROWS}
 
     @property
     def threads(self) -> int:
         """Gradio's worker threads this app needs (``thread_budget``)."""
-        return thread_budget(self.concurrency_limit, self.served_limit)
+        return thread_budget(self.concurrency_limit + PRESENTER_ROWS, self.served_limit)
 
     def on(self, triggers: list, handler: Callable[..., Iterator[dict]], inputs: list, outputs: list, *,
            on_error: Callable[[str], dict], what: str = "generation", js: str | None = None) -> Any:
