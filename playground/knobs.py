@@ -76,6 +76,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def strategy_knobs(name: str) -> tuple[str, ...]:
+    """The knobs strategy ``name`` declares in its spec (``StrategySpec.knobs``), in its order: a view
+    lists them from here, so a knob added to a strategy shows in its view without an edit there."""
+    import engine  # noqa: F401  (importing the engine registers every strategy)
+    from engine.base.strategy_spec import STRATEGIES
+
+    return tuple(knob.name for knob in STRATEGIES[name].knobs)
+
+
 # The penalties beam search applies (it ignores the sampling-only stages).
 PENALTY_KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size")
 IGNORED_BY_GREEDY = "Ignored by greedy (it always takes the most likely token)."

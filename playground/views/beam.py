@@ -27,13 +27,12 @@ from playground.charts.remote import remote_markdown
 
 from .. import downloads, examples, ids
 from ..events import stop_button
-from ..knobs import PENALTY_KNOBS, KnobPanel
+from ..knobs import PENALTY_KNOBS, KnobPanel, strategy_knobs
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
 from .. import stale
 
 STREAM_EVERY_S = 0.4  # throttle tree redraws while the search runs
-BEAM_KNOBS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_beam_groups",
-              "diversity_penalty", "max_new_tokens", "stop")
+BEAM_KNOBS = (*strategy_knobs("beam"), "max_new_tokens", "stop")
 DEFAULT_PROMPT = "The best way to learn a new language is"
 DEFAULT_PRESET = "beam-4"
 EMPTY_SUMMARY = ("Press **Search** (or Ctrl/Cmd+Enter in the prompt) to grow the search tree; then hover a node for its "

@@ -26,13 +26,13 @@ from playground.charts.remote import remote_markdown
 from .. import downloads, examples, ids
 from ..assets import static_text
 from ..events import stop_button
-from ..knobs import STAGE_KNOBS, KnobPanel
+from ..knobs import STAGE_KNOBS, KnobPanel, strategy_knobs
 from ..shared import SESSION_TTL_S, OutputSet, PanelView, Shared, status_html, throttle
 from .. import stale
 
 STREAM_EVERY_S = 0.25
 RUN_KNOBS = ("seed", "max_new_tokens", "top_n", "stop")
-SPEC_KNOBS = ("drafter", "num_draft_tokens", "ngram_size", "adaptive_k")
+SPEC_KNOBS = strategy_knobs("speculative")
 DEFAULT_PRESET = "speculative-ngram"
 PICK_A_TOKEN = "Click a round's token (a chip above) or pick a position to see p vs q and its acceptance test."
 EMPTY_EXPLAIN = ("Press **Generate** (or Ctrl/Cmd+Enter in the prompt) to run it; then click a round's token to see "
