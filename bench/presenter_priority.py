@@ -2,14 +2,15 @@
 "top-k vs top-p vs min-p" lesson took 537 s and stopped at the 120 s limit).
 
 The lesson's runs (three sampled lanes of 24 tokens) go through the app's kind of scheduler (one per
-model, default rows, PRESENTER_ROWS kept) as the Lessons tab sends them: one after the other, each with a ``RunControl``
-whose ``priority`` says the presenter view is on. Timed alone, then with ``--users`` simulated users
+model, default rows, PRESENTER_ROWS kept, the presenter's rows their own batch and the room's forwarded
+every ``--share``-th tick beside them: engine/scheduler.py) as the Lessons tab sends them: one after
+the other, each with a ``RunControl`` whose ``priority`` says the presenter view is on. Timed alone, then with ``--users`` simulated users
 streaming long sampling runs through the same scheduler (their rows full, more waiting), then the
 same with ``priority`` off (the room's order: the presenter queues; bounded by ``--limit`` seconds,
 as the app's request limit bounds it). Printed: each time, and the ratio with the room to alone
-(issue #52's goal: at most 2).
+(issue #52's goal: at most 2), with the load average and the CPU's model name.
 
-    python -m bench.presenter_priority [--users 16] [--lesson truncation] [--limit 120]
+    python -m bench.presenter_priority [--users 16] [--lesson truncation] [--limit 120] [--share 4]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine.backends.local import ModelSpec, load_model
 from engine.config import DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.reports.lessons import builtin_lessons
-from engine.scheduler import PRESENTER_ROWS, Scheduler
+from engine.scheduler import PRESENTER_ROWS, Scheduler, default_presenter_share
 
 ROOM_TOKENS = 1024  # each user's run: long enough to outlast the measurement; a new one starts when it ends
 
@@ -63,20 +64,37 @@ def room(lm, scheduler: Scheduler, users: int, stop: threading.Event) -> list[th
     return threads
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (what ``lscpu`` shows; "unknown" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--lesson", default="truncation")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds a lesson may take (the app's limit)")
+    parser.add_argument("--share", type=int, default=None,
+                        help="ticks per forward of the room's rows beside a presenter's (default: DP_PRESENTER_SHARE, 4)")
     args = parser.parse_args()
     if not 1 <= args.users <= 64:
         raise SystemExit(f"--users: expected 1..64, got {args.users}")
+    try:
+        share = default_presenter_share() if args.share is None else args.share
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if share < 1:
+        raise SystemExit(f"--share: expected an integer >= 1, got {share}")
     lessons = builtin_lessons()
     if args.lesson not in lessons:
         raise SystemExit(f"--lesson: expected one of {', '.join(lessons)}, got {args.lesson!r}")
     lesson = lessons[args.lesson]
     lm = load_model(ModelSpec())
-    scheduler = Scheduler(lm, presenter_rows=PRESENTER_ROWS)  # as the app's (engine.scheduler.Schedulers)
+    scheduler = Scheduler(lm, presenter_rows=PRESENTER_ROWS, presenter_share=share)  # as the app's (Schedulers)
     lesson_time(lm, scheduler, lesson, True, args.limit)  # warm-up: first-call costs out of the timing
     alone = lesson_time(lm, scheduler, lesson, True, args.limit)
     stop = threading.Event()
@@ -94,8 +112,9 @@ def main() -> None:
             t.join(60)
         scheduler.close()
     load = os.getloadavg()[0]
-    print(f"lesson {lesson.id!r} ({len(lesson.runs)} runs), scheduler {busy['max_batch']} rows; room: {args.users} users "
-          f"({busy['active']} rows decoding, {busy['queued']} waiting); load average {load:.1f}")
+    print(f"lesson {lesson.id!r} ({len(lesson.runs)} runs), scheduler {busy['max_batch']} rows, room forwarded every "
+          f"{share} ticks beside the presenter; room: {args.users} users ({busy['active']} rows decoding, "
+          f"{busy['queued']} waiting); load average {load:.1f}; CPU {cpu_model()}, {os.cpu_count()} cores")
     print(f"  alone:                       {alone:.2f} s")
     print(f"  beside the room, priority:   {with_room:.2f} s" if with_room is not None else
           f"  beside the room, priority:   > {args.limit:g} s (stopped)")

@@ -98,8 +98,9 @@ DEFAULT_MAX_QUEUE = 256
 # joins at the next tick however full the room (none kept on a scheduler of one row).
 PRESENTER_ROWS = 1
 # While a presenter's run is in the batch the room's rows are forwarded every this many ticks
-# (DP_PRESENTER_SHARE): on the 2-core CPU a forward of the room's 15 rows costs about twice one of
-# the presenter's row, so every 4th tick keeps the presenter's lesson within ~1.5x its time alone.
+# (DP_PRESENTER_SHARE): on the 2-core CPU a forward of 16 rows costs ~1.6x one of a single row
+# (docs/performance.md, bench.token_split: 3.23 ms a token at 16 rows, 32.0 ms at one), so with the
+# room's steps every 4th tick keeps the presenter's lesson near 1.5x its time alone (bench.presenter_priority).
 DEFAULT_PRESENTER_SHARE = 4
 DEFAULT_PREFILL_CHUNK = 256
 # Joiners prefilled together share a common prompt prefix's forward once it is this long (shorter
