@@ -549,6 +549,7 @@ class Scheduler:
         for run in chunked:
             run.chunk_kv = KVCache(run.lm.model)
         self._chunking.extend(chunked)
+        self._chunking.sort(key=lambda run: not _priority(run))  # a presenter's long prompt is fed first
         joiners = [run for run in joiners if run.chunk_kv is None]
         groups = [group for front in (True, False)  # a presenter's runs join their own batch
                   for group in length_groups([run for run in joiners if not run.state.needs_replay

@@ -7,12 +7,14 @@ the room still moves, and every run's tokens equal its serial rerun (``decode.st
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 
 import pytest
 
 from engine.config import DecodingConfig
-from engine.control import RunControl
+from engine.control import RunControl, RunStopped
 from engine.scheduler import Scheduler, default_presenter_share
 from engine.settings import SettingsError
 from engine.strategies import decode
@@ -102,3 +104,47 @@ def test_presenter_share_from_the_environment_is_checked(monkeypatch, tiny_lm):
         default_presenter_share()
     with pytest.raises(ValueError, match="presenter_share must be >= 1, got 0"):
         Scheduler(tiny_lm, presenter_share=0)
+
+
+def test_a_presenters_long_prompt_is_fed_before_the_rooms(tiny_lm):
+    """Chunked prefill (``prefill_chunk`` 4): a room's 400-token prompt is being fed, 4 tokens a tick,
+    when a presenter's 40-token prompt arrives; the presenter's is fed first, so its run ends before the
+    room's long prompt has its first token. Both runs' tokens equal their serial reruns."""
+    scheduler = Scheduler(tiny_lm, max_batch=4, max_queue=4, prefill_chunk=4, presenter_rows=1)
+    events: list[str] = []
+    short, _ = room_job(tiny_lm, 0)
+    decoding = DecodingConfig(strategy="greedy", max_new_tokens=400, min_new_tokens=400)
+    long_ids = (tiny_lm.encode(" waves and wind") * 200)[:400]
+    lesson_ids = (tiny_lm.encode(" the lesson") * 20)[:40]
+    three = DecodingConfig(strategy="greedy", max_new_tokens=3)
+    twelve = DecodingConfig(strategy="sample", seed=5, max_new_tokens=12, min_new_tokens=12)
+    control = RunControl()
+    got: dict[str, list] = {"room": [], "presenter": []}
+
+    def consume(name: str, ids, config, run_control) -> None:
+        for step in scheduler.stream(ids, config, control=run_control):
+            got[name].append(step)
+            events.append(name)
+
+    def decode_until_cancelled() -> None:
+        with contextlib.suppress(RunStopped):
+            list(scheduler.stream(short, decoding, control=control))
+
+    decoder = threading.Thread(target=decode_until_cancelled, daemon=True)
+    room = threading.Thread(target=consume, args=("room", long_ids, three, None), daemon=True)
+    try:
+        decoder.start()  # a row decoding: a long prompt is fed a chunk a tick, between its forwards
+        while scheduler.stats()["active"] < 1:
+            time.sleep(0.005)
+        room.start()
+        while scheduler.stats()["active"] < 2:  # the long prompt is being fed
+            time.sleep(0.005)
+        consume("presenter", lesson_ids, twelve, RunControl(priority=True))
+        room.join(120)
+    finally:
+        control.cancel()
+        decoder.join(60)
+        scheduler.close()
+    assert events.index("room") > len(got["presenter"]) - 1 and events[:12] == ["presenter"] * 12
+    assert_same_steps(got["presenter"], list(decode.stream(tiny_lm, lesson_ids, twelve)))
+    assert_same_steps(got["room"], list(decode.stream(tiny_lm, long_ids, three)))
