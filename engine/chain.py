@@ -1,7 +1,7 @@
 """The chain: the user's stages in the user's order, applied to next-token logits and recorded
 (raw, after every stage, final) for many rows at once (``traced_rows``, the batched scheduler's
 path) or one row (``Chain.traced``, its one-row case: one implementation of the recording). The
-stages themselves live in ``processors``.
+stages themselves live in ``engine/stages/`` (one module per kind, each registering its spec).
 """
 
 from __future__ import annotations
