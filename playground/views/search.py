@@ -1,15 +1,18 @@
-"""Search & heads: two strategies that look past the next token, each in its own mode.
+"""Search & heads: three strategies that look past the next token, each in its own mode.
 
 - **MCTS**: before every token, PUCT simulations search a tree of continuations; the view draws the
   tree of any committed position (visits as size, Q as colour, the committed child outlined) and,
   once the run ends, sets MCTS against greedy and beam on the same prompt by the total raw
   log-prob of each output (one uncached forward each, the same yardstick for all three).
+- **EAGLE**: per round, the draft tree the head grew (each node's draft confidence, the accepted
+  path, where the target refused), tokens per round, the drafter's confidence against measured
+  acceptance, the speed-up over target-only, and Medusa and n-gram on the same prompt beside it.
 - **Medusa**: per round, each head's top candidates as a small tree, which the target accepted,
   tokens per round and per target forward, and the speed-up over target-only decoding of the
   same knobs measured in this process (``compare_baseline=True``).
 
 Per-user state: one session dataclass per mode in gr.State (the finished trace). Every run goes
-through ``Shared.stream`` / ``Shared.run``. API: ``/mcts_trace`` and ``/medusa_trace`` return the
+through ``Shared.stream`` / ``Shared.run``. API: ``/mcts_trace``, ``/medusa_trace`` and ``/eagle_trace`` return the
 trace JSON.
 """
 
@@ -18,17 +21,21 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
 
 from engine.base.seam import Model
-from engine.config import DecodingConfig
+from engine.config import ConfigError, DecodingConfig
 from engine.control import RunControl, RunStopped
 from engine.strategies.mcts import NOT_COMMITTED, MctsPosition, interrupted_of, positions_of, raw_logprob
+from engine.strategies import eagle
+from engine.strategies.eagle import EagleRound
 from engine.strategies.medusa import MedusaRound, rounds_of
+from engine.strategies.speculative import SpecRound
 from engine.numbers import percent
 from engine.trace import Trace
+from playground.charts import eagle as eagle_charts
 from playground.charts import mcts as mcts_charts
 from playground.charts import medusa as medusa_charts
 
@@ -42,9 +49,11 @@ STREAM_EVERY_S = 0.5
 MCTS_KNOBS = ("mcts_simulations", "mcts_c_puct", "mcts_expand_k", "mcts_rollout_tokens", "max_new_tokens")
 MEDUSA_KNOBS = ("medusa_heads", "medusa_tree_width", "medusa_tree_nodes", "medusa_tree_min_score", "max_new_tokens",
                 "temperature", "top_k", "top_p", "seed")
-MCTS_PRESET, MEDUSA_PRESET = "mcts", "medusa"
+EAGLE_KNOBS = ("eagle_tokens", "eagle_depth", "eagle_topk", "max_new_tokens", "temperature", "top_k", "top_p", "seed")
+MCTS_PRESET, MEDUSA_PRESET, EAGLE_PRESET = "mcts", "medusa", "eagle"
 MCTS_PROMPT = "The capital of France is"
 MEDUSA_PROMPT = "Write one sentence about the sea."
+EAGLE_PROMPT = MEDUSA_PROMPT  # the same prompt: the two drafters side by side
 COMPARE_BEAMS = 4  # beam width of the side-by-side run (the MCTS knobs have none)
 VISIT_HEADERS = ["token", "prior", "visits", "Q", "committed"]
 
@@ -331,7 +340,7 @@ def round_updates(out: MedusaOutputs, session: MedusaSession | None, index: Any)
     return {out.round_tree: medusa_charts.round_figure(session.rounds[i], first)}
 
 
-def first_tokens(lm: Model, trace: Trace, rounds: list[MedusaRound]) -> list[str]:
+def first_tokens(lm: Model, trace: Trace, rounds: Sequence[SpecRound]) -> list[str]:
     """The token each round fed first: the last one emitted before it (the prompt's last token for round 0)."""
     tokens = [s.chosen_token for s in trace.steps]
     prompt_last = lm.token_text(trace.prompt_token_ids[-1])
@@ -406,12 +415,191 @@ def medusa_trace(shared: Shared, prompt: str, config: dict | None = None, preset
                              compare_baseline=compare_baseline)
 
 
+# --- EAGLE --------------------------------------------------------------------------------------
+COMPARE_HEADERS = ["strategy", "tokens per target forward", "tok/s", "speed-up vs target-only", "same tokens as EAGLE"]
+# The drafters set beside EAGLE on the same prompt and sampling knobs (medusa / ngram: their presets' own)
+SIDE_BY_SIDE = (("Medusa", dict(strategy="medusa")), ("n-gram (prompt lookup)", dict(strategy="speculative", drafter="ngram")))
+
+
+@dataclass
+class EagleSession:
+    rounds: list[EagleRound] = field(default_factory=list)
+    trace: Trace | None = None
+    first_tokens: list[str] = field(default_factory=list)  # per round: the token fed first (the root)
+    compare: list[list[Any]] = field(default_factory=list)  # rows under COMPARE_HEADERS
+
+
+@dataclass
+class EagleOutputs(OutputSet):
+    status: Any
+    text: Any
+    summary: Any
+    round_picker: Any
+    round_tree: Any
+    accept: Any
+    calibration: Any
+    compare: Any
+    download: Any
+    session: Any
+
+
+def eagle_summary(trace: Trace) -> str:
+    """Tokens per target forward, the measured speed-up, the calibration and whether greedy EAGLE
+    gave target-only's tokens, in Markdown, from the trace's own numbers."""
+    s = trace.summary
+    rounds = eagle.rounds_of(trace)
+    lines = [
+        f"**{_number(s.get('tokens_per_target_forward'), '.2f')} tokens per target forward** over {len(rounds)} "
+        f"rounds ({len(trace.generated_token_ids)} tokens); the draft tree held "
+        f"{_number(s.get('mean_tree_nodes'), '.1f')} nodes per round on average (at most {s.get('eagle_tokens')}, "
+        f"{s.get('eagle_depth')} deep).",
+        f"**Speed-up vs target-only: {_number(s.get('speedup'), '.2f')}×** (target-only "
+        f"{_number(s.get('baseline_tokens_per_s'), '.1f')} tok/s vs EAGLE {_number(trace.timing.tokens_per_s, '.1f')} "
+        "tok/s, measured in this process, one after the other).",
+    ]
+    bins = eagle_charts.calibration(rounds)
+    if bins:
+        shown = "; ".join(f"{b.low:.1f}–{b.high:.1f}: {b.accepted}/{b.nodes} accepted" for b in bins)
+        lines.append(f"Draft confidence vs acceptance (tested nodes): {shown}.")
+    same = s.get("baseline_same_tokens")
+    if same is not None:
+        lines.append("Same tokens as target-only: " + ("yes" if same else _difference(s).replace("Medusa", "EAGLE")))
+    return "\n\n".join(lines)
+
+
+def eagle_round_updates(out: EagleOutputs, session: EagleSession | None, index: Any) -> dict:
+    """The draft tree of round ``index`` (the last one when unknown): pure, no model."""
+    if session is None or not session.rounds:
+        return {}
+    i = next((n for n, r in enumerate(session.rounds) if r.index == index), len(session.rounds) - 1)
+    first = session.first_tokens[i] if i < len(session.first_tokens) else ""
+    return {out.round_tree: eagle_charts.tree_figure(session.rounds[i], first)}
+
+
+def eagle_render(out: EagleOutputs, session: EagleSession, status: str) -> dict:
+    """Every output of a finished run; it opens on the round that accepted the most draft nodes."""
+    best = max(session.rounds, key=lambda r: (r.num_accepted, -r.index)).index if session.rounds else None
+    tpf = session.trace.summary.get("tokens_per_target_forward") if session.trace else None
+    updates = eagle_round_updates(out, session, best) | {
+        out.status: status, out.accept: eagle_charts.accept_figure(session.rounds, tpf),
+        out.calibration: eagle_charts.calibration_figure(session.rounds), out.compare: session.compare,
+        out.round_picker: gr.update(choices=[(f"round {r.index}: +{len(r.emitted_token_ids)}", r.index)
+                                             for r in session.rounds], value=best), out.session: session}
+    if session.trace is not None:
+        updates |= {out.text: session.trace.text, out.summary: eagle_summary(session.trace),
+                    out.download: downloads.trace_file(session.trace, "eagle-trace")}
+    return updates
+
+
+def compare_row(name: str, trace: Trace, baseline_tokens_per_s: Any, reference: list[int]) -> list[Any]:
+    """One side-by-side row: tokens per target forward, tok/s, its speed-up over the target-only run
+    timed after EAGLE's, and whether its tokens equal EAGLE's."""
+    tps = trace.timing.tokens_per_s
+    ok = isinstance(baseline_tokens_per_s, (int, float)) and math.isfinite(baseline_tokens_per_s) and baseline_tokens_per_s > 0
+    speedup = _number(tps / baseline_tokens_per_s, ".2f") + "×" if ok and math.isfinite(tps) else "n/a"
+    same = "yes" if trace.generated_token_ids == reference else "no"
+    return [name, _number(trace.summary.get("tokens_per_target_forward"), ".2f"), _number(tps, ".1f"), speedup, same]
+
+
+def compare_rows(shared: Shared, req: RunRequest, trace: Trace, control: RunControl) -> list[list[Any]]:
+    """EAGLE, target-only (from EAGLE's baseline), then Medusa and n-gram on the same prompt and
+    sampling knobs; a drafter this model lacks (no Medusa heads) is a row saying why."""
+    base = trace.summary.get("baseline_tokens_per_s")
+    reference = list(trace.generated_token_ids)
+    rows = [compare_row("EAGLE", trace, base, reference),
+            ["target only", "1.00", _number(base, ".1f"), "1.00×", _same_word(trace.summary.get("baseline_same_tokens"))]]
+    for name, knobs in SIDE_BY_SIDE:
+        config = req.config.replace(**knobs)
+        try:
+            other = shared.run(req.lm, req.prompt, config, chat=req.chat, prompt_ids=req.prompt_ids, control=control)
+        except ConfigError as exc:
+            rows.append([name, f"n/a: {exc}", "", "", ""])
+            continue
+        rows.append(compare_row(name, other, base, reference))
+    return rows
+
+
+def _same_word(same: Any) -> str:
+    return "n/a" if same is None else ("yes" if same else "no")
+
+
+def stream_eagle(out: EagleOutputs, shared: Shared, req: RunRequest, control: RunControl) -> Iterator[dict]:
+    """EAGLE rounds (throttled redraws), its target-only timing run, then Medusa and n-gram on the
+    same prompt for the side-by-side table. A stop during the side-by-side keeps EAGLE's outputs."""
+    session = EagleSession()
+    events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control,
+                           compare_baseline=True)
+    text = ""
+    for event, redraw in throttle(events, STREAM_EVERY_S):
+        if event.trace is not None:
+            session.trace = event.trace
+        elif isinstance(event.record, EagleRound):
+            session.rounds.append(event.record)
+            text += event.record.emitted_text
+        if redraw and event.trace is None and session.rounds:
+            yield {out.text: text, out.accept: eagle_charts.accept_figure(session.rounds),
+                   out.status: status_html(f"round {len(session.rounds)}…")}
+    if session.trace is None:
+        raise RuntimeError("stream ended without a trace")
+    session.rounds = eagle.rounds_of(session.trace)
+    session.first_tokens = first_tokens(req.lm, session.trace, session.rounds)
+    yield eagle_render(out, session, status_html("EAGLE done; Medusa and n-gram on the same prompt for comparison…"))
+    try:
+        session.compare = compare_rows(shared, req, session.trace, control)
+    except RunStopped as stop:
+        why = "time limit reached" if stop.reason == "time_limit" else "stopped"
+        yield eagle_render(out, session, status_html(f"EAGLE done; {why} during the comparison runs. "
+                                                      "Pick a round to see its draft tree."))
+        return
+    yield eagle_render(out, session, status_html("done: pick a round to see its draft tree."))
+
+
+def _eagle_mode(shared: Shared) -> None:
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=330):
+            prompt, run, stop, status, chat = _prompt_column("eagle", EAGLE_PROMPT, True)
+            panel = KnobPanel(shared, EAGLE_KNOBS, ["eagle"], preset=EAGLE_PRESET, stage_order=False, prefix="eagle-")
+        with gr.Column(scale=2, min_width=480):
+            text = gr.Textbox(label="EAGLE output", lines=3, interactive=False, elem_id="eagle-text")
+            summary = gr.Markdown(elem_id="eagle-summary")
+            picker = gr.Dropdown([], label="Round", elem_id="eagle-round",
+                                 info="One target forward per round; pick one to see the tree the head grew.")
+            tree = gr.Plot(label="The round's draft tree: each node's token and draft confidence; accepted path thick",
+                           elem_id="eagle-tree")
+            accept = gr.Plot(label="Tokens per round (acceptance length)", elem_id="eagle-accept")
+            calibration = gr.Plot(label="Draft confidence vs acceptance", elem_id="eagle-calibration")
+            compare = gr.Dataframe(headers=COMPARE_HEADERS, value=[], interactive=False, wrap=True,
+                                   label="Side by side on this prompt", elem_id="eagle-compare")
+            download = gr.DownloadButton("Download trace JSON", elem_id="eagle-download")
+    out = EagleOutputs(status, text, summary, picker, tree, accept, calibration, compare, download,
+                       gr.State(None, time_to_live=SESSION_TTL_S))
+    panel.wire()
+
+    wire_run(shared, panel, prompt, chat, run, stop, out, stream_eagle, "generation")
+    picker.input(lambda session, index: eagle_round_updates(out, session, index), [out.session, picker],
+                 [out.round_tree], api_visibility="private", queue=False)
+    shared.events.api(functools.partial(eagle_trace, shared), "eagle_trace")
+
+
+def eagle_trace(shared: Shared, prompt: str, config: dict | None = None, preset: str = EAGLE_PRESET,
+                chat: bool = False, compare_baseline: bool = True, model: str = "embedded",
+                quantization: str = "none", *, control: RunControl) -> dict:
+    """Run EAGLE decoding and return the trace JSON: rounds[] (the draft tree with each node's path
+    score and status, the accepted path, refused_at), summary.tokens_per_target_forward,
+    summary.depth_acceptance, and with ``compare_baseline`` summary.speedup over target-only."""
+    return shared.trace_json(prompt, config, preset, chat, model, quantization, strategies=("eagle",), control=control,
+                             compare_baseline=compare_baseline)
+
+
 def build_tab(shared: Shared) -> None:
     gr.Markdown("Two strategies that look past the next token. **MCTS** searches a tree of continuations before "
                 "committing each token (slow; it avoids locally likely dead ends). **Medusa** adds trained heads that "
-                "guess the next few tokens from the model's own hidden state; one target forward checks them all.")
+                "guess the next few tokens from the model's own hidden state; one target forward checks them all. "
+                "**EAGLE** drafts from the model's features with one small layer and grows a tree where it is sure.")
     with gr.Tabs():
         with gr.Tab("MCTS", id="search-mcts", elem_id="search-mcts"):
             _mcts_mode(shared)
         with gr.Tab("Medusa", id="search-medusa", elem_id="search-medusa"):
             _medusa_mode(shared)
+        with gr.Tab("EAGLE", id="search-eagle", elem_id="search-eagle"):
+            _eagle_mode(shared)

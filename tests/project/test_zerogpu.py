@@ -49,6 +49,7 @@ ENDPOINT_ARGS: dict[str, dict] = {
     "quantization_methods_report": {"variants": ["none", "int8"]},
     "mcts_trace": {"config": {"max_new_tokens": 2, "mcts_simulations": 4, "mcts_rollout_tokens": 1}},
     "medusa_trace": {"config": {"max_new_tokens": 4}},
+    "eagle_trace": {"config": {"max_new_tokens": 4}},
     "serving_demo": {"name": "paged"},
     "token_ranks": {"text": " Paris, a city of light.", "context": PROMPT},
     "watermark_detect": {"text": " Paris, a city of light and of the river Seine."},
