@@ -543,7 +543,7 @@ def stream_eagle(out: EagleOutputs, shared: Shared, req: RunRequest, control: Ru
         raise RuntimeError("stream ended without a trace")
     session.rounds = eagle.rounds_of(session.trace)
     session.first_tokens = first_tokens(req.lm, session.trace, session.rounds)
-    yield eagle_render(out, session, status_html("EAGLE done; Medusa and n-gram on the same prompt for comparison…"))
+    yield eagle_render(out, session, status_html("EAGLE finished; Medusa and n-gram on the same prompt for comparison…"))
     try:
         session.compare = compare_rows(shared, req, session.trace, control)
     except RunStopped as stop:
@@ -569,7 +569,8 @@ def _eagle_mode(shared: Shared) -> None:
             accept = gr.Plot(label="Tokens per round (acceptance length)", elem_id="eagle-accept")
             calibration = gr.Plot(label="Draft confidence vs acceptance", elem_id="eagle-calibration")
             compare = gr.Dataframe(headers=COMPARE_HEADERS, value=[], interactive=False, wrap=True,
-                                   label="Side by side on this prompt", elem_id="eagle-compare")
+                                   label="Side by side on this prompt (one timed run each, against the one target-only run after EAGLE's)",
+                                   elem_id="eagle-compare")
             download = gr.DownloadButton("Download trace JSON", elem_id="eagle-download")
     out = EagleOutputs(status, text, summary, picker, tree, accept, calibration, compare, download,
                        gr.State(None, time_to_live=SESSION_TTL_S))
@@ -592,7 +593,7 @@ def eagle_trace(shared: Shared, prompt: str, config: dict | None = None, preset:
 
 
 def build_tab(shared: Shared) -> None:
-    gr.Markdown("Two strategies that look past the next token. **MCTS** searches a tree of continuations before "
+    gr.Markdown("Three strategies that look past the next token. **MCTS** searches a tree of continuations before "
                 "committing each token (slow; it avoids locally likely dead ends). **Medusa** adds trained heads that "
                 "guess the next few tokens from the model's own hidden state; one target forward checks them all. "
                 "**EAGLE** drafts from the model's features with one small layer and grows a tree where it is sure.")
