@@ -16,22 +16,13 @@ from engine import runner
 from engine.config import ConfigError, DecodingConfig
 from engine.strategies import decode, eagle, eagle_head, eagle_train
 from engine.strategies.eagle import Budget
-from engine.strategies.eagle_head import EagleHead, HeadConfig, feature_layers, load_head, save_head
+from engine.strategies.eagle_head import feature_layers, load_head, save_head
 from engine.strategies.medusa import TreeNode
 from engine.trace import Trace
+from tests.helpers.eagle import random_head
 from tests.helpers.speculative import chi_square_p, exact_two_token_joint, wrap
 
 GREEDY = DecodingConfig(strategy="eagle", temperature=0.0, max_new_tokens=20)
-
-
-def random_head(lm, draft_vocab: int | None = None, seed: int = 0) -> EagleHead:
-    """An untrained head for ``lm`` (its candidates are arbitrary: exactness must not depend on them)."""
-    torch.manual_seed(seed)
-    config = lm.model.config
-    size = draft_vocab or lm.vocab_size
-    head_config = HeadConfig(lm.name, config.hidden_size, lm.vocab_size, size, feature_layers(config.num_hidden_layers))
-    head = EagleHead(config, head_config, torch.randperm(lm.vocab_size)[:size])
-    return head.eval().requires_grad_(False).bind(lm.model)
 
 
 def target_only(lm, ids, config) -> list[int]:

@@ -1,4 +1,4 @@
-"""Shared by the tests: what tests/playground/test_eagle_view.py and the tests beside it use."""
+"""Shared by the tests: what tests/engine/test_eagle.py and tests/playground/test_eagle_view.py use."""
 
 from __future__ import annotations
 
