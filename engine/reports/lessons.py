@@ -198,10 +198,13 @@ CHECK_FIELDS: dict[str, dict[str, tuple[int, int, int]]] = {
     "engines_agree": {},
     "lens_forms": {"step": (0, 0, 1023)},
     "watermark_washes_out": {"share": (50, 1, 100)},
+    "features_beat_tokens": {},
 }
 ENGINE_RUNS = ("", "vllm", "llamacpp")  # engines_agree: runs 0-2, greedy, on our engine, vLLM and llama.cpp
 # What a check reads from the lesson's runs: how many it compares, or which strategy run 0 must be.
-CHECK_RUNS = {"sampling_varies": 2, "entropy_rises": 2, "truncation_shapes": 2, "less_repetition": 2}
+CHECK_RUNS = {"sampling_varies": 2, "entropy_rises": 2, "truncation_shapes": 2, "less_repetition": 2,
+              "features_beat_tokens": 2}
+FEATURE_RUNS = ("medusa", "eagle")  # features_beat_tokens: runs 0-1, greedy
 CHECK_STRATEGY = {"beam_beats_greedy": "beam", "speculative_exact": "speculative", "grammar_distortion": "sample",
                   "watermark_washes_out": "sample"}
 
@@ -240,6 +243,9 @@ def _check(check: Any, runs: Sequence[Preset], models: Sequence[str] = ()) -> di
                                     any(not p.config.is_greedy for p in runs[:3])):
         raise LessonError(f"check.kind: engines_agree compares greedy runs on {', '.join(map(repr, ENGINE_RUNS))} "
                           "first (models)")
+    if kind == "features_beat_tokens" and (tuple(p.config.strategy for p in runs[:2]) != FEATURE_RUNS or
+                                           any(not p.config.is_greedy for p in runs[:2])):
+        raise LessonError("check.kind: features_beat_tokens compares a greedy medusa run, then a greedy eagle run")
     return dict(check)
 
 
@@ -359,10 +365,13 @@ def selected_step(trace: Trace, select: str | int) -> int:
 def taught_run(lesson: Lesson) -> int | None:
     """The run whose chart shows what the lesson's check is about, where the check names one: a
     truncation_shapes check's top-p lane (its few tokens at the peaked step, its many at the flat
-    one: the adaptive rule the lesson teaches); None for every other check (the view picks)."""
+    one: the adaptive rule the lesson teaches); a features_beat_tokens check's EAGLE run (run 1, its
+    rounds); None for every other check (the view picks)."""
     check = lesson.check or {}
     if check.get("kind") == "truncation_shapes":
         return check.get("lanes", {}).get("top_p", 1)  # validated by _lanes: a run index
+    if check.get("kind") == "features_beat_tokens":
+        return 1  # validated by _check: the EAGLE run
     return None
 
 
@@ -652,6 +661,22 @@ def _watermark_washes_out(lm, lesson, traces, registry, runs) -> Outcome:
                    {"z_planted": planted.z, "z_unmarked": unmarked.z, "z_washed": washed.z})
 
 
+def _features_beat_tokens(lm, lesson, traces, registry, runs) -> Outcome:
+    """Runs 0-1: greedy Medusa (heads predicting tokens from the last hidden state) and greedy EAGLE
+    (a head predicting the next features from the target's own): EAGLE keeps at least as many tokens
+    per target forward, and both write the target's own greedy text."""
+    target = runs.run(lm, lesson.prompt, lesson.runs[0].config.replace(strategy="greedy"), chat=lesson.chat)
+    medusa, eagle = traces[0], traces[1]
+    per = {name: t.summary.get("tokens_per_target_forward", 0.0) for name, t in (("medusa", medusa), ("eagle", eagle))}
+    same = {name: t.generated_token_ids == target.generated_token_ids for name, t in (("medusa", medusa), ("eagle", eagle))}
+    ok = all(same.values()) and per["eagle"] >= per["medusa"]
+    texts = "both wrote" if all(same.values()) else "not both wrote"
+    return Outcome(ok, f"EAGLE kept {per['eagle']:.2f} tokens per target forward, Medusa {per['medusa']:.2f}; "
+                       f"{texts} the target's own greedy text ({len(target.generated_token_ids)} tokens).",
+                   {"eagle_tokens_per_forward": per["eagle"], "medusa_tokens_per_forward": per["medusa"],
+                    "same_tokens_eagle": float(same["eagle"]), "same_tokens_medusa": float(same["medusa"])})
+
+
 CHECKS: dict[str, Callable[..., Outcome]] = {
     "sampling_varies": _sampling_varies,
     "entropy_rises": _entropy_rises,
@@ -666,6 +691,7 @@ CHECKS: dict[str, Callable[..., Outcome]] = {
     "engines_agree": _engines_agree,
     "lens_forms": _lens_forms,
     "watermark_washes_out": _watermark_washes_out,
+    "features_beat_tokens": _features_beat_tokens,
 }
 
 __all__ = ["CHECK_NEEDS", "NEEDS_MODEL", "Lesson", "LessonError", "Outcome", "available_lessons", "builtin_lessons",

@@ -22,6 +22,7 @@ TAUGHT = {
     "gptq-vs-awq": "perplexity",
     "logit-lens": "raw model",  # its Lessons-tab figure is the step chart (the lens itself opens in Inside the model)
     "watermark": "watermark",
+    "eagle-vs-medusa": "accepted drafts",  # a drafter's rounds: the tokens each target forward kept
 }
 
 
