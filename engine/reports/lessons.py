@@ -569,10 +569,12 @@ NEEDS_MODEL = {
     "beam_beats_greedy": "a served beam search scores by vLLM's rule (the prompt's length counts), not the lesson's",
     "grammar_distortion": "it walks every token prefix of the grammar with the model's whole distribution",
     "lens_forms": "it reads every layer's hidden state",
+    "features_beat_tokens": "its draft heads read the model's own hidden states",
 }
 # The capability each of them needs (engine.base.seam.Capabilities)
 CHECK_NEEDS = {"kv_cache_same": "kv_cache", "quantization_order": "weights", "gptq_vs_awq": "weights",
-               "beam_beats_greedy": "full_logits", "grammar_distortion": "full_logits", "lens_forms": "hidden_states"}
+               "beam_beats_greedy": "full_logits", "grammar_distortion": "full_logits", "lens_forms": "hidden_states",
+               "features_beat_tokens": "hidden_states"}
 
 
 def check_unavailable(kind: str | None, capabilities: Capabilities) -> str | None:
