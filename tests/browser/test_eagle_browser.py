@@ -1,8 +1,10 @@
 """The EAGLE section of Search & heads in a real browser (real server, embedded model, shipped
-head) on a phone and a projector: run it, see the draft tree, the summary and the side-by-side."""
+head) on a phone and a projector: run it, see the draft tree, the summary and the side-by-side;
+/eagle_trace through gradio_client."""
 
 import pytest
 
+from tests.helpers.api import api_client
 from tests.helpers.common import browser_page, open_tab
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -33,3 +35,11 @@ def test_eagle_draws_its_tree_and_summary(sized_page, live_app, artifacts):
     page.wait_for_selector("#eagle-calibration .js-plotly-plot")
     assert page.evaluate("() => document.scrollingElement.scrollWidth") <= width + 1
     page.screenshot(path=str(artifacts / f"eagle-{width}.png"), full_page=True)
+
+
+def test_eagle_trace_through_gradio_client(live_app):
+    trace = api_client(live_app).predict("Say hello.", {"max_new_tokens": 8}, "eagle", True, api_name="/eagle_trace")
+    assert trace["strategy"] == "eagle" and trace["summary"]["baseline_same_tokens"] is True
+    assert sum(len(r["emitted_token_ids"]) for r in trace["rounds"]) == len(trace["generated_token_ids"])
+    assert trace["summary"]["tokens_per_target_forward"] == pytest.approx(len(trace["generated_token_ids"]) / len(trace["rounds"]))
+    assert all(n["status"] in ("accepted", "rejected", "untested") for r in trace["rounds"] for n in r["tree"])
