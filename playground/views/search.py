@@ -293,15 +293,15 @@ def _number(value: Any, fmt: str) -> str:
     return "n/a" if not isinstance(value, (int, float)) or not math.isfinite(value) else format(value, fmt)
 
 
-def _difference(summary: dict) -> str:
-    """Why a Medusa run's tokens differ from target-only's (engine.strategies.speculative.first_difference)."""
+def _difference(summary: dict, name: str = "Medusa") -> str:
+    """Why a ``name`` run's tokens differ from target-only's (engine.strategies.speculative.first_difference)."""
     n = summary.get("baseline_first_difference")
     if n is None:
         return "no (sampling: the same distribution, other draws)"
     if summary.get("baseline_rounding_tie"):
         return (f"from token {n} on, where the target's two best tokens tie within the model dtype's rounding "
                 "(a forward of several positions rounds differently from a forward of one)")
-    return f"**no: greedy Medusa should equal target-only greedy, but token {n} differs**"
+    return f"**no: greedy {name} should equal target-only greedy, but token {n} differs**"
 
 
 def medusa_summary(trace: Trace) -> str:
@@ -463,7 +463,7 @@ def eagle_summary(trace: Trace) -> str:
         lines.append(f"Draft confidence vs acceptance (tested nodes): {shown}.")
     same = s.get("baseline_same_tokens")
     if same is not None:
-        lines.append("Same tokens as target-only: " + ("yes" if same else _difference(s).replace("Medusa", "EAGLE")))
+        lines.append("Same tokens as target-only: " + ("yes" if same else _difference(s, "EAGLE")))
     return "\n\n".join(lines)
 
 

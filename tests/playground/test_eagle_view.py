@@ -101,3 +101,16 @@ def test_eagle_on_the_embedded_model_with_the_shipped_head(embedded, shared):
     assert trace.summary["tokens_per_target_forward"] > 1.0
     rows = {row[0]: row for row in last["eagle.compare"]}
     assert rows["Medusa"][4] == "yes" and rows["n-gram (prompt lookup)"][4] == "yes"
+
+
+def test_eagle_summary_names_the_token_that_differs_and_says_na_for_a_missing_speedup():
+    class T:  # the summary only reads these fields
+        summary = {"tokens_per_target_forward": 2.0, "speedup": float("nan"), "mean_tree_nodes": 8.0,
+                   "eagle_tokens": 12, "eagle_depth": 5, "baseline_same_tokens": False, "baseline_first_difference": 7}
+        rounds: list = []
+        generated_token_ids = [1, 2, 3, 4]
+        timing = type("Timing", (), {"tokens_per_s": 10.0})()
+
+    text = search.eagle_summary(T())
+    assert "**2.00 tokens per target forward**" in text and "n/a×" in text
+    assert "greedy EAGLE should equal target-only greedy, but token 7 differs" in text
