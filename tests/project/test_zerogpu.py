@@ -188,7 +188,7 @@ pytestmark = pytest.mark.alone
 def report(tmp_path_factory) -> dict:
     home = tmp_path_factory.mktemp("home")
     env = {**os.environ, "HOME": str(home), "SPACE_ID": "test/decoding-playground", "HF_HUB_OFFLINE": "1",
-           "DP_REQUEST_SECONDS": "300"}
+           "DP_REQUEST_SECONDS": "300", "PYTHONPATH": str(ROOT)}  # the script imports tests.helpers
     for key in ("DP_MODELS", "DP_MODEL", "DP_PUBLIC", "DP_ALLOW_LOCAL_MODELS"):
         env.pop(key, None)
     done = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
