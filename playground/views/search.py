@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import gradio as gr
 
@@ -361,25 +361,35 @@ def medusa_render(out: MedusaOutputs, session: MedusaSession, status: str) -> di
     return updates
 
 
-def stream_medusa(out: MedusaOutputs, shared: Shared, req: RunRequest, control: RunControl) -> Iterator[dict]:
-    """Medusa rounds (throttled redraws), then the target-only timing run, then every output."""
-    session = MedusaSession()
+def stream_rounds(out: Any, shared: Shared, req: RunRequest, control: RunControl, session: Any,
+                  kind: type[MedusaRound] | type[EagleRound], accept_figure: Callable[[Any], Any]
+                  ) -> Generator[dict, None, Trace]:
+    """A drafting run's rounds as they come (``kind``: Medusa's or EAGLE's records; throttled redraws of
+    the text and ``accept_figure`` of the rounds so far), then its trace, with the target-only timing
+    run (``compare_baseline``), returned and kept in ``session.trace``."""
     events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control,
                            compare_baseline=True)
     text = ""
     for event, redraw in throttle(events, STREAM_EVERY_S):
         if event.trace is not None:
             session.trace = event.trace
-        elif isinstance(event.record, MedusaRound):
+        elif isinstance(event.record, kind):
             session.rounds.append(event.record)
             text += event.record.emitted_text
         if redraw and event.trace is None and session.rounds:
-            yield {out.text: text, out.accept: medusa_charts.accept_figure(session.rounds),
+            yield {out.text: text, out.accept: accept_figure(session.rounds),
                    out.status: status_html(f"round {len(session.rounds)}…")}
     if session.trace is None:
         raise RuntimeError("stream ended without a trace")
-    session.rounds = rounds_of(session.trace)
-    session.first_tokens = first_tokens(req.lm, session.trace, session.rounds)
+    return session.trace
+
+
+def stream_medusa(out: MedusaOutputs, shared: Shared, req: RunRequest, control: RunControl) -> Iterator[dict]:
+    """Medusa rounds (throttled redraws), then the target-only timing run, then every output."""
+    session = MedusaSession()
+    trace = yield from stream_rounds(out, shared, req, control, session, MedusaRound, medusa_charts.accept_figure)
+    session.rounds = rounds_of(trace)
+    session.first_tokens = first_tokens(req.lm, trace, session.rounds)
     yield medusa_render(out, session, status_html("done: pick a round to see the heads' proposals."))
 
 
@@ -527,25 +537,12 @@ def stream_eagle(out: EagleOutputs, shared: Shared, req: RunRequest, control: Ru
     """EAGLE rounds (throttled redraws), its target-only timing run, then Medusa and n-gram on the
     same prompt for the side-by-side table. A stop during the side-by-side keeps EAGLE's outputs."""
     session = EagleSession()
-    events = shared.stream(req.lm, req.prompt, req.config, chat=req.chat, prompt_ids=req.prompt_ids, control=control,
-                           compare_baseline=True)
-    text = ""
-    for event, redraw in throttle(events, STREAM_EVERY_S):
-        if event.trace is not None:
-            session.trace = event.trace
-        elif isinstance(event.record, EagleRound):
-            session.rounds.append(event.record)
-            text += event.record.emitted_text
-        if redraw and event.trace is None and session.rounds:
-            yield {out.text: text, out.accept: eagle_charts.accept_figure(session.rounds),
-                   out.status: status_html(f"round {len(session.rounds)}…")}
-    if session.trace is None:
-        raise RuntimeError("stream ended without a trace")
-    session.rounds = eagle.rounds_of(session.trace)
-    session.first_tokens = first_tokens(req.lm, session.trace, session.rounds)
+    trace = yield from stream_rounds(out, shared, req, control, session, EagleRound, eagle_charts.accept_figure)
+    session.rounds = eagle.rounds_of(trace)
+    session.first_tokens = first_tokens(req.lm, trace, session.rounds)
     yield eagle_render(out, session, status_html("EAGLE finished; Medusa and n-gram on the same prompt for comparison…"))
     try:
-        session.compare = compare_rows(shared, req, session.trace, control)
+        session.compare = compare_rows(shared, req, trace, control)
     except RunStopped as stop:
         why = "time limit reached" if stop.reason == "time_limit" else "stopped"
         yield eagle_render(out, session, status_html(f"EAGLE done; {why} during the comparison runs. "
