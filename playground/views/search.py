@@ -41,15 +41,15 @@ from playground.charts import medusa as medusa_charts
 
 from .. import downloads
 from ..events import stop_button
-from ..knobs import SAMPLING_KNOBS, KnobPanel
+from ..knobs import SAMPLING_KNOBS, KnobPanel, strategy_knobs
 from ..shared import SESSION_TTL_S, OutputSet, Shared, status_html, throttle
 from ..stale import cleared
 
 STREAM_EVERY_S = 0.5
-MCTS_KNOBS = ("mcts_simulations", "mcts_c_puct", "mcts_expand_k", "mcts_rollout_tokens", "max_new_tokens")
-MEDUSA_KNOBS = ("medusa_heads", "medusa_tree_width", "medusa_tree_nodes", "medusa_tree_min_score", "max_new_tokens",
-                "temperature", "top_k", "top_p", "seed")
-EAGLE_KNOBS = ("eagle_tokens", "eagle_depth", "eagle_topk", "max_new_tokens", "temperature", "top_k", "top_p", "seed")
+DRAFTING_RUN_KNOBS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")  # Medusa and EAGLE sample too
+MCTS_KNOBS = (*strategy_knobs("mcts"), "max_new_tokens")
+MEDUSA_KNOBS = (*strategy_knobs("medusa"), *DRAFTING_RUN_KNOBS)
+EAGLE_KNOBS = (*strategy_knobs("eagle"), *DRAFTING_RUN_KNOBS)
 MCTS_PRESET, MEDUSA_PRESET, EAGLE_PRESET = "mcts", "medusa", "eagle"
 MCTS_PROMPT = "The capital of France is"
 MEDUSA_PROMPT = "Write one sentence about the sea."
