@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 RSS_BUDGET_MB = 300
 NAMED_ENDPOINTS = {"/step_trace", "/branch", "/compare", "/compare_sweep", "/beam_trace", "/speculative_trace",
                    "/quantization_report", "/kv_cache_report", "/preset_validate", "/preset_interop", "/share_link",
-                   "/explore_step", "/lessons", "/mcts_trace", "/medusa_trace", "/kv_cache_kinds_report", "/kv_calculator",
-                   "/quantization_methods_report", "/quantization_inside_layer", "/serving_stats",
-                   "/serving_demo", "/logit_lens", "/token_ranks", "/watermark_detect", "/watermark_robustness",
+                   "/explore_step", "/lessons", "/mcts_trace", "/medusa_trace", "/eagle_trace",
+                   "/kv_cache_kinds_report", "/kv_calculator", "/quantization_methods_report", "/quantization_inside_layer",
+                   "/serving_stats", "/serving_demo", "/logit_lens", "/token_ranks", "/watermark_detect", "/watermark_robustness",
                    "/calibration_report", "/hesitation_steps"}
 
 
