@@ -224,7 +224,7 @@ class Shared:
                    strategies: Sequence[str], control: RunControl, compare_baseline: bool = False,
                    default_strategy: str | None = None) -> dict:
         """The one body of every run endpoint (/step_trace, /beam_trace, /speculative_trace,
-        /mcts_trace, /medusa_trace): the call's config (``api_config``; without a preset,
+        /mcts_trace, /medusa_trace, /eagle_trace): the call's config (``api_config``; without a preset,
         ``default_strategy``, else the first of ``strategies``), the model, the prompt's ids, the
         run, its trace JSON. Each endpoint keeps its own signature: its parameters' names, order and
         defaults are the public API (whose boundary, ``config.check_arguments``, has checked each

@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 from engine.strategies.eagle import EagleRound
 from engine.strategies.medusa import TreeNode
 
-from .medusa import FATES, tree_layout
+from .medusa import FATES, add_root, add_target, finish_tree, tree_layout
 from .step import readable
 
 CALIBRATION_BINS = 5  # equal-width confidence bins over [0, 1]
@@ -68,9 +68,7 @@ def tree_figure(eagle_round: EagleRound, first_token: str = "") -> go.Figure:
                 hovertext=[f"depth {n.depth}: <b>{html.escape(readable(n.token))}</b>, draft confidence "
                            f"{confidence(n, tree):.3f}, path score {n.score:.3f}, {status}" for n in nodes],
                 hoverinfo="text"))
-    fig.add_trace(go.Scatter(x=[0], y=[root_y], mode="markers+text", marker=dict(size=16, color="#222222", symbol="square"),
-                             text=[readable(first_token) if first_token else "fed"], textposition="top center",
-                             name="first token fed", hoverinfo="skip"))
+    add_root(fig, root_y, first_token)
     last_y = ys[eagle_round.path[-1]] if eagle_round.path else root_y
     if eagle_round.refused_at:
         fig.add_trace(go.Scatter(x=[eagle_round.refused_at - 0.5], y=[last_y], mode="markers",
@@ -78,22 +76,11 @@ def tree_figure(eagle_round: EagleRound, first_token: str = "") -> go.Figure:
                                  name=f"target refused at depth {eagle_round.refused_at}", hoverinfo="name"))
     extra = eagle_round.extra
     if extra is not None:
-        fig.add_trace(go.Scatter(x=[len(eagle_round.path) + 0.5], y=[last_y + 0.5], mode="markers+text",
-                                 marker=dict(size=16, color=FATES["target"], symbol="diamond"),
-                                 text=[readable(extra.token)], textposition="top center", name=f"target's {extra.kind} token",
-                                 hovertext=[f"{extra.kind} token from the target: {html.escape(readable(extra.token))}"],
-                                 hoverinfo="text"))
-    depth = max((n.depth for n in tree), default=0)
+        add_target(fig, len(eagle_round.path) + 0.5, last_y + 0.5, extra.token, extra.kind)
     refused = f", refused at depth {eagle_round.refused_at}" if eagle_round.refused_at else ", reached a leaf"
-    fig.update_layout(
-        title=f"Round {eagle_round.index}: {len(path)} of {len(tree)} draft nodes accepted{refused}; "
-              f"{len(eagle_round.emitted_token_ids)} emitted for one target forward",
-        height=max(340, 28 * (1 + int(-min(ys, default=0)))), margin=dict(l=30, r=30, t=60, b=40),
-        plot_bgcolor="white", legend=dict(orientation="h", y=-0.15))
-    fig.update_xaxes(tickvals=list(range(depth + 1)), ticktext=["fed"] + [f"depth {k}" for k in range(1, depth + 1)],
-                     range=[-0.5, depth + 0.9], showgrid=False)
-    fig.update_yaxes(visible=False)
-    return fig
+    title = (f"Round {eagle_round.index}: {len(path)} of {len(tree)} draft nodes accepted{refused}; "
+             f"{len(eagle_round.emitted_token_ids)} emitted for one target forward")
+    return finish_tree(fig, title, ys, max((n.depth for n in tree), default=0), "depth")
 
 
 @dataclass(frozen=True)

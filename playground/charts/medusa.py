@@ -148,26 +148,39 @@ def tree_figure(medusa_round: MedusaRound, first_token: str = "") -> go.Figure:
                 textposition="middle right", name=status,
                 hovertext=[f"head {n.depth} candidate {n.rank + 1}: <b>{html.escape(readable(n.token))}</b>, "
                            f"path score {n.score:.3f}, {status}" for n in nodes], hoverinfo="text"))
+    add_root(fig, root_y, first_token)
+    extra = target_token(medusa_round)
+    if extra is not None:
+        last_y = ys[medusa_round.path[-1]] if medusa_round.path else root_y
+        add_target(fig, len(medusa_round.path) + 0.5, last_y + 0.5, extra[1], extra[2])
+    title = (f"Round {medusa_round.index}: {len(path)} of {len(tree)} tree nodes accepted (one path), "
+             f"{len(medusa_round.emitted_token_ids)} emitted for one target forward")
+    return finish_tree(fig, title, ys, max((n.depth for n in tree), default=0), "head")
+
+
+def add_root(fig: go.Figure, root_y: float, first_token: str) -> None:
+    """A round tree's root: the token fed first (a black square at depth 0)."""
     fig.add_trace(go.Scatter(x=[0], y=[root_y], mode="markers+text",
                              marker=dict(size=16, color="#222222", symbol="square"),
                              text=[readable(first_token) if first_token else "fed"], textposition="top center",
                              name="first token fed", hoverinfo="skip"))
-    extra = target_token(medusa_round)
-    if extra is not None:
-        last_y = ys[medusa_round.path[-1]] if medusa_round.path else root_y
-        fig.add_trace(go.Scatter(x=[len(medusa_round.path) + 0.5], y=[last_y + 0.5], mode="markers+text",
-                                 marker=dict(size=16, color=FATES["target"], symbol="diamond"),
-                                 text=[readable(extra[1])], textposition="top center",
-                                 name=f"target's {extra[2]} token",
-                                 hovertext=[f"{extra[2]} token from the target: {html.escape(readable(extra[1]))}"],
-                                 hoverinfo="text"))
-    depth = max((n.depth for n in tree), default=0)
-    fig.update_layout(
-        title=f"Round {medusa_round.index}: {len(path)} of {len(tree)} tree nodes accepted (one path), "
-              f"{len(medusa_round.emitted_token_ids)} emitted for one target forward",
-        height=max(340, 28 * (1 + int(-min(ys, default=0)))), margin=dict(l=30, r=30, t=60, b=40),
-        plot_bgcolor="white", legend=dict(orientation="h", y=-0.15))
-    fig.update_xaxes(tickvals=list(range(depth + 1)), ticktext=["fed"] + [f"head {k}" for k in range(1, depth + 1)],
+
+
+def add_target(fig: go.Figure, x: float, y: float, token: str, kind: str) -> None:
+    """The target's own token after the accepted path (``kind``: resampled, bonus, ...)."""
+    fig.add_trace(go.Scatter(x=[x], y=[y], mode="markers+text",
+                             marker=dict(size=16, color=FATES["target"], symbol="diamond"),
+                             text=[readable(token)], textposition="top center", name=f"target's {kind} token",
+                             hovertext=[f"{kind} token from the target: {html.escape(readable(token))}"],
+                             hoverinfo="text"))
+
+
+def finish_tree(fig: go.Figure, title: str, ys: Sequence[float], depth: int, level: str) -> go.Figure:
+    """A round tree's layout (Medusa's and EAGLE's): its height from the rows ``ys`` use, depth
+    ticks named ``fed``, ``<level> 1`` ... ``<level> depth``, no y axis."""
+    fig.update_layout(title=title, height=max(340, 28 * (1 + int(-min(ys, default=0)))),
+                      margin=dict(l=30, r=30, t=60, b=40), plot_bgcolor="white", legend=dict(orientation="h", y=-0.15))
+    fig.update_xaxes(tickvals=list(range(depth + 1)), ticktext=["fed"] + [f"{level} {k}" for k in range(1, depth + 1)],
                      range=[-0.5, depth + 0.9], showgrid=False)
     fig.update_yaxes(visible=False)
     return fig

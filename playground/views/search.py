@@ -332,12 +332,35 @@ def medusa_summary(trace: Trace) -> str:
     return "\n\n".join(lines)
 
 
-def round_updates(out: MedusaOutputs, session: MedusaSession | None, index: Any) -> dict:
+def picked_round(out: Any, session: Any, index: Any, figure: Callable[[Any, str], Any]) -> dict:
+    """Round ``index``'s tree (the last round when unknown) drawn by ``figure`` (Medusa's or EAGLE's):
+    pure, no model. ``session``: a MedusaSession or an EagleSession (None: nothing run yet)."""
     if session is None or not session.rounds:
         return {}
     i = next((n for n, r in enumerate(session.rounds) if r.index == index), len(session.rounds) - 1)
     first = session.first_tokens[i] if i < len(session.first_tokens) else ""
-    return {out.round_tree: medusa_charts.round_figure(session.rounds[i], first)}
+    return {out.round_tree: figure(session.rounds[i], first)}
+
+
+def round_updates(out: MedusaOutputs, session: MedusaSession | None, index: Any) -> dict:
+    return picked_round(out, session, index, medusa_charts.round_figure)
+
+
+def rounds_render(out: Any, session: Any, status: str, figure: Callable[[Any, str], Any],
+                  accept_figure: Callable[..., Any], summary: Callable[[Trace], str], file_name: str) -> dict:
+    """What Medusa's and EAGLE's finished runs show alike: the round that accepted most drafted tokens
+    (the last one usually has no room to draft) picked and drawn, tokens per round, the round picker,
+    and once the trace is there its text, ``summary`` and download."""
+    best = max(session.rounds, key=lambda r: (r.num_accepted, -r.index)).index if session.rounds else None
+    tpf = session.trace.summary.get("tokens_per_target_forward") if session.trace else None
+    updates = picked_round(out, session, best, figure) | {
+        out.status: status, out.accept: accept_figure(session.rounds, tpf),
+        out.round_picker: gr.update(choices=[(f"round {r.index}: +{len(r.emitted_token_ids)}", r.index)
+                                             for r in session.rounds], value=best), out.session: session}
+    if session.trace is not None:
+        updates |= {out.text: session.trace.text, out.summary: summary(session.trace),
+                    out.download: downloads.trace_file(session.trace, file_name)}
+    return updates
 
 
 def first_tokens(lm: Model, trace: Trace, rounds: Sequence[SpecRound]) -> list[str]:
@@ -348,17 +371,8 @@ def first_tokens(lm: Model, trace: Trace, rounds: Sequence[SpecRound]) -> list[s
 
 
 def medusa_render(out: MedusaOutputs, session: MedusaSession, status: str) -> dict:
-    # open on the round that accepted most head tokens (the last one usually has no room to draft)
-    last = max(session.rounds, key=lambda r: (r.num_accepted, -r.index)).index if session.rounds else None
-    tpf = session.trace.summary.get("tokens_per_target_forward") if session.trace else None
-    updates = round_updates(out, session, last) | {
-        out.status: status, out.accept: medusa_charts.accept_figure(session.rounds, tpf),
-        out.round_picker: gr.update(choices=[(f"round {r.index}: +{len(r.emitted_token_ids)}", r.index)
-                                             for r in session.rounds], value=last), out.session: session}
-    if session.trace is not None:
-        updates |= {out.text: session.trace.text, out.summary: medusa_summary(session.trace),
-                    out.download: downloads.trace_file(session.trace, "medusa-trace")}
-    return updates
+    return rounds_render(out, session, status, medusa_charts.round_figure, medusa_charts.accept_figure, medusa_summary,
+                         "medusa-trace")
 
 
 def stream_rounds(out: Any, shared: Shared, req: RunRequest, control: RunControl, session: Any,
@@ -393,18 +407,26 @@ def stream_medusa(out: MedusaOutputs, shared: Shared, req: RunRequest, control: 
     yield medusa_render(out, session, status_html("done: pick a round to see the heads' proposals."))
 
 
+def _rounds_outputs(prefix: str, name: str, pick: str, tree_label: str, accept_label: str) -> tuple[Any, ...]:
+    """The top of Medusa's and EAGLE's output column: the text, the summary, the round picker, the
+    round's tree and the tokens per round (element ids ``<prefix>-text`` ... ``<prefix>-accept``)."""
+    text = gr.Textbox(label=f"{name} output", lines=3, interactive=False, elem_id=f"{prefix}-text")
+    summary = gr.Markdown(elem_id=f"{prefix}-summary")
+    picker = gr.Dropdown([], label="Round", elem_id=f"{prefix}-round", info=f"One target forward per round; {pick}")
+    tree = gr.Plot(label=tree_label, elem_id=f"{prefix}-tree")
+    accept = gr.Plot(label=accept_label, elem_id=f"{prefix}-accept")
+    return text, summary, picker, tree, accept
+
+
 def _medusa_mode(shared: Shared) -> None:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=330):
             prompt, run, stop, status, chat = _prompt_column("medusa", MEDUSA_PROMPT, True)
             panel = KnobPanel(shared, MEDUSA_KNOBS, ["medusa"], preset=MEDUSA_PRESET, stage_order=False, prefix="medusa-")
         with gr.Column(scale=2, min_width=480):
-            text = gr.Textbox(label="Medusa output", lines=3, interactive=False, elem_id="medusa-text")
-            summary = gr.Markdown(elem_id="medusa-summary")
-            picker = gr.Dropdown([], label="Round", elem_id="medusa-round",
-                                 info="One target forward per round; pick one to see what each head proposed.")
-            tree = gr.Plot(label="The round's verified tree (accepted path thick; chain rounds: each head's top-1)", elem_id="medusa-tree")
-            accept = gr.Plot(label="Tokens per round", elem_id="medusa-accept")
+            text, summary, picker, tree, accept = _rounds_outputs(
+                "medusa", "Medusa", "pick one to see what each head proposed.",
+                "The round's verified tree (accepted path thick; chain rounds: each head's top-1)", "Tokens per round")
             download = gr.DownloadButton("Download trace JSON", elem_id="medusa-download")
     out = MedusaOutputs(status, text, summary, picker, tree, accept, download, gr.State(None, time_to_live=SESSION_TTL_S))
     panel.wire()
@@ -479,26 +501,14 @@ def eagle_summary(trace: Trace) -> str:
 
 def eagle_round_updates(out: EagleOutputs, session: EagleSession | None, index: Any) -> dict:
     """The draft tree of round ``index`` (the last one when unknown): pure, no model."""
-    if session is None or not session.rounds:
-        return {}
-    i = next((n for n, r in enumerate(session.rounds) if r.index == index), len(session.rounds) - 1)
-    first = session.first_tokens[i] if i < len(session.first_tokens) else ""
-    return {out.round_tree: eagle_charts.tree_figure(session.rounds[i], first)}
+    return picked_round(out, session, index, eagle_charts.tree_figure)
 
 
 def eagle_render(out: EagleOutputs, session: EagleSession, status: str) -> dict:
-    """Every output of a finished run; it opens on the round that accepted the most draft nodes."""
-    best = max(session.rounds, key=lambda r: (r.num_accepted, -r.index)).index if session.rounds else None
-    tpf = session.trace.summary.get("tokens_per_target_forward") if session.trace else None
-    updates = eagle_round_updates(out, session, best) | {
-        out.status: status, out.accept: eagle_charts.accept_figure(session.rounds, tpf),
-        out.calibration: eagle_charts.calibration_figure(session.rounds), out.compare: session.compare,
-        out.round_picker: gr.update(choices=[(f"round {r.index}: +{len(r.emitted_token_ids)}", r.index)
-                                             for r in session.rounds], value=best), out.session: session}
-    if session.trace is not None:
-        updates |= {out.text: session.trace.text, out.summary: eagle_summary(session.trace),
-                    out.download: downloads.trace_file(session.trace, "eagle-trace")}
-    return updates
+    """Every output of a finished run (``rounds_render``), with the calibration and the side-by-side table."""
+    return rounds_render(out, session, status, eagle_charts.tree_figure, eagle_charts.accept_figure, eagle_summary,
+                         "eagle-trace") | {out.calibration: eagle_charts.calibration_figure(session.rounds),
+                                           out.compare: session.compare}
 
 
 def compare_row(name: str, trace: Trace, baseline_tokens_per_s: Any, reference: list[int]) -> list[Any]:
@@ -557,13 +567,10 @@ def _eagle_mode(shared: Shared) -> None:
             prompt, run, stop, status, chat = _prompt_column("eagle", EAGLE_PROMPT, True)
             panel = KnobPanel(shared, EAGLE_KNOBS, ["eagle"], preset=EAGLE_PRESET, stage_order=False, prefix="eagle-")
         with gr.Column(scale=2, min_width=480):
-            text = gr.Textbox(label="EAGLE output", lines=3, interactive=False, elem_id="eagle-text")
-            summary = gr.Markdown(elem_id="eagle-summary")
-            picker = gr.Dropdown([], label="Round", elem_id="eagle-round",
-                                 info="One target forward per round; pick one to see the tree the head grew.")
-            tree = gr.Plot(label="The round's draft tree: each node's token and draft confidence; accepted path thick",
-                           elem_id="eagle-tree")
-            accept = gr.Plot(label="Tokens per round (acceptance length)", elem_id="eagle-accept")
+            text, summary, picker, tree, accept = _rounds_outputs(
+                "eagle", "EAGLE", "pick one to see the tree the head grew.",
+                "The round's draft tree: each node's token and draft confidence; accepted path thick",
+                "Tokens per round (acceptance length)")
             calibration = gr.Plot(label="Draft confidence vs acceptance", elem_id="eagle-calibration")
             compare = gr.Dataframe(headers=COMPARE_HEADERS, value=[], interactive=False, wrap=True,
                                    label="Side by side on this prompt (one timed run each, against the one target-only run after EAGLE's)",
