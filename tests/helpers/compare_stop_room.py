@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 from playground import events
 from playground.charts import compare as charts
 from tests.helpers.continue_compare import Page, run_coroutine
 
-__all__ = ['DONE', 'STOPPED', 'assert_each_status_is_its_own', 'drive']
+__all__ = ['DONE', 'STOPPED', 'assert_each_status_is_its_own', 'drive', 'drive_two_pages']
 
 
 RUNNING = re.compile(r"Lane (\d): running… (\d+) / (\d+) tokens")
@@ -73,3 +74,20 @@ def assert_each_status_is_its_own(seen: list[list[tuple[str, int]]], budgets: li
                 finished.add(i)
             else:
                 assert STOPPED.search(status) and n == len(seen) - 1, where  # only the stopped run's last word
+
+
+def drive_two_pages(a: Page, b: Page, local, stop_after: int) -> dict:
+    """Both pages' Run at once, each in its own thread and session ("page-A", "page-B"); page A presses
+    Stop once a lane shows ``stop_after`` tokens. Returns each page's ``drive`` result by session."""
+    out: dict = {}
+
+    def work(name: str, page: Page, stop_when) -> None:
+        out[name] = drive(page, name, local, stop_when)
+
+    threads = [threading.Thread(target=work, args=("page-A", a, lambda lanes: max(k for _, k in lanes) >= stop_after)),
+               threading.Thread(target=work, args=("page-B", b, None))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out

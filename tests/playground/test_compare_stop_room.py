@@ -23,7 +23,8 @@ import pytest
 from playground import events
 from tests.helpers.compare_room import set_lanes
 from tests.helpers.continue_compare import Page, run_coroutine
-from tests.helpers.compare_stop_room import DONE, RUNNING, STOPPED, assert_each_status_is_its_own, drive, lanes_shown  # noqa: F401
+from tests.helpers.compare_stop_room import (DONE, RUNNING, STOPPED, assert_each_status_is_its_own, drive,  # noqa: F401
+                                             drive_two_pages, lanes_shown)
 
 pytestmark = pytest.mark.slow
 
@@ -124,17 +125,7 @@ def test_two_pages_at_once_a_stop_stops_only_its_own_page(demo, pages):
     a, b = Page(demo), Page(demo)
     long_lanes(a, [128, 128])
     long_lanes(b, [10, 14])
-    out: dict = {}
-
-    def work(name: str, page: Page, stop_when) -> None:
-        out[name] = drive(page, name, pages, stop_when)
-
-    threads = [threading.Thread(target=work, args=("page-A", a, lambda lanes: max(k for _, k in lanes) >= 4)),
-               threading.Thread(target=work, args=("page-B", b, None))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out = drive_two_pages(a, b, pages, 4)
     seen_a, pressed, ended = out["page-A"]
     assert ended - pressed < STOP_BOUND_S and all(STOPPED.search(s) for s, _ in seen_a[-1]), seen_a[-1]
     assert "done: 2 of 2 lanes ran" in b.shown("cmp-status"), b.shown("cmp-status")

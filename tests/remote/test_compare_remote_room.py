@@ -22,7 +22,7 @@ import pytest
 from engine.reports.metrics import first_divergence
 from playground import events
 from playground.charts.step import readable
-from tests.helpers.compare_stop_room import DONE, STOPPED, assert_each_status_is_its_own, drive
+from tests.helpers.compare_stop_room import DONE, STOPPED, assert_each_status_is_its_own, drive, drive_two_pages
 from tests.helpers.continue_compare import Page
 from tests.helpers.remote_llamacpp import server_test
 from tests.helpers.remote_stream import busy
@@ -129,17 +129,7 @@ def test_two_pages_on_the_server_at_once_a_stop_stops_only_its_own(served, pages
     a, b = Page(demo), Page(demo)
     served_lanes(a, [listed, f"fast:{listed}"], 256)
     served_lanes(b, [listed, ""], 12, "The capital of France is Paris. The capital of Italy is")
-    out: dict = {}
-
-    def work(name: str, page: Page, stop_when) -> None:
-        out[name] = drive(page, name, pages, stop_when)
-
-    threads = [threading.Thread(target=work, args=("page-A", a, lambda lanes: max(k for _, k in lanes) >= 6)),
-               threading.Thread(target=work, args=("page-B", b, None))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out = drive_two_pages(a, b, pages, 6)
     seen_a, pressed, ended = out["page-A"]
     assert ended - pressed < STOP_BOUND_S, ended - pressed
     assert all(STOPPED.search(s) for s, _ in seen_a[-1]) or DONE.search(seen_a[-1][1][0]), seen_a[-1]
