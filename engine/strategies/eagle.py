@@ -158,13 +158,18 @@ class _EagleVerifier(medusa._MedusaVerifier):
         self.pending = None
         return states[0, -1]
 
-    def children(self, parent: int, candidates: list[_Candidate], state: torch.Tensor, depth: int) -> list[_Candidate]:
-        """The head's top ``topk`` next tokens after ``state``, scored along the path."""
-        logp = torch.log_softmax(self.head.logits(state), dim=-1)
+    def children(self, parents: list[int], candidates: list[_Candidate], states: torch.Tensor,
+                 depth: int) -> list[_Candidate]:
+        """Each parent's (a candidate index, -1: the root) top ``topk`` next tokens after its draft
+        state (``states`` [P, H], one read-out for all), scored along the path; parent by parent."""
+        logp = torch.log_softmax(self.head.logits(states), dim=-1)
         top = torch.topk(logp, min(self.budget.topk, logp.shape[-1]))
-        base = candidates[parent].logscore if parent >= 0 else 0.0
-        return [_Candidate(parent, depth, rank, int(self.head.d2t[int(i)]), base + float(v))
-                for rank, (v, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()))]
+        made = []
+        for parent, values, indices in zip(parents, top.values.tolist(), top.indices.tolist()):
+            base = candidates[parent].logscore if parent >= 0 else 0.0
+            made += [_Candidate(parent, depth, rank, int(self.head.d2t[i]), base + v)
+                     for rank, (v, i) in enumerate(zip(values, indices))]
+        return made
 
     def grow(self, max_depth: int) -> list[TreeNode]:
         """EAGLE-2's dynamic tree (module docstring), in tree order (parents first)."""
@@ -172,7 +177,7 @@ class _EagleVerifier(medusa._MedusaVerifier):
         if state is None or max_depth <= 0 or self.budget.tokens <= 0:
             return []
         eos = set(self.lm.eos_token_ids)
-        pool = self.children(-1, [], state, 1)
+        pool = self.children([-1], [], state[None], 1)
         frontier = list(range(len(pool)))
         slots: list[int] = []  # pool index of each tree slot in the head's cache
         for depth in range(2, max_depth + 1):
@@ -181,7 +186,7 @@ class _EagleVerifier(medusa._MedusaVerifier):
             if not frontier:
                 break
             self.feed_frontier(pool, frontier, slots, state, depth)
-            made = [child for c in frontier for child in self.children(c, pool, fed_state(pool[c]), depth)]
+            made = self.children(frontier, pool, torch.stack([fed_state(pool[c]) for c in frontier]), depth)
             frontier = list(range(len(pool), len(pool) + len(made)))
             pool.extend(made)
         extra = self.draft_cache.get_seq_length() - self.head_len
@@ -232,7 +237,7 @@ class _EagleVerifier(medusa._MedusaVerifier):
         with torch.inference_mode():
             if self.plain_readout:
                 out = self.lm.model.model(**kwargs)
-                logits = readout(self.lm_head.weight, out.last_hidden_state[0])
+                logits = readout(self.lm_head, out.last_hidden_state[0])
             else:
                 out = self.lm.model(**kwargs, logits_to_keep=0)
                 logits = out.logits[0]

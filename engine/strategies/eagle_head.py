@@ -1,14 +1,17 @@
 """The EAGLE-3 draft head: it predicts the target's next token from the target's own features.
 
 At sequence position i the head reads the token x_{i+1} (its embedding, the target's own, frozen)
-and a feature of position i: on the target's positions, the target's hidden states after a low, a
+and a feature f of position i: on the target's positions, the target's hidden states after a low, a
 middle and a high layer (``layers``: indices into transformers' ``hidden_states``) fused by one
-linear layer [3H -> H]; on the head's own draft positions, the head's own output there (EAGLE's
-autoregression over features). ``in_proj`` [2H -> H] mixes token and feature; ONE Llama decoder
-layer (the target's layer shape, its own KV cache) and a final RMSNorm give the draft state g_i,
-read out over a draft vocabulary trimmed by frequency (``d2t``: draft index -> target token id;
-``t2d``: target id -> in the draft vocabulary) with the target's own LM-head rows (frozen, never
-stored): g_i predicts x_{i+2}.
+linear layer ``fc`` [3H -> H]; on the head's own draft positions, the head's own output there (EAGLE's
+autoregression over features). ONE Llama decoder layer in vLLM's EAGLE-3 wiring
+(``Eagle3LlamaForCausalLM``, vllm/model_executor/models/llama_eagle3.py): its attention reads
+``[input_norm(embedding), hidden_norm(f)]`` through q/k/v of width 2H, the feature f is the residual,
+then the layer's MLP; the output g_i (before the final norm) is the next draft position's feature, and
+``norm(g_i)`` read out over a draft vocabulary trimmed by frequency (``d2t``: draft index -> target
+token id; ``t2d``: target id -> in the draft vocabulary) with the target's own LM-head rows (frozen,
+never stored) predicts x_{i+2}. The same wiring as vLLM's makes its export a renaming
+(engine.strategies.eagle_export), so vLLM serves this head exactly.
 
 Saved as safetensors (float16; no pickle) beside a JSON config and a ``.sha256``; ``load_head``
 checks the checksum and that the head fits the model.
@@ -40,6 +43,9 @@ def feature_layers(num_layers: int) -> tuple[int, int, int]:
     return min(2, num_layers), num_layers // 2, max(num_layers - 2, 0)
 
 
+LAYOUT = "vllm-eagle3"
+
+
 @dataclass
 class HeadConfig:
     """What a head is for and its shape (the JSON beside the weights)."""
@@ -50,10 +56,12 @@ class HeadConfig:
     draft_vocab: int
     layers: tuple[int, int, int]
     meta: dict = field(default_factory=dict)  # how it was trained (command, settings, accuracy)
+    layout: str = LAYOUT  # the layer's wiring; a head of another layout is refused, not misread
 
 
 class EagleHead(nn.Module):
-    """Fusion, one decoder layer, a norm; the read-out rows come from the target (``bind``)."""
+    """Fusion, one decoder layer (q/k/v over [normed embedding, normed feature]), a norm; the
+    read-out rows come from the target (``bind``)."""
 
     d2t: torch.Tensor  # buffers
     t2d: torch.Tensor
@@ -63,10 +71,15 @@ class EagleHead(nn.Module):
         h = head.hidden
         self.head = head
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.in_proj = nn.Linear(2 * h, h, bias=False)
-        config = type(target_config).from_dict(target_config.to_dict())
+        self.target_config: dict[str, Any] = target_config.to_dict()  # for an export's config.json
+        config = type(target_config).from_dict(self.target_config)
         config._attn_implementation = "sdpa"
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        attn = self.layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # vLLM's first EAGLE-3 layer: q/k/v read 2H
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.hidden_norm = LlamaRMSNorm(h, eps=getattr(config, "rms_norm_eps", 1e-6))
         self.norm = LlamaRMSNorm(h, eps=getattr(config, "rms_norm_eps", 1e-6))
         self.rotary = LlamaRotaryEmbedding(config)
         self.register_buffer("d2t", d2t.long(), persistent=False)
@@ -92,12 +105,15 @@ class EagleHead(nn.Module):
         """tokens [B, T], fused features [B, T, H], positions [B, T], an additive mask [B, 1, T, K]
         (None: causal over the fed rows alone) -> draft states g [B, T, H] (before the norm)."""
         assert self.embed is not None, "bind the head to its target first"
-        x = self.in_proj(torch.cat([self.embed[tokens].to(feature.dtype), feature], dim=-1))
+        layer = self.layer
+        embedded = layer.input_layernorm(self.embed[tokens].to(feature.dtype))
+        x = torch.cat([embedded, self.hidden_norm(feature)], dim=-1)
         if mask is None:
             mask = causal_mask(tokens.shape[1], x.dtype)
-        out = self.layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
-                         position_embeddings=self.rotary(x, positions))
-        return out[0] if isinstance(out, tuple) else out
+        attended, _ = layer.self_attn(x, position_embeddings=self.rotary(feature, positions), attention_mask=mask,
+                                      cache=cache)
+        state = feature + attended  # the feature is the residual (vLLM's norm after the residual)
+        return state + layer.mlp(layer.post_attention_layernorm(state))
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft states [..., H] -> logits over the draft vocabulary [..., V'] (float32)."""
@@ -117,7 +133,7 @@ def head_path(model_name: str) -> Path:
     return ASSETS / f"eagle-{slug(model_name)}.safetensors"
 
 
-_TRAINED = ("fc.weight", "in_proj.weight", "norm.weight")
+_TRAINED = ("fc.weight", "hidden_norm.weight", "norm.weight")
 
 
 def save_head(head: EagleHead, path: Path) -> str:
@@ -180,6 +196,9 @@ def load_head(lm: Model, path: Path | None = None) -> EagleHead:
     if not _checksums_match(path):
         raise ConfigError("strategy", f"eagle: {path.name} does not match its checksum; retrain or restore it")
     raw = json.loads(path.with_suffix(".json").read_text())
+    if raw.get("layout") != LAYOUT:
+        raise ConfigError("strategy", f"eagle: {path.name} is a head of layout {raw.get('layout', 'in_proj (the first)')!r}, "
+                                      f"not {LAYOUT!r}; retrain it with python -m engine.strategies.eagle_train")
     config = HeadConfig(**{**raw, "layers": tuple(raw["layers"])})
     target = lm.model.config
     if config.hidden != int(target.hidden_size) or config.vocab_size != lm.vocab_size:

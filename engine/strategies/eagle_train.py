@@ -2,20 +2,23 @@
 
     python -m engine.strategies.eagle_train [--model embedded] [--prompts 320] [--tokens 64]
                                             [--vocab 8192] [--minutes 6] [--ttt 3] [--lr 0.001]
-                                            [--reg 1.0] [--threads 1]
+                                            [--reg 1.0] [--threads 1] [--data-cache DIR]
 
 1. Data (self-distillation, as Medusa's heads: the same prompt file, engine/assets/medusa_prompts.txt,
    reused): the target continues the first ``--prompts`` prompts (chat template, greedy, batched),
    then ONE forward over each whole sequence returns its hidden states after the low, middle and
-   high layers (``eagle_head.feature_layers``) and its final (normed) state. The last
-   ``--holdout`` prompts are held out.
+   high layers (``eagle_head.feature_layers``), its final (normed) state and its own greedy choice
+   at every position (EAGLE's distillation label: on the continuation it is the next token, on the
+   prompt what the target would have said there, so the prompt's positions teach too). The last
+   ``--holdout`` prompts are held out. ``--data-cache DIR`` keeps all of it (safetensors, keyed by
+   model, prompts and ``--tokens``) so a second run trains without generating again.
 2. The draft vocabulary: the ``--vocab`` most frequent tokens of the generated text (``d2t``);
    labels outside it count as misses.
 3. Training-time test (EAGLE-3): step 1 feeds the target's fused features of position j with token
    j + 1 and aims at token j + 2; step s > 1 feeds the head's own outputs of step s - 1 with token
    j + s, attending to the target-fed keys up to where it branched and to its own earlier steps
    there (the keys it sees when drafting a tree at decode time); each step feeds only its new rows
-   over a cache of the earlier ones. Loss on the generated tokens only, step s weighted 0.8^(s-1):
+   over a cache of the earlier ones. Loss on every position of the text, step s weighted 0.8^(s-1):
    cross-entropy plus ``--reg`` times EAGLE-1's smooth-L1 regression of the head's normed state on
    the target's final state that predicted the same token. Learning rate: warm-up, then a cosine
    over the ``--minutes`` budget (or ``--max-steps``).
@@ -27,6 +30,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sys
 import time
@@ -35,6 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from engine.backends.local import ModelSpec, load_model
@@ -63,6 +69,7 @@ class Settings:
     seed: int = 0
     threads: int = 1  # the 2-core machine is shared; one thread leaves the other core to the rest
     out: str = ""  # default: engine/assets/eagle-<model>.safetensors
+    data_cache: str = ""  # a directory for the generated text and its features ("": none)
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Sample:
     features: torch.Tensor  # [T, 3H] float16
     start: int  # first generated position
     final: torch.Tensor  # [T, H] float16: the target's last (normed) hidden state, its LM head's input
+    predicted: torch.Tensor  # [T] the target's greedy choice at each position (of token i + 1)
 
 
 @torch.inference_mode()
@@ -94,14 +102,50 @@ def make_samples(lm: Model, prompts: list[str], settings: Settings, layers: tupl
             keep = ends[0] + 1 if ends else len(generated)
             full_mask[row, width + keep:] = 0
         positions = (full_mask.cumsum(dim=1) - 1).clamp(min=0)
-        hidden = lm.model(input_ids=out, attention_mask=full_mask, position_ids=positions,
-                          output_hidden_states=True).hidden_states
+        # the decoder alone: the full logits of a 96-row batch would be gigabytes; its greedy choice is read row by row
+        hidden = lm.model.get_decoder()(input_ids=out, attention_mask=full_mask, position_ids=positions,
+                                        output_hidden_states=True).hidden_states
         feats = torch.cat([hidden[i] for i in layers], dim=-1).to(torch.float16).cpu()  # [B, W, 3H]
         finals = hidden[-1].to(torch.float16).cpu()
         for row, prompt in enumerate(rows):
             real = full_mask[row].bool().cpu()
-            samples.append(Sample(out[row].cpu()[real], feats[row][real], len(prompt), finals[row][real]))
+            predicted = lm.model.get_output_embeddings()(hidden[-1][row]).argmax(-1).cpu()
+            samples.append(Sample(out[row].cpu()[real], feats[row][real], len(prompt), finals[row][real],
+                                  predicted[real]))
         say(f"  data: {start + len(rows)}/{len(encoded)} prompts ({time.perf_counter() - t0:.0f} s)")
+    return samples
+
+
+SAMPLE_FIELDS = ("tokens", "features", "final", "predicted")
+
+
+def cached_samples(lm: Model, prompts: list[str], settings: Settings,
+                   layers: tuple[int, int, int]) -> list[Sample]:
+    """``make_samples``, loaded from ``settings.data_cache`` when it holds them for the same model,
+    prompts, ``--tokens`` and layers, else made and saved there (renamed into place once whole)."""
+    if not settings.data_cache:
+        return make_samples(lm, prompts, settings, layers)
+    key = {"base_model": lm.name, "tokens": str(settings.tokens), "layers": ",".join(map(str, layers)),
+           "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
+    name = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
+    path = Path(settings.data_cache) / f"eagle-data-{name}.safetensors"
+    if path.exists():
+        with safe_open(str(path), framework="pt") as handle:
+            parts = {n: handle.get_tensor(n) for n in (*SAMPLE_FIELDS, "lengths", "starts")}
+        lengths = parts["lengths"].tolist()
+        split = {n: torch.split(parts[n], lengths) for n in SAMPLE_FIELDS}
+        say(f"loaded {len(lengths)} sequences from {path}")
+        return [Sample(split["tokens"][i], split["features"][i], start, split["final"][i], split["predicted"][i])
+                for i, start in enumerate(parts["starts"].tolist())]
+    samples = make_samples(lm, prompts, settings, layers)
+    tensors = {n: torch.cat([getattr(s, n) for s in samples]).contiguous() for n in SAMPLE_FIELDS}
+    tensors["lengths"] = torch.tensor([len(s.tokens) for s in samples], dtype=torch.long)
+    tensors["starts"] = torch.tensor([s.start for s in samples], dtype=torch.long)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata=key)
+    partial.replace(path)
+    say(f"saved {len(samples)} sequences to {path}")
     return samples
 
 
@@ -127,7 +171,8 @@ def ttt_mask(n: int, steps: int) -> torch.Tensor:
 @dataclass
 class Batch:
     """Right-padded tokens [B, T], features [B, T, 3H], the target's final states [B, T, H], which
-    positions were generated [B, T] and draft labels [B, T] (-100 outside the draft vocabulary)."""
+    positions count [B, T] (``generated``: every position after the first, inside the text) and
+    draft labels [B, T] (at t the target's greedy choice at t - 1, -100 outside the draft vocabulary)."""
 
     tokens: torch.Tensor
     feats: torch.Tensor
@@ -136,18 +181,21 @@ class Batch:
     labels: torch.Tensor
 
 
-def batch_of(samples: list[Sample], lookup: torch.Tensor) -> Batch:
+def batch_of(samples: list[Sample], lookup: torch.Tensor, prompt: bool = True) -> Batch:
+    """``prompt=False``: only the continuation's positions count (what drafting at decode time meets)."""
     width = max(len(s.tokens) for s in samples)
     tokens = torch.zeros(len(samples), width, dtype=torch.long)
     feats = torch.zeros(len(samples), width, samples[0].features.shape[-1])
     finals = torch.zeros(len(samples), width, samples[0].final.shape[-1])
     generated = torch.zeros(len(samples), width, dtype=torch.bool)
+    labels = torch.full((len(samples), width), -100, dtype=torch.long)
     for i, s in enumerate(samples):
         tokens[i, : len(s.tokens)] = s.tokens
         feats[i, : len(s.tokens)] = s.features.float()
         finals[i, : len(s.tokens)] = s.final.float()
-        generated[i, s.start: len(s.tokens)] = True
-    return Batch(tokens, feats, finals, generated, lookup[tokens])
+        generated[i, 1 if prompt else s.start: len(s.tokens)] = True
+        labels[i, 1: len(s.tokens)] = lookup[s.predicted[:-1]]
+    return Batch(tokens, feats, finals, generated, labels)
 
 
 @dataclass
@@ -188,11 +236,12 @@ def unroll(head: EagleHead, batch: Batch, steps: int) -> list[Step]:
 
 
 def accuracy(head: EagleHead, samples: list[Sample], lookup: torch.Tensor, steps: int) -> list[float]:
-    """Per step, the share of the samples' generated tokens the head's top-1 got right."""
+    """Per step, the share of the samples' generated tokens the head's top-1 got right (the
+    target's own greedy choices there)."""
     hits, totals = [0] * steps, [0] * steps
     with torch.no_grad():
         for i in range(0, len(samples), 4):
-            for s, step in enumerate(unroll(head, batch_of(samples[i: i + 4], lookup), steps)):
+            for s, step in enumerate(unroll(head, batch_of(samples[i: i + 4], lookup, prompt=False), steps)):
                 right = (step.logits.argmax(-1) == step.labels) & step.valid
                 hits[s] += int(right.sum())
                 totals[s] += int(step.valid.sum())
@@ -200,13 +249,23 @@ def accuracy(head: EagleHead, samples: list[Sample], lookup: torch.Tensor, steps
 
 
 def initial_head(lm: Model, vocab: torch.Tensor, layers: tuple[int, int, int], meta: dict) -> EagleHead:
-    """A head whose decoder layer and norm start as the target's last ones (their scale fits its
-    states); the fusion starts random."""
+    """A head whose decoder layer and norms start as the target's last ones (their scale fits its
+    states): q/k/v read the feature half as the target's do and the embedding half starts at zero;
+    the fusion starts random."""
     config = HeadConfig(lm.name, int(lm.model.config.hidden_size), lm.vocab_size, len(vocab), layers, meta)
     head = EagleHead(lm.model.config, config, vocab)
     base = lm.model.model
-    head.layer.load_state_dict(base.layers[-1].state_dict())
-    head.norm.load_state_dict(base.norm.state_dict())
+    last = base.layers[-1].state_dict()
+    with torch.no_grad():
+        for name, value in head.layer.state_dict().items():
+            source = last[name]
+            if value.shape == source.shape:
+                value.copy_(source)
+            else:  # [out, 2H]: [embedding half | feature half]
+                value.zero_()
+                value[:, source.shape[1]:] = source
+        head.hidden_norm.weight.copy_(base.layers[-1].input_layernorm.weight)
+        head.norm.load_state_dict(base.norm.state_dict())
     return head.float().bind(lm.model)
 
 
@@ -281,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(ModelSpec(settings.model, device="cpu", dtype="float32"))
     layers = feature_layers(int(lm.model.config.num_hidden_layers))
     prompts = read_prompts(PROMPTS)[: settings.prompts]
-    samples = make_samples(lm, prompts, settings, layers)
+    samples = cached_samples(lm, prompts, settings, layers)
     held_prompts = {tuple(lm.encode(p, chat=True)) for p in prompts[-settings.holdout:]}
     held = [s for s in samples if tuple(s.tokens[: s.start].tolist()) in held_prompts]
     data = [s for s in samples if tuple(s.tokens[: s.start].tolist()) not in held_prompts]

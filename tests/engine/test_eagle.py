@@ -164,6 +164,32 @@ def test_training_pieces_on_a_tiny_model_write_a_loadable_head(tiny_lm, tmp_path
     assert torch.equal(load_head(tiny_lm, path).d2t, vocab)
 
 
+def test_the_data_cache_gives_back_what_was_made(tiny_lm, tmp_path, monkeypatch):
+    """--data-cache: the second run loads the same sequences, features, final states and the target's
+    own greedy labels without generating (make_samples is not called again); another --tokens is
+    another file. On the continuation the label at t is the token at t (greedy self-distillation)."""
+    settings = eagle_train.Settings(tokens=5, gen_batch=2, data_cache=str(tmp_path))
+    layers = feature_layers(tiny_lm.model.config.num_hidden_layers)
+    prompts = ["Hello", "Tell me a story", "Why is the sky blue?"]
+    made = eagle_train.cached_samples(tiny_lm, prompts, settings, layers)
+    assert len(list(tmp_path.glob("eagle-data-*.safetensors"))) == 1 and not list(tmp_path.glob("*.partial"))
+    for s in made:
+        assert s.predicted[s.start - 1: -1].tolist() == s.tokens[s.start:].tolist()
+
+    def never(*args):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(eagle_train, "make_samples", never)
+    loaded = eagle_train.cached_samples(tiny_lm, prompts, settings, layers)
+    assert len(loaded) == len(made)
+    for a, b in zip(made, loaded):
+        assert a.start == b.start
+        for name in eagle_train.SAMPLE_FIELDS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(AssertionError, match="generated again"):
+        eagle_train.cached_samples(tiny_lm, prompts, eagle_train.Settings(tokens=6, data_cache=str(tmp_path)), layers)
+
+
 def uncached_unroll(head, batch, steps):
     """The training-time test recomputed from scratch at every step: step s feeds the whole
     concatenation of steps 1..s under ttt_mask (no cache). Returns each step's logits."""
@@ -233,6 +259,22 @@ def test_the_knobs_are_validated():
         DecodingConfig(strategy="eagle", eagle_tokens=0)
     with pytest.raises(ConfigError, match="eagle_depth"):
         DecodingConfig(strategy="eagle", eagle_depth=11)
+
+
+def test_a_head_of_the_first_layout_is_refused_by_name(tiny_lm, tmp_path):
+    """The first heads mixed token and feature with an ``in_proj``; their JSON has no ``layout``. Such
+    a file (checksum intact) is one line naming the layout, never a state-dict traceback."""
+    path = tmp_path / "eagle-old.safetensors"
+    save_head(random_head(tiny_lm, 300), path)
+    config = path.with_suffix(".json")
+    raw = json.loads(config.read_text())
+    del raw["layout"]
+    config.write_text(json.dumps(raw))
+    weights = path.with_suffix(".sha256").read_text().splitlines()[0]
+    path.with_suffix(".sha256").write_text(f"{weights}\n{hashlib.sha256(config.read_bytes()).hexdigest()}  {config.name}\n")
+    with pytest.raises(ConfigError, match="layout 'in_proj \\(the first\\)', not 'vllm-eagle3'") as info:
+        load_head(tiny_lm, path)
+    assert "\n" not in str(info.value) and "eagle_train" in str(info.value)
 
 
 # --- the shipped head on the embedded model -----------------------------------------------------------

@@ -54,10 +54,15 @@ def test_a_shortlist_reads_out_only_its_tokens(tiny_lm, tmp_path):
 
 
 def test_readout_equals_the_lm_head(tiny_lm):
-    """The verify forward's own read-out (weight @ h.T) equals nn.Linear to float rounding."""
+    """The verify forward's own read-out (weight @ h.T for a plain head, the packed product for a
+    packed one) equals nn.Linear to float rounding."""
     lm_head = tiny_lm.model.get_output_embeddings()
     h = torch.randn(7, 64)
-    torch.testing.assert_close(medusa.readout(lm_head.weight, h), lm_head(h), rtol=1e-5, atol=1e-5)
+    expected = torch.nn.functional.linear(h, lm_head.weight)
+    torch.testing.assert_close(medusa.readout(lm_head, h), expected, rtol=1e-5, atol=1e-5)
+    plain = torch.nn.Linear(64, lm_head.weight.shape[0], bias=False)
+    plain.weight = lm_head.weight
+    torch.testing.assert_close(medusa.readout(plain, h), expected, rtol=1e-5, atol=1e-5)
 
 
 @SHAPES
