@@ -414,6 +414,19 @@ class Scheduler:
             if self._worker is None and not self._held:
                 self._start_worker()
 
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the worker has ended (True) or ``timeout_s`` passed (False). A run's last token
+        goes to its stream before its tick is recorded in ``serving``; a report that reads the ticks
+        after its runs' last tokens settles first, or it can miss the last tick."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._worker is None:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+
     def _start_worker(self) -> None:
         """Start the worker (the lock held by the caller)."""
         self._worker = threading.Thread(target=self._work, name="dp-scheduler", daemon=True)

@@ -24,7 +24,7 @@ from engine.backends.local import LoadedModel, ModelSpec, embedded_model_dir  # 
 from engine.backends.registry import ModelRegistry
 from engine.threads import default_threads, set_threads  # noqa: E402
 from tests.helpers.common import (ARTIFACTS, CHROMIUM_ARGS, VLLM_TEST_ARGS, browser_page,  # noqa: E402,F401
-                                  free_port, make_tiny_llama, serve_llama)
+                                  free_port, launch_local, make_tiny_llama, serve_llama)
 
 
 def worker_threads() -> int:
@@ -158,10 +158,10 @@ def live_forwards(live_app, registry, embedded):
 @pytest.fixture(scope="session")
 def live_app(registry):
     """The whole app served in-process on a free loopback port; yields its URL."""
-    from playground.app import build_app, launch_kwargs
+    from playground.app import build_app
 
     demo = build_app(registry)
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True, **launch_kwargs())
+    launch_local(demo)
     yield demo.local_url.rstrip("/")
     demo.close()
 

@@ -261,6 +261,7 @@ def batching_demo(lm: Model, control: RunControl, requests: int = 8, max_batch: 
     scheduler = runs.scheduler(lm, max_batch=max_batch, max_queue=requests)
     start = time.perf_counter()
     continuous = run_jobs(scheduler, jobs, control)
+    scheduler.settle()  # the last tick is recorded after its tokens went out
     ticks = scheduler.serving.snapshot().ticks
     static, forwards, row_steps, static_ticks = static_batch(lm, jobs, max_batch, control)
     c_tokens, s_tokens = [r.tokens for r in continuous], [r.tokens for r in static]
@@ -295,6 +296,7 @@ def paged_demo(lm: Model, control: RunControl, requests: int = 8, block: int = B
              DecodingConfig(strategy="greedy", max_new_tokens=32 + 8 * (i % 5), stop=(".",))) for i in range(requests)]
     scheduler = runs.scheduler(lm, max_batch=requests, max_queue=requests)
     run_jobs(scheduler, jobs, control)
+    scheduler.settle()
     snap = scheduler.serving.snapshot()
     layouts = [kv_layout(t.lengths, t.width, t.reserved, snap.bytes_per_position, block) for t in snap.ticks]
     at = max(range(len(layouts)), key=lambda i: layouts[i].padded)
@@ -329,6 +331,7 @@ class PrefixDemo:
 
 
 def prefix_side(name: str, scheduler: Batcher, results: list[JobResult]) -> PrefixSide:
+    scheduler.settle()
     ticks = scheduler.serving.snapshot().ticks
     ttft = [r.steps[0].elapsed_ms for r in results if r.steps]
     return PrefixSide(name, sum(t.prefill_tokens for t in ticks), sum(t.prefill_ms for t in ticks),

@@ -17,7 +17,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from playground import events
 from playground.events import stop_runs
-from tests.helpers.common import open_tab
+from tests.helpers.common import launch_local, open_tab
 from tests.helpers.remote_llamacpp import server_test
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -139,15 +139,13 @@ def test_stop_says_stopped_in_every_lane_and_nothing_moves_after(page, live_app,
 def served_app(llama_server, registry, embedded):
     """The whole app, DP_REMOTE_MODELS listing the real llama-server (one slot); yields (URL, the
     listed value, the server's URL)."""
-    from playground.app import build_app, launch_kwargs
-    from tests.helpers.common import free_port
+    from playground.app import build_app
 
     listed = f"llamacpp:{llama_server}"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DP_REMOTE_MODELS", listed)
         demo = build_app(registry)
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                **launch_kwargs())
+    launch_local(demo)
     yield demo.local_url.rstrip("/"), listed, llama_server
     demo.close()
 

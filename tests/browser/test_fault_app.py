@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from engine.backends.client import strict_loads
-from tests.helpers.common import free_port
+from tests.helpers.common import free_port, launch_local
 from tests.helpers.fault_servers import CountingListener, FakeServerProcess, Fault, PeakRss, generated
 from tests.helpers.api import api_client
 
@@ -57,7 +57,7 @@ class LiveApp:
 @pytest.fixture(scope="module")
 def app(registry, embedded) -> Iterator[LiveApp]:
 
-    from playground.app import build_app, launch_kwargs
+    from playground.app import build_app
 
     unlisted = CountingListener()
     servers = {b: FakeServerProcess(b, redirect_to=unlisted.url) for b in ("llamacpp", "openai")}
@@ -70,8 +70,7 @@ def app(registry, embedded) -> Iterator[LiveApp]:
                             "DP_REQUEST_SECONDS": str(LIMIT_S), "DP_EXAMPLES": "0"}.items():
             env.setenv(name, value)
         demo = build_app(registry)
-        demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                    **launch_kwargs())
+        launch_local(demo)
         url = demo.local_url.rstrip("/")
         clients = [api_client(url) for _ in range(18)]
         step_trace(clients[0], "embedded")  # the local model loaded before anything is timed

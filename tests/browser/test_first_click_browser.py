@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.helpers.common import free_port, open_tab
+from tests.helpers.common import launch_local, open_tab
 from playground.views.step import DEFAULT_PROMPT
 from tests.helpers.api import api_client
 
@@ -39,15 +39,14 @@ new MutationObserver((_, observer) => {
 @pytest.fixture(scope="module")
 def room_app(registry, embedded):
     """The app with one local and one served run slot, its startup example ready; yields its URL."""
-    from playground.app import build_app, launch_kwargs
+    from playground.app import build_app
     from playground.examples import cache_for
 
     with pytest.MonkeyPatch.context() as env:
         for name, value in {"DP_CONCURRENCY": "1", "DP_SERVED_CONCURRENCY": "1", "DP_EXAMPLES": "1"}.items():
             env.setenv(name, value)
         demo = build_app(registry)
-        demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                    **launch_kwargs())
+        launch_local(demo)
     assert cache_for(registry).wait(600), "the startup examples did not finish"
     yield demo.local_url.rstrip("/")
     demo.close()

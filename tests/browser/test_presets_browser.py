@@ -11,7 +11,7 @@ import pytest
 from engine.presets import builtin_presets
 from engine.sharelink import ShareState, decode, encode
 
-from tests.helpers.common import open_tab
+from tests.helpers.common import launch_local, open_tab
 from tests.helpers.api import api_client
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -143,12 +143,12 @@ def test_import_keeps_the_good_presets_and_exports(live_app, page, tmp_path):
 
 def test_user_presets_survive_an_app_restart(registry, page):
     """Same origin (host and port), a new server process state: the browser's presets decrypt again."""
-    from playground.app import build_app, launch_kwargs
+    from playground.app import build_app
     from tests.helpers.common import free_port
 
     port = free_port()
     first = build_app(registry)
-    first.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, **launch_kwargs())
+    launch_local(first, port)
     url = first.local_url.rstrip("/")
     try:
         page.goto(url)
@@ -157,7 +157,7 @@ def test_user_presets_survive_an_app_restart(registry, page):
     finally:
         first.close()
     second = build_app(registry)
-    second.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, **launch_kwargs())
+    launch_local(second, port)
     try:
         page.goto(url)
         _open_presets_tab(page)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.common import free_port
+from tests.helpers.common import launch_local
 from tests.helpers.screenshots_browser import DOCS
 from tests.helpers.remote_llamacpp import server_test
 from tests.helpers.remote_views_browser import generate_six_tokens, open_on_the_server  # noqa: F401
@@ -16,14 +16,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 @pytest.fixture(scope="module")
 def served_app(llama_server, registry, embedded):
     """The whole app, DP_REMOTE_MODELS listing the real llama-server; yields (URL, the model-box value)."""
-    from playground.app import build_app, launch_kwargs
+    from playground.app import build_app
 
     listed = f"llamacpp:{llama_server}"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DP_REMOTE_MODELS", listed)
         demo = build_app(registry)
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                **launch_kwargs())
+    launch_local(demo)
     yield demo.local_url.rstrip("/"), listed
     demo.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.common import free_port
+from tests.helpers.common import launch_local
 from tests.helpers.remote_views_browser import generate_six_tokens, open_on_the_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -15,14 +15,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.browser, pytest.mark.slow, pytest.ma
 def vllm_app(vllm_server, registry, embedded):
     """The whole app, DP_REMOTE_MODELS listing the real vLLM; yields (URL, the model-box value, vLLM's /v1)."""
     from deploy.vllm_serve import remote_spec
-    from playground.app import build_app, launch_kwargs
+    from playground.app import build_app
 
     listed = remote_spec(vllm_server)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DP_REMOTE_MODELS", listed)
         demo = build_app(registry)
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                **launch_kwargs())
+    launch_local(demo)
     yield demo.local_url.rstrip("/"), listed, f"{vllm_server}/v1"
     demo.close()
 

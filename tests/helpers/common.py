@@ -42,6 +42,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_local(demo, port: int | None = None) -> str:
+    """``demo.launch`` on a loopback port (``free_port()`` unless given) with the app's launch settings;
+    returns its URL. Tried up to 3 times: Gradio checks its own URL with one HEAD of 3 s
+    (``gradio.networking.url_ok``) and on a timeout gives up with "When localhost is not accessible, a
+    shareable link must be created", which a loaded 2-core CI machine hit once (a browser test beside it)."""
+    from playground.app import launch_kwargs
+
+    for attempt in range(3):
+        try:
+            demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port or free_port(), quiet=True,
+                        **launch_kwargs())
+            return demo.local_url.rstrip("/")
+        except ValueError as exc:
+            if "localhost is not accessible" not in str(exc) or attempt == 2:
+                raise
+            demo.close()
+    raise AssertionError("unreachable")
+
+
 def shared_over(lm):
     """A real Shared (inside an open gr.Blocks) whose registry always gives ``lm``: the model
     pickers and user presets are real components."""

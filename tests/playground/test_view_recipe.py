@@ -18,7 +18,7 @@ from engine.control import RunControl
 from playground import app, stale
 from playground.shared import Shared
 from tests.helpers.api import api_client
-from tests.helpers.common import free_port
+from tests.helpers.common import launch_local
 from tests.helpers.continue_compare import Page
 
 pytestmark = pytest.mark.slow
@@ -83,8 +83,7 @@ def test_bad_input_is_one_line_in_the_toy_status_and_the_prompt_is_kept(toy_app)
 
 
 def test_the_toy_endpoint_answers_a_gradio_client_session(toy_app, embedded):
-    toy_app.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                   **app.launch_kwargs())
+    launch_local(toy_app)
     answer = api_client(toy_app.local_url.rstrip("/")).predict(PROMPT, "embedded", api_name="/toy_trace")
     oracle = runner.run(runner.RunRequest(embedded, PROMPT, CONFIG))
     assert answer["text"] == oracle.text and answer["strategy"] == "greedy"
