@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         reference = [s.chosen_token_id for s in decode.stream(lm, ids, greedy)]  # also the warm-up
         if exact is not None:
             float32 = [s.chosen_token_id for s in decode.stream(exact, ids, greedy)]
-            shared = next((i for i, (a, b) in enumerate(zip(reference, float32)) if a != b), min(map(len, (reference, float32))))
-            print(f"{label:24} drift: {args.dtype} greedy equals float32's for {shared} of {len(float32)} tokens", flush=True)
+            shared = next((i for i, (a, b) in enumerate(zip(reference, float32)) if a != b),
+                          min(len(reference), len(float32)))
+            print(f"{label:24} drift: {args.dtype} greedy equals float32's for {shared} of {len(float32)} tokens",
+                  flush=True)
         for name, run in methods.items():
             run(ids)  # warm-up
             ratios, per_forward, same = [], 0.0, "yes"

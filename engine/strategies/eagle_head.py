@@ -71,8 +71,7 @@ class EagleHead(nn.Module):
         h = head.hidden
         self.head = head
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.target_config: dict[str, Any] = target_config.to_dict()  # for an export's config.json
-        config = type(target_config).from_dict(self.target_config)
+        config = type(target_config).from_dict(target_config.to_dict())
         config._attn_implementation = "sdpa"
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         attn = self.layer.self_attn
@@ -197,8 +196,9 @@ def load_head(lm: Model, path: Path | None = None) -> EagleHead:
         raise ConfigError("strategy", f"eagle: {path.name} does not match its checksum; retrain or restore it")
     raw = json.loads(path.with_suffix(".json").read_text())
     if raw.get("layout") != LAYOUT:
-        raise ConfigError("strategy", f"eagle: {path.name} is a head of layout {raw.get('layout', 'in_proj (the first)')!r}, "
-                                      f"not {LAYOUT!r}; retrain it with python -m engine.strategies.eagle_train")
+        layout = raw.get("layout", "in_proj (the first)")
+        raise ConfigError("strategy", f"eagle: {path.name} is a head of layout {layout!r}, not {LAYOUT!r}; "
+                                      f"retrain it with python -m engine.strategies.eagle_train")
     config = HeadConfig(**{**raw, "layers": tuple(raw["layers"])})
     target = lm.model.config
     if config.hidden != int(target.hidden_size) or config.vocab_size != lm.vocab_size:

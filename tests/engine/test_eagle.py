@@ -271,7 +271,8 @@ def test_a_head_of_the_first_layout_is_refused_by_name(tiny_lm, tmp_path):
     del raw["layout"]
     config.write_text(json.dumps(raw))
     weights = path.with_suffix(".sha256").read_text().splitlines()[0]
-    path.with_suffix(".sha256").write_text(f"{weights}\n{hashlib.sha256(config.read_bytes()).hexdigest()}  {config.name}\n")
+    config_sum = hashlib.sha256(config.read_bytes()).hexdigest()
+    path.with_suffix(".sha256").write_text(f"{weights}\n{config_sum}  {config.name}\n")
     with pytest.raises(ConfigError, match="layout 'in_proj \\(the first\\)', not 'vllm-eagle3'") as info:
         load_head(tiny_lm, path)
     assert "\n" not in str(info.value) and "eagle_train" in str(info.value)

@@ -60,7 +60,8 @@ def vllm_eagle3(weights, config, embed, tokens, feature):
     w = {k.removeprefix("midlayer."): v for k, v in weights.items()}
     eps, heads, kv = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"]
     dim = config["hidden_size"] // heads
-    x = torch.cat([rms(embed[tokens], w["input_layernorm.weight"], eps), rms(feature, w["hidden_norm.weight"], eps)], -1)
+    x = torch.cat([rms(embed[tokens], w["input_layernorm.weight"], eps),
+                   rms(feature, w["hidden_norm.weight"], eps)], -1)
     n = len(tokens)
     q = (x @ w["self_attn.q_proj.weight"].T).view(n, heads, dim).transpose(0, 1)
     k = (x @ w["self_attn.k_proj.weight"].T).view(n, kv, dim).transpose(0, 1)
